@@ -1,0 +1,59 @@
+# The whole set-up on a fresh machine is one of these two commands:
+#   make demo   - engine + load generator + console, in one go
+#   make test   - the whole test suite
+# Both create/update .venv. Without an NVIDIA GPU the CPU build of torch is
+# installed first (so pip never pulls the multi-GB CUDA build); on a GPU box
+# pip is left free to pick its CUDA build from the range in pyproject.toml.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+CPU_TORCH ?= torch==2.13.0
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: demo test lint screenshots bench clean install install-test
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(PY)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "NVIDIA GPU found: leaving pip free to choose a CUDA torch"; \
+	else \
+		echo "no NVIDIA GPU: installing the CPU torch build ($(CPU_TORCH))"; \
+		$(PIP) install -q "$(CPU_TORCH)"; \
+	fi
+	@touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install -q -e .
+	@touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
+	$(PIP) install -q -e '.[test]'
+	@touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(VENV)/bin/vconsole demo
+
+test: install-test
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: install-test
+	$(VENV)/bin/ruff check .
+
+screenshots: install-test
+	$(PY) scripts/screenshots.py
+
+bench: install
+	$(VENV)/bin/vconsole bench throughput --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,319 @@
+"""The engine's configuration: every knob, its type, range, description and whether it is hot.
+
+One table (`EngineConfig`'s fields and their metadata) drives everything that touches config:
+CLI defaults, TOML loading, the control channel's ``set_config`` validation and the console's
+config screen (which receives the same table as ``describe_config()`` over the wire). A key is
+either *hot* (applied between two steps while the engine serves) or *restart-only* (fixed when the
+engine starts; a change is answered ``restart_required``, never silently ignored).
+
+Invariant: an `EngineConfig` that exists has passed `validate_config`; `apply_update` validates a
+change as a whole and returns either a new config or the old one untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+POLICIES = ("fcfs", "priority", "hybrid")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _f(default: Any, desc: str, *, hot: bool, lo: float | None = None, hi: float | None = None,
+       choices: tuple[str, ...] | None = None, nullable: bool = False) -> Any:
+    meta = {"hot": hot, "description": desc, "min": lo, "max": hi, "choices": choices,
+            "nullable": nullable}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # --- fixed at start: the model and the memory it owns -----------------------------------
+    model: str = _f("tiny", "Local model directory, or 'tiny' for the built-in random-weight Llama.",
+                    hot=False)
+    device: str = _f("auto", "Where the model runs: auto (CUDA if present), cpu or cuda.",
+                     hot=False, choices=DEVICES)
+    dtype: str = _f("auto", "Weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA.",
+                    hot=False, choices=DTYPES)
+    block_size: int = _f(16, "Tokens per KV cache block.", hot=False, lo=1, hi=1024)
+    num_kv_blocks: int | None = _f(None, "KV blocks in the pool; unset = sized from memory.",
+                                   hot=False, lo=1, hi=1 << 24, nullable=True)
+    gpu_memory_utilization: float = _f(0.9, "Share of GPU memory the engine may use (CUDA sizing).",
+                                       hot=False, lo=0.05, hi=1.0)
+    cpu_kv_cache_gib: float = _f(0.5, "KV pool budget in GiB on CPU when num_kv_blocks is unset.",
+                                 hot=False, lo=0.001, hi=1024.0)
+    max_model_len: int | None = _f(None, "Longest prompt+output; unset = the model's limit.",
+                                   hot=False, lo=1, hi=1 << 22, nullable=True)
+    seed: int = _f(0, "Seed for the random-weight tiny model and unseeded sampling.", hot=False,
+                   lo=0, hi=2**31 - 1)
+    engine_id: str = _f("engine-0", "Name of this engine in telemetry.", hot=False)
+    dp_rank: int = _f(0, "Data-parallel rank of this engine (0 when alone).", hot=False, lo=0, hi=1024)
+
+    # --- fixed at start: sockets ---------------------------------------------------------------
+    zmq_io_threads: int = _f(4, "ZeroMQ I/O threads (capped at the number of cores).", hot=False,
+                             lo=1, hi=64)
+    zmq_sndhwm: int = _f(1000, "ZeroMQ send high-water mark (messages).", hot=False, lo=0,
+                         hi=10_000_000)
+    zmq_linger_ms: int = _f(0, "ZeroMQ linger on close (ms).", hot=False, lo=-1, hi=60_000)
+    zmq_maxmsgsize: int = _f(100 * 1024 * 1024, "Largest accepted ZeroMQ message (bytes).",
+                             hot=False, lo=-1, hi=1 << 40)
+
+    # --- hot: scheduling -----------------------------------------------------------------------
+    max_num_seqs: int = _f(64, "Most requests running at once.", hot=True, lo=1, hi=1 << 20)
+    max_num_batched_tokens: int = _f(512, "Token budget of one step (prefill chunks + decodes).",
+                                     hot=True, lo=1, hi=1 << 24)
+    policy: str = _f("fcfs", "Waiting-queue order: fcfs, priority or hybrid (priority + aging).",
+                     hot=True, choices=POLICIES)
+    hybrid_aging_s: float = _f(5.0, "hybrid: every this many seconds of waiting lowers a "
+                               "request's effective priority value by one.", hot=True,
+                               lo=0.001, hi=1e6)
+    max_holding_seconds: float | None = _f(None, "Finish a request with 'timeout' after waiting "
+                                           "this long unscheduled; unset = never.", hot=True,
+                                           lo=0.0, hi=1e9, nullable=True)
+    enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes.", hot=True)
+
+    # --- hot: telemetry and alerts ----------------------------------------------------------
+    telemetry_hz: float = _f(10.0, "Telemetry snapshots per second.", hot=True, lo=0.1, hi=100.0)
+    heartbeat_interval_s: float = _f(1.0, "Seconds between health heartbeats.", hot=True,
+                                     lo=0.05, hi=60.0)
+    config_interval_s: float = _f(5.0, "Seconds between unprompted config announcements.",
+                                  hot=True, lo=0.1, hi=3600.0)
+    telemetry_max_requests: int = _f(512, "Most request rows in one sched snapshot.", hot=True,
+                                     lo=0, hi=1_000_000)
+    log_stats: bool = _f(False, "Log a stats line to stderr every few seconds.", hot=True)
+    alert_step_time_warning_s: float = _f(0.5, "Step time that raises a warning.", hot=True,
+                                          lo=0.0, hi=3600.0)
+    alert_step_time_critical_s: float = _f(1.0, "Step time that raises a critical alert.",
+                                           hot=True, lo=0.0, hi=3600.0)
+    alert_waiting_warning: int = _f(50, "Waiting-queue length that raises a warning.", hot=True,
+                                    lo=0, hi=1 << 30)
+    alert_waiting_critical: int = _f(100, "Waiting-queue length that raises a critical alert.",
+                                     hot=True, lo=0, hi=1 << 30)
+    alert_gpu_memory_warning: float = _f(0.85, "GPU memory share that raises a warning.", hot=True,
+                                         lo=0.0, hi=1.0)
+    alert_gpu_memory_critical: float = _f(0.95, "GPU memory share that raises a critical alert.",
+                                          hot=True, lo=0.0, hi=1.0)
+    alert_sched_share_warning: float = _f(0.15, "Scheduler share of step time that raises a "
+                                          "warning.", hot=True, lo=0.0, hi=1.0)
+    fragmentation_threshold: float = _f(0.5, "KV fragmentation that raises a warning.", hot=True,
+                                        lo=0.0, hi=1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **values: Any) -> EngineConfig:
+        return dataclasses.replace(self, **values)
+
+
+FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(EngineConfig)}
+HOT_KEYS = frozenset(k for k, f in FIELDS.items() if f.metadata["hot"])
+RESTART_KEYS = frozenset(FIELDS) - HOT_KEYS
+
+
+class ConfigError(ValueError):
+    """A config value or combination was rejected; ``reasons`` maps key -> why."""
+
+    def __init__(self, reasons: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{k}: {v}" for k, v in reasons.items()))
+        self.reasons = reasons
+
+
+def _type_name(f: dataclasses.Field[Any]) -> str:
+    return str(f.type).replace(" | None", "")
+
+
+def coerce_value(key: str, value: Any) -> Any:
+    """Check one value against its field (type, range, choices) and return it in its type.
+
+    Strings are parsed (the CLI's ``set KEY=VALUE`` sends strings); ``None``/"none"/"" clear a
+    nullable key. Raises ValueError with a reason a person can act on.
+    """
+    if key not in FIELDS:
+        raise ValueError("unknown key")
+    f = FIELDS[key]
+    meta = f.metadata
+    kind = _type_name(f)
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+        if meta["nullable"]:
+            return None
+        raise ValueError(f"must be set (expected {kind})")
+    if kind == "bool":
+        if isinstance(value, bool):
+            out: Any = value
+        elif isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+            out = True
+        elif isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+            out = False
+        else:
+            raise ValueError(f"expected a boolean, got {value!r}")
+    elif kind == "int":
+        if isinstance(value, bool):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, str):
+            try:
+                value = int(value.strip())
+            except ValueError:
+                raise ValueError(f"expected an integer, got {value!r}") from None
+        if not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {value!r}")
+        out = value
+    elif kind == "float":
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        if isinstance(value, str):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise ValueError(f"expected a number, got {value!r}") from None
+        if not isinstance(value, int | float):
+            raise ValueError(f"expected a number, got {value!r}")
+        out = float(value)
+        if out != out:
+            raise ValueError("must not be NaN")
+    else:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+        out = value.strip()
+        if not out:
+            raise ValueError("must not be empty")
+    if meta["choices"] is not None and out not in meta["choices"]:
+        raise ValueError(f"must be one of {', '.join(meta['choices'])}; got {out!r}")
+    if meta["min"] is not None and out < meta["min"]:
+        raise ValueError(f"must be >= {meta['min']}; got {out}")
+    if meta["max"] is not None and out > meta["max"]:
+        raise ValueError(f"must be <= {meta['max']}; got {out}")
+    return out
+
+
+def cross_field_errors(cfg: EngineConfig) -> dict[str, str]:
+    """Rules that involve several keys; an empty dict means the combination is valid."""
+    errs: dict[str, str] = {}
+    pairs = [("alert_step_time_warning_s", "alert_step_time_critical_s"),
+             ("alert_waiting_warning", "alert_waiting_critical"),
+             ("alert_gpu_memory_warning", "alert_gpu_memory_critical")]
+    for warn, crit in pairs:
+        if getattr(cfg, warn) > getattr(cfg, crit):
+            errs[warn] = f"warning threshold {getattr(cfg, warn)} exceeds critical {crit}=" \
+                         f"{getattr(cfg, crit)}"
+    return errs
+
+
+def validate_config(values: dict[str, Any]) -> EngineConfig:
+    """Build a config from raw values (defaults for the rest); raise ConfigError listing all
+    problems at once."""
+    reasons: dict[str, str] = {}
+    clean: dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            clean[key] = coerce_value(key, value)
+        except ValueError as e:
+            reasons[key] = str(e)
+    if reasons:
+        raise ConfigError(reasons)
+    cfg = EngineConfig(**clean)
+    errs = cross_field_errors(cfg)
+    if errs:
+        raise ConfigError(errs)
+    return cfg
+
+
+@dataclass
+class ConfigUpdate:
+    """The engine's answer to a set_config: what changed, what not and why."""
+
+    config: EngineConfig
+    applied: dict[str, Any] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    restart_required: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.rejected and not self.restart_required
+
+
+def apply_update(current: EngineConfig, values: dict[str, Any]) -> ConfigUpdate:
+    """Validate a change as a whole. All-or-nothing: if any key is rejected or needs a restart,
+    nothing is applied and the current config is returned unchanged.
+
+    Restart-only keys whose value equals the running one are accepted as no-ops, so re-applying
+    a full config file does not fail on them.
+    """
+    rejected: dict[str, str] = {}
+    restart: list[str] = []
+    clean: dict[str, Any] = {}
+    if not isinstance(values, dict):
+        return ConfigUpdate(current, rejected={"values": "expected a mapping of key -> value"})
+    for key, raw in values.items():
+        if not isinstance(key, str) or key not in FIELDS:
+            rejected[str(key)] = "unknown key"
+            continue
+        try:
+            value = coerce_value(key, raw)
+        except ValueError as e:
+            rejected[key] = str(e)
+            continue
+        if key in RESTART_KEYS:
+            if value != getattr(current, key):
+                restart.append(key)
+            continue
+        clean[key] = value
+    if not rejected and not restart:
+        candidate = current.replace(**clean)
+        rejected.update(cross_field_errors(candidate))
+        if not rejected:
+            changed = {k: v for k, v in clean.items() if getattr(current, k) != v}
+            return ConfigUpdate(candidate, applied=changed)
+    return ConfigUpdate(current, rejected=rejected, restart_required=sorted(restart))
+
+
+def describe_config() -> list[dict[str, Any]]:
+    """The config table as plain data, for the wire and the console's config screen."""
+    rows = []
+    for name, f in FIELDS.items():
+        m = f.metadata
+        rows.append({"key": name, "type": _type_name(f), "hot": m["hot"],
+                     "description": m["description"], "min": m["min"], "max": m["max"],
+                     "choices": list(m["choices"]) if m["choices"] else None,
+                     "nullable": m["nullable"], "default": f.default})
+    return rows
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file into raw values. Tables are flattened one level so both
+    ``max_num_seqs = 8`` and ``[scheduler]\\nmax_num_seqs = 8`` work."""
+    with open(path, "rb") as fh:
+        data = tomllib.load(fh)
+    flat: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            flat.update(v)
+        else:
+            flat[k] = v
+    return flat
+
+
+_FLAG_KEYS = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
+              "max_num_batched_tokens", "policy")
+
+
+def config_from_args(args: Any) -> EngineConfig:
+    """EngineConfig from the CLI's engine flags: defaults < --config FILE < flags < --set K=V."""
+    values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
+    for key in _FLAG_KEYS:
+        v = getattr(args, key, None)
+        if v is not None:
+            values[key] = v
+    if getattr(args, "no_prefix_caching", False):
+        values["enable_prefix_caching"] = False
+    for pair in getattr(args, "overrides", None) or []:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise ConfigError({pair: "expected KEY=VALUE"})
+        values[key.strip().replace("-", "_")] = raw
+    return validate_config(values)

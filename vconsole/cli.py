@@ -1,0 +1,158 @@
+"""`vconsole` — the command line: one parser, each subcommand handed to the module that owns it.
+
+Subcommands are resolved lazily (``"package.module:function"``) so `vconsole --help` starts fast
+and a command's heavy imports (torch, textual) load only when it runs. Each handler takes the
+parsed ``argparse.Namespace`` and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+
+from engine.config import DEVICES, DTYPES, POLICIES
+from telemetry.endpoints import DEFAULTS
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags that build an EngineConfig. Unset flags stay None so a --config file or the
+    defaults in engine.config decide."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="local model directory, or 'tiny' (default)")
+    g.add_argument("--device", choices=DEVICES, help="auto (default), cpu or cuda")
+    g.add_argument("--dtype", choices=DTYPES, help="auto (default): float32 on CPU, bf16 on CUDA")
+    g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    g.add_argument("--num-kv-blocks", type=int, help="KV blocks in the pool (default: sized "
+                   "from memory)")
+    g.add_argument("--max-num-seqs", type=int, help="most requests running at once (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   help="token budget per step (default 512)")
+    g.add_argument("--policy", choices=POLICIES, help="waiting-queue order (default fcfs)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--config", metavar="FILE", help="TOML config file (reloaded on SIGHUP and "
+                   "on change for `engine`)")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other config key (repeatable)")
+
+
+def add_endpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("endpoints (ZeroMQ; tcp:// or ipc://)")
+    for name, default in DEFAULTS.items():
+        g.add_argument(f"--{name}", default=default, metavar="ENDPOINT",
+                       help=f"{name} socket (default {default})")
+
+
+def _handler(target: str) -> Callable[[argparse.Namespace], int]:
+    module_name, func_name = target.split(":")
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            print(f"vconsole {args.command}: not yet available in this build", file=sys.stderr)
+            return 2
+        return int(getattr(module, func_name)(args) or 0)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vconsole",
+        description="A live LLM inference engine and the terminal console that watches and "
+                    "steers it.",
+        epilog="Run `vconsole SUBCOMMAND --help` for a subcommand's flags. Start with "
+               "`vconsole demo`.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+
+    def cmd(name: str, target: str, help_: str, desc: str | None = None) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=desc or help_)
+        p.set_defaults(func=_handler(target))
+        return p
+
+    p = cmd("demo", "console.demo:main", "engine + load generator + console in one command",
+            "Start an engine process with the tiny model, a load generator with bursts and a "
+            "priority mix, and the console attached. Quitting the console stops all of them.")
+    add_engine_args(p)
+    p.add_argument("--rate", type=float, default=4.0, help="mean request rate, req/s (default 4)")
+    p.add_argument("--base-port", type=int, default=0,
+                   help="first of four loopback ports (default: pick free ones)")
+
+    p = cmd("engine", "engine.core_proc:main", "run the EngineCore process in the foreground")
+    add_engine_args(p)
+    add_endpoint_args(p)
+
+    p = cmd("attach", "console.attach:main", "attach the console to a running engine")
+    add_endpoint_args(p)
+    p.add_argument("--extra-telemetry", action="append", default=[], metavar="ENDPOINT",
+                   help="another engine's telemetry endpoint (e.g. a data-parallel rank)")
+    p.add_argument("--readonly", action="store_true", help="watch only: hide every action")
+
+    p = cmd("generate", "engine.generate:main", "offline batch inference from a JSONL file")
+    add_engine_args(p)
+    p.add_argument("--input", required=True, metavar="FILE.jsonl",
+                   help='one request per line: {"prompt": ...} or {"prompt_token_ids": [...]}')
+    p.add_argument("--output", required=True, metavar="FILE.jsonl", help="results, input order")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = cmd("load", "engine.loadgen:main", "a load generator client against a running engine")
+    add_endpoint_args(p)
+    p.add_argument("--num", type=int, default=100, help="requests to send (default 100)")
+    p.add_argument("--rate", type=float, help="Poisson arrival rate, req/s")
+    p.add_argument("--concurrency", type=int, help="keep this many requests in flight")
+    p.add_argument("--prompt-len", default="16:128", metavar="LO:HI",
+                   help="prompt length range in tokens (default 16:128)")
+    p.add_argument("--output-len", default="16:64", metavar="LO:HI",
+                   help="output length range in tokens (default 16:64)")
+    p.add_argument("--priority-mix", default="0:1", metavar="P:W,...",
+                   help="priority:weight pairs, e.g. 0:1,5:3 (default 0:1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    p = cmd("set", "telemetry.control_cli:main_set", "change engine config (hot reload)")
+    add_endpoint_args(p)
+    p.add_argument("pairs", nargs="+", metavar="KEY=VALUE")
+
+    p = cmd("get", "telemetry.control_cli:main_get", "print the engine's effective config")
+    add_endpoint_args(p)
+    p.add_argument("keys", nargs="*", metavar="KEY", help="only these keys")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = cmd("top", "telemetry.top:main", "a telemetry snapshot for scripts")
+    add_endpoint_args(p)
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every topic")
+
+    p = cmd("bench", "engine.bench:main", "benchmarks, printing JSON")
+    p.add_argument("name", choices=["throughput", "scheduler"], help="which benchmark")
+    p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
+    p.add_argument("--num-requests", type=int, help="override the workload size")
+
+    p = cmd("record", "telemetry.record:main_record", "save the telemetry stream to a file")
+    add_endpoint_args(p)
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--duration", type=float, help="stop after this many seconds")
+
+    p = cmd("replay", "console.attach:main_replay", "play a recorded stream in the console")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--speed", type=float, default=1.0, help="playback speed (default 1.0)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
