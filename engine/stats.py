@@ -1,0 +1,77 @@
+"""Figures the engine computes about itself, as plain data the telemetry layer publishes.
+
+The engine fills these between steps; it never formats or sends them. `telemetry.publisher` turns
+them into wire messages (see `telemetry.schema`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Per-block states in KVStats.block_states (uint8), the same codes on the wire.
+BLOCK_FREE = 0
+BLOCK_USED = 1
+BLOCK_CACHED = 2   # free, but holds a cached prefix block that can be reused until evicted
+BLOCK_SHARED = 3   # used by more than one request
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One `EngineCore.step()`: phase durations (monotonic ns) and batch composition."""
+
+    schedule_ns: int
+    execute_ns: int
+    update_ns: int
+    total_ns: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_reqs: int
+    num_preempted: int = 0
+    num_finished: int = 0
+
+
+@dataclass
+class RequestRow:
+    id: str
+    state: str           # waiting / running / preempted
+    priority: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_blocks: int
+    age_s: float
+
+
+@dataclass
+class SchedulerStats:
+    num_waiting: int
+    num_running: int
+    num_preempted: int          # currently waiting after a preemption
+    num_preemptions_total: int  # since start
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    policy: str
+    num_finished_total: int = 0
+    requests: list[RequestRow] = field(default_factory=list)
+    requests_truncated: bool = False
+
+
+@dataclass
+class KVStats:
+    num_blocks: int
+    block_size: int
+    num_free: int        # free and holding nothing reusable
+    num_used: int        # referenced by at least one request
+    num_cached: int      # free but holding a reusable prefix block
+    num_shared: int      # referenced by more than one request
+    usage: float         # used blocks / all blocks
+    token_usage: float   # tokens stored / slots in the pool
+    fragmentation: float  # 1 - tokens stored / slots of allocated blocks (0 when none allocated)
+    prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
+    prefix_hits: int     # of those, tokens found cached
+    block_states: np.ndarray  # uint8[num_blocks], codes above
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
