@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every topic")
 
     p = cmd("bench", "engine.bench:main", "benchmarks, printing JSON")
-    p.add_argument("name", choices=["throughput", "scheduler"], help="which benchmark")
+    p.add_argument("name", choices=["throughput"], help="which benchmark")
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
     p.add_argument("--num-requests", type=int, help="override the workload size")
 

@@ -1,0 +1,139 @@
+"""EngineCore: the inner loop of the engine — schedule → execute_model → update_from_output.
+
+`step()` reads top to bottom as its three phases and records what each cost; nothing here knows
+about sockets or telemetry (`engine.core_proc` wraps the core with I/O threads and queues, and
+hands `last_step` and the stats snapshots to the publisher).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+from engine.config import ConfigUpdate, EngineConfig, apply_update
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.request import FinishReason, Request, SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput
+from engine.stats import KVStats, SchedulerStats, StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """One model, one KV block pool, one scheduler.
+
+    Invariant: `config` is always a validated `EngineConfig`; hot changes reach the scheduler
+    only through `apply_config`, which runs between two steps (the caller's loop guarantees it).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.config_version = 1
+        self.runner = ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.num_kv_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(self.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.num_kv_blocks, config.block_size,
+                                   self.runner.max_model_len)
+        self.num_steps = 0
+        self.last_step: StepStats | None = None
+        logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens",
+                    config.model, self.runner.device, self.runner.dtype, self.num_kv_blocks,
+                    config.block_size)
+
+    # --- requests -------------------------------------------------------------------------
+    def make_request(self, request_id: str, *, prompt: str | None = None,
+                     prompt_token_ids: list[int] | None = None, sampling: SamplingParams,
+                     priority: int = 0, client_id: bytes = b"") -> Request:
+        """Build a Request from text or token ids. Raises ValueError with the reason."""
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError("prompt must be a string")
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        else:
+            ids = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
+            vocab = self.runner.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        sampling.validate()
+        return Request(request_id=str(request_id), prompt_token_ids=ids, sampling=sampling,
+                       priority=priority, client_id=client_id,
+                       eos_token_id=self.runner.eos_token_id)
+
+    def add_request(self, req: Request) -> RequestOutput | None:
+        """Queue a request. Returns None when accepted, or its final error output when it can
+        never run (the engine keeps serving everyone else)."""
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            req.finish_reason = FinishReason.ERROR
+            return RequestOutput(request_id=req.request_id, finished=True,
+                                 finish_reason=FinishReason.ERROR.value, error=str(e), text="",
+                                 num_prompt_tokens=req.num_prompt_tokens)
+        return None
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.abort_requests(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    # --- the loop -------------------------------------------------------------------------
+    def step(self) -> tuple[dict[bytes, list[RequestOutput]], bool]:
+        """One engine iteration. Returns outputs per client and whether any token ran."""
+        if not self.scheduler.has_requests():
+            return {}, False
+        t0 = time.monotonic_ns()
+        scheduler_output = self.scheduler.schedule()
+        t1 = time.monotonic_ns()
+        if scheduler_output.seqs:
+            model_output = self.runner.execute_model(scheduler_output)
+        else:
+            model_output = ModelRunnerOutput()
+        t2 = time.monotonic_ns()
+        results = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        num_finished = 0
+        for req, out in results:
+            if out.finished:
+                num_finished += 1
+                out.text = self.detokenize(req.output_token_ids)
+            outputs[req.client_id].append(out)
+        t3 = time.monotonic_ns()
+
+        self.num_steps += 1
+        self.last_step = StepStats(
+            schedule_ns=t1 - t0, execute_ns=t2 - t1, update_ns=t3 - t2, total_ns=t3 - t0,
+            num_prefill_tokens=scheduler_output.num_prefill_tokens,
+            num_decode_tokens=scheduler_output.num_decode_tokens,
+            num_reqs=len(scheduler_output.seqs),
+            num_preempted=len(scheduler_output.preempted_ids), num_finished=num_finished)
+        return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # --- config and figures ---------------------------------------------------------------
+    def apply_config(self, values: dict) -> ConfigUpdate:
+        """Validate and apply a change as a whole; call only between two steps."""
+        update = apply_update(self.config, values)
+        if update.applied:
+            self.config = update.config
+            self.config_version += 1
+            self.scheduler.update_config(self.config)
+        return update
+
+    def scheduler_stats(self, max_rows: int) -> SchedulerStats:
+        return self.scheduler.stats(max_rows)
+
+    def kv_stats(self) -> KVStats:
+        return self.scheduler.kv_stats()
