@@ -1,0 +1,370 @@
+"""Continuous batching over the paged KV cache, in the manner of vLLM v1.
+
+One rule covers prefill, chunked prefill, decode and recompute after preemption: a request's
+``num_computed_tokens`` catches up with its ``num_tokens``. Each `schedule()` hands every running
+request, then as many waiting ones as fit, a share of the step's token budget; when a request's
+chunk reaches its last token, the model samples the next one.
+
+Each step:
+  1. Waiting requests that never ran and have waited longer than ``max_holding_seconds`` finish
+     with ``timeout``.
+  2. Running requests, in admission order, get ``min(remaining, budget)`` tokens. When the pool
+     has no room, the worst running request by the policy (`WaitingQueue.rank`) is preempted by
+     recompute: blocks freed, ``num_computed_tokens`` reset to 0, back to the front of its class
+     in the waiting queue. If the worst is the request itself, running requests stop here.
+  3. Unless step 2 preempted, waiting requests are admitted in queue order (prefix cache first)
+     while seats, budget and blocks allow; under ``priority``/``hybrid`` one with a strictly more
+     urgent class key than the worst running request may preempt it. Admission stops at the
+     first request that does not fit, so the order is honoured. Lowering ``max_num_seqs`` below
+     the number running stops admissions; the running requests drain, none is preempted.
+
+Per-step cost is O(running + admitted * log waiting), never O(waiting).
+
+Call `update_from_output` after every `schedule()` (with an empty `ModelRunnerOutput` when
+nothing ran): it is also where requests finished by abort or timeout are reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager, token_slice
+from engine.outputs import RequestOutput
+from engine.request import FinishReason, Request, RequestStatus
+from engine.request_queue import WaitingQueue
+from engine.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.stats import KVStats, RequestRow, SchedulerStats
+
+
+class _Step:
+    """What one `schedule()` has decided so far: token budget left, chunks, preemptions."""
+
+    __slots__ = ("now", "budget", "scheduled", "preempted")
+
+    def __init__(self, now: float, budget: int) -> None:
+        self.now = now
+        self.budget = budget
+        self.scheduled: dict[str, tuple[Request, int, int]] = {}  # id -> (req, start, n)
+        self.preempted: list[str] = []
+
+    def add(self, req: Request, start: int, n: int) -> None:
+        self.scheduled[req.request_id] = (req, start, n)
+        self.budget -= n
+
+    def unschedule(self, req: Request) -> None:
+        self.preempted.append(req.request_id)
+        done = self.scheduled.pop(req.request_id, None)
+        if done is not None:
+            self.budget += done[2]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
+                 max_model_len: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.waiting = WaitingQueue(config.policy, config.hybrid_aging_s)
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}       # waiting or running
+        self._finished: dict[str, Request] = {}       # finished, not yet reported
+        self._num_reported: dict[str, int] = {}       # output tokens already sent
+        self._seq = 0
+        self._num_preempted_waiting = 0
+        self.num_preemptions_total = 0
+        self.num_finished_total = 0
+
+    # --- requests in and out ------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id) or self._finished.get(request_id)
+
+    def has_requests(self) -> bool:
+        return bool(self._requests or self._finished)
+
+    def _reject_reason(self, req: Request) -> str | None:
+        if req.request_id in self._requests or req.request_id in self._finished:
+            return f"duplicate request id {req.request_id!r}"
+        if not req.prompt_token_ids:
+            return "empty prompt"
+        try:
+            req.sampling.validate()
+        except ValueError as e:
+            return str(e)
+        total = req.num_prompt_tokens + req.sampling.max_tokens
+        if total > self.max_model_len:
+            return (f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                    f"({req.sampling.max_tokens}) = {total} exceeds max_model_len "
+                    f"{self.max_model_len}")
+        # The last sampled token is never fed back, so it needs no slot.
+        blocks = self.kv.blocks_needed(total - 1)
+        if blocks > self.kv.num_blocks:
+            return (f"needs {blocks} KV blocks but the pool has only {self.kv.num_blocks} "
+                    f"(block_size {self.block_size})")
+        return None
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request, or raise ValueError(reason) if it can never run. A rejected request
+        is marked finished with ``error`` (and is not queued); the others are unaffected."""
+        reason = self._reject_reason(req)
+        if reason is not None:
+            if not reason.startswith("duplicate"):
+                req.status, req.finish_reason, req.error = (
+                    RequestStatus.FINISHED, FinishReason.ERROR, reason)
+            raise ValueError(reason)
+        self._seq += 1
+        req.seq_no = self._seq
+        req.status = RequestStatus.WAITING
+        self._requests[req.request_id] = req
+        self._num_reported[req.request_id] = len(req.output_token_ids)
+        self.waiting.add(req, self.clock())
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Finish waiting or running requests with ``abort``; unknown or finished ids are
+        ignored. Reported by the next `update_from_output`."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self._leave_waiting(req)
+            self._finish(req, FinishReason.ABORT)
+
+    def _leave_waiting(self, req: Request) -> None:
+        self.waiting.remove(req.request_id)
+        if req.status == RequestStatus.PREEMPTED:
+            self._num_preempted_waiting -= 1
+
+    def _finish(self, req: Request, reason: FinishReason, *, report_later: bool = True) -> None:
+        """Take a request out of the scheduler (already out of ``running``/``waiting``)."""
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self._requests[req.request_id]
+        self.num_finished_total += 1
+        if report_later:
+            self._finished[req.request_id] = req
+
+    # --- config -------------------------------------------------------------------------------
+    def update_config(self, config: EngineConfig) -> None:
+        """Adopt new hot settings; they take effect from the next `schedule()`."""
+        self.config = config
+
+    def _apply_config(self) -> None:
+        cfg = self.config
+        self.waiting.set_policy(cfg.policy, cfg.hybrid_aging_s)
+        self.kv.set_prefix_caching(cfg.enable_prefix_caching)
+
+    # --- scheduling ---------------------------------------------------------------------------
+    def _worst_running(self) -> Request | None:
+        rank = self.waiting.rank
+        return max(self.running, key=rank, default=None)
+
+    def schedule(self) -> SchedulerOutput:
+        self._apply_config()
+        cfg = self.config
+        step = _Step(self.clock(), cfg.max_num_batched_tokens)
+        self._expire(step.now)
+
+        for req in list(self.running):
+            if step.budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            if n <= 0:
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self._worst_running()
+                assert victim is not None
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            step.add(req, req.num_computed_tokens, n)
+
+        if not step.preempted:
+            self._admit(cfg, step)
+        return self._build_output(step)
+
+    def _admit(self, cfg: EngineConfig, step: _Step) -> None:
+        can_preempt = cfg.policy in ("priority", "hybrid")
+        kv, waiting = self.kv, self.waiting
+        while step.budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = waiting.peek()
+            if req is None:
+                break
+            cached_blocks, num_cached = kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_cached, step.budget)
+            fits = kv.allocate_slots(req, n, cached_blocks)
+            if not fits and can_preempt and self._can_make_room(req, n, cached_blocks):
+                while not fits:
+                    victim = self._worst_running()
+                    if victim is None or not waiting.class_key(req) < waiting.class_key(victim):
+                        break
+                    self._preempt(victim, step)  # strictly less urgent: queued behind ``req``
+                    fits = kv.allocate_slots(req, n, cached_blocks)
+            if not fits:
+                break
+            waiting.pop()
+            if req.status == RequestStatus.PREEMPTED:
+                self._num_preempted_waiting -= 1
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = step.now
+            self.running.append(req)
+            step.add(req, num_cached, n)
+
+    def _can_make_room(self, req: Request, n: int, cached_blocks: list[int]) -> bool:
+        """Whether preempting every less urgent running request could free enough blocks, so a
+        waiting request never preempts others in vain. O(running); blocks shared with others
+        may not come free, so this is an upper bound."""
+        key = self.waiting.class_key
+        mine = key(req)
+        room = self.kv.num_free_blocks + sum(
+            self.kv.num_blocks_of(r.request_id) for r in self.running if key(r) > mine)
+        return room >= self.kv.num_free_blocks_needed(req, n, cached_blocks)
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        """Preempt by recompute; a request already given tokens this step gives them back."""
+        step.unschedule(req)
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._num_preempted_waiting += 1
+        self.waiting.add(req, step.now)
+
+    def _expire(self, now: float) -> None:
+        limit = self.config.max_holding_seconds
+        deadline = None if limit is None else now - limit
+        for req in self.waiting.pop_expired(deadline):
+            self._finish(req, FinishReason.TIMEOUT)
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        out = SchedulerOutput(preempted_ids=step.preempted)
+        kv = self.kv
+        for req, start, n in step.scheduled.values():
+            end = start + n
+            num_tokens = req.num_tokens
+            out.seqs.append(ScheduledSeq(
+                request=req, token_ids=token_slice(req, start, end), start_pos=start,
+                block_ids=list(kv.get_block_ids(req.request_id)), do_sample=end == num_tokens))
+            # Recompute of a resumed request's outputs counts as prefill; only the position
+            # that produces the next token after the prompt's is a decode.
+            prefill_end = max(req.num_prompt_tokens, num_tokens - 1)
+            num_prefill = max(0, min(end, prefill_end) - start)
+            out.num_prefill_tokens += num_prefill
+            out.num_decode_tokens += n - num_prefill
+        return out
+
+    # --- after the model ran ------------------------------------------------------------------
+    def update_from_output(self, so: SchedulerOutput,
+                           out: ModelRunnerOutput) -> list[tuple[Request, RequestOutput]]:
+        """Advance computed tokens, append sampled tokens, apply stop rules, release finished
+        requests. Returns an output for every request that got a token or finished (including
+        those aborted or timed out since the last call)."""
+        results: list[tuple[Request, RequestOutput]] = []
+        for req in self._finished.values():
+            results.append((req, self._make_output(req)))
+        self._finished.clear()
+
+        finished_now = False
+        for seq in so.seqs:
+            req = seq.request
+            if req.status != RequestStatus.RUNNING or req.num_computed_tokens != seq.start_pos:
+                continue  # aborted or preempted after it was scheduled
+            req.num_computed_tokens += seq.num_tokens
+            self.kv.cache_blocks(req)
+            if not seq.do_sample:
+                continue
+            token = out.sampled.get(req.request_id)
+            if token is None:
+                req.error = "the model runner returned no token for a sampling step"
+                reason: FinishReason | None = FinishReason.ERROR
+            else:
+                req.output_token_ids.append(token)
+                reason = self._check_stop(req, token)
+            if reason is not None:
+                self._finish(req, reason, report_later=False)
+                finished_now = True
+            results.append((req, self._make_output(req)))
+        if finished_now:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return results
+
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
+        """Stop reasons win over length: a model that emits EOS as its last allowed token has
+        stopped on its own. The stop token stays in the output."""
+        sp = req.sampling
+        if (not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id) \
+                or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        rid = req.request_id
+        sent = self._num_reported.get(rid, 0)
+        new = req.output_token_ids[sent:]
+        finished = req.is_finished
+        if finished:
+            self._num_reported.pop(rid, None)
+        else:
+            self._num_reported[rid] = len(req.output_token_ids)
+        return RequestOutput(
+            request_id=rid, new_token_ids=new, finished=finished,
+            finish_reason=str(req.finish_reason) if finished and req.finish_reason else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(0, req.num_cached_tokens),
+            num_output_tokens=len(req.output_token_ids),
+            num_preemptions=req.num_preemptions, error=req.error)
+
+    # --- telemetry ----------------------------------------------------------------------------
+    def stats(self, max_rows: int) -> SchedulerStats:
+        """Queue figures and up to ``max_rows`` request rows: running first, then waiting in
+        queue order. O(running + waiting * log max_rows): for telemetry, not per step."""
+        cfg, now, kv = self.config, self.clock(), self.kv
+        total = len(self.running) + len(self.waiting)
+        rows: list[RequestRow] = []
+        if max_rows > 0:
+            reqs = self.running[:max_rows]
+            if len(reqs) < max_rows:
+                reqs = reqs + self.waiting.ordered(max_rows - len(reqs))
+            rows = [RequestRow(id=r.request_id, state=r.status.label, priority=r.priority,
+                               num_prompt_tokens=r.num_prompt_tokens,
+                               num_output_tokens=len(r.output_token_ids),
+                               num_blocks=kv.num_blocks_of(r.request_id),
+                               age_s=max(0.0, now - r.arrival_time)) for r in reqs]
+        return SchedulerStats(
+            num_waiting=len(self.waiting), num_running=len(self.running),
+            num_preempted=self._num_preempted_waiting,
+            num_preemptions_total=self.num_preemptions_total,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            policy=cfg.policy, num_finished_total=self.num_finished_total,
+            requests=rows, requests_truncated=total > len(rows))
+
+    def kv_stats(self) -> KVStats:
+        return self.kv.kv_stats()

@@ -1,0 +1,252 @@
+"""KVCacheManager: block tables, prefix hits, token accounting and the hot prefix-caching toggle."""
+
+import random
+
+import pytest
+
+from engine.kv_cache_manager import KVCacheManager, token_slice
+from engine.request import Request, SamplingParams
+from engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+
+B = 4
+
+
+def make(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=8))
+
+
+def admit_and_compute(kv: KVCacheManager, req: Request) -> int:
+    """Admit like the scheduler does and pretend the model computed the whole prompt."""
+    blocks, cached = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, req.num_tokens - cached, blocks)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_blocks(req)
+    return cached
+
+
+def test_token_slice_matches_all_token_ids():
+    r = make("a", [1, 2, 3])
+    r.output_token_ids = [4, 5]
+    for start in range(6):
+        for end in range(start, 6):
+            assert token_slice(r, start, end) == r.all_token_ids[start:end]
+
+
+def test_two_requests_share_a_three_block_prefix():
+    kv = KVCacheManager(16, B)
+    prefix = list(range(100, 100 + 3 * B))
+    a, b = make("a", prefix + [1, 2]), make("b", prefix + [7, 8, 9])
+    assert admit_and_compute(kv, a) == 0
+    blocks, cached = kv.get_computed_blocks(b)
+    assert cached == 3 * B and blocks == kv.get_block_ids("a")[:3]
+    assert kv.allocate_slots(b, b.num_tokens - cached, blocks)
+    assert kv.get_block_ids("b")[:3] == blocks
+    assert len(kv.get_block_ids("b")) == 4
+    for blk in blocks:
+        assert kv.pool.ref_count(blk) == 2
+        assert kv.pool.block_states[blk] == BLOCK_SHARED
+    st = kv.kv_stats()
+    assert st.num_shared == 3 and st.num_used == 5 + 0  # a: 4 blocks, b: 3 shared + 1 own
+    assert st.prefix_queries == a.num_tokens + b.num_tokens
+    assert st.prefix_hits == 3 * B
+    kv.pool.check_invariants()
+
+
+def test_freed_cached_blocks_are_revived_by_a_later_request():
+    kv = KVCacheManager(8, B)
+    prompt = list(range(2 * B + 1))
+    a = make("a", prompt)
+    admit_and_compute(kv, a)
+    first_two = kv.get_block_ids("a")[:2]
+    kv.free(a)
+    assert [kv.pool.block_states[b] for b in first_two] == [BLOCK_CACHED] * 2
+    c = make("c", prompt)
+    assert admit_and_compute(kv, c) == 2 * B
+    assert kv.get_block_ids("c")[:2] == first_two
+    assert [kv.pool.block_states[b] for b in first_two] == [BLOCK_USED] * 2
+    assert kv.kv_stats().num_cached == 0
+    kv.pool.check_invariants()
+
+
+@pytest.mark.parametrize("n", [1, B - 1, B, B + 1, 2 * B, 2 * B + 1, 3 * B])
+def test_prefix_hit_never_covers_the_last_token(n):
+    kv = KVCacheManager(16, B)
+    prompt = list(range(n))
+    admit_and_compute(kv, make("a", prompt + [99] * B))  # caches every block of ``prompt``
+    blocks, cached = kv.get_computed_blocks(make("b", prompt))
+    assert cached <= n - 1 and cached % B == 0
+    assert cached == ((n - 1) // B) * B
+    assert len(blocks) * B == cached
+
+
+def test_random_prompts_hit_at_most_all_but_the_last_token():
+    rng = random.Random(7)
+    kv = KVCacheManager(256, B)
+    for i in range(60):
+        n = rng.randint(1, 20)
+        req = make(f"r{i}", [rng.choice((1, 2)) for _ in range(n)])
+        cached = admit_and_compute(kv, req)
+        assert cached % B == 0 and cached <= req.num_tokens - 1
+        if rng.random() < 0.7:
+            kv.free(req)
+        kv.pool.check_invariants()
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(3, B)
+    a = make("a", list(range(2 * B)))
+    assert kv.allocate_slots(a, 2 * B)
+    b = make("b", list(range(50, 50 + 2 * B)))
+    states = kv.pool.block_states.copy()
+    assert not kv.allocate_slots(b, 2 * B)
+    assert kv.get_block_ids("b") == [] and kv.num_free_blocks == 1
+    assert (kv.pool.block_states == states).all()
+    assert kv.allocate_slots(b, B)
+
+
+def test_cached_free_blocks_count_as_allocatable_but_not_the_ones_being_revived():
+    kv = KVCacheManager(3, B)
+    a = make("a", list(range(2 * B + 1)))
+    admit_and_compute(kv, a)           # 3 blocks, first two cached once full
+    kv.free(a)
+    assert kv.kv_stats().num_cached == 2 and kv.num_free_blocks == 3
+    # Reviving both cached blocks and taking 2 new ones needs 4 > 3.
+    b = make("b", list(range(2 * B + 1)) + [0] * (B + 2))
+    blocks, cached = kv.get_computed_blocks(b)
+    assert cached == 2 * B
+    assert not kv.allocate_slots(b, b.num_tokens - cached, blocks)
+    assert kv.kv_stats().num_cached == 2
+    # A request with unrelated tokens may evict them.
+    c = make("c", list(range(500, 500 + 3 * B)))
+    assert kv.allocate_slots(c, 3 * B)
+    assert kv.kv_stats().num_cached == 0
+    kv.pool.check_invariants()
+
+
+def test_free_releases_the_tail_first_so_it_is_evicted_first():
+    kv = KVCacheManager(5, B)
+    a = make("a", list(range(3 * B + 1)))
+    admit_and_compute(kv, a)
+    table = kv.get_block_ids("a")
+    kv.free(a)
+    assert kv.pool.free_list() == [4] + table[::-1]
+    kv.allocate_slots(make("x", [9] * B), B)
+    kv.allocate_slots(make("y", [8] * B), B)
+    # Two allocations took the never-used block and the request's last block; the prefix stays.
+    assert kv.pool.block_states[table[0]] == BLOCK_CACHED
+    assert kv.pool.block_states[table[1]] == BLOCK_CACHED
+
+
+def test_output_tokens_are_hashed_so_a_preempted_request_finds_its_own_blocks():
+    kv = KVCacheManager(16, B)
+    r = make("r", list(range(10)))
+    assert kv.allocate_slots(r, 10)
+    r.num_computed_tokens = 10
+    kv.cache_blocks(r)
+    for tok in (50, 51, 52):       # decode three tokens
+        r.output_token_ids.append(tok)
+        assert kv.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+        kv.cache_blocks(r)
+    r.output_token_ids.append(53)  # sampled, KV not written yet: 14 tokens, 13 computed
+    table = kv.get_block_ids("r")[:]
+    kv.free(r)                     # preempted
+    r.num_computed_tokens = 0
+    blocks, cached = kv.get_computed_blocks(r)
+    assert cached == 12 and blocks == table[:3]
+
+
+def test_token_usage_and_fragmentation_count_shared_blocks_once():
+    kv = KVCacheManager(10, B)
+    st = kv.kv_stats()
+    assert st.token_usage == 0 and st.fragmentation == 0 and st.usage == 0
+    a = make("a", list(range(6)))
+    admit_and_compute(kv, a)       # 2 blocks, 6 tokens written
+    st = kv.kv_stats()
+    assert st.num_used == 2
+    assert st.token_usage == pytest.approx(6 / 40)
+    assert st.fragmentation == pytest.approx(1 - 6 / 8)
+    b = make("b", list(range(4)) + [77, 78])
+    admit_and_compute(kv, b)       # shares block 0 (4 tokens), own block with 2
+    st = kv.kv_stats()
+    assert st.num_used == 3 and st.num_shared == 1
+    assert st.token_usage == pytest.approx(8 / 40)
+    assert st.fragmentation == pytest.approx(1 - 8 / 12)
+    kv.free(a)
+    kv.free(b)
+    st = kv.kv_stats()
+    assert st.num_used == 0 and st.token_usage == 0 and st.fragmentation == 0
+    assert st.num_free + st.num_cached == 10
+
+
+def test_slots_allocated_but_not_yet_written_are_not_stored():
+    kv = KVCacheManager(10, B)
+    a = make("a", list(range(6)))
+    assert kv.allocate_slots(a, 6)
+    assert kv.kv_stats().token_usage == 0
+    a.num_computed_tokens = 3          # a chunk of 3 ran
+    kv.cache_blocks(a)
+    assert kv.pool.tokens_stored == 3
+    a.num_computed_tokens = 6
+    kv.cache_blocks(a)
+    assert kv.pool.tokens_stored == 6
+
+
+def test_prefix_caching_off_means_no_lookups_and_no_hashing():
+    kv = KVCacheManager(16, B, enable_prefix_caching=False)
+    prompt = list(range(3 * B))
+    a, b = make("a", prompt), make("b", prompt)
+    admit_and_compute(kv, a)
+    assert kv.pool.num_cached_blocks == 0 and kv._block_hashes == {}
+    assert all(kv.pool.block_hash(x) is None for x in kv.get_block_ids("a"))
+    assert kv.get_computed_blocks(b) == ([], 0)
+    kv.free(a)
+    st = kv.kv_stats()
+    assert st.prefix_queries == 0 and st.num_cached == 0 and st.num_free == 16
+
+
+def test_hot_toggle_of_prefix_caching_keeps_the_books_straight():
+    kv = KVCacheManager(16, B)
+    prompt = list(range(3 * B))
+    done = make("done", prompt)
+    admit_and_compute(kv, done)
+    kv.free(done)
+    live = make("live", list(range(40, 40 + 2 * B + 1)))
+    admit_and_compute(kv, live)
+    assert kv.pool.num_cached_blocks == 3  # the finished request's blocks
+
+    kv.set_prefix_caching(False)
+    assert kv.kv_stats().num_cached == 0
+    assert BLOCK_CACHED not in kv.pool.block_states
+    assert kv.get_computed_blocks(make("x", prompt)) == ([], 0)
+    kv.pool.check_invariants()
+
+    kv.set_prefix_caching(True)
+    # The request that ran across the toggle registers its full blocks again.
+    live.output_token_ids.append(5)
+    assert kv.allocate_slots(live, 1)
+    live.num_computed_tokens += 1
+    kv.cache_blocks(live)
+    probe = make("probe", live.all_token_ids[:2 * B] + [0])
+    blocks, cached = kv.get_computed_blocks(probe)
+    assert cached == 2 * B and blocks == kv.get_block_ids("live")[:2]
+    kv.free(live)
+    kv.pool.check_invariants()
+    assert kv.kv_stats().num_used == 0
+
+
+def test_kv_stats_counts_add_up_and_snapshot_is_a_copy():
+    kv = KVCacheManager(12, B)
+    a = make("a", list(range(2 * B + 2)))
+    admit_and_compute(kv, a)
+    b = make("b", list(range(2 * B)) + [9])
+    admit_and_compute(kv, b)
+    kv.free(a)
+    st = kv.kv_stats()
+    assert st.num_free + st.num_used + st.num_cached == st.num_blocks
+    states = st.block_states
+    assert int((states == BLOCK_FREE).sum()) == st.num_free
+    assert int((states == BLOCK_CACHED).sum()) == st.num_cached
+    assert int((states == BLOCK_USED).sum()) + int((states == BLOCK_SHARED).sum()) == st.num_used
+    states[:] = 0
+    assert kv.pool.block_states.any()
