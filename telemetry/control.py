@@ -1,0 +1,218 @@
+"""The control protocol: request/reply over ZeroMQ to read and change the engine's config.
+
+The engine binds a ROUTER (engine/core_proc.py); clients connect a DEALER (`ControlClient`) or a
+REQ. Either way the ROUTER sees ``[identity, b"", request]`` and answers
+``[identity, b"", reply]`` (`split_routed` / `routed_reply` do the framing). Bodies are msgpack
+maps:
+
+- request ``{"op": "get_config", "id": n}`` or ``{"op": "set_config", "values": {...}, "id": n}``
+  (``id`` optional; echoed in the reply so a DEALER can drop a late reply to an older request).
+- reply, always with every key: ``ok``, ``error`` (None unless the request itself was bad),
+  ``applied`` {key: new value}, ``rejected`` {key: reason}, ``restart_required`` [keys],
+  ``version``, ``values`` (the effective config after the request), ``schema``
+  (`engine.config.describe_config()` rows), ``id``.
+
+Invariant: `decode_request` either returns a well-formed request or raises `ControlError` whose
+message becomes the ``error`` of an ``ok: false`` reply; the engine never answers a malformed
+request with silence.
+
+Authentication: none yet. Loopback endpoints are the default. The ``curve`` parameter of
+`ControlClient` is where CURVE keys (server public key, client key pair) will go for non-loopback
+endpoints; passing one now raises NotImplementedError rather than silently running unauthenticated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import zmq
+
+from telemetry.endpoints import DEFAULT_CONTROL
+
+OPS = ("get_config", "set_config")
+
+
+class ControlError(RuntimeError):
+    """A malformed request, or an engine reply that says the request failed."""
+
+
+# --- bodies -----------------------------------------------------------------------------------
+
+def encode_request(op: str, values: dict[str, Any] | None = None, *,
+                   request_id: int | None = None) -> bytes:
+    req: dict[str, Any] = {"op": op}
+    if values is not None:
+        req["values"] = values
+    if request_id is not None:
+        req["id"] = request_id
+    return msgpack.packb(req, use_bin_type=True)
+
+
+def decode_request(data: bytes | memoryview) -> dict[str, Any]:
+    """Parse and validate a request; raises ControlError with a reason."""
+    try:
+        req = msgpack.unpackb(data, raw=False)
+    except Exception as e:
+        raise ControlError(f"request is not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(req, dict):
+        raise ControlError(f"request must be a map, got {type(req).__name__}")
+    op = req.get("op")
+    if op not in OPS:
+        raise ControlError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+    if op == "set_config":
+        values = req.get("values")
+        if not isinstance(values, dict) or not values:
+            raise ControlError("set_config needs 'values': a non-empty map of key -> value")
+        if not all(isinstance(k, str) for k in values):
+            raise ControlError("set_config 'values' keys must be strings")
+    rid = req.get("id")
+    if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool)):
+        raise ControlError(f"'id' must be an integer, got {rid!r}")
+    return req
+
+
+def make_reply(*, ok: bool, version: int = 0, values: dict[str, Any] | None = None,
+               schema: list[dict[str, Any]] | None = None, applied: dict[str, Any] | None = None,
+               rejected: dict[str, str] | None = None, restart_required: Sequence[str] = (),
+               error: str | None = None, request_id: int | None = None) -> dict[str, Any]:
+    """A reply with every key present, so clients never need ``.get``."""
+    return {"ok": ok, "error": error, "applied": dict(applied or {}),
+            "rejected": dict(rejected or {}), "restart_required": list(restart_required),
+            "version": version, "values": dict(values or {}), "schema": list(schema or []),
+            "id": request_id}
+
+
+def error_reply(error: str, request_id: int | None = None) -> dict[str, Any]:
+    return make_reply(ok=False, error=error, request_id=request_id)
+
+
+def config_reply(version: int, values: dict[str, Any], update: Any = None,
+                 request_id: int | None = None) -> dict[str, Any]:
+    """Reply for get_config (``update`` None) or set_config (``update`` an
+    `engine.config.ConfigUpdate`); ``version``/``values`` are the config after the update."""
+    from engine.config import describe_config
+    if update is None:
+        return make_reply(ok=True, version=version, values=values, schema=describe_config(),
+                          request_id=request_id)
+    return make_reply(ok=update.ok, version=version, values=values, schema=describe_config(),
+                      applied=update.applied, rejected=update.rejected,
+                      restart_required=update.restart_required, request_id=request_id)
+
+
+def encode_reply(reply: dict[str, Any]) -> bytes:
+    return msgpack.packb(reply, use_bin_type=True)
+
+
+def decode_reply(data: bytes | memoryview) -> dict[str, Any]:
+    try:
+        reply = msgpack.unpackb(data, raw=False)
+    except Exception as e:
+        raise ControlError(f"reply is not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(reply, dict) or "ok" not in reply:
+        raise ControlError("reply must be a map with an 'ok' field")
+    return reply
+
+
+# --- ROUTER framing (engine side) ---------------------------------------------------------------
+
+def split_routed(frames: Sequence[bytes]) -> tuple[list[bytes], bytes]:
+    """``[identity..., b"", body]`` -> (route, body). The route is echoed back unchanged."""
+    if len(frames) < 2:
+        raise ControlError("routed request has no body")
+    try:
+        delim = list(frames).index(b"")
+    except ValueError:
+        return list(frames[:-1]), frames[-1]
+    if delim + 1 >= len(frames):
+        raise ControlError("routed request has no body")
+    return list(frames[:delim]), frames[delim + 1]
+
+
+def routed_reply(route: Sequence[bytes], reply: dict[str, Any]) -> list[bytes]:
+    return [*route, b"", encode_reply(reply)]
+
+
+def handle_frames(frames: Sequence[bytes], handler: Any) -> list[bytes]:
+    """One ROUTER turn: ``handler(request) -> reply dict`` runs on a valid request; a malformed
+    one is answered ``ok: false`` without calling it. Returns the frames to send back."""
+    route, body = split_routed(frames)
+    try:
+        req = decode_request(body)
+    except ControlError as e:
+        return routed_reply(route, error_reply(str(e)))
+    reply = handler(req)
+    reply.setdefault("id", req.get("id"))
+    return routed_reply(route, reply)
+
+
+# --- client -----------------------------------------------------------------------------------
+
+class ControlClient:
+    """Blocking client. After a timeout the socket is dropped and a fresh one made on the next
+    call, so a late reply can never be taken for the answer to a later request."""
+
+    def __init__(self, endpoint: str = DEFAULT_CONTROL, timeout_s: float = 5.0, *,
+                 ctx: zmq.Context | None = None, curve: Any = None) -> None:
+        if curve is not None:
+            raise NotImplementedError("CURVE authentication for the control socket is not "
+                                      "implemented yet; use a loopback or ipc:// endpoint")
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._ids = itertools.count(1)
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def request(self, op: str, values: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Send one request and wait for its reply; raises TimeoutError or ControlError."""
+        rid = next(self._ids)
+        sock = self._socket()
+        sock.send_multipart([b"", encode_request(op, values, request_id=rid)])
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000) + 1):
+                continue
+            frames = sock.recv_multipart()
+            reply = decode_reply(frames[-1])
+            if reply.get("id") in (rid, None):
+                return reply
+        self.close()
+        raise TimeoutError(f"no reply from the engine's control socket at {self.endpoint} "
+                           f"within {self.timeout_s:g} s (is the engine running?)")
+
+    def get_config(self) -> dict[str, Any]:
+        """The reply: ``values``, ``version``, ``schema``. Raises ControlError if not ok."""
+        reply = self.request("get_config")
+        if not reply.get("ok"):
+            raise ControlError(reply.get("error") or "get_config failed")
+        return reply
+
+    def set_config(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The reply; a refused change is ``ok: false`` with ``rejected``/``restart_required``
+        (not an exception). Raises ControlError only for a protocol error."""
+        reply = self.request("set_config", values)
+        if not reply.get("ok") and reply.get("error"):
+            raise ControlError(reply["error"])
+        return reply
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,381 @@
+"""The engine's telemetry publisher: a PUB socket driven by its own thread.
+
+Why a thread of its own: the engine's busy loop must never wait on telemetry. The loop only
+does O(1) hand-offs (`record_step` appends to a bounded deque, `submit_snapshot` replaces one
+"latest" slot); this thread owns the PUB socket (zmq sockets are never shared across threads),
+aggregates, encodes (`telemetry.schema`) and sends. Health heartbeats, gpu/host readings and
+config announcements come from this thread's own clock, so they keep flowing while the engine
+loop sleeps.
+
+Invariants:
+
+- The engine pays nothing for a slow or absent subscriber: sends are ``NOBLOCK`` on a PUB with
+  ``sndhwm = zmq_sndhwm`` (PUB drops at the high-water mark instead of blocking); a send that
+  still reports EAGAIN is counted in ``health.send_drops``. Subscribers count their own losses
+  from the per-topic ``seq`` gaps.
+- step/sched/kv go out at most ``telemetry_hz`` times a second. sched and kv are *state*: when
+  the engine submits nothing new (idle), the last snapshot is re-sent every heartbeat so a late
+  subscriber still learns it (``snapshot_ts`` tells its age); step then reports an empty window.
+- Objects handed to `submit_snapshot` belong to the publisher afterwards: the engine must not
+  mutate them (in particular ``KVStats.block_states``, which is sent without a copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from operator import attrgetter
+from typing import Any, Protocol
+
+import numpy as np
+import zmq
+
+from engine.config import EngineConfig, describe_config
+from engine.stats import KVStats, SchedulerStats, StepStats
+from telemetry import schema
+from telemetry.alerts import AlertEvaluator, AlertEvent
+from telemetry.gpu import GpuProbe, memory_share
+from telemetry.host import HostProbe
+
+log = logging.getLogger(__name__)
+
+PROBE_INTERVAL_S = 1.0        # gpu and host
+MAX_BUFFERED_STEPS = 1 << 16  # steps kept between two publish windows; older ones are counted
+_ROW_GETTERS = {c: attrgetter(c) for c in schema.REQUEST_COLUMNS}
+
+
+class _Probe(Protocol):
+    def read(self) -> dict[str, Any]: ...
+
+
+def request_columns(rows: list[Any]) -> dict[str, list[Any]]:
+    """RequestRow objects -> the columnar ``requests`` table, without per-row dicts."""
+    return {c: list(map(g, rows)) for c, g in _ROW_GETTERS.items()}
+
+
+def aggregate_steps(steps: list[StepStats], window_s: float) -> dict[str, Any]:
+    """The ``step`` topic body for one window of steps (empty window -> zeros)."""
+    n = len(steps)
+    sched_ns = sum(s.schedule_ns for s in steps)
+    totals = np.fromiter((s.total_ns for s in steps), dtype=np.int64, count=n)
+    total_ns = int(totals.sum()) if n else 0
+    prefill = sum(s.num_prefill_tokens for s in steps)
+    decode = sum(s.num_decode_tokens for s in steps)
+    per_s = 1.0 / window_s if window_s > 0 else 0.0
+    return {
+        "steps": n,
+        "window_s": window_s,
+        "phase_s": {"schedule": sched_ns / 1e9,
+                    "execute": sum(s.execute_ns for s in steps) / 1e9,
+                    "update": sum(s.update_ns for s in steps) / 1e9},
+        "busy_s": total_ns / 1e9,
+        "step_time_p50_s": float(np.median(totals)) / 1e9 if n else 0.0,
+        "step_time_max_s": int(totals.max()) / 1e9 if n else 0.0,
+        "num_prefill_tokens": prefill,
+        "num_decode_tokens": decode,
+        "num_reqs_max": max((s.num_reqs for s in steps), default=0),
+        "num_preempted": sum(s.num_preempted for s in steps),
+        "num_finished": sum(s.num_finished for s in steps),
+        "tokens_per_s": (prefill + decode) * per_s,
+        "steps_per_s": n * per_s,
+        "sched_share": sched_ns / total_ns if total_ns else 0.0,
+    }
+
+
+def sched_body(s: SchedulerStats, max_rows: int) -> dict[str, Any]:
+    rows = s.requests
+    truncated = s.requests_truncated or len(rows) > max_rows
+    return {
+        "num_waiting": s.num_waiting, "num_running": s.num_running,
+        "num_preempted": s.num_preempted, "num_preemptions_total": s.num_preemptions_total,
+        "num_finished_total": s.num_finished_total, "max_num_seqs": s.max_num_seqs,
+        "max_num_batched_tokens": s.max_num_batched_tokens, "policy": s.policy,
+        "requests": request_columns(rows[:max_rows]), "requests_truncated": truncated,
+    }
+
+
+def kv_body(k: KVStats) -> dict[str, Any]:
+    return {
+        "num_blocks": k.num_blocks, "block_size": k.block_size, "num_free": k.num_free,
+        "num_used": k.num_used, "num_cached": k.num_cached, "num_shared": k.num_shared,
+        "usage": k.usage, "token_usage": k.token_usage, "fragmentation": k.fragmentation,
+        "prefix_queries": k.prefix_queries, "prefix_hits": k.prefix_hits,
+        "prefix_hit_rate": k.prefix_hit_rate,
+        "block_states": np.asarray(k.block_states, dtype=np.uint8),
+    }
+
+
+class TelemetryPublisher:
+    """Publishes one engine's telemetry on ``endpoint`` (bound by `start`).
+
+    Engine-thread methods (cheap, never block on I/O): `record_step`, `snapshot_due`,
+    `submit_snapshot`, `set_state`, `publish_config`, `update_config`. ``gpu_probe`` and
+    ``host_probe`` replace the real probes (tests)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, engine_id: str, rank: int,
+                 config: EngineConfig, *, gpu_probe: _Probe | None = None,
+                 host_probe: _Probe | None = None) -> None:
+        self._ctx = ctx
+        self.endpoint = endpoint      # after start(): the bound address (resolves tcp://...:*)
+        self.engine_id = engine_id
+        self.rank = rank
+        self._config = config
+        self._gpu_probe = gpu_probe
+        self._host_probe = host_probe
+
+        self._steps: deque[StepStats] = deque(maxlen=MAX_BUFFERED_STEPS)
+        self._steps_recorded = 0      # written by the engine thread only
+        self._last_step_t: float | None = None
+        self._next_due = 0.0          # engine thread only (snapshot_due)
+        self._lock = threading.Lock()  # guards the hand-off slots below
+        self._latest: tuple[SchedulerStats, KVStats, int, float] | None = None
+        self._state = "idle"
+        self._pending_config: EngineConfig | None = None
+        self._announce: tuple[int, dict[str, Any]] | None = None
+        self._config_msg: tuple[int, dict[str, Any]] = (0, config.to_dict())
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start_error: BaseException | None = None
+        self.error: BaseException | None = None  # set if the thread died
+
+        # Publisher-thread state.
+        self._seq: dict[str, int] = dict.fromkeys(schema.TOPICS, 0)
+        self.sent: dict[str, int] = dict.fromkeys(schema.TOPICS, 0)
+        self.send_drops = 0
+        self.encode_errors = 0
+        self._config_schema = describe_config()
+        self._steps_seen = 0          # steps drained from the deque (overflow = recorded - seen)
+        self._t0_wall = time.time()
+        self._t0 = time.monotonic()
+
+    # --- engine thread ----------------------------------------------------------------------
+
+    def record_step(self, stats: StepStats) -> None:
+        """O(1): buffer one step's stats for the next ``step`` window."""
+        self._steps.append(stats)
+        self._steps_recorded += 1
+        self._last_step_t = time.monotonic()
+
+    def snapshot_due(self) -> bool:
+        """True at most ``telemetry_hz`` times a second: time to build and submit a snapshot."""
+        now = time.monotonic()
+        if now < self._next_due:
+            return False
+        self._next_due = now + 1.0 / self._config.telemetry_hz
+        return True
+
+    def submit_snapshot(self, sched: SchedulerStats, kv: KVStats, state: str,
+                        num_steps: int) -> None:
+        """Hand over the latest scheduler and KV state; replaces any not yet sent."""
+        with self._lock:
+            self._latest = (sched, kv, num_steps, time.time())
+            self._state = state
+        self._wake.set()
+
+    def set_state(self, state: str) -> None:
+        """Announce idle/running/draining without a snapshot (shows in the next health)."""
+        with self._lock:
+            self._state = state
+
+    def publish_config(self, version: int, values: dict[str, Any]) -> None:
+        """Announce the effective config now (and then every ``config_interval_s``)."""
+        with self._lock:
+            self._announce = (version, dict(values))
+        self._wake.set()
+
+    def update_config(self, config: EngineConfig) -> None:
+        """Take new hot telemetry and alert settings (rates, row cap, thresholds)."""
+        self._config = config  # read by snapshot_due on the engine thread
+        with self._lock:
+            self._pending_config = config
+        self._wake.set()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread and bind; raises here (e.g. address in use) if binding fails."""
+        if self._thread is not None:
+            raise RuntimeError("publisher already started")
+        self._thread = threading.Thread(target=self._run, name=f"telemetry-{self.engine_id}",
+                                        daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            raise self._start_error
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> TelemetryPublisher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- publisher thread ----------------------------------------------------------------------
+
+    def _send(self, sock: zmq.Socket, topic: str, body: dict[str, Any]) -> None:
+        seq = self._seq[topic]
+        self._seq[topic] = seq + 1
+        payload = {**schema.make_envelope(self.engine_id, self.rank, seq, time.time()), **body}
+        try:
+            frames = schema.encode(topic, payload)
+        except schema.SchemaError:
+            self.encode_errors += 1
+            log.exception("telemetry: cannot encode a %s message", topic)
+            return
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self.sent[topic] += 1
+        except zmq.Again:
+            self.send_drops += 1
+
+    def _open(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PUB)
+        try:
+            sock.setsockopt(zmq.SNDHWM, self._config.zmq_sndhwm)
+            sock.setsockopt(zmq.LINGER, self._config.zmq_linger_ms)
+            sock.bind(self.endpoint)
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock
+
+    def _run(self) -> None:
+        try:
+            sock = self._open()
+        except BaseException as e:
+            self._start_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        gpu = self._gpu_probe if self._gpu_probe is not None else GpuProbe()
+        host = self._host_probe if self._host_probe is not None else HostProbe()
+        try:
+            self._loop(sock, gpu, host)
+        except Exception as e:  # keep the engine alive; the missing heartbeats tell the console
+            self.error = e
+            log.exception("telemetry publisher stopped")
+        finally:
+            sock.close(self._config.zmq_linger_ms)
+            if self._gpu_probe is None and isinstance(gpu, GpuProbe):
+                gpu.close()
+
+    def _loop(self, sock: zmq.Socket, gpu: _Probe, host: _Probe) -> None:
+        evaluator = AlertEvaluator(self._config)
+        cfg = self._config
+        now = time.monotonic()
+        next_snap = now            # earliest time step/sched/kv may go out again
+        last_window = now          # start of the current step window
+        last_state_sent = -1e18    # when sched/kv last went out
+        next_health = now
+        next_probe = now
+        next_config = now
+        snapshot: tuple[SchedulerStats, KVStats, int, float] | None = None
+        have_new = False
+
+        while not self._stop.is_set():
+            with self._lock:
+                if self._latest is not None:
+                    snapshot, have_new = self._latest, True
+                    self._latest = None
+                new_cfg, self._pending_config = self._pending_config, None
+                announce, self._announce = self._announce, None
+                state = self._state
+            alerts: list[AlertEvent] = []
+            if new_cfg is not None:
+                cfg = new_cfg
+                alerts += evaluator.update_config(cfg)
+            now = time.monotonic()
+            if announce is not None:
+                self._config_msg = announce
+                next_config = now
+            if now >= next_config:
+                version, values = self._config_msg
+                self._send(sock, "config", {"version": version, "values": values,
+                                            "schema": self._config_schema})
+                next_config = now + cfg.config_interval_s
+
+            steps_waiting = bool(self._steps)
+            refresh = snapshot is not None and now - last_state_sent >= cfg.heartbeat_interval_s
+            if now >= next_snap and (have_new or steps_waiting or refresh):
+                drained = self._drain_steps()
+                step = aggregate_steps(drained, now - last_window)
+                last_window = now
+                self._send(sock, "step", step)
+                if drained:
+                    alerts += evaluator.observe(step_time_s=step["step_time_p50_s"],
+                                                sched_share=step["sched_share"])
+                if snapshot is not None and (have_new or refresh):
+                    sched, kv, _, snap_ts = snapshot
+                    body = sched_body(sched, cfg.telemetry_max_requests)
+                    body["snapshot_ts"] = snap_ts
+                    self._send(sock, "sched", body)
+                    body = kv_body(kv)
+                    body["snapshot_ts"] = snap_ts
+                    self._send(sock, "kv", body)
+                    if have_new:
+                        alerts += evaluator.observe(num_waiting=sched.num_waiting,
+                                                    fragmentation=kv.fragmentation)
+                    last_state_sent = now
+                have_new = False
+                next_snap = now + 1.0 / cfg.telemetry_hz
+
+            if state == "idle" and not self._steps:
+                # Nothing to do is not slow. (A running engine with no steps may be stuck
+                # inside one: it keeps its level, and health.last_step_age_s grows.)
+                alerts += evaluator.observe(step_time_s=0.0, sched_share=0.0)
+
+            if now >= next_probe:
+                reading = gpu.read()
+                self._send(sock, "gpu", reading)
+                share = memory_share(reading) if reading.get("available") else None
+                alerts += evaluator.observe(gpu_memory_share=share)
+                self._send(sock, "host", host.read())
+                next_probe = now + PROBE_INTERVAL_S
+
+            for ev in alerts:
+                self._send(sock, "alert", ev.payload())
+
+            if now >= next_health:
+                num_steps = max(self._steps_recorded, snapshot[2] if snapshot else 0)
+                last_step = self._last_step_t
+                self._send(sock, "health", {
+                    "state": state, "uptime_s": now - self._t0, "steps": num_steps,
+                    "interval_s": cfg.heartbeat_interval_s, "pid": os.getpid(),
+                    "started_ts": self._t0_wall, "send_drops": self.send_drops,
+                    "steps_dropped": self._steps_recorded - self._steps_seen - len(self._steps),
+                    "alerts_active": evaluator.active(),
+                    "last_step_age_s": None if last_step is None else max(0.0, now - last_step),
+                })
+                next_health = now + cfg.heartbeat_interval_s
+
+            deadlines = [next_health, next_probe, next_config]
+            if have_new or self._steps or snapshot is not None:
+                deadlines.append(next_snap if (have_new or self._steps)
+                                 else max(next_snap, last_state_sent + cfg.heartbeat_interval_s))
+            wait = min(deadlines) - time.monotonic()
+            if wait > 0:
+                self._wake.wait(wait)
+            self._wake.clear()
+
+    def _drain_steps(self) -> list[StepStats]:
+        out = []
+        pop = self._steps.popleft
+        with contextlib.suppress(IndexError):
+            while True:
+                out.append(pop())
+        self._steps_seen += len(out)
+        return out

@@ -1,0 +1,174 @@
+"""Recording the telemetry stream to a file, and reading it back (`vconsole record` / replay).
+
+File format (little-endian throughout)::
+
+    header:  MAGIC (8 bytes, b"VCTELREC") | u16 format version | u16 schema version
+    record:  u64 body length | body
+    body:    f64 receive time (unix s) | u32 frame count | (u64 frame length | frame bytes)*
+
+Frames are stored exactly as received (topic, msgpack payload, raw buffers), so a replay
+decodes them with `telemetry.schema.decode` like live traffic. The body length prefix lets a
+reader skip or detect a record cut short by a killed writer: `read_records` stops at such a
+tail instead of failing, so a recording survives a crash up to its last complete record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import zmq
+
+from telemetry.schema import SCHEMA_VERSION, TOPICS, SchemaVersionError
+
+MAGIC = b"VCTELREC"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sHH")
+_LEN = struct.Struct("<Q")
+_BODY_HEAD = struct.Struct("<dI")
+
+
+class RecordFormatError(ValueError):
+    """Not a recording, or one in a format this code cannot read."""
+
+
+def _frame_bytes(frame: Any) -> memoryview:
+    return memoryview(getattr(frame, "buffer", frame)).cast("B")
+
+
+class Recorder:
+    """Appends records to a new file (truncating any old one). Not thread-safe."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._fh: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        self._fh.write(_HEADER.pack(MAGIC, FORMAT_VERSION, SCHEMA_VERSION))
+        self.count = 0
+
+    def write(self, frames: Sequence[Any], ts: float | None = None) -> None:
+        """One message as received: bytes, memoryviews or zmq.Frames."""
+        views = [_frame_bytes(f) for f in frames]
+        size = _BODY_HEAD.size + sum(_LEN.size + v.nbytes for v in views)
+        fh = self._fh
+        fh.write(_LEN.pack(size))
+        fh.write(_BODY_HEAD.pack(time.time() if ts is None else ts, len(views)))
+        for v in views:
+            fh.write(_LEN.pack(v.nbytes))
+            fh.write(v)
+        self.count += 1
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_header(fh: BinaryIO) -> tuple[int, int]:
+    """(format version, schema version); raises RecordFormatError for a non-recording."""
+    raw = fh.read(_HEADER.size)
+    if len(raw) < _HEADER.size or raw[:len(MAGIC)] != MAGIC:
+        raise RecordFormatError(f"{getattr(fh, 'name', 'file')}: not a vconsole telemetry "
+                                f"recording (bad magic)")
+    _, fmt, schema_v = _HEADER.unpack(raw)
+    if fmt != FORMAT_VERSION:
+        raise RecordFormatError(f"recording format version {fmt}; this code reads "
+                                f"{FORMAT_VERSION}")
+    return fmt, schema_v
+
+
+def read_records(path: str | os.PathLike[str], *, check_version: bool = True
+                 ) -> Iterator[tuple[float, list[bytes]]]:
+    """Yield ``(receive unix time, frames)`` in file order. A truncated last record ends the
+    iteration quietly. With ``check_version``, a recording of another schema version raises
+    SchemaVersionError up front (its payloads would not decode anyway)."""
+    with open(path, "rb") as fh:
+        _, schema_v = read_header(fh)
+        if check_version and schema_v != SCHEMA_VERSION:
+            raise SchemaVersionError(f"recording has schema version {schema_v}, this code "
+                                     f"speaks version {SCHEMA_VERSION}")
+        while True:
+            head = fh.read(_LEN.size)
+            if len(head) < _LEN.size:
+                return
+            (size,) = _LEN.unpack(head)
+            body = fh.read(size)
+            if len(body) < size:
+                return
+            ts, n = _BODY_HEAD.unpack_from(body)
+            off = _BODY_HEAD.size
+            frames = []
+            mv = memoryview(body)
+            for _ in range(n):
+                if off + _LEN.size > size:
+                    raise RecordFormatError(f"corrupt record at offset {fh.tell() - size}")
+                (flen,) = _LEN.unpack_from(body, off)
+                off += _LEN.size
+                if off + flen > size:
+                    raise RecordFormatError(f"corrupt record at offset {fh.tell() - size}")
+                frames.append(bytes(mv[off:off + flen]))
+                off += flen
+            yield ts, frames
+
+
+def record_stream(endpoint: str, path: str | os.PathLike[str], duration_s: float | None = None,
+                  ctx: zmq.Context | None = None) -> dict[str, int]:
+    """Subscribe to every topic on ``endpoint`` and write until ``duration_s`` (or Ctrl-C).
+    Returns messages per topic."""
+    ctx = ctx or zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 100_000)
+    sub.subscribe(b"")
+    sub.connect(endpoint)
+    counts = dict.fromkeys(TOPICS, 0)
+    deadline = None if duration_s is None else time.monotonic() + duration_s
+    last_flush = time.monotonic()
+    try:
+        with Recorder(path) as rec:
+            while deadline is None or time.monotonic() < deadline:
+                timeout = 200 if deadline is None else max(0, min(200, int(
+                    (deadline - time.monotonic()) * 1000)))
+                if not sub.poll(timeout):
+                    continue
+                frames = sub.recv_multipart(copy=False)
+                rec.write(frames)
+                topic = bytes(frames[0].buffer).decode("ascii", "replace")
+                counts[topic] = counts.get(topic, 0) + 1
+                if time.monotonic() - last_flush > 1.0:
+                    rec.flush()
+                    last_flush = time.monotonic()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sub.close(0)
+    return counts
+
+
+def main_record(args: argparse.Namespace) -> int:
+    """`vconsole record FILE [--telemetry EP] [--duration S]`."""
+    from telemetry.endpoints import DEFAULT_TELEMETRY
+    endpoint = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY
+    duration = getattr(args, "duration", None)
+    print(f"recording {endpoint} to {args.file}"
+          + (f" for {duration:g} s" if duration else " until Ctrl-C"), file=sys.stderr)
+    counts = record_stream(endpoint, args.file, duration)
+    total = sum(counts.values())
+    detail = ", ".join(f"{t} {n}" for t, n in counts.items() if n)
+    print(f"recorded {total} messages to {args.file}" + (f" ({detail})" if detail else ""))
+    if not total:
+        print(f"note: nothing arrived from {endpoint}; is the engine running?", file=sys.stderr)
+    return 0

@@ -1,0 +1,276 @@
+"""TelemetryPublisher over real PUB/SUB sockets on 127.0.0.1, with its real thread."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from engine.config import EngineConfig
+from engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
+from telemetry.publisher import TelemetryPublisher
+from telemetry.schema import TOPICS, decode, missing_fields
+
+FAST = dict(telemetry_hz=20.0, heartbeat_interval_s=0.1, config_interval_s=0.3)
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.fixture
+def make_pub(ctx):
+    pubs = []
+
+    def make(**cfg):
+        pub = TelemetryPublisher(ctx, "tcp://127.0.0.1:*", "engine-7", 2,
+                                 EngineConfig(**{**FAST, **cfg}))
+        pub.start()
+        pubs.append(pub)
+        return pub
+
+    yield make
+    for p in pubs:
+        p.close()
+    assert all(p.error is None for p in pubs)
+
+
+def subscribe(ctx, pub, topics=(b"",), hwm=None):
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    if hwm is not None:
+        sub.setsockopt(zmq.RCVHWM, hwm)
+    for t in topics:
+        sub.subscribe(t)
+    sub.connect(pub.endpoint)
+    return sub
+
+
+def collect(sub, seconds, until=None):
+    out, end = [], time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if sub.poll(int(left * 1000) + 1):
+            out.append(decode(sub.recv_multipart(copy=False)))
+            if until is not None and until(out):
+                break
+    return out
+
+
+def wait_connected(sub):
+    """Past the slow-joiner window: the first heartbeat has arrived."""
+    assert collect(sub, 3, until=lambda ms: any(m.topic == "health" for m in ms))
+
+
+def step(i=0):
+    return StepStats(schedule_ns=100_000, execute_ns=8_000_000, update_ns=400_000,
+                     total_ns=9_000_000 + i * 1000, num_prefill_tokens=32,
+                     num_decode_tokens=4, num_reqs=5)
+
+
+def snapshot(num_waiting=3, n_rows=3, num_blocks=64):
+    rows = [RequestRow(f"req-{i}", "running", i, 20 + i, i, 2, 0.5 * i) for i in range(n_rows)]
+    states = np.zeros(num_blocks, np.uint8)
+    states[:10], states[10:12], states[12:15] = 1, 3, 2
+    sched = SchedulerStats(num_waiting=num_waiting, num_running=n_rows, num_preempted=1,
+                           num_preemptions_total=4, max_num_seqs=64, max_num_batched_tokens=512,
+                           policy="priority", num_finished_total=17, requests=rows)
+    kv = KVStats(num_blocks=num_blocks, block_size=16, num_free=num_blocks - 15, num_used=12,
+                 num_cached=3, num_shared=2, usage=12 / num_blocks, token_usage=0.1,
+                 fragmentation=0.25, prefix_queries=400, prefix_hits=100, block_states=states)
+    return sched, kv
+
+
+def test_a_subscriber_gets_every_topic_with_the_submitted_numbers(ctx, make_pub):
+    pub = make_pub()
+    sub = subscribe(ctx, pub)
+    wait_connected(sub)
+    pub.publish_config(5, {"max_num_seqs": 64, "policy": "priority"})
+    for i in range(40):
+        pub.record_step(step(i))
+    sched, kv = snapshot(num_waiting=60)  # over alert_waiting_warning (50)
+    pub.submit_snapshot(sched, kv, "running", 40)
+    msgs = collect(sub, 3, until=lambda ms: {m.topic for m in ms} == set(TOPICS)
+                   and sum(m.payload["steps"] for m in ms if m.topic == "step") >= 40)
+    by_topic = {t: [m for m in msgs if m.topic == t] for t in TOPICS}
+    assert all(by_topic.values()), {t: len(v) for t, v in by_topic.items()}
+    for t, ms in by_topic.items():
+        seqs = [m.seq for m in ms]
+        assert seqs == sorted(set(seqs)), t
+        assert all(m.engine == "engine-7" and m.rank == 2 for m in ms)
+        assert missing_fields(t, ms[-1].payload) == [], t
+
+    steps = by_topic["step"]
+    assert sum(m.payload["steps"] for m in steps) == 40
+    full = next(m.payload for m in steps if m.payload["steps"] == 40)
+    assert full["num_prefill_tokens"] == 40 * 32 and full["num_decode_tokens"] == 40 * 4
+    assert full["phase_s"]["execute"] == pytest.approx(40 * 0.008)
+    assert full["step_time_max_s"] == pytest.approx(0.009039)
+    assert full["step_time_p50_s"] == pytest.approx(0.0090195)
+    assert full["sched_share"] == pytest.approx(40 * 100_000 / sum(9_000_000 + i * 1000
+                                                                   for i in range(40)))
+    assert full["tokens_per_s"] == pytest.approx(40 * 36 / full["window_s"])
+
+    s = by_topic["sched"][0].payload
+    assert (s["num_waiting"], s["num_running"], s["policy"], s["num_finished_total"]) == \
+        (60, 3, "priority", 17)
+    assert s["requests"][2] == {"id": "req-2", "state": "running", "priority": 2,
+                                "num_prompt_tokens": 22, "num_output_tokens": 2,
+                                "num_blocks": 2, "age_s": 1.0}
+    k = by_topic["kv"][0]
+    assert k.payload["num_used"] == 12 and k.payload["prefix_hit_rate"] == 0.25
+    np.testing.assert_array_equal(k.block_states(), kv.block_states)
+
+    alert = by_topic["alert"][0].payload
+    assert (alert["name"], alert["level"], alert["value"]) == ("waiting", "warning", 60)
+    assert any(m.payload["alerts_active"] == {"waiting": "warning"} for m in by_topic["health"])
+    cfg = by_topic["config"][-1].payload
+    assert cfg["version"] == 5 and cfg["values"]["policy"] == "priority"
+    assert any(r["key"] == "telemetry_hz" and r["hot"] for r in cfg["schema"])
+    assert by_topic["host"][0].payload["proc_rss_bytes"] > 0
+    assert "available" in by_topic["gpu"][0].payload
+    assert by_topic["health"][-1].payload["state"] == "running"
+    assert by_topic["health"][-1].payload["steps"] == 40
+    sub.close()
+
+
+def test_snapshots_are_rate_limited_to_telemetry_hz(ctx, make_pub):
+    pub = make_pub(telemetry_hz=10.0, heartbeat_interval_s=1.0)
+    sub = subscribe(ctx, pub, topics=(b"kv", b"health"))
+    wait_connected(sub)
+    sched, kv = snapshot()
+    stop = threading.Event()
+    dues = []
+
+    def engine_loop():  # submits far faster than 10 Hz, ignoring snapshot_due
+        while not stop.is_set():
+            pub.record_step(step())
+            dues.append(pub.snapshot_due())
+            pub.submit_snapshot(sched, kv, "running", 0)
+            time.sleep(0.001)
+
+    t = threading.Thread(target=engine_loop)
+    t.start()
+    try:
+        msgs = collect(sub, 1.5)
+    finally:
+        stop.set()
+        t.join()
+    sent = sorted(m.ts for m in msgs if m.topic == "kv")
+    busiest = max(sum(1 for x in sent if a <= x <= a + 1.0) for a in sent)
+    assert 7 <= busiest <= 12, sent
+    assert sum(dues) <= 17  # ~1.5 s of calls at 10 Hz
+    sub.close()
+
+
+def test_health_keeps_coming_while_nothing_is_submitted(ctx, make_pub):
+    pub = make_pub()
+    sub = subscribe(ctx, pub)
+    wait_connected(sub)
+    msgs = collect(sub, 0.65)
+    health = [m for m in msgs if m.topic == "health"]
+    assert len(health) >= 4
+    assert all(m.payload["state"] == "idle" and m.payload["steps"] == 0 for m in health)
+    assert [m.seq for m in health] == list(range(health[0].seq, health[0].seq + len(health)))
+    assert not [m for m in msgs if m.topic in ("step", "sched", "kv")]  # nothing to report
+    sub.close()
+
+
+def test_last_state_is_refreshed_for_a_late_subscriber(ctx, make_pub):
+    pub = make_pub()
+    sched, kv = snapshot(num_waiting=7)
+    pub.submit_snapshot(sched, kv, "idle", 0)
+    time.sleep(0.3)
+    sub = subscribe(ctx, pub, topics=(b"sched", b"config", b"step"))
+    msgs = collect(sub, 2, until=lambda ms: {"sched", "config", "step"} <= {m.topic for m in ms})
+    late = {m.topic: m.payload for m in msgs}
+    assert late["sched"]["num_waiting"] == 7 and late["sched"]["snapshot_ts"] < time.time() - 0.2
+    assert late["step"]["steps"] == 0 and late["config"]["version"] == 0
+    sub.close()
+
+
+def test_engine_side_calls_never_wait_on_subscribers(ctx, make_pub):
+    pub = make_pub(zmq_sndhwm=1, telemetry_hz=100.0)
+    stuck = subscribe(ctx, pub, hwm=1)  # connected, never reads
+    time.sleep(0.2)
+    sched, kv = snapshot(n_rows=2000, num_blocks=1 << 20)
+    worst_submit = 0.0
+    t0 = time.perf_counter()
+    for i in range(20_000):
+        pub.record_step(step())
+        if i % 100 == 0:
+            ts = time.perf_counter()
+            pub.submit_snapshot(sched, kv, "running", i)
+            worst_submit = max(worst_submit, time.perf_counter() - ts)
+    per_step = (time.perf_counter() - t0) / 20_000
+    assert per_step < 50e-6, per_step
+    assert worst_submit < 0.01, worst_submit
+    # The publisher thread is not wedged either: a fresh subscriber still gets heartbeats.
+    fresh = subscribe(ctx, pub, topics=(b"health",))
+    assert collect(fresh, 3, until=lambda ms: len(ms) >= 2)
+    stuck.close()
+    fresh.close()
+
+
+def test_record_step_is_cheap_with_nobody_listening(make_pub):
+    pub = make_pub()
+    s = step()
+    t0 = time.perf_counter()
+    for _ in range(50_000):
+        pub.record_step(s)
+    assert (time.perf_counter() - t0) / 50_000 < 20e-6
+
+
+def test_hot_config_update_changes_row_cap_and_thresholds(ctx, make_pub):
+    pub = make_pub()
+    sub = subscribe(ctx, pub, topics=(b"sched", b"alert", b"health"))
+    wait_connected(sub)
+    pub.update_config(EngineConfig(**FAST, telemetry_max_requests=2, alert_waiting_warning=5,
+                                   alert_waiting_critical=6))
+    sched, kv = snapshot(num_waiting=5, n_rows=4)
+    pub.submit_snapshot(sched, kv, "running", 0)
+    msgs = collect(sub, 2, until=lambda ms: {"sched", "alert"} <= {m.topic for m in ms})
+    s = next(m.payload for m in msgs if m.topic == "sched")
+    assert [r["id"] for r in s["requests"]] == ["req-0", "req-1"] and s["requests_truncated"]
+    a = next(m.payload for m in msgs if m.topic == "alert")
+    assert (a["name"], a["level"], a["threshold"]) == ("waiting", "warning", 5)
+    pub.update_config(EngineConfig(**FAST))  # back to 50: the same reading recovers
+    msgs = collect(sub, 2, until=lambda ms: any(m.topic == "alert" for m in ms))
+    a = next(m.payload for m in msgs if m.topic == "alert")
+    assert (a["name"], a["level"]) == ("waiting", "ok")
+    sub.close()
+
+
+def test_start_reports_a_bind_failure(ctx, make_pub):
+    pub = make_pub()
+    other = TelemetryPublisher(ctx, pub.endpoint, "engine-8", 0, EngineConfig())
+    with pytest.raises(zmq.ZMQError):
+        other.start()
+
+
+def test_slow_steps_alert_and_recover_once_the_engine_is_idle(ctx, make_pub):
+    pub = make_pub()
+    sub = subscribe(ctx, pub, topics=(b"alert", b"health"))
+    wait_connected(sub)
+    pub.set_state("running")
+    for _ in range(3):
+        pub.record_step(StepStats(1_000_000, 600_000_000, 1_000_000, 602_000_000, 0, 8, 8))
+    msgs = collect(sub, 2, until=lambda ms: any(m.topic == "alert" for m in ms))
+    alerts = [m.payload for m in msgs if m.topic == "alert"]
+    assert [(a["name"], a["level"]) for a in alerts] == [("step_time", "warning")]
+    assert alerts[0]["value"] == pytest.approx(0.602)
+    # Running but no further steps: maybe stuck, so the warning holds.
+    msgs = collect(sub, 0.4)
+    assert not [m for m in msgs if m.topic == "alert"]
+    health = [m.payload for m in msgs if m.topic == "health"]
+    assert health[-1]["alerts_active"] == {"step_time": "warning"}
+    assert health[-1]["last_step_age_s"] > 0.2
+    pub.set_state("idle")
+    msgs = collect(sub, 2, until=lambda ms: any(m.topic == "alert" for m in ms))
+    alerts = [m.payload for m in msgs if m.topic == "alert"]
+    assert [(a["name"], a["level"]) for a in alerts] == [("step_time", "ok")]
+    assert not [m for m in collect(sub, 0.3) if m.topic == "alert"]  # recovers once
+    sub.close()
