@@ -107,7 +107,7 @@ def test_every_policy_under_pressure(model_dir, reference, policy):
 def test_an_impossible_request_is_rejected_and_the_rest_still_run(model_dir, reference):
     core = EngineCore(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=16,
                                    block_size=16))
-    reqs = greedy_requests(core, [MIXED[0], list(range(3, 3 + 16 * 16 + 1)), MIXED[1]],
+    reqs = greedy_requests(core, [MIXED[0], [5 + i % 200 for i in range(16 * 16 + 1)], MIXED[1]],
                            MAX_TOKENS)
     result = run_batch(core, reqs)
     assert result.outputs[1].finish_reason == "error" and result.outputs[1].error

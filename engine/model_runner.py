@@ -1,0 +1,245 @@
+"""The model runner: turns one `SchedulerOutput` into one forward pass and sampled tokens.
+
+All scheduled tokens of all requests go through the model as one packed sequence (1, T); the
+paged attention (`engine.paged_attention`) writes their K/V into the block pool and reads each
+request's context back through its block table. Only the rows that must be sampled reach the
+LM head.
+
+Per step the host builds every index (token ids, positions, slots, block tables, context
+lengths, context slots, sample rows) into one flat Python list and moves it to the device with a
+single ``torch.tensor`` call; the pieces are views into that tensor. The only device -> host sync
+is reading the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine import paged_attention
+from engine.config import EngineConfig
+from engine.model_loader import load_model
+from engine.paged_attention import PagedAttentionMetadata, PrefillChunk
+from engine.sampler import Sampler, SamplingBatch
+from engine.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+
+_GIB = 1 << 30
+
+
+@dataclass
+class PreparedStep:
+    input_ids: torch.Tensor       # (1, T)
+    positions: torch.Tensor       # (1, T)
+    metadata: PagedAttentionMetadata
+    sample_rows: torch.Tensor     # (S,) indices into the packed batch
+    sample_seqs: list[ScheduledSeq]
+
+
+def _slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Pool slots of positions ``start .. end-1``, one ``range`` per block touched."""
+    out: list[int] = []
+    p = start
+    while p < end:
+        off = p % block_size
+        take = min(block_size - off, end - p)
+        base = block_ids[p // block_size] * block_size + off
+        out.extend(range(base, base + take))
+        p += take
+    return out
+
+
+class ModelRunner:
+    """Owns the model, the tokenizer, the KV block pool and the sampler.
+
+    Lifecycle: construct (loads weights), ``determine_num_blocks``, ``allocate_kv_cache``, then
+    ``execute_model`` once per step. Everything runs under ``torch.inference_mode``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model, self.tokenizer, self.info = load_model(config.model, config.device,
+                                                           config.dtype, seed=config.seed)
+        first = next(self.model.parameters())
+        self.device: torch.device = first.device
+        self.dtype: torch.dtype = first.dtype
+        self.eos_token_ids: tuple[int, ...] = self.info.eos_token_ids
+        self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.vocab_size: int = self.info.vocab_size
+        self.max_model_len: int = config.max_model_len or self.info.max_position_embeddings
+        self.num_layers = self.info.num_layers
+        self.num_kv_heads = self.info.num_kv_heads
+        self.head_dim = self.info.head_dim
+        self.sampler = Sampler(self.device, config.seed)
+        self.kv_caches: paged_attention.KVCache = []
+        self._workspace = paged_attention.Workspace()
+        self.num_blocks = 0
+        self.block_size = config.block_size
+        self._decoder = self.model.get_decoder()
+        self._lm_head = self.model.get_output_embeddings()
+
+    # --- memory ------------------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """K and V for every layer: 2 * layers * block_size * kv_heads * head_dim * itemsize."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks the pool gets.
+
+        ``num_kv_blocks`` wins when set. On CUDA the budget is ``gpu_memory_utilization`` of
+        the device minus what is already in use (weights, other processes) minus a reserve for
+        activations; on CPU it is ``cpu_kv_cache_gib``.
+        """
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.kv_cache_bytes_per_block(cfg.block_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cfg.gpu_memory_utilization - (total - free) - self._activation_reserve()
+        else:
+            budget = cfg.cpu_kv_cache_gib * _GIB
+        num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (budget {budget / _GIB:.2f} GiB, "
+                             f"{per_block} bytes per block); raise gpu_memory_utilization / "
+                             "cpu_kv_cache_gib or set num_kv_blocks")
+        return num_blocks
+
+    def _activation_reserve(self) -> int:
+        """A conservative bound on one step's transient memory (hidden states, MLP
+        intermediates, logits and sampler buffers) plus allocator slack."""
+        cfg, info = self.config, self.info
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        inter = getattr(self.model.config, "intermediate_size", 4 * info.hidden_size)
+        per_token = (8 * info.hidden_size + 3 * inter + 4 * info.num_heads * info.head_dim)
+        act = cfg.max_num_batched_tokens * per_token * itemsize
+        logits = cfg.max_num_seqs * info.vocab_size * 4 * 8
+        return act + logits + 512 * (1 << 20)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the pool once: per layer a zeroed K and V of
+        (num_blocks, block_size, num_kv_heads, head_dim) in the model's dtype and device."""
+        self.kv_caches = []  # drop an old pool before allocating the new one
+        self.kv_caches = paged_attention.allocate_kv_cache(
+            self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+            self.dtype, self.device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one forward for every scheduled sequence and sample where ``do_sample``."""
+        with torch.inference_mode():
+            step = self.prepare(so.seqs)
+            if step is None:
+                return ModelRunnerOutput()
+            logits = self._forward(step)
+            if logits is None:
+                return ModelRunnerOutput()
+            seqs = step.sample_seqs
+            batch = SamplingBatch.build([s.request.sampling for s in seqs],
+                                        [len(s.request.output_token_ids) for s in seqs],
+                                        self.vocab_size, self.device)
+            tokens = self.sampler(logits, batch).tolist()
+        return ModelRunnerOutput({s.request.request_id: t for s, t in zip(seqs, tokens,
+                                                                           strict=True)})
+
+    def compute_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Like `execute_model` (K/V are written the same way) but return the float32 logits
+        of each ``do_sample`` request's last position instead of sampling."""
+        with torch.inference_mode():
+            step = self.prepare(so.seqs)
+            logits = self._forward(step) if step is not None else None
+            if logits is None:
+                return {}
+            return {s.request.request_id: row for s, row in zip(step.sample_seqs,
+                                                                 logits.float(), strict=True)}
+
+    def prepare(self, seqs: Sequence[ScheduledSeq]) -> PreparedStep | None:
+        """Pack the step: single-token sequences first (they share one batched attention
+        call), then prefill chunks. Returns None for an empty step."""
+        if not seqs or not self.kv_caches:
+            if seqs:
+                raise RuntimeError("allocate_kv_cache must be called before execute_model")
+            return None
+        bs = self.block_size
+        decodes = [s for s in seqs if s.num_tokens == 1]
+        chunks = [s for s in seqs if s.num_tokens > 1]
+        ordered = decodes + chunks
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in decodes:
+            p = s.start_pos
+            ids.append(s.token_ids[0])
+            pos.append(p)
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+        for s in chunks:
+            end = s.start_pos + s.num_tokens
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, end))
+            slots.extend(_slots(s.block_ids, s.start_pos, end, bs))
+        num_tokens = len(ids)
+
+        # Decode block tables, padded with block 0 (masked out by context length).
+        max_blocks = max((s.start_pos // bs + 1 for s in decodes), default=0)
+        tables: list[int] = []
+        for s in decodes:
+            n = s.start_pos // bs + 1
+            tables.extend(s.block_ids[:n])
+            tables.extend([0] * (max_blocks - n))
+        ctx_lens = [s.start_pos + 1 for s in decodes]
+
+        # Prefill chunks that continue a request read their whole context from the pool.
+        ctx_slots: list[int] = []
+        chunk_spans: list[tuple[int, int]] = []
+        for s in chunks:
+            if s.start_pos == 0:
+                chunk_spans.append((0, 0))
+            else:
+                lo = len(ctx_slots)
+                ctx_slots.extend(_slots(s.block_ids, 0, s.start_pos + s.num_tokens, bs))
+                chunk_spans.append((lo, len(ctx_slots)))
+
+        sample_rows: list[int] = []
+        sample_seqs: list[ScheduledSeq] = []
+        offset = 0
+        for s in ordered:
+            offset += s.num_tokens
+            if s.do_sample:
+                sample_rows.append(offset - 1)
+                sample_seqs.append(s)
+
+        flat = ids + pos + slots + tables + ctx_lens + ctx_slots + sample_rows
+        buf = torch.tensor(flat, dtype=torch.int64, device=self.device)
+        sizes = [num_tokens, num_tokens, num_tokens, len(tables), len(ctx_lens), len(ctx_slots),
+                 len(sample_rows)]
+        t_ids, t_pos, t_slots, t_tables, t_lens, t_ctx, t_rows = torch.split(buf, sizes)
+
+        prefills: list[PrefillChunk] = []
+        offset = len(decodes)
+        for s, (lo, hi) in zip(chunks, chunk_spans, strict=True):
+            prefills.append(PrefillChunk(offset, s.num_tokens, s.start_pos,
+                                         t_ctx[lo:hi] if s.start_pos else None))
+            offset += s.num_tokens
+        meta = PagedAttentionMetadata(
+            kv_caches=self.kv_caches, block_size=bs, slot_mapping=t_slots,
+            num_decodes=len(decodes), decode_block_tables=t_tables if decodes else None,
+            decode_max_blocks=max_blocks, decode_context_lens=t_lens if decodes else None,
+            prefills=prefills, workspace=self._workspace)
+        return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs)
+
+    def _forward(self, step: PreparedStep) -> torch.Tensor | None:
+        """One forward over the packed batch; logits (S, V) of the sample rows only."""
+        out = self._decoder(input_ids=step.input_ids, position_ids=step.positions,
+                            use_cache=False,
+                            **{paged_attention.METADATA_KWARG: step.metadata})
+        if not step.sample_seqs:
+            return None
+        hidden = out.last_hidden_state[0].index_select(0, step.sample_rows)
+        return self._lm_head(hidden)
