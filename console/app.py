@@ -1,0 +1,376 @@
+"""`VConsoleApp`: the Textual console that watches and steers one or more engines.
+
+Data path (Memray's live TUI): a `Source` thread folds telemetry into `ConsoleState`; a timer
+here, at most ``refresh_hz`` times a second and only when something changed (or ages need to
+tick), builds one `Frame` and hands it to the visible screen inside ``batch_update()``. The
+message rate never reaches the event loop.
+
+Steering: `request_change` validates a value, asks for confirmation when the change can hurt,
+and sends it from a worker thread; the engine's reply lands in `history` / `replies` and on the
+Config screen. Read-only (``--readonly``, a replay, or no control endpoint) hides and disables
+every action that changes the engine.
+
+Test hooks: ``state`` (the model), ``history`` / ``replies`` (change records),
+``refreshes`` (how many batched applies ran), ``refresh_view(force=True)`` (apply now),
+``control_error`` (the last control failure), ``config_fetches`` (successful get_config calls).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from textual import work
+from textual.app import App
+from textual.worker import get_current_worker
+
+from console import keymap
+from console.changes import (
+    ERROR,
+    INVALID,
+    TIMEOUT,
+    UNCHANGED,
+    ChangeRecord,
+    consequence,
+    show_value,
+    validate,
+)
+from console.commands import ConsoleCommands
+from console.control_link import Control, ControlLink
+from console.screens.base import ConsoleScreen
+from console.screens.config import ConfigScreen
+from console.screens.help import HelpScreen
+from console.screens.kvmap import KvScreen
+from console.screens.overview import OverviewScreen
+from console.screens.requests import RequestsScreen
+from console.source import ReplaySource, Source, ZmqSource
+from console.state import ConsoleState, EngineState
+from console.theme import ANSI_THEME, LOW_COLOUR_SYSTEMS
+from console.widgets.chrome import Frame, TooSmall
+from console.widgets.confirmation import ConfirmScreen
+from console.widgets.panels import DEFAULT_LIMITS
+
+MIN_WIDTH, MIN_HEIGHT = 64, 18
+NARROW_WIDTH = 100
+SINGLE_COLUMN_WIDTH = 78
+AGE_TICK_S = 0.5          # re-apply this often even without new messages (ages move)
+CONFIG_RETRY_S = 2.0
+
+
+class VConsoleApp(App[None]):
+    TITLE = "vconsole"
+    CSS_PATH = "app.tcss"
+    MODES = {"overview": OverviewScreen, "requests": RequestsScreen, "kv": KvScreen,
+             "config": ConfigScreen}
+    DEFAULT_MODE = "overview"
+    BINDINGS = keymap.GLOBAL
+    COMMANDS = App.COMMANDS | {ConsoleCommands}
+
+    def __init__(self, telemetry_endpoints: Sequence[str] | None = None,
+                 control_endpoint: str | None = None, readonly: bool = False, *,
+                 source: Source | None = None, control: Control | None = None,
+                 refresh_hz: float = 10.0, record_dir: str | Path = ".",
+                 control_timeout_s: float = 3.0, clock: Callable[[], float] | None = None
+                 ) -> None:
+        super().__init__()
+        self.state = ConsoleState()
+        endpoints = list(telemetry_endpoints or [])
+        if source is None:
+            if not endpoints:
+                raise ValueError("VConsoleApp needs telemetry_endpoints or a source")
+            source = ZmqSource(endpoints)
+        self.source = source
+        self.endpoints = endpoints
+        if control is None and control_endpoint and not isinstance(source, ReplaySource):
+            control = ControlLink(control_endpoint, timeout_s=control_timeout_s)
+        self.control: Control | None = control
+        self.control_endpoint = control_endpoint
+        if readonly:
+            self.readonly_reason = "--readonly"
+        elif source.readonly:
+            self.readonly_reason = "replay"
+        elif control is None:
+            self.readonly_reason = "no control endpoint"
+        else:
+            self.readonly_reason = ""
+        self.readonly = bool(self.readonly_reason)
+        self._clock = clock
+        self.refresh_interval = 1.0 / refresh_hz
+        self.record_dir = Path(record_dir)
+        self.paused = False
+        self.selected_engine: str | None = None
+        self.history: list[ChangeRecord] = []
+        self.replies: dict[str, ChangeRecord] = {}
+        self.replies_generation = 0
+        self.control_error: str | None = None
+        self.config_fetches = 0
+        self.refreshes = 0
+        self.too_small = False
+        self._applied_generation = -1
+        self._last_apply = 0.0
+        self._seen_reconnects: dict[str, int] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        if self.console.color_system in LOW_COLOUR_SYSTEMS:
+            self.register_theme(ANSI_THEME)
+            self.theme = ANSI_THEME.name
+        self.source.start(self.state)
+        if self._clock is not None:
+            self.state.clock = self._clock
+        self.note_size()
+        self.set_interval(self.refresh_interval, self._tick)
+        if self.control is not None:
+            self.fetch_config()
+        self.refresh_view(force=True)
+
+    def on_unmount(self) -> None:
+        self.source.stop()
+
+    # --- the refresh loop ----------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        self.state.mark_down()
+        self._check_reconnects()
+        changed = self.state.generation != self._applied_generation
+        if changed or time.monotonic() - self._last_apply >= AGE_TICK_S:
+            self.refresh_view()
+
+    def _check_reconnects(self) -> None:
+        """An engine that came back (or restarted) may have another config: ask again."""
+        with self.state.lock:
+            events_ = {k: e.reconnects + e.restarts for k, e in self.state.engines.items()}
+        primary = next(iter(events_), None)
+        for key, n in events_.items():
+            if self._seen_reconnects.get(key, 0) != n:
+                self._seen_reconnects[key] = n
+                if key == primary and self.control is not None and n:
+                    self.fetch_config()
+
+    def current_engine(self) -> EngineState | None:
+        return self.state.engine(self.selected_engine)
+
+    def frame(self, mode: str) -> Frame:
+        st = self.state
+        now = st.now()
+        engines = st.engine_list()
+        eng = st.engine(self.selected_engine)
+        return Frame(
+            now=now, mode=mode, engine=eng,
+            engine_index=engines.index(eng) if eng in engines else 0,
+            engine_count=len(engines), source=self.source.describe(),
+            live=not isinstance(self.source, ReplaySource), paused=self.paused,
+            readonly=self.readonly, readonly_reason=self.readonly_reason,
+            recording=self.source.recording_path if self.source.recording else None,
+            recorded=self.source.recorded, schema_error=st.schema_problem(now),
+            last_error=st.recent_error(now) or (
+                f"telemetry reader stopped: {self.source.error}" if self.source.error else None),
+            endpoints=" ".join(self.endpoints))
+
+    def active_console_screen(self) -> ConsoleScreen | None:
+        for screen in reversed(self.screen_stack):
+            if isinstance(screen, ConsoleScreen):
+                return screen
+        return None
+
+    def refresh_view(self, force: bool = False) -> None:
+        """Apply the latest state to the visible screen, in one batched update."""
+        screen = self.active_console_screen()
+        if screen is None or not screen.is_mounted:
+            return
+        with self.batch_update(), self.state.lock:
+            self._applied_generation = self.state.generation
+            screen.refresh_view(self.frame(screen.MODE), self.state)
+        self._last_apply = time.monotonic()
+        self.refreshes += 1
+
+    def limits(self) -> dict[str, float]:
+        """Thresholds to colour by: the engine's own alert settings where known."""
+        out = dict(DEFAULT_LIMITS)
+        cfg = self.state.config
+        if cfg is not None:
+            for k in out:
+                v = cfg.values.get(k)
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    out[k] = float(v)
+        return out
+
+    # --- size --------------------------------------------------------------------------------
+
+    def note_size(self) -> None:
+        w, h = self.size
+        self.too_small = w < MIN_WIDTH or h < MIN_HEIGHT
+        self.set_class(self.too_small, "-too-small")
+        self.set_class(w < NARROW_WIDTH, "-narrow")
+        self.set_class(w < SINGLE_COLUMN_WIDTH, "-single")
+        for screen in self.screen_stack:
+            for box in screen.query(TooSmall):
+                box.show_size(w, h, MIN_WIDTH, MIN_HEIGHT)
+
+    # --- actions -------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "next_engine":
+            return len(self.state.engines) > 1
+        return True
+
+    def action_show(self, mode: str) -> None:
+        if mode in self.MODES and mode != self.current_mode:
+            self.switch_mode(mode)
+
+    def action_cycle(self, step: int) -> None:
+        modes = list(self.MODES)
+        i = modes.index(self.current_mode) if self.current_mode in modes else 0
+        self.switch_mode(modes[(i + step) % len(modes)])
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(readonly=self.readonly))
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        self.refresh_view(force=True)
+
+    def action_next_engine(self) -> None:
+        keys = list(self.state.engines)
+        if len(keys) < 2:
+            return
+        cur = self.selected_engine if self.selected_engine in keys else keys[0]
+        self.selected_engine = keys[(keys.index(cur) + 1) % len(keys)]
+        self.refresh_view(force=True)
+
+    def action_toggle_recording(self) -> None:
+        if self.source.recording:
+            path, n = self.source.stop_recording()
+            self.notify(f"recording stopped: {n:,} messages in {path}", title="Record")
+        else:
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            path = self.record_dir / f"vconsole-{stamp}.vrec"
+            try:
+                self.source.start_recording(path)
+            except OSError as e:
+                self.notify(f"cannot record to {path}: {e}", severity="error", title="Record")
+                return
+            self.notify(f"recording the raw stream to {path} (R stops)", title="Record")
+        self.refresh_view(force=True)
+
+    # --- config: fetch -------------------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="config-fetch")
+    def fetch_config(self) -> None:
+        """Ask the control socket for the config (ZeroMQ's slow joiner: telemetry's own config
+        announcement may be seconds away), retrying until the engine answers."""
+        worker = get_current_worker()
+        assert self.control is not None
+        while not worker.is_cancelled:
+            try:
+                reply = self.control.get_config()
+            except Exception as e:  # TimeoutError, ControlError, zmq errors: retry
+                self.control_error = f"control {self.control_endpoint or ''}: {e}"
+                # Interruptible: quitting cancels the worker, and the executor joins it.
+                if worker.cancelled_event.wait(CONFIG_RETRY_S):
+                    return
+                continue
+            self.state.set_config_reply(reply)
+            self.control_error = None
+            self.config_fetches += 1
+            return
+
+    # --- config: change ------------------------------------------------------------------------
+
+    def request_change(self, key: str, text: str, *, confirmed: bool = False) -> str | None:
+        """Validate ``text`` for ``key`` and send it (after confirmation if risky).
+
+        Returns a reason when the value is refused here (not sent), None otherwise; the engine's
+        own answer arrives later in ``replies[key]``."""
+        if self.readonly:
+            return f"read-only console ({self.readonly_reason})"
+        cfg = self.state.config
+        if cfg is None:
+            return "the engine's config is not known yet"
+        row = cfg.row(key)
+        if row is None:
+            return f"unknown key {key!r}"
+        value, reason = validate(key, text)
+        old = cfg.values.get(key)
+        if reason is not None:
+            rec = ChangeRecord(key, old, text, status=INVALID, reason=reason)
+            self._note_reply(rec, add=False)
+            return reason
+        if value == old:
+            rec = ChangeRecord(key, old, value, status=UNCHANGED, reason="same as the current "
+                               "value; not sent")
+            self._note_reply(rec, add=False)
+            self.notify(f"{key} is already {show_value(value)}", title="Config")
+            return None
+        eng = self.current_engine()
+        sc = eng.latest.get("sched", {}) if eng else {}
+        kvp = eng.latest.get("kv", {}) if eng else {}
+        risk = consequence(key, old, value, num_running=sc.get("num_running"),
+                           num_cached=kvp.get("num_cached"), hot=bool(row.get("hot", True)))
+        if risk and not confirmed:
+            def done(ok: bool | None) -> None:
+                if ok:
+                    self.send_change(key, old, value)
+                else:
+                    self.notify(f"{key} left at {show_value(old)}", title="Config")
+            self.push_screen(ConfirmScreen(f"Change {key}: {show_value(old)} → "
+                                           f"{show_value(value)}?", risk), done)
+            return None
+        self.send_change(key, old, value)
+        return None
+
+    def send_change(self, key: str, old: Any, value: Any) -> ChangeRecord:
+        rec = ChangeRecord(key, old, value)
+        self._note_reply(rec, add=True)
+        self._send(rec)
+        return rec
+
+    @work(thread=True, group="config-set")
+    def _send(self, rec: ChangeRecord) -> None:
+        assert self.control is not None
+        try:
+            reply = self.control.set_config({rec.key: rec.new})
+        except TimeoutError as e:
+            rec.status, rec.reason = TIMEOUT, str(e)
+        except Exception as e:
+            rec.status, rec.reason = ERROR, f"{type(e).__name__}: {e}"
+        else:
+            rec.take_reply(reply)
+            if reply.get("values"):
+                self.state.set_config_reply(reply)
+            else:
+                self.state.apply_set_reply(reply)
+        self.call_from_thread(self._reply_arrived, rec)
+
+    def _reply_arrived(self, rec: ChangeRecord) -> None:
+        self.replies_generation += 1
+        for screen in self.screen_stack:
+            if isinstance(screen, ConfigScreen):
+                screen.record_shown(rec)
+        severity = "information" if rec.ok else ("warning" if rec.status == "restart required"
+                                                 else "error")
+        self.notify(f"{rec.key} {show_value(rec.old)} → {show_value(rec.new)}: {rec.summary()}",
+                    title="Engine reply", severity=severity)
+        self.refresh_view(force=True)
+
+    def _note_reply(self, rec: ChangeRecord, *, add: bool) -> None:
+        self.replies[rec.key] = rec
+        if add:
+            self.history.append(rec)
+        self.replies_generation += 1
+        self.refresh_view(force=True)
+
+    def edit_key(self, key: str) -> None:
+        """Palette entry: go to Config with ``key`` selected and its editor open."""
+        def open_editor() -> None:
+            screen = self.active_console_screen()
+            if isinstance(screen, ConfigScreen) and screen.focus_key(key):
+                screen.action_edit()
+        if self.current_mode != "config":
+            self.switch_mode("config")
+        self.call_after_refresh(open_editor)

@@ -1,0 +1,41 @@
+"""`vconsole attach` and `vconsole replay`: start the console on live endpoints or a file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
+
+
+def main(args: argparse.Namespace) -> int:
+    """Attach to a running engine (plus any extra telemetry endpoints, e.g. DP ranks)."""
+    from console.app import VConsoleApp
+
+    endpoints = [getattr(args, "telemetry", None) or DEFAULT_TELEMETRY,
+                 *(getattr(args, "extra_telemetry", None) or [])]
+    control = getattr(args, "control", None) or DEFAULT_CONTROL
+    app = VConsoleApp(telemetry_endpoints=endpoints, control_endpoint=control,
+                      readonly=bool(getattr(args, "readonly", False)))
+    app.run()
+    return 0
+
+
+def main_replay(args: argparse.Namespace) -> int:
+    """Drive the console from a recorded file at ``--speed`` (read-only)."""
+    from console.app import VConsoleApp
+    from console.source import ReplaySource
+    from telemetry.record import RecordFormatError, read_header
+
+    path = Path(args.file)
+    try:
+        with open(path, "rb") as fh:
+            read_header(fh)
+    except (OSError, RecordFormatError) as e:
+        print(f"vconsole replay: {e}", file=sys.stderr)
+        return 2
+    speed = float(getattr(args, "speed", 1.0) or 1.0)
+    app = VConsoleApp(source=ReplaySource(path, speed=speed))
+    app.run()
+    return 0

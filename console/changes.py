@@ -1,0 +1,128 @@
+"""Config changes from the console: client-side validation, risk, and the record of each answer.
+
+The console validates a value with `engine.config.coerce_value` before sending (a typo is caught
+without a round trip), but the engine validates again and its reply is the truth: a
+`ChangeRecord` keeps exactly what the engine said (applied / rejected with its reason / restart
+required / no answer). `consequence` names changes that can hurt the running load, so the UI can
+ask for confirmation with the consequence spelled out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import coerce_value
+
+PENDING, APPLIED, UNCHANGED, REJECTED, RESTART, TIMEOUT, ERROR, INVALID = (
+    "pending", "applied", "unchanged", "rejected", "restart required", "no answer", "error",
+    "invalid")
+
+_ids = itertools.count(1)
+
+
+def validate(key: str, text: str) -> tuple[Any, str | None]:
+    """(value, None) when ``text`` is a valid value for ``key``, else (None, reason)."""
+    try:
+        return coerce_value(key, text), None
+    except ValueError as e:
+        return None, str(e)
+
+
+def show_value(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+@dataclass
+class ChangeRecord:
+    """One attempted change and the engine's answer to it."""
+
+    key: str
+    old: Any
+    new: Any
+    status: str = PENDING
+    reason: str = ""
+    version: int | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def done(self) -> bool:
+        return self.status != PENDING
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (APPLIED, UNCHANGED)
+
+    def summary(self) -> str:
+        """What the console shows next to the key."""
+        if self.status == PENDING:
+            return "sending…"
+        if self.status in (APPLIED, UNCHANGED):
+            v = f" (v{self.version})" if self.version is not None else ""
+            return f"{self.status}{v}"
+        return f"{self.status}: {self.reason}" if self.reason else self.status
+
+    def take_reply(self, reply: dict[str, Any]) -> None:
+        """Fold in a ``set_config`` reply for this one key."""
+        self.version = reply.get("version")
+        rejected = reply.get("rejected") or {}
+        restart = reply.get("restart_required") or []
+        if reply.get("error"):
+            self.status, self.reason = ERROR, str(reply["error"])
+        elif self.key in rejected:
+            self.status, self.reason = REJECTED, str(rejected[self.key])
+        elif rejected:  # all-or-nothing: another key sank the update
+            self.status = REJECTED
+            self.reason = "; ".join(f"{k}: {v}" for k, v in rejected.items())
+        elif self.key in restart:
+            self.status, self.reason = RESTART, "not applied; restart the engine with it"
+        elif self.key in (reply.get("applied") or {}):
+            self.status = APPLIED
+        elif reply.get("ok"):
+            self.status = UNCHANGED
+        else:
+            self.status, self.reason = ERROR, "engine refused the change without a reason"
+
+
+def consequence(key: str, old: Any, new: Any, *, num_running: int | None = None,
+                num_cached: int | None = None, hot: bool = True) -> str | None:
+    """A sentence saying what a risky change will do to the running engine, or None when the
+    change is routine. Restart-only keys are never risky here: the engine will not apply them."""
+    if not hot or old == new:
+        return None
+    if key == "max_num_seqs" and isinstance(old, int) and isinstance(new, int):
+        if num_running is not None and new < num_running:
+            return (f"Cuts max_num_seqs from {old} to {new}: {num_running - new} of the "
+                    f"{num_running} running requests will be preempted back to the waiting "
+                    f"queue, their KV blocks freed and their tokens recomputed later.")
+        if new <= old / 2:
+            return (f"Cuts max_num_seqs from {old} to {new} ({(old - new) / old:.0%} fewer "
+                    f"concurrent requests): throughput drops and the waiting queue grows.")
+    if key == "max_num_batched_tokens" and isinstance(old, int) and isinstance(new, int) \
+            and new <= old / 2:
+        return (f"Shrinks the per-step token budget from {old} to {new}: long prompts take "
+                f"about {old / max(new, 1):.0f}x more steps to prefill, so time to first token "
+                f"rises.")
+    if key == "enable_prefix_caching" and old is True and new is False:
+        cached = f" ({num_cached} cached blocks)" if num_cached else ""
+        return (f"Turns prefix caching off: cached prefixes{cached} are no longer reused, so "
+                f"every prompt is computed in full.")
+    if key == "max_holding_seconds" and new is not None and (old is None or new < old):
+        return (f"Requests that wait longer than {show_value(new)} s unscheduled will be "
+                f"finished with 'timeout' — including ones already waiting that long.")
+    if key == "telemetry_max_requests" and isinstance(new, int) and new == 0:
+        return "Stops sending request rows: the Requests screen will be empty."
+    if key == "heartbeat_interval_s" and isinstance(old, int | float) and \
+            isinstance(new, int | float) and new >= 4 * old:
+        return (f"Heartbeats every {new:g} s: a dead engine is noticed only after "
+                f"{3 * new:g} s.")
+    if key == "telemetry_hz" and isinstance(new, int | float) and new < 1:
+        return f"Telemetry only every {1 / new:.0f} s: this console will lag behind the engine."
+    return None

@@ -1,0 +1,85 @@
+"""The command palette (ctrl+p): every console action by name (Posting's `commands.py`).
+
+Actions that change the engine (editing a config key) are not offered on a read-only console,
+so the palette can never do what the keys cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import TYPE_CHECKING
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+from console.keymap import SCREENS
+from console.requests_view import COLUMNS
+
+if TYPE_CHECKING:
+    from console.app import VConsoleApp
+
+
+class ConsoleCommands(Provider):
+    def _commands(self) -> Iterator[tuple[str, Callable[[], object], str]]:
+        app: VConsoleApp = self.app  # type: ignore[assignment]
+        for mode, (key, title) in SCREENS.items():
+            yield f"Go to {title}", partial(app.action_show, mode), f"screen {key}"
+        yield ("Resume updates" if app.paused else "Pause updates",
+               app.action_toggle_pause, "p: freeze the request table and KV map")
+        yield ("Stop recording" if app.source.recording else "Start recording the telemetry "
+               "stream", app.action_toggle_recording, "R: raw frames to a .vrec file")
+        yield "Help: keys and legend", app.action_help, "?"
+        if len(app.state.engines) > 1:
+            yield "Next engine", app.action_next_engine, "n"
+        yield "Filter requests", partial(self._on_screen, "requests", "filter"), "/"
+        yield "Clear the request filter", partial(self._on_screen, "requests",
+                                                  "clear_filter"), "esc"
+        for col in COLUMNS:
+            yield (f"Sort requests by {col.title}",
+                   partial(self._sort, col.key), "s cycles the sort column")
+        yield "Reverse the request sort", partial(self._on_screen, "requests",
+                                                  "sort_reverse"), "r"
+        yield "KV map: zoom in", partial(self._on_screen, "kv", "zoom", -1), "+"
+        yield "KV map: zoom out", partial(self._on_screen, "kv", "zoom", 1), "-"
+        yield "KV map: fit the pool to the screen", partial(self._on_screen, "kv",
+                                                            "zoom_fit"), "0"
+        yield "Filter config keys", partial(self._on_screen, "config", "filter"), "/"
+        if not app.readonly and app.state.config is not None:
+            for row in app.state.config.schema:
+                key = str(row.get("key"))
+                yield (f"Edit config: {key}", partial(app.edit_key, key),
+                       str(row.get("description", "")))
+        yield "Quit", app.exit, "q"
+
+    def _on_screen(self, mode: str, action: str, *args: object) -> None:
+        app: VConsoleApp = self.app  # type: ignore[assignment]
+
+        def run() -> None:
+            screen = app.active_console_screen()
+            if screen is not None and mode == screen.MODE:
+                getattr(screen, f"action_{action}")(*args)
+        if app.current_mode != mode:
+            app.switch_mode(mode)
+        app.call_after_refresh(run)
+
+    def _sort(self, key: str) -> None:
+        app: VConsoleApp = self.app  # type: ignore[assignment]
+
+        def run() -> None:
+            screen = app.active_console_screen()
+            if screen is not None and hasattr(screen, "set_sort"):
+                screen.set_sort(key)
+        if app.current_mode != "requests":
+            app.switch_mode("requests")
+        app.call_after_refresh(run)
+
+    async def discover(self) -> Hits:
+        for text, cmd, help_ in self._commands():
+            yield DiscoveryHit(text, cmd, help=help_)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for text, cmd, help_ in self._commands():
+            score = matcher.match(text)
+            if score > 0:
+                yield Hit(score, matcher.highlight(text), cmd, text=text, help=help_)

@@ -1,0 +1,71 @@
+"""Every key binding in one place, so the footer, the help screen and the docs agree.
+
+Keys follow the operator habits of htop/nvitop/k9s: ``?`` help, ``q`` quit, ``p`` pause, ``/``
+filter, digits for screens. Screen digits are not shown in the footer: the tab bar at the top
+already shows them.
+"""
+
+from __future__ import annotations
+
+from textual.binding import Binding
+
+SCREENS: dict[str, tuple[str, str]] = {
+    # mode name -> (key, title)
+    "overview": ("1", "Overview"),
+    "requests": ("2", "Requests"),
+    "kv": ("3", "KV map"),
+    "config": ("4", "Config"),
+}
+
+GLOBAL = [
+    Binding("q", "quit", "Quit"),
+    Binding("question_mark", "help", "Help", key_display="?"),
+    Binding("p", "toggle_pause", "Pause"),
+    Binding("R", "toggle_recording", "Record", key_display="R"),
+    Binding("n", "next_engine", "Engine"),
+    *(Binding(key, f"show('{mode}')", title, show=False) for mode, (key, title) in SCREENS.items()),
+]
+
+REQUESTS = [
+    Binding("slash", "filter", "Filter", key_display="/"),
+    Binding("s", "sort_next", "Sort"),
+    Binding("r", "sort_reverse", "Reverse"),
+    Binding("escape", "clear_filter", "Clear filter", show=False),
+]
+
+KV = [
+    Binding("plus,equals_sign", "zoom(-1)", "Zoom in", key_display="+"),
+    Binding("minus", "zoom(1)", "Zoom out", key_display="-"),
+    Binding("0", "zoom_fit", "Fit"),
+]
+
+CONFIG = [
+    Binding("e,enter", "edit", "Edit", key_display="e"),
+    Binding("slash", "filter", "Filter", key_display="/"),
+    Binding("escape", "clear_filter", "Clear filter", show=False),
+]
+
+TABLE = [
+    Binding("up,k", "cursor(-1)", "Up", show=False),
+    Binding("down,j", "cursor(1)", "Down", show=False),
+    Binding("pageup", "page(-1)", "Page up", show=False),
+    Binding("pagedown", "page(1)", "Page down", show=False),
+    Binding("home", "jump(0)", "First", show=False),
+    Binding("end", "jump(-1)", "Last", show=False),
+]
+
+HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
+    ("Everywhere", [("1 2 3 4", "Overview / Requests / KV map / Config"),
+                    ("?", "this help"), ("q", "quit"),
+                    ("p", "pause the request table and KV map (header and graphs keep moving)"),
+                    ("R", "start / stop recording the raw telemetry stream"),
+                    ("n", "next engine (when several are attached)"),
+                    ("ctrl+p", "command palette: every action by name")]),
+    ("Requests", [("/", "filter: words match id or state; prio>0, state:running, age>10"),
+                  ("s / r", "sort by the next column / reverse"), ("↑ ↓ pgup pgdn", "move"),
+                  ("esc", "clear the filter")]),
+    ("KV map", [("+ / -", "zoom in / out (blocks per cell)"), ("0", "fit the pool to the "
+                                                                   "screen")]),
+    ("Config", [("e / enter", "edit the selected key; enter sends, esc cancels"),
+                ("/", "filter keys")]),
+]

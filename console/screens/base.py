@@ -1,0 +1,61 @@
+"""The base of every console screen: shared chrome and the one entry point for new data.
+
+The app calls `ConsoleScreen.refresh_view` for the visible screen only, inside
+``app.batch_update()`` and under the state's lock, at most ``refresh_hz`` times a second. A
+screen never reads the socket or the clock itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from textual.app import ComposeResult
+from textual.containers import Container
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from console.state import ConsoleState
+from console.widgets.chrome import Banner, Frame, TabBar, TooSmall
+
+if TYPE_CHECKING:
+    from console.app import VConsoleApp
+
+
+class ConsoleScreen(Screen[None]):
+    MODE = ""
+
+    @property
+    def console(self) -> VConsoleApp:
+        return self.app  # type: ignore[return-value]
+
+    def compose(self) -> ComposeResult:
+        yield TabBar(id="tabbar")
+        yield Banner(id="banner")
+        with Container(id="body"):
+            yield from self.compose_body()
+        yield TooSmall(id="too-small")
+        yield Footer()
+
+    def compose_body(self) -> ComposeResult:
+        yield from ()
+
+    def refresh_view(self, frame: Frame, state: ConsoleState) -> None:
+        self.query_one(TabBar).show(frame)
+        try:
+            self.apply(frame, state)
+        except Exception as e:  # a payload we cannot show must not take the console down
+            self.log.error(f"{type(self).__name__}.apply failed: {e!r}")
+            frame.last_error = f"cannot show this data ({type(e).__name__}: {e})"
+        self.query_one(Banner).show(frame)
+
+    def apply(self, frame: Frame, state: ConsoleState) -> None:
+        """Show the latest state (subclasses)."""
+
+    def on_screen_resume(self) -> None:
+        self.console.note_size()
+        self.console.refresh_view(force=True)
+
+    def on_resize(self) -> None:
+        # The app swallows its own Resize event; every screen gets one, so size is checked here.
+        self.console.note_size()
+        self.console.refresh_view(force=True)

@@ -1,0 +1,48 @@
+"""``?``: every key, grouped by screen, plus what the colours and glyphs mean."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.content import Content
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from console import format as fmt
+from console.keymap import HELP_SECTIONS
+
+LEGEND = [
+    ("[$success]●[/] [$warning]●[/] [$error]●[/]", "ok / warning / critical (engine's alert "
+                                                     "thresholds; memory warns at 80 %)"),
+    ("hb", "heartbeat age; the engine is down after 3 missed heartbeats"),
+    ("[$success]█[/] [$primary]█[/] [$accent]█[/] [$text-muted]·[/]",
+     "KV block used / cached (free, reusable prefix) / shared / free"),
+    ("░ ▒ ▓ █", "KV cell holding several blocks: share of them not free"),
+]
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,question_mark,q", "close", "Close")]
+
+    def __init__(self, readonly: bool = False) -> None:
+        super().__init__()
+        self.readonly = readonly
+
+    def compose(self) -> ComposeResult:
+        lines = ["[b]vconsole[/] — keys"]
+        for title, keys in HELP_SECTIONS:
+            if self.readonly and title == "Config":
+                keys = [("", "read-only: config changes are disabled")]
+            lines.append(f"\n[b $accent]{title}[/]")
+            lines += [f"  [b]{fmt.escape(k):<14}[/] {fmt.escape(v)}" for k, v in keys]
+        lines.append("\n[b $accent]Legend[/]")
+        for glyph, text in LEGEND:
+            pad = " " * max(1, 15 - Content.from_markup(glyph).cell_length)
+            lines.append(f"  {glyph}{pad}{fmt.escape(text)}")
+        lines.append("\n[$text-muted]esc or ? closes[/]")
+        with VerticalScroll(id="help-box"):
+            yield Static(Content.from_markup("\n".join(lines)), id="help-text")
+
+    def action_close(self) -> None:
+        self.dismiss(None)

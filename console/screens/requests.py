@@ -1,0 +1,140 @@
+"""Requests: every live request, sortable and filterable, virtualised for thousands of rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual import on
+from textual.app import ComposeResult
+from textual.content import Content
+from textual.widgets import Input, Static
+
+from console import format as fmt
+from console.keymap import REQUESTS
+from console.requests_view import SORT_KEYS, TITLES, filter_rows, sort_rows
+from console.screens.base import ConsoleScreen
+from console.state import ConsoleState
+from console.widgets.chrome import Frame
+from console.widgets.request_table import RequestTable, header_text
+
+
+class RequestsScreen(ConsoleScreen):
+    MODE = "requests"
+    BINDINGS = REQUESTS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sort_key = "age_s"
+        self.reverse = True
+        self.query_text = ""
+        self.total_rows = 0
+        self._source: Any = None
+        self._view_key: tuple[Any, ...] | None = None
+
+    def compose_body(self) -> ComposeResult:
+        yield Static(id="req-summary")
+        yield Static(id="req-header")
+        yield RequestTable(id="req-table")
+        yield Input(placeholder="filter: words, state:running, prio>0, age>30 — enter keeps, "
+                                "esc clears", id="req-filter")
+
+    @property
+    def table(self) -> RequestTable:
+        return self.query_one(RequestTable)
+
+    def on_mount(self) -> None:
+        self.table.focus()
+
+    # --- data ------------------------------------------------------------------------------
+
+    def apply(self, frame: Frame, state: ConsoleState) -> None:
+        eng = frame.engine
+        sc = eng.latest.get("sched") if eng else None
+        rows = (sc or {}).get("requests") or []
+        if not frame.paused or self._source is None:
+            self._source = sc
+        src_rows = (self._source or {}).get("requests") or []
+        key = (id(self._source), self.query_text, self.sort_key, self.reverse,
+               self.table.scrollable_content_region.width)
+        if key != self._view_key:
+            self._view_key = key
+            shown = sort_rows(filter_rows(src_rows, self.query_text), self.sort_key,
+                              self.reverse)
+            self.table.set_rows(shown)
+            self.total_rows = len(src_rows)
+        self._show_header()
+        self._show_summary(sc, rows, frame)
+
+    def _show_header(self) -> None:
+        width = self.table.scrollable_content_region.width or self.size.width
+        parts = [f"[b $accent]{fmt.escape(t)}[/]" if is_sort else f"[b]{fmt.escape(t)}[/]"
+                 for t, is_sort in header_text(width, self.sort_key, self.reverse)]
+        self.query_one("#req-header", Static).update(Content.from_markup("".join(parts)))
+
+    def _show_summary(self, sc: dict[str, Any] | None, rows: list[Any], frame: Frame) -> None:
+        if sc is None:
+            text = "[$text-muted]no scheduler snapshot yet[/]"
+        else:
+            shown = len(self.table.rows)
+            parts = [f"[$warning]{fmt.count(sc.get('num_waiting'))}[/] waiting",
+                     f"[$success]{fmt.count(sc.get('num_running'))}[/] running",
+                     f"[$error]{fmt.count(sc.get('num_preempted'))}[/] preempted"]
+            view = f"{shown:,} of {self.total_rows:,} shown" if self.query_text else \
+                f"{self.total_rows:,} rows"
+            if sc.get("requests_truncated"):
+                view += " [$warning](engine sends the first rows only)[/]"
+            parts.append(f"[$text-muted]{view}[/]")
+            if self.query_text:
+                parts.append(f"filter [b]{fmt.escape(self.query_text)}[/]")
+            if frame.paused:
+                parts.append("[$warning b]paused[/]")
+            text = " · ".join(parts)
+        self.query_one("#req-summary", Static).update(Content.from_markup(text))
+
+    def _reapply(self) -> None:
+        self.console.refresh_view(force=True)
+
+    # --- actions ---------------------------------------------------------------------------
+
+    def action_filter(self) -> None:
+        box = self.query_one("#req-filter", Input)
+        box.add_class("-shown")
+        box.value = self.query_text
+        box.focus()
+
+    def set_filter(self, text: str) -> None:
+        self.query_text = text.strip()
+        self._reapply()
+
+    @on(Input.Changed, "#req-filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        self.set_filter(event.value)
+
+    @on(Input.Submitted, "#req-filter")
+    def _filter_done(self) -> None:
+        self.query_one("#req-filter", Input).remove_class("-shown")
+        self.table.focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#req-filter", Input)
+        box.value = ""
+        box.remove_class("-shown")
+        self.set_filter("")
+        self.table.focus()
+
+    def set_sort(self, key: str, reverse: bool | None = None) -> None:
+        self.sort_key = key
+        if reverse is not None:
+            self.reverse = reverse
+        self._reapply()
+
+    def action_sort_next(self) -> None:
+        i = SORT_KEYS.index(self.sort_key) if self.sort_key in SORT_KEYS else -1
+        key = SORT_KEYS[(i + 1) % len(SORT_KEYS)]
+        self.set_sort(key, reverse=key not in ("id", "state"))
+
+    def action_sort_reverse(self) -> None:
+        self.set_sort(self.sort_key, not self.reverse)
+
+    def sort_label(self) -> str:
+        return TITLES.get(self.sort_key, self.sort_key)

@@ -1,0 +1,231 @@
+"""Where telemetry comes from: a live ZeroMQ SUB socket or a recorded file, read in a thread.
+
+Why a thread (Memray's live TUI does the same): a socket read or a file read must never run on
+Textual's event loop. The thread only decodes and folds messages into `ConsoleState` under its
+lock; the UI polls the state on its own timer, so the screen refreshes at a bounded rate
+whatever the message rate.
+
+Both sources can tee the raw frames they read into a `telemetry.record.Recorder` (start/stop
+from the console), and both own the clock the state uses: wall time live, a virtual clock in a
+replay (so ages and staleness follow the recording, not the machine running it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from console.state import ConsoleState
+from telemetry.schema import SchemaVersionError
+
+POLL_MS = 100
+MAX_BATCH = 2000  # messages drained per wake-up before checking for stop
+
+
+class Source:
+    """Base: recording and lifecycle shared by the live and replay sources."""
+
+    kind = "source"
+    readonly = False
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._rec_lock = threading.Lock()
+        self._recorder: Any = None
+        self.recording_path: str | None = None
+        self.recorded = 0
+        self.error: str | None = None
+        self.finished = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, state: ConsoleState) -> None:
+        state.clock = self.now
+        self._thread = threading.Thread(target=self._guarded_run, args=(state,),
+                                        name=f"telemetry-{self.kind}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self.stop_recording()
+
+    def now(self) -> float:
+        return time.time()
+
+    def describe(self) -> str:
+        return self.kind
+
+    def _guarded_run(self, state: ConsoleState) -> None:
+        try:
+            self._run(state)
+        except SchemaVersionError as e:
+            state.note_schema_error(str(e))
+        except Exception as e:  # shown in the console instead of killing the thread silently
+            self.error = f"{type(e).__name__}: {e}"
+            state.note_error(f"telemetry reader stopped: {self.error}")
+
+    def _run(self, state: ConsoleState) -> None:
+        raise NotImplementedError
+
+    # --- recording ---------------------------------------------------------------------------
+
+    @property
+    def recording(self) -> bool:
+        return self._recorder is not None
+
+    def start_recording(self, path: str | Path) -> str:
+        from telemetry.record import Recorder
+
+        with self._rec_lock:
+            if self._recorder is not None:
+                return str(self.recording_path)
+            self._recorder = Recorder(str(path))
+            self.recording_path = str(path)
+            self.recorded = 0
+        return str(path)
+
+    def stop_recording(self) -> tuple[str | None, int]:
+        with self._rec_lock:
+            rec, self._recorder = self._recorder, None
+            path = self.recording_path
+            if rec is not None:
+                rec.close()
+        return path, self.recorded
+
+    def _tee(self, ts: float, frames: Sequence[Any]) -> None:
+        if self._recorder is None:
+            return
+        with self._rec_lock:
+            if self._recorder is not None:
+                self._recorder.write(frames, ts)
+                self.recorded += 1
+
+
+class ZmqSource(Source):
+    """Live: one SUB socket connected to every endpoint (one per engine rank).
+
+    ZeroMQ reconnects a SUB by itself when a publisher goes away and comes back, so an engine
+    restart needs nothing here; the state notices the heartbeat gap and the seq reset."""
+
+    kind = "live"
+
+    def __init__(self, endpoints: Sequence[str], hwm: int = 10_000) -> None:
+        super().__init__()
+        self.endpoints = list(endpoints)
+        self.hwm = hwm
+
+    def describe(self) -> str:
+        return " ".join(self.endpoints)
+
+    def _run(self, state: ConsoleState) -> None:
+        import zmq
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, self.hwm)
+            sock.setsockopt(zmq.RECONNECT_IVL, 200)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            for ep in self.endpoints:
+                sock.connect(ep)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            while not self._stop.is_set():
+                if not poller.poll(POLL_MS):
+                    continue
+                for _ in range(MAX_BATCH):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    ts = time.time()
+                    bufs = [f.buffer for f in frames]
+                    self._tee(ts, bufs)
+                    state.ingest(bufs, ts)
+        finally:
+            sock.close(0)
+            ctx.term()
+
+
+class ReplaySource(Source):
+    """A recorded file played back at ``speed`` (0 or less: everything at once, before the UI
+    starts — what the tests and snapshots use, so the first frame is already the final one).
+
+    The virtual clock starts at the first record's receive time and advances with wall time x
+    speed; after the last record it stops there, so a finished replay does not go stale."""
+
+    kind = "replay"
+    readonly = True
+
+    def __init__(self, path: str | Path, speed: float = 1.0,
+                 records: Callable[[], Iterator[tuple[float, Sequence[Any]]]] | None = None,
+                 *, readonly: bool = True) -> None:
+        super().__init__()
+        self.readonly = readonly  # tests drive a writable console from a file
+        self.path = str(path)
+        self.speed = speed
+        self._records = records
+        self._t0: float | None = None
+        self._wall0 = 0.0
+        self._last_ts: float | None = None
+        self.count = 0
+
+    def _iter(self) -> Iterator[tuple[float, Sequence[Any]]]:
+        if self._records is not None:
+            return self._records()
+        from telemetry.record import read_records
+
+        return iter(read_records(self.path))
+
+    def now(self) -> float:
+        if self._t0 is None:
+            return self._last_ts or 0.0
+        if self.finished or self.speed <= 0:
+            return self._last_ts if self._last_ts is not None else self._t0
+        return self._t0 + (time.monotonic() - self._wall0) * self.speed
+
+    @property
+    def elapsed(self) -> float:
+        return 0.0 if self._t0 is None else max(0.0, self.now() - self._t0)
+
+    def describe(self) -> str:
+        name = Path(self.path).name
+        if self.finished:
+            return f"replay {name} (end, {self.elapsed:.0f}s)"
+        return f"replay {name} ×{self.speed:g} {self.elapsed:.0f}s"
+
+    def start(self, state: ConsoleState) -> None:
+        if self.speed > 0:
+            super().start(state)
+            return
+        state.clock = self.now
+        self._guarded_run(state)
+
+    def _run(self, state: ConsoleState) -> None:
+        try:
+            for ts, frames in self._iter():
+                if self._t0 is None:
+                    self._t0, self._wall0 = ts, time.monotonic()
+                if self.speed > 0:
+                    due = self._wall0 + (ts - self._t0) / self.speed
+                    delay = due - time.monotonic()
+                    if delay > 0 and self._stop.wait(delay):
+                        return
+                elif self._stop.is_set():
+                    return
+                self._last_ts = ts
+                self.count += 1
+                self._tee(ts, frames)
+                state.ingest(frames, ts)
+        finally:
+            self.finished = True
+            with state.lock:
+                state.generation += 1

@@ -1,0 +1,426 @@
+"""The console's data model: what the telemetry stream has said, and nothing about widgets.
+
+A reader thread (`console.source`) calls `ConsoleState.ingest` for every multipart message; the
+UI reads the model at most ~10 times a second. Both sides hold `ConsoleState.lock` while they
+touch it, so the UI always sees a consistent picture (the latest payload of each topic is
+replaced wholesale, never edited in place).
+
+Per engine (``engine/rank`` from the envelope, so several endpoints can feed one console) the
+model keeps the latest payload per topic, ring buffers for the sparklines, the receive time of the
+last heartbeat, and a count of messages lost to sequence gaps (``seq`` counts per topic per
+publisher; a ``seq`` that goes backwards means the publisher restarted, not a loss).
+
+Time comes from ``clock`` (wall seconds). Live it is ``time.time``; a replay substitutes its own
+virtual clock, so ages on screen depend only on the recording — which keeps snapshots stable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
+
+# An engine is down after this many heartbeat intervals without a heartbeat.
+STALE_INTERVALS = 3.0
+DEFAULT_HEARTBEAT_S = 1.0
+SERIES_CAPACITY = 4096
+ALERT_HISTORY = 200
+
+Clock = Callable[[], float]
+
+
+class Series:
+    """A fixed-size ring of (time, value) samples, for sparklines over the last minutes.
+
+    Storage is two preallocated numpy arrays, so appending at any message rate allocates nothing;
+    `resample` turns the tail into one value per sparkline cell.
+    """
+
+    __slots__ = ("_t", "_v", "_n", "_i")
+
+    def __init__(self, capacity: int = SERIES_CAPACITY) -> None:
+        self._t = np.zeros(capacity, dtype=np.float64)
+        self._v = np.zeros(capacity, dtype=np.float64)
+        self._n = 0
+        self._i = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def append(self, t: float, value: float) -> None:
+        self._t[self._i] = t
+        self._v[self._i] = value
+        self._i = (self._i + 1) % len(self._t)
+        self._n = min(self._n + 1, len(self._t))
+
+    def clear(self) -> None:
+        self._n = self._i = 0
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(times, values), oldest first (copies)."""
+        if self._n < len(self._t):
+            return self._t[: self._n].copy(), self._v[: self._n].copy()
+        order = np.r_[self._i: len(self._t), 0: self._i]
+        return self._t[order], self._v[order]
+
+    @property
+    def last(self) -> float | None:
+        return None if not self._n else float(self._v[(self._i - 1) % len(self._v)])
+
+    def resample(self, now: float, window_s: float, n: int) -> list[float | None]:
+        """``n`` buckets covering ``[now - window_s, now]``: the mean of each bucket's samples,
+        the previous bucket's value where a bucket has none, None before the first sample."""
+        if n <= 0:
+            return []
+        t, v = self.arrays()
+        out: list[float | None] = [None] * n
+        if not len(t):
+            return out
+        start = now - window_s
+        idx = np.floor((t - start) / window_s * n).astype(np.int64)
+        keep = (idx >= 0) & (idx < n)
+        prior = v[idx < 0]
+        sums = np.bincount(idx[keep], weights=v[keep], minlength=n)
+        counts = np.bincount(idx[keep], minlength=n)
+        last: float | None = float(prior[-1]) if len(prior) else None
+        for i in range(n):
+            if counts[i]:
+                last = float(sums[i] / counts[i])
+            out[i] = last
+        return out
+
+
+@dataclass
+class Alert:
+    recv_ts: float
+    engine: str
+    rank: int
+    name: str
+    level: str
+    value: Any
+    threshold: Any
+    message: str
+
+
+@dataclass
+class ConfigView:
+    """The engine's effective config as the console last heard it (control reply or the
+    ``config`` topic, whichever is newer)."""
+
+    values: dict[str, Any]
+    schema: list[dict[str, Any]]
+    version: int
+    recv_ts: float
+    origin: str  # "control" or "telemetry"
+
+    def row(self, key: str) -> dict[str, Any] | None:
+        for r in self.schema:
+            if r.get("key") == key:
+                return r
+        return None
+
+
+# Series fed from each topic: name -> (topic, getter).
+def _get(*path: str) -> Callable[[dict[str, Any]], float | None]:
+    def get(p: dict[str, Any]) -> float | None:
+        cur: Any = p
+        for k in path:
+            if not isinstance(cur, dict):
+                return None
+            cur = cur.get(k)
+        return float(cur) if isinstance(cur, int | float) and not isinstance(cur, bool) else None
+    return get
+
+
+SERIES: dict[str, tuple[str, Callable[[dict[str, Any]], float | None]]] = {
+    "waiting": ("sched", _get("num_waiting")),
+    "running": ("sched", _get("num_running")),
+    "preempted": ("sched", _get("num_preempted")),
+    "steps_per_s": ("step", _get("steps_per_s")),
+    "tokens_per_s": ("step", _get("tokens_per_s")),
+    "sched_share": ("step", _get("sched_share")),
+    "step_p50_s": ("step", _get("step_time_p50_s")),
+    "kv_usage": ("kv", _get("usage")),
+    "token_usage": ("kv", _get("token_usage")),
+    "fragmentation": ("kv", _get("fragmentation")),
+    "prefix_hit_rate": ("kv", _get("prefix_hit_rate")),
+    "proc_cpu": ("host", _get("proc_cpu_percent")),
+    "sys_cpu": ("host", _get("sys_cpu_percent")),
+}
+
+
+class EngineState:
+    """Everything heard from one engine rank."""
+
+    def __init__(self, engine: str, rank: int) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.latest: dict[str, dict[str, Any]] = {}
+        self.recv_ts: dict[str, float] = {}
+        self.block_states: np.ndarray | None = None
+        self.series: dict[str, Series] = {name: Series() for name in SERIES}
+        self.gpu_series: dict[int, tuple[Series, Series]] = {}
+        self.last_seq: dict[str, int] = {}
+        self.received = 0
+        self.dropped = 0
+        self.restarts = 0
+        self.first_seen: float | None = None
+        self.last_heartbeat: float | None = None
+        self.was_down = False
+        self.reconnects = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.engine}/{self.rank}"
+
+    @property
+    def label(self) -> str:
+        return self.engine if self.rank == 0 else f"{self.engine} r{self.rank}"
+
+    @property
+    def heartbeat_interval(self) -> float:
+        v = self.latest.get("health", {}).get("interval_s")
+        return float(v) if isinstance(v, int | float) and v > 0 else DEFAULT_HEARTBEAT_S
+
+    def heartbeat_age(self, now: float) -> float | None:
+        return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)
+
+    def is_stale(self, now: float) -> bool:
+        """No heartbeat for STALE_INTERVALS intervals (counting from first contact if none yet)."""
+        ref = self.last_heartbeat if self.last_heartbeat is not None else self.first_seen
+        return ref is not None and now - ref > STALE_INTERVALS * self.heartbeat_interval
+
+    def status(self, now: float) -> str:
+        """"connecting" (heard nothing yet), "down" (stale) or the engine's own health state."""
+        if self.is_stale(now):
+            return "down"
+        if "health" not in self.latest:
+            return "connecting"
+        return str(self.latest["health"].get("state", "running"))
+
+    def _track_seq(self, topic: str, seq: int) -> bool:
+        """Count messages lost to gaps; True when ``seq`` went backwards (publisher restart)."""
+        last = self.last_seq.get(topic)
+        restarted = last is not None and seq <= last
+        if restarted:
+            self.restarts += 1
+            self.last_seq.clear()
+        elif last is not None and seq > last + 1:
+            self.dropped += seq - last - 1
+        self.last_seq[topic] = seq
+        return restarted
+
+    def apply(self, msg: TelemetryMessage, recv_ts: float) -> bool:
+        """Fold one message in; True when it shows the engine restarted."""
+        p = msg.payload
+        if self.first_seen is None:
+            self.first_seen = recv_ts
+        restarted = self._track_seq(msg.topic, msg.seq)
+        self.received += 1
+        self.latest[msg.topic] = p
+        self.recv_ts[msg.topic] = recv_ts
+        if msg.topic == "health":
+            self.last_heartbeat = recv_ts
+        elif msg.topic == "kv":
+            try:
+                self.block_states = msg.block_states()
+            except SchemaError:
+                self.block_states = None
+        elif msg.topic == "gpu":
+            for d in p.get("devices") or ():
+                idx = int(d.get("index", 0))
+                util, mem = self.gpu_series.setdefault(idx, (Series(), Series()))
+                if isinstance(d.get("util"), int | float):
+                    util.append(recv_ts, float(d["util"]))
+                total = d.get("mem_total") or 0
+                if total:
+                    mem.append(recv_ts, float(d.get("mem_used", 0)) / float(total))
+        for name, (topic, get) in SERIES.items():
+            if topic == msg.topic:
+                value = get(p)
+                if value is not None:
+                    self.series[name].append(recv_ts, value)
+        return restarted
+
+
+class ConsoleState:
+    """The whole console's model: engines by key, alerts, config, error counters."""
+
+    def __init__(self, clock: Clock = time.time) -> None:
+        self.lock = threading.RLock()
+        self.clock: Clock = clock
+        self.engines: dict[str, EngineState] = {}
+        self.alerts: deque[Alert] = deque(maxlen=ALERT_HISTORY)
+        self.active_alerts: dict[tuple[str, str], Alert] = {}
+        self.config: ConfigView | None = None
+        self.schema_error: str | None = None
+        self.schema_error_ts = 0.0
+        self.schema_errors = 0
+        self.malformed = 0
+        self.last_error: str | None = None
+        self.last_error_ts = 0.0
+        self.generation = 0
+        self.messages = 0
+
+    def now(self) -> float:
+        return self.clock()
+
+    # --- writing (reader thread) -------------------------------------------------------------
+
+    def ingest(self, frames: Sequence[Any], recv_ts: float | None = None) -> TelemetryMessage | None:
+        """Decode one multipart message and fold it in. A bad message is counted and remembered
+        (a schema version mismatch separately, so the UI can say exactly that), never raised."""
+        ts = self.clock() if recv_ts is None else recv_ts
+        try:
+            msg = decode(frames)
+        except SchemaVersionError as e:
+            self.note_schema_error(str(e), ts)
+            return None
+        except SchemaError as e:
+            with self.lock:
+                self.malformed += 1
+            self.note_error(str(e))
+            return None
+        self.ingest_message(msg, ts)
+        return msg
+
+    def note_schema_error(self, message: str, ts: float | None = None) -> None:
+        with self.lock:
+            self.schema_error = message
+            self.schema_error_ts = self.clock() if ts is None else ts
+            self.schema_errors += 1
+            self.generation += 1
+
+    def note_error(self, message: str) -> None:
+        with self.lock:
+            self.last_error = message
+            self.last_error_ts = self.clock()
+            self.generation += 1
+
+    def recent_error(self, now: float | None = None, window_s: float = 10.0) -> str | None:
+        """The last bad-message error, while recent (one odd message is not a lasting state)."""
+        t = self.clock() if now is None else now
+        if self.last_error is not None and t - self.last_error_ts <= window_s:
+            return self.last_error
+        return None
+
+    def ingest_message(self, msg: TelemetryMessage, recv_ts: float) -> None:
+        with self.lock:
+            self.messages += 1
+            self.generation += 1
+            eng = self.engines.get(f"{msg.engine}/{msg.rank}")
+            if eng is None:
+                eng = self.engines[f"{msg.engine}/{msg.rank}"] = EngineState(msg.engine, msg.rank)
+            if msg.topic == "health" and eng.was_down:
+                eng.was_down = False
+                eng.reconnects += 1
+            if eng.apply(msg, recv_ts) and self._is_primary(eng) and self.config is not None:
+                self.config.version = -1  # a restarted engine counts versions afresh
+            if msg.topic == "alert":
+                self._add_alert(msg, recv_ts)
+            elif msg.topic == "config" and self._is_primary(eng):
+                self._set_config(msg.payload, recv_ts, "telemetry")
+
+    def _is_primary(self, eng: EngineState) -> bool:
+        return next(iter(self.engines.values())) is eng
+
+    def _add_alert(self, msg: TelemetryMessage, recv_ts: float) -> None:
+        p = msg.payload
+        alert = Alert(recv_ts, msg.engine, msg.rank, str(p.get("name", "?")),
+                      str(p.get("level", "warning")), p.get("value"), p.get("threshold"),
+                      str(p.get("message", "")))
+        self.alerts.append(alert)
+        key = (f"{msg.engine}/{msg.rank}", alert.name)
+        if alert.level == "ok":
+            self.active_alerts.pop(key, None)
+        else:
+            self.active_alerts[key] = alert
+
+    def _set_config(self, reply: dict[str, Any], recv_ts: float, origin: str) -> None:
+        values = reply.get("values")
+        if not isinstance(values, dict):
+            return
+        version = int(reply.get("version") or 0)
+        cur = self.config
+        # An older snapshot that was in flight while a change was applied must not undo it.
+        if cur is not None and version < cur.version and recv_ts - cur.recv_ts < 30.0:
+            return
+        schema = reply.get("schema") or (cur.schema if cur else [])
+        self.config = ConfigView(dict(values), list(schema), version, recv_ts, origin)
+
+    def set_config_reply(self, reply: dict[str, Any], recv_ts: float | None = None) -> None:
+        """Fold in a control ``get_config`` reply (values, version, schema)."""
+        with self.lock:
+            self._set_config(reply, self.clock() if recv_ts is None else recv_ts, "control")
+            self.generation += 1
+
+    def apply_set_reply(self, reply: dict[str, Any]) -> None:
+        """A ``set_config`` reply: what it applied is the engine's config now."""
+        with self.lock:
+            if self.config is not None and reply.get("applied"):
+                self.config.values.update(reply["applied"])
+                if isinstance(reply.get("version"), int):
+                    self.config.version = reply["version"]
+                self.config.recv_ts = self.clock()
+            self.generation += 1
+
+    # --- reading (UI thread, under lock) ------------------------------------------------------
+
+    def schema_problem(self, now: float | None = None) -> str | None:
+        """The last schema version mismatch, while it is recent (mismatched messages keep
+        coming as long as the engine runs, so a quiet 10 s means it went away)."""
+        t = self.clock() if now is None else now
+        if self.schema_error is not None and t - self.schema_error_ts <= 10.0:
+            return self.schema_error
+        return None
+
+    def engine_list(self) -> list[EngineState]:
+        return list(self.engines.values())
+
+    def engine(self, key: str | None = None) -> EngineState | None:
+        if key is not None and key in self.engines:
+            return self.engines[key]
+        return next(iter(self.engines.values()), None)
+
+    def mark_down(self, now: float | None = None) -> list[EngineState]:
+        """Flag engines that went stale, so the next heartbeat counts as a reconnect; return the
+        engines that just went down."""
+        t = self.clock() if now is None else now
+        went: list[EngineState] = []
+        with self.lock:
+            for eng in self.engines.values():
+                if eng.is_stale(t) and not eng.was_down:
+                    eng.was_down = True
+                    went.append(eng)
+        return went
+
+    def latest_alerts(self, n: int) -> list[Alert]:
+        with self.lock:
+            return list(self.alerts)[-n:][::-1]
+
+    def alert_summary(self, now: float, window_s: float = 60.0) -> list[tuple[Alert, int]]:
+        """The latest alert per (engine, name), newest first, with how many times it changed
+        level in the last ``window_s``. Alerts are edge-triggered with no hysteresis, so a
+        figure hovering on a threshold flaps; this keeps one line per figure."""
+        with self.lock:
+            latest: dict[tuple[str, str], Alert] = {}
+            counts: dict[tuple[str, str], int] = {}
+            for a in self.alerts:
+                key = (f"{a.engine}/{a.rank}", a.name)
+                latest[key] = a
+                if now - a.recv_ts <= window_s:
+                    counts[key] = counts.get(key, 0) + 1
+        items = sorted(latest.items(), key=lambda kv: kv[1].recv_ts, reverse=True)
+        return [(a, counts.get(key, 0)) for key, a in items]
+
+    def feed(self, items: Iterable[tuple[float, Sequence[Any]]]) -> None:
+        """Ingest many (recv_ts, frames) records at once (tests, instant replay)."""
+        for ts, frames in items:
+            self.ingest(frames, ts)

@@ -1,0 +1,140 @@
+"""The frame every screen shares: the tab bar, the problem banner, the "too small" notice.
+
+They render from a `Frame` the app builds once per refresh, so all screens agree on what the
+engine's status is and none of them computes it separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.content import Content
+from textual.widgets import Static
+
+from console import format as fmt
+from console.keymap import SCREENS
+from console.state import STALE_INTERVALS, EngineState
+
+
+@dataclass
+class Frame:
+    """What the chrome needs to know, computed once per refresh by the app."""
+
+    now: float
+    mode: str
+    engine: EngineState | None
+    engine_index: int = 0
+    engine_count: int = 0
+    source: str = ""
+    live: bool = True
+    paused: bool = False
+    readonly: bool = False
+    readonly_reason: str = ""
+    recording: str | None = None
+    recorded: int = 0
+    schema_error: str | None = None
+    last_error: str | None = None
+    endpoints: str = ""
+
+    @property
+    def status(self) -> str:
+        return "connecting" if self.engine is None else self.engine.status(self.now)
+
+
+STATUS_STYLE = {"running": "$success", "idle": "$accent", "draining": "$warning",
+                "down": "$error", "connecting": "$warning"}
+
+
+class TabBar(Static):
+    """``vconsole  1 Overview 2 Requests …`` on the left, engine status and flags on the right."""
+
+    def show(self, frame: Frame) -> None:
+        width = self.content_size.width or 80
+        brand = "[b $accent]vconsole[/] "
+        lefts = [brand + self._tabs(frame.mode, full=True), self._tabs(frame.mode, full=True),
+                 self._tabs(frame.mode, full=False)]
+        flags = []
+        if frame.recording:
+            flags.append("[$error b]● REC[/]")
+        if frame.paused:
+            flags.append("[$warning b]PAUSED[/]")
+        if frame.readonly:
+            flags.append("[$text-muted]read-only[/]")
+        eng = frame.engine
+        if eng is None:
+            status = [f"[{STATUS_STYLE['connecting']}]● waiting for telemetry[/]"]
+            name: list[str] = []
+        else:
+            label = fmt.escape(eng.label)
+            if frame.engine_count > 1:
+                label += f" ({frame.engine_index + 1}/{frame.engine_count})"
+            name = [label]
+            hb = eng.heartbeat_age(frame.now)
+            hb_style = "$error b" if eng.is_stale(frame.now) else (
+                "$warning" if hb is not None and hb > 1.5 * eng.heartbeat_interval else "")
+            hb_text = "hb " + (fmt.duration(hb) if hb is not None else "–")
+            status = [f"[{STATUS_STYLE.get(frame.status, '')}]● {frame.status}[/]",
+                      f"[{hb_style}]{hb_text}[/]" if hb_style else hb_text]
+        rights = [" ".join(flags + name + status), " ".join(flags + status),
+                  " ".join(flags[:2] + status)]
+        for left in lefts:
+            for right in rights:
+                left_c, right_c = Content.from_markup(left), Content.from_markup(right)
+                if left_c.cell_length + right_c.cell_length + 1 <= width:
+                    break
+            else:
+                continue
+            break
+        gap = max(1, width - left_c.cell_length - right_c.cell_length)
+        self.update(left_c + Content(" " * gap) + right_c)
+
+    @staticmethod
+    def _tabs(current: str, *, full: bool) -> str:
+        tabs = []
+        for mode, (key, title) in SCREENS.items():
+            text = f"{key} {title}" if full else (f"{key} {title}" if mode == current else key)
+            tabs.append(f"[reverse b] {text} [/]" if mode == current
+                        else f"[$text-muted] {text} [/]")
+        return "".join(tabs)
+
+
+class Banner(Static):
+    """A one-line alarm shown only when something is wrong with the link itself: engine down,
+    schema mismatch, reader errors. Hidden otherwise, so a healthy console has no clutter."""
+
+    def show(self, frame: Frame) -> None:
+        text, level = self.message(frame)
+        self.set_class(bool(text), "-shown")
+        self.set_class(level == "error", "-error")
+        self.set_class(level == "warning", "-warning")
+        if text:
+            self.update(Content(text))
+
+    @staticmethod
+    def message(frame: Frame) -> tuple[str, str]:
+        if frame.schema_error:
+            return (f"SCHEMA MISMATCH — {frame.schema_error}. Use a console and an engine from "
+                    f"the same vconsole version.", "error")
+        eng = frame.engine
+        if eng is not None and eng.is_stale(frame.now):
+            age = eng.heartbeat_age(frame.now)
+            since = fmt.duration(age) if age is not None else "start"
+            again = ("reconnecting automatically" if frame.live
+                     else "the recording has a gap here")
+            return (f"ENGINE DOWN — no heartbeat for {since} (> {STALE_INTERVALS:g} × "
+                    f"{eng.heartbeat_interval:g}s); {again}.", "error")
+        if eng is None and frame.live:
+            return (f"Waiting for telemetry from {frame.endpoints or 'the engine'} … "
+                    f"(is the engine running?)", "warning")
+        if frame.last_error:
+            return frame.last_error, "warning"
+        return "", ""
+
+
+class TooSmall(Static):
+    """Shown instead of the screen's body below the minimum size (btop's habit)."""
+
+    def show_size(self, width: int, height: int, need_w: int, need_h: int) -> None:
+        self.update(Content.from_markup(
+            f"[b]terminal too small[/]\n\nneed {need_w}×{need_h}, have {width}×{height}\n\n"
+            f"[$text-muted]enlarge the window, or press q to quit[/]"))

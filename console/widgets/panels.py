@@ -1,0 +1,246 @@
+"""The Overview's panels, each a `Static` whose text is built from one engine's state.
+
+Builders are plain functions ``(engine, now, width, limits) -> markup`` so tests can pin their
+output without a running app; the `Panel` widget only supplies its width and shows the text.
+Colours carry meaning only: ``$warning``/``$error`` at thresholds (the engine's own alert
+thresholds from its config where there is one; nvitop's 80 % for memory), muted for labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from textual.content import Content
+from textual.widgets import Static
+
+from console import format as fmt
+from console.state import Alert, EngineState, Series
+
+SPARK_WINDOW_S = 120.0
+MEM_WARN, MEM_CRIT = 0.80, 0.95
+USAGE_WARN, USAGE_CRIT = 0.80, 0.95
+TEMP_WARN, TEMP_CRIT = 80.0, 90.0
+
+# Engine config keys the panels colour by, with the engine's defaults.
+DEFAULT_LIMITS: dict[str, float] = {
+    "alert_waiting_warning": 50, "alert_waiting_critical": 100,
+    "alert_sched_share_warning": 0.15, "fragmentation_threshold": 0.5,
+    "alert_step_time_warning_s": 0.5, "alert_step_time_critical_s": 1.0,
+    "alert_gpu_memory_warning": MEM_WARN, "alert_gpu_memory_critical": MEM_CRIT,
+}
+ALERT_ICON = {"critical": "[$error b]●[/]", "warning": "[$warning]●[/]", "ok": "[$success]✓[/]"}
+LEVEL = {"critical": "$error", "warning": "$warning", "ok": "$success"}
+
+
+class Panel(Static):
+    """A bordered box with a title; ``show`` replaces its text."""
+
+    def __init__(self, title: str, *, id: str) -> None:
+        super().__init__(id=id, classes="panel")
+        self.border_title = title
+
+    @property
+    def inner_width(self) -> int:
+        return self.content_size.width or 36
+
+    def show(self, markup: str) -> None:
+        self.update(Content.from_markup(markup))
+
+
+def _muted(text: str) -> str:
+    return f"[$text-muted]{fmt.escape(text)}[/]"
+
+
+def _spark(series: Series, now: float, width: int, lo: float | None = 0.0,
+           hi: float | None = None) -> str:
+    if width < 3:
+        return ""
+    return _muted(fmt.sparkline(series.resample(now, SPARK_WINDOW_S, width), lo, hi))
+
+
+def _num(payload: Mapping[str, Any], key: str) -> float | None:
+    v = payload.get(key)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _waiting(text: str) -> str:
+    return _muted(text)
+
+
+def summary(eng: EngineState | None, now: float) -> str:
+    """One line under the tab bar: who, state, uptime, throughput, link health."""
+    if eng is None:
+        return _waiting("no telemetry yet")
+    h = eng.latest.get("health", {})
+    st = eng.latest.get("step", {})
+    status = eng.status(now)
+    style = {"running": "$success", "idle": "$accent", "down": "$error b"}.get(status, "$warning")
+    age = eng.heartbeat_age(now)
+    hb_style = "$error b" if eng.is_stale(now) else ""
+    hb = f"hb {fmt.duration(age)}" if age is not None else "hb –"
+    parts = [f"[b]{fmt.escape(eng.label)}[/]", f"[{style}]{status}[/]",
+             f"up {fmt.duration(_num(h, 'uptime_s'))}",
+             f"[b]{fmt.num(_num(st, 'steps_per_s'))}[/] steps/s",
+             f"[b]{fmt.num(_num(st, 'tokens_per_s'), 0)}[/] tok/s",
+             f"[{hb_style}]{hb}[/]" if hb_style else hb]
+    if eng.dropped:
+        parts.append(f"[$warning]lost {eng.dropped:,}[/]")
+    return "  ".join(parts)
+
+
+def queues(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:
+    sc = eng.latest.get("sched")
+    if not sc:
+        return _waiting("no scheduler snapshot yet")
+    waiting = _num(sc, "num_waiting")
+    running = _num(sc, "num_running")
+    cap = _num(sc, "max_num_seqs")
+    wl = fmt.level(waiting, limits["alert_waiting_warning"], limits["alert_waiting_critical"])
+    run_text = fmt.count(running) + (f"/{fmt.count(cap)}" if cap else "")
+    rows = [("waiting", fmt.styled(f"{fmt.count(waiting):>8}", wl), "waiting", None),
+            ("running", f"{run_text:>8}", "running", cap),
+            ("preempted", f"{fmt.count(_num(sc, 'num_preempted')):>8}", "preempted", None)]
+    spark_w = width - 19
+    lines = [f"{_muted(f'{label:<10}')}{value} {_spark(eng.series[name], now, spark_w, 0, hi)}"
+             for label, value, name, hi in rows]
+    lines.append(_muted(fmt.fit([f"finished {fmt.count(_num(sc, 'num_finished_total'))}",
+                                 f"preemptions {fmt.count(_num(sc, 'num_preemptions_total'))}",
+                                 str(sc.get("policy", "?"))], width)))
+    return "\n".join(lines)
+
+
+def phases(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:
+    st = eng.latest.get("step")
+    if not st:
+        return _waiting("no step window yet")
+    steps = int(_num(st, "steps") or 0)
+    ph = st.get("phase_s") or {}
+    total = sum(float(ph.get(k) or 0) for k in ("schedule", "execute", "update"))
+    share = _num(st, "sched_share")
+    thr = limits["alert_sched_share_warning"]
+    if steps == 0 or total <= 0:
+        return _waiting("idle: no steps in the last window")
+    bar_w = max(4, width - 9 - 7 - 9)
+    lines = []
+    for name in ("schedule", "execute", "update"):
+        part = float(ph.get(name) or 0) / total
+        lvl = fmt.level(share, thr) if name == "schedule" else ""
+        bar = fmt.styled(fmt.bar(part, bar_w), lvl or "$accent")
+        lines.append(f"{_muted(f'{name:<9}')}{bar}{fmt.styled(f'{fmt.pct(part):>7}', lvl)}"
+                     f"{fmt.ms(float(ph.get(name) or 0) / steps):>9}")
+    p50 = _num(st, "step_time_p50_s")
+    p50_lvl = fmt.level(p50, limits["alert_step_time_warning_s"],
+                        limits["alert_step_time_critical_s"])
+    lines.append(fmt.fit([f"{_muted('step p50')} {fmt.styled(fmt.ms(p50), p50_lvl)}",
+                          f"{_muted('max')} {fmt.ms(_num(st, 'step_time_max_s'))}",
+                          f"{_muted('batch')} {fmt.count(_num(st, 'num_prefill_tokens'))}p+"
+                          f"{fmt.count(_num(st, 'num_decode_tokens'))}d"], width, "  "))
+    if share is not None and share >= thr:
+        lines.append(fmt.styled(f"⚠ scheduler is {fmt.pct(share, 0)} of step time "
+                                f"(≥ {fmt.pct(thr, 0)})", fmt.WARN))
+    return "\n".join(lines)
+
+
+def kv(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:
+    k = eng.latest.get("kv")
+    if not k:
+        return _waiting("no KV snapshot yet")
+    usage, tok = _num(k, "usage"), _num(k, "token_usage")
+    frag, hit = _num(k, "fragmentation"), _num(k, "prefix_hit_rate")
+    used, total = _num(k, "num_used"), _num(k, "num_blocks")
+    blocks = f"{fmt.count(used)}/{fmt.count(total)}"
+    detail_w = max(len(blocks), 9)
+    rows = [("blocks", usage, fmt.level(usage, USAGE_WARN, USAGE_CRIT), blocks, "kv_usage"),
+            ("tokens", tok, fmt.level(tok, USAGE_WARN, USAGE_CRIT), "", "token_usage"),
+            ("frag", frag, fmt.level(frag, limits["fragmentation_threshold"]), "",
+             "fragmentation"),
+            ("prefix", hit, "", "hit", "prefix_hit_rate")]
+    spark_w = width - 7 - 7 - detail_w - 2
+    lines = [f"{_muted(f'{label:<7}')}{fmt.styled(f'{fmt.pct(val):>6}', lvl)} "
+             f"{_muted(f'{detail:<{detail_w}}')} {_spark(eng.series[name], now, spark_w, 0, 1)}"
+             for label, val, lvl, detail, name in rows]
+    lines.append(_muted(fmt.fit([f"free {fmt.count(_num(k, 'num_free'))}",
+                                 f"cached {fmt.count(_num(k, 'num_cached'))}",
+                                 f"shared {fmt.count(_num(k, 'num_shared'))}",
+                                 f"{fmt.count(_num(k, 'block_size'))} tok/block"], width)))
+    return "\n".join(lines)
+
+
+def gpu(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:
+    g = eng.latest.get("gpu")
+    if not g:
+        return _waiting("no GPU reading yet")
+    if not g.get("available"):
+        return fmt.styled(f"no NVIDIA GPU: {g.get('error') or 'unknown reason'}", fmt.MUTED)
+    lines = []
+    warn = limits.get("alert_gpu_memory_warning", MEM_WARN)
+    crit = limits.get("alert_gpu_memory_critical", MEM_CRIT)
+    for d in g.get("devices") or ():
+        idx = int(d.get("index", 0))
+        util = _num(d, "util")
+        used, total = _num(d, "mem_used"), _num(d, "mem_total")
+        share = used / total if used is not None and total else None
+        temp = _num(d, "temp_c")
+        name = fmt.clip(str(d.get("name", "GPU")).replace("NVIDIA ", ""), 14)
+        util_s = f"{util:.0f}%" if util is not None else "–"
+        spark_w = width - 2 - 14 - 11
+        series = eng.gpu_series.get(idx)
+        spark = _spark(series[0], now, spark_w, 0, 100) if series else ""
+        lines.append(f"[b]{idx}[/] {fmt.escape(f'{name:<14}')} {_muted('util')} {util_s:>4} "
+                     f"{spark}")
+        mem = fmt.nbytes_pair(used, total)
+        parts = [f"  {_muted('mem')} {mem} " + fmt.styled(fmt.pct(share, 0),
+                                                          fmt.level(share, warn, crit))]
+        if temp is not None:
+            parts.append(fmt.styled(f"{temp:.0f}°C", fmt.level(temp, TEMP_WARN, TEMP_CRIT)))
+        if _num(d, "power_w") is not None:
+            parts.append(f"{_num(d, 'power_w'):.0f}W")
+        if _num(d, "sm_clock_mhz") is not None:
+            parts.append(f"{_num(d, 'sm_clock_mhz'):.0f}MHz")
+        lines.append(fmt.fit(parts, width, "  "))
+    return "\n".join(lines) or _muted("no devices")
+
+
+def host(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:
+    h = eng.latest.get("host")
+    if not h:
+        return _waiting("no host reading yet")
+    pcpu, scpu = _num(h, "proc_cpu_percent"), _num(h, "sys_cpu_percent")
+    used, total = _num(h, "sys_mem_used"), _num(h, "sys_mem_total")
+    share = used / total if used is not None and total else None
+    threads = _num(h, "proc_num_threads")
+    cores = _num(h, "sys_cpu_count")
+    rss = fmt.nbytes(_num(h, "proc_rss_bytes"))
+    wide = width >= 42
+    line1 = fmt.fit([_muted("engine " if wide else "proc") + (f" cpu {pcpu:>3.0f}%" if pcpu is not None else
+                                          " cpu   –"),
+                     f"rss {rss}", f"{threads:.0f} threads" if threads is not None else ""],
+                    width, "  ")
+    mem = fmt.styled(fmt.pct(share, 0), fmt.level(share, MEM_WARN, MEM_CRIT))
+    line2 = fmt.fit([_muted("machine" if wide else "sys ") + (f" cpu {scpu:>3.0f}%" if scpu is not None else
+                                          " cpu   –"),
+                     f"mem {fmt.nbytes_pair(used, total)} {mem}",
+                     f"{cores:.0f} cores" if cores is not None else ""], width, "  ")
+    return f"{line1}\n{line2}"
+
+
+def alerts(eng: EngineState | None, items: list[tuple[Alert, int]], now: float,
+           width: int) -> str:
+    """Active alerts first (from the heartbeat, which a late subscriber also gets), then one
+    line per alerting figure — its latest event, newest first, and how often it flapped."""
+    lines = []
+    active = (eng.latest.get("health", {}).get("alerts_active") if eng else None) or {}
+    if active:
+        parts = [f"[{LEVEL.get(lvl, '')}]● {fmt.escape(name)} {lvl}[/]"
+                 for name, lvl in sorted(active.items())]
+        lines.append(_muted("active ") + "  ".join(parts))
+    for a, n in items:
+        age = fmt.duration(now - a.recv_ts) + " ago"
+        flaps = f" ×{n} in 1m" if n > 1 else ""
+        rest = fmt.clip(f"{a.name}: {a.message}", max(10, width - 13 - len(flaps)))
+        lines.append(f"{_muted(f'{age:>10}')} {ALERT_ICON.get(a.level, '●')} "
+                     f"{fmt.styled(rest, LEVEL.get(a.level, ''))}{_muted(flaps)}")
+    if not lines:
+        return _muted("no alerts")
+    return "\n".join(lines)

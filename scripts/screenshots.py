@@ -1,0 +1,126 @@
+"""Save an SVG of every console screen into screenshots/.
+
+Three ways to feed the console:
+
+    .venv/bin/python scripts/screenshots.py                 # engine + load, started here
+    .venv/bin/python scripts/screenshots.py --attach --telemetry EP --control EP
+    .venv/bin/python scripts/screenshots.py --replay tests/data/synthetic.vrec
+
+The first starts what `vconsole demo` starts (`console.demo.DemoStack`: an engine process with
+the tiny model on free loopback ports and a bursty load), waits until every panel has data,
+takes the pictures and stops both. Pictures: each screen at 120x40 and 80x24, plus help and the config confirm box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from console.app import VConsoleApp  # noqa: E402
+from console.source import ReplaySource  # noqa: E402
+from console.testing import RECORDING  # noqa: E402
+
+MODES = ("overview", "requests", "kv", "config")
+SIZES = ((120, 40), (80, 24))
+
+
+def ready(app: VConsoleApp) -> bool:
+    eng = app.state.engine()
+    need = ("health", "step", "sched", "kv", "gpu", "host")
+    return eng is not None and all(t in eng.latest for t in need) and \
+        app.state.config is not None
+
+
+def busy(app: VConsoleApp) -> bool:
+    eng = app.state.engine()
+    return eng is not None and (eng.latest.get("sched", {}).get("num_running") or 0) >= 4
+
+
+async def wait_busy(pilot, app: VConsoleApp, timeout_s: float) -> None:
+    """The demo load comes in bursts; a picture of an idle engine shows little."""
+    deadline = time.monotonic() + timeout_s
+    while not busy(app) and time.monotonic() < deadline:
+        await pilot.pause(0.2)
+
+
+async def shoot(make_app, out: Path, warmup_s: float, timeout_s: float) -> list[str]:
+    """One app (so the sparklines keep their history), resized between the sets."""
+    saved = []
+    app = make_app()
+    async with app.run_test(size=SIZES[0]) as pilot:
+        deadline = time.monotonic() + timeout_s
+        while not ready(app) and time.monotonic() < deadline:
+            await pilot.pause(0.2)
+        if not ready(app):
+            raise SystemExit("no complete telemetry in time; is the engine running?")
+        await pilot.pause(warmup_s)
+        for width, height in SIZES:
+            await wait_busy(pilot, app, timeout_s)
+            await pilot.resize_terminal(width, height)
+            await pilot.pause(0.3)
+            suffix = "" if (width, height) == SIZES[0] else f"-{width}x{height}"
+            for mode in MODES:
+                app.action_show(mode)
+                await pilot.pause(0.5)
+                await wait_busy(pilot, app, timeout_s)
+                app.refresh_view(force=True)
+                await pilot.pause()
+                saved.append(app.save_screenshot(f"{mode}{suffix}.svg", str(out)))
+        await pilot.resize_terminal(*SIZES[0])
+        await pilot.press("question_mark")
+        await pilot.pause(0.3)
+        saved.append(app.save_screenshot("help.svg", str(out)))
+        await pilot.press("escape")
+        if not app.readonly:
+            app.action_show("config")
+            await pilot.pause(0.3)
+            app.request_change("max_num_seqs", "1")
+            await pilot.pause(0.3)
+            saved.append(app.save_screenshot("confirm.svg", str(out)))
+            await pilot.press("escape")
+    return saved
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--replay", metavar="FILE", nargs="?", const=str(RECORDING),
+                   help=f"drive the console from a recording (default {RECORDING.name})")
+    g.add_argument("--attach", action="store_true", help="attach to a running engine")
+    p.add_argument("--telemetry", default="tcp://127.0.0.1:5572")
+    p.add_argument("--control", default="tcp://127.0.0.1:5573")
+    p.add_argument("--rate", type=float, default=10.0, help="load: mean requests per second")
+    p.add_argument("--warmup", type=float, default=20.0,
+                   help="seconds of live data before the pictures (sparklines fill up)")
+    p.add_argument("--out", default=str(ROOT / "screenshots"))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if args.replay:
+        saved = asyncio.run(shoot(lambda: VConsoleApp(source=ReplaySource(args.replay, speed=0)),
+                                  out, 0.0, 5.0))
+    elif args.attach:
+        saved = asyncio.run(shoot(lambda: VConsoleApp([args.telemetry], args.control), out,
+                                  args.warmup, 30.0))
+    else:
+        from console.demo import DemoStack
+
+        engine_args = ["--num-kv-blocks", "256", "--max-num-seqs", "32", "--policy", "hybrid"]
+        with DemoStack(engine_args, rate=args.rate) as stack:
+            eps = stack.endpoints
+            saved = asyncio.run(shoot(lambda: VConsoleApp([eps["telemetry"]], eps["control"]),
+                                      out, args.warmup, 60.0))
+    for path in saved:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

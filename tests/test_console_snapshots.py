@@ -1,0 +1,107 @@
+"""SVG snapshots of every screen from the recorded stream (pytest-textual-snapshot).
+
+Stable by construction: the replay is ingested before the first frame and the console's clock
+is the recording's, so no wall time reaches the screen; inputs do not blink. Update with
+``pytest tests/test_console_snapshots.py --snapshot-update`` and look at the SVGs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from textual.widgets import Input
+
+from console.testing import RECORDING, FakeControl, replay_app
+from telemetry.record import read_records
+
+END = max(ts for ts, _ in read_records(RECORDING))
+
+
+async def settle(pilot) -> None:
+    """Wait for the control worker's config fetch (if any) and a fresh apply."""
+    app = pilot.app
+    deadline = time.monotonic() + 5
+    while app.control is not None and not app.config_fetches and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    for box in app.screen.query(Input):
+        box.cursor_blink = False
+    app.refresh_view(force=True)
+    await pilot.pause()
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_overview(snap_compare, size):
+    assert snap_compare(replay_app(), terminal_size=size, run_before=settle)
+
+
+def test_requests(snap_compare):
+    assert snap_compare(replay_app(), press=["2"], terminal_size=(80, 24), run_before=settle)
+
+
+def test_requests_filtered_and_sorted(snap_compare):
+    assert snap_compare(replay_app(), press=["2", "slash", *"prio>0", "enter", "s", "s"],
+                        terminal_size=(120, 40), run_before=settle)
+
+
+def test_kv_map(snap_compare):
+    assert snap_compare(replay_app(), press=["3"], terminal_size=(80, 24), run_before=settle)
+
+
+def test_kv_map_zoomed_out(snap_compare):
+    assert snap_compare(replay_app(), press=["3", "minus", "minus"], terminal_size=(120, 40),
+                        run_before=settle)
+
+
+def test_config(snap_compare):
+    assert snap_compare(replay_app(control=FakeControl()), press=["4"],
+                        terminal_size=(120, 40), run_before=settle)
+
+
+def test_config_invalid_value(snap_compare):
+    async def edit(pilot) -> None:
+        await pilot.press("4")
+        await settle(pilot)
+        pilot.app.screen.focus_key("max_num_seqs")
+        await pilot.press("e")
+        box = pilot.app.screen.query_one("#cfg-input", Input)
+        box.cursor_blink = False
+        box.value = ""
+        await pilot.press(*"many", "enter")
+        await pilot.pause()
+
+    assert snap_compare(replay_app(control=FakeControl()), terminal_size=(80, 24),
+                        run_before=edit)
+
+
+def test_confirmation(snap_compare):
+    async def risky(pilot) -> None:
+        await pilot.press("4")
+        await settle(pilot)
+        pilot.app.request_change("max_num_seqs", "2")
+        await pilot.pause()
+
+    assert snap_compare(replay_app(control=FakeControl()), terminal_size=(80, 24),
+                        run_before=risky)
+
+
+def test_readonly_config(snap_compare):
+    assert snap_compare(replay_app(), press=["4"], terminal_size=(80, 24), run_before=settle)
+
+
+def test_help(snap_compare):
+    assert snap_compare(replay_app(), press=["question_mark"], terminal_size=(80, 24))
+
+
+def test_engine_down(snap_compare):
+    assert snap_compare(replay_app(clock=lambda: END + 12.5), terminal_size=(80, 24),
+                        run_before=settle)
+
+
+def test_terminal_too_small(snap_compare):
+    assert snap_compare(replay_app(), terminal_size=(60, 16), run_before=settle)
+
+
+def test_narrow_single_column(snap_compare):
+    assert snap_compare(replay_app(), terminal_size=(70, 30), run_before=settle)
