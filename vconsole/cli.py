@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("engine", "engine.core_proc:main", "run the EngineCore process in the foreground")
     add_engine_args(p)
     add_endpoint_args(p)
+    p.add_argument("--allow-remote-telemetry", dest="allow_remote", action="store_true",
+                   help="allow the (read-only) telemetry socket on a non-loopback address; "
+                        "input and control always stay on loopback/ipc")
 
     p = cmd("attach", "console.attach:main", "attach the console to a running engine")
     add_endpoint_args(p)

@@ -1,0 +1,227 @@
+"""`vconsole demo`: an engine process, a varying load and the console, started and stopped as one.
+
+`EngineProcess` runs ``vconsole engine`` as a child in its own process group and learns the
+endpoints it actually bound from its start line (the engine binds ``tcp://127.0.0.1:*`` when no
+``--base-port`` is given, so two demos or test runs never race for a port). `DemoStack` adds the
+load generator (a thread in this process) and is what `main`, the tests and
+``scripts/screenshots.py`` use; the console itself is imported only in `main`, so the process
+management is testable without a terminal.
+
+Invariant: when `DemoStack` (or `EngineProcess`) exits — normally, on Ctrl-C, or because the
+console crashed — nothing it started is left running: the load thread is stopped, the engine's
+process group gets SIGTERM (clean drain), then SIGKILL if it has not exited in time. On Linux
+the engine also gets SIGTERM if this process dies without cleaning up (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.loadgen import LoadThread, demo_rate, demo_spec
+
+READY_RE = re.compile(r"vconsole engine \S+ ready .*?input=(\S+) output=(\S+) telemetry=(\S+) "
+                      r"control=(\S+)")
+ENDPOINT_NAMES = ("input", "output", "telemetry", "control")
+STOP_GRACE_S = 10.0
+
+
+def _parent_death_signal() -> Any:
+    """A preexec_fn that asks Linux to SIGTERM the child when its parent dies; None elsewhere.
+    libc is resolved here, in the parent, so the child only makes one system call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def loopback_endpoints(base_port: int = 0) -> dict[str, str]:
+    """Four consecutive loopback ports from ``base_port``, or ``*`` (engine picks free ones)."""
+    if base_port:
+        return {n: f"tcp://127.0.0.1:{base_port + i}" for i, n in enumerate(ENDPOINT_NAMES)}
+    return dict.fromkeys(ENDPOINT_NAMES, "tcp://127.0.0.1:*")
+
+
+class EngineProcess:
+    """``vconsole engine`` as a child process; its stdout and stderr go to ``log_path``."""
+
+    def __init__(self, engine_args: Sequence[str] = (), *,
+                 endpoints: dict[str, str] | None = None, log_path: str | Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.engine_args = list(engine_args)
+        self.requested = endpoints or loopback_endpoints()
+        self.endpoints: dict[str, str] = {}
+        self.log_path = Path(log_path) if log_path else Path(
+            tempfile.mkstemp(prefix="vconsole-engine-", suffix=".log")[1])
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                    **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self, timeout_s: float = 120.0) -> EngineProcess:
+        """Start and wait for the start line; raises RuntimeError (with the log's tail) if the
+        engine exits or stays silent."""
+        cmd = [sys.executable, "-m", "vconsole.cli", "engine", *self.engine_args]
+        for name, ep in self.requested.items():
+            cmd += [f"--{name}", ep]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True,
+                                         preexec_fn=_parent_death_signal())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = READY_RE.search(self.log_text())
+            if match:
+                self.endpoints = dict(zip(ENDPOINT_NAMES, match.groups(), strict=True))
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        code = self.proc.poll()
+        self.stop()
+        why = f"exited with code {code}" if code is not None else f"not ready in {timeout_s:g} s"
+        raise RuntimeError(f"the engine {why}; log {self.log_path}:\n{self.log_tail()}")
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM the process group, wait, SIGKILL it if needed; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self._kill_group(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self._kill_group(signal.SIGKILL)
+                self.proc.wait()
+        self._kill_group(signal.SIGKILL)  # anything the engine itself left in its group
+        return self.proc.returncode
+
+    def _kill_group(self, sig: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def __enter__(self) -> EngineProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class DemoStack:
+    """Engine process + load thread. Use as a context manager; see the module invariant."""
+
+    def __init__(self, engine_args: Sequence[str] = (), *, rate: float = 4.0,
+                 base_port: int = 0, load: bool = True, log_path: str | Path | None = None,
+                 seed: int = 0) -> None:
+        self.engine = EngineProcess(engine_args, endpoints=loopback_endpoints(base_port),
+                                    log_path=log_path)
+        self.rate = rate
+        self.load_enabled = load
+        self.seed = seed
+        self.load: LoadThread | None = None
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return self.engine.endpoints
+
+    def start(self) -> DemoStack:
+        try:
+            self.engine.start()
+            if self.load_enabled:
+                self.load = LoadThread(self.endpoints["input"], self.endpoints["output"],
+                                       demo_spec(self.seed), rate_fn=demo_rate(self.rate))
+                self.load.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        try:
+            if self.load is not None:
+                self.load.stop()
+        finally:
+            self.engine.stop()
+
+    def __enter__(self) -> DemoStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_PASS_THROUGH = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
+                 "max_num_batched_tokens", "policy", "config")
+# Small enough that bursts fill the KV pool and preempt; with priorities to show.
+_DEMO_DEFAULTS = {"num_kv_blocks": 256, "max_num_seqs": 32, "policy": "hybrid"}
+
+
+def engine_args_from(args: argparse.Namespace) -> list[str]:
+    """The demo's engine flags: the user's, plus demo defaults unless a --config file decides."""
+    out: list[str] = []
+    use_defaults = getattr(args, "config", None) is None
+    for key in _PASS_THROUGH:
+        value = getattr(args, key, None)
+        if value is None and use_defaults:
+            value = _DEMO_DEFAULTS.get(key)
+        if value is not None:
+            out += [f"--{key.replace('_', '-')}", str(value)]
+    if getattr(args, "no_prefix_caching", False):
+        out.append("--no-prefix-caching")
+    for pair in getattr(args, "overrides", None) or []:
+        out += ["--set", pair]
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    stack = DemoStack(engine_args_from(args), rate=args.rate, base_port=args.base_port)
+    print("vconsole demo: starting the engine (tiny model) ...", file=sys.stderr, flush=True)
+    try:
+        stack.start()
+    except RuntimeError as e:
+        print(f"vconsole demo: {e}", file=sys.stderr)
+        return 1
+    try:
+        from console.app import VConsoleApp
+        app = VConsoleApp(telemetry_endpoints=[stack.endpoints["telemetry"]],
+                          control_endpoint=stack.endpoints["control"])
+        app.run()
+    finally:
+        stack.close()
+        print(f"vconsole demo: stopped (engine log: {stack.engine.log_path})", file=sys.stderr)
+    if stack.load is not None and stack.load.error is not None:
+        print(f"vconsole demo: the load generator failed: {stack.load.error!r}", file=sys.stderr)
+    return 0

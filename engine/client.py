@@ -1,0 +1,362 @@
+"""Clients of the engine process: `EngineClient` (blocking) and `AsyncEngineClient` (asyncio).
+
+Socket design (see `engine.core_proc`): a client owns two DEALER sockets with the same routing
+identity, its *client id*. It sends requests on the input DEALER (the engine's input ROUTER reads
+the identity) and receives outputs on the output DEALER (the engine's output ROUTER addresses it
+by that identity). `connect` sends ``hello`` on the input socket and waits for ``ready`` on the
+output socket: only then is the engine known to be up *and* able to route outputs back, so no
+output can be lost to a half-made connection, and a missing engine is a clear `TimeoutError`.
+
+Requests from one client may be in flight in any number; outputs of different requests arrive
+interleaved and are sorted per request. Request ids default to ``<client id>-<n>`` so several
+clients never collide (the engine rejects an id that is already in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from engine import protocol
+from engine.outputs import RequestOutput
+from telemetry.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Completion:
+    """A finished request as the client saw it: every output token, in order."""
+
+    request_id: str
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finished: bool = False
+
+    def add(self, out: RequestOutput) -> None:
+        self.output_token_ids.extend(out.new_token_ids)
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        self.num_preemptions = out.num_preemptions
+        if out.finished:
+            self.finished = True
+            self.finish_reason = out.finish_reason
+            self.text = out.text
+            self.error = out.error
+
+
+class EngineError(RuntimeError):
+    """The engine refused a whole message (not one request): a protocol error."""
+
+
+def new_client_id() -> bytes:
+    """A routing identity: printable, never starting with a zero byte (reserved by ZeroMQ)."""
+    return b"c" + os.urandom(6).hex().encode()
+
+
+def _sampling(kw: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(kw) - set(protocol.SAMPLING_KEYS))
+    if unknown:
+        raise TypeError(f"unknown sampling arguments: {', '.join(unknown)}")
+    return {k: (list(v) if k == "stop_token_ids" else v) for k, v in kw.items() if v is not None}
+
+
+def _no_engine(input_endpoint: str, output_endpoint: str, timeout_s: float) -> TimeoutError:
+    return TimeoutError(f"no engine answered at input={input_endpoint} output={output_endpoint} "
+                        f"within {timeout_s:g}s (is `vconsole engine` running there?)")
+
+
+def _ready_info(header: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in header.items() if k not in ("v", "type")}
+
+
+class _ClientBase:
+    def __init__(self, input_endpoint: str, output_endpoint: str, timeout_s: float,
+                 client_id: bytes | None) -> None:
+        self.input_endpoint = input_endpoint
+        self.output_endpoint = output_endpoint
+        self.timeout_s = timeout_s
+        self.client_id = client_id or new_client_id()
+        self.engine_info: dict[str, Any] = {}
+        self.protocol_errors: list[str] = []
+        self._seq = 0
+
+    def _configure(self, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
+        for sock in (in_sock, out_sock):
+            sock.setsockopt(zmq.IDENTITY, self.client_id)
+            sock.setsockopt(zmq.LINGER, 0)
+        # Unbounded receive queue: a slow reader must never make the engine think it is gone.
+        out_sock.setsockopt(zmq.RCVHWM, 0)
+        out_sock.connect(self.output_endpoint)
+        in_sock.connect(self.input_endpoint)
+
+    def _add_frames(self, prompt: str | None, prompt_token_ids: Sequence[int] | np.ndarray | None,
+                    request_id: str | None, priority: int, sampling: dict[str, Any]
+                    ) -> tuple[str, protocol.Frames]:
+        if request_id is None:
+            self._seq += 1
+            request_id = f"{self.client_id.decode()}-{self._seq}"
+        frames = protocol.encode_add(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                                     sampling=_sampling(sampling), priority=priority)
+        return request_id, frames
+
+    def _handle(self, frames: list[Any]) -> list[RequestOutput]:
+        """One engine message -> outputs to route (errors without a request are kept)."""
+        header = protocol.decode([f.buffer if isinstance(f, zmq.Frame) else f for f in frames])
+        kind = header["type"]
+        if kind == protocol.OUTPUTS:
+            return protocol.parse_outputs(header)
+        if kind == protocol.ERROR:
+            rid = header.get("request_id")
+            if rid:
+                return [RequestOutput(rid, finished=True, finish_reason="error",
+                                      error=header.get("reason"))]
+            self.protocol_errors.append(str(header.get("reason")))
+            return []
+        if kind == protocol.READY:
+            self.engine_info = _ready_info(header)
+        return []
+
+
+class EngineClient(_ClientBase):
+    """Blocking client. Not thread-safe: use it from one thread (or one client per thread).
+
+    >>> with EngineClient() as c:
+    ...     done = c.generate("Hello", max_tokens=8)
+    """
+
+    def __init__(self, input_endpoint: str = DEFAULT_INPUT, output_endpoint: str = DEFAULT_OUTPUT,
+                 *, timeout_s: float = DEFAULT_TIMEOUT_S, client_id: bytes | None = None) -> None:
+        super().__init__(input_endpoint, output_endpoint, timeout_s, client_id)
+        self._ctx = zmq.Context(io_threads=1)
+        self._in = self._ctx.socket(zmq.DEALER)
+        self._out = self._ctx.socket(zmq.DEALER)
+        self._configure(self._in, self._out)
+        self._pending: dict[str, deque[RequestOutput]] = {}
+        self._connected = False
+
+    def connect(self) -> EngineClient:
+        """Handshake with the engine; `TimeoutError` if none answers within ``timeout_s``."""
+        self._in.send_multipart(protocol.encode_hello(), copy=False)
+        deadline = time.monotonic() + self.timeout_s
+        while not self.engine_info:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._out.poll(left * 1000):
+                raise _no_engine(self.input_endpoint, self.output_endpoint, self.timeout_s)
+            self._route(self._out.recv_multipart(copy=False))
+        self._connected = True
+        return self
+
+    def __enter__(self) -> EngineClient:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._in.close(0)
+        self._out.close(0)
+        self._ctx.term()
+
+    def submit(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+               request_id: str | None = None, priority: int = 0, **sampling: Any) -> str:
+        """Send one request; returns its id. ``sampling``: SamplingParams fields."""
+        if not self._connected:
+            self.connect()
+        rid, frames = self._add_frames(prompt, prompt_token_ids, request_id, priority, sampling)
+        self._pending[rid] = deque()
+        self._in.send_multipart(frames, copy=False)
+        return rid
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Their final outputs (finish_reason ``abort``) still arrive through the stream."""
+        self._in.send_multipart(protocol.encode_abort(request_ids), copy=False)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    def _route(self, frames: list[Any]) -> None:
+        try:
+            outs = self._handle(frames)
+        except protocol.ProtocolError as e:
+            self.protocol_errors.append(str(e))
+            return
+        for out in outs:
+            if out.request_id in self._pending:
+                self._pending[out.request_id].append(out)
+
+    def _receive(self, deadline: float | None) -> None:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
+        if not self._out.poll(wait):
+            raise TimeoutError("no output from the engine before the deadline")
+        self._route(self._out.recv_multipart(copy=False))
+        while self._out.poll(0):
+            self._route(self._out.recv_multipart(copy=False))
+
+    def stream(self, request_id: str, timeout_s: float | None = None) -> Iterator[RequestOutput]:
+        """Yield one request's outputs (token deltas, then the final one) as they arrive,
+        buffering other requests' outputs meanwhile."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        queue = self._pending[request_id]
+        while True:
+            while queue:
+                out = queue.popleft()
+                if out.finished:
+                    del self._pending[request_id]
+                yield out
+                if out.finished:
+                    return
+            self._receive(deadline)
+
+    def outputs(self, timeout_s: float | None = None) -> Iterator[RequestOutput]:
+        """Yield every in-flight request's outputs in arrival order until none is in flight."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._pending:
+            for rid in list(self._pending):
+                queue = self._pending[rid]
+                while queue:
+                    out = queue.popleft()
+                    if out.finished:
+                        del self._pending[rid]
+                    yield out
+                    if out.finished:
+                        break
+            if self._pending and not any(self._pending.values()):
+                self._receive(deadline)
+
+    def gather(self, request_ids: Iterable[str] | None = None,
+               timeout_s: float | None = None) -> dict[str, Completion]:
+        """Wait for requests (default: all in flight) and return their completions."""
+        ids = list(self._pending if request_ids is None else request_ids)
+        results = {rid: Completion(rid) for rid in ids}
+        for out in self.outputs(timeout_s):
+            if out.request_id in results:
+                results[out.request_id].add(out)
+            if all(c.finished for c in results.values()):
+                break
+        return results
+
+    def generate(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+                 priority: int = 0, timeout_s: float | None = None, **sampling: Any) -> Completion:
+        """Submit one request and wait for its final output."""
+        rid = self.submit(prompt, prompt_token_ids=prompt_token_ids, priority=priority, **sampling)
+        done = Completion(rid)
+        for out in self.stream(rid, timeout_s):
+            done.add(out)
+        return done
+
+
+class AsyncEngineClient(_ClientBase):
+    """asyncio client: one reader task routes outputs into a queue per request, so any number
+    of tasks can each await their own request's stream."""
+
+    def __init__(self, input_endpoint: str = DEFAULT_INPUT, output_endpoint: str = DEFAULT_OUTPUT,
+                 *, timeout_s: float = DEFAULT_TIMEOUT_S, client_id: bytes | None = None) -> None:
+        super().__init__(input_endpoint, output_endpoint, timeout_s, client_id)
+        self._ctx = zmq.asyncio.Context(io_threads=1)
+        self._in = self._ctx.socket(zmq.DEALER)
+        self._out = self._ctx.socket(zmq.DEALER)
+        self._configure(self._in, self._out)
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+
+    async def connect(self) -> AsyncEngineClient:
+        await self._in.send_multipart(protocol.encode_hello(), copy=False)
+        self._reader = asyncio.create_task(self._read_loop())
+        try:
+            await asyncio.wait_for(self._ready.wait(), self.timeout_s)
+        except TimeoutError:
+            raise _no_engine(self.input_endpoint, self.output_endpoint, self.timeout_s) from None
+        return self
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        try:
+            return await self.connect()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+            self._reader = None
+        self._in.close(0)
+        self._out.close(0)
+        self._ctx.term()
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self._out.recv_multipart(copy=False)
+            try:
+                outs = self._handle(frames)
+            except protocol.ProtocolError as e:
+                self.protocol_errors.append(str(e))
+                continue
+            if self.engine_info:
+                self._ready.set()
+            for out in outs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    async def submit(self, prompt: str | None = None, *,
+                     prompt_token_ids: Sequence[int] | None = None, request_id: str | None = None,
+                     priority: int = 0, **sampling: Any) -> str:
+        rid, frames = self._add_frames(prompt, prompt_token_ids, request_id, priority, sampling)
+        self._queues[rid] = asyncio.Queue()
+        await self._in.send_multipart(frames, copy=False)
+        return rid
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        queue = self._queues[request_id]
+        try:
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+
+    async def generate_stream(self, prompt: str | None = None, *,
+                              prompt_token_ids: Sequence[int] | None = None, priority: int = 0,
+                              **sampling: Any) -> AsyncIterator[RequestOutput]:
+        rid = await self.submit(prompt, prompt_token_ids=prompt_token_ids, priority=priority,
+                                **sampling)
+        async for out in self.stream(rid):
+            yield out
+
+    async def generate(self, prompt: str | None = None, *,
+                       prompt_token_ids: Sequence[int] | None = None, priority: int = 0,
+                       **sampling: Any) -> Completion:
+        rid = await self.submit(prompt, prompt_token_ids=prompt_token_ids, priority=priority,
+                                **sampling)
+        done = Completion(rid)
+        async for out in self.stream(rid):
+            done.add(out)
+        return done
+
+    async def abort(self, request_ids: Iterable[str]) -> None:
+        await self._in.send_multipart(protocol.encode_abort(request_ids), copy=False)

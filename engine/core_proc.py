@@ -1,0 +1,578 @@
+"""EngineCoreProc: the EngineCore as a live process — I/O threads and queues around the core.
+
+Threads and what each one owns (a ZeroMQ socket is bound in the constructor, so a busy port fails
+fast, and from then on is touched only by its one thread, which also closes it):
+
+- **busy loop** (the main thread): the `EngineCore` itself. It drains the input queue (adds,
+  aborts, config changes, reloads), runs ``step()`` while there is work and blocks on the queue
+  when there is none, hands each step's outputs to the output queue, and feeds the telemetry
+  publisher between steps. Nothing else touches the core, so config changes are atomic between
+  two steps by construction.
+- **input thread**: the input ROUTER (many clients). Decodes and validates each message
+  (`engine.protocol`) off the compute path; a malformed one is answered with its reason and
+  never reaches the core.
+- **output thread**: the output ROUTER. Encodes outputs and sends each to the client that sent the
+  request (its routing identity), and answers ``hello`` with ``ready``.
+- **control thread**: the control ROUTER (`telemetry.control`). ``get_config`` is answered from the
+  busy loop's last published config; ``set_config`` is queued to the busy loop and its reply sent
+  only after it was applied (or refused).
+- the telemetry publisher's thread (`telemetry.publisher`) and the config file watcher.
+
+Routing: a client connects two DEALERs with one identity (its client id): requests on input,
+outputs on output. The output ROUTER is ``ROUTER_MANDATORY``: an output for a client that is no
+longer connected raises instead of vanishing, and the engine then aborts that client's requests.
+A client's ``hello`` arrives on input (forwarded by the input thread to the output thread); the
+output thread retries ``ready`` until the client's output connection is registered, so once a
+client has its ``ready`` no output to it can be lost.
+
+Invariants: request ids are unique among requests in flight (engine-wide); a client can abort
+only its own requests; every request that was accepted gets exactly one final output, including
+at shutdown (``abort``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from engine import protocol
+from engine.config import ConfigError, ConfigUpdate, EngineConfig, config_from_args
+from engine.config_watch import ConfigFileWatcher, apply_file, read_file
+from engine.outputs import RequestOutput
+from engine.request import FinishReason
+from telemetry import control
+from telemetry.endpoints import DEFAULTS, is_loopback
+from telemetry.publisher import TelemetryPublisher
+
+log = logging.getLogger("vconsole.engine")
+
+IO_POLL_MS = 200          # how often an idle I/O thread checks for shutdown
+HELLO_RETRY_S = 0.005     # ready re-sent this often until the client's output socket is known
+HELLO_WAIT_S = 5.0        # ...for at most this long
+SEND_TIMEOUT_MS = 5000    # a client that takes no output for this long is treated as gone
+CONTROL_WAIT_S = 30.0     # a set_config not applied within this is answered with an error
+DRAIN_TIMEOUT_S = 5.0     # steps run at shutdown to deliver the final (abort) outputs
+STALL_WAIT_S = 0.005      # a step that scheduled nothing is followed by this wait (no spin)
+
+# Input queue items: (kind, ...). SimpleQueue because signal handlers put on it (reentrant).
+ADD, ABORT, CONTROL, CLIENT_GONE, RELOAD, SHUTDOWN = (
+    "add", "abort", "control", "client_gone", "reload", "shutdown")
+_STOP = ("stop",)         # output queue sentinel
+
+
+class RemoteBindRefused(ValueError):
+    pass
+
+
+# Sockets that only publish (nothing sent to them changes the engine) may be exposed without
+# authentication when the operator opts in; input and control never are until CURVE exists.
+READ_ONLY_SOCKETS = frozenset({"telemetry"})
+
+
+def check_endpoints(endpoints: dict[str, str], allow_remote: bool) -> None:
+    """Refuse non-loopback binds for anything that can change the engine; a read-only socket
+    (telemetry) may be remote only with the explicit opt-in."""
+    remote = {name: ep for name, ep in endpoints.items() if not is_loopback(ep)}
+    steering = [f"{n}={ep}" for n, ep in remote.items() if n not in READ_ONLY_SOCKETS]
+    if steering:
+        raise RemoteBindRefused(
+            f"refusing to bind non-loopback endpoint(s) {', '.join(steering)}: these sockets "
+            "can submit requests or change the config, and the engine has no authentication yet "
+            "(CURVE comes later). Bind 127.0.0.1 or ipc:// and reach them over an ssh -L tunnel.")
+    if remote and not allow_remote:
+        eps = ", ".join(f"{n}={ep}" for n, ep in remote.items())
+        raise RemoteBindRefused(
+            f"refusing to bind non-loopback endpoint(s) {eps} without --allow-remote-telemetry: "
+            "telemetry is unauthenticated and readable by anyone who can reach the port.")
+
+
+def secure_socket(sock: zmq.Socket, name: str, endpoint: str) -> None:
+    """The seam for authentication: CURVE server keys (``CURVE_SERVER``, ``CURVE_SECRETKEY``)
+    and a ZAP handler will be set here for non-loopback endpoints. No-op today: remote binds are
+    only allowed for read-only sockets, with ``--allow-remote-telemetry``."""
+    if not is_loopback(endpoint):
+        log.warning("%s socket on %s is unauthenticated (--allow-remote-telemetry)", name, endpoint)
+
+
+@dataclass
+class ControlCall:
+    """A set_config in flight between the control thread and the busy loop. ``lock`` makes
+    "cancelled by a timed-out waiter" and "applied by the busy loop" mutually exclusive."""
+
+    values: dict[str, Any]
+    request_id: int | None
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    reply: dict[str, Any] | None = None
+
+    def resolve(self, reply: dict[str, Any]) -> None:
+        self.reply = reply
+        self.done.set()
+
+
+class EngineCoreProc:
+    """Binds the sockets, loads the core, runs the busy loop; see the module docstring.
+
+    ``core`` may be given (tests); ``input_queue`` lets `main` install signal handlers that
+    enqueue before the (slow) core exists."""
+
+    def __init__(self, config: EngineConfig, endpoints: dict[str, str], *,
+                 config_path: str | None = None, allow_remote: bool = False, core: Any = None,
+                 input_queue: queue.SimpleQueue[tuple[Any, ...]] | None = None) -> None:
+        check_endpoints(endpoints, allow_remote)
+        self.config_path = config_path
+        self.input_queue: queue.SimpleQueue[tuple[Any, ...]] = input_queue or queue.SimpleQueue()
+        self.output_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._io_stop = threading.Event()
+        self._owners: dict[str, bytes] = {}     # request id in flight -> client id (busy loop)
+        self._stopping: str | None = None       # why the busy loop is leaving
+        self._dirty = True                      # state changed since the last snapshot
+        self.state = "starting"
+        # Created first: its baseline is the file as loaded, so an edit made while the model
+        # loads is noticed at the first poll.
+        self._watcher = (ConfigFileWatcher(config_path, lambda: self.input_queue.put(
+            (RELOAD, "file changed"))) if config_path else None)
+
+        self.ctx = zmq.Context(io_threads=max(1, min(config.zmq_io_threads, os.cpu_count() or 1)))
+        self.endpoints = dict(endpoints)
+        self._sockets: dict[str, zmq.Socket] = {}
+        try:
+            self._sockets["input"] = self._bind(zmq.ROUTER, "input", config)
+            self._sockets["output"] = self._bind(zmq.ROUTER, "output", config)
+            self._sockets["control"] = self._bind(zmq.ROUTER, "control", config)
+            out = self._sockets["output"]
+            out.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            out.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+
+            if core is None:
+                from engine.core import EngineCore  # torch: only once the sockets are ours
+                core = EngineCore(config)
+            self.core = core
+            self.publisher = TelemetryPublisher(self.ctx, endpoints["telemetry"],
+                                                core.config.engine_id, core.config.dp_rank,
+                                                core.config)
+            self.publisher.start()
+            self.endpoints["telemetry"] = self.publisher.endpoint
+        except BaseException:
+            for sock in self._sockets.values():
+                sock.close(0)
+            self.ctx.term()
+            raise
+        self._config_view = (core.config_version, core.config)  # read by the control thread
+        runner = getattr(core, "runner", None)
+        self.ready_info = {
+            "engine_id": core.config.engine_id, "model": core.config.model,
+            "vocab_size": getattr(runner, "vocab_size", None),
+            "max_model_len": getattr(runner, "max_model_len", None),
+            "block_size": core.config.block_size,
+            "num_kv_blocks": getattr(core, "num_kv_blocks", None),
+        }
+        self._threads = [
+            threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
+            threading.Thread(target=self._output_loop, name="engine-output", daemon=True),
+            threading.Thread(target=self._control_loop, name="engine-control", daemon=True),
+        ]
+
+    def _bind(self, kind: int, name: str, config: EngineConfig) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        try:
+            sock.setsockopt(zmq.LINGER, config.zmq_linger_ms)
+            sock.setsockopt(zmq.SNDHWM, config.zmq_sndhwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, config.zmq_maxmsgsize)
+            secure_socket(sock, name, self.endpoints[name])
+            sock.bind(self.endpoints[name])
+            self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoints[name]
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise OSError(f"cannot bind the {name} socket to {self.endpoints[name]}: {e}") from None
+        return sock
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the I/O threads (the busy loop then runs in the caller's thread)."""
+        for t in self._threads:
+            t.start()
+        if self._watcher is not None:
+            self._watcher.start()
+        self._publish_config()
+        self._set_state("idle")
+
+    def request_shutdown(self, reason: str) -> None:
+        """Safe from any thread and from signal handlers."""
+        self.input_queue.put((SHUTDOWN, reason))
+
+    def request_reload(self, reason: str) -> None:
+        self.input_queue.put((RELOAD, reason))
+
+    def run_busy_loop(self) -> None:
+        """The loop: inputs, one step, telemetry — until asked to stop; then drain and close."""
+        while self._stopping is None:
+            self._process_input_queue()
+            self._process_engine_step()
+            self._maybe_snapshot()
+        self._shutdown()
+
+    # --- busy loop ------------------------------------------------------------------------------
+
+    def _process_input_queue(self) -> None:
+        """Apply every queued input. With no work, block for the first one (waking only to send
+        the snapshot that shows the drained state), so an idle engine costs nothing."""
+        if not self.core.has_unfinished_requests():
+            self._set_state("idle")
+            wait = 1.0 / self.core.config.telemetry_hz if self._dirty else None
+            try:
+                self._handle_input(self.input_queue.get(timeout=wait))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle_input(item)
+
+    def _process_engine_step(self) -> None:
+        if self._stopping is not None or not self.core.has_unfinished_requests():
+            return
+        self._set_state("running")
+        outputs, scheduled = self.core.step()
+        if self.core.last_step is not None:
+            self.publisher.record_step(self.core.last_step)
+        self._emit(outputs)
+        self._dirty = True
+        if not scheduled:
+            with contextlib.suppress(queue.Empty):
+                self._handle_input(self.input_queue.get(timeout=STALL_WAIT_S))
+
+    def _maybe_snapshot(self) -> None:
+        if self.publisher.snapshot_due():
+            core = self.core
+            self.publisher.submit_snapshot(core.scheduler_stats(core.config.telemetry_max_requests),
+                                           core.kv_stats(), self.state, core.num_steps)
+            self._dirty = False
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self.publisher.set_state(state)
+            self._dirty = True
+
+    def _emit(self, outputs: dict[bytes, list[RequestOutput]]) -> None:
+        for client_id, outs in outputs.items():
+            for out in outs:
+                if out.finished:
+                    self._owners.pop(out.request_id, None)
+            self.output_queue.put((protocol.OUTPUTS, client_id, outs))
+
+    def _handle_input(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        if kind == ADD:
+            self._add(item[1], item[2])
+        elif kind == ABORT:
+            client_id, ids = item[1], item[2]
+            self.core.abort_requests([i for i in ids if self._owners.get(i) == client_id])
+        elif kind == CONTROL:
+            self._apply_control(item[1])
+        elif kind == CLIENT_GONE:
+            ids = [rid for rid, owner in self._owners.items() if owner == item[1]]
+            if ids:
+                log.warning("client %s is gone: aborting its %d request(s)",
+                            item[1].decode(errors="replace"), len(ids))
+                self.core.abort_requests(ids)
+        elif kind == RELOAD:
+            self._reload_config_file(item[1])
+        elif kind == SHUTDOWN and self._stopping is None:
+            log.info("%s: draining", item[1])
+            self._stopping = item[1]
+        self._dirty = True
+
+    def _reject(self, client_id: bytes, request_id: str, reason: str) -> None:
+        self.output_queue.put((protocol.OUTPUTS, client_id, [RequestOutput(
+            request_id, finished=True, finish_reason=FinishReason.ERROR.value, error=reason)]))
+
+    def _add(self, client_id: bytes, msg: protocol.AddMessage) -> None:
+        if self._stopping is not None:
+            return self._reject(client_id, msg.request_id, "engine is shutting down")
+        if msg.request_id in self._owners:
+            return self._reject(client_id, msg.request_id,
+                                f"duplicate request id {msg.request_id!r}: one is in flight")
+        try:
+            req = self.core.make_request(msg.request_id, prompt=msg.prompt,
+                                         prompt_token_ids=msg.prompt_token_ids,
+                                         sampling=msg.sampling, priority=msg.priority,
+                                         client_id=client_id)
+        except ValueError as e:
+            return self._reject(client_id, msg.request_id, str(e))
+        rejected = self.core.add_request(req)
+        if rejected is not None:
+            self.output_queue.put((protocol.OUTPUTS, client_id, [rejected]))
+        else:
+            self._owners[msg.request_id] = client_id
+
+    def _apply_control(self, call: ControlCall) -> None:
+        with call.lock:
+            if call.cancelled:
+                return
+            if self._stopping is not None:
+                call.resolve(control.error_reply("engine is shutting down", call.request_id))
+                return
+            update = self.core.apply_config(call.values)
+            self._after_config_change(update, "set_config")
+            call.resolve(control.config_reply(self.core.config_version,
+                                              self.core.config.to_dict(), update,
+                                              request_id=call.request_id))
+
+    def _reload_config_file(self, reason: str) -> None:
+        if not self.config_path:
+            log.info("%s: no --config file to reload", reason)
+            return
+        try:
+            values = read_file(self.config_path)
+        except ValueError as e:
+            log.error("config reload (%s) failed: %s", reason, e)
+            return
+        update = apply_file(self.core.apply_config, self.core.config, values)
+        self._after_config_change(update, f"{self.config_path} ({reason})")
+        for key, why in update.rejected.items():
+            log.error("config reload (%s): %s rejected: %s", reason, key, why)
+        for key in update.restart_required:
+            log.warning("config reload (%s): %s changed in the file: restart_required (the "
+                        "running value stays until the engine restarts)", reason, key)
+
+    def _after_config_change(self, update: ConfigUpdate, source: str) -> None:
+        if not update.applied:
+            return
+        log.info("config v%d from %s: %s", self.core.config_version, source,
+                 ", ".join(f"{k}={v}" for k, v in update.applied.items()))
+        self._config_view = (self.core.config_version, self.core.config)
+        self.publisher.update_config(self.core.config)
+        self._publish_config()
+
+    def _publish_config(self) -> None:
+        self.publisher.publish_config(self.core.config_version, self.core.config.to_dict())
+
+    def _shutdown(self) -> None:
+        """Stop taking requests, abort those in flight and deliver their final outputs, answer
+        any queued control call, then join every thread and close every socket."""
+        self._set_state("draining")
+        self._io_stop.set()
+        self._threads[0].join()                      # input: no new messages from here on
+        if self._watcher is not None:
+            self._watcher.stop()
+        self._drain_queue()
+        self.core.abort_requests(list(self._owners))
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self.core.has_unfinished_requests() and time.monotonic() < deadline:
+            outputs, _ = self.core.step()
+            self._emit(outputs)
+        self.publisher.submit_snapshot(
+            self.core.scheduler_stats(self.core.config.telemetry_max_requests),
+            self.core.kv_stats(), "draining", self.core.num_steps)
+        while self._threads[2].is_alive():           # control: may wait on a queued call
+            self._drain_queue()
+            self._threads[2].join(0.05)
+        self.output_queue.put(_STOP)
+        self._threads[1].join()                      # output: flushes everything queued first
+        self.publisher.close()
+        self.ctx.term()
+        log.info("engine stopped (%s)", self._stopping)
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                self._handle_input(self.input_queue.get_nowait())
+            except queue.Empty:
+                return
+
+    # --- input thread ----------------------------------------------------------------------------
+
+    def _input_loop(self) -> None:
+        sock = self._sockets["input"]
+        try:
+            while not self._io_stop.is_set():
+                if sock.poll(IO_POLL_MS):
+                    self._on_input(sock.recv_multipart(copy=False))
+        finally:
+            sock.close()
+
+    def _on_input(self, frames: list[zmq.Frame]) -> None:
+        client_id = frames[0].bytes
+        try:
+            header = protocol.decode([f.buffer for f in frames[1:]])
+            kind = header["type"]
+            if kind == protocol.ADD:
+                self.input_queue.put((ADD, client_id, protocol.parse_add(header)))
+            elif kind == protocol.ABORT:
+                self.input_queue.put((ABORT, client_id, protocol.parse_abort(header)))
+            elif kind == protocol.HELLO:
+                self.output_queue.put((protocol.HELLO, client_id))
+            else:
+                raise protocol.ProtocolError(f"unknown message type {kind!r}",
+                                             header.get("request_id"))
+        except protocol.ProtocolError as e:
+            log.warning("rejected a message from client %s: %s",
+                        client_id.decode(errors="replace"), e.reason)
+            self.output_queue.put((protocol.ERROR, client_id, e.reason, e.request_id))
+
+    # --- output thread ---------------------------------------------------------------------------
+
+    def _output_loop(self) -> None:
+        sock = self._sockets["output"]
+        hellos: dict[bytes, float] = {}   # client id -> give-up time, while its route is unknown
+        gone: set[bytes] = set()
+        try:
+            while True:
+                try:
+                    item = self.output_queue.get(timeout=HELLO_RETRY_S if hellos else None)
+                except queue.Empty:
+                    item = None
+                if item is _STOP:
+                    return
+                if item is not None:
+                    self._on_output(sock, item, hellos, gone)
+                for client_id, give_up in list(hellos.items()):
+                    if self._send(sock, client_id, protocol.encode_ready(self._ready())) is None:
+                        if time.monotonic() > give_up:
+                            del hellos[client_id]
+                            log.warning("hello from %s: its output socket never connected",
+                                        client_id.decode(errors="replace"))
+                    else:
+                        del hellos[client_id]
+        finally:
+            sock.close()
+
+    def _ready(self) -> dict[str, Any]:
+        return {**self.ready_info, "config_version": self._config_view[0]}
+
+    def _on_output(self, sock: zmq.Socket, item: tuple[Any, ...], hellos: dict[bytes, float],
+                   gone: set[bytes]) -> None:
+        kind, client_id = item[0], item[1]
+        if kind == protocol.HELLO:
+            gone.discard(client_id)
+            hellos[client_id] = time.monotonic() + HELLO_WAIT_S
+            return
+        if kind == protocol.OUTPUTS:
+            frames = protocol.encode_outputs(item[2])
+        elif item[3] is not None:       # ERROR naming a request: that request's final output
+            frames = protocol.encode_outputs([RequestOutput(
+                item[3], finished=True, finish_reason=FinishReason.ERROR.value, error=item[2])])
+        else:
+            frames = protocol.encode_error(item[2])
+        if not self._send(sock, client_id, frames) and client_id not in gone:
+            gone.add(client_id)
+            self.input_queue.put((CLIENT_GONE, client_id))
+
+    @staticmethod
+    def _send(sock: zmq.Socket, client_id: bytes, frames: protocol.Frames) -> bool | None:
+        """True when sent; None when the client has no output connection (unknown route);
+        False when it stopped taking output (send timed out)."""
+        try:
+            sock.send_multipart([client_id, *frames], copy=False)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return None
+            raise
+
+    # --- control thread --------------------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        sock = self._sockets["control"]
+        try:
+            while not self._io_stop.is_set():
+                if not sock.poll(IO_POLL_MS):
+                    continue
+                frames = sock.recv_multipart()
+                try:
+                    reply = control.handle_frames(frames, self._on_control)
+                except control.ControlError as e:
+                    log.warning("control: dropped a malformed message: %s", e)
+                    continue
+                sock.send_multipart(reply)
+        finally:
+            sock.close()
+
+    def _on_control(self, req: dict[str, Any]) -> dict[str, Any]:
+        rid = req.get("id")
+        if req["op"] == "get_config":
+            version, cfg = self._config_view
+            return control.config_reply(version, cfg.to_dict(), request_id=rid)
+        if self._io_stop.is_set():
+            return control.error_reply("engine is shutting down", rid)
+        call = ControlCall(dict(req["values"]), rid)
+        self.input_queue.put((CONTROL, call))
+        if call.done.wait(CONTROL_WAIT_S):
+            return call.reply or control.error_reply("no reply", rid)
+        with call.lock:
+            if call.reply is None:
+                call.cancelled = True
+                return control.error_reply(f"the engine did not reach a step boundary within "
+                                           f"{CONTROL_WAIT_S:g} s; nothing was applied", rid)
+        return call.reply
+
+
+# --- `vconsole engine` -----------------------------------------------------------------------------
+
+def _install_signal_handlers(q: queue.SimpleQueue[tuple[Any, ...]]) -> None:
+    """SIGINT/SIGTERM: drain and exit 0 (a second one: exit now). SIGHUP: reload --config."""
+    count = 0
+
+    def on_stop(signum: int, _frame: Any) -> None:
+        nonlocal count
+        count += 1
+        if count > 1:
+            raise KeyboardInterrupt
+        q.put((SHUTDOWN, signal.Signals(signum).name))
+
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGTERM, on_stop)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda *_: q.put((RELOAD, "SIGHUP")))
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"vconsole engine: invalid config: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:  # an unreadable --config file
+        print(f"vconsole engine: {e}", file=sys.stderr)
+        return 2
+    endpoints = {name: getattr(args, name, None) or default for name, default in DEFAULTS.items()}
+    q: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+    _install_signal_handlers(q)
+    try:
+        proc = EngineCoreProc(config, endpoints, config_path=getattr(args, "config", None),
+                              allow_remote=bool(getattr(args, "allow_remote", False)),
+                              input_queue=q)
+    except (RemoteBindRefused, OSError) as e:
+        print(f"vconsole engine: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # the model or the KV pool: the loader says why
+        print(f"vconsole engine: cannot start: {e}", file=sys.stderr)
+        return 1
+    proc.start()
+    ep = proc.endpoints
+    print(f"vconsole engine {config.engine_id} ready (pid {os.getpid()}): input={ep['input']} "
+          f"output={ep['output']} telemetry={ep['telemetry']} control={ep['control']}",
+          flush=True)
+    proc.run_busy_loop()
+    return 0

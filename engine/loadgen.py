@@ -1,0 +1,402 @@
+"""`vconsole load`: a load generator client, and the reusable `run_load` the demo drives.
+
+Arrivals are open-loop Poisson at ``rate`` (which may vary with time: `RateFn`), closed-loop at
+``concurrency`` requests in flight, or both (Poisson, capped); with neither, everything is sent
+at once. The workload is reproducible from ``seed``: prompt lengths, output lengths (requests
+use ``ignore_eos`` so they run to their length), priorities drawn from a weighted mix, a share of
+long prompts and a share of prompts that start with one shared prefix (for the prefix cache).
+
+Measured per request on the client's clock: TTFT (send -> first token) and inter-token latency
+(the gap between two output messages divided by the tokens the later one carried).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.client import AsyncEngineClient
+
+RateFn = Callable[[float], float]   # seconds since the start -> requests per second
+ProgressFn = Callable[[dict[str, Any]], None]
+PROGRESS_INTERVAL_S = 0.25
+FIRST_TOKEN_ID = 3                   # skip the usual pad/bos/eos ids at the bottom
+
+
+@dataclass
+class LoadSpec:
+    num: int | None = 100             # None: until stopped
+    rate: float | None = None         # Poisson requests/s (a RateFn passed to run_load wins)
+    concurrency: int | None = None    # most requests in flight
+    prompt_len: tuple[int, int] = (16, 128)
+    output_len: tuple[int, int] = (16, 64)
+    priority_mix: list[tuple[int, float]] = field(default_factory=lambda: [(0, 1.0)])
+    seed: int = 0
+    long_prompt_share: float = 0.0
+    long_prompt_len: tuple[int, int] = (256, 512)
+    shared_prefix_share: float = 0.0
+    shared_prefix_len: int = 32
+
+
+@dataclass
+class RequestRecord:
+    priority: int
+    prompt_len: int
+    sent: float = 0.0
+    first_token: float | None = None
+    last_token: float = 0.0
+    num_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"16:128"`` -> (16, 128); ``"32"`` -> (32, 32)."""
+    lo, _, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"expected LO:HI integers, got {text!r}") from None
+    if not 1 <= a <= b:
+        raise ValueError(f"expected 1 <= LO <= HI, got {text!r}")
+    return a, b
+
+
+def parse_mix(text: str) -> list[tuple[int, float]]:
+    """``"0:1,5:3"`` -> [(0, 1.0), (5, 3.0)]: priority:weight pairs."""
+    mix = []
+    for part in text.split(","):
+        p, _, w = part.partition(":")
+        try:
+            mix.append((int(p), float(w or 1)))
+        except ValueError:
+            raise ValueError(f"expected PRIORITY:WEIGHT pairs, got {part!r}") from None
+    if not mix or any(w < 0 for _, w in mix) or sum(w for _, w in mix) <= 0:
+        raise ValueError(f"weights must be >= 0 and not all zero: {text!r}")
+    return mix
+
+
+class Workload:
+    """Draws the requests of a spec, reproducibly."""
+
+    def __init__(self, spec: LoadSpec, vocab_size: int, max_model_len: int) -> None:
+        self.spec = spec
+        self.rng = random.Random(spec.seed)
+        self.lo = min(FIRST_TOKEN_ID, vocab_size - 1)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.prefix = self._ids(spec.shared_prefix_len)
+        self.priorities = [p for p, _ in spec.priority_mix]
+        self.weights = [w for _, w in spec.priority_mix]
+
+    def _ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.lo, self.vocab_size) for _ in range(n)]
+
+    def next(self) -> tuple[list[int], int, int]:
+        """(prompt token ids, max_tokens, priority)."""
+        s, rng = self.spec, self.rng
+        long = rng.random() < s.long_prompt_share
+        n = rng.randint(*(s.long_prompt_len if long else s.prompt_len))
+        out = rng.randint(*s.output_len)
+        out = max(1, min(out, self.max_model_len - 1))
+        n = max(1, min(n, self.max_model_len - out))
+        if rng.random() < s.shared_prefix_share and n > len(self.prefix):
+            ids = self.prefix + self._ids(n - len(self.prefix))
+        else:
+            ids = self._ids(n)
+        priority = rng.choices(self.priorities, self.weights)[0]
+        return ids, out, priority
+
+
+class LoadRun:
+    """Live counters and per-request records of one run (read by the progress display)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.finished_at: float | None = None
+        self.records: dict[str, RequestRecord] = {}
+        self.sent = 0
+        self.done = 0
+        self.tokens = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self.sent - self.done
+
+    def progress(self) -> dict[str, Any]:
+        elapsed = max(1e-9, time.monotonic() - self.started)
+        return {"sent": self.sent, "done": self.done, "in_flight": self.in_flight,
+                "tokens": self.tokens, "elapsed_s": elapsed, "tok_per_s": self.tokens / elapsed}
+
+    def summary(self) -> dict[str, Any]:
+        end = self.finished_at or time.monotonic()
+        duration = max(1e-9, end - self.started)
+        recs = list(self.records.values())
+        reasons = Counter(r.finish_reason for r in recs if r.finish_reason)
+        errors: Counter[str] = Counter()
+        for r in recs:
+            if r.finish_reason not in ("length", "stop"):
+                errors[r.finish_reason if r.finish_reason != "error" else f"error: {r.error}"] += 1
+        ttft = [r.first_token - r.sent for r in recs if r.first_token is not None]
+        itl = [g for r in recs for g in r.itl]
+        return {
+            "requests": len(recs), "completed": reasons["length"] + reasons["stop"],
+            "errors": dict(errors), "finish_reasons": dict(reasons),
+            "ttft_s": _percentiles(ttft), "itl_s": _percentiles(itl),
+            "output_tokens": self.tokens, "duration_s": duration,
+            "tok_per_s": self.tokens / duration, "req_per_s": self.done / duration,
+        }
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None, "mean": None}
+    arr = np.asarray(values)
+    return {"p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99)),
+            "mean": float(arr.mean())}
+
+
+async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_tokens: int,
+               priority: int, in_flight: dict[str, None]) -> None:
+    rec = RequestRecord(priority, len(ids), sent=time.monotonic())
+    run.sent += 1
+    try:
+        rid = await client.submit(prompt_token_ids=ids, max_tokens=max_tokens, ignore_eos=True,
+                                  priority=priority)
+        run.records[rid] = rec
+        in_flight[rid] = None
+        async for out in client.stream(rid):
+            now = time.monotonic()
+            n = len(out.new_token_ids)
+            if n:
+                if rec.first_token is None:
+                    rec.first_token = now
+                else:
+                    rec.itl.append((now - rec.last_token) / n)
+                rec.last_token = now
+                rec.num_tokens += n
+                run.tokens += n
+            if out.finished:
+                rec.finish_reason, rec.error = out.finish_reason, out.error
+    finally:
+        in_flight.pop(rid, None)
+        run.done += 1
+
+
+async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn | None = None,
+                   stop: threading.Event | None = None, on_progress: ProgressFn | None = None,
+                   run: LoadRun | None = None) -> LoadRun:
+    """Send ``spec``'s requests through a connected client; return when all have finished or
+    ``stop`` is set (requests still in flight are then aborted and their final outputs
+    awaited, briefly). ``run`` may be passed to watch the counters from another thread."""
+    info = client.engine_info
+    workload = Workload(spec, int(info.get("vocab_size") or 256),
+                        int(info.get("max_model_len") or 2048))
+    if rate_fn is None and spec.rate is not None:
+        rate_fn = _constant(spec.rate)
+    run = run or LoadRun()
+    rng = random.Random(spec.seed + 1)
+    cap = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
+    in_flight: dict[str, None] = {}
+    tasks: set[asyncio.Task[None]] = set()
+    stop = stop or threading.Event()
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            if on_progress:
+                on_progress(run.progress())
+
+    async def start_one() -> bool:
+        ids, max_tokens, priority = workload.next()
+        while cap is not None:
+            if stop.is_set():
+                return False
+            try:
+                await asyncio.wait_for(cap.acquire(), 0.1)
+                break
+            except TimeoutError:
+                continue
+        task = asyncio.create_task(_one(client, run, ids, max_tokens, priority, in_flight))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        if cap is not None:
+            task.add_done_callback(lambda _: cap.release())
+        return True
+
+    tick = asyncio.create_task(ticker())
+    try:
+        i = 0
+        while (spec.num is None or i < spec.num) and not stop.is_set():
+            if rate_fn is not None:
+                await _sleep_until_next(rate_fn, run.started, rng, stop)
+                if stop.is_set():
+                    break
+            if not await start_one():
+                break
+            i += 1
+        while tasks and not stop.is_set():
+            await asyncio.wait(set(tasks), timeout=0.1)
+        if tasks:
+            await client.abort(list(in_flight))
+            await asyncio.wait(set(tasks), timeout=2.0)
+            for t in tasks:
+                t.cancel()
+    finally:
+        tick.cancel()
+        run.finished_at = time.monotonic()
+        if on_progress:
+            on_progress(run.progress())
+    return run
+
+
+def _constant(rate: float) -> RateFn:
+    return lambda _t: rate
+
+
+async def _sleep_until_next(rate_fn: RateFn, t0: float, rng: random.Random,
+                            stop: threading.Event) -> None:
+    """Wait one exponential gap at the current rate, re-checking ``stop`` (and a zero rate)."""
+    while not stop.is_set():
+        rate = rate_fn(time.monotonic() - t0)
+        if rate > 0 and math.isfinite(rate):
+            gap = rng.expovariate(rate)
+            end = time.monotonic() + gap
+            while (left := end - time.monotonic()) > 0 and not stop.is_set():
+                await asyncio.sleep(min(left, 0.1))
+            return
+        if rate > 0:   # infinite: no wait
+            return
+        await asyncio.sleep(0.1)
+
+
+def demo_rate(base: float, period_s: float = 40.0) -> RateFn:
+    """A rate that tells a story on the console: steady, a burst (3x), a quiet spell (0.1x), a
+    ramp back up — repeating every ``period_s``."""
+    def rate(t: float) -> float:
+        phase = (t % period_s) / period_s
+        if phase < 0.30:
+            return base
+        if phase < 0.42:
+            return 3.0 * base
+        if phase < 0.65:
+            return 0.1 * base
+        return base * (0.3 + 0.7 * (phase - 0.65) / 0.35)
+    return rate
+
+
+def demo_spec(seed: int = 0) -> LoadSpec:
+    return LoadSpec(num=None, concurrency=96, prompt_len=(16, 96), output_len=(8, 64),
+                    priority_mix=[(0, 1.0), (1, 3.0), (2, 2.0)], seed=seed,
+                    long_prompt_share=0.08, long_prompt_len=(200, 400),
+                    shared_prefix_share=0.3, shared_prefix_len=48)
+
+
+class LoadThread(threading.Thread):
+    """`run_load` on its own asyncio loop in a daemon thread (the demo, screenshots)."""
+
+    def __init__(self, input_endpoint: str, output_endpoint: str, spec: LoadSpec, *,
+                 rate_fn: RateFn | None = None, timeout_s: float = 10.0) -> None:
+        super().__init__(name="loadgen", daemon=True)
+        self.endpoints = (input_endpoint, output_endpoint)
+        self.spec = spec
+        self.rate_fn = rate_fn
+        self.timeout_s = timeout_s
+        self.run_state = LoadRun()
+        self.error: BaseException | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # reported by the owner; a daemon thread has no one else
+            self.error = e
+
+    async def _main(self) -> None:
+        async with AsyncEngineClient(*self.endpoints, timeout_s=self.timeout_s) as client:
+            self.run_state.started = time.monotonic()
+            await run_load(client, self.spec, rate_fn=self.rate_fn, stop=self._stop_event,
+                           run=self.run_state)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop_event.set()
+        self.join(timeout)
+
+
+# --- `vconsole load` -------------------------------------------------------------------------
+
+def format_summary(s: dict[str, Any]) -> str:
+    def ms(d: dict[str, float | None], k: str) -> str:
+        return "-" if d[k] is None else f"{d[k] * 1000:.1f} ms"
+
+    lines = [f"requests     {s['requests']} ({s['completed']} completed) in {s['duration_s']:.2f} s",
+             f"throughput   {s['tok_per_s']:.1f} output tok/s, {s['req_per_s']:.2f} req/s "
+             f"({s['output_tokens']} tokens)",
+             f"TTFT         p50 {ms(s['ttft_s'], 'p50')}   p99 {ms(s['ttft_s'], 'p99')}",
+             f"inter-token  p50 {ms(s['itl_s'], 'p50')}   p99 {ms(s['itl_s'], 'p99')}"]
+    if s["errors"]:
+        lines.append("errors       " + ", ".join(f"{k}: {v}" for k, v in s["errors"].items()))
+    else:
+        lines.append("errors       none")
+    return "\n".join(lines)
+
+
+def spec_from_args(args: argparse.Namespace) -> LoadSpec:
+    if args.num < 1:
+        raise ValueError("--num must be >= 1")
+    if args.rate is not None and args.rate <= 0:
+        raise ValueError("--rate must be > 0")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ValueError("--concurrency must be >= 1")
+    return LoadSpec(num=args.num, rate=args.rate, concurrency=args.concurrency,
+                    prompt_len=parse_range(args.prompt_len), output_len=parse_range(args.output_len),
+                    priority_mix=parse_mix(args.priority_mix), seed=args.seed)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        spec = spec_from_args(args)
+    except ValueError as e:
+        print(f"vconsole load: {e}", file=sys.stderr)
+        return 2
+    tty = sys.stderr.isatty() and not args.json
+    stop = threading.Event()
+
+    def show(p: dict[str, Any]) -> None:
+        sys.stderr.write(f"\r sent {p['sent']}/{spec.num}  done {p['done']}  in-flight "
+                         f"{p['in_flight']}  {p['tok_per_s']:.0f} tok/s  {p['elapsed_s']:.1f} s ")
+        sys.stderr.flush()
+
+    async def go() -> LoadRun:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            import signal
+            loop.add_signal_handler(signal.SIGINT, stop.set)
+        async with AsyncEngineClient(args.input, args.output,
+                                     timeout_s=getattr(args, "timeout", None) or 10.0) as client:
+            return await run_load(client, spec, stop=stop, on_progress=show if tty else None)
+
+    try:
+        run = asyncio.run(go())
+    except TimeoutError as e:
+        print(f"vconsole load: {e}", file=sys.stderr)
+        return 1
+    if tty:
+        sys.stderr.write("\n")
+    summary = run.summary()
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0

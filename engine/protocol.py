@@ -1,0 +1,309 @@
+"""The request wire protocol between clients and the engine process (one schema, both sides).
+
+A message is one ZeroMQ multipart message. Frame 0 is a msgpack map, the *header*; frames 1..
+are raw array buffers that the header refers to with a msgpack extension value (type
+`EXT_ARRAY`: frame index + numpy dtype string). Arrays therefore never become msgpack lists on
+the way out (`encode` hands numpy arrays to ``send_multipart(copy=False)``) nor Python lists on
+the way in (`decode` wraps the received frame with ``np.frombuffer``). Arrays of at most
+`INLINE_MAX` elements travel inline as plain lists: one decode token per step is cheaper inline
+than as its own frame.
+
+Every header carries ``v`` (`PROTOCOL_VERSION`) and ``type``:
+
+client -> engine (input socket)
+    ``hello``  {}                                       answered by ``ready`` on the output socket
+    ``add``    {request_id, prompt | prompt_token_ids, sampling{...}, priority}
+    ``abort``  {request_ids}
+engine -> client (output socket)
+    ``ready``   {engine_id, config_version, vocab_size, max_model_len}
+    ``outputs`` {outputs: [{request_id, new_token_ids, finished, finish_reason, text,
+                 num_prompt_tokens, num_cached_tokens, num_output_tokens, num_preemptions,
+                 error}]}
+    ``error``   {reason, request_id}                    a message the engine could not accept
+
+Invariant: `decode` and the ``parse_*`` functions never raise anything but `ProtocolError`, so a
+malformed frame costs the engine one reply, never its input thread.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+
+PROTOCOL_VERSION = 1
+INLINE_MAX = 16
+EXT_ARRAY = 1
+MAX_FRAMES = 8
+MAX_REQUEST_ID_LEN = 256
+TOKEN_DTYPE = np.dtype("<i4")
+
+HELLO, READY, ADD, ABORT, OUTPUTS, ERROR = "hello", "ready", "add", "abort", "outputs", "error"
+CLIENT_TYPES = frozenset({HELLO, ADD, ABORT})
+ENGINE_TYPES = frozenset({READY, OUTPUTS, ERROR})
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids",
+                 "ignore_eos")
+
+Frames = list[Any]  # bytes / numpy arrays on send; bytes / memoryviews on receive
+
+
+class ProtocolError(ValueError):
+    """A message the receiver cannot accept. ``request_id`` is set when the message named one,
+    so the engine can answer that request instead of the client as a whole."""
+
+    def __init__(self, reason: str, request_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.request_id = request_id
+
+
+# --- framing --------------------------------------------------------------------------------
+
+def encode(header: dict[str, Any]) -> Frames:
+    """Header -> frames. numpy arrays anywhere in the header go out as their own frames."""
+    buffers: list[np.ndarray] = []
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            arr = obj if obj.ndim == 1 and obj.flags.c_contiguous else \
+                np.ascontiguousarray(obj.reshape(-1))
+            if arr.size <= INLINE_MAX:
+                return arr.tolist()
+            buffers.append(arr)
+            return msgpack.ExtType(EXT_ARRAY, struct.pack("<I", len(buffers)) +
+                                   arr.dtype.str.encode())
+        if isinstance(obj, np.integer | np.floating | np.bool_):
+            return obj.item()
+        raise TypeError(f"cannot encode {type(obj).__name__}")
+
+    head = {"v": PROTOCOL_VERSION, **header}
+    return [msgpack.packb(head, default=default, use_bin_type=True), *buffers]
+
+
+def decode(frames: Sequence[Any]) -> dict[str, Any]:
+    """Frames -> header, with array references resolved to zero-copy numpy views.
+
+    Checks the version and that ``type`` is a string; the per-type ``parse_*`` functions check
+    the rest."""
+    if not frames:
+        raise ProtocolError("empty message")
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError(f"too many frames ({len(frames)} > {MAX_FRAMES})")
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code != EXT_ARRAY or len(data) < 5:
+            raise ProtocolError(f"unknown msgpack extension type {code}")
+        (index,) = struct.unpack_from("<I", data)
+        try:
+            dtype = np.dtype(data[4:].decode("ascii"))
+        except (TypeError, ValueError, UnicodeDecodeError):
+            raise ProtocolError(f"bad array dtype {data[4:]!r}") from None
+        if dtype.kind not in "iu":
+            raise ProtocolError(f"arrays must be integer, got dtype {dtype.str}")
+        if not 1 <= index < len(frames):
+            raise ProtocolError(f"array refers to frame {index}; message has {len(frames)}")
+        buf = memoryview(frames[index])
+        if buf.nbytes % dtype.itemsize:
+            raise ProtocolError(f"frame {index}: {buf.nbytes} bytes is not a whole number of "
+                                f"{dtype.str} items")
+        return np.frombuffer(buf, dtype=dtype)
+
+    try:
+        header = msgpack.unpackb(frames[0], ext_hook=ext_hook, raw=False, strict_map_key=True)
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable header: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header must be a msgpack map")
+    rid = header.get("request_id")
+    rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
+    if header.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {header.get('v')!r} not supported (this side "
+                            f"speaks {PROTOCOL_VERSION})", rid)
+    if not isinstance(header.get("type"), str):
+        raise ProtocolError("header has no 'type'", rid)
+    return header
+
+
+# --- client -> engine ----------------------------------------------------------------------
+
+def sampling_to_wire(sampling: SamplingParams | dict[str, Any] | None) -> dict[str, Any]:
+    if sampling is None:
+        return {}
+    if isinstance(sampling, SamplingParams):
+        return {k: (list(v) if k == "stop_token_ids" else v)
+                for k in SAMPLING_KEYS if (v := getattr(sampling, k)) is not None}
+    return dict(sampling)
+
+
+def encode_hello() -> Frames:
+    return encode({"type": HELLO})
+
+
+def encode_add(request_id: str, *, prompt: str | None = None,
+               prompt_token_ids: Sequence[int] | np.ndarray | None = None,
+               sampling: SamplingParams | dict[str, Any] | None = None,
+               priority: int = 0) -> Frames:
+    if (prompt is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompt and prompt_token_ids")
+    header: dict[str, Any] = {"type": ADD, "request_id": request_id, "priority": priority,
+                              "sampling": sampling_to_wire(sampling)}
+    if prompt is not None:
+        header["prompt"] = prompt
+    else:
+        ids = np.asarray(prompt_token_ids)
+        if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= 2**31):
+            raise ValueError("prompt_token_ids must be integers in [0, 2**31)")
+        header["prompt_token_ids"] = ids.astype(TOKEN_DTYPE, copy=False)
+    return encode(header)
+
+
+def encode_abort(request_ids: Iterable[str]) -> Frames:
+    return encode({"type": ABORT, "request_ids": list(request_ids)})
+
+
+@dataclass(frozen=True)
+class AddMessage:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    sampling: SamplingParams
+    priority: int
+
+
+def _int(value: Any, what: str, rid: str | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{what} must be an integer, got {value!r}", rid)
+    return value
+
+
+def _token_ids(value: Any, what: str, rid: str | None) -> list[int]:
+    if isinstance(value, np.ndarray):
+        ids = value.tolist()
+    elif isinstance(value, list | tuple):
+        ids = [_int(t, what, rid) for t in value]
+    else:
+        raise ProtocolError(f"{what} must be an array or list of integers", rid)
+    if any(t < 0 for t in ids):
+        raise ProtocolError(f"{what} must be non-negative", rid)
+    return ids
+
+
+def parse_sampling(raw: Any, rid: str | None) -> SamplingParams:
+    if not isinstance(raw, dict):
+        raise ProtocolError("sampling must be a map", rid)
+    unknown = sorted(str(k) for k in raw if k not in SAMPLING_KEYS)
+    if unknown:
+        raise ProtocolError(f"unknown sampling keys: {', '.join(unknown)}", rid)
+    kw: dict[str, Any] = {}
+    for key in ("max_tokens", "top_k"):
+        if key in raw:
+            kw[key] = _int(raw[key], key, rid)
+    for key in ("temperature", "top_p"):
+        if key in raw:
+            v = raw[key]
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ProtocolError(f"{key} must be a number, got {v!r}", rid)
+            kw[key] = float(v)
+    if raw.get("seed") is not None:
+        kw["seed"] = _int(raw["seed"], "seed", rid)
+    if "stop_token_ids" in raw:
+        kw["stop_token_ids"] = tuple(_token_ids(raw["stop_token_ids"], "stop_token_ids", rid))
+    if "ignore_eos" in raw:
+        if not isinstance(raw["ignore_eos"], bool):
+            raise ProtocolError("ignore_eos must be a boolean", rid)
+        kw["ignore_eos"] = raw["ignore_eos"]
+    params = SamplingParams(**kw)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ProtocolError(str(e), rid) from None
+    return params
+
+
+def parse_add(header: dict[str, Any]) -> AddMessage:
+    """Validate an ``add`` header into plain values the engine can use as they are."""
+    rid = header.get("request_id")
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_LEN:
+        raise ProtocolError(f"request_id must be a string of 1..{MAX_REQUEST_ID_LEN} characters")
+    prompt, ids = header.get("prompt"), header.get("prompt_token_ids")
+    if (prompt is None) == (ids is None):
+        raise ProtocolError("give exactly one of prompt and prompt_token_ids", rid)
+    if prompt is not None and not isinstance(prompt, str):
+        raise ProtocolError("prompt must be a string", rid)
+    token_ids = _token_ids(ids, "prompt_token_ids", rid) if ids is not None else None
+    sampling = parse_sampling(header.get("sampling", {}), rid)
+    priority = _int(header.get("priority", 0), "priority", rid)
+    return AddMessage(rid, prompt, token_ids, sampling, priority)
+
+
+def parse_abort(header: dict[str, Any]) -> list[str]:
+    ids = header.get("request_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise ProtocolError("request_ids must be a list of strings")
+    return ids
+
+
+# --- engine -> client ----------------------------------------------------------------------
+
+def encode_ready(info: dict[str, Any]) -> Frames:
+    return encode({"type": READY, **info})
+
+
+def encode_error(reason: str, request_id: str | None = None) -> Frames:
+    return encode({"type": ERROR, "reason": reason, "request_id": request_id})
+
+
+def _output_to_wire(out: RequestOutput) -> dict[str, Any]:
+    ids = out.new_token_ids
+    return {
+        "request_id": out.request_id,
+        "new_token_ids": np.asarray(ids, dtype=TOKEN_DTYPE) if len(ids) > INLINE_MAX else list(ids),
+        "finished": out.finished,
+        "finish_reason": out.finish_reason,
+        "text": out.text,
+        "num_prompt_tokens": out.num_prompt_tokens,
+        "num_cached_tokens": out.num_cached_tokens,
+        "num_output_tokens": out.num_output_tokens,
+        "num_preemptions": out.num_preemptions,
+        "error": out.error,
+    }
+
+
+def encode_outputs(outputs: Iterable[RequestOutput]) -> Frames:
+    """One step's outputs for one client, as one message."""
+    return encode({"type": OUTPUTS, "outputs": [_output_to_wire(o) for o in outputs]})
+
+
+def parse_outputs(header: dict[str, Any]) -> list[RequestOutput]:
+    raw = header.get("outputs")
+    if not isinstance(raw, list):
+        raise ProtocolError("outputs must be a list")
+    result = []
+    for item in raw:
+        try:
+            ids = item["new_token_ids"]
+            result.append(RequestOutput(
+                request_id=item["request_id"],
+                new_token_ids=ids.tolist() if isinstance(ids, np.ndarray) else list(ids),
+                finished=bool(item["finished"]),
+                finish_reason=item.get("finish_reason"),
+                text=item.get("text"),
+                num_prompt_tokens=int(item.get("num_prompt_tokens", 0)),
+                num_cached_tokens=int(item.get("num_cached_tokens", 0)),
+                num_output_tokens=int(item.get("num_output_tokens", 0)),
+                num_preemptions=int(item.get("num_preemptions", 0)),
+                error=item.get("error"),
+            ))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"bad output entry: {e}") from None
+    return result

@@ -1,0 +1,188 @@
+"""The request wire protocol and the clients: framing round trips, rejections with reasons,
+timeouts without an engine, and the asyncio client against a real engine process."""
+
+import asyncio
+
+import msgpack
+import numpy as np
+import pytest
+
+from console.demo import EngineProcess
+from engine import protocol
+from engine.client import AsyncEngineClient, Completion, EngineClient
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+
+
+def wire(frames):
+    """What the receiver gets: bytes (and buffers) rather than the sender's objects."""
+    return [memoryview(f).cast("B") if isinstance(f, np.ndarray) else bytes(f) for f in frames]
+
+
+# --- protocol ------------------------------------------------------------------------------
+
+def test_bulk_token_ids_travel_as_a_raw_frame_and_come_back_zero_copy():
+    ids = np.arange(1000, dtype=np.int32)
+    frames = protocol.encode_add("r1", prompt_token_ids=ids, sampling=SamplingParams(
+        max_tokens=7, temperature=0.5, top_k=4, seed=3, stop_token_ids=(2, 5)), priority=-1)
+    assert len(frames) == 2 and frames[1] is ids  # handed to zmq as is: no copy, no list
+    header = protocol.decode(wire(frames))
+    assert isinstance(header["prompt_token_ids"], np.ndarray)
+    msg = protocol.parse_add(header)
+    assert msg.prompt_token_ids == list(range(1000)) and msg.priority == -1
+    assert msg.sampling == SamplingParams(max_tokens=7, temperature=0.5, top_k=4, seed=3,
+                                          stop_token_ids=(2, 5))
+
+
+def test_short_arrays_travel_inline():
+    frames = protocol.encode_add("r1", prompt_token_ids=[1, 2, 3])
+    assert len(frames) == 1
+    assert protocol.parse_add(protocol.decode(wire(frames))).prompt_token_ids == [1, 2, 3]
+
+
+def test_text_prompt_round_trip():
+    msg = protocol.parse_add(protocol.decode(wire(protocol.encode_add("t", prompt="héllo"))))
+    assert msg.prompt == "héllo" and msg.prompt_token_ids is None
+    assert msg.sampling == SamplingParams()
+
+
+def test_outputs_round_trip_inline_and_as_buffers():
+    outs = [RequestOutput("a", [5]), RequestOutput("b", list(range(100)), finished=True,
+                                                    finish_reason="length", text="xyz",
+                                                    num_prompt_tokens=4, num_cached_tokens=2,
+                                                    num_output_tokens=100, num_preemptions=1)]
+    frames = protocol.encode_outputs(outs)
+    assert len(frames) == 2  # only the long delta became a frame
+    assert protocol.parse_outputs(protocol.decode(wire(frames))) == outs
+
+
+@pytest.mark.parametrize("header,reason", [
+    ({"type": "add", "prompt": "x"}, "request_id"),
+    ({"type": "add", "request_id": "r", "prompt": "x", "prompt_token_ids": [1]}, "exactly one"),
+    ({"type": "add", "request_id": "r", "prompt": 5}, "prompt must be a string"),
+    ({"type": "add", "request_id": "r", "prompt": "x", "sampling": {"max_tokens": 0}},
+     "max_tokens"),
+    ({"type": "add", "request_id": "r", "prompt": "x", "sampling": {"beams": 4}},
+     "unknown sampling keys: beams"),
+    ({"type": "add", "request_id": "r", "prompt": "x", "sampling": {"top_p": "high"}},
+     "top_p must be a number"),
+    ({"type": "add", "request_id": "r", "prompt_token_ids": [1, -2]}, "non-negative"),
+    ({"type": "add", "request_id": "r", "prompt": "x", "priority": 1.5}, "priority"),
+    ({"type": "add", "request_id": "r", "prompt": "x", "sampling": {"ignore_eos": 1}},
+     "ignore_eos must be a boolean"),
+])
+def test_malformed_add_is_rejected_with_a_reason_naming_the_request(header, reason):
+    with pytest.raises(protocol.ProtocolError, match=reason) as e:
+        protocol.parse_add(protocol.decode(wire(protocol.encode(header))))
+    if "request_id" in header:
+        assert e.value.request_id == "r"
+
+
+@pytest.mark.parametrize("frames,reason", [
+    ([], "empty"),
+    ([b"\xc1"], "undecodable"),
+    ([msgpack.packb([1, 2])], "must be a msgpack map"),
+    ([msgpack.packb({"v": 2, "type": "add"})], "protocol version 2"),
+    ([msgpack.packb({"v": 1})], "no 'type'"),
+    ([msgpack.packb({"v": 1, "type": "add", "p": msgpack.ExtType(9, b"12345")})], "extension"),
+    ([msgpack.packb({"v": 1, "type": "add", "p": msgpack.ExtType(1, b"\x05\0\0\0<i4")})],
+     "frame 5"),
+    ([msgpack.packb({"v": 1, "type": "add", "p": msgpack.ExtType(1, b"\x01\0\0\0<f4")}), b"0000"],
+     "integer"),
+    ([msgpack.packb({"v": 1, "type": "add", "p": msgpack.ExtType(1, b"\x01\0\0\0<i4")}), b"000"],
+     "whole number"),
+    ([b"x"] * 9, "too many frames"),
+])
+def test_undecodable_messages_raise_protocol_errors_only(frames, reason):
+    with pytest.raises(protocol.ProtocolError, match=reason):
+        protocol.decode(frames)
+
+
+def test_completion_accumulates_deltas():
+    c = Completion("r")
+    c.add(RequestOutput("r", [1, 2], num_prompt_tokens=3))
+    c.add(RequestOutput("r", [3], finished=True, finish_reason="stop", text="abc"))
+    assert c.output_token_ids == [1, 2, 3] and c.finished and c.text == "abc"
+
+
+def test_unknown_sampling_argument_is_a_type_error(tmp_path):
+    c = EngineClient(f"ipc://{tmp_path}/i", f"ipc://{tmp_path}/o")
+    c._connected = True
+    with pytest.raises(TypeError, match="beam_width"):
+        c.submit("x", beam_width=2)
+    c.close()
+
+
+# --- no engine -----------------------------------------------------------------------------
+
+def test_sync_client_without_engine_times_out_clearly(tmp_path):
+    c = EngineClient(f"ipc://{tmp_path}/i", f"ipc://{tmp_path}/o", timeout_s=0.2)
+    with pytest.raises(TimeoutError, match=r"no engine answered at input=ipc://.*within 0.2s"):
+        c.connect()
+    c.close()
+
+
+async def test_async_client_without_engine_times_out_clearly(tmp_path):
+    c = AsyncEngineClient("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", timeout_s=0.2)
+    with pytest.raises(TimeoutError, match="no engine answered"):
+        async with c:
+            pass
+
+
+# --- against an engine ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    d = tmp_path_factory.mktemp("client")
+    eps = {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}
+    with EngineProcess(["--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8"],
+                       endpoints=eps, log_path=d / "engine.log") as proc:
+        yield proc
+
+
+def test_sync_client_streams_deltas_then_a_final_output(engine):
+    with EngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
+        assert c.engine_info["vocab_size"] == 259 and c.engine_info["block_size"] == 8
+        rid = c.submit("hello", max_tokens=5, ignore_eos=True)
+        outs = list(c.stream(rid, timeout_s=30))
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert sum(len(o.new_token_ids) for o in outs) == 5
+        assert outs[-1].finish_reason == "length" and outs[-1].text is not None
+        assert outs[-1].num_prompt_tokens == 5
+        assert c.num_in_flight == 0
+
+
+async def test_async_client_many_requests_in_flight(engine):
+    async with AsyncEngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
+        prompts = [[3 + i, 4 + i, 5 + i] for i in range(20)]
+        results = await asyncio.gather(*(c.generate(prompt_token_ids=p, max_tokens=4,
+                                                    ignore_eos=True, priority=i % 3)
+                                         for i, p in enumerate(prompts)))
+        assert all(r.finish_reason == "length" and len(r.output_token_ids) == 4 for r in results)
+        # Same prompt twice (greedy): same tokens, whatever else was batched with it.
+        again = await c.generate(prompt_token_ids=prompts[7], max_tokens=4, ignore_eos=True)
+        assert again.output_token_ids == results[7].output_token_ids
+
+
+async def test_async_stream_and_abort(engine):
+    async with AsyncEngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
+        rid = await c.submit(prompt_token_ids=[9, 9, 9], max_tokens=400, ignore_eos=True)
+        seen = []
+        async for out in c.stream(rid):
+            seen.append(out)
+            if len(seen) == 2:
+                await c.abort([rid])
+        assert seen[-1].finished and seen[-1].finish_reason == "abort"
+        deltas = []
+        async for out in c.generate_stream("abc", max_tokens=3, ignore_eos=True):
+            deltas.append(out)
+        assert deltas[-1].finished and sum(len(d.new_token_ids) for d in deltas) == 3
+
+
+def test_two_clients_at_once_each_get_only_their_outputs(engine):
+    eps = engine.endpoints["input"], engine.endpoints["output"]
+    with EngineClient(*eps) as a, EngineClient(*eps) as b:
+        ra = [a.submit(prompt_token_ids=[20, i], max_tokens=3) for i in range(5)]
+        rb = [b.submit(prompt_token_ids=[30, i], max_tokens=3) for i in range(5)]
+        assert set(b.gather()) == set(rb)
+        assert set(a.gather()) == set(ra)

@@ -1,0 +1,101 @@
+"""`vconsole set` / `vconsole get` against a real engine: exit codes and the text people read."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from console.demo import EngineProcess
+from telemetry.control_cli import main_get, main_set, parse_pairs
+from vconsole.cli import build_parser
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ctl")
+    eps = {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}
+    with EngineProcess(["--num-kv-blocks", "16", "--max-num-seqs", "4"], endpoints=eps,
+                       log_path=d / "engine.log") as proc:
+        yield proc
+
+
+def vconsole(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vconsole.cli", *argv], capture_output=True,
+                          text=True, timeout=60)
+
+
+def run(func, argv, capsys, **extra):
+    args = build_parser().parse_args(argv)
+    for k, v in extra.items():
+        setattr(args, k, v)
+    code = func(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_parse_pairs():
+    assert parse_pairs(["max-num-seqs=8", "policy = priority"]) == {"max_num_seqs": "8",
+                                                                    "policy": "priority"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_pairs(["max_num_seqs"])
+
+
+def test_set_applies_all_pairs_at_once_and_exits_zero(engine):
+    r = vconsole("set", "--control", engine.endpoints["control"], "max_num_seqs=3",
+                 "policy=priority")
+    assert r.returncode == 0, r.stderr
+    assert "applied  max_num_seqs = 3" in r.stdout and "applied  policy = priority" in r.stdout
+    r = vconsole("get", "--control", engine.endpoints["control"], "max_num_seqs", "policy",
+                 "--json")
+    assert r.returncode == 0
+    assert json.loads(r.stdout)["values"] == {"max_num_seqs": 3, "policy": "priority"}
+
+
+def test_set_rejects_bad_values_with_reasons_and_changes_nothing(engine, capsys):
+    ctl = engine.endpoints["control"]
+    code, out, err = run(main_set, ["set", "--control", ctl, "max_num_seqs=0",
+                                    "telemetry_hz=fast", "log_stats=true"], capsys)
+    assert code == 1
+    assert "rejected  max_num_seqs: must be >= 1" in err
+    assert "rejected  telemetry_hz: expected a number" in err
+    assert "nothing was applied" in err and "applied" not in out
+    code, out, _ = run(main_get, ["get", "--control", ctl, "log_stats"], capsys)
+    assert code == 0 and "false" in out
+
+
+def test_set_restart_only_key_exits_nonzero_with_the_reason(engine, capsys):
+    code, _, err = run(main_set, ["set", "--control", engine.endpoints["control"],
+                                  "block_size=32"], capsys)
+    assert code == 1 and "restart required  block_size" in err
+
+
+def test_set_unknown_key_and_malformed_pair(engine, capsys):
+    code, _, err = run(main_set, ["set", "--control", engine.endpoints["control"],
+                                  "no_such_key=1"], capsys)
+    assert code == 1 and "rejected  no_such_key: unknown key" in err
+    code, _, err = run(main_set, ["set", "--control", engine.endpoints["control"], "oops"],
+                       capsys)
+    assert code == 2 and "expected KEY=VALUE" in err
+
+
+def test_get_prints_the_effective_config_with_hot_and_restart_kinds(engine, capsys):
+    code, out, _ = run(main_get, ["get", "--control", engine.endpoints["control"]], capsys)
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:-1]}
+    assert rows["num_kv_blocks"][1:] == ["16", "restart"]
+    assert rows["max_num_seqs"][-1] == "hot"
+    assert rows["max_holding_seconds"][1] == "(unset)"
+    assert "config version" in out.splitlines()[-1]
+    code, _, err = run(main_get, ["get", "--control", engine.endpoints["control"], "nope"],
+                       capsys)
+    assert code == 1 and "unknown key(s): nope" in err
+
+
+@pytest.mark.parametrize("func,argv", [(main_set, ["set", "max_num_seqs=2"]),
+                                       (main_get, ["get"])])
+def test_no_engine_is_a_clear_error_and_exit_1(func, argv, tmp_path, capsys):
+    code, _, err = run(func, [*argv, "--control", f"ipc://{tmp_path}/none"], capsys,
+                       timeout=0.3)
+    assert code == 1
+    assert "no reply from the engine's control socket" in err and "Traceback" not in err
