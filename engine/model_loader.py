@@ -83,7 +83,9 @@ def load_model(path_or_tiny: str | Path, device: str = "auto", dtype: str = "aut
     ``attn_implementation="vconsole_paged"``. Raises ValueError for anything the caller got
     wrong: a missing directory, an unsupported architecture, a bad device or dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the engine's own logs say when the model is loaded
     path = resolve_model_path(path_or_tiny, seed)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
