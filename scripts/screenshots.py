@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RECORDING = ROOT / "tests" / "data" / "synthetic.vrec"
 sys.path.insert(0, str(ROOT))
 
 from console.app import VConsoleApp  # noqa: E402
 from console.source import ReplaySource  # noqa: E402
-from console.testing import RECORDING  # noqa: E402
 
 MODES = ("overview", "requests", "kv", "config")
 SIZES = ((120, 40), (80, 24))

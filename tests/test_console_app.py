@@ -14,12 +14,12 @@ from console.screens.config import ConfigScreen
 from console.screens.kvmap import KvScreen
 from console.screens.overview import OverviewScreen
 from console.screens.requests import RequestsScreen
-from console.synthetic import generate
-from console.testing import FakeControl, foreign_version_frames, frames, replay_app
 from console.widgets.chrome import Banner, TabBar, TooSmall
 from console.widgets.confirmation import ConfirmScreen
 from console.widgets.kv_grid import KvGrid
 from console.widgets.request_table import RequestTable
+from support.console_testing import FakeControl, foreign_version_frames, frames, replay_app
+from support.synthetic import generate
 from telemetry.record import read_records
 
 SIZES = [(80, 24), (120, 40)]
@@ -30,7 +30,7 @@ def text_of(widget: Static) -> str:
 
 
 def last_ts(path=None) -> float:
-    from console.testing import RECORDING
+    from support.console_testing import RECORDING
     return max(ts for ts, _ in read_records(path or RECORDING))
 
 

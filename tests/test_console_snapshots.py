@@ -13,7 +13,7 @@ import time
 import pytest
 from textual.widgets import Input
 
-from console.testing import RECORDING, FakeControl, replay_app
+from support.console_testing import RECORDING, FakeControl, replay_app
 from telemetry.record import read_records
 
 END = max(ts for ts, _ in read_records(RECORDING))

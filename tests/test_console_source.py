@@ -9,7 +9,7 @@ import zmq
 
 from console.source import ReplaySource, ZmqSource
 from console.state import ConsoleState
-from console.synthetic import generate, write_recording
+from support.synthetic import generate, write_recording
 from telemetry.record import read_records
 
 

@@ -16,9 +16,9 @@ from console.changes import (
 )
 from console.requests_view import filter_rows, sort_rows
 from console.state import ConsoleState, Series
-from console.synthetic import generate
-from console.testing import FakeControl, foreign_version_frames, frames
 from console.widgets.kv_grid import fit_blocks_per_cell, summarise
+from support.console_testing import FakeControl, foreign_version_frames, frames
+from support.synthetic import generate
 
 T = 1_700_000_000.0
 

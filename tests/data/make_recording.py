@@ -1,12 +1,15 @@
 """Regenerate tests/data/synthetic.vrec: 30 s of a toy engine's telemetry, through the real
-schema encoder and Recorder (see console/synthetic.py). Run from the repo root:
+schema encoder and Recorder (see tests/support/synthetic.py). Run from the repo root:
 
     .venv/bin/python tests/data/make_recording.py
 """
 
+import sys
 from pathlib import Path
 
-from console.synthetic import write_recording
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from support.synthetic import write_recording  # noqa: E402
 
 if __name__ == "__main__":
     out = Path(__file__).with_name("synthetic.vrec")

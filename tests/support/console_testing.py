@@ -18,7 +18,7 @@ import msgpack
 from engine.config import EngineConfig, apply_update
 from telemetry.schema import encode, make_envelope
 
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+DATA = Path(__file__).resolve().parent.parent / "data"
 RECORDING = DATA / "synthetic.vrec"
 
 
