@@ -288,7 +288,14 @@ class ConsoleState:
                 self.malformed += 1
             self.note_error(str(e))
             return None
-        self.ingest_message(msg, ts)
+        try:
+            self.ingest_message(msg, ts)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            # Envelope fine, fields of the wrong shape: count it, keep the reader alive.
+            with self.lock:
+                self.malformed += 1
+            self.note_error(f"bad {msg.topic} payload: {type(e).__name__}: {e}")
+            return None
         return msg
 
     def note_schema_error(self, message: str, ts: float | None = None) -> None:

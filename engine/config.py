@@ -56,7 +56,8 @@ class EngineConfig:
     # --- fixed at start: sockets ---------------------------------------------------------------
     zmq_io_threads: int = _f(4, "ZeroMQ I/O threads (capped at the number of cores).", hot=False,
                              lo=1, hi=64)
-    zmq_sndhwm: int = _f(1000, "ZeroMQ send high-water mark (messages).", hot=False, lo=0,
+    zmq_sndhwm: int = _f(1000, "ZeroMQ send high-water mark (messages; 0, unbounded, is "
+                         "refused).", hot=False, lo=1,
                          hi=10_000_000)
     zmq_linger_ms: int = _f(0, "ZeroMQ linger on close (ms).", hot=False, lo=-1, hi=60_000)
     zmq_maxmsgsize: int = _f(100 * 1024 * 1024, "Largest accepted ZeroMQ message (bytes).",

@@ -67,7 +67,8 @@ class EngineCore:
         sampling.validate()
         return Request(request_id=str(request_id), prompt_token_ids=ids, sampling=sampling,
                        priority=priority, client_id=client_id,
-                       eos_token_id=self.runner.eos_token_id)
+                       eos_token_id=self.runner.eos_token_id,
+                       eos_token_ids=self.runner.eos_token_ids)
 
     def add_request(self, req: Request) -> RequestOutput | None:
         """Queue a request. Returns None when accepted, or its final error output when it can

@@ -29,6 +29,8 @@ def _error(index: int, reason: str) -> RequestOutput:
 
 def parse_line(core: EngineCore, index: int, line: str) -> Request | RequestOutput:
     """One JSONL line → a Request, or a finished error output saying what is wrong."""
+    if not line.strip():
+        return _error(index, "empty line")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -102,11 +104,17 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         with open(args.input, encoding="utf-8") as fh:
-            lines = [ln for ln in fh.read().splitlines() if ln.strip()]
+            lines = fh.read().splitlines()
+        while lines and not lines[-1].strip():
+            lines.pop()  # trailing blank lines are not requests; inner ones keep their index
     except OSError as e:
         print(f"vconsole generate: cannot read {args.input}: {e.strerror}", file=sys.stderr)
         return 2
-    core = EngineCore(config)
+    try:
+        core = EngineCore(config)
+    except (ValueError, OSError) as e:  # the model or the KV pool: the loader says why
+        print(f"vconsole generate: cannot start: {e}", file=sys.stderr)
+        return 1
     requests = [parse_line(core, i, ln) for i, ln in enumerate(lines)]
     result = run_batch(core, requests, on_progress=_Progress(not args.no_progress))
     with open(args.output, "w", encoding="utf-8") as fh:

@@ -132,7 +132,9 @@ class KVCacheManager:
             table = self._tables[rid] = []
             self._num_written[rid] = request.num_computed_tokens + num_cached_tokens
             self._num_registered[rid] = len(cached_blocks)
-            if self.enable_prefix_caching:
+            # First admission only: a resumed request mostly finds its own blocks again, which
+            # says nothing about how much prompts share.
+            if self.enable_prefix_caching and request.num_preemptions == 0:
                 self.prefix_queries += request.num_tokens
                 self.prefix_hits += num_cached_tokens
         if cached_blocks:

@@ -67,7 +67,11 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = self.info.eos_token_ids
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
         self.vocab_size: int = self.info.vocab_size
-        self.max_model_len: int = config.max_model_len or self.info.max_position_embeddings
+        limit = self.info.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        self.max_model_len: int = config.max_model_len or limit
         self.num_layers = self.info.num_layers
         self.num_kv_heads = self.info.num_kv_heads
         self.head_dim = self.info.head_dim

@@ -67,6 +67,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     client_id: bytes = b""
     eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every EOS id of the model (some have several)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

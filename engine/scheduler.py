@@ -318,8 +318,8 @@ class Scheduler:
         """Stop reasons win over length: a model that emits EOS as its last allowed token has
         stopped on its own. The stop token stays in the output."""
         sp = req.sampling
-        if (not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id) \
-                or token in sp.stop_token_ids:
+        is_eos = token == req.eos_token_id or token in req.eos_token_ids
+        if (is_eos and not sp.ignore_eos) or token in sp.stop_token_ids:
             return FinishReason.STOP
         if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

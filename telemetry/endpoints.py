@@ -3,6 +3,8 @@ with no flags finds an engine started with no flags."""
 
 from __future__ import annotations
 
+import ipaddress
+
 DEFAULT_INPUT = "tcp://127.0.0.1:5570"
 DEFAULT_OUTPUT = "tcp://127.0.0.1:5571"
 DEFAULT_TELEMETRY = "tcp://127.0.0.1:5572"
@@ -23,4 +25,9 @@ def is_loopback(endpoint: str) -> bool:
     if not endpoint.startswith("tcp://"):
         return False
     host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: it may resolve anywhere

@@ -356,7 +356,8 @@ class TelemetryPublisher:
                     "state": state, "uptime_s": now - self._t0, "steps": num_steps,
                     "interval_s": cfg.heartbeat_interval_s, "pid": os.getpid(),
                     "started_ts": self._t0_wall, "send_drops": self.send_drops,
-                    "steps_dropped": self._steps_recorded - self._steps_seen - len(self._steps),
+                    "steps_dropped": max(0, self._steps_recorded - self._steps_seen
+                                         - len(self._steps)),
                     "alerts_active": evaluator.active(),
                     "last_step_age_s": None if last_step is None else max(0.0, now - last_step),
                 })

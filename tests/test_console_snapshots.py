@@ -105,3 +105,14 @@ def test_terminal_too_small(snap_compare):
 
 def test_narrow_single_column(snap_compare):
     assert snap_compare(replay_app(), terminal_size=(70, 30), run_before=settle)
+
+
+# The same screens from telemetry recorded off a real `vconsole engine` process (tiny model,
+# demo load; tests/data/record_engine.py), so a change in the publisher's fields shows here.
+ENGINE_RECORDING = RECORDING.with_name("engine.vrec")
+
+
+@pytest.mark.parametrize("press", [[], ["2"], ["3"]], ids=["overview", "requests", "kv"])
+def test_real_engine_recording(snap_compare, press):
+    assert snap_compare(replay_app(ENGINE_RECORDING), press=press, terminal_size=(80, 24),
+                        run_before=settle)

@@ -96,6 +96,14 @@ def test_malformed_message_is_counted():
     assert s.malformed == 1 and "msgpack" in (s.last_error or "")
 
 
+def test_a_payload_of_the_wrong_shape_is_counted_and_the_next_one_still_lands():
+    s = ConsoleState(clock=lambda: T)
+    assert s.ingest(frames("gpu", {"available": True, "devices": ["not a dict"]}), T) is None
+    assert s.malformed == 1 and "gpu" in (s.last_error or "")
+    good = frames("health", {"state": "idle", "uptime_s": 1.0, "steps": 0, "interval_s": 1.0})
+    assert s.ingest(good, T) is not None
+
+
 def test_alerts_history_and_active_set():
     s = ConsoleState(clock=lambda: T)
     alert = {"name": "waiting", "level": "warning", "value": 60.0, "threshold": 50.0,

@@ -250,3 +250,15 @@ def test_kv_stats_counts_add_up_and_snapshot_is_a_copy():
     assert int((states == BLOCK_USED).sum()) + int((states == BLOCK_SHARED).sum()) == st.num_used
     states[:] = 0
     assert kv.pool.block_states.any()
+
+
+def test_a_resumed_request_does_not_count_as_a_prefix_query_again():
+    kv = KVCacheManager(16, B)
+    req = make("a", list(range(50, 50 + 3 * B + 1)))
+    admit_and_compute(kv, req)
+    queries, hits = kv.prefix_queries, kv.prefix_hits
+    assert queries == req.num_tokens and hits == 0
+    kv.free(req)  # preempted by recompute: its full blocks stay cached
+    req.num_computed_tokens, req.num_preemptions = 0, 1
+    assert admit_and_compute(kv, req) == 3 * B  # finds its own blocks again...
+    assert (kv.prefix_queries, kv.prefix_hits) == (queries, hits)  # ...which is not a hit

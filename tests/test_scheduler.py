@@ -593,3 +593,15 @@ def test_a_step_stays_cheap_with_ten_thousand_waiting():
         spent += (t1 - t0) + (time.perf_counter() - t2)
     assert s.num_waiting > 9000
     assert spent / n < 0.005, "a step should not scan the waiting queue"
+
+
+def test_any_of_several_eos_ids_stops_a_request():
+    cfg = EngineConfig(max_num_seqs=4)
+    sched = Scheduler(cfg, num_blocks=16, block_size=4, max_model_len=64)
+    req = Request("multi-eos", [5, 6, 7], SamplingParams(max_tokens=10), eos_token_id=2,
+                  eos_token_ids=(2, 9))
+    sched.add_request(req)
+    so = sched.schedule()
+    results = sched.update_from_output(so, ModelRunnerOutput({"multi-eos": 9}))
+    (_, out), = results
+    assert out.finished and out.finish_reason == "stop" and req.output_token_ids == [9]
