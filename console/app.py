@@ -7,8 +7,12 @@ message rate never reaches the event loop.
 
 Steering: `request_change` validates a value, asks for confirmation when the change can hurt,
 and sends it from a worker thread; the engine's reply lands in `history` / `replies` and on the
-Config screen. Read-only (``--readonly``, a replay, or no control endpoint) hides and disables
-every action that changes the engine.
+Config screen. Read-only (``--readonly``, a replay, no control endpoint, or no control key)
+hides and disables every action that changes the engine. The control key
+(`telemetry.control_key`) is ``control_key`` when given, else read from ``control_key_file`` or
+the path derived from the control endpoint; without it the console still reads the config but is
+read-only by itself, and an engine that refuses its key mid-session makes it read-only too
+(`set_readonly`).
 
 Test hooks: ``state`` (the model), ``history`` / ``replies`` (change records),
 ``refreshes`` (how many batched applies ran), ``refresh_view(force=True)`` (apply now),
@@ -52,6 +56,8 @@ from console.theme import ANSI_THEME, LOW_COLOUR_SYSTEMS
 from console.widgets.chrome import Frame, TooSmall
 from console.widgets.confirmation import ConfirmScreen
 from console.widgets.panels import DEFAULT_LIMITS
+from telemetry.control import NotAuthorised
+from telemetry.control_key import key_path, load_control_key
 
 MIN_WIDTH, MIN_HEIGHT = 64, 18
 NARROW_WIDTH = 100
@@ -73,7 +79,8 @@ class VConsoleApp(App[None]):
                  control_endpoint: str | None = None, readonly: bool = False, *,
                  source: Source | None = None, control: Control | None = None,
                  refresh_hz: float = 10.0, record_dir: str | Path = ".",
-                 control_timeout_s: float = 3.0, clock: Callable[[], float] | None = None
+                 control_timeout_s: float = 3.0, clock: Callable[[], float] | None = None,
+                 control_key: str | None = None, control_key_file: str | Path | None = None
                  ) -> None:
         super().__init__()
         self.state = ConsoleState()
@@ -84,8 +91,13 @@ class VConsoleApp(App[None]):
             source = ZmqSource(endpoints)
         self.source = source
         self.endpoints = endpoints
+        self.control_key_path: Path | None = None
         if control is None and control_endpoint and not isinstance(source, ReplaySource):
-            control = ControlLink(control_endpoint, timeout_s=control_timeout_s)
+            self.control_key_path = key_path(control_endpoint, control_key_file)
+            if control_key is None:
+                control_key = load_control_key(control_endpoint, self.control_key_path)
+            control = ControlLink(control_endpoint, timeout_s=control_timeout_s,
+                                  key=control_key, key_path=self.control_key_path)
         self.control: Control | None = control
         self.control_endpoint = control_endpoint
         if readonly:
@@ -94,6 +106,8 @@ class VConsoleApp(App[None]):
             self.readonly_reason = "replay"
         elif control is None:
             self.readonly_reason = "no control endpoint"
+        elif self.control_key_path is not None and control_key is None:
+            self.readonly_reason = f"no control key: {self.control_key_path}"
         else:
             self.readonly_reason = ""
         self.readonly = bool(self.readonly_reason)
@@ -218,6 +232,14 @@ class VConsoleApp(App[None]):
             return len(self.state.engines) > 1
         return True
 
+    def set_readonly(self, reason: str) -> None:
+        """Become read-only from now on (e.g. the engine refused this console's key)."""
+        if not self.readonly:
+            self.readonly, self.readonly_reason = True, reason
+        for screen in self.screen_stack:
+            screen.refresh_bindings()
+        self.refresh_view(force=True)
+
     def action_show(self, mode: str) -> None:
         if mode in self.MODES and mode != self.current_mode:
             self.switch_mode(mode)
@@ -337,6 +359,10 @@ class VConsoleApp(App[None]):
             reply = self.control.set_config({rec.key: rec.new})
         except TimeoutError as e:
             rec.status, rec.reason = TIMEOUT, str(e)
+        except NotAuthorised as e:
+            rec.status, rec.reason = ERROR, str(e)
+            where = self.control_key_path or "its control key"
+            self.call_from_thread(self.set_readonly, f"engine refused the control key: {where}")
         except Exception as e:
             rec.status, rec.reason = ERROR, f"{type(e).__name__}: {e}"
         else:

@@ -16,8 +16,10 @@ def main(args: argparse.Namespace) -> int:
     endpoints = [getattr(args, "telemetry", None) or DEFAULT_TELEMETRY,
                  *(getattr(args, "extra_telemetry", None) or [])]
     control = getattr(args, "control", None) or DEFAULT_CONTROL
+    # Without the engine's control key (same machine: found by the endpoint) it is read-only.
     app = VConsoleApp(telemetry_endpoints=endpoints, control_endpoint=control,
-                      readonly=bool(getattr(args, "readonly", False)))
+                      readonly=bool(getattr(args, "readonly", False)),
+                      control_key_file=getattr(args, "control_key_file", None))
     app.run()
     return 0
 

@@ -3,10 +3,15 @@
 A ZeroMQ socket must not be shared between threads, and the console may fetch the config and
 send a change at the same time, so every call opens its own short-lived `ControlClient` (a
 DEALER connect on loopback costs well under a millisecond).
+
+Every call carries the engine's control key when the console has one (``key``). When the engine
+refuses it and ``key_path`` is known, the file is read again and the change retried once: an
+engine restarted on the same endpoint writes a new key there.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 
@@ -19,19 +24,33 @@ class Control(Protocol):
 
 
 class ControlLink:
-    def __init__(self, endpoint: str, timeout_s: float = 3.0) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 3.0, *, key: str | None = None,
+                 key_path: str | Path | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.key = key
+        self.key_path = Path(key_path) if key_path else None
 
     def _client(self) -> Any:
         from telemetry.control import ControlClient
 
-        return ControlClient(self.endpoint, timeout_s=self.timeout_s)
+        return ControlClient(self.endpoint, timeout_s=self.timeout_s, key=self.key)
 
     def get_config(self) -> dict[str, Any]:
         with self._client() as client:
             return client.get_config()
 
     def set_config(self, values: dict[str, Any]) -> dict[str, Any]:
+        from telemetry.control import NotAuthorised
+        from telemetry.control_key import load_control_key
+
+        try:
+            with self._client() as client:
+                return client.set_config(values)
+        except NotAuthorised:
+            fresh = (load_control_key(self.endpoint, self.key_path) if self.key_path else None)
+            if fresh is None or fresh == self.key:
+                raise
+            self.key = fresh
         with self._client() as client:
             return client.set_config(values)

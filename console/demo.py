@@ -33,6 +33,7 @@ from engine.loadgen import LoadThread, demo_rate, demo_spec
 
 READY_RE = re.compile(r"vconsole engine \S+ ready .*?input=(\S+) output=(\S+) telemetry=(\S+) "
                       r"control=(\S+)")
+KEY_RE = re.compile(r"control key: (.+?) \(mode 0600")
 ENDPOINT_NAMES = ("input", "output", "telemetry", "control")
 STOP_GRACE_S = 10.0
 
@@ -58,7 +59,10 @@ def loopback_endpoints(base_port: int = 0) -> dict[str, str]:
 
 
 class EngineProcess:
-    """``vconsole engine`` as a child process; its stdout and stderr go to ``log_path``."""
+    """``vconsole engine`` as a child process; its stdout and stderr go to ``log_path``.
+
+    Without a ``log_path`` the log is a temporary file, removed by `stop` after a clean exit
+    (code 0) and kept when the engine failed (``failed``: it did not start, or exited non-zero)."""
 
     def __init__(self, engine_args: Sequence[str] = (), *,
                  endpoints: dict[str, str] | None = None, log_path: str | Path | None = None,
@@ -66,8 +70,13 @@ class EngineProcess:
         self.engine_args = list(engine_args)
         self.requested = endpoints or loopback_endpoints()
         self.endpoints: dict[str, str] = {}
-        self.log_path = Path(log_path) if log_path else Path(
-            tempfile.mkstemp(prefix="vconsole-engine-", suffix=".log")[1])
+        self.keep_log = log_path is not None
+        if log_path is None:
+            fd, tmp = tempfile.mkstemp(prefix="vconsole-engine-", suffix=".log")
+            os.close(fd)  # only the child writes it, through its own open()
+            log_path = tmp
+        self.log_path = Path(log_path)
+        self.failed = False
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                     **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -75,6 +84,23 @@ class EngineProcess:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def control_key_path(self) -> Path | None:
+        """The engine's control key file, as its log names it (once started)."""
+        match = KEY_RE.search(self.log_text())
+        if match:
+            return Path(match.group(1))
+        if "control" not in self.endpoints:
+            return None
+        from telemetry.control_key import key_path
+        return key_path(self.endpoints["control"])
+
+    def control_key(self) -> str | None:
+        """The engine's control key (same machine, same user), None if unreadable."""
+        from telemetry.control_key import load_control_key
+        path = self.control_key_path
+        return load_control_key(self.endpoints.get("control", ""), path) if path else None
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
         """Start and wait for the start line; raises RuntimeError (with the log's tail) if the
@@ -97,6 +123,7 @@ class EngineProcess:
                 break
             time.sleep(0.05)
         code = self.proc.poll()
+        self.failed = True  # keep the log: the error below points at it
         self.stop()
         why = f"exited with code {code}" if code is not None else f"not ready in {timeout_s:g} s"
         raise RuntimeError(f"the engine {why}; log {self.log_path}:\n{self.log_tail()}")
@@ -115,8 +142,10 @@ class EngineProcess:
             os.kill(self.proc.pid, sig)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
-        """SIGTERM the process group, wait, SIGKILL it if needed; returns the exit code."""
+        """SIGTERM the process group, wait, SIGKILL it if needed; returns the exit code.
+        A temporary log is removed here unless the engine failed."""
         if self.proc is None:
+            self._drop_log()
             return None
         if self.proc.poll() is None:
             self._kill_group(signal.SIGTERM)
@@ -126,7 +155,15 @@ class EngineProcess:
                 self._kill_group(signal.SIGKILL)
                 self.proc.wait()
         self._kill_group(signal.SIGKILL)  # anything the engine itself left in its group
+        if self.proc.returncode != 0:
+            self.failed = True
+        self._drop_log()
         return self.proc.returncode
+
+    def _drop_log(self) -> None:
+        if not self.keep_log and not self.failed:
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()
 
     def _kill_group(self, sig: int) -> None:
         assert self.proc is not None
@@ -186,7 +223,7 @@ class DemoStack:
 _PASS_THROUGH = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
                  "max_num_batched_tokens", "policy", "config")
 # Small enough that bursts fill the KV pool and preempt; with priorities to show.
-_DEMO_DEFAULTS = {"num_kv_blocks": 256, "max_num_seqs": 32, "policy": "hybrid"}
+_DEMO_DEFAULTS = {"num_kv_blocks": 128, "max_num_seqs": 16, "policy": "hybrid"}
 
 
 def engine_args_from(args: argparse.Namespace) -> list[str]:
@@ -217,11 +254,21 @@ def main(args: argparse.Namespace) -> int:
     try:
         from console.app import VConsoleApp
         app = VConsoleApp(telemetry_endpoints=[stack.endpoints["telemetry"]],
-                          control_endpoint=stack.endpoints["control"])
+                          control_endpoint=stack.endpoints["control"],
+                          control_key=stack.engine.control_key(),
+                          control_key_file=stack.engine.control_key_path)
         app.run()
     finally:
         stack.close()
-        print(f"vconsole demo: stopped (engine log: {stack.engine.log_path})", file=sys.stderr)
+        engine = stack.engine
+        if engine.failed:
+            code = engine.proc.returncode if engine.proc else None
+            print(f"vconsole demo: the engine failed (exit code {code}); its log: "
+                  f"{engine.log_path}", file=sys.stderr)
+        elif engine.keep_log:
+            print(f"vconsole demo: stopped (engine log: {engine.log_path})", file=sys.stderr)
+        else:
+            print("vconsole demo: stopped", file=sys.stderr)
     if stack.load is not None and stack.load.error is not None:
         print(f"vconsole demo: the load generator failed: {stack.load.error!r}", file=sys.stderr)
     return 0

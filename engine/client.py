@@ -9,7 +9,14 @@ output can be lost to a half-made connection, and a missing engine is a clear `T
 
 Requests from one client may be in flight in any number; outputs of different requests arrive
 interleaved and are sorted per request. Request ids default to ``<client id>-<n>`` so several
-clients never collide (the engine rejects an id that is already in flight).
+clients never collide (the engine rejects an id that is already in flight); an id the engine
+would refuse (not a string of 1..`protocol.MAX_REQUEST_ID_LEN` characters) is a `ValueError` at
+``submit``, before anything is sent.
+
+An ``error`` from the engine that names no request (a message it could not even attribute) means
+one of this client's messages was dropped and nobody can tell which: every request still waiting
+for its first output is then failed (a final output with finish_reason ``error`` and the engine's
+reason) and aborted at the engine, so no caller waits forever for an answer that will not come.
 """
 
 from __future__ import annotations
@@ -95,6 +102,7 @@ class _ClientBase:
         self.engine_info: dict[str, Any] = {}
         self.protocol_errors: list[str] = []
         self._seq = 0
+        self._unanswered: set[str] = set()   # submitted, no output yet
 
     def _configure(self, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
         for sock in (in_sock, out_sock):
@@ -115,22 +123,37 @@ class _ClientBase:
                                      sampling=_sampling(sampling), priority=priority)
         return request_id, frames
 
-    def _handle(self, frames: list[Any]) -> list[RequestOutput]:
-        """One engine message -> outputs to route (errors without a request are kept)."""
+    def _handle(self, frames: list[Any]) -> tuple[list[RequestOutput], list[str]]:
+        """One engine message -> (outputs to route, request ids to abort at the engine)."""
         header = protocol.decode([f.buffer if isinstance(f, zmq.Frame) else f for f in frames])
         kind = header["type"]
         if kind == protocol.OUTPUTS:
-            return protocol.parse_outputs(header)
+            outs = protocol.parse_outputs(header)
+            for out in outs:
+                self._unanswered.discard(out.request_id)
+            return outs, []
         if kind == protocol.ERROR:
             rid = header.get("request_id")
+            reason = str(header.get("reason"))
             if rid:
+                self._unanswered.discard(rid)
                 return [RequestOutput(rid, finished=True, finish_reason="error",
-                                      error=header.get("reason"))]
-            self.protocol_errors.append(str(header.get("reason")))
-            return []
+                                      error=reason)], []
+            self.protocol_errors.append(reason)
+            return self._fail_unanswered(reason)
         if kind == protocol.READY:
             self.engine_info = _ready_info(header)
-        return []
+        return [], []
+
+    def _fail_unanswered(self, reason: str) -> tuple[list[RequestOutput], list[str]]:
+        """The engine dropped one of our messages without naming its request: fail every
+        request that could be that one (no output yet), and abort them in case it was not."""
+        ids = sorted(self._unanswered)
+        self._unanswered.clear()
+        why = (f"the engine rejected a message it could not attribute to a request: {reason} "
+               "(this request had no answer yet, so it may have been that message)")
+        return [RequestOutput(rid, finished=True, finish_reason="error", error=why)
+                for rid in ids], ids
 
 
 class EngineClient(_ClientBase):
@@ -180,6 +203,7 @@ class EngineClient(_ClientBase):
             self.connect()
         rid, frames = self._add_frames(prompt, prompt_token_ids, request_id, priority, sampling)
         self._pending[rid] = deque()
+        self._unanswered.add(rid)
         self._in.send_multipart(frames, copy=False)
         return rid
 
@@ -193,10 +217,12 @@ class EngineClient(_ClientBase):
 
     def _route(self, frames: list[Any]) -> None:
         try:
-            outs = self._handle(frames)
+            outs, to_abort = self._handle(frames)
         except protocol.ProtocolError as e:
             self.protocol_errors.append(str(e))
             return
+        if to_abort:
+            self.abort(to_abort)
         for out in outs:
             if out.request_id in self._pending:
                 self._pending[out.request_id].append(out)
@@ -310,10 +336,12 @@ class AsyncEngineClient(_ClientBase):
         while True:
             frames = await self._out.recv_multipart(copy=False)
             try:
-                outs = self._handle(frames)
+                outs, to_abort = self._handle(frames)
             except protocol.ProtocolError as e:
                 self.protocol_errors.append(str(e))
                 continue
+            if to_abort:
+                await self.abort(to_abort)
             if self.engine_info:
                 self._ready.set()
             for out in outs:
@@ -326,6 +354,7 @@ class AsyncEngineClient(_ClientBase):
                      priority: int = 0, **sampling: Any) -> str:
         rid, frames = self._add_frames(prompt, prompt_token_ids, request_id, priority, sampling)
         self._queues[rid] = asyncio.Queue()
+        self._unanswered.add(rid)
         await self._in.send_multipart(frames, copy=False)
         return rid
 

@@ -15,19 +15,27 @@ fast, and from then on is touched only by its one thread, which also closes it):
   request (its routing identity), and answers ``hello`` with ``ready``.
 - **control thread**: the control ROUTER (`telemetry.control`). ``get_config`` is answered from the
   busy loop's last published config; ``set_config`` is queued to the busy loop and its reply sent
-  only after it was applied (or refused).
+  only after it was applied (or refused). A ``set_config`` without the control key (made at
+  start, written to a 0600 key file, `telemetry.control_key`) is refused here and never queued;
+  the thread removes the key file when it stops.
 - the telemetry publisher's thread (`telemetry.publisher`) and the config file watcher.
 
 Routing: a client connects two DEALERs with one identity (its client id): requests on input,
 outputs on output. The output ROUTER is ``ROUTER_MANDATORY``: an output for a client that is no
-longer connected raises instead of vanishing, and the engine then aborts that client's requests.
+longer connected raises instead of vanishing. Outputs are sent without blocking: a client that
+is no longer connected, or whose queue is full (``zmq_sndhwm`` messages: it stopped reading), is
+marked gone at once — its requests aborted, whatever is still queued for it dropped — so one
+stuck client never delays the outputs of the others.
 A client's ``hello`` arrives on input (forwarded by the input thread to the output thread); the
 output thread retries ``ready`` until the client's output connection is registered, so once a
 client has its ``ready`` no output to it can be lost.
 
 Invariants: request ids are unique among requests in flight (engine-wide); a client can abort
 only its own requests; every request that was accepted gets exactly one final output, including
-at shutdown (``abort``).
+at shutdown (``abort``), unless its client is gone.
+
+``log_stats`` (hot): the busy loop logs one stats line every `LOG_STATS_INTERVAL_S` while there is
+work (and one more once it has drained), like vLLM's ``--log-stats``.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from engine.config import ConfigError, ConfigUpdate, EngineConfig, config_from_a
 from engine.config_watch import ConfigFileWatcher, apply_file, read_file
 from engine.outputs import RequestOutput
 from engine.request import FinishReason
-from telemetry import control
+from telemetry import control, control_key
 from telemetry.endpoints import DEFAULTS, is_loopback
 from telemetry.publisher import TelemetryPublisher
 
@@ -60,15 +68,17 @@ log = logging.getLogger("vconsole.engine")
 IO_POLL_MS = 200          # how often an idle I/O thread checks for shutdown
 HELLO_RETRY_S = 0.005     # ready re-sent this often until the client's output socket is known
 HELLO_WAIT_S = 5.0        # ...for at most this long
-SEND_TIMEOUT_MS = 5000    # a client that takes no output for this long is treated as gone
 CONTROL_WAIT_S = 30.0     # a set_config not applied within this is answered with an error
 DRAIN_TIMEOUT_S = 5.0     # steps run at shutdown to deliver the final (abort) outputs
 STALL_WAIT_S = 0.005      # a step that scheduled nothing is followed by this wait (no spin)
+LOG_STATS_INTERVAL_S = 5.0  # log_stats: one stats line this often
+PUBLISHER_CLOSE_S = 5.0   # at shutdown, how long the telemetry thread gets to stop
 
 # Input queue items: (kind, ...). SimpleQueue because signal handlers put on it (reentrant).
 ADD, ABORT, CONTROL, CLIENT_GONE, RELOAD, SHUTDOWN = (
     "add", "abort", "control", "client_gone", "reload", "shutdown")
 _STOP = ("stop",)         # output queue sentinel
+SENT, NO_ROUTE, FULL = "sent", "no route", "full"  # EngineCoreProc._send results
 
 
 class RemoteBindRefused(ValueError):
@@ -122,6 +132,58 @@ class ControlCall:
         self.done.set()
 
 
+class StatsLog:
+    """``log_stats``: one line to the engine's log (stderr) every ``interval_s`` — steps/s,
+    prompt and generation tok/s, queue lengths, KV and token usage, prefix hit rate, each over
+    the interval. Written while steps run and once more after the engine drained, then nothing
+    until work comes back. Busy loop only; the toggle is read at every call (hot)."""
+
+    def __init__(self, interval_s: float = LOG_STATS_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._t0 = time.monotonic()
+        self._steps = self._prompt_tokens = self._generation_tokens = 0
+        self._quiet = True              # the last line (or none yet) showed no steps
+        self._prefix: tuple[int, int] | None = None  # (queries, hits) at the last line
+
+    def record(self, step: Any) -> None:
+        if self._steps == 0 and self._quiet:    # the interval starts with the first step
+            self._t0 = time.monotonic() - step.total_ns / 1e9
+        self._steps += 1
+        self._prompt_tokens += step.num_prefill_tokens
+        self._generation_tokens += step.num_decode_tokens
+
+    def wait_s(self, enabled: bool) -> float | None:
+        """Seconds until a line is due; None when none will be (off, or nothing to report)."""
+        if not enabled or (self._steps == 0 and self._quiet):
+            return None
+        return max(0.0, self._t0 + self.interval_s - time.monotonic())
+
+    def maybe_log(self, core: Any) -> None:
+        enabled = bool(core.config.log_stats)
+        wait = self.wait_s(enabled)
+        if not enabled:
+            self._steps = self._prompt_tokens = self._generation_tokens = 0
+            self._quiet, self._prefix = True, None
+        if wait is None or wait > 0:
+            return
+        now = time.monotonic()
+        elapsed = max(now - self._t0, 1e-9)
+        sched, kv = core.scheduler_stats(0), core.kv_stats()
+        queries, hits = kv.prefix_queries, kv.prefix_hits
+        if self._prefix is not None:
+            queries, hits = queries - self._prefix[0], hits - self._prefix[1]
+        self._prefix = (kv.prefix_queries, kv.prefix_hits)
+        log.info("stats: %.1f steps/s, prompt %.1f tok/s, generation %.1f tok/s, running %d, "
+                 "waiting %d, preempted %d, KV usage %.1f%% (tokens %.1f%%), "
+                 "prefix hit rate %.1f%%", self._steps / elapsed, self._prompt_tokens / elapsed,
+                 self._generation_tokens / elapsed, sched.num_running, sched.num_waiting,
+                 sched.num_preempted, 100 * kv.usage, 100 * kv.token_usage,
+                 100 * hits / queries if queries > 0 else 0.0)
+        self._quiet = self._steps == 0
+        self._t0 = now
+        self._steps = self._prompt_tokens = self._generation_tokens = 0
+
+
 class EngineCoreProc:
     """Binds the sockets, loads the core, runs the busy loop; see the module docstring.
 
@@ -130,7 +192,8 @@ class EngineCoreProc:
 
     def __init__(self, config: EngineConfig, endpoints: dict[str, str], *,
                  config_path: str | None = None, allow_remote: bool = False, core: Any = None,
-                 input_queue: queue.SimpleQueue[tuple[Any, ...]] | None = None) -> None:
+                 input_queue: queue.SimpleQueue[tuple[Any, ...]] | None = None,
+                 control_key_file: str | None = None) -> None:
         check_endpoints(endpoints, allow_remote)
         self.config_path = config_path
         self.input_queue: queue.SimpleQueue[tuple[Any, ...]] = input_queue or queue.SimpleQueue()
@@ -140,6 +203,7 @@ class EngineCoreProc:
         self._stopping: str | None = None       # why the busy loop is leaving
         self._dirty = True                      # state changed since the last snapshot
         self.state = "starting"
+        self._stats_log = StatsLog()
         # Created first: its baseline is the file as loaded, so an edit made while the model
         # loads is noticed at the first poll.
         self._watcher = (ConfigFileWatcher(config_path, lambda: self.input_queue.put(
@@ -152,9 +216,19 @@ class EngineCoreProc:
             self._sockets["input"] = self._bind(zmq.ROUTER, "input", config)
             self._sockets["output"] = self._bind(zmq.ROUTER, "output", config)
             self._sockets["control"] = self._bind(zmq.ROUTER, "control", config)
+            # The key file is named after the endpoint actually bound (a ``*`` port resolved).
+            self.control_key = control_key.new_key()
+            self.control_key_path = control_key.key_path(self.endpoints["control"],
+                                                         control_key_file)
+            try:
+                control_key.write_key_file(self.control_key_path, self.control_key)
+            except OSError as e:
+                raise OSError(f"cannot write the control key file {self.control_key_path}: "
+                              f"{e}") from None
+            log.info("control key: %s (mode 0600; clients need it to change the config)",
+                     self.control_key_path)
             out = self._sockets["output"]
             out.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            out.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
 
             if core is None:
                 from engine.core import EngineCore  # torch: only once the sockets are ours
@@ -166,6 +240,8 @@ class EngineCoreProc:
             self.publisher.start()
             self.endpoints["telemetry"] = self.publisher.endpoint
         except BaseException:
+            if hasattr(self, "control_key_path"):
+                control_key.remove_key_file(self.control_key_path, self.control_key)
             for sock in self._sockets.values():
                 sock.close(0)
             self.ctx.term()
@@ -223,6 +299,7 @@ class EngineCoreProc:
             self._process_input_queue()
             self._process_engine_step()
             self._maybe_snapshot()
+            self._stats_log.maybe_log(self.core)
         self._shutdown()
 
     # --- busy loop ------------------------------------------------------------------------------
@@ -233,6 +310,9 @@ class EngineCoreProc:
         if not self.core.has_unfinished_requests():
             self._set_state("idle")
             wait = 1.0 / self.core.config.telemetry_hz if self._dirty else None
+            stats_wait = self._stats_log.wait_s(self.core.config.log_stats)
+            if stats_wait is not None:
+                wait = stats_wait if wait is None else min(wait, stats_wait)
             try:
                 self._handle_input(self.input_queue.get(timeout=wait))
             except queue.Empty:
@@ -251,6 +331,7 @@ class EngineCoreProc:
         outputs, scheduled = self.core.step()
         if self.core.last_step is not None:
             self.publisher.record_step(self.core.last_step)
+            self._stats_log.record(self.core.last_step)
         self._emit(outputs)
         self._dirty = True
         if not scheduled:
@@ -386,8 +467,13 @@ class EngineCoreProc:
             self._threads[2].join(0.05)
         self.output_queue.put(_STOP)
         self._threads[1].join()                      # output: flushes everything queued first
-        self.publisher.close()
-        self.ctx.term()
+        self.publisher.close(PUBLISHER_CLOSE_S)
+        if self.publisher.is_alive():
+            log.warning("the telemetry thread did not stop within %g s; closing its socket",
+                        PUBLISHER_CLOSE_S)
+        # Every other socket was closed by its thread; destroy closes what is left (never
+        # term() alone: it waits forever for a socket still open).
+        self.ctx.destroy(linger=0)
         log.info("engine stopped (%s)", self._stopping)
 
     def _drain_queue(self) -> None:
@@ -444,13 +530,16 @@ class EngineCoreProc:
                 if item is not None:
                     self._on_output(sock, item, hellos, gone)
                 for client_id, give_up in list(hellos.items()):
-                    if self._send(sock, client_id, protocol.encode_ready(self._ready())) is None:
+                    sent = self._send(sock, client_id, protocol.encode_ready(self._ready()))
+                    if sent == NO_ROUTE:
                         if time.monotonic() > give_up:
                             del hellos[client_id]
                             log.warning("hello from %s: its output socket never connected",
                                         client_id.decode(errors="replace"))
                     else:
                         del hellos[client_id]
+                        if sent == FULL:
+                            self._client_gone(client_id, sent, gone)
         finally:
             sock.close()
 
@@ -464,6 +553,8 @@ class EngineCoreProc:
             gone.discard(client_id)
             hellos[client_id] = time.monotonic() + HELLO_WAIT_S
             return
+        if client_id in gone:       # its requests are being aborted; nobody would read these
+            return
         if kind == protocol.OUTPUTS:
             frames = protocol.encode_outputs(item[2])
         elif item[3] is not None:       # ERROR naming a request: that request's final output
@@ -471,22 +562,29 @@ class EngineCoreProc:
                 item[3], finished=True, finish_reason=FinishReason.ERROR.value, error=item[2])])
         else:
             frames = protocol.encode_error(item[2])
-        if not self._send(sock, client_id, frames) and client_id not in gone:
-            gone.add(client_id)
-            self.input_queue.put((CLIENT_GONE, client_id))
+        sent = self._send(sock, client_id, frames)
+        if sent != SENT:
+            self._client_gone(client_id, sent, gone)
+
+    def _client_gone(self, client_id: bytes, why: str, gone: set[bytes]) -> None:
+        gone.add(client_id)
+        log.warning("client %s: %s; dropping its outputs", client_id.decode(errors="replace"),
+                    "not reading its outputs (send queue full)" if why == FULL
+                    else "no output connection")
+        self.input_queue.put((CLIENT_GONE, client_id))
 
     @staticmethod
-    def _send(sock: zmq.Socket, client_id: bytes, frames: protocol.Frames) -> bool | None:
-        """True when sent; None when the client has no output connection (unknown route);
-        False when it stopped taking output (send timed out)."""
+    def _send(sock: zmq.Socket, client_id: bytes, frames: protocol.Frames) -> str:
+        """Never blocks. `SENT`; `NO_ROUTE` when the client has no output connection (not yet,
+        or no longer); `FULL` when its queue is at the high-water mark (it stopped reading)."""
         try:
-            sock.send_multipart([client_id, *frames], copy=False)
-            return True
+            sock.send_multipart([client_id, *frames], flags=zmq.NOBLOCK, copy=False)
+            return SENT
         except zmq.Again:
-            return False
+            return FULL
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
-                return None
+                return NO_ROUTE
             raise
 
     # --- control thread --------------------------------------------------------------------------
@@ -506,12 +604,16 @@ class EngineCoreProc:
                 sock.send_multipart(reply)
         finally:
             sock.close()
+            control_key.remove_key_file(self.control_key_path, self.control_key)
 
     def _on_control(self, req: dict[str, Any]) -> dict[str, Any]:
         rid = req.get("id")
         if req["op"] == "get_config":
             version, cfg = self._config_view
             return control.config_reply(version, cfg.to_dict(), request_id=rid)
+        if not control_key.key_matches(req.get("key"), self.control_key):
+            log.warning("control: refused a set_config without the control key")
+            return control.error_reply(control_key.not_authorised(self.control_key_path), rid)
         if self._io_stop.is_set():
             return control.error_reply("engine is shutting down", rid)
         call = ControlCall(dict(req["values"]), rid)
@@ -562,6 +664,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         proc = EngineCoreProc(config, endpoints, config_path=getattr(args, "config", None),
                               allow_remote=bool(getattr(args, "allow_remote", False)),
+                              control_key_file=getattr(args, "control_key_file", None),
                               input_queue=q)
     except (RemoteBindRefused, OSError) as e:
         print(f"vconsole engine: {e}", file=sys.stderr)

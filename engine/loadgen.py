@@ -174,6 +174,7 @@ async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_toke
                priority: int, in_flight: dict[str, None]) -> None:
     rec = RequestRecord(priority, len(ids), sent=time.monotonic())
     run.sent += 1
+    rid: str | None = None  # submit may fail: then there is nothing to forget in `finally`
     try:
         rid = await client.submit(prompt_token_ids=ids, max_tokens=max_tokens, ignore_eos=True,
                                   priority=priority)
@@ -193,7 +194,8 @@ async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_toke
             if out.finished:
                 rec.finish_reason, rec.error = out.finish_reason, out.error
     finally:
-        in_flight.pop(rid, None)
+        if rid is not None:
+            in_flight.pop(rid, None)
         run.done += 1
 
 
@@ -300,7 +302,7 @@ def demo_rate(base: float, period_s: float = 40.0) -> RateFn:
 
 
 def demo_spec(seed: int = 0) -> LoadSpec:
-    return LoadSpec(num=None, concurrency=96, prompt_len=(16, 96), output_len=(8, 64),
+    return LoadSpec(num=None, concurrency=96, prompt_len=(16, 96), output_len=(16, 160),
                     priority_mix=[(0, 1.0), (1, 3.0), (2, 2.0)], seed=seed,
                     long_prompt_share=0.08, long_prompt_len=(200, 400),
                     shared_prefix_share=0.3, shared_prefix_len=48)

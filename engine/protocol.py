@@ -149,10 +149,22 @@ def encode_hello() -> Frames:
     return encode({"type": HELLO})
 
 
+def check_request_id(request_id: Any) -> str:
+    """The sender's side of `parse_add`'s rule; raises ValueError with the reason. An id the
+    engine would reject cannot be named in its reply, so it must never leave the client."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_LEN:
+        raise ValueError(f"request_id must be 1..{MAX_REQUEST_ID_LEN} characters, got "
+                         f"{len(request_id)}")
+    return request_id
+
+
 def encode_add(request_id: str, *, prompt: str | None = None,
                prompt_token_ids: Sequence[int] | np.ndarray | None = None,
                sampling: SamplingParams | dict[str, Any] | None = None,
                priority: int = 0) -> Frames:
+    check_request_id(request_id)
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt and prompt_token_ids")
     header: dict[str, Any] = {"type": ADD, "request_id": request_id, "priority": priority,

@@ -115,7 +115,10 @@ def main() -> int:
         engine_args = ["--num-kv-blocks", "256", "--max-num-seqs", "32", "--policy", "hybrid"]
         with DemoStack(engine_args, rate=args.rate) as stack:
             eps = stack.endpoints
-            saved = asyncio.run(shoot(lambda: VConsoleApp([eps["telemetry"]], eps["control"]),
+            key, key_file = stack.engine.control_key(), stack.engine.control_key_path
+            saved = asyncio.run(shoot(lambda: VConsoleApp([eps["telemetry"]], eps["control"],
+                                                          control_key=key,
+                                                          control_key_file=key_file),
                                       out, args.warmup, 60.0))
     for path in saved:
         print(path)

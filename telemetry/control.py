@@ -5,8 +5,10 @@ REQ. Either way the ROUTER sees ``[identity, b"", request]`` and answers
 ``[identity, b"", reply]`` (`split_routed` / `routed_reply` do the framing). Bodies are msgpack
 maps:
 
-- request ``{"op": "get_config", "id": n}`` or ``{"op": "set_config", "values": {...}, "id": n}``
-  (``id`` optional; echoed in the reply so a DEALER can drop a late reply to an older request).
+- request ``{"op": "get_config", "id": n, "key": k}`` or
+  ``{"op": "set_config", "values": {...}, "id": n, "key": k}`` (``id`` optional; echoed in the
+  reply so a DEALER can drop a late reply to an older request. ``key`` optional: the engine's
+  control key, see below).
 - reply, always with every key: ``ok``, ``error`` (None unless the request itself was bad),
   ``applied`` {key: new value}, ``rejected`` {key: reason}, ``restart_required`` [keys],
   ``version``, ``values`` (the effective config after the request), ``schema``
@@ -16,9 +18,12 @@ Invariant: `decode_request` either returns a well-formed request or raises `Cont
 message becomes the ``error`` of an ``ok: false`` reply; the engine never answers a malformed
 request with silence.
 
-Authentication: none yet. Loopback endpoints are the default. The ``curve`` parameter of
-`ControlClient` is where CURVE keys (server public key, client key pair) will go for non-loopback
-endpoints; passing one now raises NotImplementedError rather than silently running unauthenticated.
+Authentication: the control key (`telemetry.control_key`). ``get_config`` is open;
+``set_config`` without the engine's key is answered ``ok: false`` with an ``error`` starting
+``not authorised:`` (`ControlClient.set_config` raises `NotAuthorised`) and changes nothing.
+Control binds are loopback/ipc only. The ``curve`` parameter of `ControlClient` is where CURVE
+keys (server public key, client key pair) will go for non-loopback endpoints; passing one now
+raises NotImplementedError rather than silently running unauthenticated.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from telemetry.control_key import NOT_AUTHORISED
 from telemetry.endpoints import DEFAULT_CONTROL
 
 OPS = ("get_config", "set_config")
@@ -40,15 +46,21 @@ class ControlError(RuntimeError):
     """A malformed request, or an engine reply that says the request failed."""
 
 
+class NotAuthorised(ControlError):
+    """The engine refused a set_config: this client does not hold its control key."""
+
+
 # --- bodies -----------------------------------------------------------------------------------
 
 def encode_request(op: str, values: dict[str, Any] | None = None, *,
-                   request_id: int | None = None) -> bytes:
+                   request_id: int | None = None, key: str | None = None) -> bytes:
     req: dict[str, Any] = {"op": op}
     if values is not None:
         req["values"] = values
     if request_id is not None:
         req["id"] = request_id
+    if key is not None:
+        req["key"] = key
     return msgpack.packb(req, use_bin_type=True)
 
 
@@ -72,6 +84,8 @@ def decode_request(data: bytes | memoryview) -> dict[str, Any]:
     rid = req.get("id")
     if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool)):
         raise ControlError(f"'id' must be an integer, got {rid!r}")
+    if "key" in req and not isinstance(req["key"], str):
+        raise ControlError("'key' must be a string (the engine's control key)")
     return req
 
 
@@ -153,15 +167,19 @@ def handle_frames(frames: Sequence[bytes], handler: Any) -> list[bytes]:
 
 class ControlClient:
     """Blocking client. After a timeout the socket is dropped and a fresh one made on the next
-    call, so a late reply can never be taken for the answer to a later request."""
+    call, so a late reply can never be taken for the answer to a later request. ``key`` (the
+    engine's control key, `telemetry.control_key.load_control_key`) is sent with every request;
+    without it the client can read but not change the config."""
 
     def __init__(self, endpoint: str = DEFAULT_CONTROL, timeout_s: float = 5.0, *,
-                 ctx: zmq.Context | None = None, curve: Any = None) -> None:
+                 ctx: zmq.Context | None = None, curve: Any = None,
+                 key: str | None = None) -> None:
         if curve is not None:
             raise NotImplementedError("CURVE authentication for the control socket is not "
                                       "implemented yet; use a loopback or ipc:// endpoint")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.key = key
         self._ctx = ctx or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._ids = itertools.count(1)
@@ -178,7 +196,8 @@ class ControlClient:
         """Send one request and wait for its reply; raises TimeoutError or ControlError."""
         rid = next(self._ids)
         sock = self._socket()
-        sock.send_multipart([b"", encode_request(op, values, request_id=rid)])
+        sock.send_multipart([b"", encode_request(op, values, request_id=rid,
+                                                   key=self.key)])
         deadline = time.monotonic() + self.timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not sock.poll(int(left * 1000) + 1):
@@ -200,9 +219,12 @@ class ControlClient:
 
     def set_config(self, values: dict[str, Any]) -> dict[str, Any]:
         """The reply; a refused change is ``ok: false`` with ``rejected``/``restart_required``
-        (not an exception). Raises ControlError only for a protocol error."""
+        (not an exception). Raises NotAuthorised without the engine's key, ControlError for
+        another protocol error."""
         reply = self.request("set_config", values)
         if not reply.get("ok") and reply.get("error"):
+            if str(reply["error"]).startswith(NOT_AUTHORISED + ":"):
+                raise NotAuthorised(reply["error"])
             raise ControlError(reply["error"])
         return reply
 

@@ -1,8 +1,11 @@
 """`vconsole set KEY=VALUE ...` and `vconsole get [KEY ...]`: the control channel for scripts.
 
 Exit codes say what happened, so a script can rely on them: 0 applied (or read), 1 anything
-rejected or needing a restart, or no engine answering (with the reason on stderr), 2 a usage
-error caught before anything was sent.
+rejected or needing a restart, no engine answering, or no control key (with the reason on
+stderr), 2 a usage error caught before anything was sent.
+
+`set` needs the engine's control key (`telemetry.control_key`): read from ``--control-key-file``
+or the path derived from ``--control``; `get` sends it when it is there but needs none.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import sys
 from typing import Any
 
+from telemetry import control_key
 from telemetry.control import ControlClient, ControlError
 from telemetry.endpoints import DEFAULT_CONTROL
 
@@ -31,9 +35,28 @@ def parse_pairs(pairs: list[str]) -> dict[str, str]:
     return values
 
 
-def _client(args: argparse.Namespace) -> ControlClient:
-    return ControlClient(getattr(args, "control", None) or DEFAULT_CONTROL,
-                         timeout_s=getattr(args, "timeout", None) or TIMEOUT_S)
+def _endpoint(args: argparse.Namespace) -> str:
+    return getattr(args, "control", None) or DEFAULT_CONTROL
+
+
+def _client(args: argparse.Namespace, key: str | None = None) -> ControlClient:
+    return ControlClient(_endpoint(args), timeout_s=getattr(args, "timeout", None) or TIMEOUT_S,
+                         key=key)
+
+
+def _read_key(args: argparse.Namespace) -> str:
+    """The control key for `set`; raises ControlError naming the path and what to do."""
+    path = control_key.key_path(_endpoint(args), getattr(args, "control_key_file", None))
+    try:
+        return control_key.read_key_file(path)
+    except FileNotFoundError:
+        why = "no such file"
+    except (OSError, ValueError) as e:
+        why = str(getattr(e, "strerror", None) or e)
+    raise ControlError(
+        f"cannot read the engine's control key {path} ({why}); changing the config needs it. "
+        "The engine writes it at start: run this on the engine's machine as its user, copy the "
+        "key file here, or pass --control-key-file PATH") from None
 
 
 def _fail(cmd: str, e: Exception) -> int:
@@ -54,7 +77,8 @@ def main_set(args: argparse.Namespace) -> int:
         print(f"vconsole set: {e}", file=sys.stderr)
         return 2
     try:
-        with _client(args) as client:
+        key = _read_key(args)
+        with _client(args, key) as client:
             reply = client.set_config(values)
     except (TimeoutError, ControlError) as e:
         return _fail("set", e)
@@ -79,7 +103,8 @@ def main_set(args: argparse.Namespace) -> int:
 
 def main_get(args: argparse.Namespace) -> int:
     try:
-        with _client(args) as client:
+        key = control_key.load_control_key(_endpoint(args), getattr(args, "control_key_file", None))
+        with _client(args, key) as client:
             reply = client.get_config()
     except (TimeoutError, ControlError) as e:
         return _fail("get", e)

@@ -216,6 +216,10 @@ class TelemetryPublisher:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def is_alive(self) -> bool:
+        """Whether the publisher thread still runs (e.g. after a `close` that timed out)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def __enter__(self) -> TelemetryPublisher:
         self.start()
         return self

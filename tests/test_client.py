@@ -2,6 +2,8 @@
 timeouts without an engine, and the asyncio client against a real engine process."""
 
 import asyncio
+import threading
+import time
 
 import msgpack
 import numpy as np
@@ -113,6 +115,23 @@ def test_unknown_sampling_argument_is_a_type_error(tmp_path):
     c.close()
 
 
+@pytest.mark.parametrize("rid,reason", [
+    ("x" * (protocol.MAX_REQUEST_ID_LEN + 1), "1..256 characters, got 257"),
+    ("", "1..256 characters, got 0"),
+    (17, "must be a string, got int"),
+], ids=["too-long", "empty", "not-a-string"])
+def test_an_id_the_engine_would_refuse_never_leaves_the_client(tmp_path, rid, reason):
+    with pytest.raises(ValueError, match=reason):
+        protocol.encode_add(rid, prompt="x")
+    c = EngineClient(f"ipc://{tmp_path}/i", f"ipc://{tmp_path}/o")
+    c._connected = True
+    with pytest.raises(ValueError, match=reason):
+        c.submit("x", request_id=rid)
+    assert c.num_in_flight == 0
+    c.close()
+    protocol.encode_add("x" * protocol.MAX_REQUEST_ID_LEN, prompt="x")  # the limit itself is ok
+
+
 # --- no engine -----------------------------------------------------------------------------
 
 def test_sync_client_without_engine_times_out_clearly(tmp_path):
@@ -186,3 +205,47 @@ def test_two_clients_at_once_each_get_only_their_outputs(engine):
         rb = [b.submit(prompt_token_ids=[30, i], max_tokens=3) for i in range(5)]
         assert set(b.gather()) == set(rb)
         assert set(a.gather()) == set(ra)
+
+
+LONG_ID = "x" * 300  # the engine refuses it and cannot name it in its error
+
+
+def test_an_error_the_engine_cannot_attribute_fails_unanswered_requests_instead_of_hanging(
+        engine, monkeypatch):
+    monkeypatch.setattr(protocol, "MAX_REQUEST_ID_LEN", 1000)  # an older/buggy client's check
+    with EngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
+        ok = c.submit(prompt_token_ids=[40, 41], max_tokens=60, ignore_eos=True)
+        ok_stream = c.stream(ok, timeout_s=30)
+        first = next(ok_stream)  # answered: it cannot be the dropped message
+        c.submit(prompt_token_ids=[42], max_tokens=3, request_id=LONG_ID)
+        got: list = []
+        t = threading.Thread(target=lambda: got.extend(c.stream(LONG_ID)), daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        t.join(15)  # default timeout: without the fix this waits forever
+        assert not t.is_alive(), "stream() of a request the engine dropped never returned"
+        assert time.monotonic() - t0 < 15
+        (final,) = got
+        assert final.finished and final.finish_reason == "error"
+        assert "could not attribute" in final.error and "request_id must be" in final.error
+        assert any("request_id must be" in e for e in c.protocol_errors)
+        rest = list(ok_stream)
+        assert rest[-1].finish_reason == "length"
+        assert len(first.new_token_ids) + sum(len(o.new_token_ids) for o in rest) == 60
+        assert c.num_in_flight == 0
+
+
+async def test_async_client_fails_unanswered_requests_on_an_unattributed_error(
+        engine, monkeypatch):
+    monkeypatch.setattr(protocol, "MAX_REQUEST_ID_LEN", 1000)
+    async with AsyncEngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
+        await c.submit(prompt_token_ids=[43], max_tokens=3, request_id=LONG_ID)
+
+        async def final():
+            return [o async for o in c.stream(LONG_ID)][-1]
+
+        out = await asyncio.wait_for(final(), 15)
+        assert out.finish_reason == "error" and "request_id must be" in out.error
+        done = await asyncio.wait_for(c.generate(prompt_token_ids=[44], max_tokens=2,
+                                                 ignore_eos=True), 30)
+        assert done.finish_reason == "length"  # the client keeps working

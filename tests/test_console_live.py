@@ -30,7 +30,7 @@ from console.screens.overview import OverviewScreen
 from console.widgets.chrome import Banner, TabBar
 from console.widgets.confirmation import ConfirmScreen
 from engine.client import EngineClient
-from telemetry import schema
+from telemetry import control_key, schema
 from telemetry.control import ControlClient
 
 SIZES = [(80, 24), (120, 40)]
@@ -132,12 +132,16 @@ def telemetry(engine) -> Iterator[Telemetry]:
 
 
 def control(proc: EngineProcess) -> ControlClient:
-    return ControlClient(proc.endpoints["control"], timeout_s=5.0)
+    """A control client holding the engine's key (same machine, as `vconsole set` finds it)."""
+    key = proc.control_key()
+    assert key, f"no control key at {proc.control_key_path}"
+    return ControlClient(proc.endpoints["control"], timeout_s=5.0, key=key)
 
 
-def console_for(proc: EngineProcess) -> VConsoleApp:
+def console_for(proc: EngineProcess, **kw: Any) -> VConsoleApp:
+    """A console as `vconsole attach` makes it: it finds the key by the control endpoint."""
     return VConsoleApp(telemetry_endpoints=[proc.endpoints["telemetry"]],
-                       control_endpoint=proc.endpoints["control"])
+                       control_endpoint=proc.endpoints["control"], **kw)
 
 
 class Load:
@@ -338,6 +342,71 @@ async def test_a_value_the_engine_rejects_shows_the_engines_reason(engine):
     with control(engine) as ctl:
         after = ctl.get_config()
     assert after["values"] == before["values"] and after["version"] == before["version"]
+
+
+async def test_a_console_without_the_key_is_read_only_by_itself(engine, tmp_path):
+    before = wait_for_control(engine.endpoints["control"])
+    missing = tmp_path / "no-such.key"
+    app = console_for(engine, control_key_file=missing)
+    assert app.readonly and app.readonly_reason == f"no control key: {missing}"
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("4")
+        await until(pilot, lambda: app.config_fetches and app.state.config is not None,
+                    "the config is still read (get_config needs no key)")
+        screen = app.screen
+        assert isinstance(screen, ConfigScreen)
+        await pilot.press("slash", *"max_num_seqs", "enter")
+        await until(pilot, lambda: screen.selected_key() == "max_num_seqs", "key selected")
+        assert "e" not in screen.active_bindings
+        await pilot.press("e")
+        assert screen.editing is None
+        refused = app.request_change("max_num_seqs", "3")
+        assert refused == f"read-only console (no control key: {missing})"
+        app.refresh_view(force=True)
+        await pilot.pause()
+        assert "read-only" in text_of(screen.query_one("#cfg-summary"))
+        assert app.history == []
+    after = wait_for_control(engine.endpoints["control"])
+    assert after["version"] == before["version"] and after["values"] == before["values"]
+    # The same console with the key (found by the endpoint, as `attach` does) may edit.
+    writable = console_for(engine)
+    assert not writable.readonly and writable.readonly_reason == ""
+    assert writable.control_key_path == engine.control_key_path
+
+
+async def test_a_key_the_engine_refuses_makes_the_console_read_only(engine, tmp_path):
+    before = wait_for_control(engine.endpoints["control"])
+    key = "alert_waiting_warning"
+    value = str(before["values"][key] + 1)  # valid, and no confirmation asked
+    stale = control_key.write_key_file(tmp_path / "stale.key", control_key.new_key())
+    app = console_for(engine, control_key_file=stale)
+    assert not app.readonly  # it holds a key; only the engine can say it is the wrong one
+    async with app.run_test(size=(120, 40)) as pilot:
+        await open_config_key(pilot, app, key)
+        await type_over(pilot, value)
+        await until(pilot, lambda: key in app.replies and app.replies[key].done,
+                    "the engine's reply")
+        rec = app.replies[key]
+        assert not rec.ok and "not authorised" in rec.reason and str(
+            engine.control_key_path) in rec.reason
+        await until(pilot, lambda: app.readonly, "the console turned read-only")
+        assert app.readonly_reason == f"engine refused the control key: {stale}"
+        assert "e" not in app.screen.active_bindings
+    after = wait_for_control(engine.endpoints["control"])
+    assert after["version"] == before["version"] and after["values"] == before["values"]
+
+    # An outdated key in memory with the right file (an engine restarted on the same endpoint
+    # writes a new key): the link reads the file again and the change goes through.
+    app = console_for(engine, control_key="0" * 64)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await open_config_key(pilot, app, key)
+        await type_over(pilot, value)
+        await until(pilot, lambda: key in app.replies and app.replies[key].done,
+                    "the engine's reply")
+        assert app.replies[key].status == APPLIED, app.replies[key].summary()
+        assert not app.readonly
+    with control(engine) as ctl:
+        assert ctl.set_config({key: before["values"][key]})["ok"]
 
 
 async def test_killed_engine_is_shown_down_then_the_console_recovers(spawn):

@@ -1,12 +1,15 @@
 """`vconsole set` / `vconsole get` against a real engine: exit codes and the text people read."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from console.demo import EngineProcess
+from telemetry import control_key
 from telemetry.control_cli import main_get, main_set, parse_pairs
 from vconsole.cli import build_parser
 
@@ -92,10 +95,55 @@ def test_get_prints_the_effective_config_with_hot_and_restart_kinds(engine, caps
     assert code == 1 and "unknown key(s): nope" in err
 
 
+def test_set_without_the_key_file_exits_1_naming_the_path_and_changes_nothing(engine, tmp_path,
+                                                                            capsys):
+    ctl = engine.endpoints["control"]
+    before = json.loads(vconsole("get", "--control", ctl, "--json").stdout)
+    missing = tmp_path / "nope.key"
+    r = vconsole("set", "--control", ctl, "--control-key-file", str(missing), "max_num_seqs=2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"cannot read the engine's control key {missing} (no such file)" in r.stderr
+    assert "--control-key-file" in r.stderr
+    # The default path is the one the engine wrote; take it away and the bare command says so.
+    default = control_key.key_path(ctl)
+    assert default == engine.control_key_path and default.exists()
+    hidden = tmp_path / "hidden.key"
+    shutil.copy2(default, hidden)
+    os.rename(default, tmp_path / "moved.key")
+    try:
+        code, out, err = run(main_set, ["set", "--control", ctl, "max_num_seqs=2"], capsys)
+        assert code == 1 and not out
+        assert f"control key {default} (no such file)" in err
+        # A copy of the key file elsewhere works through --control-key-file (the ssh recipe).
+        code, out, _ = run(main_set, ["set", "--control", ctl, "--control-key-file", str(hidden),
+                                      "max_num_seqs=2"], capsys)
+        assert code == 0 and "applied  max_num_seqs = 2" in out
+        code, out, _ = run(main_set, ["set", "--control", ctl, "--control-key-file", str(hidden),
+                                      f"max_num_seqs={before['values']['max_num_seqs']}"],
+                           capsys)
+        assert code == 0
+    finally:
+        os.rename(tmp_path / "moved.key", default)
+    after = json.loads(vconsole("get", "--control", ctl, "--json").stdout)
+    assert after["values"] == before["values"]
+
+
+def test_set_with_a_wrong_key_is_not_authorised(engine, tmp_path, capsys):
+    ctl = engine.endpoints["control"]
+    wrong = control_key.write_key_file(tmp_path / "wrong.key", control_key.new_key())
+    code, out, err = run(main_set, ["set", "--control", ctl, "--control-key-file", str(wrong),
+                                    "max_num_seqs=2"], capsys)
+    assert code == 1 and not out
+    assert "not authorised: this client does not hold the engine's control key" in err
+    code, out, _ = run(main_get, ["get", "--control", ctl, "max_num_seqs"], capsys)
+    assert code == 0 and "2" not in out.splitlines()[1]
+
+
 @pytest.mark.parametrize("func,argv", [(main_set, ["set", "max_num_seqs=2"]),
                                        (main_get, ["get"])])
 def test_no_engine_is_a_clear_error_and_exit_1(func, argv, tmp_path, capsys):
-    code, _, err = run(func, [*argv, "--control", f"ipc://{tmp_path}/none"], capsys,
-                       timeout=0.3)
+    key = control_key.write_key_file(tmp_path / "k.key", control_key.new_key())
+    code, _, err = run(func, [*argv, "--control", f"ipc://{tmp_path}/none",
+                              "--control-key-file", str(key)], capsys, timeout=0.3)
     assert code == 1
     assert "no reply from the engine's control socket" in err and "Traceback" not in err

@@ -32,7 +32,7 @@ def test_engine_args_pass_flags_through_with_demo_defaults():
     args = build_parser().parse_args(["demo", "--max-num-seqs", "4", "--set", "log_stats=true"])
     out = engine_args_from(args)
     assert out[out.index("--max-num-seqs") + 1] == "4"
-    assert out[out.index("--num-kv-blocks") + 1] == "256"
+    assert out[out.index("--num-kv-blocks") + 1] == "128"
     assert out[-2:] == ["--set", "log_stats=true"]
     args = build_parser().parse_args(["demo", "--config", "e.toml"])
     assert engine_args_from(args) == ["--config", "e.toml"]  # the file decides
@@ -88,3 +88,34 @@ def test_a_crashing_console_still_stops_everything(monkeypatch):
     assert_gone(stack.engine.pid)
     assert not stack.load.is_alive()
     assert children() <= before
+
+
+def open_paths() -> set[str]:
+    return {f.path for f in psutil.Process().open_files()}
+
+
+def test_temporary_engine_log_is_not_held_open_and_a_clean_stop_removes_it():
+    engine = demo.EngineProcess(ENGINE_ARGS)
+    log = engine.log_path
+    assert log.exists() and str(log) not in open_paths()  # mkstemp's descriptor is closed
+    with engine:
+        assert "ready" in engine.log_text()
+    assert engine.proc.returncode == 0 and not engine.failed
+    assert not log.exists()
+
+
+def test_an_engine_that_fails_keeps_its_log_and_says_where(tmp_path):
+    engine = demo.EngineProcess(["--model", str(tmp_path / "no-such-model")])
+    with pytest.raises(RuntimeError, match="exited with code 1") as e:
+        engine.start()
+    assert engine.failed and str(engine.log_path) in str(e.value)
+    assert "does not exist" in engine.log_path.read_text()
+    engine.log_path.unlink()
+
+
+def test_an_asked_for_log_path_is_kept(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("from before\n")
+    engine = demo.EngineProcess(ENGINE_ARGS, log_path=log)
+    assert engine.stop() is None
+    assert log.exists()

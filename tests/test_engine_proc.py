@@ -6,6 +6,7 @@ order and each leaves the engine idle. The last test shuts it down with SIGTERM.
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -19,8 +20,8 @@ import zmq
 from console.demo import EngineProcess
 from engine import protocol
 from engine.client import EngineClient
-from telemetry import schema
-from telemetry.control import ControlClient
+from telemetry import control_key, schema
+from telemetry.control import ControlClient, NotAuthorised
 
 CONFIG = """\
 max_num_seqs = 4
@@ -103,8 +104,12 @@ def client(engine, **kw) -> EngineClient:
     return EngineClient(engine.endpoints["input"], engine.endpoints["output"], **kw).connect()
 
 
-def control(engine) -> ControlClient:
-    return ControlClient(engine.endpoints["control"], timeout_s=10)
+def control(engine, key: str | None | bool = True) -> ControlClient:
+    """A control client holding the engine's key (``key=True``), another key, or none."""
+    if key is True:
+        key = engine.control_key()
+        assert key, f"no control key at {engine.control_key_path}"
+    return ControlClient(engine.endpoints["control"], timeout_s=10, key=key or None)
 
 
 def prompts(n: int, seed: int = 0) -> list[tuple[list[int], int, int]]:
@@ -230,6 +235,50 @@ def test_bad_config_values_are_rejected_with_reasons_and_nothing_changes(engine)
         assert reply["restart_required"] == ["block_size"]
         after = ctl.get_config()
         assert after["version"] == before["version"] and after["values"] == before["values"]
+
+
+def test_control_key_file_is_private_and_derived_from_the_endpoint(engine):
+    path = engine.control_key_path
+    assert path == control_key.key_path(engine.endpoints["control"])  # what a bare client finds
+    assert path.parent == control_key.runtime_dir()
+    assert path.stat().st_mode & 0o777 == 0o600
+    key = path.read_text().strip()
+    assert len(key) == 2 * control_key.KEY_BYTES and int(key, 16) >= 0
+    assert control_key.load_control_key(engine.endpoints["control"]) == key
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_set_config_without_the_key_is_refused_and_changes_nothing(engine):
+    with control(engine) as ctl:
+        before = ctl.get_config()
+    path = str(engine.control_key_path)
+    for key in (None, "0" * 64, engine.control_key()[:-1]):
+        with control(engine, key=key) as anon:
+            assert anon.get_config()["values"] == before["values"]  # reading stays open
+            with pytest.raises(NotAuthorised) as err:
+                anon.set_config({"max_num_seqs": 1})
+            assert str(err.value) == ("not authorised: this client does not hold the engine's "
+                                      f"control key ({path})")
+            raw = anon.request("set_config", {"max_num_seqs": 1})
+            assert raw["ok"] is False and not raw["applied"] and raw["values"] == {}
+    # A key of the wrong type is a malformed request, not a crash.
+    ctx = zmq.Context.instance()
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(engine.endpoints["control"])
+    req.send(msgpack.packb({"op": "set_config", "values": {"max_num_seqs": 1}, "key": 5}))
+    assert req.poll(10_000)
+    bad = msgpack.unpackb(req.recv())
+    req.close(0)
+    assert bad["ok"] is False and "'key' must be a string" in bad["error"]
+    with control(engine) as ctl:
+        after = ctl.get_config()
+        assert after["version"] == before["version"] and after["values"] == before["values"]
+        # With the key, the same change is applied.
+        reply = ctl.set_config({"max_num_seqs": 3})
+        assert reply["ok"] and reply["applied"] == {"max_num_seqs": 3}
+        assert ctl.set_config({"max_num_seqs": before["values"]["max_num_seqs"]})["ok"]
+    assert "refused a set_config without the control key" in engine.log_text()
 
 
 def _rewrite_keep_mtime(path, text: str) -> None:
@@ -385,7 +434,151 @@ def test_no_engine_is_a_clear_timeout(tmp_path):
     c.close()
 
 
+STATS_LINE = re.compile(
+    r"vconsole\.engine: stats: ([\d.]+) steps/s, prompt ([\d.]+) tok/s, generation ([\d.]+) "
+    r"tok/s, running (\d+), waiting (\d+), preempted (\d+), KV usage ([\d.]+)% \(tokens "
+    r"([\d.]+)%\), prefix hit rate ([\d.]+)%")
+
+
+def _ipc_endpoints(d) -> dict[str, str]:
+    return {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}
+
+
+def test_log_stats_is_off_by_default(engine):
+    from engine.core_proc import LOG_STATS_INTERVAL_S
+
+    with client(engine) as c:
+        c.generate(prompt_token_ids=[21] * 8, max_tokens=8, ignore_eos=True, timeout_s=30)
+    time.sleep(LOG_STATS_INTERVAL_S + 1.5)  # a line would be due by now
+    assert "vconsole.engine: stats: " not in engine.log_text()
+
+
+def test_log_stats_logs_a_stats_line_every_few_seconds_and_the_toggle_is_hot(tmp_path):
+    from engine.core_proc import LOG_STATS_INTERVAL_S
+
+    with EngineProcess([*ENGINE_ARGS, "--set", "log_stats=true"],
+                       endpoints=_ipc_endpoints(tmp_path),
+                       log_path=tmp_path / "engine.log") as proc, client(proc) as c:
+        for i in range(4):
+            c.submit(prompt_token_ids=[3 + i] * 12, max_tokens=8, ignore_eos=True)
+        assert all(d.finish_reason == "length" for d in c.gather(timeout_s=30).values())
+        deadline = time.monotonic() + LOG_STATS_INTERVAL_S + 10
+        while not STATS_LINE.search(proc.log_text()):
+            assert time.monotonic() < deadline, f"no stats line:\n{proc.log_tail()}"
+            time.sleep(0.1)
+        (line,) = STATS_LINE.findall(proc.log_text())  # then quiet: nothing more to report
+        steps, prompt_tps, gen_tps = (float(v) for v in line[:3])
+        assert steps > 0 and prompt_tps > 0 and gen_tps > 0
+        assert line[3:6] == ("0", "0", "0")  # drained: running, waiting, preempted
+        assert 0 <= float(line[6]) <= 100 and 0 <= float(line[8]) <= 100
+
+        with control(proc) as ctl:
+            assert ctl.set_config({"log_stats": "false"})["applied"] == {"log_stats": False}
+        for i in range(4):
+            c.submit(prompt_token_ids=[30 + i] * 12, max_tokens=8, ignore_eos=True)
+        c.gather(timeout_s=30)
+        time.sleep(LOG_STATS_INTERVAL_S + 1.5)
+        assert len(STATS_LINE.findall(proc.log_text())) == 1, "log_stats=false still logs"
+
+
+def test_a_client_that_stops_reading_does_not_stall_the_other_clients(tmp_path):
+    # A small send queue so the stuck client's fills in well under a second.
+    args = ["--model", "tiny", "--num-kv-blocks", "2400", "--block-size", "8",
+            "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--set", "zmq_sndhwm=100"]
+    with EngineProcess(args, endpoints=_ipc_endpoints(tmp_path),
+                       log_path=tmp_path / "engine.log") as proc:
+        ctx = zmq.Context.instance()
+        inp, out = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for s in (inp, out):
+            s.setsockopt(zmq.IDENTITY, b"stuck-client")
+            s.setsockopt(zmq.LINGER, 0)
+        out.setsockopt(zmq.RCVHWM, 1)
+        out.setsockopt(zmq.RCVBUF, 1024)
+        out.connect(proc.endpoints["output"])
+        inp.connect(proc.endpoints["input"])
+        try:
+            inp.send_multipart(protocol.encode_hello(), copy=False)
+            assert out.poll(10_000)
+            out.recv_multipart()  # ready; from here on this client never reads again
+            for i in range(16):
+                inp.send_multipart(protocol.encode_add(
+                    f"stuck-{i}", prompt_token_ids=[5 + i] * 4,
+                    sampling={"max_tokens": 1000, "ignore_eos": True}), copy=False)
+            rounds: list[float] = []
+            gone_at = None
+            t0 = time.monotonic()
+            with client(proc) as c:
+                while time.monotonic() - t0 < 30:
+                    t = time.monotonic()
+                    ids = [c.submit(prompt_token_ids=[50, i], max_tokens=8, ignore_eos=True)
+                           for i in range(3)]
+                    done = c.gather(ids, timeout_s=10)
+                    rounds.append(time.monotonic() - t)
+                    assert all(d.finish_reason == "length" for d in done.values())
+                    if gone_at is None and "not reading its outputs" in proc.log_text():
+                        gone_at = time.monotonic()
+                    if gone_at is not None and time.monotonic() - gone_at > 1.0:
+                        break
+        finally:
+            inp.close(0)
+            out.close(0)
+        assert gone_at is not None, f"the stuck client's queue never filled:\n{proc.log_tail()}"
+        # A blocking send to the stuck client used to hold every output for 5 s (per send).
+        assert max(rounds) < 2.0, rounds
+        log = proc.log_text()
+        assert "client stuck-client: not reading its outputs (send queue full)" in log
+        assert "client stuck-client is gone: aborting its 16 request(s)" in log
+
+
+class _IdleCore:
+    """Just enough of EngineCore for the process shell: no requests, ever."""
+
+    def __init__(self) -> None:
+        from engine.config import EngineConfig
+
+        self.config = EngineConfig()
+        self.config_version = 1
+        self.num_steps = 0
+        self.last_step = None
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def abort_requests(self, ids) -> None:
+        pass
+
+    def scheduler_stats(self, max_rows):
+        return None
+
+    def kv_stats(self):
+        return None
+
+
+def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path, monkeypatch):
+    from engine import core_proc
+    from telemetry.publisher import TelemetryPublisher
+
+    release = threading.Event()
+    monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setattr(TelemetryPublisher, "_loop", lambda self, *a: release.wait())
+    monkeypatch.setattr(core_proc, "PUBLISHER_CLOSE_S", 0.3, raising=False)
+    core = _IdleCore()
+    proc = core_proc.EngineCoreProc(core.config, _ipc_endpoints(tmp_path), core=core)
+    proc.start()
+    proc.request_shutdown("test")
+    t = threading.Thread(target=proc.run_busy_loop, daemon=True)
+    t.start()
+    try:
+        t.join(10)
+        assert not t.is_alive(), "shutdown hung (ctx.term() with the telemetry socket open)"
+    finally:
+        release.set()
+    assert proc.ctx.closed
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_zero(engine):
+    key_file = engine.control_key_path
+    assert key_file.exists()
     c = client(engine)
     rid = c.submit(prompt_token_ids=[17] * 4, max_tokens=250, ignore_eos=True)
     stream = c.stream(rid)
@@ -398,3 +591,4 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(engine):
     assert engine.proc.returncode == 0
     log = engine.log_text()
     assert "SIGTERM: draining" in log and "engine stopped (SIGTERM)" in log
+    assert not key_file.exists(), "the control key file outlived a clean shutdown"

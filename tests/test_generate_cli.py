@@ -42,3 +42,19 @@ def test_generate_writes_one_line_per_input_in_order_with_errors_in_place(tmp_pa
     summary = proc.stderr.strip().splitlines()[-1]
     for key in ("requests=6", "errors=3", "tok/s=", "preemptions=", "prefix_hit_rate="):
         assert key in summary
+
+
+def test_generate_with_a_bad_model_path_exits_1_with_the_reason_and_no_traceback(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hi", "max_tokens": 2}) + "\n")
+    dst = tmp_path / "out.jsonl"
+    missing = tmp_path / "no-such-model"
+    env = {**os.environ, "VCONSOLE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "vconsole.cli", "generate", "--model",
+                           str(missing), "--input", str(src), "--output", str(dst)],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "vconsole generate: cannot start:" in proc.stderr
+    assert str(missing) in proc.stderr and "does not exist" in proc.stderr
+    assert not dst.exists()

@@ -7,14 +7,17 @@ import sys
 import time
 
 import pytest
+import zmq
 
 from console.demo import EngineProcess
+from engine.client import AsyncEngineClient
 from engine.loadgen import (
     LoadRun,
     LoadSpec,
     LoadThread,
     RequestRecord,
     Workload,
+    _one,
     demo_rate,
     format_summary,
     parse_mix,
@@ -80,6 +83,16 @@ def test_summary_percentiles_and_errors_by_reason():
     assert s["tok_per_s"] == 20.0
     text = format_summary(s)
     assert "TTFT" in text and "error: too long: 1" in text
+
+
+async def test_a_failing_submit_raises_its_own_error_not_an_unbound_rid():
+    """`_one`'s cleanup must not mask the real error when `submit` raises (a closed client)."""
+    c = AsyncEngineClient("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
+    await c.close()
+    run, in_flight = LoadRun(), {"other": None}
+    with pytest.raises(zmq.ZMQError):
+        await _one(c, run, [5, 6, 7], 4, 0, in_flight)
+    assert run.sent == run.done == 1 and in_flight == {"other": None}
 
 
 @pytest.fixture(scope="module")

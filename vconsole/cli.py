@@ -44,6 +44,20 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
                        help=f"{name} socket (default {default})")
 
 
+def add_control_key_arg(p: argparse.ArgumentParser, *, engine: bool = False) -> None:
+    """``--control-key-file``: where the engine writes its control key / where a client reads
+    it. The default, on both sides, is derived from the control endpoint
+    (`telemetry.control_key.key_path`), so a bare client finds a bare engine's key."""
+    if engine:
+        help_ = ("write the control key here, mode 0600 (default: derived from --control under "
+                 "$VCONSOLE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/vconsole, else "
+                 "~/.cache/vconsole/run); clients need it to change the config")
+    else:
+        help_ = ("the engine's control key file (default: the path the engine derives from "
+                 "--control); needed to change the config, not to read it")
+    p.add_argument("--control-key-file", metavar="PATH", help=help_)
+
+
 def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     module_name, func_name = target.split(":")
 
@@ -79,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Start an engine process with the tiny model, a load generator with bursts and a "
             "priority mix, and the console attached. Quitting the console stops all of them.")
     add_engine_args(p)
-    p.add_argument("--rate", type=float, default=4.0, help="mean request rate, req/s (default 4)")
+    p.add_argument("--rate", type=float, default=8.0, help="mean request rate, req/s (default 8)")
     p.add_argument("--base-port", type=int, default=0,
                    help="first of four loopback ports (default: pick free ones)")
 
@@ -89,12 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote-telemetry", dest="allow_remote", action="store_true",
                    help="allow the (read-only) telemetry socket on a non-loopback address; "
                         "input and control always stay on loopback/ipc")
+    add_control_key_arg(p, engine=True)
 
     p = cmd("attach", "console.attach:main", "attach the console to a running engine")
     add_endpoint_args(p)
     p.add_argument("--extra-telemetry", action="append", default=[], metavar="ENDPOINT",
                    help="another engine's telemetry endpoint (e.g. a data-parallel rank)")
     p.add_argument("--readonly", action="store_true", help="watch only: hide every action")
+    add_control_key_arg(p)
 
     p = cmd("generate", "engine.generate:main", "offline batch inference from a JSONL file")
     add_engine_args(p)
@@ -119,15 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("set", "telemetry.control_cli:main_set", "change engine config (hot reload)")
     add_endpoint_args(p)
+    add_control_key_arg(p)
     p.add_argument("pairs", nargs="+", metavar="KEY=VALUE")
 
     p = cmd("get", "telemetry.control_cli:main_get", "print the engine's effective config")
     add_endpoint_args(p)
+    add_control_key_arg(p)
     p.add_argument("keys", nargs="*", metavar="KEY", help="only these keys")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = cmd("top", "telemetry.top:main", "a telemetry snapshot for scripts")
     add_endpoint_args(p)
+    add_control_key_arg(p)
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every topic")

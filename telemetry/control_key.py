@@ -1,0 +1,138 @@
+"""The control key: a shared secret that says "this client may change the engine".
+
+At start the engine makes a random key (`new_key`: 32 bytes, hex) and writes it atomically to a
+file only its user can read (`write_key_file`, mode 0600), at a path derived from the control
+endpoint it bound (`key_path`): ``<runtime dir>/control-<endpoint>.key``, the runtime dir being
+``$VCONSOLE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/vconsole``, else ``~/.cache/vconsole/run``.
+A client on the same machine, as the same user, derives the same path from the same endpoint
+(`load_control_key`), so a bare `vconsole set` finds a bare engine's key; ``--control-key-file``
+names another path on either side. The engine removes the file on a clean shutdown
+(`remove_key_file`, only if it still holds this engine's key).
+
+Clients send the key as ``"key"`` in every control request. ``get_config`` is open (read-only);
+``set_config`` without the right key (compared in constant time, `key_matches`) is answered
+``ok: false`` with `not_authorised` as its error and changes nothing.
+
+The key is loopback/ipc authentication only: anyone who can read the file can steer the engine.
+CURVE will replace it for non-loopback control endpoints (which are refused today).
+
+Both sides import this module, so the path rule lives in exactly one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import tempfile
+from pathlib import Path
+
+ENV_RUNTIME_DIR = "VCONSOLE_RUNTIME_DIR"
+KEY_BYTES = 32
+NOT_AUTHORISED = "not authorised"
+_MAX_NAME = 120           # longer endpoint names (deep ipc paths) are shortened with a hash
+_UNSAFE = re.compile(r"[^A-Za-z0-9._]+")
+
+
+def runtime_dir() -> Path:
+    """Where key files live by default (not created here)."""
+    explicit = os.environ.get(ENV_RUNTIME_DIR)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "vconsole"
+    return Path.home() / ".cache" / "vconsole" / "run"
+
+
+def key_file_name(endpoint: str) -> str:
+    """``tcp://127.0.0.1:5573`` -> ``control-127.0.0.1-5573.key``; ``ipc:///tmp/x/control`` ->
+    ``control-ipc-tmp-x-control.key``. ``localhost`` is spelled 127.0.0.1 (what a bind reports)."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        scheme, rest = "", endpoint
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        host = host.strip("[]")
+        rest = f"{'127.0.0.1' if host == 'localhost' else host}:{port}"
+        scheme = ""
+    name = _UNSAFE.sub("-", f"{scheme}-{rest}" if scheme else rest).strip("-.") or "endpoint"
+    if len(name) > _MAX_NAME:
+        digest = hashlib.sha256(endpoint.encode()).hexdigest()[:16]
+        name = f"{name[:_MAX_NAME - 17]}-{digest}"
+    return f"control-{name}.key"
+
+
+def key_path(endpoint: str, path: str | os.PathLike[str] | None = None) -> Path:
+    """The key file for ``endpoint``: ``path`` when given, else derived under `runtime_dir`."""
+    if path:
+        return Path(path).expanduser()
+    return runtime_dir() / key_file_name(endpoint)
+
+
+def new_key() -> str:
+    return secrets.token_hex(KEY_BYTES)
+
+
+def write_key_file(path: str | os.PathLike[str], key: str) -> Path:
+    """Write ``key`` to ``path`` atomically (temp file in the same folder, then rename), mode
+    0600; a missing folder is created mode 0700. Raises OSError."""
+    target = Path(path)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, 0o600)  # mkstemp makes it 0600 already; be explicit
+        with os.fdopen(fd, "w", encoding="ascii") as fh:
+            fh.write(key + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def read_key_file(path: str | os.PathLike[str]) -> str:
+    """The key in ``path``; raises OSError (unreadable) or ValueError (empty / not a key)."""
+    text = Path(path).read_text(encoding="ascii", errors="replace").strip()
+    if not text or not all(c in "0123456789abcdefABCDEF" for c in text):
+        raise ValueError(f"{path} does not hold a control key")
+    return text
+
+
+def load_control_key(endpoint: str, path: str | os.PathLike[str] | None = None) -> str | None:
+    """The engine's key for ``endpoint`` (from ``path`` when given), or None if it cannot be
+    read: the caller is then read-only."""
+    try:
+        return read_key_file(key_path(endpoint, path))
+    except (OSError, ValueError):
+        return None
+
+
+def remove_key_file(path: str | os.PathLike[str], key: str) -> bool:
+    """Remove ``path`` if it still holds ``key`` (another engine may have replaced it)."""
+    try:
+        if read_key_file(path) != key:
+            return False
+        os.unlink(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def key_matches(given: object, expected: str) -> bool:
+    """Constant-time comparison; anything but a non-empty string is no key."""
+    if not isinstance(given, str) or not given:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode("utf-8"))
+
+
+def not_authorised(path: str | os.PathLike[str]) -> str:
+    """The ``error`` of an ``ok: false`` reply to a set_config without the right key."""
+    return (f"{NOT_AUTHORISED}: this client does not hold the engine's control key "
+            f"({path})")
