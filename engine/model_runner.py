@@ -21,7 +21,7 @@ import torch
 from engine import paged_attention
 from engine.config import EngineConfig
 from engine.model_loader import load_model
-from engine.paged_attention import PagedAttentionMetadata, PrefillChunk
+from engine.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 
@@ -48,6 +48,20 @@ def _slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> l
         out.extend(range(base, base + take))
         p += take
     return out
+
+
+DECODE_GROUP_ROWS = 16
+DECODE_MAX_GROUPS = 4
+
+
+def _decode_groups(num_decodes: int) -> list[tuple[int, int]]:
+    """Split sorted decode rows into at most DECODE_MAX_GROUPS contiguous groups of at least
+    DECODE_GROUP_ROWS rows: less padding in the gathers, without an attention call per row."""
+    if num_decodes == 0:
+        return []
+    k = max(1, min(DECODE_MAX_GROUPS, num_decodes // DECODE_GROUP_ROWS))
+    size = -(-num_decodes // k)
+    return [(lo, min(lo + size, num_decodes)) for lo in range(0, num_decodes, size)]
 
 
 class ModelRunner:
@@ -172,7 +186,7 @@ class ModelRunner:
                 raise RuntimeError("allocate_kv_cache must be called before execute_model")
             return None
         bs = self.block_size
-        decodes = [s for s in seqs if s.num_tokens == 1]
+        decodes = sorted((s for s in seqs if s.num_tokens == 1), key=lambda s: s.start_pos)
         chunks = [s for s in seqs if s.num_tokens > 1]
         ordered = decodes + chunks
         ids: list[int] = []
@@ -190,13 +204,18 @@ class ModelRunner:
             slots.extend(_slots(s.block_ids, s.start_pos, end, bs))
         num_tokens = len(ids)
 
-        # Decode block tables, padded with block 0 (masked out by context length).
-        max_blocks = max((s.start_pos // bs + 1 for s in decodes), default=0)
+        # Decode block tables per group (rows sorted by context length), each padded with
+        # block 0 to its group's longest context (masked out by context length).
+        groups = _decode_groups(len(decodes))
+        group_blocks: list[int] = []
         tables: list[int] = []
-        for s in decodes:
-            n = s.start_pos // bs + 1
-            tables.extend(s.block_ids[:n])
-            tables.extend([0] * (max_blocks - n))
+        for lo, hi in groups:
+            max_blocks = decodes[hi - 1].start_pos // bs + 1
+            group_blocks.append(max_blocks)
+            for s in decodes[lo:hi]:
+                n = s.start_pos // bs + 1
+                tables.extend(s.block_ids[:n])
+                tables.extend([0] * (max_blocks - n))
         ctx_lens = [s.start_pos + 1 for s in decodes]
 
         # Prefill chunks that continue a request read their whole context from the pool.
@@ -231,11 +250,17 @@ class ModelRunner:
             prefills.append(PrefillChunk(offset, s.num_tokens, s.start_pos,
                                          t_ctx[lo:hi] if s.start_pos else None))
             offset += s.num_tokens
+        decode_groups: list[DecodeGroup] = []
+        t_at = 0
+        for (lo, hi), mb in zip(groups, group_blocks, strict=True):
+            rows = (hi - lo) * mb
+            decode_groups.append(DecodeGroup(lo, hi, t_tables[t_at:t_at + rows], mb,
+                                             t_lens[lo:hi]))
+            t_at += rows
         meta = PagedAttentionMetadata(
             kv_caches=self.kv_caches, block_size=bs, slot_mapping=t_slots,
-            num_decodes=len(decodes), decode_block_tables=t_tables if decodes else None,
-            decode_max_blocks=max_blocks, decode_context_lens=t_lens if decodes else None,
-            prefills=prefills, workspace=self._workspace)
+            num_decodes=len(decodes), decode_groups=decode_groups, prefills=prefills,
+            workspace=self._workspace)
         return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs)
 
     def _forward(self, step: PreparedStep) -> torch.Tensor | None:

@@ -78,55 +78,65 @@ class PrefillChunk:
 
 
 @dataclass
-class PagedAttentionMetadata:
-    """Everything the attention function needs for one step; built once, shared by all layers.
+class DecodeGroup:
+    """Decode rows ``lo .. hi`` of the packed batch, gathered and attended together.
 
-    Invariant: the packed batch is ``num_decodes`` single-token rows followed by the prefill
-    chunks in order, so ``sum(c.num_tokens for c in prefills) + num_decodes == T``.
+    The runner sorts decode rows by context length, so each group pads its gather only to its
+    own longest context instead of the step's: short and long requests do not pay for each
+    other's padding.
     """
 
-    kv_caches: KVCache
-    block_size: int
-    slot_mapping: torch.Tensor                       # (T,) int64
-    num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # (D * max_blocks,) int64, row-major
-    decode_max_blocks: int = 0
-    decode_context_lens: torch.Tensor | None = None  # (D,) int64
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    workspace: Workspace | None = None
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    _gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-    _prefill_masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+    lo: int
+    hi: int
+    block_tables: torch.Tensor  # ((hi - lo) * max_blocks,) int64, row-major, padded with 0
+    max_blocks: int
+    context_lens: torch.Tensor  # (hi - lo,) int64
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
-    def decode_mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask (D, 1, 1, max_blocks * B): 0 where key position < context length
+    def mask(self, block_size: int, sliding_window: int | None, dtype: torch.dtype
+             ) -> torch.Tensor:
+        """Additive mask (rows, 1, 1, max_blocks * B): 0 where key position < context length
         (and inside the sliding window), -inf elsewhere. Built once per step per window."""
-        mask = self._decode_masks.get(sliding_window)
+        mask = self._masks.get(sliding_window)
         if mask is None:
-            lens = self.decode_context_lens
-            assert lens is not None
-            kpos = torch.arange(self.decode_max_blocks * self.block_size, device=lens.device)
+            lens = self.context_lens
+            kpos = torch.arange(self.max_blocks * block_size, device=lens.device)
             keep = kpos[None, :] < lens[:, None]
             if sliding_window is not None:
                 keep &= kpos[None, :] >= (lens - sliding_window)[:, None]
             mask = torch.zeros(keep.shape, dtype=dtype, device=lens.device)
             mask.masked_fill_(~keep, float("-inf"))
             mask = mask[:, None, None, :]
-            self._decode_masks[sliding_window] = mask
+            self._masks[sliding_window] = mask
         return mask
 
-    def gather_buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two (D * max_blocks, B, KVH, hd) buffers for the decode gather, reused by every
-        layer of the step (all layers share shapes): fresh multi-MB allocations per layer cost
-        more than the copy itself on CPU."""
-        if self._gather_buffers is None:
-            assert self.decode_block_tables is not None
-            shape = (self.decode_block_tables.shape[0], *like.shape[1:])
-            if self.workspace is not None:
-                self._gather_buffers = self.workspace.buffers(shape, like)
-            else:
-                self._gather_buffers = (like.new_empty(shape), like.new_empty(shape))
-        return self._gather_buffers
+
+@dataclass
+class PagedAttentionMetadata:
+    """Everything the attention function needs for one step; built once, shared by all layers.
+
+    Invariant: the packed batch is ``num_decodes`` single-token rows (covered, in order, by
+    ``decode_groups``) followed by the prefill chunks in order, so
+    ``sum(c.num_tokens for c in prefills) + num_decodes == T``.
+    """
+
+    kv_caches: KVCache
+    block_size: int
+    slot_mapping: torch.Tensor                       # (T,) int64
+    num_decodes: int = 0
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    workspace: Workspace | None = None
+    _prefill_masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+
+    def gather_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two (rows, B, KVH, hd) buffers for a decode gather, from the step-spanning workspace
+        (fresh multi-MB allocations per layer cost more than the copy itself on CPU). Valid
+        until the next call."""
+        shape = (rows, *like.shape[1:])
+        if self.workspace is not None:
+            return self.workspace.buffers(shape, like)
+        return like.new_empty(shape), like.new_empty(shape)
 
     def prefill_mask(self, i: int, sliding_window: int | None, group: int
                      ) -> torch.Tensor | None:
@@ -185,22 +195,21 @@ def paged_attention_forward(
     v_flat.index_copy_(0, meta.slot_mapping, new_v)
 
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
-    d = meta.num_decodes
-    if d:
-        assert meta.decode_block_tables is not None
-        length = meta.decode_max_blocks * meta.block_size
-        # Gather whole blocks: (D * MB, B, KVH, hd) -> (D, KVH, MB * B, hd).
-        ks, vs = meta.gather_buffers(k_pool)
-        torch.index_select(k_pool, 0, meta.decode_block_tables, out=ks)
-        torch.index_select(v_pool, 0, meta.decode_block_tables, out=vs)
-        ks = ks.view(d, length, num_kv_heads, head_dim).transpose(1, 2)
-        vs = vs.view(d, length, num_kv_heads, head_dim).transpose(1, 2)
+    for g in meta.decode_groups:
+        n = g.hi - g.lo
+        length = g.max_blocks * meta.block_size
+        # Gather whole blocks: (n * MB, B, KVH, hd) -> (n, KVH, MB * B, hd).
+        ks, vs = meta.gather_buffers(g.block_tables.shape[0], k_pool)
+        torch.index_select(k_pool, 0, g.block_tables, out=ks)
+        torch.index_select(v_pool, 0, g.block_tables, out=vs)
+        ks = ks.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+        vs = vs.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
         # One query per row: fold the query heads of a KV group into the "query length" axis,
-        # so GQA needs no repeated keys: (H, D, hd) -> (D, KVH, G, hd).
-        q = query[0, :, :d].transpose(0, 1).reshape(d, num_kv_heads, group, head_dim)
-        mask = meta.decode_mask(sliding_window, query.dtype)
+        # so GQA needs no repeated keys: (H, n, hd) -> (n, KVH, G, hd).
+        q = query[0, :, g.lo:g.hi].transpose(0, 1).reshape(n, num_kv_heads, group, head_dim)
+        mask = g.mask(meta.block_size, sliding_window, query.dtype)
         o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=scaling)
-        out[0, :d] = o.reshape(d, num_heads, head_dim)
+        out[0, g.lo:g.hi] = o.reshape(n, num_heads, head_dim)
 
     for i, c in enumerate(meta.prefills):
         lo, hi = c.offset, c.offset + c.num_tokens

@@ -113,3 +113,13 @@ def test_an_impossible_request_is_rejected_and_the_rest_still_run(model_dir, ref
     assert result.outputs[1].finish_reason == "error" and result.outputs[1].error
     assert result.output_token_ids[0] == reference[tuple(MIXED[0])]
     assert result.output_token_ids[2] == reference[tuple(MIXED[1])]
+
+
+def test_decodes_split_into_length_groups_give_the_same_tokens(model_dir, reference,
+                                                               monkeypatch):
+    from engine import model_runner
+
+    monkeypatch.setattr(model_runner, "DECODE_GROUP_ROWS", 4)
+    assert [hi - lo for lo, hi in model_runner._decode_groups(20)] == [5, 5, 5, 5]
+    _, result = _run(model_dir, MIXED)
+    _assert_equal(reference, MIXED, result)
