@@ -34,8 +34,8 @@ Invariants: request ids are unique among requests in flight (engine-wide); a cli
 only its own requests; every request that was accepted gets exactly one final output, including
 at shutdown (``abort``), unless its client is gone.
 
-``log_stats`` (hot): the busy loop logs one stats line every `LOG_STATS_INTERVAL_S` while there is
-work (and one more once it has drained), like vLLM's ``--log-stats``.
+``log_stats`` (hot): the busy loop logs one stats line every few seconds while there is work
+(`engine.stats_log`). Which endpoints may bind beyond loopback: `engine.bind_policy`.
 """
 
 from __future__ import annotations
@@ -55,12 +55,14 @@ from typing import Any
 import zmq
 
 from engine import protocol
+from engine.bind_policy import RemoteBindRefused, check_endpoints, secure_socket
 from engine.config import ConfigError, ConfigUpdate, EngineConfig, config_from_args
 from engine.config_watch import ConfigFileWatcher, apply_file, read_file
 from engine.outputs import RequestOutput
 from engine.request import FinishReason
+from engine.stats_log import StatsLog
 from telemetry import control, control_key
-from telemetry.endpoints import DEFAULTS, is_loopback
+from telemetry.endpoints import DEFAULTS
 from telemetry.publisher import TelemetryPublisher
 
 log = logging.getLogger("vconsole.engine")
@@ -71,7 +73,6 @@ HELLO_WAIT_S = 5.0        # ...for at most this long
 CONTROL_WAIT_S = 30.0     # a set_config not applied within this is answered with an error
 DRAIN_TIMEOUT_S = 5.0     # steps run at shutdown to deliver the final (abort) outputs
 STALL_WAIT_S = 0.005      # a step that scheduled nothing is followed by this wait (no spin)
-LOG_STATS_INTERVAL_S = 5.0  # log_stats: one stats line this often
 PUBLISHER_CLOSE_S = 5.0   # at shutdown, how long the telemetry thread gets to stop
 
 # Input queue items: (kind, ...). SimpleQueue because signal handlers put on it (reentrant).
@@ -79,40 +80,6 @@ ADD, ABORT, CONTROL, CLIENT_GONE, RELOAD, SHUTDOWN = (
     "add", "abort", "control", "client_gone", "reload", "shutdown")
 _STOP = ("stop",)         # output queue sentinel
 SENT, NO_ROUTE, FULL = "sent", "no route", "full"  # EngineCoreProc._send results
-
-
-class RemoteBindRefused(ValueError):
-    pass
-
-
-# Sockets that only publish (nothing sent to them changes the engine) may be exposed without
-# authentication when the operator opts in; input and control never are until CURVE exists.
-READ_ONLY_SOCKETS = frozenset({"telemetry"})
-
-
-def check_endpoints(endpoints: dict[str, str], allow_remote: bool) -> None:
-    """Refuse non-loopback binds for anything that can change the engine; a read-only socket
-    (telemetry) may be remote only with the explicit opt-in."""
-    remote = {name: ep for name, ep in endpoints.items() if not is_loopback(ep)}
-    steering = [f"{n}={ep}" for n, ep in remote.items() if n not in READ_ONLY_SOCKETS]
-    if steering:
-        raise RemoteBindRefused(
-            f"refusing to bind non-loopback endpoint(s) {', '.join(steering)}: these sockets "
-            "can submit requests or change the config, and the engine has no authentication yet "
-            "(CURVE comes later). Bind 127.0.0.1 or ipc:// and reach them over an ssh -L tunnel.")
-    if remote and not allow_remote:
-        eps = ", ".join(f"{n}={ep}" for n, ep in remote.items())
-        raise RemoteBindRefused(
-            f"refusing to bind non-loopback endpoint(s) {eps} without --allow-remote-telemetry: "
-            "telemetry is unauthenticated and readable by anyone who can reach the port.")
-
-
-def secure_socket(sock: zmq.Socket, name: str, endpoint: str) -> None:
-    """The seam for authentication: CURVE server keys (``CURVE_SERVER``, ``CURVE_SECRETKEY``)
-    and a ZAP handler will be set here for non-loopback endpoints. No-op today: remote binds are
-    only allowed for read-only sockets, with ``--allow-remote-telemetry``."""
-    if not is_loopback(endpoint):
-        log.warning("%s socket on %s is unauthenticated (--allow-remote-telemetry)", name, endpoint)
 
 
 @dataclass
@@ -130,58 +97,6 @@ class ControlCall:
     def resolve(self, reply: dict[str, Any]) -> None:
         self.reply = reply
         self.done.set()
-
-
-class StatsLog:
-    """``log_stats``: one line to the engine's log (stderr) every ``interval_s`` — steps/s,
-    prompt and generation tok/s, queue lengths, KV and token usage, prefix hit rate, each over
-    the interval. Written while steps run and once more after the engine drained, then nothing
-    until work comes back. Busy loop only; the toggle is read at every call (hot)."""
-
-    def __init__(self, interval_s: float = LOG_STATS_INTERVAL_S) -> None:
-        self.interval_s = interval_s
-        self._t0 = time.monotonic()
-        self._steps = self._prompt_tokens = self._generation_tokens = 0
-        self._quiet = True              # the last line (or none yet) showed no steps
-        self._prefix: tuple[int, int] | None = None  # (queries, hits) at the last line
-
-    def record(self, step: Any) -> None:
-        if self._steps == 0 and self._quiet:    # the interval starts with the first step
-            self._t0 = time.monotonic() - step.total_ns / 1e9
-        self._steps += 1
-        self._prompt_tokens += step.num_prefill_tokens
-        self._generation_tokens += step.num_decode_tokens
-
-    def wait_s(self, enabled: bool) -> float | None:
-        """Seconds until a line is due; None when none will be (off, or nothing to report)."""
-        if not enabled or (self._steps == 0 and self._quiet):
-            return None
-        return max(0.0, self._t0 + self.interval_s - time.monotonic())
-
-    def maybe_log(self, core: Any) -> None:
-        enabled = bool(core.config.log_stats)
-        wait = self.wait_s(enabled)
-        if not enabled:
-            self._steps = self._prompt_tokens = self._generation_tokens = 0
-            self._quiet, self._prefix = True, None
-        if wait is None or wait > 0:
-            return
-        now = time.monotonic()
-        elapsed = max(now - self._t0, 1e-9)
-        sched, kv = core.scheduler_stats(0), core.kv_stats()
-        queries, hits = kv.prefix_queries, kv.prefix_hits
-        if self._prefix is not None:
-            queries, hits = queries - self._prefix[0], hits - self._prefix[1]
-        self._prefix = (kv.prefix_queries, kv.prefix_hits)
-        log.info("stats: %.1f steps/s, prompt %.1f tok/s, generation %.1f tok/s, running %d, "
-                 "waiting %d, preempted %d, KV usage %.1f%% (tokens %.1f%%), "
-                 "prefix hit rate %.1f%%", self._steps / elapsed, self._prompt_tokens / elapsed,
-                 self._generation_tokens / elapsed, sched.num_running, sched.num_waiting,
-                 sched.num_preempted, 100 * kv.usage, 100 * kv.token_usage,
-                 100 * hits / queries if queries > 0 else 0.0)
-        self._quiet = self._steps == 0
-        self._t0 = now
-        self._steps = self._prompt_tokens = self._generation_tokens = 0
 
 
 class EngineCoreProc:

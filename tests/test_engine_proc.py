@@ -417,7 +417,7 @@ def test_non_loopback_endpoints_are_refused_without_opt_in():
 
 
 def test_steering_sockets_stay_on_loopback_even_with_the_opt_in():
-    from engine.core_proc import RemoteBindRefused, check_endpoints
+    from engine.bind_policy import RemoteBindRefused, check_endpoints
 
     check_endpoints({"telemetry": "tcp://0.0.0.0:1", "control": "ipc:///tmp/c"}, True)
     with pytest.raises(RemoteBindRefused, match="--allow-remote-telemetry"):
@@ -445,7 +445,7 @@ def _ipc_endpoints(d) -> dict[str, str]:
 
 
 def test_log_stats_is_off_by_default(engine):
-    from engine.core_proc import LOG_STATS_INTERVAL_S
+    from engine.stats_log import LOG_STATS_INTERVAL_S
 
     with client(engine) as c:
         c.generate(prompt_token_ids=[21] * 8, max_tokens=8, ignore_eos=True, timeout_s=30)
@@ -454,7 +454,7 @@ def test_log_stats_is_off_by_default(engine):
 
 
 def test_log_stats_logs_a_stats_line_every_few_seconds_and_the_toggle_is_hot(tmp_path):
-    from engine.core_proc import LOG_STATS_INTERVAL_S
+    from engine.stats_log import LOG_STATS_INTERVAL_S
 
     with EngineProcess([*ENGINE_ARGS, "--set", "log_stats=true"],
                        endpoints=_ipc_endpoints(tmp_path),
