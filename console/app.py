@@ -9,7 +9,7 @@ Steering: `request_change` validates a value, asks for confirmation when the cha
 and sends it from a worker thread; the engine's reply lands in `history` / `replies` and on the
 Config screen. Read-only (``--readonly``, a replay, no control endpoint, or no control key)
 hides and disables every action that changes the engine. The control key
-(`telemetry.control_key`) is ``control_key`` when given, else read from ``control_key_file`` or
+(`vconsole.telemetry.control_key`) is ``control_key`` when given, else read from ``control_key_file`` or
 the path derived from the control endpoint; without it the console still reads the config but is
 read-only by itself, and an engine that refuses its key mid-session makes it read-only too
 (`set_readonly`).
@@ -31,8 +31,8 @@ from textual import work
 from textual.app import App
 from textual.worker import get_current_worker
 
-from console import keymap
-from console.changes import (
+from vconsole.console import keymap
+from vconsole.console.changes import (
     ERROR,
     INVALID,
     TIMEOUT,
@@ -42,22 +42,22 @@ from console.changes import (
     show_value,
     validate,
 )
-from console.commands import ConsoleCommands
-from console.control_link import Control, ControlLink
-from console.screens.base import ConsoleScreen
-from console.screens.config import ConfigScreen
-from console.screens.help import HelpScreen
-from console.screens.kvmap import KvScreen
-from console.screens.overview import OverviewScreen
-from console.screens.requests import RequestsScreen
-from console.source import ReplaySource, Source, ZmqSource
-from console.state import ConsoleState, EngineState
-from console.theme import ANSI_THEME, LOW_COLOUR_SYSTEMS
-from console.widgets.chrome import Frame, TooSmall
-from console.widgets.confirmation import ConfirmScreen
-from console.widgets.panels import DEFAULT_LIMITS
-from telemetry.control import NotAuthorised
-from telemetry.control_key import key_path, load_control_key
+from vconsole.console.commands import ConsoleCommands
+from vconsole.console.control_link import Control, ControlLink
+from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.screens.config import ConfigScreen
+from vconsole.console.screens.help import HelpScreen
+from vconsole.console.screens.kvmap import KvScreen
+from vconsole.console.screens.overview import OverviewScreen
+from vconsole.console.screens.requests import RequestsScreen
+from vconsole.console.source import ReplaySource, Source, ZmqSource
+from vconsole.console.state import ConsoleState, EngineState
+from vconsole.console.theme import ANSI_THEME, LOW_COLOUR_SYSTEMS
+from vconsole.console.widgets.chrome import Frame, TooSmall
+from vconsole.console.widgets.confirmation import ConfirmScreen
+from vconsole.console.widgets.panels import DEFAULT_LIMITS
+from vconsole.telemetry.control import NotAuthorised
+from vconsole.telemetry.control_key import key_path, load_control_key
 
 MIN_WIDTH, MIN_HEIGHT = 64, 18
 NARROW_WIDTH = 100

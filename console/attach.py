@@ -6,12 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
+from vconsole.telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
 
 
 def main(args: argparse.Namespace) -> int:
     """Attach to a running engine (plus any extra telemetry endpoints, e.g. DP ranks)."""
-    from console.app import VConsoleApp
+    from vconsole.console.app import VConsoleApp
 
     endpoints = [getattr(args, "telemetry", None) or DEFAULT_TELEMETRY,
                  *(getattr(args, "extra_telemetry", None) or [])]
@@ -26,9 +26,9 @@ def main(args: argparse.Namespace) -> int:
 
 def main_replay(args: argparse.Namespace) -> int:
     """Drive the console from a recorded file at ``--speed`` (read-only)."""
-    from console.app import VConsoleApp
-    from console.source import ReplaySource
-    from telemetry.record import RecordFormatError, read_header
+    from vconsole.console.app import VConsoleApp
+    from vconsole.console.source import ReplaySource
+    from vconsole.telemetry.record import RecordFormatError, read_header
 
     path = Path(args.file)
     try:

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from console.keymap import SCREENS
-from console.requests_view import COLUMNS
+from vconsole.console.keymap import SCREENS
+from vconsole.console.requests_view import COLUMNS
 
 if TYPE_CHECKING:
-    from console.app import VConsoleApp
+    from vconsole.console.app import VConsoleApp
 
 
 class ConsoleCommands(Provider):

@@ -32,7 +32,7 @@ class ControlLink:
         self.key_path = Path(key_path) if key_path else None
 
     def _client(self) -> Any:
-        from telemetry.control import ControlClient
+        from vconsole.telemetry.control import ControlClient
 
         return ControlClient(self.endpoint, timeout_s=self.timeout_s, key=self.key)
 
@@ -41,8 +41,8 @@ class ControlLink:
             return client.get_config()
 
     def set_config(self, values: dict[str, Any]) -> dict[str, Any]:
-        from telemetry.control import NotAuthorised
-        from telemetry.control_key import load_control_key
+        from vconsole.telemetry.control import NotAuthorised
+        from vconsole.telemetry.control_key import load_control_key
 
         try:
             with self._client() as client:

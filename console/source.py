@@ -5,7 +5,7 @@ Textual's event loop. The thread only decodes and folds messages into `ConsoleSt
 lock; the UI polls the state on its own timer, so the screen refreshes at a bounded rate
 whatever the message rate.
 
-Both sources can tee the raw frames they read into a `telemetry.record.Recorder` (start/stop
+Both sources can tee the raw frames they read into a `vconsole.telemetry.record.Recorder` (start/stop
 from the console), and both own the clock the state uses: wall time live, a virtual clock in a
 replay (so ages and staleness follow the recording, not the machine running it).
 """
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from console.state import ConsoleState
-from telemetry.schema import SchemaVersionError
+from vconsole.console.state import ConsoleState
+from vconsole.telemetry.schema import SchemaVersionError
 
 POLL_MS = 100
 MAX_BATCH = 2000  # messages drained per wake-up before checking for stop
@@ -80,7 +80,7 @@ class Source:
         return self._recorder is not None
 
     def start_recording(self, path: str | Path) -> str:
-        from telemetry.record import Recorder
+        from vconsole.telemetry.record import Recorder
 
         with self._rec_lock:
             if self._recorder is not None:
@@ -181,7 +181,7 @@ class ReplaySource(Source):
     def _iter(self) -> Iterator[tuple[float, Sequence[Any]]]:
         if self._records is not None:
             return self._records()
-        from telemetry.record import read_records
+        from vconsole.telemetry.record import read_records
 
         return iter(read_records(self.path))
 

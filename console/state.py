@@ -1,6 +1,6 @@
 """The console's data model: what the telemetry stream has said, and nothing about widgets.
 
-A reader thread (`console.source`) calls `ConsoleState.ingest` for every multipart message; the
+A reader thread (`vconsole.console.source`) calls `ConsoleState.ingest` for every multipart message; the
 UI reads the model at most ~10 times a second. Both sides hold `ConsoleState.lock` while they
 touch it, so the UI always sees a consistent picture (the latest payload of each topic is
 replaced wholesale, never edited in place).
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
+from vconsole.telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
 
 # An engine is down after this many heartbeat intervals without a heartbeat.
 STALE_INTERVALS = 3.0

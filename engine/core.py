@@ -1,7 +1,7 @@
 """EngineCore: the inner loop of the engine — schedule → execute_model → update_from_output.
 
 `step()` reads top to bottom as its three phases and records what each cost; nothing here knows
-about sockets or telemetry (`engine.core_proc` wraps the core with I/O threads and queues, and
+about sockets or telemetry (`vconsole.engine.proc.core_proc` wraps the core with I/O threads and queues, and
 hands `last_step` and the stats snapshots to the publisher).
 """
 
@@ -12,13 +12,13 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 
-from engine.config import ConfigUpdate, EngineConfig, apply_update
-from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
-from engine.request import FinishReason, Request, SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput
-from engine.stats import KVStats, SchedulerStats, StepStats
+from vconsole.engine.config import ConfigUpdate, EngineConfig, apply_update
+from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.request import FinishReason, Request, SamplingParams
+from vconsole.engine.sched.output import ModelRunnerOutput
+from vconsole.engine.sched.scheduler import Scheduler
+from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
+from vconsole.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Figures the engine computes about itself, as plain data the telemetry layer publishes.
 
-The engine fills these between steps; it never formats or sends them. `telemetry.publisher` turns
-them into wire messages (see `telemetry.schema`).
+The engine fills these between steps; it never formats or sends them. `vconsole.telemetry.publisher` turns
+them into wire messages (see `vconsole.telemetry.schema`).
 """
 
 from __future__ import annotations

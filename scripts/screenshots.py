@@ -6,7 +6,7 @@ Three ways to feed the console:
     .venv/bin/python scripts/screenshots.py --attach --telemetry EP --control EP
     .venv/bin/python scripts/screenshots.py --replay tests/data/synthetic.vrec
 
-The first starts what `vconsole demo` starts (`console.demo.DemoStack`: an engine process with
+The first starts what `vconsole demo` starts (`vconsole.demo.DemoStack`: an engine process with
 the tiny model on free loopback ports and a bursty load), waits until every panel has data,
 takes the pictures and stops both. Pictures: each screen at 120x40 and 80x24, plus help and the config confirm box.
 """
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORDING = ROOT / "tests" / "data" / "synthetic.vrec"
 sys.path.insert(0, str(ROOT))
 
-from console.app import VConsoleApp  # noqa: E402
-from console.source import ReplaySource  # noqa: E402
+from vconsole.console.app import VConsoleApp  # noqa: E402
+from vconsole.console.source import ReplaySource  # noqa: E402
 
 MODES = ("overview", "requests", "kv", "config")
 SIZES = ((120, 40), (80, 24))
@@ -110,7 +110,7 @@ def main() -> int:
         saved = asyncio.run(shoot(lambda: VConsoleApp([args.telemetry], args.control), out,
                                   args.warmup, 30.0))
     else:
-        from console.demo import DemoStack
+        from vconsole.demo import DemoStack
 
         engine_args = ["--num-kv-blocks", "256", "--max-num-seqs", "32", "--policy", "hybrid"]
         with DemoStack(engine_args, rate=args.rate) as stack:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.config import EngineConfig
+from vconsole.engine.config import EngineConfig
 
 OK, WARNING, CRITICAL = "ok", "warning", "critical"
 

@@ -12,13 +12,13 @@ maps:
 - reply, always with every key: ``ok``, ``error`` (None unless the request itself was bad),
   ``applied`` {key: new value}, ``rejected`` {key: reason}, ``restart_required`` [keys],
   ``version``, ``values`` (the effective config after the request), ``schema``
-  (`engine.config.describe_config()` rows), ``id``.
+  (`vconsole.engine.config.describe_config()` rows), ``id``.
 
 Invariant: `decode_request` either returns a well-formed request or raises `ControlError` whose
 message becomes the ``error`` of an ``ok: false`` reply; the engine never answers a malformed
 request with silence.
 
-Authentication: the control key (`telemetry.control_key`). ``get_config`` is open;
+Authentication: the control key (`vconsole.telemetry.control_key`). ``get_config`` is open;
 ``set_config`` without the engine's key is answered ``ok: false`` with an ``error`` starting
 ``not authorised:`` (`ControlClient.set_config` raises `NotAuthorised`) and changes nothing.
 Control binds are loopback/ipc only. The ``curve`` parameter of `ControlClient` is where CURVE
@@ -36,8 +36,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from telemetry.control_key import NOT_AUTHORISED
-from telemetry.endpoints import DEFAULT_CONTROL
+from vconsole.telemetry.control_key import NOT_AUTHORISED
+from vconsole.telemetry.endpoints import DEFAULT_CONTROL
 
 OPS = ("get_config", "set_config")
 
@@ -107,8 +107,8 @@ def error_reply(error: str, request_id: int | None = None) -> dict[str, Any]:
 def config_reply(version: int, values: dict[str, Any], update: Any = None,
                  request_id: int | None = None) -> dict[str, Any]:
     """Reply for get_config (``update`` None) or set_config (``update`` an
-    `engine.config.ConfigUpdate`); ``version``/``values`` are the config after the update."""
-    from engine.config import describe_config
+    `vconsole.engine.config.ConfigUpdate`); ``version``/``values`` are the config after the update."""
+    from vconsole.engine.config import describe_config
     if update is None:
         return make_reply(ok=True, version=version, values=values, schema=describe_config(),
                           request_id=request_id)
@@ -168,7 +168,7 @@ def handle_frames(frames: Sequence[bytes], handler: Any) -> list[bytes]:
 class ControlClient:
     """Blocking client. After a timeout the socket is dropped and a fresh one made on the next
     call, so a late reply can never be taken for the answer to a later request. ``key`` (the
-    engine's control key, `telemetry.control_key.load_control_key`) is sent with every request;
+    engine's control key, `vconsole.telemetry.control_key.load_control_key`) is sent with every request;
     without it the client can read but not change the config."""
 
     def __init__(self, endpoint: str = DEFAULT_CONTROL, timeout_s: float = 5.0, *,

@@ -4,7 +4,7 @@ Exit codes say what happened, so a script can rely on them: 0 applied (or read),
 rejected or needing a restart, no engine answering, or no control key (with the reason on
 stderr), 2 a usage error caught before anything was sent.
 
-`set` needs the engine's control key (`telemetry.control_key`): read from ``--control-key-file``
+`set` needs the engine's control key (`vconsole.telemetry.control_key`): read from ``--control-key-file``
 or the path derived from ``--control``; `get` sends it when it is there but needs none.
 """
 
@@ -15,9 +15,9 @@ import json
 import sys
 from typing import Any
 
-from telemetry import control_key
-from telemetry.control import ControlClient, ControlError
-from telemetry.endpoints import DEFAULT_CONTROL
+from vconsole.telemetry import control_key
+from vconsole.telemetry.control import ControlClient, ControlError
+from vconsole.telemetry.endpoints import DEFAULT_CONTROL
 
 TIMEOUT_S = 5.0
 

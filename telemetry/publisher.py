@@ -3,7 +3,7 @@
 Why a thread of its own: the engine's busy loop must never wait on telemetry. The loop only
 does O(1) hand-offs (`record_step` appends to a bounded deque, `submit_snapshot` replaces one
 "latest" slot); this thread owns the PUB socket (zmq sockets are never shared across threads),
-aggregates, encodes (`telemetry.schema`) and sends. Health heartbeats, gpu/host readings and
+aggregates, encodes (`vconsole.telemetry.schema`) and sends. Health heartbeats, gpu/host readings and
 config announcements come from this thread's own clock, so they keep flowing while the engine
 loop sleeps.
 
@@ -34,12 +34,12 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
-from engine.config import EngineConfig, describe_config
-from engine.stats import KVStats, SchedulerStats, StepStats
-from telemetry import schema
-from telemetry.alerts import AlertEvaluator, AlertEvent
-from telemetry.gpu import GpuProbe, memory_share
-from telemetry.host import HostProbe
+from vconsole.engine.config import EngineConfig, describe_config
+from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
+from vconsole.telemetry import schema
+from vconsole.telemetry.alerts import AlertEvaluator, AlertEvent
+from vconsole.telemetry.gpu import GpuProbe, memory_share
+from vconsole.telemetry.host import HostProbe
 
 log = logging.getLogger(__name__)
 

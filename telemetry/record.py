@@ -7,7 +7,7 @@ File format (little-endian throughout)::
     body:    f64 receive time (unix s) | u32 frame count | (u64 frame length | frame bytes)*
 
 Frames are stored exactly as received (topic, msgpack payload, raw buffers), so a replay
-decodes them with `telemetry.schema.decode` like live traffic. The body length prefix lets a
+decodes them with `vconsole.telemetry.schema.decode` like live traffic. The body length prefix lets a
 reader skip or detect a record cut short by a killed writer: `read_records` stops at such a
 tail instead of failing, so a recording survives a crash up to its last complete record.
 """
@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import zmq
 
-from telemetry.schema import SCHEMA_VERSION, TOPICS, SchemaVersionError
+from vconsole.telemetry.schema import SCHEMA_VERSION, TOPICS, SchemaVersionError
 
 MAGIC = b"VCTELREC"
 FORMAT_VERSION = 1
@@ -160,7 +160,7 @@ def record_stream(endpoint: str, path: str | os.PathLike[str], duration_s: float
 
 def main_record(args: argparse.Namespace) -> int:
     """`vconsole record FILE [--telemetry EP] [--duration S]`."""
-    from telemetry.endpoints import DEFAULT_TELEMETRY
+    from vconsole.telemetry.endpoints import DEFAULT_TELEMETRY
     endpoint = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY
     duration = getattr(args, "duration", None)
     print(f"recording {endpoint} to {args.file}"

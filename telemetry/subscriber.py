@@ -1,8 +1,8 @@
 """A minimal telemetry subscriber, the kind a third party writes from docs/PROTOCOL.md.
 
-Deliberately uses only pyzmq and msgpack (not `telemetry.schema`): copy this file and go.
+Deliberately uses only pyzmq and msgpack (not `vconsole.telemetry.schema`): copy this file and go.
 Prints one line per message and counts messages lost to the publisher's high-water mark from
-per-topic ``seq`` gaps. Run: ``python -m telemetry.subscriber [ENDPOINT] [COUNT]``.
+per-topic ``seq`` gaps. Run: ``python -m vconsole.telemetry.subscriber [ENDPOINT] [COUNT]``.
 """
 
 import contextlib

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
-from telemetry.control import ControlClient, ControlError
-from telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
-from telemetry.schema import TOPICS, SchemaError, TelemetryMessage, decode
+from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from vconsole.telemetry.control import ControlClient, ControlError
+from vconsole.telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
+from vconsole.telemetry.schema import TOPICS, SchemaError, TelemetryMessage, decode
 
 WAIT_FOR = tuple(t for t in TOPICS if t != "alert")
 CONFIG_GRACE_S = 1.5

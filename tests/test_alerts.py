@@ -1,7 +1,7 @@
 """AlertEvaluator: edge-triggered level changes against config thresholds, hot-updatable."""
 
-from engine.config import EngineConfig
-from telemetry.alerts import RULES, AlertEvaluator
+from vconsole.engine.config import EngineConfig
+from vconsole.telemetry.alerts import RULES, AlertEvaluator
 
 
 def levels(events):

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.block_pool import BlockPool, hash_block_tokens
-from engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from vconsole.engine.kv.block_pool import BlockPool, hash_block_tokens
+from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 
 
 def counts(pool: BlockPool) -> dict[int, int]:
@@ -124,7 +124,7 @@ def test_block_hash_chains_the_prefix_and_is_stable_across_processes():
     h1 = hash_block_tokens(None, [1, 2, 3])
     assert hash_block_tokens(h1, [4, 5, 6]) != hash_block_tokens(None, [4, 5, 6])
     assert hash_block_tokens(h1, [4, 5, 6]) == hash_block_tokens(h1, (4, 5, 6))
-    code = ("from engine.block_pool import hash_block_tokens as h;"
+    code = ("from vconsole.engine.kv.block_pool import hash_block_tokens as h;"
             "print(h(h(None, [1, 2, 3]), [4, 5, 6]))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={"PYTHONHASHSEED": "random"},

@@ -9,11 +9,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from console.demo import EngineProcess
-from engine import protocol
-from engine.client import AsyncEngineClient, Completion, EngineClient
-from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from vconsole.demo import EngineProcess
+from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.proc import protocol
+from vconsole.engine.proc.client import AsyncEngineClient, Completion, EngineClient
+from vconsole.engine.request import SamplingParams
 
 
 def wire(frames):

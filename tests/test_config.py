@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.config import (
+from vconsole.engine.config import (
     HOT_KEYS,
     RESTART_KEYS,
     ConfigError,

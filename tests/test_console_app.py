@@ -8,19 +8,19 @@ import time
 import pytest
 from textual.widgets import Input, Static
 
-from console.changes import APPLIED, INVALID, RESTART
-from console.commands import ConsoleCommands
-from console.screens.config import ConfigScreen
-from console.screens.kvmap import KvScreen
-from console.screens.overview import OverviewScreen
-from console.screens.requests import RequestsScreen
-from console.widgets.chrome import Banner, TabBar, TooSmall
-from console.widgets.confirmation import ConfirmScreen
-from console.widgets.kv_grid import KvGrid
-from console.widgets.request_table import RequestTable
 from support.console_testing import FakeControl, foreign_version_frames, frames, replay_app
 from support.synthetic import generate
-from telemetry.record import read_records
+from vconsole.console.changes import APPLIED, INVALID, RESTART
+from vconsole.console.commands import ConsoleCommands
+from vconsole.console.screens.config import ConfigScreen
+from vconsole.console.screens.kvmap import KvScreen
+from vconsole.console.screens.overview import OverviewScreen
+from vconsole.console.screens.requests import RequestsScreen
+from vconsole.console.widgets.chrome import Banner, TabBar, TooSmall
+from vconsole.console.widgets.confirmation import ConfirmScreen
+from vconsole.console.widgets.kv_grid import KvGrid
+from vconsole.console.widgets.request_table import RequestTable
+from vconsole.telemetry.record import read_records
 
 SIZES = [(80, 24), (120, 40)]
 
@@ -470,7 +470,7 @@ async def test_several_engines_are_kept_apart_and_n_cycles_them():
 def test_replay_of_a_file_that_is_not_a_recording_exits_2(tmp_path, capsys):
     import argparse
 
-    from console.attach import main_replay
+    from vconsole.console.attach import main_replay
     bad = tmp_path / "x.vrec"
     bad.write_bytes(b"not a recording")
     assert main_replay(argparse.Namespace(file=str(bad), speed=1.0)) == 2

@@ -21,17 +21,17 @@ import pytest
 import zmq
 from textual.widgets import Static
 
-from console import format as fmt
-from console.app import VConsoleApp
-from console.changes import APPLIED, REJECTED, show_value, validate
-from console.demo import EngineProcess
-from console.screens.config import ConfigScreen
-from console.screens.overview import OverviewScreen
-from console.widgets.chrome import Banner, TabBar
-from console.widgets.confirmation import ConfirmScreen
-from engine.client import EngineClient
-from telemetry import control_key, schema
-from telemetry.control import ControlClient
+from vconsole.console import format as fmt
+from vconsole.console.app import VConsoleApp
+from vconsole.console.changes import APPLIED, REJECTED, show_value, validate
+from vconsole.console.screens.config import ConfigScreen
+from vconsole.console.screens.overview import OverviewScreen
+from vconsole.console.widgets.chrome import Banner, TabBar
+from vconsole.console.widgets.confirmation import ConfirmScreen
+from vconsole.demo import EngineProcess
+from vconsole.engine.proc.client import EngineClient
+from vconsole.telemetry import control_key, schema
+from vconsole.telemetry.control import ControlClient
 
 SIZES = [(80, 24), (120, 40)]
 ENGINE_ID = "live-0"

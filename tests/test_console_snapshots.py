@@ -14,7 +14,7 @@ import pytest
 from textual.widgets import Input
 
 from support.console_testing import RECORDING, FakeControl, replay_app
-from telemetry.record import read_records
+from vconsole.telemetry.record import read_records
 
 END = max(ts for ts, _ in read_records(RECORDING))
 

@@ -7,10 +7,10 @@ import time
 import pytest
 import zmq
 
-from console.source import ReplaySource, ZmqSource
-from console.state import ConsoleState
 from support.synthetic import generate, write_recording
-from telemetry.record import read_records
+from vconsole.console.source import ReplaySource, ZmqSource
+from vconsole.console.state import ConsoleState
+from vconsole.telemetry.record import read_records
 
 
 @pytest.fixture

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from console import format as fmt
-from console.changes import (
+from support.console_testing import FakeControl, foreign_version_frames, frames
+from support.synthetic import generate
+from vconsole.console import format as fmt
+from vconsole.console.changes import (
     APPLIED,
     REJECTED,
     RESTART,
@@ -14,11 +16,9 @@ from console.changes import (
     consequence,
     validate,
 )
-from console.requests_view import filter_rows, sort_rows
-from console.state import ConsoleState, Series
-from console.widgets.kv_grid import fit_blocks_per_cell, summarise
-from support.console_testing import FakeControl, foreign_version_frames, frames
-from support.synthetic import generate
+from vconsole.console.requests_view import filter_rows, sort_rows
+from vconsole.console.state import ConsoleState, Series
+from vconsole.console.widgets.kv_grid import fit_blocks_per_cell, summarise
 
 T = 1_700_000_000.0
 

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from console.demo import EngineProcess
-from telemetry import control_key
-from telemetry.control_cli import main_get, main_set, parse_pairs
 from vconsole.cli import build_parser
+from vconsole.demo import EngineProcess
+from vconsole.telemetry import control_key
+from vconsole.telemetry.control_cli import main_get, main_set, parse_pairs
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import psutil
 import pytest
 import zmq
 
-from console import demo
-from console.demo import DemoStack, engine_args_from
-from telemetry import schema
 from vconsole.cli import build_parser
+from vconsole.console import demo
+from vconsole.demo import DemoStack, engine_args_from
+from vconsole.telemetry import schema
 
 ENGINE_ARGS = ["--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8"]
 
@@ -78,7 +78,7 @@ def test_a_crashing_console_still_stops_everything(monkeypatch):
         def run(self):
             raise RuntimeError("console crashed")
 
-    monkeypatch.setitem(sys.modules, "console.app", types.SimpleNamespace(VConsoleApp=CrashingApp))
+    monkeypatch.setitem(sys.modules, "vconsole.console.app", types.SimpleNamespace(VConsoleApp=CrashingApp))
     monkeypatch.setattr(DemoStack, "start", spy_start)
     args = build_parser().parse_args(["demo", *ENGINE_ARGS, "--rate", "5"])
     before = children()

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.offline import greedy_requests, run_batch
-from engine.tiny_model import ensure_tiny_model
+from vconsole.engine.config import EngineConfig
+from vconsole.engine.core import EngineCore
+from vconsole.engine.offline import greedy_requests, run_batch
+from vconsole.engine.worker.tiny_model import ensure_tiny_model
 
 MAX_TOKENS = 10
 
@@ -117,7 +117,7 @@ def test_an_impossible_request_is_rejected_and_the_rest_still_run(model_dir, ref
 
 def test_decodes_split_into_length_groups_give_the_same_tokens(model_dir, reference,
                                                                monkeypatch):
-    from engine import model_runner
+    from vconsole.engine import model_runner
 
     monkeypatch.setattr(model_runner, "DECODE_GROUP_ROWS", 4)
     assert [hi - lo for lo, hi in model_runner._decode_groups(20)] == [5, 5, 5, 5]

@@ -17,11 +17,11 @@ import msgpack
 import pytest
 import zmq
 
-from console.demo import EngineProcess
-from engine import protocol
-from engine.client import EngineClient
-from telemetry import control_key, schema
-from telemetry.control import ControlClient, NotAuthorised
+from vconsole.demo import EngineProcess
+from vconsole.engine.proc import protocol
+from vconsole.engine.proc.client import EngineClient
+from vconsole.telemetry import control_key, schema
+from vconsole.telemetry.control import ControlClient, NotAuthorised
 
 CONFIG = """\
 max_num_seqs = 4
@@ -122,9 +122,9 @@ def reference_outputs(work: list[tuple[list[int], int, int]]) -> list[list[int]]
     """The same prompts, greedy, through an in-process EngineCore."""
     import torch
 
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.request import SamplingParams
+    from vconsole.engine.config import EngineConfig
+    from vconsole.engine.core import EngineCore
+    from vconsole.engine.request import SamplingParams
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # leave the other core to the engine process
@@ -417,7 +417,7 @@ def test_non_loopback_endpoints_are_refused_without_opt_in():
 
 
 def test_steering_sockets_stay_on_loopback_even_with_the_opt_in():
-    from engine.bind_policy import RemoteBindRefused, check_endpoints
+    from vconsole.engine.proc.bind_policy import RemoteBindRefused, check_endpoints
 
     check_endpoints({"telemetry": "tcp://0.0.0.0:1", "control": "ipc:///tmp/c"}, True)
     with pytest.raises(RemoteBindRefused, match="--allow-remote-telemetry"):
@@ -445,7 +445,7 @@ def _ipc_endpoints(d) -> dict[str, str]:
 
 
 def test_log_stats_is_off_by_default(engine):
-    from engine.stats_log import LOG_STATS_INTERVAL_S
+    from vconsole.engine.proc.stats_log import LOG_STATS_INTERVAL_S
 
     with client(engine) as c:
         c.generate(prompt_token_ids=[21] * 8, max_tokens=8, ignore_eos=True, timeout_s=30)
@@ -454,7 +454,7 @@ def test_log_stats_is_off_by_default(engine):
 
 
 def test_log_stats_logs_a_stats_line_every_few_seconds_and_the_toggle_is_hot(tmp_path):
-    from engine.stats_log import LOG_STATS_INTERVAL_S
+    from vconsole.engine.proc.stats_log import LOG_STATS_INTERVAL_S
 
     with EngineProcess([*ENGINE_ARGS, "--set", "log_stats=true"],
                        endpoints=_ipc_endpoints(tmp_path),
@@ -534,7 +534,7 @@ class _IdleCore:
     """Just enough of EngineCore for the process shell: no requests, ever."""
 
     def __init__(self) -> None:
-        from engine.config import EngineConfig
+        from vconsole.engine.config import EngineConfig
 
         self.config = EngineConfig()
         self.config_version = 1
@@ -555,8 +555,8 @@ class _IdleCore:
 
 
 def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path, monkeypatch):
-    from engine import core_proc
-    from telemetry.publisher import TelemetryPublisher
+    from vconsole.engine import core_proc
+    from vconsole.telemetry.publisher import TelemetryPublisher
 
     release = threading.Event()
     monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))

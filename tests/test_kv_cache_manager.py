@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from engine.kv_cache_manager import KVCacheManager, token_slice
-from engine.request import Request, SamplingParams
-from engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
+from vconsole.engine.request import Request, SamplingParams
+from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 
 B = 4
 

@@ -9,9 +9,10 @@ import time
 import pytest
 import zmq
 
-from console.demo import EngineProcess
-from engine.client import AsyncEngineClient
-from engine.loadgen import (
+from vconsole.cli import build_parser
+from vconsole.demo import EngineProcess
+from vconsole.engine.proc.client import AsyncEngineClient
+from vconsole.loadgen import (
     LoadRun,
     LoadSpec,
     LoadThread,
@@ -23,10 +24,9 @@ from engine.loadgen import (
     parse_mix,
     parse_range,
 )
-from engine.loadgen import (
+from vconsole.loadgen import (
     main as loadgen_main,
 )
-from vconsole.cli import build_parser
 
 
 def test_parse_range_and_mix():

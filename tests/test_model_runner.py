@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.request import Request, SamplingParams
-from engine.scheduler_output import ScheduledSeq, SchedulerOutput
-from engine.tiny_model import EOS_ID, build_byte_tokenizer, ensure_tiny_model
+from vconsole.engine.config import EngineConfig
+from vconsole.engine.request import Request, SamplingParams
+from vconsole.engine.sched.output import ScheduledSeq, SchedulerOutput
+from vconsole.engine.worker.model_runner import ModelRunner
+from vconsole.engine.worker.tiny_model import EOS_ID, build_byte_tokenizer, ensure_tiny_model
 
 BLOCK = 4
 NUM_BLOCKS = 96

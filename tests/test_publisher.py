@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import zmq
 
-from engine.config import EngineConfig
-from engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
-from telemetry.publisher import TelemetryPublisher
-from telemetry.schema import TOPICS, decode, missing_fields
+from vconsole.engine.config import EngineConfig
+from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
+from vconsole.telemetry.publisher import TelemetryPublisher
+from vconsole.telemetry.schema import TOPICS, decode, missing_fields
 
 FAST = dict(telemetry_hz=20.0, heartbeat_interval_s=0.1, config_interval_s=0.3)
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import zmq
 
-from engine.config import EngineConfig
-from telemetry import record
-from telemetry.publisher import TelemetryPublisher
-from telemetry.record import Recorder, RecordFormatError, main_record, read_records
-from telemetry.schema import SchemaVersionError, decode, encode, make_envelope
+from vconsole.engine.config import EngineConfig
+from vconsole.telemetry import record
+from vconsole.telemetry.publisher import TelemetryPublisher
+from vconsole.telemetry.record import Recorder, RecordFormatError, main_record, read_records
+from vconsole.telemetry.schema import SchemaVersionError, decode, encode, make_envelope
 
 
 def kv_frames(seq):

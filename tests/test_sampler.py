@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import SamplingParams
-from engine.sampler import Sampler, SamplingBatch
+from vconsole.engine.request import SamplingParams
+from vconsole.engine.worker.sampler import Sampler, SamplingBatch
 
 CPU = torch.device("cpu")
 V = 64

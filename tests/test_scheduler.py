@@ -15,12 +15,12 @@ import zlib
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.request_queue import WaitingQueue
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from vconsole.engine.config import EngineConfig
+from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.request import Request, RequestStatus, SamplingParams
+from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from vconsole.engine.sched.request_queue import WaitingQueue
+from vconsole.engine.sched.scheduler import Scheduler
 
 B = 4
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import zmq
 
-from engine.config import EngineConfig, apply_update, describe_config
-from telemetry import control
-from telemetry.schema import (
+from vconsole.engine.config import EngineConfig, apply_update, describe_config
+from vconsole.telemetry import control
+from vconsole.telemetry.schema import (
     SCHEMA_VERSION,
     TOPICS,
     SchemaError,

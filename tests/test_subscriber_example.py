@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import zmq
 
-import telemetry.subscriber as example
-from engine.config import EngineConfig
-from engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
-from telemetry import control, top
-from telemetry.publisher import TelemetryPublisher
+import vconsole.telemetry.subscriber as example
+from vconsole.engine.config import EngineConfig
+from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
+from vconsole.telemetry import control, top
+from vconsole.telemetry.publisher import TelemetryPublisher
 
 
 @pytest.fixture

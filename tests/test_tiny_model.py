@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import model_loader
-from engine.tiny_model import EOS_ID, PAD_ID, ensure_tiny_model
+from vconsole.engine import model_loader
+from vconsole.engine.worker.tiny_model import EOS_ID, PAD_ID, ensure_tiny_model
 
 
 @pytest.fixture(scope="module")

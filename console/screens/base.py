@@ -14,11 +14,11 @@ from textual.containers import Container
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from console.state import ConsoleState
-from console.widgets.chrome import Banner, Frame, TabBar, TooSmall
+from vconsole.console.state import ConsoleState
+from vconsole.console.widgets.chrome import Banner, Frame, TabBar, TooSmall
 
 if TYPE_CHECKING:
-    from console.app import VConsoleApp
+    from vconsole.console.app import VConsoleApp
 
 
 class ConsoleScreen(Screen[None]):

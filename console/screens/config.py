@@ -17,8 +17,8 @@ from textual.containers import Horizontal
 from textual.content import Content
 from textual.widgets import DataTable, Input, Label, Static
 
-from console import format as fmt
-from console.changes import (
+from vconsole.console import format as fmt
+from vconsole.console.changes import (
     APPLIED,
     ERROR,
     INVALID,
@@ -30,10 +30,10 @@ from console.changes import (
     ChangeRecord,
     show_value,
 )
-from console.keymap import CONFIG
-from console.screens.base import ConsoleScreen
-from console.state import ConfigView, ConsoleState
-from console.widgets.chrome import Frame
+from vconsole.console.keymap import CONFIG
+from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.state import ConfigView, ConsoleState
+from vconsole.console.widgets.chrome import Frame
 
 REPLY_STYLE = {APPLIED: "green", UNCHANGED: "green", REJECTED: "red", INVALID: "red",
                ERROR: "red", TIMEOUT: "red", RESTART: "yellow", PENDING: "dim"}

@@ -9,8 +9,8 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from console import format as fmt
-from console.keymap import HELP_SECTIONS
+from vconsole.console import format as fmt
+from vconsole.console.keymap import HELP_SECTIONS
 
 LEGEND = [
     ("[$success]●[/] [$warning]●[/] [$error]●[/]", "ok / warning / critical (engine's alert "

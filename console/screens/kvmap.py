@@ -6,13 +6,13 @@ from textual.app import ComposeResult
 from textual.content import Content
 from textual.widgets import Static
 
-from console import format as fmt
-from console.keymap import KV
-from console.screens.base import ConsoleScreen
-from console.state import ConsoleState
-from console.widgets.chrome import Frame
-from console.widgets.kv_grid import GLYPHS, KvGrid
-from console.widgets.panels import USAGE_CRIT, USAGE_WARN
+from vconsole.console import format as fmt
+from vconsole.console.keymap import KV
+from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.state import ConsoleState
+from vconsole.console.widgets.chrome import Frame
+from vconsole.console.widgets.kv_grid import GLYPHS, KvGrid
+from vconsole.console.widgets.panels import USAGE_CRIT, USAGE_WARN
 
 SWATCH = {"used": "$success", "cached": "$primary", "shared": "$accent"}
 

@@ -7,11 +7,11 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.widgets import Static
 
-from console.screens.base import ConsoleScreen
-from console.state import ConsoleState
-from console.widgets import panels
-from console.widgets.chrome import Frame
-from console.widgets.panels import Panel
+from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.state import ConsoleState
+from vconsole.console.widgets import panels
+from vconsole.console.widgets.chrome import Frame
+from vconsole.console.widgets.panels import Panel
 
 
 class OverviewScreen(ConsoleScreen):

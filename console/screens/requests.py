@@ -9,13 +9,13 @@ from textual.app import ComposeResult
 from textual.content import Content
 from textual.widgets import Input, Static
 
-from console import format as fmt
-from console.keymap import REQUESTS
-from console.requests_view import SORT_KEYS, TITLES, filter_rows, sort_rows
-from console.screens.base import ConsoleScreen
-from console.state import ConsoleState
-from console.widgets.chrome import Frame
-from console.widgets.request_table import RequestTable, header_text
+from vconsole.console import format as fmt
+from vconsole.console.keymap import REQUESTS
+from vconsole.console.requests_view import SORT_KEYS, TITLES, filter_rows, sort_rows
+from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.state import ConsoleState
+from vconsole.console.widgets.chrome import Frame
+from vconsole.console.widgets.request_table import RequestTable, header_text
 
 
 class RequestsScreen(ConsoleScreen):

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from textual.content import Content
 from textual.widgets import Static
 
-from console import format as fmt
-from console.keymap import SCREENS
-from console.state import STALE_INTERVALS, EngineState
+from vconsole.console import format as fmt
+from vconsole.console.keymap import SCREENS
+from vconsole.console.state import STALE_INTERVALS, EngineState
 
 
 @dataclass

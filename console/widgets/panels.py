@@ -14,8 +14,8 @@ from typing import Any
 from textual.content import Content
 from textual.widgets import Static
 
-from console import format as fmt
-from console.state import Alert, EngineState, Series
+from vconsole.console import format as fmt
+from vconsole.console.state import Alert, EngineState, Series
 
 SPARK_WINDOW_S = 120.0
 MEM_WARN, MEM_CRIT = 0.80, 0.95

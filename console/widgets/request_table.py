@@ -17,9 +17,9 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from console import format as fmt
-from console.keymap import TABLE
-from console.requests_view import Column, layout
+from vconsole.console import format as fmt
+from vconsole.console.keymap import TABLE
+from vconsole.console.requests_view import Column, layout
 
 STATE_CLASSES = {"running": "request-table--running", "waiting": "request-table--waiting",
                  "preempted": "request-table--preempted"}

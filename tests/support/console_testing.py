@@ -1,8 +1,8 @@
 """Helpers for testing the console without an engine: payload frames, a fake control channel,
 and an app driven by a recording (used by tests/test_console*.py and scripts/screenshots.py).
 
-`FakeControl` answers exactly as the engine does — it runs `engine.config.apply_update` and
-builds the reply with `telemetry.control.config_reply` — so the console's handling of applied /
+`FakeControl` answers exactly as the engine does — it runs `vconsole.engine.config.apply_update` and
+builds the reply with `vconsole.telemetry.control.config_reply` — so the console's handling of applied /
 rejected / restart-required is tested against the real rules.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import msgpack
 
-from engine.config import EngineConfig, apply_update
-from telemetry.schema import encode, make_envelope
+from vconsole.engine.config import EngineConfig, apply_update
+from vconsole.telemetry.schema import encode, make_envelope
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 RECORDING = DATA / "synthetic.vrec"
@@ -47,7 +47,7 @@ class FakeControl:
         self._lock = threading.Lock()
 
     def _reply(self, update: Any = None) -> dict[str, Any]:
-        from telemetry.control import config_reply
+        from vconsole.telemetry.control import config_reply
 
         return config_reply(self.version, self.config.to_dict(), update)
 
@@ -75,8 +75,8 @@ def replay_app(path: str | Path = RECORDING, *, control: Any = None, readonly: b
                **kw: Any) -> Any:
     """A VConsoleApp fed instantly from ``path`` (or ``records``); writable when a control is
     given (unless ``readonly``)."""
-    from console.app import VConsoleApp
-    from console.source import ReplaySource
+    from vconsole.console.app import VConsoleApp
+    from vconsole.console.source import ReplaySource
 
     src = ReplaySource(path, speed=0, records=(lambda: iter(records)) if records is not None
                        else None, readonly=control is None)

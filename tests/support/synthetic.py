@@ -4,7 +4,7 @@ For the console's tests, snapshots and screenshots where no engine runs. The toy
 Poisson arrivals with a priority mix, runs up to ``max_num_seqs`` of them, grows their KV blocks
 one token per step, preempts the lowest priority when the pool is full, leaves finished prompts'
 blocks cached and shares a common system-prompt prefix — enough for every panel to have
-something true-looking to show. Every message goes through `telemetry.schema.encode`, so the
+something true-looking to show. Every message goes through `vconsole.telemetry.schema.encode`, so the
 frames are exactly what a real publisher sends. Deterministic for a given seed.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import EngineConfig, describe_config
-from telemetry.schema import TOPICS, encode, make_envelope
+from vconsole.engine.config import EngineConfig, describe_config
+from vconsole.telemetry.schema import TOPICS, encode, make_envelope
 
 T0 = 1_700_000_000.0
 SHARED_PREFIX_BLOCKS = 2
@@ -307,8 +307,8 @@ def generate(duration_s: float = 30.0, *, seed: int = 0, t0: float = T0, hz: flo
 
 
 def write_recording(path: str | Path, **kw: Any) -> int:
-    """Write `generate(**kw)` to ``path`` with telemetry.record's Recorder; returns records."""
-    from telemetry.record import Recorder
+    """Write `generate(**kw)` to ``path`` with vconsole.telemetry.record's Recorder; returns records."""
+    from vconsole.telemetry.record import Recorder
 
     with Recorder(path) as rec:
         for ts, frames in generate(**kw):

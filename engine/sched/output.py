@@ -1,13 +1,13 @@
 """What one `schedule()` hands to the model runner, and what the runner hands back.
 
-This is the contract between `engine.scheduler` and `engine.model_runner`: plain data, no torch.
+This is the contract between `vconsole.engine.sched.scheduler` and `vconsole.engine.worker.model_runner`: plain data, no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import Request
+from vconsole.engine.request import Request
 
 
 @dataclass

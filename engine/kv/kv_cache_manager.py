@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_pool import BlockPool, hash_block_tokens
-from engine.request import Request
-from engine.stats import KVStats
+from vconsole.engine.kv.block_pool import BlockPool, hash_block_tokens
+from vconsole.engine.request import Request
+from vconsole.engine.stats import KVStats
 
 
 def token_slice(request: Request, start: int, end: int) -> list[int]:

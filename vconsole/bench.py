@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.offline import greedy_requests, run_batch
-from engine.tiny_model import ensure_tiny_model
+from vconsole.engine.config import EngineConfig
+from vconsole.engine.core import EngineCore
+from vconsole.engine.offline import greedy_requests, run_batch
+from vconsole.engine.worker.tiny_model import ensure_tiny_model
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Clients of the engine process: `EngineClient` (blocking) and `AsyncEngineClient` (asyncio).
 
-Socket design (see `engine.core_proc`): a client owns two DEALER sockets with the same routing
+Socket design (see `vconsole.engine.proc.core_proc`): a client owns two DEALER sockets with the same routing
 identity, its *client id*. It sends requests on the input DEALER (the engine's input ROUTER reads
 the identity) and receives outputs on the output DEALER (the engine's output ROUTER addresses it
 by that identity). `connect` sends ``hello`` on the input socket and waits for ``ready`` on the
@@ -34,9 +34,9 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from engine import protocol
-from engine.outputs import RequestOutput
-from telemetry.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
+from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.proc import protocol
+from vconsole.telemetry.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
 
 DEFAULT_TIMEOUT_S = 10.0
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import SamplingParams
+from vconsole.engine.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -35,8 +35,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.request import SamplingParams
 
 PROTOCOL_VERSION = 1
 INLINE_MAX = 16

@@ -1,7 +1,7 @@
 """The model runner: turns one `SchedulerOutput` into one forward pass and sampled tokens.
 
 All scheduled tokens of all requests go through the model as one packed sequence (1, T); the
-paged attention (`engine.paged_attention`) writes their K/V into the block pool and reads each
+paged attention (`vconsole.engine.worker.paged_attention`) writes their K/V into the block pool and reads each
 request's context back through its block table. Only the rows that must be sampled reach the
 LM head.
 
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import paged_attention
-from engine.config import EngineConfig
-from engine.model_loader import load_model
-from engine.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
-from engine.sampler import Sampler, SamplingBatch
-from engine.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from vconsole.engine.config import EngineConfig
+from vconsole.engine.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from vconsole.engine.worker import paged_attention
+from vconsole.engine.worker.model_loader import load_model
+from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
+from vconsole.engine.worker.sampler import Sampler, SamplingBatch
 
 _GIB = 1 << 30
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.loadgen import LoadThread, demo_rate, demo_spec
+from vconsole.loadgen import LoadThread, demo_rate, demo_spec
 
 READY_RE = re.compile(r"vconsole engine \S+ ready .*?input=(\S+) output=(\S+) telemetry=(\S+) "
                       r"control=(\S+)")
@@ -93,12 +93,12 @@ class EngineProcess:
             return Path(match.group(1))
         if "control" not in self.endpoints:
             return None
-        from telemetry.control_key import key_path
+        from vconsole.telemetry.control_key import key_path
         return key_path(self.endpoints["control"])
 
     def control_key(self) -> str | None:
         """The engine's control key (same machine, same user), None if unreadable."""
-        from telemetry.control_key import load_control_key
+        from vconsole.telemetry.control_key import load_control_key
         path = self.control_key_path
         return load_control_key(self.endpoints.get("control", ""), path) if path else None
 
@@ -252,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"vconsole demo: {e}", file=sys.stderr)
         return 1
     try:
-        from console.app import VConsoleApp
+        from vconsole.console.app import VConsoleApp
         app = VConsoleApp(telemetry_endpoints=[stack.endpoints["telemetry"]],
                           control_endpoint=stack.endpoints["control"],
                           control_key=stack.engine.control_key(),

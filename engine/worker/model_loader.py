@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine import paged_attention
-from engine.tiny_model import ensure_tiny_model
+from vconsole.engine.worker import paged_attention
+from vconsole.engine.worker.tiny_model import ensure_tiny_model
 
 SUPPORTED_MODEL_TYPES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -11,7 +11,7 @@ import logging
 
 import zmq
 
-from telemetry.endpoints import is_loopback
+from vconsole.telemetry.endpoints import is_loopback
 
 log = logging.getLogger("vconsole.engine")
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.client import AsyncEngineClient
+from vconsole.engine.proc.client import AsyncEngineClient
 
 RateFn = Callable[[float], float]   # seconds since the start -> requests per second
 ProgressFn = Callable[[dict[str, Any]], None]

@@ -9,16 +9,16 @@ fast, and from then on is touched only by its one thread, which also closes it):
   publisher between steps. Nothing else touches the core, so config changes are atomic between
   two steps by construction.
 - **input thread**: the input ROUTER (many clients). Decodes and validates each message
-  (`engine.protocol`) off the compute path; a malformed one is answered with its reason and
+  (`vconsole.engine.proc.protocol`) off the compute path; a malformed one is answered with its reason and
   never reaches the core.
 - **output thread**: the output ROUTER. Encodes outputs and sends each to the client that sent the
   request (its routing identity), and answers ``hello`` with ``ready``.
-- **control thread**: the control ROUTER (`telemetry.control`). ``get_config`` is answered from the
+- **control thread**: the control ROUTER (`vconsole.telemetry.control`). ``get_config`` is answered from the
   busy loop's last published config; ``set_config`` is queued to the busy loop and its reply sent
   only after it was applied (or refused). A ``set_config`` without the control key (made at
-  start, written to a 0600 key file, `telemetry.control_key`) is refused here and never queued;
+  start, written to a 0600 key file, `vconsole.telemetry.control_key`) is refused here and never queued;
   the thread removes the key file when it stops.
-- the telemetry publisher's thread (`telemetry.publisher`) and the config file watcher.
+- the telemetry publisher's thread (`vconsole.telemetry.publisher`) and the config file watcher.
 
 Routing: a client connects two DEALERs with one identity (its client id): requests on input,
 outputs on output. The output ROUTER is ``ROUTER_MANDATORY``: an output for a client that is no
@@ -35,7 +35,7 @@ only its own requests; every request that was accepted gets exactly one final ou
 at shutdown (``abort``), unless its client is gone.
 
 ``log_stats`` (hot): the busy loop logs one stats line every few seconds while there is work
-(`engine.stats_log`). Which endpoints may bind beyond loopback: `engine.bind_policy`.
+(`vconsole.engine.proc.stats_log`). Which endpoints may bind beyond loopback: `vconsole.engine.proc.bind_policy`.
 """
 
 from __future__ import annotations
@@ -54,16 +54,16 @@ from typing import Any
 
 import zmq
 
-from engine import protocol
-from engine.bind_policy import RemoteBindRefused, check_endpoints, secure_socket
-from engine.config import ConfigError, ConfigUpdate, EngineConfig, config_from_args
-from engine.config_watch import ConfigFileWatcher, apply_file, read_file
-from engine.outputs import RequestOutput
-from engine.request import FinishReason
-from engine.stats_log import StatsLog
-from telemetry import control, control_key
-from telemetry.endpoints import DEFAULTS
-from telemetry.publisher import TelemetryPublisher
+from vconsole.engine.config import ConfigError, ConfigUpdate, EngineConfig, config_from_args
+from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.proc import protocol
+from vconsole.engine.proc.bind_policy import RemoteBindRefused, check_endpoints, secure_socket
+from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, read_file
+from vconsole.engine.proc.stats_log import StatsLog
+from vconsole.engine.request import FinishReason
+from vconsole.telemetry import control, control_key
+from vconsole.telemetry.endpoints import DEFAULTS
+from vconsole.telemetry.publisher import TelemetryPublisher
 
 log = logging.getLogger("vconsole.engine")
 
@@ -146,7 +146,7 @@ class EngineCoreProc:
             out.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
             if core is None:
-                from engine.core import EngineCore  # torch: only once the sockets are ours
+                from vconsole.engine.core import EngineCore  # torch: only once the sockets are ours
                 core = EngineCore(config)
             self.core = core
             self.publisher = TelemetryPublisher(self.ctx, endpoints["telemetry"],

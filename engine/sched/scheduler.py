@@ -29,13 +29,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager, token_slice
-from engine.outputs import RequestOutput
-from engine.request import FinishReason, Request, RequestStatus
-from engine.request_queue import WaitingQueue
-from engine.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
-from engine.stats import KVStats, RequestRow, SchedulerStats
+from vconsole.engine.config import EngineConfig
+from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
+from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.request import FinishReason, Request, RequestStatus
+from vconsole.engine.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from vconsole.engine.sched.request_queue import WaitingQueue
+from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats
 
 
 class _Step:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from engine.request import Request, RequestStatus
+from vconsole.engine.request import Request, RequestStatus
 
 _Key = tuple[float, ...]
 _Entry = tuple[_Key, int, Request]  # (policy key, insertion counter, request)

@@ -11,11 +11,11 @@ import json
 import sys
 from typing import Any
 
-from engine.config import ConfigError, config_from_args
-from engine.core import EngineCore
-from engine.offline import run_batch
-from engine.outputs import RequestOutput
-from engine.request import FinishReason, Request, SamplingParams
+from vconsole.engine.config import ConfigError, config_from_args
+from vconsole.engine.core import EngineCore
+from vconsole.engine.offline import run_batch
+from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.request import FinishReason, Request, SamplingParams
 
 _SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                   "seed": int, "ignore_eos": bool}
