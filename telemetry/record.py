@@ -14,10 +14,8 @@ tail instead of failing, so a recording survives a crash up to its last complete
 
 from __future__ import annotations
 
-import argparse
 import os
 import struct
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -158,17 +156,3 @@ def record_stream(endpoint: str, path: str | os.PathLike[str], duration_s: float
     return counts
 
 
-def main_record(args: argparse.Namespace) -> int:
-    """`vconsole record FILE [--telemetry EP] [--duration S]`."""
-    from vconsole.telemetry.endpoints import DEFAULT_TELEMETRY
-    endpoint = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY
-    duration = getattr(args, "duration", None)
-    print(f"recording {endpoint} to {args.file}"
-          + (f" for {duration:g} s" if duration else " until Ctrl-C"), file=sys.stderr)
-    counts = record_stream(endpoint, args.file, duration)
-    total = sum(counts.values())
-    detail = ", ".join(f"{t} {n}" for t, n in counts.items() if n)
-    print(f"recorded {total} messages to {args.file}" + (f" ({detail})" if detail else ""))
-    if not total:
-        print(f"note: nothing arrived from {endpoint}; is the engine running?", file=sys.stderr)
-    return 0

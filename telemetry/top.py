@@ -9,8 +9,6 @@ per state and, when short, a run-length list) rather than dumped.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -20,7 +18,6 @@ import zmq
 
 from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from vconsole.telemetry.control import ControlClient, ControlError
-from vconsole.telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
 from vconsole.telemetry.schema import TOPICS, SchemaError, TelemetryMessage, decode
 
 WAIT_FOR = tuple(t for t in TOPICS if t != "alert")
@@ -59,7 +56,7 @@ def to_json_payload(msg: TelemetryMessage) -> dict[str, Any]:
     return body
 
 
-class _Watcher:
+class Watcher:
     def __init__(self, endpoint: str, ctx: zmq.Context) -> None:
         self.sock = ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -109,7 +106,7 @@ def snapshot_once(telemetry: str, control: str | None, timeout_s: float,
                   ctx: zmq.Context | None = None) -> tuple[dict[str, Any], list[str]]:
     """({topic: payload}, missing topics). Config may come from the control socket."""
     ctx = ctx or zmq.Context.instance()
-    w = _Watcher(telemetry, ctx)
+    w = Watcher(telemetry, ctx)
     start = time.monotonic()
     deadline = start + timeout_s
     config_body: dict[str, Any] | None = None
@@ -136,7 +133,7 @@ def snapshot_once(telemetry: str, control: str | None, timeout_s: float,
     return out, missing
 
 
-def _fmt_line(latest: dict[str, TelemetryMessage]) -> str:
+def format_line(latest: dict[str, TelemetryMessage]) -> str:
     parts = [time.strftime("%H:%M:%S")]
     if h := latest.get("health"):
         p = h.payload
@@ -166,32 +163,3 @@ def _fmt_line(latest: dict[str, TelemetryMessage]) -> str:
     return "  ".join(parts)
 
 
-def main(args: argparse.Namespace) -> int:
-    telemetry = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY
-    control = getattr(args, "control", None) or DEFAULT_CONTROL
-    timeout = float(getattr(args, "timeout", 10.0) or 10.0)
-    as_json = bool(getattr(args, "json", False))
-    if getattr(args, "once", False):
-        snap, missing = snapshot_once(telemetry, control, timeout)
-        if missing:
-            print(f"vconsole top: no complete telemetry from {telemetry} within {timeout:g} s "
-                  f"(never saw: {', '.join(missing)}); is the engine running?", file=sys.stderr)
-            return 1
-        if as_json:
-            print(json.dumps(snap, default=str))
-        else:
-            print(json.dumps(snap, indent=2, default=str))
-        return 0
-    w = _Watcher(telemetry, zmq.Context.instance())
-    try:
-        while True:
-            w.pump(1.0)
-            if as_json:
-                print(json.dumps({t: to_json_payload(m) for t, m in w.latest.items()},
-                                 default=str), flush=True)
-            else:
-                print(_fmt_line(w.latest), flush=True)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        w.close()

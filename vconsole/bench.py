@@ -12,7 +12,6 @@ credited with every token it generates (the most favourable reading for it).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -131,7 +130,3 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main(args: argparse.Namespace) -> int:
-    out = throughput(args)
-    print(json.dumps(out, indent=None if args.json else 2))
-    return 0

@@ -1,6 +1,6 @@
 """`vconsole` — the command line: one parser, each subcommand handed to the module that owns it.
 
-Subcommands are resolved lazily (``"package.module:function"``) so `vconsole --help` starts fast
+Subcommands are resolved lazily (``"vconsole.commands.NAME:function"``) so `vconsole --help` starts fast
 and a command's heavy imports (torch, textual) load only when it runs. Each handler takes the
 parsed ``argparse.Namespace`` and returns an exit code.
 """
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=_handler(target))
         return p
 
-    p = cmd("demo", "vconsole.demo:main", "engine + load generator + console in one command",
+    p = cmd("demo", "vconsole.commands.demo:main", "engine + load generator + console in one command",
             "Start an engine process with the tiny model, a load generator with bursts and a "
             "priority mix, and the console attached. Quitting the console stops all of them.")
     add_engine_args(p)
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-port", type=int, default=0,
                    help="first of four loopback ports (default: pick free ones)")
 
-    p = cmd("engine", "vconsole.engine.proc.core_proc:main", "run the EngineCore process in the foreground")
+    p = cmd("engine", "vconsole.commands.engine:main", "run the EngineCore process in the foreground")
     add_engine_args(p)
     add_endpoint_args(p)
     p.add_argument("--allow-remote-telemetry", dest="allow_remote", action="store_true",
@@ -105,21 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "input and control always stay on loopback/ipc")
     add_control_key_arg(p, engine=True)
 
-    p = cmd("attach", "vconsole.console.attach:main", "attach the console to a running engine")
+    p = cmd("attach", "vconsole.commands.attach:main", "attach the console to a running engine")
     add_endpoint_args(p)
     p.add_argument("--extra-telemetry", action="append", default=[], metavar="ENDPOINT",
                    help="another engine's telemetry endpoint (e.g. a data-parallel rank)")
     p.add_argument("--readonly", action="store_true", help="watch only: hide every action")
     add_control_key_arg(p)
 
-    p = cmd("generate", "vconsole.generate:main", "offline batch inference from a JSONL file")
+    p = cmd("generate", "vconsole.commands.generate:main", "offline batch inference from a JSONL file")
     add_engine_args(p)
     p.add_argument("--input", required=True, metavar="FILE.jsonl",
                    help='one request per line: {"prompt": ...} or {"prompt_token_ids": [...]}')
     p.add_argument("--output", required=True, metavar="FILE.jsonl", help="results, input order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    p = cmd("load", "vconsole.loadgen:main", "a load generator client against a running engine")
+    p = cmd("load", "vconsole.commands.load:main", "a load generator client against a running engine")
     add_endpoint_args(p)
     p.add_argument("--num", type=int, default=100, help="requests to send (default 100)")
     p.add_argument("--rate", type=float, help="Poisson arrival rate, req/s")
@@ -133,35 +133,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
-    p = cmd("set", "vconsole.telemetry.control_cli:main_set", "change engine config (hot reload)")
+    p = cmd("set", "vconsole.commands.control:main_set", "change engine config (hot reload)")
     add_endpoint_args(p)
     add_control_key_arg(p)
     p.add_argument("pairs", nargs="+", metavar="KEY=VALUE")
 
-    p = cmd("get", "vconsole.telemetry.control_cli:main_get", "print the engine's effective config")
+    p = cmd("get", "vconsole.commands.control:main_get", "print the engine's effective config")
     add_endpoint_args(p)
     add_control_key_arg(p)
     p.add_argument("keys", nargs="*", metavar="KEY", help="only these keys")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    p = cmd("top", "vconsole.telemetry.top:main", "a telemetry snapshot for scripts")
+    p = cmd("top", "vconsole.commands.top:main", "a telemetry snapshot for scripts")
     add_endpoint_args(p)
     add_control_key_arg(p)
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every topic")
 
-    p = cmd("bench", "vconsole.bench:main", "benchmarks, printing JSON")
+    p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
     p.add_argument("name", choices=["throughput"], help="which benchmark")
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
     p.add_argument("--num-requests", type=int, help="override the workload size")
 
-    p = cmd("record", "vconsole.telemetry.record:main_record", "save the telemetry stream to a file")
+    p = cmd("record", "vconsole.commands.record:main", "save the telemetry stream to a file")
     add_endpoint_args(p)
     p.add_argument("file", metavar="FILE")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
 
-    p = cmd("replay", "vconsole.console.attach:main_replay", "play a recorded stream in the console")
+    p = cmd("replay", "vconsole.commands.attach:main_replay", "play a recorded stream in the console")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--speed", type=float, default=1.0, help="playback speed (default 1.0)")
     return parser

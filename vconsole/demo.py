@@ -15,7 +15,6 @@ the engine also gets SIGTERM if this process dies without cleaning up (``PR_SET_
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import os
@@ -218,57 +217,3 @@ class DemoStack:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_PASS_THROUGH = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
-                 "max_num_batched_tokens", "policy", "config")
-# Small enough that bursts fill the KV pool and preempt; with priorities to show.
-_DEMO_DEFAULTS = {"num_kv_blocks": 128, "max_num_seqs": 16, "policy": "hybrid"}
-
-
-def engine_args_from(args: argparse.Namespace) -> list[str]:
-    """The demo's engine flags: the user's, plus demo defaults unless a --config file decides."""
-    out: list[str] = []
-    use_defaults = getattr(args, "config", None) is None
-    for key in _PASS_THROUGH:
-        value = getattr(args, key, None)
-        if value is None and use_defaults:
-            value = _DEMO_DEFAULTS.get(key)
-        if value is not None:
-            out += [f"--{key.replace('_', '-')}", str(value)]
-    if getattr(args, "no_prefix_caching", False):
-        out.append("--no-prefix-caching")
-    for pair in getattr(args, "overrides", None) or []:
-        out += ["--set", pair]
-    return out
-
-
-def main(args: argparse.Namespace) -> int:
-    stack = DemoStack(engine_args_from(args), rate=args.rate, base_port=args.base_port)
-    print("vconsole demo: starting the engine (tiny model) ...", file=sys.stderr, flush=True)
-    try:
-        stack.start()
-    except RuntimeError as e:
-        print(f"vconsole demo: {e}", file=sys.stderr)
-        return 1
-    try:
-        from vconsole.console.app import VConsoleApp
-        app = VConsoleApp(telemetry_endpoints=[stack.endpoints["telemetry"]],
-                          control_endpoint=stack.endpoints["control"],
-                          control_key=stack.engine.control_key(),
-                          control_key_file=stack.engine.control_key_path)
-        app.run()
-    finally:
-        stack.close()
-        engine = stack.engine
-        if engine.failed:
-            code = engine.proc.returncode if engine.proc else None
-            print(f"vconsole demo: the engine failed (exit code {code}); its log: "
-                  f"{engine.log_path}", file=sys.stderr)
-        elif engine.keep_log:
-            print(f"vconsole demo: stopped (engine log: {engine.log_path})", file=sys.stderr)
-        else:
-            print("vconsole demo: stopped", file=sys.stderr)
-    if stack.load is not None and stack.load.error is not None:
-        print(f"vconsole demo: the load generator failed: {stack.load.error!r}", file=sys.stderr)
-    return 0

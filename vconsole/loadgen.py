@@ -12,13 +12,9 @@ Measured per request on the client's clock: TTFT (send -> first token) and inter
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import json
 import math
 import random
-import sys
 import threading
 import time
 from collections import Counter
@@ -357,48 +353,5 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def spec_from_args(args: argparse.Namespace) -> LoadSpec:
-    if args.num < 1:
-        raise ValueError("--num must be >= 1")
-    if args.rate is not None and args.rate <= 0:
-        raise ValueError("--rate must be > 0")
-    if args.concurrency is not None and args.concurrency < 1:
-        raise ValueError("--concurrency must be >= 1")
-    return LoadSpec(num=args.num, rate=args.rate, concurrency=args.concurrency,
-                    prompt_len=parse_range(args.prompt_len), output_len=parse_range(args.output_len),
-                    priority_mix=parse_mix(args.priority_mix), seed=args.seed)
 
 
-def main(args: argparse.Namespace) -> int:
-    try:
-        spec = spec_from_args(args)
-    except ValueError as e:
-        print(f"vconsole load: {e}", file=sys.stderr)
-        return 2
-    tty = sys.stderr.isatty() and not args.json
-    stop = threading.Event()
-
-    def show(p: dict[str, Any]) -> None:
-        sys.stderr.write(f"\r sent {p['sent']}/{spec.num}  done {p['done']}  in-flight "
-                         f"{p['in_flight']}  {p['tok_per_s']:.0f} tok/s  {p['elapsed_s']:.1f} s ")
-        sys.stderr.flush()
-
-    async def go() -> LoadRun:
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            import signal
-            loop.add_signal_handler(signal.SIGINT, stop.set)
-        async with AsyncEngineClient(args.input, args.output,
-                                     timeout_s=getattr(args, "timeout", None) or 10.0) as client:
-            return await run_load(client, spec, stop=stop, on_progress=show if tty else None)
-
-    try:
-        run = asyncio.run(go())
-    except TimeoutError as e:
-        print(f"vconsole load: {e}", file=sys.stderr)
-        return 1
-    if tty:
-        sys.stderr.write("\n")
-    summary = run.summary()
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-    return 0

@@ -40,13 +40,10 @@ at shutdown (``abort``), unless its client is gone.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import queue
-import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,15 +51,14 @@ from typing import Any
 
 import zmq
 
-from vconsole.engine.config import ConfigError, ConfigUpdate, EngineConfig, config_from_args
+from vconsole.engine.config import ConfigUpdate, EngineConfig
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
-from vconsole.engine.proc.bind_policy import RemoteBindRefused, check_endpoints, secure_socket
+from vconsole.engine.proc.bind_policy import check_endpoints, secure_socket
 from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, read_file
 from vconsole.engine.proc.stats_log import StatsLog
 from vconsole.engine.request import FinishReason
 from vconsole.telemetry import control, control_key
-from vconsole.telemetry.endpoints import DEFAULTS
 from vconsole.telemetry.publisher import TelemetryPublisher
 
 log = logging.getLogger("vconsole.engine")
@@ -541,56 +537,3 @@ class EngineCoreProc:
                 return control.error_reply(f"the engine did not reach a step boundary within "
                                            f"{CONTROL_WAIT_S:g} s; nothing was applied", rid)
         return call.reply
-
-
-# --- `vconsole engine` -----------------------------------------------------------------------------
-
-def _install_signal_handlers(q: queue.SimpleQueue[tuple[Any, ...]]) -> None:
-    """SIGINT/SIGTERM: drain and exit 0 (a second one: exit now). SIGHUP: reload --config."""
-    count = 0
-
-    def on_stop(signum: int, _frame: Any) -> None:
-        nonlocal count
-        count += 1
-        if count > 1:
-            raise KeyboardInterrupt
-        q.put((SHUTDOWN, signal.Signals(signum).name))
-
-    signal.signal(signal.SIGINT, on_stop)
-    signal.signal(signal.SIGTERM, on_stop)
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, lambda *_: q.put((RELOAD, "SIGHUP")))
-
-
-def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = config_from_args(args)
-    except ConfigError as e:
-        print(f"vconsole engine: invalid config: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:  # an unreadable --config file
-        print(f"vconsole engine: {e}", file=sys.stderr)
-        return 2
-    endpoints = {name: getattr(args, name, None) or default for name, default in DEFAULTS.items()}
-    q: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-    _install_signal_handlers(q)
-    try:
-        proc = EngineCoreProc(config, endpoints, config_path=getattr(args, "config", None),
-                              allow_remote=bool(getattr(args, "allow_remote", False)),
-                              control_key_file=getattr(args, "control_key_file", None),
-                              input_queue=q)
-    except (RemoteBindRefused, OSError) as e:
-        print(f"vconsole engine: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # the model or the KV pool: the loader says why
-        print(f"vconsole engine: cannot start: {e}", file=sys.stderr)
-        return 1
-    proc.start()
-    ep = proc.endpoints
-    print(f"vconsole engine {config.engine_id} ready (pid {os.getpid()}): input={ep['input']} "
-          f"output={ep['output']} telemetry={ep['telemetry']} control={ep['control']}",
-          flush=True)
-    proc.run_busy_loop()
-    return 0

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from vconsole.cli import build_parser
+from vconsole.commands.control import main_get, main_set, parse_pairs
 from vconsole.demo import EngineProcess
 from vconsole.telemetry import control_key
-from vconsole.telemetry.control_cli import main_get, main_set, parse_pairs
 
 
 @pytest.fixture(scope="module")

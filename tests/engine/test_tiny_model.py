@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vconsole.engine import model_loader
+from vconsole.engine.worker import model_loader
 from vconsole.engine.worker.tiny_model import EOS_ID, PAD_ID, ensure_tiny_model
 
 

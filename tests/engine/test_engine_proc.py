@@ -555,7 +555,7 @@ class _IdleCore:
 
 
 def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path, monkeypatch):
-    from vconsole.engine import core_proc
+    from vconsole.engine.proc import core_proc
     from vconsole.telemetry.publisher import TelemetryPublisher
 
     release = threading.Event()

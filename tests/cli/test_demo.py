@@ -9,9 +9,11 @@ import psutil
 import pytest
 import zmq
 
+from vconsole import demo
 from vconsole.cli import build_parser
-from vconsole.console import demo
-from vconsole.demo import DemoStack, engine_args_from
+from vconsole.commands import demo as demo_cmd
+from vconsole.commands.demo import engine_args_from
+from vconsole.demo import DemoStack
 from vconsole.telemetry import schema
 
 ENGINE_ARGS = ["--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8"]
@@ -83,7 +85,7 @@ def test_a_crashing_console_still_stops_everything(monkeypatch):
     args = build_parser().parse_args(["demo", *ENGINE_ARGS, "--rate", "5"])
     before = children()
     with pytest.raises(RuntimeError, match="console crashed"):
-        demo.main(args)
+        demo_cmd.main(args)
     (stack,) = started
     assert_gone(stack.engine.pid)
     assert not stack.load.is_alive()

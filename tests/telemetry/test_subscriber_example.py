@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 import vconsole.telemetry.subscriber as example
+from vconsole.commands import top as top_cmd
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
 from vconsole.telemetry import control, top
@@ -101,7 +102,7 @@ def test_top_once_json_prints_every_topic(ctx, capsys, monkeypatch):
     try:
         args = argparse.Namespace(telemetry=pub.endpoint, control=stub.endpoint, once=True,
                                   json=True, timeout=5.0)
-        rc = top.main(args)
+        rc = top_cmd.main(args)
     finally:
         pub.close()
         stub.close()
@@ -120,7 +121,7 @@ def test_top_once_json_prints_every_topic(ctx, capsys, monkeypatch):
 def test_top_once_without_an_engine_fails_clearly(capsys):
     args = argparse.Namespace(telemetry="tcp://127.0.0.1:1", control="tcp://127.0.0.1:1",
                               once=True, json=True, timeout=0.5)
-    assert top.main(args) == 1
+    assert top_cmd.main(args) == 1
     err = capsys.readouterr().err
     assert "no complete telemetry from tcp://127.0.0.1:1" in err and "health" in err
 

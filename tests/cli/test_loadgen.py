@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from vconsole.cli import build_parser
+from vconsole.commands.load import main as loadgen_main
 from vconsole.demo import EngineProcess
 from vconsole.engine.proc.client import AsyncEngineClient
 from vconsole.loadgen import (
@@ -23,9 +24,6 @@ from vconsole.loadgen import (
     format_summary,
     parse_mix,
     parse_range,
-)
-from vconsole.loadgen import (
-    main as loadgen_main,
 )
 
 

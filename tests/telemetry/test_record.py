@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import zmq
 
+from vconsole.commands.record import main as main_record
 from vconsole.engine.config import EngineConfig
 from vconsole.telemetry import record
 from vconsole.telemetry.publisher import TelemetryPublisher
-from vconsole.telemetry.record import Recorder, RecordFormatError, main_record, read_records
+from vconsole.telemetry.record import Recorder, RecordFormatError, read_records
 from vconsole.telemetry.schema import SchemaVersionError, decode, encode, make_envelope
 
 

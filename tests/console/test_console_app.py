@@ -470,7 +470,7 @@ async def test_several_engines_are_kept_apart_and_n_cycles_them():
 def test_replay_of_a_file_that_is_not_a_recording_exits_2(tmp_path, capsys):
     import argparse
 
-    from vconsole.console.attach import main_replay
+    from vconsole.commands.attach import main_replay
     bad = tmp_path / "x.vrec"
     bad.write_bytes(b"not a recording")
     assert main_replay(argparse.Namespace(file=str(bad), speed=1.0)) == 2

@@ -1,0 +1,60 @@
+"""Check the import contracts in pyproject.toml (``[tool.importlinter]``) with import-linter.
+
+The top-level folders ``engine/``, ``telemetry/`` and ``console/`` install as ``vconsole.engine``
+and so on (a ``package-dir`` mapping), but import-linter's graph builder walks one folder per
+top-level package. So the sources are staged into a temporary tree laid out as installed
+(``STAGE/vconsole/engine/...``) and import-linter runs there, with the same contracts.
+
+    python scripts/lint_imports.py              # the repository as it is
+    python scripts/lint_imports.py --root DIR   # another checkout (the tests plant bad imports)
+
+Exit code: import-linter's (0 when every contract is kept, 1 when one is broken; its report
+names the contract and the import chain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Where each installed package's sources live, relative to the repository root.
+PACKAGE_DIRS = {"vconsole": "vconsole", "vconsole/engine": "engine",
+                "vconsole/telemetry": "telemetry", "vconsole/console": "console"}
+
+
+def stage(root: Path, dest: Path) -> Path:
+    """Copy the sources under ``root`` into ``dest/vconsole/...`` as they are installed."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "__snapshots__")
+    for installed, source in PACKAGE_DIRS.items():
+        shutil.copytree(root / source, dest / installed, ignore=ignore, dirs_exist_ok=True)
+    return dest
+
+
+def lint(root: Path = REPO) -> subprocess.CompletedProcess[str]:
+    with tempfile.TemporaryDirectory(prefix="vconsole-imports-") as tmp:
+        staged = stage(root, Path(tmp))
+        env = {**os.environ, "PYTHONPATH": str(staged)}
+        lint_imports = Path(sys.executable).with_name("lint-imports")
+        cmd = [str(lint_imports) if lint_imports.exists() else "lint-imports",
+               "--config", str(root / "pyproject.toml"), "--no-cache"]
+        return subprocess.run(cmd, cwd=staged, env=env, capture_output=True, text=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=REPO, help="checkout to check")
+    args = parser.parse_args()
+    result = lint(args.root.resolve())
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""`vconsole generate`: offline batch inference from a JSONL file to a JSONL file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from vconsole.engine.config import ConfigError, config_from_args
+from vconsole.engine.core import EngineCore
+from vconsole.engine.offline import run_batch
+from vconsole.generate import parse_line, result_line
+
+
+class _Progress:
+    """A one-line progress bar on a terminal (stderr); silent otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.last = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or done == self.last:
+            return
+        self.last = done
+        width = 30
+        filled = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        sys.stderr.flush()
+        if done == total:
+            sys.stderr.write("\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"vconsole generate: bad config: {e}", file=sys.stderr)
+        return 2
+    try:
+        with open(args.input, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+        while lines and not lines[-1].strip():
+            lines.pop()  # trailing blank lines are not requests; inner ones keep their index
+    except OSError as e:
+        print(f"vconsole generate: cannot read {args.input}: {e.strerror}", file=sys.stderr)
+        return 2
+    try:
+        core = EngineCore(config)
+    except (ValueError, OSError) as e:  # the model or the KV pool: the loader says why
+        print(f"vconsole generate: cannot start: {e}", file=sys.stderr)
+        return 1
+    requests = [parse_line(core, i, ln) for i, ln in enumerate(lines)]
+    result = run_batch(core, requests, on_progress=_Progress(not args.no_progress))
+    with open(args.output, "w", encoding="utf-8") as fh:
+        for i, (out, toks) in enumerate(zip(result.outputs, result.output_token_ids,
+                                            strict=True)):
+            fh.write(json.dumps(result_line(i, out, toks)) + "\n")
+    errors = sum(1 for o in result.outputs if o.finish_reason == "error")
+    print(f"requests={len(lines)} errors={errors} tokens={result.num_output_tokens} "
+          f"tok/s={result.tokens_per_s:.1f} elapsed={result.elapsed_s:.2f}s "
+          f"preemptions={result.num_preemptions} prefix_hit_rate={result.prefix_hit_rate:.1%}",
+          file=sys.stderr)
+    return 0

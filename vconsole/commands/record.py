@@ -1,0 +1,24 @@
+"""`vconsole record FILE`: save the telemetry stream to a file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vconsole.telemetry.endpoints import DEFAULT_TELEMETRY
+from vconsole.telemetry.record import record_stream
+
+
+def main(args: argparse.Namespace) -> int:
+    """`vconsole record FILE [--telemetry EP] [--duration S]`."""
+    endpoint = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY
+    duration = getattr(args, "duration", None)
+    print(f"recording {endpoint} to {args.file}"
+          + (f" for {duration:g} s" if duration else " until Ctrl-C"), file=sys.stderr)
+    counts = record_stream(endpoint, args.file, duration)
+    total = sum(counts.values())
+    detail = ", ".join(f"{t} {n}" for t, n in counts.items() if n)
+    print(f"recorded {total} messages to {args.file}" + (f" ({detail})" if detail else ""))
+    if not total:
+        print(f"note: nothing arrived from {endpoint}; is the engine running?", file=sys.stderr)
+    return 0

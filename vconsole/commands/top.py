@@ -1,0 +1,43 @@
+"""`vconsole top`: a telemetry snapshot (or a line a second) for scripts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import zmq
+
+from vconsole.telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
+from vconsole.telemetry.top import Watcher, format_line, snapshot_once, to_json_payload
+
+
+def main(args: argparse.Namespace) -> int:
+    telemetry = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY
+    control = getattr(args, "control", None) or DEFAULT_CONTROL
+    timeout = float(getattr(args, "timeout", 10.0) or 10.0)
+    as_json = bool(getattr(args, "json", False))
+    if getattr(args, "once", False):
+        snap, missing = snapshot_once(telemetry, control, timeout)
+        if missing:
+            print(f"vconsole top: no complete telemetry from {telemetry} within {timeout:g} s "
+                  f"(never saw: {', '.join(missing)}); is the engine running?", file=sys.stderr)
+            return 1
+        if as_json:
+            print(json.dumps(snap, default=str))
+        else:
+            print(json.dumps(snap, indent=2, default=str))
+        return 0
+    w = Watcher(telemetry, zmq.Context.instance())
+    try:
+        while True:
+            w.pump(1.0)
+            if as_json:
+                print(json.dumps({t: to_json_payload(m) for t, m in w.latest.items()},
+                                 default=str), flush=True)
+            else:
+                print(format_line(w.latest), flush=True)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        w.close()
