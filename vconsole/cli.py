@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow the (read-only) telemetry socket on a non-loopback address; "
                         "input and control always stay on loopback/ipc")
     add_control_key_arg(p, engine=True)
+    p.add_argument("--ready-file", metavar="PATH",
+                   help="once serving, write the bound endpoints and the control key path here "
+                        "as JSON (atomically; removed on a clean stop): how launchers find "
+                        "the engine")
 
     p = cmd("attach", "vconsole.commands.attach:main", "attach the console to a running engine")
     add_endpoint_args(p)

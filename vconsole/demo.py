@@ -1,8 +1,10 @@
 """`vconsole demo`: an engine process, a varying load and the console, started and stopped as one.
 
 `EngineProcess` runs ``vconsole engine`` as a child in its own process group and learns the
-endpoints it actually bound from its start line (the engine binds ``tcp://127.0.0.1:*`` when no
-``--base-port`` is given, so two demos or test runs never race for a port). `DemoStack` adds the
+endpoints it actually bound and its control key file from its ready file
+(`vconsole.engine.proc.ready_file`), never from its log (the engine binds
+``tcp://127.0.0.1:*`` when no ``--base-port`` is given, so two demos or test runs never race for
+a port). `DemoStack` adds the
 load generator (a thread in this process) and is what `main`, the tests and
 ``scripts/screenshots.py`` use; the console itself is imported only in `main`, so the process
 management is testable without a terminal.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,12 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vconsole.engine.proc.ready_file import (
+    ENDPOINT_NAMES,
+    ReadyFileError,
+    read_ready_file,
+)
 from vconsole.loadgen import LoadThread, demo_rate, demo_spec
 
-READY_RE = re.compile(r"vconsole engine \S+ ready .*?input=(\S+) output=(\S+) telemetry=(\S+) "
-                      r"control=(\S+)")
-KEY_RE = re.compile(r"control key: (.+?) \(mode 0600")
-ENDPOINT_NAMES = ("input", "output", "telemetry", "control")
 STOP_GRACE_S = 10.0
 
 
@@ -76,6 +79,9 @@ class EngineProcess:
             log_path = tmp
         self.log_path = Path(log_path)
         self.failed = False
+        self._run_dir = Path(tempfile.mkdtemp(prefix="vconsole-engine-run-"))
+        self.ready_path = self._run_dir / "ready.json"
+        self.ready: dict[str, Any] = {}
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                     **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -86,14 +92,9 @@ class EngineProcess:
 
     @property
     def control_key_path(self) -> Path | None:
-        """The engine's control key file, as its log names it (once started)."""
-        match = KEY_RE.search(self.log_text())
-        if match:
-            return Path(match.group(1))
-        if "control" not in self.endpoints:
-            return None
-        from vconsole.telemetry.control_key import key_path
-        return key_path(self.endpoints["control"])
+        """The engine's control key file, as its ready file names it (once started)."""
+        path = self.ready.get("control_key_file")
+        return Path(path) if path else None
 
     def control_key(self) -> str | None:
         """The engine's control key (same machine, same user), None if unreadable."""
@@ -102,9 +103,10 @@ class EngineProcess:
         return load_control_key(self.endpoints.get("control", ""), path) if path else None
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
-        """Start and wait for the start line; raises RuntimeError (with the log's tail) if the
-        engine exits or stays silent."""
-        cmd = [sys.executable, "-m", "vconsole.cli", "engine", *self.engine_args]
+        """Start and wait for the engine's ready file; raises RuntimeError (with the log's
+        tail) if the engine exits or is not ready in time."""
+        cmd = [sys.executable, "-m", "vconsole", "engine", *self.engine_args,
+               "--ready-file", str(self.ready_path)]
         for name, ep in self.requested.items():
             cmd += [f"--{name}", ep]
         with open(self.log_path, "wb") as log:
@@ -113,10 +115,16 @@ class EngineProcess:
                                          start_new_session=True,
                                          preexec_fn=_parent_death_signal())
         deadline = time.monotonic() + timeout_s
+        why = ""
         while time.monotonic() < deadline:
-            match = READY_RE.search(self.log_text())
-            if match:
-                self.endpoints = dict(zip(ENDPOINT_NAMES, match.groups(), strict=True))
+            try:
+                record = read_ready_file(self.ready_path)
+            except ReadyFileError as e:
+                why = str(e)
+                break
+            if record is not None and record["pid"] == self.proc.pid:
+                self.ready = record
+                self.endpoints = {n: record["endpoints"][n] for n in ENDPOINT_NAMES}
                 return self
             if self.proc.poll() is not None:
                 break
@@ -124,7 +132,8 @@ class EngineProcess:
         code = self.proc.poll()
         self.failed = True  # keep the log: the error below points at it
         self.stop()
-        why = f"exited with code {code}" if code is not None else f"not ready in {timeout_s:g} s"
+        why = why or (f"exited with code {code}" if code is not None
+                      else f"not ready in {timeout_s:g} s")
         raise RuntimeError(f"the engine {why}; log {self.log_path}:\n{self.log_tail()}")
 
     def log_text(self) -> str:
@@ -160,6 +169,7 @@ class EngineProcess:
         return self.proc.returncode
 
     def _drop_log(self) -> None:
+        shutil.rmtree(self._run_dir, ignore_errors=True)
         if not self.keep_log and not self.failed:
             with contextlib.suppress(OSError):
                 self.log_path.unlink()

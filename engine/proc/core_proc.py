@@ -56,6 +56,7 @@ from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
 from vconsole.engine.proc.bind_policy import check_endpoints, secure_socket
 from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, read_file
+from vconsole.engine.proc.ready_file import ready_record, remove_ready_file, write_ready_file
 from vconsole.engine.proc.stats_log import StatsLog
 from vconsole.engine.request import FinishReason
 from vconsole.telemetry import control, control_key
@@ -104,9 +105,11 @@ class EngineCoreProc:
     def __init__(self, config: EngineConfig, endpoints: dict[str, str], *,
                  config_path: str | None = None, allow_remote: bool = False, core: Any = None,
                  input_queue: queue.SimpleQueue[tuple[Any, ...]] | None = None,
-                 control_key_file: str | None = None) -> None:
+                 control_key_file: str | None = None,
+                 ready_file: str | os.PathLike[str] | None = None) -> None:
         check_endpoints(endpoints, allow_remote)
         self.config_path = config_path
+        self.ready_file = ready_file
         self.input_queue: queue.SimpleQueue[tuple[Any, ...]] = input_queue or queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._io_stop = threading.Event()
@@ -196,6 +199,10 @@ class EngineCoreProc:
             self._watcher.start()
         self._publish_config()
         self._set_state("idle")
+        if self.ready_file is not None:
+            write_ready_file(self.ready_file, ready_record(
+                pid=os.getpid(), endpoints=self.endpoints, control_key_file=self.control_key_path,
+                **self.ready_info))
 
     def request_shutdown(self, reason: str) -> None:
         """Safe from any thread and from signal handlers."""
@@ -360,6 +367,8 @@ class EngineCoreProc:
         """Stop taking requests, abort those in flight and deliver their final outputs, answer
         any queued control call, then join every thread and close every socket."""
         self._set_state("draining")
+        if self.ready_file is not None:
+            remove_ready_file(self.ready_file, os.getpid())
         self._io_stop.set()
         self._threads[0].join()                      # input: no new messages from here on
         if self._watcher is not None:

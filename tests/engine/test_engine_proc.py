@@ -592,3 +592,4 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(engine):
     log = engine.log_text()
     assert "SIGTERM: draining" in log and "engine stopped (SIGTERM)" in log
     assert not key_file.exists(), "the control key file outlived a clean shutdown"
+    assert not engine.ready_path.exists(), "the ready file outlived a clean shutdown"

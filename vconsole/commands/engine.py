@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
         proc = EngineCoreProc(config, endpoints, config_path=getattr(args, "config", None),
                               allow_remote=bool(getattr(args, "allow_remote", False)),
                               control_key_file=getattr(args, "control_key_file", None),
-                              input_queue=q)
+                              input_queue=q, ready_file=getattr(args, "ready_file", None))
     except (RemoteBindRefused, OSError) as e:
         print(f"vconsole engine: {e}", file=sys.stderr)
         return 2
