@@ -96,7 +96,7 @@ class EngineCore:
         t0 = time.monotonic_ns()
         scheduler_output = self.scheduler.schedule()
         t1 = time.monotonic_ns()
-        if scheduler_output.seqs:
+        if scheduler_output.has_work():
             model_output = self.runner.execute_model(scheduler_output)
         else:
             model_output = ModelRunnerOutput()
@@ -116,8 +116,8 @@ class EngineCore:
             schedule_ns=t1 - t0, execute_ns=t2 - t1, update_ns=t3 - t2, total_ns=t3 - t0,
             num_prefill_tokens=scheduler_output.num_prefill_tokens,
             num_decode_tokens=scheduler_output.num_decode_tokens,
-            num_reqs=len(scheduler_output.seqs),
-            num_preempted=len(scheduler_output.preempted_ids), num_finished=num_finished)
+            num_reqs=scheduler_output.num_scheduled_reqs,
+            num_preempted=len(scheduler_output.preempted_req_ids), num_finished=num_finished)
         return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -1,44 +1,72 @@
 """What one `schedule()` hands to the model runner, and what the runner hands back.
 
-This is the contract between `vconsole.engine.sched.scheduler` and `vconsole.engine.worker.model_runner`: plain data, no torch.
+This is the contract between `vconsole.engine.sched.scheduler` and
+`vconsole.engine.worker.model_runner`: plain data, no torch, and never a live `Request` — the
+runner keeps its own copy of what it needs per request, so it could run in another process.
+
+As in vLLM v1 (``NewRequestData`` / ``CachedRequestData``), a request the runner has not seen
+is sent whole, once (`NewRequestData`); from then on each step carries only what changed
+(`CachedRequestData`: tokens sampled since, blocks added since, where feeding starts). The
+runner forgets a request when it appears in ``finished_req_ids`` or ``preempted_req_ids``; a
+preempted request that is scheduled again comes back as new (its blocks were freed).
+
+Invariants, for every request id ``r`` in ``num_scheduled_tokens``:
+  * ``r`` is in exactly one of ``scheduled_new_reqs`` / ``scheduled_cached_reqs``;
+  * the runner's tokens for ``r`` (new: prompt + outputs; cached: what it had + ``new_token_ids``)
+    cover positions ``0 .. num_computed_tokens + num_scheduled_tokens[r] - 1``, and its block
+    table covers every one of those positions;
+  * the runner samples for ``r`` exactly when ``num_computed_tokens + num_scheduled_tokens[r]``
+    equals its number of tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vconsole.engine.request import Request
+from vconsole.engine.request import SamplingParams
 
 
-@dataclass
-class ScheduledSeq:
-    """One request's share of a step: feed ``token_ids`` at positions ``start_pos ..``.
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner does not hold yet (first schedule, or resumed after preemption)."""
 
-    ``block_ids`` is the request's whole block table (it already covers every position written
-    this step); token at position p lives in slot ``block_ids[p // B] * B + p % B``.
-    ``do_sample`` is true when, after this chunk, the request has caught up with its tokens and
-    the next token must be sampled from the logits of the chunk's last position.
-    """
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]     # already sampled: a resumed request recomputes their KV
+    sampling: SamplingParams
+    block_ids: list[int]            # the whole block table
+    num_computed_tokens: int        # KV already in the pool (prefix-cache hit): feeding starts here
 
-    request: Request
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    do_sample: bool
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already holds, as parallel lists: only what changed since their
+    previous step."""
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.start_pos < self.request.num_prompt_tokens
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)   # sampled since, in order
+    new_block_ids: list[list[int]] = field(default_factory=list)   # appended to the table since
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def append(self, req_id: str, new_token_ids: list[int], new_block_ids: list[int],
+               num_computed_tokens: int) -> None:
+        self.req_ids.append(req_id)
+        self.new_token_ids.append(new_token_ids)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass
 class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    # Tokens to run this step per request, in the order the scheduler chose them.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)   # since the previous step
+    preempted_req_ids: list[str] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -46,9 +74,24 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
+    @property
+    def num_scheduled_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+    def start_positions(self) -> dict[str, int]:
+        """Where each scheduled request's tokens start this step (its ``num_computed_tokens``)."""
+        starts = {r.req_id: r.num_computed_tokens for r in self.scheduled_new_reqs}
+        cached = self.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        return starts
+
+    def has_work(self) -> bool:
+        """Anything for the runner: tokens to run, or requests to forget."""
+        return bool(self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids)
+
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled token per request whose ``do_sample`` was set, keyed by request id."""
+    """Sampled token per request that reached its last token this step, keyed by request id."""
 
     sampled: dict[str, int] = field(default_factory=dict)

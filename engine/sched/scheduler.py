@@ -22,6 +22,12 @@ Per-step cost is O(running + admitted * log waiting), never O(waiting).
 
 Call `update_from_output` after every `schedule()` (with an empty `ModelRunnerOutput` when
 nothing ran): it is also where requests finished by abort or timeout are reported.
+
+The runner never sees a `Request`: `_build_output` turns the step into plain data
+(`vconsole.engine.sched.output`), sending a request whole the first time and only what changed
+after that. ``_runner_view`` is the scheduler's record of what the runner holds per request
+(tokens, blocks); a request leaves it when it is preempted or finishes, and the runner is told to
+forget it in the same breath.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from vconsole.engine.config import EngineConfig
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, RequestStatus
-from vconsole.engine.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from vconsole.engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats
 
@@ -73,6 +79,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}       # waiting or running
         self._finished: dict[str, Request] = {}       # finished, not yet reported
         self._num_reported: dict[str, int] = {}       # output tokens already sent
+        self._runner_view: dict[str, tuple[int, int]] = {}  # id -> (tokens, blocks) it holds
+        self._finished_req_ids: set[str] = set()      # for the runner to forget, next step
         self._seq = 0
         self._num_preempted_waiting = 0
         self.num_preemptions_total = 0
@@ -156,6 +164,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
+        if self._runner_view.pop(req.request_id, None) is not None:
+            self._finished_req_ids.add(req.request_id)
         self.num_finished_total += 1
         if report_later:
             self._finished[req.request_id] = req
@@ -249,6 +259,7 @@ class Scheduler:
         step.unschedule(req)
         self.running.remove(req)
         self.kv.free(req)
+        self._runner_view.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -263,14 +274,26 @@ class Scheduler:
             self._finish(req, FinishReason.TIMEOUT)
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
-        out = SchedulerOutput(preempted_ids=step.preempted)
-        kv = self.kv
+        out = SchedulerOutput(preempted_req_ids=step.preempted,
+                              finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        kv, view, cached = self.kv, self._runner_view, out.scheduled_cached_reqs
         for req, start, n in step.scheduled.values():
+            rid = req.request_id
             end = start + n
             num_tokens = req.num_tokens
-            out.seqs.append(ScheduledSeq(
-                request=req, token_ids=token_slice(req, start, end), start_pos=start,
-                block_ids=list(kv.get_block_ids(req.request_id)), do_sample=end == num_tokens))
+            table = kv.get_block_ids(rid)
+            held = view.get(rid)
+            if held is None:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling,
+                    list(table), start))
+            else:
+                num_held_tokens, num_held_blocks = held
+                cached.append(rid, token_slice(req, num_held_tokens, num_tokens),
+                              table[num_held_blocks:], start)
+            view[rid] = (num_tokens, len(table))
+            out.num_scheduled_tokens[rid] = n
             # Recompute of a resumed request's outputs counts as prefill; only the position
             # that produces the next token after the prompt's is a decode.
             prefill_end = max(req.num_prompt_tokens, num_tokens - 1)
@@ -291,15 +314,17 @@ class Scheduler:
         self._finished.clear()
 
         finished_now = False
-        for seq in so.seqs:
-            req = seq.request
-            if req.status != RequestStatus.RUNNING or req.num_computed_tokens != seq.start_pos:
+        starts = so.start_positions()
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self._requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING \
+                    or req.num_computed_tokens != starts[rid]:
                 continue  # aborted or preempted after it was scheduled
-            req.num_computed_tokens += seq.num_tokens
+            req.num_computed_tokens += n
             self.kv.cache_blocks(req)
-            if not seq.do_sample:
-                continue
-            token = out.sampled.get(req.request_id)
+            if req.num_computed_tokens != req.num_tokens:
+                continue  # a prefill chunk short of the last token: nothing sampled
+            token = out.sampled.get(rid)
             if token is None:
                 req.error = "the model runner returned no token for a sampling step"
                 reason: FinishReason | None = FinishReason.ERROR

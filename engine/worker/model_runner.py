@@ -1,5 +1,9 @@
 """The model runner: turns one `SchedulerOutput` into one forward pass and sampled tokens.
 
+The runner never sees the scheduler's `Request`: it keeps its own copy of each request
+(`vconsole.engine.worker.request_state`), built from the plain data of
+`vconsole.engine.sched.output`, as a worker in another process would.
+
 All scheduled tokens of all requests go through the model as one packed sequence (1, T); the
 paged attention (`vconsole.engine.worker.paged_attention`) writes their K/V into the block pool and reads each
 request's context back through its block table. Only the rows that must be sampled reach the
@@ -19,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from vconsole.engine.config import EngineConfig
-from vconsole.engine.sched.output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.worker import paged_attention
 from vconsole.engine.worker.model_loader import load_model
 from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
+from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
 from vconsole.engine.worker.sampler import Sampler, SamplingBatch
 
 _GIB = 1 << 30
@@ -96,6 +101,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
+        self.requests = RequestStates()
 
     # --- memory ------------------------------------------------------------------------------
 
@@ -152,31 +158,32 @@ class ModelRunner:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one forward for every scheduled sequence and sample where ``do_sample``."""
+        seqs = self.requests.update(so)
         with torch.inference_mode():
-            step = self.prepare(so.seqs)
+            step = self.prepare(seqs)
             if step is None:
                 return ModelRunnerOutput()
             logits = self._forward(step)
             if logits is None:
                 return ModelRunnerOutput()
-            seqs = step.sample_seqs
-            batch = SamplingBatch.build([s.request.sampling for s in seqs],
-                                        [len(s.request.output_token_ids) for s in seqs],
+            states = [s.state for s in step.sample_seqs]
+            batch = SamplingBatch.build([st.sampling for st in states],
+                                        [st.num_output_tokens for st in states],
                                         self.vocab_size, self.device)
             tokens = self.sampler(logits, batch).tolist()
-        return ModelRunnerOutput({s.request.request_id: t for s, t in zip(seqs, tokens,
-                                                                           strict=True)})
+        return ModelRunnerOutput({st.req_id: t for st, t in zip(states, tokens, strict=True)})
 
     def compute_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Like `execute_model` (K/V are written the same way) but return the float32 logits
         of each ``do_sample`` request's last position instead of sampling."""
+        seqs = self.requests.update(so)
         with torch.inference_mode():
-            step = self.prepare(so.seqs)
+            step = self.prepare(seqs)
             logits = self._forward(step) if step is not None else None
             if logits is None:
                 return {}
-            return {s.request.request_id: row for s, row in zip(step.sample_seqs,
-                                                                 logits.float(), strict=True)}
+            return {s.state.req_id: row for s, row in zip(step.sample_seqs, logits.float(),
+                                                           strict=True)}
 
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> PreparedStep | None:
         """Pack the step: single-token sequences first (they share one batched attention
@@ -194,7 +201,7 @@ class ModelRunner:
         slots: list[int] = []
         for s in decodes:
             p = s.start_pos
-            ids.append(s.token_ids[0])
+            ids.append(s.state.token_ids[p])
             pos.append(p)
             slots.append(s.block_ids[p // bs] * bs + p % bs)
         for s in chunks:

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from support.scheduling import Chunk, RunnerFeed
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.request import Request, SamplingParams
-from vconsole.engine.sched.output import ScheduledSeq, SchedulerOutput
+from vconsole.engine.sched.output import SchedulerOutput
 from vconsole.engine.worker.model_runner import ModelRunner
 from vconsole.engine.worker.tiny_model import EOS_ID, build_byte_tokenizer, ensure_tiny_model
 
@@ -58,12 +59,22 @@ def shuffled_blocks(n: int, seed: int, pool: int = NUM_BLOCKS) -> list[int]:
     return ids[:n]
 
 
-def step(req: Request, start: int, end: int, blocks: list[int], sample: bool) -> ScheduledSeq:
-    return ScheduledSeq(req, req.all_token_ids[start:end], start, blocks, sample)
+def step(req: Request, start: int, end: int, blocks: list[int], sample: bool) -> Chunk:
+    """Feed ``start .. end-1``; ``sample`` states what the runner must infer (the end reaches
+    the request's last token)."""
+    assert sample == (end == req.num_tokens)
+    return req, start, end, blocks
 
 
-def logits_of(runner: ModelRunner, *seqs: ScheduledSeq) -> dict[str, torch.Tensor]:
-    return runner.compute_logits(SchedulerOutput(list(seqs)))
+def logits_of(runner: ModelRunner, *chunks: Chunk,
+              feed: RunnerFeed | None = None) -> dict[str, torch.Tensor]:
+    """Without a ``feed`` every request is sent whole (the runner forgets it first)."""
+    so = feed(*chunks) if feed else RunnerFeed()(*chunks, fresh=True)
+    return runner.compute_logits(so)
+
+
+def execute(runner: ModelRunner, *chunks: Chunk, feed: RunnerFeed | None = None):
+    return runner.execute_model(feed(*chunks) if feed else RunnerFeed()(*chunks, fresh=True))
 
 
 def test_chunked_prefill_over_shuffled_blocks_matches_hf(runner: ModelRunner,
@@ -113,6 +124,7 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new: int,
     """A miniature scheduler: prefill in chunks of ``chunk`` tokens, decode until eos or
     ``max_new``; every request gets blocks from a shuffled free list."""
     free = shuffled_blocks(NUM_BLOCKS, seed=8)
+    feed = RunnerFeed()  # whole the first time, only the new token after that
     reqs, tables = [], {}
     for i, p in enumerate(prompts):
         r = Request(str(i), p, SamplingParams(max_tokens=max_new), eos_token_id=EOS_ID)
@@ -121,17 +133,17 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new: int,
         reqs.append(r)
     running = list(reqs)
     while running:
-        seqs = []
+        chunks = []
         for r in running:
             end = min(r.num_tokens, r.num_computed_tokens + chunk)
-            seqs.append(step(r, r.num_computed_tokens, end, tables[r.request_id],
-                             end == r.num_tokens))
-        out = runner.execute_model(SchedulerOutput(seqs))
-        assert set(out.sampled) == {s.request.request_id for s in seqs if s.do_sample}
-        for s in seqs:
-            r = s.request
-            r.num_computed_tokens += s.num_tokens
-            if s.do_sample:
+            chunks.append(step(r, r.num_computed_tokens, end, tables[r.request_id],
+                               end == r.num_tokens))
+        out = execute(runner, *chunks, feed=feed)
+        assert set(out.sampled) == {r.request_id for r, _, end, _ in chunks
+                                    if end == r.num_tokens}
+        for r, _, end, _ in chunks:
+            r.num_computed_tokens = end
+            if end == r.num_tokens:
                 r.output_token_ids.append(out.sampled[r.request_id])
         running = [r for r in running if len(r.output_token_ids) < max_new
                    and not (r.output_token_ids and r.output_token_ids[-1] == EOS_ID)]
@@ -156,8 +168,7 @@ def test_pool_changes_exactly_in_the_written_slots(runner: ModelRunner) -> None:
     req = Request("w", prompt_of(7, seed=20), SamplingParams())
     blocks = shuffled_blocks(3, seed=21)
     other = Request("x", prompt_of(5, seed=22), SamplingParams())
-    runner.execute_model(SchedulerOutput([step(req, 0, 7, blocks[:2], True),
-                                          step(other, 4, 5, blocks[1:], True)]))
+    execute(runner, step(req, 0, 7, blocks[:2], True), step(other, 4, 5, blocks[1:], True))
     written = {blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(7)}
     written.add(blocks[2] * BLOCK)  # position 4 of "x" lives at offset 0 of its second block
     for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
@@ -172,10 +183,9 @@ def test_only_do_sample_rows_are_sampled_and_empty_is_empty(runner: ModelRunner)
     a = Request("a", prompt_of(8, seed=30), SamplingParams())
     b = Request("b", prompt_of(8, seed=31), SamplingParams())
     blocks = shuffled_blocks(4, seed=32)
-    out = runner.execute_model(SchedulerOutput([step(a, 0, 4, blocks[:2], False),
-                                                step(b, 0, 8, blocks[2:], True)]))
+    out = execute(runner, step(a, 0, 4, blocks[:2], False), step(b, 0, 8, blocks[2:], True))
     assert list(out.sampled) == ["b"] and 0 <= out.sampled["b"] < runner.vocab_size
-    assert runner.execute_model(SchedulerOutput([step(a, 4, 6, blocks[:2], False)])).sampled == {}
+    assert execute(runner, step(a, 4, 6, blocks[:2], False)).sampled == {}
 
 
 def test_seeded_sampling_is_independent_of_batch(runner: ModelRunner) -> None:
@@ -187,12 +197,13 @@ def test_seeded_sampling_is_independent_of_batch(runner: ModelRunner) -> None:
         blocks = shuffled_blocks(8, seed=41)
         extra = [Request(f"n{i}", prompt_of(5 + i, seed=50 + i),
                          SamplingParams(temperature=0.8)) for i in range(3)]
+        feed = RunnerFeed()
         for _ in range(12):
-            seqs = [step(r, r.num_computed_tokens, r.num_tokens, blocks[:6], True)]
+            chunks = [step(r, r.num_computed_tokens, r.num_tokens, blocks[:6], True)]
             if with_neighbours:
-                seqs += [step(e, 0, e.num_tokens, [blocks[6 + i % 2]] * 8, True)
-                         for i, e in enumerate(extra[:2])]
-            out = runner.execute_model(SchedulerOutput(seqs))
+                chunks += [step(e, 0, e.num_tokens, [blocks[6 + i % 2]] * 8, True)
+                           for i, e in enumerate(extra[:2])]
+            out = execute(runner, *chunks, feed=feed if not with_neighbours else None)
             r.num_computed_tokens = r.num_tokens
             r.output_token_ids.append(out.sampled["s"])
         return r.output_token_ids

@@ -1,28 +1,33 @@
 """Scheduler and waiting queue, driven by a fake paged "model".
 
-`PagedEcho` stands in for the model runner: it writes every fed token id into its slot of a fake
-KV cache (slot = block_ids[p // B] * B + p % B) and, when asked to sample, reads the whole context
-back through the block table. A wrong block table, a bad prefix hit or a block reused while still
-live shows up as a wrong context. The token it samples is a function of the context, so a request
-that was preempted and recomputed must produce the same output as one that never was.
+`PagedEcho` stands in for the model runner: it keeps the runner's own copy of each request from
+the scheduler's plain-data output (the real `RequestStates`), writes every fed token id into its
+slot of a fake KV cache (slot = block_ids[p // B] * B + p % B) and, when asked to sample, reads
+the whole context back through the block table. A wrong block table, a bad prefix hit, a block
+reused while still live or a wrong delta in the scheduler's output shows up as a wrong context.
+The token it samples is a function of the context, so a request that was preempted and
+recomputed must produce the same output as one that never was.
 """
 
 from __future__ import annotations
 
 import random
 import time
-import zlib
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
+from support.scheduling import BLOCK_SIZE as B
+from support.scheduling import make_request as req
+from support.scheduling import make_scheduler as make_sched
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import Request, RequestStatus, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.engine.sched.scheduler import Scheduler
-
-B = 4
+from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
 
 
 def next_token(context: list[int]) -> int:
@@ -44,22 +49,25 @@ class PagedEcho:
         self.script = script or {}
         self.streams: dict[str, list[int]] = {}
         self.final: dict[str, RequestOutput] = {}
+        self.states = RequestStates()
+        self.last: list[ScheduledSeq] = []
 
     def slot(self, block_ids: list[int], p: int) -> int:
         assert p // self.B < len(block_ids), f"position {p} outside the block table"
         return block_ids[p // self.B] * self.B + p % self.B
 
     def __call__(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for seq in so.seqs:
+        seqs = self.last = self.states.update(so)
+        for seq in seqs:
             for i, tok in enumerate(seq.token_ids):
                 self.slots[self.slot(seq.block_ids, seq.start_pos + i)] = tok
         sampled = {}
-        for seq in so.seqs:
+        for seq in seqs:
             if seq.do_sample:
                 end = seq.start_pos + seq.num_tokens
                 ctx = [self.slots[self.slot(seq.block_ids, p)] for p in range(end)]
-                assert ctx == seq.request.all_token_ids, f"{seq.request.request_id}: bad KV"
-                rid = seq.request.request_id
+                assert ctx == seq.state.token_ids, f"{seq.req_id}: bad KV"
+                rid = seq.req_id
                 script = self.script.get(rid)
                 sampled[rid] = script.pop(0) if script else next_token(ctx)
         return ModelRunnerOutput(sampled)
@@ -73,35 +81,23 @@ class Clock:
         return self.t
 
 
-def make_sched(num_blocks: int = 64, max_model_len: int = 512, clock=None, **cfg) -> Scheduler:
-    kw = {"clock": clock} if clock else {}
-    return Scheduler(EngineConfig(**cfg), num_blocks, B, max_model_len, **kw)
-
-
-def req(rid: str, prompt: int | list[int], max_tokens: int = 4, priority: int = 0,
-        arrival: float | None = None, eos: int | None = None, **sp) -> Request:
-    if isinstance(prompt, int):  # distinct per id, so no accidental prefix sharing
-        base = 1 + zlib.crc32(rid.encode()) % 10_000 * 100
-        tokens = list(range(base, base + prompt))
-    else:
-        tokens = list(prompt)
-    extra = {} if arrival is None else {"arrival_time": arrival}
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, **sp), priority=priority,
-                   eos_token_id=eos, **extra)
-
-
-def check_step(s: Scheduler, so: SchedulerOutput) -> None:
-    """What every step must satisfy, whatever the workload."""
+def check_step(s: Scheduler, so: SchedulerOutput, model: PagedEcho) -> None:
+    """What every step must satisfy, whatever the workload. Called after the model applied the
+    output: its copy of each request must be the scheduler's truth."""
     cfg = s.config
-    assert so.total_num_scheduled_tokens == sum(q.num_tokens for q in so.seqs)
+    seqs = model.last
+    assert so.total_num_scheduled_tokens == sum(q.num_tokens for q in seqs)
     assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
-    assert len({q.request.request_id for q in so.seqs}) == len(so.seqs)
+    sent = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
+    assert sorted(sent) == sorted(so.num_scheduled_tokens), "each scheduled request sent once"
+    assert set(model.states) == {r.request_id for r in s.running}, "runner holds the running"
     pool = s.kv.pool
-    for q in so.seqs:
-        r = q.request
-        assert r.status == RequestStatus.RUNNING
+    for q in seqs:
+        r = s.get_request(q.req_id)
+        assert r is not None and r.status == RequestStatus.RUNNING
         assert q.num_tokens > 0 and q.start_pos == r.num_computed_tokens
-        assert q.token_ids == r.all_token_ids[q.start_pos:q.start_pos + q.num_tokens]
+        assert q.state.token_ids == r.all_token_ids
+        assert q.block_ids == s.kv.get_block_ids(r.request_id)
         assert q.do_sample == (q.start_pos + q.num_tokens == r.num_tokens)
         for p in range(q.start_pos, q.start_pos + q.num_tokens):
             assert p // B < len(q.block_ids), "a written slot lies outside the block table"
@@ -109,15 +105,27 @@ def check_step(s: Scheduler, so: SchedulerOutput) -> None:
     pool.check_invariants()
 
 
-def step(s: Scheduler, model: PagedEcho) -> tuple[SchedulerOutput, list[RequestOutput]]:
+@dataclass
+class Stepped:
+    """A step's `SchedulerOutput` (its fields read through) with the sequences the model ran."""
+
+    output: SchedulerOutput
+    seqs: list[ScheduledSeq]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.output, name)
+
+
+def step(s: Scheduler, model: PagedEcho) -> tuple[Stepped, list[RequestOutput]]:
     """One engine step. Streams are collected on the model (as a client would see them): a
     request's final output gets ``new_token_ids`` replaced by its whole stream in
     ``model.final``."""
     so = s.schedule()
-    check_step(s, so)
-    outs = [o for _, o in s.update_from_output(so, model(so))]
+    model_output = model(so)
+    check_step(s, so, model)
+    outs = [o for _, o in s.update_from_output(so, model_output)]
     record(model, outs)
-    return so, outs
+    return Stepped(so, model.last), outs
 
 
 def record(model: PagedEcho, outs: list[RequestOutput]) -> None:
@@ -252,10 +260,10 @@ def test_random_workload_respects_limits_and_every_output_is_right(policy):
 
     def limits(so, outs):
         assert len(so.seqs) <= 4 and s.num_running <= 4
-        scheduled = {q.request.request_id for q in so.seqs}
-        if so.preempted_ids and policy == "fcfs":  # running ones had to preempt: no admission
+        scheduled = {q.req_id for q in so.seqs}
+        if so.preempted_req_ids and policy == "fcfs":  # running ones had to preempt: no admission
             assert scheduled <= running_before
-            assert not scheduled & set(so.preempted_ids)
+            assert not scheduled & set(so.preempted_req_ids)
         running_before.clear()
         running_before.update(r.request_id for r in s.running)
 
@@ -276,7 +284,7 @@ def test_chunked_prefill_shares_steps_with_decodes():
     chunks = []
     for _ in range(3):
         so, outs = step(s, model)
-        by_id = {q.request.request_id: q for q in so.seqs}
+        by_id = {q.req_id: q for q in so.seqs}
         assert by_id["short"].num_tokens == 1 and by_id["short"].do_sample
         long = by_id["long"]
         chunks.append((long.start_pos, long.num_tokens, long.do_sample))
@@ -302,9 +310,12 @@ def test_prefill_and_decode_token_counts_including_a_resumed_recompute():
     resumed = []
 
     def watch(so, outs):
-        for q in so.seqs:
-            if q.request.request_id == "b" and q.request.num_preemptions and q.start_pos == 0:
-                resumed.append((q.num_tokens, so.num_prefill_tokens, so.num_decode_tokens))
+        # A resumed request comes back to the runner whole, with the outputs it must recompute.
+        for new in so.scheduled_new_reqs:
+            if new.req_id == "b" and new.output_token_ids:
+                assert new.num_computed_tokens == 0
+                resumed.append((so.num_scheduled_tokens["b"], so.num_prefill_tokens,
+                                so.num_decode_tokens))
 
     final = run(s, model, on_step=watch)
     assert final["b"].num_preemptions == 1
@@ -330,12 +341,12 @@ def test_preemption_victim_follows_the_policy_and_the_victim_resumes(policy, vic
 
     def watch(so, outs):
         nonlocal first
-        if so.preempted_ids and first is None:
-            first = so.preempted_ids[0]
+        if so.preempted_req_ids and first is None:
+            first = so.preempted_req_ids[0]
             assert s.get_request(first).status == RequestStatus.PREEMPTED
             order = [r.request_id for r in s.waiting.ordered()]
             assert order.index(first) < order.index("d")
-            assert first not in {q.request.request_id for q in so.seqs}
+            assert first not in {q.req_id for q in so.seqs}
 
     final = run(s, model, on_step=watch)
     assert first == victim
@@ -357,10 +368,10 @@ def test_a_victim_scheduled_earlier_in_the_step_gives_its_tokens_back():
         s.add_request(req(rid, n, max_tokens=12))
     for _ in range(10):
         so, _ = step(s, model)
-        if so.preempted_ids:
+        if so.preempted_req_ids:
             break
-    assert so.preempted_ids == ["a"]
-    assert [(q.request.request_id, q.num_tokens) for q in so.seqs] == [("b", 1), ("c", 1),
+    assert so.preempted_req_ids == ["a"]
+    assert [(q.req_id, q.num_tokens) for q in so.seqs] == [("b", 1), ("c", 1),
                                                                          ("d", 6)]
     assert so.total_num_scheduled_tokens == 8
     assert run(s, model)["a"].num_preemptions == 1
@@ -375,12 +386,12 @@ def test_waiting_request_of_higher_priority_preempts_under_priority_only():
         step(s, model)                                   # 3 blocks each: the pool is full
         s.add_request(req("vip", 3, max_tokens=2, priority=0))
         so, _ = step(s, model)
-        ids = [q.request.request_id for q in so.seqs]
+        ids = [q.req_id for q in so.seqs]
         if policy == "priority":
-            assert ids == ["a", "vip"] and so.preempted_ids == ["b"]
+            assert ids == ["a", "vip"] and so.preempted_req_ids == ["b"]
             assert s.get_request("b").status == RequestStatus.PREEMPTED
         else:
-            assert ids == ["a", "b"] and so.preempted_ids == []
+            assert ids == ["a", "b"] and so.preempted_req_ids == []
         final = run(s, model)
         assert final["vip"].finish_reason == "length"
 
@@ -392,7 +403,7 @@ def test_priority_and_fcfs_admission_order():
             s.add_request(req(rid, 4, max_tokens=1, priority=prio))
         order = []
         run(s, PagedEcho(64), on_step=lambda so, outs, order=order: order.extend(
-            q.request.request_id for q in so.seqs))
+            q.req_id for q in so.seqs))
         assert order == want
 
 
@@ -404,7 +415,7 @@ def test_hybrid_aging_lets_an_old_low_priority_request_overtake():
     s.add_request(req("mid", 4, max_tokens=1, priority=4, arrival=now - 10.0))  # earned 2
     order = []
     run(s, PagedEcho(64), on_step=lambda so, outs: order.extend(
-        q.request.request_id for q in so.seqs))
+        q.req_id for q in so.seqs))
     assert order == ["old", "new", "mid"]
 
 
@@ -532,7 +543,7 @@ def test_hot_policy_change_reorders_the_waiting_queue():
     step(s, model)  # a (fcfs)
     s.update_config(s.config.replace(policy="priority"))
     order = []
-    run(s, model, on_step=lambda so, outs: order.extend(q.request.request_id for q in so.seqs))
+    run(s, model, on_step=lambda so, outs: order.extend(q.req_id for q in so.seqs))
     assert order == ["d", "c", "b"]
 
 
