@@ -1,9 +1,9 @@
 """The control protocol: request/reply over ZeroMQ to read and change the engine's config.
 
-The engine binds a ROUTER (engine/core_proc.py); clients connect a DEALER (`ControlClient`) or a
-REQ. Either way the ROUTER sees ``[identity, b"", request]`` and answers
-``[identity, b"", reply]`` (`split_routed` / `routed_reply` do the framing). Bodies are msgpack
-maps:
+The engine binds a ROUTER (served by `vconsole.engine.proc.control_server`); clients connect a
+DEALER (`ControlClient`) or a REQ. Either way the ROUTER sees ``[identity, b"", request]`` and
+answers ``[identity, b"", reply]`` (`split_routed` / `routed_reply` do the framing). Bodies are
+msgpack maps:
 
 - request ``{"op": "get_config", "id": n, "key": k}`` or
   ``{"op": "set_config", "values": {...}, "id": n, "key": k}`` (``id`` optional; echoed in the

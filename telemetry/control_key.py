@@ -1,17 +1,18 @@
 """The control key: a shared secret that says "this client may change the engine".
 
-At start the engine makes a random key (`new_key`: 32 bytes, hex) and writes it atomically to a
-file only its user can read (`write_key_file`, mode 0600), at a path derived from the control
-endpoint it bound (`key_path`): ``<runtime dir>/control-<endpoint>.key``, the runtime dir being
+At start the engine makes a random key (32 bytes, hex) and writes it atomically to a file only
+its user can read (mode 0600), at a path derived from the control endpoint it bound
+(`key_path`): ``<runtime dir>/control-<endpoint>.key``, the runtime dir being
 ``$VCONSOLE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/vconsole``, else ``~/.cache/vconsole/run``.
 A client on the same machine, as the same user, derives the same path from the same endpoint
 (`load_control_key`), so a bare `vconsole set` finds a bare engine's key; ``--control-key-file``
-names another path on either side. The engine removes the file on a clean shutdown
-(`remove_key_file`, only if it still holds this engine's key).
+names another path on either side. The engine removes the file on a clean shutdown (only if it
+still holds this engine's key). Making, writing, comparing and removing the key is the engine's
+alone: `vconsole.engine.proc.control_key_file`.
 
 Clients send the key as ``"key"`` in every control request. ``get_config`` is open (read-only);
-``set_config`` without the right key (compared in constant time, `key_matches`) is answered
-``ok: false`` with `not_authorised` as its error and changes nothing.
+``set_config`` without the right key (compared in constant time) is answered ``ok: false`` with
+an ``error`` starting `NOT_AUTHORISED` + ``:``, and changes nothing.
 
 The key is loopback/ipc authentication only: anyone who can read the file can steer the engine.
 CURVE will replace it for non-loopback control endpoints (which are refused today).
@@ -21,17 +22,12 @@ Both sides import this module, so the path rule lives in exactly one place.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import hmac
 import os
 import re
-import secrets
-import tempfile
 from pathlib import Path
 
 ENV_RUNTIME_DIR = "VCONSOLE_RUNTIME_DIR"
-KEY_BYTES = 32
 NOT_AUTHORISED = "not authorised"
 _MAX_NAME = 120           # longer endpoint names (deep ipc paths) are shortened with a hash
 _UNSAFE = re.compile(r"[^A-Za-z0-9._]+")
@@ -73,30 +69,6 @@ def key_path(endpoint: str, path: str | os.PathLike[str] | None = None) -> Path:
     return runtime_dir() / key_file_name(endpoint)
 
 
-def new_key() -> str:
-    return secrets.token_hex(KEY_BYTES)
-
-
-def write_key_file(path: str | os.PathLike[str], key: str) -> Path:
-    """Write ``key`` to ``path`` atomically (temp file in the same folder, then rename), mode
-    0600; a missing folder is created mode 0700. Raises OSError."""
-    target = Path(path)
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.fchmod(fd, 0o600)  # mkstemp makes it 0600 already; be explicit
-        with os.fdopen(fd, "w", encoding="ascii") as fh:
-            fh.write(key + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return target
-
-
 def read_key_file(path: str | os.PathLike[str]) -> str:
     """The key in ``path``; raises OSError (unreadable) or ValueError (empty / not a key)."""
     text = Path(path).read_text(encoding="ascii", errors="replace").strip()
@@ -112,27 +84,3 @@ def load_control_key(endpoint: str, path: str | os.PathLike[str] | None = None) 
         return read_key_file(key_path(endpoint, path))
     except (OSError, ValueError):
         return None
-
-
-def remove_key_file(path: str | os.PathLike[str], key: str) -> bool:
-    """Remove ``path`` if it still holds ``key`` (another engine may have replaced it)."""
-    try:
-        if read_key_file(path) != key:
-            return False
-        os.unlink(path)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def key_matches(given: object, expected: str) -> bool:
-    """Constant-time comparison; anything but a non-empty string is no key."""
-    if not isinstance(given, str) or not given:
-        return False
-    return hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode("utf-8"))
-
-
-def not_authorised(path: str | os.PathLike[str]) -> str:
-    """The ``error`` of an ``ok: false`` reply to a set_config without the right key."""
-    return (f"{NOT_AUTHORISED}: this client does not hold the engine's control key "
-            f"({path})")

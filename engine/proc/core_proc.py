@@ -13,11 +13,11 @@ fast, and from then on is touched only by its one thread, which also closes it):
   never reaches the core.
 - **output thread**: the output ROUTER. Encodes outputs and sends each to the client that sent the
   request (its routing identity), and answers ``hello`` with ``ready``.
-- **control thread**: the control ROUTER (`vconsole.telemetry.control`). ``get_config`` is answered from the
-  busy loop's last published config; ``set_config`` is queued to the busy loop and its reply sent
-  only after it was applied (or refused). A ``set_config`` without the control key (made at
-  start, written to a 0600 key file, `vconsole.telemetry.control_key`) is refused here and never queued;
-  the thread removes the key file when it stops.
+- **control thread**: the control ROUTER and the control key, owned by the `ControlServer`
+  (`vconsole.engine.proc.control_server`). ``get_config`` is answered from the busy loop's last
+  published config; ``set_config`` is queued to the busy loop (``CONTROL``) and applied there
+  between two steps (`_apply_control`), its reply sent only after it was applied (or refused).
+  A ``set_config`` without the control key is refused by the server and never queued.
 - the telemetry publisher's thread (`vconsole.telemetry.publisher`) and the config file watcher.
 
 Routing: a client connects two DEALERs with one identity (its client id): requests on input,
@@ -46,7 +46,6 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -56,10 +55,11 @@ from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
 from vconsole.engine.proc.bind_policy import check_endpoints, secure_socket
 from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, read_file
+from vconsole.engine.proc.control_server import ControlCall, ControlServer
 from vconsole.engine.proc.ready_file import ready_record, remove_ready_file, write_ready_file
 from vconsole.engine.proc.stats_log import StatsLog
 from vconsole.engine.request import FinishReason
-from vconsole.telemetry import control, control_key
+from vconsole.telemetry import control
 from vconsole.telemetry.publisher import TelemetryPublisher
 
 log = logging.getLogger("vconsole.engine")
@@ -67,7 +67,6 @@ log = logging.getLogger("vconsole.engine")
 IO_POLL_MS = 200          # how often an idle I/O thread checks for shutdown
 HELLO_RETRY_S = 0.005     # ready re-sent this often until the client's output socket is known
 HELLO_WAIT_S = 5.0        # ...for at most this long
-CONTROL_WAIT_S = 30.0     # a set_config not applied within this is answered with an error
 DRAIN_TIMEOUT_S = 5.0     # steps run at shutdown to deliver the final (abort) outputs
 STALL_WAIT_S = 0.005      # a step that scheduled nothing is followed by this wait (no spin)
 PUBLISHER_CLOSE_S = 5.0   # at shutdown, how long the telemetry thread gets to stop
@@ -77,23 +76,6 @@ ADD, ABORT, CONTROL, CLIENT_GONE, RELOAD, SHUTDOWN = (
     "add", "abort", "control", "client_gone", "reload", "shutdown")
 _STOP = ("stop",)         # output queue sentinel
 SENT, NO_ROUTE, FULL = "sent", "no route", "full"  # EngineCoreProc._send results
-
-
-@dataclass
-class ControlCall:
-    """A set_config in flight between the control thread and the busy loop. ``lock`` makes
-    "cancelled by a timed-out waiter" and "applied by the busy loop" mutually exclusive."""
-
-    values: dict[str, Any]
-    request_id: int | None
-    done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    cancelled: bool = False
-    reply: dict[str, Any] | None = None
-
-    def resolve(self, reply: dict[str, Any]) -> None:
-        self.reply = reply
-        self.done.set()
 
 
 class EngineCoreProc:
@@ -131,16 +113,11 @@ class EngineCoreProc:
             self._sockets["output"] = self._bind(zmq.ROUTER, "output", config)
             self._sockets["control"] = self._bind(zmq.ROUTER, "control", config)
             # The key file is named after the endpoint actually bound (a ``*`` port resolved).
-            self.control_key = control_key.new_key()
-            self.control_key_path = control_key.key_path(self.endpoints["control"],
-                                                         control_key_file)
-            try:
-                control_key.write_key_file(self.control_key_path, self.control_key)
-            except OSError as e:
-                raise OSError(f"cannot write the control key file {self.control_key_path}: "
-                              f"{e}") from None
-            log.info("control key: %s (mode 0600; clients need it to change the config)",
-                     self.control_key_path)
+            self.control_server: ControlServer = ControlServer(
+                self._sockets["control"], self.endpoints["control"], key_file=control_key_file,
+                config_view=lambda: self._config_view,
+                submit=lambda call: self.input_queue.put((CONTROL, call)),
+                stop=self._io_stop, poll_ms=IO_POLL_MS)
             out = self._sockets["output"]
             out.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
@@ -154,13 +131,13 @@ class EngineCoreProc:
             self.publisher.start()
             self.endpoints["telemetry"] = self.publisher.endpoint
         except BaseException:
-            if hasattr(self, "control_key_path"):
-                control_key.remove_key_file(self.control_key_path, self.control_key)
+            if hasattr(self, "control_server"):     # never started: its socket is closed below
+                self.control_server.remove_key_file()
             for sock in self._sockets.values():
                 sock.close(0)
             self.ctx.term()
             raise
-        self._config_view = (core.config_version, core.config)  # read by the control thread
+        self._config_view = (core.config_version, core.config)  # read by the I/O threads
         runner = getattr(core, "runner", None)
         self.ready_info = {
             "engine_id": core.config.engine_id, "model": core.config.model,
@@ -172,7 +149,6 @@ class EngineCoreProc:
         self._threads = [
             threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
             threading.Thread(target=self._output_loop, name="engine-output", daemon=True),
-            threading.Thread(target=self._control_loop, name="engine-control", daemon=True),
         ]
 
     def _bind(self, kind: int, name: str, config: EngineConfig) -> zmq.Socket:
@@ -195,13 +171,15 @@ class EngineCoreProc:
         """Start the I/O threads (the busy loop then runs in the caller's thread)."""
         for t in self._threads:
             t.start()
+        self.control_server.start()
         if self._watcher is not None:
             self._watcher.start()
         self._publish_config()
         self._set_state("idle")
         if self.ready_file is not None:
             write_ready_file(self.ready_file, ready_record(
-                pid=os.getpid(), endpoints=self.endpoints, control_key_file=self.control_key_path,
+                pid=os.getpid(), endpoints=self.endpoints,
+                control_key_file=self.control_server.key_path,
                 **self.ready_info))
 
     def request_shutdown(self, reason: str) -> None:
@@ -322,17 +300,17 @@ class EngineCoreProc:
             self._owners[msg.request_id] = client_id
 
     def _apply_control(self, call: ControlCall) -> None:
-        with call.lock:
-            if call.cancelled:
-                return
-            if self._stopping is not None:
-                call.resolve(control.error_reply("engine is shutting down", call.request_id))
-                return
-            update = self.core.apply_config(call.values)
-            self._after_config_change(update, "set_config")
-            call.resolve(control.config_reply(self.core.config_version,
-                                              self.core.config.to_dict(), update,
-                                              request_id=call.request_id))
+        """The busy loop's half of a ``set_config`` (`vconsole.engine.proc.control_server`):
+        applied here, between two steps, unless the control thread gave up on it."""
+        call.run(self._set_config)
+
+    def _set_config(self, values: dict[str, Any], request_id: int | None) -> dict[str, Any]:
+        if self._stopping is not None:
+            return control.error_reply("engine is shutting down", request_id)
+        update = self.core.apply_config(values)
+        self._after_config_change(update, "set_config")
+        return control.config_reply(self.core.config_version, self.core.config.to_dict(),
+                                    update, request_id=request_id)
 
     def _reload_config_file(self, reason: str) -> None:
         if not self.config_path:
@@ -382,9 +360,9 @@ class EngineCoreProc:
         self.publisher.submit_snapshot(
             self.core.scheduler_stats(self.core.config.telemetry_max_requests),
             self.core.kv_stats(), "draining", self.core.num_steps)
-        while self._threads[2].is_alive():           # control: may wait on a queued call
+        while self.control_server.is_alive():        # control: may wait on a queued call
             self._drain_queue()
-            self._threads[2].join(0.05)
+            self.control_server.join(0.05)
         self.output_queue.put(_STOP)
         self._threads[1].join()                      # output: flushes everything queued first
         self.publisher.close(PUBLISHER_CLOSE_S)
@@ -506,43 +484,3 @@ class EngineCoreProc:
             if e.errno == zmq.EHOSTUNREACH:
                 return NO_ROUTE
             raise
-
-    # --- control thread --------------------------------------------------------------------------
-
-    def _control_loop(self) -> None:
-        sock = self._sockets["control"]
-        try:
-            while not self._io_stop.is_set():
-                if not sock.poll(IO_POLL_MS):
-                    continue
-                frames = sock.recv_multipart()
-                try:
-                    reply = control.handle_frames(frames, self._on_control)
-                except control.ControlError as e:
-                    log.warning("control: dropped a malformed message: %s", e)
-                    continue
-                sock.send_multipart(reply)
-        finally:
-            sock.close()
-            control_key.remove_key_file(self.control_key_path, self.control_key)
-
-    def _on_control(self, req: dict[str, Any]) -> dict[str, Any]:
-        rid = req.get("id")
-        if req["op"] == "get_config":
-            version, cfg = self._config_view
-            return control.config_reply(version, cfg.to_dict(), request_id=rid)
-        if not control_key.key_matches(req.get("key"), self.control_key):
-            log.warning("control: refused a set_config without the control key")
-            return control.error_reply(control_key.not_authorised(self.control_key_path), rid)
-        if self._io_stop.is_set():
-            return control.error_reply("engine is shutting down", rid)
-        call = ControlCall(dict(req["values"]), rid)
-        self.input_queue.put((CONTROL, call))
-        if call.done.wait(CONTROL_WAIT_S):
-            return call.reply or control.error_reply("no reply", rid)
-        with call.lock:
-            if call.reply is None:
-                call.cancelled = True
-                return control.error_reply(f"the engine did not reach a step boundary within "
-                                           f"{CONTROL_WAIT_S:g} s; nothing was applied", rid)
-        return call.reply

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from vconsole.demo import EngineProcess
-from vconsole.engine.proc import protocol
+from vconsole.engine.proc import control_key_file, protocol
 from vconsole.engine.proc.client import EngineClient
 from vconsole.telemetry import control_key, schema
 from vconsole.telemetry.control import ControlClient, NotAuthorised
@@ -243,7 +243,7 @@ def test_control_key_file_is_private_and_derived_from_the_endpoint(engine):
     assert path.parent == control_key.runtime_dir()
     assert path.stat().st_mode & 0o777 == 0o600
     key = path.read_text().strip()
-    assert len(key) == 2 * control_key.KEY_BYTES and int(key, 16) >= 0
+    assert len(key) == 2 * control_key_file.KEY_BYTES and int(key, 16) >= 0
     assert control_key.load_control_key(engine.endpoints["control"]) == key
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
 
