@@ -1,6 +1,7 @@
 # The whole set-up on a fresh machine is one of these two commands:
 #   make demo   - engine + load generator + console, in one go
-#   make test   - the whole test suite
+#   make test   - ruff, the import contracts and the whole test suite
+#                 (make test-fast: the same, with the unit tests only)
 # Both create/update .venv. Without an NVIDIA GPU the CPU build of torch is
 # installed first (so pip never pulls the multi-GB CUDA build); on a GPU box
 # pip is left free to pick its CUDA build from the range in pyproject.toml.
@@ -14,7 +15,7 @@ CPU_TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint screenshots bench clean install install-test
+.PHONY: demo test test-fast lint screenshots bench clean install install-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,12 +43,17 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(VENV)/bin/vconsole demo
 
-test: install-test
-	$(VENV)/bin/ruff check .
+# make test: ruff, the import contracts ([tool.importlinter] in pyproject.toml), every test.
+# make test-fast: the same checks, then only the unit layer (no engine processes, nothing slow).
+test: lint
 	$(PY) -m pytest -q
+
+test-fast: lint
+	$(PY) -m pytest -q -m "not proc and not slow"
 
 lint: install-test
 	$(VENV)/bin/ruff check .
+	$(PY) scripts/lint_imports.py
 
 screenshots: install-test
 	$(PY) scripts/screenshots.py

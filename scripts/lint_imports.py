@@ -7,6 +7,7 @@ top-level package. So the sources are staged into a temporary tree laid out as i
 
     python scripts/lint_imports.py              # the repository as it is
     python scripts/lint_imports.py --root DIR   # another checkout (the tests plant bad imports)
+    python scripts/lint_imports.py --contract engine-layers --verbose   # passed to lint-imports
 
 Exit code: import-linter's (0 when every contract is kept, 1 when one is broken; its report
 names the contract and the import chain).
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,21 +38,24 @@ def stage(root: Path, dest: Path) -> Path:
     return dest
 
 
-def lint(root: Path = REPO) -> subprocess.CompletedProcess[str]:
+def lint(root: Path = REPO, extra: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory(prefix="vconsole-imports-") as tmp:
         staged = stage(root, Path(tmp))
-        env = {**os.environ, "PYTHONPATH": str(staged)}
+        # The staged tree comes first on the path, ahead of the editable install's finder; a wide
+        # COLUMNS keeps each contract's name on one line of the report.
+        pythonpath = os.pathsep.join(filter(None, [str(staged), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": pythonpath, "COLUMNS": "200"}
         lint_imports = Path(sys.executable).with_name("lint-imports")
         cmd = [str(lint_imports) if lint_imports.exists() else "lint-imports",
-               "--config", str(root / "pyproject.toml"), "--no-cache"]
+               str(root / "pyproject.toml"), "--no-cache", "--no-logo", *extra]
         return subprocess.run(cmd, cwd=staged, env=env, capture_output=True, text=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=REPO, help="checkout to check")
-    args = parser.parse_args()
-    result = lint(args.root.resolve())
+    args, extra = parser.parse_known_args()
+    result = lint(args.root.resolve(), extra)
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)
     return result.returncode

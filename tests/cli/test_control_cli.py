@@ -45,6 +45,7 @@ def test_parse_pairs():
         parse_pairs(["max_num_seqs"])
 
 
+@pytest.mark.proc
 def test_set_applies_all_pairs_at_once_and_exits_zero(engine):
     r = vconsole("set", "--control", engine.endpoints["control"], "max_num_seqs=3",
                  "policy=priority")
@@ -56,6 +57,7 @@ def test_set_applies_all_pairs_at_once_and_exits_zero(engine):
     assert json.loads(r.stdout)["values"] == {"max_num_seqs": 3, "policy": "priority"}
 
 
+@pytest.mark.proc
 def test_set_rejects_bad_values_with_reasons_and_changes_nothing(engine, capsys):
     ctl = engine.endpoints["control"]
     code, out, err = run(main_set, ["set", "--control", ctl, "max_num_seqs=0",
@@ -68,12 +70,14 @@ def test_set_rejects_bad_values_with_reasons_and_changes_nothing(engine, capsys)
     assert code == 0 and "false" in out
 
 
+@pytest.mark.proc
 def test_set_restart_only_key_exits_nonzero_with_the_reason(engine, capsys):
     code, _, err = run(main_set, ["set", "--control", engine.endpoints["control"],
                                   "block_size=32"], capsys)
     assert code == 1 and "restart required  block_size" in err
 
 
+@pytest.mark.proc
 def test_set_unknown_key_and_malformed_pair(engine, capsys):
     code, _, err = run(main_set, ["set", "--control", engine.endpoints["control"],
                                   "no_such_key=1"], capsys)
@@ -83,6 +87,7 @@ def test_set_unknown_key_and_malformed_pair(engine, capsys):
     assert code == 2 and "expected KEY=VALUE" in err
 
 
+@pytest.mark.proc
 def test_get_prints_the_effective_config_with_hot_and_restart_kinds(engine, capsys):
     code, out, _ = run(main_get, ["get", "--control", engine.endpoints["control"]], capsys)
     assert code == 0
@@ -96,6 +101,7 @@ def test_get_prints_the_effective_config_with_hot_and_restart_kinds(engine, caps
     assert code == 1 and "unknown key(s): nope" in err
 
 
+@pytest.mark.proc
 def test_set_without_the_key_file_exits_1_naming_the_path_and_changes_nothing(engine, tmp_path,
                                                                             capsys):
     ctl = engine.endpoints["control"]
@@ -129,6 +135,7 @@ def test_set_without_the_key_file_exits_1_naming_the_path_and_changes_nothing(en
     assert after["values"] == before["values"]
 
 
+@pytest.mark.proc
 def test_set_with_a_wrong_key_is_not_authorised(engine, tmp_path, capsys):
     ctl = engine.endpoints["control"]
     wrong = control_key_file.write_key_file(tmp_path / "wrong.key", control_key_file.new_key())

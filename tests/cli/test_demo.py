@@ -40,6 +40,8 @@ def test_engine_args_pass_flags_through_with_demo_defaults():
     assert engine_args_from(args) == ["--config", "e.toml"]  # the file decides
 
 
+@pytest.mark.proc
+@pytest.mark.slow
 def test_stack_serves_load_with_telemetry_and_leaves_no_process_behind():
     before = children()
     with DemoStack(ENGINE_ARGS, rate=20.0) as stack:
@@ -64,6 +66,8 @@ def test_stack_serves_load_with_telemetry_and_leaves_no_process_behind():
     assert children() <= before
 
 
+@pytest.mark.proc
+@pytest.mark.slow
 def test_a_crashing_console_still_stops_everything(monkeypatch):
     started: list[DemoStack] = []
     real_start = DemoStack.start
@@ -96,6 +100,8 @@ def open_paths() -> set[str]:
     return {f.path for f in psutil.Process().open_files()}
 
 
+@pytest.mark.proc
+@pytest.mark.slow
 def test_temporary_engine_log_is_not_held_open_and_a_clean_stop_removes_it():
     engine = demo.EngineProcess(ENGINE_ARGS)
     log = engine.log_path
@@ -106,6 +112,7 @@ def test_temporary_engine_log_is_not_held_open_and_a_clean_stop_removes_it():
     assert not log.exists()
 
 
+@pytest.mark.proc
 def test_an_engine_that_fails_keeps_its_log_and_says_where(tmp_path):
     engine = demo.EngineProcess(["--model", str(tmp_path / "no-such-model")])
     with pytest.raises(RuntimeError, match="exited with code 1") as e:

@@ -7,6 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# Each test runs `vconsole generate` as a process, loading the tiny model.
+pytestmark = pytest.mark.proc
+
 
 def test_generate_writes_one_line_per_input_in_order_with_errors_in_place(tmp_path):
     lines = [

@@ -103,6 +103,7 @@ def engine(tmp_path_factory):
         yield proc
 
 
+@pytest.mark.proc
 def test_vconsole_load_runs_a_workload_and_prints_a_json_summary(engine):
     r = subprocess.run([sys.executable, "-m", "vconsole.cli", "load", "--input",
                         engine.endpoints["input"], "--output", engine.endpoints["output"],
@@ -116,6 +117,7 @@ def test_vconsole_load_runs_a_workload_and_prints_a_json_summary(engine):
     assert 60 <= s["output_tokens"] <= 180 and s["tok_per_s"] > 0
 
 
+@pytest.mark.proc
 def test_vconsole_load_with_poisson_rate_prints_a_text_summary(engine):
     r = subprocess.run([sys.executable, "-m", "vconsole.cli", "load", "--input",
                         engine.endpoints["input"], "--output", engine.endpoints["output"],
@@ -133,6 +135,7 @@ def test_vconsole_load_without_engine_exits_1(tmp_path, capsys):
     assert "no engine answered" in capsys.readouterr().err
 
 
+@pytest.mark.proc
 def test_load_thread_with_a_varying_rate_stops_promptly_and_aborts_what_is_in_flight(engine):
     spec = LoadSpec(num=None, concurrency=16, prompt_len=(4, 8), output_len=(200, 200))
     t = LoadThread(engine.endpoints["input"], engine.endpoints["output"], spec,

@@ -22,6 +22,10 @@ from vconsole.console.widgets.kv_grid import KvGrid
 from vconsole.console.widgets.request_table import RequestTable
 from vconsole.telemetry.record import read_records
 
+# Each test runs the whole Textual app under Pilot (0.2-2 s each, ~25 s for the module): the
+# fast layer (make test-fast) leaves them to make test, like the snapshots.
+pytestmark = pytest.mark.slow
+
 SIZES = [(80, 24), (120, 40)]
 
 

@@ -34,6 +34,8 @@ from vconsole.engine.proc.client import EngineClient
 from vconsole.telemetry import schema
 from vconsole.telemetry.control import ControlClient
 
+pytestmark = [pytest.mark.proc, pytest.mark.slow]
+
 SIZES = [(80, 24), (120, 40)]
 ENGINE_ID = "live-0"
 NUM_BLOCKS = 48

@@ -16,6 +16,8 @@ from textual.widgets import Input
 from support.console_testing import RECORDING, FakeControl, replay_app
 from vconsole.telemetry.record import read_records
 
+pytestmark = pytest.mark.slow
+
 END = max(ts for ts, _ in read_records(RECORDING))
 
 

@@ -159,6 +159,7 @@ def engine(tmp_path_factory):
         yield proc
 
 
+@pytest.mark.proc
 def test_sync_client_streams_deltas_then_a_final_output(engine):
     with EngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
         assert c.engine_info["vocab_size"] == 259 and c.engine_info["block_size"] == 8
@@ -171,6 +172,7 @@ def test_sync_client_streams_deltas_then_a_final_output(engine):
         assert c.num_in_flight == 0
 
 
+@pytest.mark.proc
 async def test_async_client_many_requests_in_flight(engine):
     async with AsyncEngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
         prompts = [[3 + i, 4 + i, 5 + i] for i in range(20)]
@@ -183,6 +185,7 @@ async def test_async_client_many_requests_in_flight(engine):
         assert again.output_token_ids == results[7].output_token_ids
 
 
+@pytest.mark.proc
 async def test_async_stream_and_abort(engine):
     async with AsyncEngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
         rid = await c.submit(prompt_token_ids=[9, 9, 9], max_tokens=400, ignore_eos=True)
@@ -198,6 +201,7 @@ async def test_async_stream_and_abort(engine):
         assert deltas[-1].finished and sum(len(d.new_token_ids) for d in deltas) == 3
 
 
+@pytest.mark.proc
 def test_two_clients_at_once_each_get_only_their_outputs(engine):
     eps = engine.endpoints["input"], engine.endpoints["output"]
     with EngineClient(*eps) as a, EngineClient(*eps) as b:
@@ -210,6 +214,7 @@ def test_two_clients_at_once_each_get_only_their_outputs(engine):
 LONG_ID = "x" * 300  # the engine refuses it and cannot name it in its error
 
 
+@pytest.mark.proc
 def test_an_error_the_engine_cannot_attribute_fails_unanswered_requests_instead_of_hanging(
         engine, monkeypatch):
     monkeypatch.setattr(protocol, "MAX_REQUEST_ID_LEN", 1000)  # an older/buggy client's check
@@ -235,6 +240,7 @@ def test_an_error_the_engine_cannot_attribute_fails_unanswered_requests_instead_
         assert c.num_in_flight == 0
 
 
+@pytest.mark.proc
 async def test_async_client_fails_unanswered_requests_on_an_unattributed_error(
         engine, monkeypatch):
     monkeypatch.setattr(protocol, "MAX_REQUEST_ID_LEN", 1000)

@@ -19,6 +19,8 @@ from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import greedy_requests, run_batch
 from vconsole.engine.worker.tiny_model import ensure_tiny_model
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 10
 
 

@@ -23,6 +23,8 @@ from vconsole.engine.proc.client import EngineClient
 from vconsole.telemetry import control_key, schema
 from vconsole.telemetry.control import ControlClient, NotAuthorised
 
+pytestmark = [pytest.mark.proc, pytest.mark.slow]
+
 CONFIG = """\
 max_num_seqs = 4
 telemetry_hz = 20.0

@@ -17,6 +17,8 @@ from vconsole.engine.sched.output import SchedulerOutput
 from vconsole.engine.worker.model_runner import ModelRunner
 from vconsole.engine.worker.tiny_model import EOS_ID, build_byte_tokenizer, ensure_tiny_model
 
+pytestmark = pytest.mark.slow  # real forward passes compared with HF
+
 BLOCK = 4
 NUM_BLOCKS = 96
 

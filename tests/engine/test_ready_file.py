@@ -58,6 +58,7 @@ def test_only_the_writer_removes_its_record(tmp_path):
     assert not remove_ready_file(path, pid=10)
 
 
+@pytest.mark.proc
 def test_a_launcher_finds_a_live_engine_by_its_ready_file_alone(tmp_path):
     """``*`` ports resolved, the key file named, a request served through the announced
     endpoints; the file is gone after a clean stop."""

@@ -18,11 +18,13 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vconsole-cache")
 
 
+# Building the model takes seconds: the tests that need it are marked slow.
 @pytest.fixture(scope="module")
 def tiny(cache_dir: Path) -> Path:
     return ensure_tiny_model(cache_dir)
 
 
+@pytest.mark.slow
 def test_tiny_model_is_reused(cache_dir: Path, tiny: Path) -> None:
     stamp = (tiny / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_model(cache_dir) == tiny
@@ -31,12 +33,14 @@ def test_tiny_model_is_reused(cache_dir: Path, tiny: Path) -> None:
     assert [p.name for p in cache_dir.iterdir()] == [tiny.name]  # no temp dirs left behind
 
 
+@pytest.mark.slow
 def test_cache_dir_comes_from_env(tiny: Path, cache_dir: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VCONSOLE_CACHE", str(cache_dir))
     assert ensure_tiny_model() == tiny
 
 
+@pytest.mark.slow
 def test_other_seed_is_another_model(cache_dir: Path, tiny: Path) -> None:
     other = ensure_tiny_model(cache_dir, seed=1)
     assert other != tiny
@@ -46,6 +50,7 @@ def test_other_seed_is_another_model(cache_dir: Path, tiny: Path) -> None:
     assert not torch.equal(a[key], b[key])
 
 
+@pytest.mark.slow
 def test_loadable_by_stock_transformers(tiny: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,6 +70,7 @@ def test_loadable_by_stock_transformers(tiny: Path) -> None:
     assert max(ids) < cfg.vocab_size
 
 
+@pytest.mark.slow
 def test_concurrent_builders_agree(tmp_path: Path) -> None:
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(ensure_tiny_model(tmp_path)))
@@ -78,6 +84,7 @@ def test_concurrent_builders_agree(tmp_path: Path) -> None:
     assert (results[0] / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_load_model_uses_paged_attention(tiny: Path) -> None:
     model, tok, info = model_loader.load_model(str(tiny), "cpu", "auto")
     assert model.config._attn_implementation == "vconsole_paged"
