@@ -12,7 +12,10 @@ hides and disables every action that changes the engine. The control key
 (`vconsole.telemetry.control_key`) is ``control_key`` when given, else read from ``control_key_file`` or
 the path derived from the control endpoint; without it the console still reads the config but is
 read-only by itself, and an engine that refuses its key mid-session makes it read-only too
-(`set_readonly`).
+(`set_readonly`). ``key_status`` says which engine wrote the key the console holds (its owner
+record, `vconsole.telemetry.key_owner`) and whether it still runs; the Config screen shows it.
+``curve``: the console's CURVE keys (`vconsole.telemetry.curve`), for telemetry and control of an
+engine started with CURVE keys.
 
 Test hooks: ``state`` (the model), ``history`` / ``replies`` (change records),
 ``refreshes`` (how many batched applies ran), ``refresh_view(force=True)`` (apply now),
@@ -58,6 +61,8 @@ from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.console.widgets.panels import DEFAULT_LIMITS
 from vconsole.telemetry.control import NotAuthorised
 from vconsole.telemetry.control_key import key_path, load_control_key
+from vconsole.telemetry.curve import ClientCurve
+from vconsole.telemetry.key_owner import KeyStatus
 
 MIN_WIDTH, MIN_HEIGHT = 64, 18
 NARROW_WIDTH = 100
@@ -80,15 +85,15 @@ class VConsoleApp(App[None]):
                  source: Source | None = None, control: Control | None = None,
                  refresh_hz: float = 10.0, record_dir: str | Path = ".",
                  control_timeout_s: float = 3.0, clock: Callable[[], float] | None = None,
-                 control_key: str | None = None, control_key_file: str | Path | None = None
-                 ) -> None:
+                 control_key: str | None = None, control_key_file: str | Path | None = None,
+                 curve: ClientCurve | None = None) -> None:
         super().__init__()
         self.state = ConsoleState()
         endpoints = list(telemetry_endpoints or [])
         if source is None:
             if not endpoints:
                 raise ValueError("VConsoleApp needs telemetry_endpoints or a source")
-            source = ZmqSource(endpoints)
+            source = ZmqSource(endpoints, curve=curve)
         self.source = source
         self.endpoints = endpoints
         self.control_key_path: Path | None = None
@@ -97,7 +102,7 @@ class VConsoleApp(App[None]):
             if control_key is None:
                 control_key = load_control_key(control_endpoint, self.control_key_path)
             control = ControlLink(control_endpoint, timeout_s=control_timeout_s,
-                                  key=control_key, key_path=self.control_key_path)
+                                  key=control_key, key_path=self.control_key_path, curve=curve)
         self.control: Control | None = control
         self.control_endpoint = control_endpoint
         if readonly:
@@ -120,6 +125,7 @@ class VConsoleApp(App[None]):
         self.replies: dict[str, ChangeRecord] = {}
         self.replies_generation = 0
         self.control_error: str | None = None
+        self.key_status: KeyStatus | None = None
         self.config_fetches = 0
         self.refreshes = 0
         self.too_small = False
@@ -289,6 +295,7 @@ class VConsoleApp(App[None]):
         worker = get_current_worker()
         assert self.control is not None
         while not worker.is_cancelled:
+            self._note_key_status()
             try:
                 reply = self.control.get_config()
             except Exception as e:  # TimeoutError, ControlError, zmq errors: retry
@@ -301,6 +308,12 @@ class VConsoleApp(App[None]):
             self.control_error = None
             self.config_fetches += 1
             return
+
+    def _note_key_status(self) -> None:
+        """Worker threads: look up which engine the held key belongs to (a file and a pid)."""
+        look_up = getattr(self.control, "key_status", None)
+        if callable(look_up):
+            self.key_status = look_up()
 
     # --- config: change ------------------------------------------------------------------------
 
@@ -366,6 +379,7 @@ class VConsoleApp(App[None]):
         except Exception as e:
             rec.status, rec.reason = ERROR, f"{type(e).__name__}: {e}"
         else:
+            self._note_key_status()      # the key may have been read again (engine restart)
             rec.take_reply(reply)
             if reply.get("values"):
                 self.state.set_config_reply(reply)

@@ -6,13 +6,19 @@ DEALER connect on loopback costs well under a millisecond).
 
 Every call carries the engine's control key when the console has one (``key``). When the engine
 refuses it and ``key_path`` is known, the file is read again and the change retried once: an
-engine restarted on the same endpoint writes a new key there.
+engine restarted on the same endpoint writes a new key there. `key_status` says which engine
+wrote the key held now (its owner record, `vconsole.telemetry.key_owner`) and whether it still
+runs. ``curve``: the console's CURVE keys, for an engine started with them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from vconsole.telemetry.curve import ClientCurve
+    from vconsole.telemetry.key_owner import KeyStatus
 
 
 class Control(Protocol):
@@ -25,16 +31,27 @@ class Control(Protocol):
 
 class ControlLink:
     def __init__(self, endpoint: str, timeout_s: float = 3.0, *, key: str | None = None,
-                 key_path: str | Path | None = None) -> None:
+                 key_path: str | Path | None = None, curve: ClientCurve | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.key = key
         self.key_path = Path(key_path) if key_path else None
+        self.curve = curve
 
     def _client(self) -> Any:
         from vconsole.telemetry.control import ControlClient
 
-        return ControlClient(self.endpoint, timeout_s=self.timeout_s, key=self.key)
+        return ControlClient(self.endpoint, timeout_s=self.timeout_s, key=self.key,
+                             curve=self.curve)
+
+    def key_status(self) -> KeyStatus | None:
+        """Which engine wrote the key held now, and whether it runs; None without a key file.
+        Reads a file and the process table: call from a worker thread."""
+        from vconsole.telemetry.key_owner import status
+
+        if self.key is None or self.key_path is None:
+            return None
+        return status(self.key_path, self.key)
 
     def get_config(self) -> dict[str, Any]:
         with self._client() as client:

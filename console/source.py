@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vconsole.console.state import ConsoleState
+from vconsole.telemetry.curve import ClientCurve
 from vconsole.telemetry.schema import SchemaVersionError
 
 POLL_MS = 100
@@ -111,14 +112,17 @@ class ZmqSource(Source):
     """Live: one SUB socket connected to every endpoint (one per engine rank).
 
     ZeroMQ reconnects a SUB by itself when a publisher goes away and comes back, so an engine
-    restart needs nothing here; the state notices the heartbeat gap and the seq reset."""
+    restart needs nothing here; the state notices the heartbeat gap and the seq reset.
+    ``curve``: this client's keys, for engines started with CURVE keys."""
 
     kind = "live"
 
-    def __init__(self, endpoints: Sequence[str], hwm: int = 10_000) -> None:
+    def __init__(self, endpoints: Sequence[str], hwm: int = 10_000,
+                 curve: ClientCurve | None = None) -> None:
         super().__init__()
         self.endpoints = list(endpoints)
         self.hwm = hwm
+        self.curve = curve
 
     def describe(self) -> str:
         return " ".join(self.endpoints)
@@ -134,6 +138,8 @@ class ZmqSource(Source):
             sock.setsockopt(zmq.RECONNECT_IVL, 200)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
+            if self.curve is not None:
+                self.curve.apply(sock)
             for ep in self.endpoints:
                 sock.connect(ep)
             poller = zmq.Poller()

@@ -76,6 +76,13 @@ class EngineConfig:
                                            "this long unscheduled; unset = never.", hot=True,
                                            lo=0.0, hi=1e9, nullable=True)
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes.", hot=True)
+    client_heartbeat_s: float = _f(1.0, "Seconds between heartbeats on the output socket to each "
+                                   "connected client; a client that hears nothing for several "
+                                   "fails its requests as 'engine unreachable'.", hot=True,
+                                   lo=0.05, hi=60.0)
+    max_prompt_chars: int = _f(1_000_000, "Longest text prompt accepted (characters); checked "
+                               "before tokenizing, so a huge prompt is refused at once.",
+                               hot=True, lo=1, hi=1 << 31)
 
     # --- hot: telemetry and alerts ----------------------------------------------------------
     telemetry_hz: float = _f(10.0, "Telemetry snapshots per second.", hot=True, lo=0.1, hi=100.0)
@@ -102,6 +109,11 @@ class EngineConfig:
                                           "warning.", hot=True, lo=0.0, hi=1.0)
     fragmentation_threshold: float = _f(0.5, "KV fragmentation that raises a warning.", hot=True,
                                         lo=0.0, hi=1.0)
+
+    # --- hot: reliability --------------------------------------------------------------------
+    max_consecutive_step_failures: int = _f(3, "Failed model executions in a row after which "
+                                            "the engine exits (code 3) to be restarted.",
+                                            hot=True, lo=1, hi=1_000_000)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

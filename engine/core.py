@@ -3,6 +3,10 @@
 `step()` reads top to bottom as its three phases and records what each cost; nothing here knows
 about sockets or telemetry (`vconsole.engine.proc.core_proc` wraps the core with I/O threads and queues, and
 hands `last_step` and the stats snapshots to the publisher).
+
+A model execution that raises fails that step's requests only (finish reason ``error``, the
+exception in ``error``) and `step()` returns normally; `consecutive_step_failures` tells the
+caller when the failures no longer stop (see `_execute_model`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Iterable
 from vconsole.engine.config import ConfigUpdate, EngineConfig, apply_update
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, SamplingParams
-from vconsole.engine.sched.output import ModelRunnerOutput
+from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
 from vconsole.engine.worker.model_runner import ModelRunner
@@ -41,6 +45,8 @@ class EngineCore:
                                    self.runner.max_model_len)
         self.num_steps = 0
         self.last_step: StepStats | None = None
+        self.consecutive_step_failures = 0          # model executions that raised, in a row
+        self.last_step_error: str | None = None     # the latest one's "Type: message"
         logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens",
                     config.model, self.runner.device, self.runner.dtype, self.num_kv_blocks,
                     config.block_size)
@@ -49,7 +55,10 @@ class EngineCore:
     def make_request(self, request_id: str, *, prompt: str | None = None,
                      prompt_token_ids: list[int] | None = None, sampling: SamplingParams,
                      priority: int = 0, client_id: bytes = b"") -> Request:
-        """Build a Request from text or token ids. Raises ValueError with the reason."""
+        """Build a Request from text or token ids. Raises ValueError with the reason.
+
+        Only reads the tokenizer and the model's limits, so `EngineCoreProc` calls it off the
+        busy loop for long prompts."""
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt or prompt_token_ids")
         if prompt is not None:
@@ -59,9 +68,9 @@ class EngineCore:
         else:
             ids = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
             vocab = self.runner.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{vocab - 1})")
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise ValueError(f"token id {bad} outside the vocabulary (0..{vocab - 1})")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         sampling.validate()
@@ -97,7 +106,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         t1 = time.monotonic_ns()
         if scheduler_output.has_work():
-            model_output = self.runner.execute_model(scheduler_output)
+            model_output = self._execute_model(scheduler_output)
         else:
             model_output = ModelRunnerOutput()
         t2 = time.monotonic_ns()
@@ -119,6 +128,27 @@ class EngineCore:
             num_reqs=scheduler_output.num_scheduled_reqs,
             num_preempted=len(scheduler_output.preempted_req_ids), num_finished=num_finished)
         return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the model; if it raises, fail this step's requests and keep serving the rest.
+
+        The requests the step scheduled finish with ``error`` (the exception's type and
+        message) and nothing of the step is kept (no token, no prefix-cache entry); waiting
+        requests and running ones outside the step are untouched. `consecutive_step_failures`
+        counts failed executions in a row (a success resets it): the process wrapper gives up
+        at ``max_consecutive_step_failures``, since a device that fails every step (a lost
+        CUDA context) never recovers in this process."""
+        try:
+            out = self.runner.execute_model(so)
+        except Exception as e:
+            self.consecutive_step_failures += 1
+            self.last_step_error = f"{type(e).__name__}: {e}"
+            logger.exception("model execution failed (%d in a row): failing the step's %d "
+                             "request(s)", self.consecutive_step_failures, so.num_scheduled_reqs)
+            self.scheduler.fail_step(so, self.last_step_error)
+            return ModelRunnerOutput()
+        self.consecutive_step_failures = 0
+        return out
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

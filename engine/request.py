@@ -8,6 +8,7 @@ that rule; when it has caught up, the model samples the next token.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,9 +32,19 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"      # rejected (bad input) or failed
 
 
+# Temperatures below this sample greedily (as vLLM's _SAMPLING_EPS): dividing logits by a
+# temperature that small overflows float32 and would turn every row into NaN.
+SAMPLING_EPS = 1e-5
+MAX_SEED = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 = greedy; top_k 0 and top_p 1.0 = off."""
+    """Per-request sampling. temperature 0 (or below `SAMPLING_EPS`) = greedy; top_k 0 and
+    top_p 1.0 = off.
+
+    Invariant: a `SamplingParams` that passed `validate` samples correctly for every value it
+    holds: numbers are finite, in range and of the right type (``bool`` is not an integer)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -44,18 +55,34 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) \
+                or self.temperature < 0.0:
+            raise ValueError(f"temperature must be a finite number >= 0, got "
+                             f"{self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(eq=False)

@@ -53,6 +53,10 @@ class SchedulerStats:
     max_num_batched_tokens: int
     policy: str
     num_finished_total: int = 0
+    # Cumulative since start, counted as vLLM counts ``vllm:prompt_tokens`` and
+    # ``vllm:generation_tokens`` (see `Scheduler.update_from_output`).
+    num_prompt_tokens_total: int = 0
+    num_generation_tokens_total: int = 0
     requests: list[RequestRow] = field(default_factory=list)
     requests_truncated: bool = False
 

@@ -21,9 +21,10 @@ request with silence.
 Authentication: the control key (`vconsole.telemetry.control_key`). ``get_config`` is open;
 ``set_config`` without the engine's key is answered ``ok: false`` with an ``error`` starting
 ``not authorised:`` (`ControlClient.set_config` raises `NotAuthorised`) and changes nothing.
-Control binds are loopback/ipc only. The ``curve`` parameter of `ControlClient` is where CURVE
-keys (server public key, client key pair) will go for non-loopback endpoints; passing one now
-raises NotImplementedError rather than silently running unauthenticated.
+An engine started with CURVE keys (`vconsole.telemetry.curve`) answers only CURVE clients whose
+key pair it authorises: `ControlClient` takes them as ``curve``. The control key is still needed
+for ``set_config`` then: CURVE says who may connect at all (submit requests, read telemetry), the
+key says who may change the engine.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import msgpack
 import zmq
 
 from vconsole.telemetry.control_key import NOT_AUTHORISED
+from vconsole.telemetry.curve import ClientCurve
 from vconsole.telemetry.endpoints import DEFAULT_CONTROL
 
 OPS = ("get_config", "set_config")
@@ -168,15 +170,14 @@ def handle_frames(frames: Sequence[bytes], handler: Any) -> list[bytes]:
 class ControlClient:
     """Blocking client. After a timeout the socket is dropped and a fresh one made on the next
     call, so a late reply can never be taken for the answer to a later request. ``key`` (the
-    engine's control key, `vconsole.telemetry.control_key.load_control_key`) is sent with every request;
-    without it the client can read but not change the config."""
+    engine's control key, `vconsole.telemetry.control_key.load_control_key`) is sent with every
+    request; without it the client can read but not change the config. ``curve``: this client's
+    CURVE keys, for an engine started with them."""
 
     def __init__(self, endpoint: str = DEFAULT_CONTROL, timeout_s: float = 5.0, *,
-                 ctx: zmq.Context | None = None, curve: Any = None,
+                 ctx: zmq.Context | None = None, curve: ClientCurve | None = None,
                  key: str | None = None) -> None:
-        if curve is not None:
-            raise NotImplementedError("CURVE authentication for the control socket is not "
-                                      "implemented yet; use a loopback or ipc:// endpoint")
+        self.curve = curve
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.key = key
@@ -188,6 +189,8 @@ class ControlClient:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                self.curve.apply(sock)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
@@ -207,8 +210,11 @@ class ControlClient:
             if reply.get("id") in (rid, None):
                 return reply
         self.close()
+        hint = ("is the engine running, and does it authorise this client's CURVE key?"
+                if self.curve is not None else "is the engine running? One started with CURVE "
+                "keys answers only clients holding them")
         raise TimeoutError(f"no reply from the engine's control socket at {self.endpoint} "
-                           f"within {self.timeout_s:g} s (is the engine running?)")
+                           f"within {self.timeout_s:g} s ({hint})")
 
     def get_config(self) -> dict[str, Any]:
         """The reply: ``values``, ``version``, ``schema``. Raises ControlError if not ok."""

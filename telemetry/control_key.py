@@ -14,8 +14,11 @@ Clients send the key as ``"key"`` in every control request. ``get_config`` is op
 ``set_config`` without the right key (compared in constant time) is answered ``ok: false`` with
 an ``error`` starting `NOT_AUTHORISED` + ``:``, and changes nothing.
 
-The key is loopback/ipc authentication only: anyone who can read the file can steer the engine.
-CURVE will replace it for non-loopback control endpoints (which are refused today).
+Anyone who can read the file can steer the engine. Without CURVE the key travels in clear, which
+is why a control endpoint beyond loopback needs CURVE keys (`vconsole.telemetry.curve`); with
+them the key is still required for ``set_config`` (CURVE says who may connect, the key who may
+steer). Next to the key file the engine writes an owner record (`vconsole.telemetry.key_owner`)
+that tells a stale file, left by a killed engine, from a live one.
 
 Both sides import this module, so the path rule lives in exactly one place.
 """

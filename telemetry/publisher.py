@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from operator import attrgetter
 from typing import Any, Protocol
 
@@ -86,13 +87,35 @@ def aggregate_steps(steps: list[StepStats], window_s: float) -> dict[str, Any]:
     }
 
 
+def health_body(state: str, *, uptime_s: float, steps: int, interval_s: float,
+                started_ts: float, pid: int | None = None, send_drops: int = 0,
+                steps_dropped: int = 0, alerts_active: dict[str, str] | None = None,
+                last_step_age_s: float | None = None, restart_count: int = 0,
+                restart_reason: str | None = None) -> dict[str, Any]:
+    """The ``health`` topic body: one place, so the engine's publisher and the supervisor's
+    `vconsole.telemetry.beacon.HealthBeacon` send the same fields. ``restart_count`` and
+    ``restart_reason``: how often the supervisor restarted this engine and why it did the last
+    time (0 and None: never restarted, or not supervised)."""
+    return {
+        "state": state, "uptime_s": uptime_s, "steps": steps, "interval_s": interval_s,
+        "pid": os.getpid() if pid is None else pid, "started_ts": started_ts,
+        "send_drops": send_drops, "steps_dropped": steps_dropped,
+        "alerts_active": {} if alerts_active is None else alerts_active,
+        "last_step_age_s": last_step_age_s,
+        "restart_count": restart_count, "restart_reason": restart_reason,
+    }
+
+
 def sched_body(s: SchedulerStats, max_rows: int) -> dict[str, Any]:
     rows = s.requests
     truncated = s.requests_truncated or len(rows) > max_rows
     return {
         "num_waiting": s.num_waiting, "num_running": s.num_running,
         "num_preempted": s.num_preempted, "num_preemptions_total": s.num_preemptions_total,
-        "num_finished_total": s.num_finished_total, "max_num_seqs": s.max_num_seqs,
+        "num_finished_total": s.num_finished_total,
+        "num_prompt_tokens_total": s.num_prompt_tokens_total,
+        "num_generation_tokens_total": s.num_generation_tokens_total,
+        "max_num_seqs": s.max_num_seqs,
         "max_num_batched_tokens": s.max_num_batched_tokens, "policy": s.policy,
         "requests": request_columns(rows[:max_rows]), "requests_truncated": truncated,
     }
@@ -114,12 +137,19 @@ class TelemetryPublisher:
 
     Engine-thread methods (cheap, never block on I/O): `record_step`, `snapshot_due`,
     `submit_snapshot`, `set_state`, `publish_config`, `update_config`. ``gpu_probe`` and
-    ``host_probe`` replace the real probes (tests)."""
+    ``host_probe`` replace the real probes (tests); ``secure(sock)`` sets the PUB socket's
+    security options (the engine's CURVE keys) before it binds; ``restart_count`` and
+    ``restart_reason`` are what the supervisor told this engine process (`health_body`)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, engine_id: str, rank: int,
                  config: EngineConfig, *, gpu_probe: _Probe | None = None,
-                 host_probe: _Probe | None = None) -> None:
+                 host_probe: _Probe | None = None,
+                 secure: Callable[[zmq.Socket], None] | None = None,
+                 restart_count: int = 0, restart_reason: str | None = None) -> None:
         self._ctx = ctx
+        self.restart_count = restart_count      # from the supervisor: in every health message
+        self.restart_reason = restart_reason
+        self._secure = secure         # called on the PUB socket before it binds (CURVE keys)
         self.endpoint = endpoint      # after start(): the bound address (resolves tcp://...:*)
         self.engine_id = engine_id
         self.rank = rank
@@ -250,6 +280,8 @@ class TelemetryPublisher:
         try:
             sock.setsockopt(zmq.SNDHWM, self._config.zmq_sndhwm)
             sock.setsockopt(zmq.LINGER, self._config.zmq_linger_ms)
+            if self._secure is not None:
+                self._secure(sock)
             sock.bind(self.endpoint)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint
         except BaseException:
@@ -356,15 +388,15 @@ class TelemetryPublisher:
             if now >= next_health:
                 num_steps = max(self._steps_recorded, snapshot[2] if snapshot else 0)
                 last_step = self._last_step_t
-                self._send(sock, "health", {
-                    "state": state, "uptime_s": now - self._t0, "steps": num_steps,
-                    "interval_s": cfg.heartbeat_interval_s, "pid": os.getpid(),
-                    "started_ts": self._t0_wall, "send_drops": self.send_drops,
-                    "steps_dropped": max(0, self._steps_recorded - self._steps_seen
-                                         - len(self._steps)),
-                    "alerts_active": evaluator.active(),
-                    "last_step_age_s": None if last_step is None else max(0.0, now - last_step),
-                })
+                self._send(sock, "health", health_body(
+                    state, uptime_s=now - self._t0, steps=num_steps,
+                    interval_s=cfg.heartbeat_interval_s, started_ts=self._t0_wall,
+                    send_drops=self.send_drops,
+                    steps_dropped=max(0, self._steps_recorded - self._steps_seen
+                                      - len(self._steps)),
+                    alerts_active=evaluator.active(),
+                    last_step_age_s=None if last_step is None else max(0.0, now - last_step),
+                    restart_count=self.restart_count, restart_reason=self.restart_reason))
                 next_health = now + cfg.heartbeat_interval_s
 
             deadlines = [next_health, next_probe, next_config]

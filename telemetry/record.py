@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 import zmq
 
+from vconsole.telemetry.curve import ClientCurve
 from vconsole.telemetry.schema import SCHEMA_VERSION, TOPICS, SchemaVersionError
 
 MAGIC = b"VCTELREC"
@@ -123,12 +124,15 @@ def read_records(path: str | os.PathLike[str], *, check_version: bool = True
 
 
 def record_stream(endpoint: str, path: str | os.PathLike[str], duration_s: float | None = None,
-                  ctx: zmq.Context | None = None) -> dict[str, int]:
+                  ctx: zmq.Context | None = None, curve: ClientCurve | None = None
+                  ) -> dict[str, int]:
     """Subscribe to every topic on ``endpoint`` and write until ``duration_s`` (or Ctrl-C).
-    Returns messages per topic."""
+    Returns messages per topic. ``curve``: this client's keys, for an engine with CURVE keys."""
     ctx = ctx or zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(sub)
     sub.setsockopt(zmq.RCVHWM, 100_000)
     sub.subscribe(b"")
     sub.connect(endpoint)

@@ -48,8 +48,9 @@ TOPIC_FIELDS: dict[str, tuple[str, ...]] = {
              "num_prefill_tokens", "num_decode_tokens", "tokens_per_s", "steps_per_s",
              "sched_share"),
     "sched": ("num_waiting", "num_running", "num_preempted", "num_preemptions_total",
-              "num_finished_total", "max_num_seqs", "max_num_batched_tokens", "policy",
-              "requests", "requests_truncated"),
+              "num_finished_total", "num_prompt_tokens_total", "num_generation_tokens_total",
+              "max_num_seqs", "max_num_batched_tokens", "policy", "requests",
+              "requests_truncated"),
     "kv": ("num_blocks", "block_size", "num_free", "num_used", "num_cached", "num_shared",
            "usage", "token_usage", "fragmentation", "prefix_queries", "prefix_hits",
            "prefix_hit_rate", "block_states"),
@@ -60,7 +61,9 @@ TOPIC_FIELDS: dict[str, tuple[str, ...]] = {
     "alert": ("name", "level", "value", "threshold", "message"),
 }
 
-HEALTH_STATES = ("idle", "running", "draining")
+# "restarting": sent by the engine's supervisor while no engine process runs (between a crash
+# and the next start); health then also says why (``restart_reason``) and how often.
+HEALTH_STATES = ("idle", "running", "draining", "restarting")
 ALERT_LEVELS = ("ok", "warning", "critical")
 
 

@@ -18,6 +18,7 @@ import zmq
 
 from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from vconsole.telemetry.control import ControlClient, ControlError
+from vconsole.telemetry.curve import ClientCurve
 from vconsole.telemetry.schema import TOPICS, SchemaError, TelemetryMessage, decode
 
 WAIT_FOR = tuple(t for t in TOPICS if t != "alert")
@@ -57,9 +58,11 @@ def to_json_payload(msg: TelemetryMessage) -> dict[str, Any]:
 
 
 class Watcher:
-    def __init__(self, endpoint: str, ctx: zmq.Context) -> None:
+    def __init__(self, endpoint: str, ctx: zmq.Context, curve: ClientCurve | None = None) -> None:
         self.sock = ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self.sock)
         self.sock.subscribe(b"")
         self.sock.connect(endpoint)
         self.latest: dict[str, TelemetryMessage] = {}
@@ -92,9 +95,10 @@ class Watcher:
         self.sock.close(0)
 
 
-def _control_config(endpoint: str, timeout_s: float) -> dict[str, Any] | None:
+def _control_config(endpoint: str, timeout_s: float,
+                    curve: ClientCurve | None = None) -> dict[str, Any] | None:
     try:
-        with ControlClient(endpoint, timeout_s=max(0.2, timeout_s)) as client:
+        with ControlClient(endpoint, timeout_s=max(0.2, timeout_s), curve=curve) as client:
             reply = client.get_config()
     except (TimeoutError, ControlError, zmq.ZMQError):
         return None
@@ -103,10 +107,12 @@ def _control_config(endpoint: str, timeout_s: float) -> dict[str, Any] | None:
 
 
 def snapshot_once(telemetry: str, control: str | None, timeout_s: float,
-                  ctx: zmq.Context | None = None) -> tuple[dict[str, Any], list[str]]:
-    """({topic: payload}, missing topics). Config may come from the control socket."""
+                  ctx: zmq.Context | None = None, curve: ClientCurve | None = None
+                  ) -> tuple[dict[str, Any], list[str]]:
+    """({topic: payload}, missing topics). Config may come from the control socket. ``curve``:
+    this client's keys, for an engine started with CURVE keys (both sockets use them)."""
     ctx = ctx or zmq.Context.instance()
-    w = Watcher(telemetry, ctx)
+    w = Watcher(telemetry, ctx, curve)
     start = time.monotonic()
     deadline = start + timeout_s
     config_body: dict[str, Any] | None = None
@@ -121,7 +127,7 @@ def snapshot_once(telemetry: str, control: str | None, timeout_s: float,
             if (missing == ["config"] or now - start >= CONFIG_GRACE_S) and \
                     "config" in missing and not asked and control:
                 asked = True
-                config_body = _control_config(control, min(2.0, deadline - now))
+                config_body = _control_config(control, min(2.0, deadline - now), curve)
                 continue
             w.pump(min(0.1, deadline - now))
     finally:

@@ -58,6 +58,43 @@ def add_control_key_arg(p: argparse.ArgumentParser, *, engine: bool = False) -> 
     p.add_argument("--control-key-file", metavar="PATH", help=help_)
 
 
+def add_curve_args(p: argparse.ArgumentParser, *, engine: bool = False) -> None:
+    """CURVE key flags (`vconsole keys DIR` makes the files). The engine takes its secret key and
+    a folder of authorised client public keys; a client takes the engine's public key and its
+    own secret key. Given both, every socket is CURVE: encrypted, and only authorised clients
+    get through (required for a non-loopback input, output or control endpoint)."""
+    g = p.add_argument_group("CURVE (encryption and client keys; `vconsole keys DIR` makes them)")
+    if engine:
+        g.add_argument("--curve-server-key", metavar="PATH",
+                       help="the engine's secret key file (DIR/server.key_secret, mode 0600)")
+        g.add_argument("--curve-clients", metavar="DIR",
+                       help="folder of authorised client public keys, *.key "
+                            "(DIR/authorized_clients); read once at start")
+    else:
+        g.add_argument("--curve-server-public", metavar="PATH",
+                       help="the engine's public key file (DIR/server.key)")
+        g.add_argument("--curve-client-key", metavar="PATH",
+                       help="this client's secret key file (DIR/client.key_secret, mode 0600)")
+
+
+def add_supervisor_args(p: argparse.ArgumentParser) -> None:
+    """`vconsole engine`'s supervisor (`vconsole.engine.proc.supervisor`): how it restarts the
+    engine process, or ``--no-supervisor``. The hidden flags are how it starts its child."""
+    g = p.add_argument_group("supervisor (restarts the engine process when it dies)")
+    g.add_argument("--no-supervisor", action="store_true",
+                   help="run the engine in this process: nothing restarts it")
+    g.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                   help="give up after more than N failures within --restart-window (default 5)")
+    g.add_argument("--restart-window", type=float, default=300.0, metavar="S",
+                   help="seconds over which failures count against --max-restarts (default 300)")
+    g.add_argument("--restart-backoff", type=float, default=0.5, metavar="S",
+                   help="wait before the first restart; doubles per failure in the window, up "
+                        "to 10 s (default 0.5)")
+    g.add_argument("--supervised-child", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--restart-count", type=int, default=0, help=argparse.SUPPRESS)
+    g.add_argument("--restart-reason", help=argparse.SUPPRESS)
+
+
 def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     module_name, func_name = target.split(":")
 
@@ -97,17 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-port", type=int, default=0,
                    help="first of four loopback ports (default: pick free ones)")
 
-    p = cmd("engine", "vconsole.commands.engine:main", "run the EngineCore process in the foreground")
+    p = cmd("engine", "vconsole.commands.engine:main", "run the EngineCore process (restarted if it dies)")
     add_engine_args(p)
     add_endpoint_args(p)
     p.add_argument("--allow-remote-telemetry", dest="allow_remote", action="store_true",
-                   help="allow the (read-only) telemetry socket on a non-loopback address; "
-                        "input and control always stay on loopback/ipc")
+                   help="allow the (read-only) telemetry socket on a non-loopback address "
+                        "without CURVE keys (input, output and control always need keys there)")
     add_control_key_arg(p, engine=True)
+    add_curve_args(p, engine=True)
     p.add_argument("--ready-file", metavar="PATH",
                    help="once serving, write the bound endpoints and the control key path here "
                         "as JSON (atomically; removed on a clean stop): how launchers find "
                         "the engine")
+    add_supervisor_args(p)
 
     p = cmd("attach", "vconsole.commands.attach:main", "attach the console to a running engine")
     add_endpoint_args(p)
@@ -115,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another engine's telemetry endpoint (e.g. a data-parallel rank)")
     p.add_argument("--readonly", action="store_true", help="watch only: hide every action")
     add_control_key_arg(p)
+    add_curve_args(p)
 
     p = cmd("generate", "vconsole.commands.generate:main", "offline batch inference from a JSONL file")
     add_engine_args(p)
@@ -125,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("load", "vconsole.commands.load:main", "a load generator client against a running engine")
     add_endpoint_args(p)
+    add_curve_args(p)
     p.add_argument("--num", type=int, default=100, help="requests to send (default 100)")
     p.add_argument("--rate", type=float, help="Poisson arrival rate, req/s")
     p.add_argument("--concurrency", type=int, help="keep this many requests in flight")
@@ -140,17 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("set", "vconsole.commands.control:main_set", "change engine config (hot reload)")
     add_endpoint_args(p)
     add_control_key_arg(p)
+    add_curve_args(p)
     p.add_argument("pairs", nargs="+", metavar="KEY=VALUE")
 
     p = cmd("get", "vconsole.commands.control:main_get", "print the engine's effective config")
     add_endpoint_args(p)
     add_control_key_arg(p)
+    add_curve_args(p)
     p.add_argument("keys", nargs="*", metavar="KEY", help="only these keys")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = cmd("top", "vconsole.commands.top:main", "a telemetry snapshot for scripts")
     add_endpoint_args(p)
     add_control_key_arg(p)
+    add_curve_args(p)
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every topic")
@@ -162,8 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("record", "vconsole.commands.record:main", "save the telemetry stream to a file")
     add_endpoint_args(p)
+    add_curve_args(p)
     p.add_argument("file", metavar="FILE")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
+
+    p = cmd("keys", "vconsole.commands.keys:main", "make CURVE key pairs for remote use",
+            "Write a CURVE server key pair and a client key pair (zmq.auth certificates; secret "
+            "files mode 0600) into DIR, and authorise the client by copying its public key into "
+            "DIR/authorized_clients. Run again with --client NAME to add another client; the "
+            "server pair is kept. Existing key files are never overwritten.")
+    p.add_argument("dir", metavar="DIR", help="where to write the keys (created mode 0700)")
+    p.add_argument("--client", default="client", metavar="NAME",
+                   help="the client pair's name: NAME.key, NAME.key_secret (default client)")
 
     p = cmd("replay", "vconsole.commands.attach:main_replay", "play a recorded stream in the console")
     p.add_argument("file", metavar="FILE")
@@ -174,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: the supervisor reruns it
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -18,7 +18,6 @@ the engine also gets SIGTERM if this process dies without cleaning up (``PR_SET_
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -35,22 +34,10 @@ from vconsole.engine.proc.ready_file import (
     ReadyFileError,
     read_ready_file,
 )
+from vconsole.engine.proc.supervisor import parent_death_signal
 from vconsole.loadgen import LoadThread, demo_rate, demo_spec
 
 STOP_GRACE_S = 10.0
-
-
-def _parent_death_signal() -> Any:
-    """A preexec_fn that asks Linux to SIGTERM the child when its parent dies; None elsewhere.
-    libc is resolved here, in the parent, so the child only makes one system call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def loopback_endpoints(base_port: int = 0) -> dict[str, str]:
@@ -113,7 +100,7 @@ class EngineProcess:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True,
-                                         preexec_fn=_parent_death_signal())
+                                         preexec_fn=parent_death_signal())
         deadline = time.monotonic() + timeout_s
         why = ""
         while time.monotonic() < deadline:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from vconsole.engine.proc.client import AsyncEngineClient
+from vconsole.engine.proc.client import ENGINE_UNREACHABLE, AsyncEngineClient
 
 RateFn = Callable[[float], float]   # seconds since the start -> requests per second
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -128,6 +128,7 @@ class LoadRun:
         self.sent = 0
         self.done = 0
         self.tokens = 0
+        self.engine_lost: str | None = None   # why the engine stopped answering, if it did
 
     @property
     def in_flight(self) -> int:
@@ -155,6 +156,7 @@ class LoadRun:
             "ttft_s": _percentiles(ttft), "itl_s": _percentiles(itl),
             "output_tokens": self.tokens, "duration_s": duration,
             "tok_per_s": self.tokens / duration, "req_per_s": self.done / duration,
+            "engine_lost": self.engine_lost,
         }
 
 
@@ -172,8 +174,13 @@ async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_toke
     run.sent += 1
     rid: str | None = None  # submit may fail: then there is nothing to forget in `finally`
     try:
-        rid = await client.submit(prompt_token_ids=ids, max_tokens=max_tokens, ignore_eos=True,
-                                  priority=priority)
+        try:
+            rid = await client.submit(prompt_token_ids=ids, max_tokens=max_tokens,
+                                      ignore_eos=True, priority=priority)
+        except TimeoutError as e:  # the engine is gone and did not come back
+            rec.finish_reason, rec.error = "error", f"{ENGINE_UNREACHABLE}: {e}"
+            run.engine_lost = rec.error
+            return
         run.records[rid] = rec
         in_flight[rid] = None
         async for out in client.stream(rid):
@@ -189,6 +196,8 @@ async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_toke
                 run.tokens += n
             if out.finished:
                 rec.finish_reason, rec.error = out.finish_reason, out.error
+                if out.error and out.error.startswith(ENGINE_UNREACHABLE):
+                    run.engine_lost = out.error
     finally:
         if rid is not None:
             in_flight.pop(rid, None)
@@ -239,7 +248,8 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
     tick = asyncio.create_task(ticker())
     try:
         i = 0
-        while (spec.num is None or i < spec.num) and not stop.is_set():
+        while (spec.num is None or i < spec.num) and not stop.is_set() \
+                and run.engine_lost is None:
             if rate_fn is not None:
                 await _sleep_until_next(rate_fn, run.started, rng, stop)
                 if stop.is_set():
@@ -247,7 +257,7 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
             if not await start_one():
                 break
             i += 1
-        while tasks and not stop.is_set():
+        while tasks and not stop.is_set() and run.engine_lost is None:
             await asyncio.wait(set(tasks), timeout=0.1)
         if tasks:
             await client.abort(list(in_flight))

@@ -34,6 +34,7 @@ from vconsole.console.keymap import CONFIG
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConfigView, ConsoleState
 from vconsole.console.widgets.chrome import Frame
+from vconsole.telemetry.key_owner import GONE, UNKNOWN, KeyStatus
 
 REPLY_STYLE = {APPLIED: "green", UNCHANGED: "green", REJECTED: "red", INVALID: "red",
                ERROR: "red", TIMEOUT: "red", RESTART: "yellow", PENDING: "dim"}
@@ -54,6 +55,24 @@ def describe_range(row: dict[str, Any]) -> str:
         parts.append("may be unset")
     parts.append(f"default {show_value(row.get('default'))}")
     return " · ".join(parts)
+
+
+def key_holder(status: KeyStatus | None, engine_id: Any = None) -> str:
+    """``key eng-0 pid 123``: the engine the console's control key belongs to (markup), warning
+    when that engine is gone or is not the one answering (``engine_id`` from get_config)."""
+    if status is None:
+        return ""
+    owner = status.owner
+    if owner is None:
+        return "[$text-muted]key: engine unknown[/]"
+    text = fmt.escape(f"key {owner.engine_id} pid {owner.pid}")
+    if status.state == GONE:
+        return f"[$error]{text} gone[/]"
+    if status.state == UNKNOWN:
+        return f"{text} [$text-muted]on {fmt.escape(owner.host)}[/]"
+    if engine_id is not None and engine_id != owner.engine_id:
+        return f"[$warning]{text} ≠ engine {fmt.escape(str(engine_id))}[/]"
+    return f"[$text-muted]{text}[/]"
 
 
 class ConfigScreen(ConsoleScreen):
@@ -155,6 +174,9 @@ class ConfigScreen(ConsoleScreen):
                 text += f" · filter [b]{fmt.escape(self.filter_text)}[/]"
             if frame.readonly:
                 text += f" · [$warning]read-only: {fmt.escape(frame.readonly_reason)}[/]"
+        holder = key_holder(self.console.key_status, cfg.values.get("engine_id") if cfg else None)
+        if holder:
+            text += f" · {holder}"
         self.query_one("#cfg-summary", Static).update(Content.from_markup(text))
 
     def _show_detail(self, cfg: ConfigView | None) -> None:

@@ -42,7 +42,7 @@ class Frame:
 
 
 STATUS_STYLE = {"running": "$success", "idle": "$accent", "draining": "$warning",
-                "down": "$error", "connecting": "$warning"}
+                "down": "$error", "connecting": "$warning", "restarting": "$error"}
 
 
 class TabBar(Static):

@@ -1,17 +1,29 @@
-"""Which engine sockets may bind beyond loopback, and the seam where authentication will go.
+"""Which engine sockets may bind beyond loopback, and how each socket is secured before it binds.
 
-Anything that can change the engine (input, output's pair, control) stays on loopback or ipc
-until CURVE authentication exists; the read-only telemetry socket may be exposed with an explicit
-opt-in.
+Anything that can change the engine (input, output's pair, control) binds beyond loopback only
+with CURVE (`vconsole.engine.proc.curve_server`): encrypted, and only clients whose public key is
+on the engine's allow-list get through. Without keys those sockets stay on loopback or ipc://,
+where the operating system's users are the boundary (reach them from elsewhere over an SSH
+tunnel). The read-only telemetry socket may go remote without keys, with an explicit opt-in
+(``--allow-remote-telemetry``): anyone who can reach the port can read it, nobody can change
+anything through it. With keys, every socket is CURVE, loopback ones too, so a client holds the
+same keys whatever the address.
+
+Invariant: `check_endpoints` runs before any socket binds, so a refused configuration exposes
+nothing, not even for a moment.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import zmq
 
 from vconsole.telemetry.endpoints import is_loopback
+
+if TYPE_CHECKING:
+    from vconsole.engine.proc.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine")
 
@@ -21,30 +33,44 @@ class RemoteBindRefused(ValueError):
 
 
 # Sockets that only publish (nothing sent to them changes the engine) may be exposed without
-# authentication when the operator opts in; input and control never are until CURVE exists.
+# authentication when the operator opts in; input, output and control never are.
 READ_ONLY_SOCKETS = frozenset({"telemetry"})
 
+OPTIONS = (
+    "Either give the engine CURVE keys (`vconsole keys DIR`, then `vconsole engine "
+    "--curve-server-key DIR/server.key_secret --curve-clients DIR/authorized_clients`; clients "
+    "pass --curve-server-public DIR/server.key --curve-client-key DIR/client.key_secret), or "
+    "bind 127.0.0.1 / ipc:// and reach the engine over an SSH tunnel (ssh -N -L "
+    "5570:127.0.0.1:5570 -L 5571:127.0.0.1:5571 -L 5572:127.0.0.1:5572 -L "
+    "5573:127.0.0.1:5573 HOST).")
 
-def check_endpoints(endpoints: dict[str, str], allow_remote: bool) -> None:
-    """Refuse non-loopback binds for anything that can change the engine; a read-only socket
-    (telemetry) may be remote only with the explicit opt-in."""
+
+def check_endpoints(endpoints: dict[str, str], allow_remote: bool, curve: bool = False) -> None:
+    """Refuse a non-loopback bind of anything that can change the engine unless ``curve``
+    (the engine has CURVE keys); a read-only socket (telemetry) may be remote with CURVE or with
+    the explicit opt-in ``allow_remote``. Raises `RemoteBindRefused` naming the options."""
+    if curve:
+        return
     remote = {name: ep for name, ep in endpoints.items() if not is_loopback(ep)}
     steering = [f"{n}={ep}" for n, ep in remote.items() if n not in READ_ONLY_SOCKETS]
     if steering:
         raise RemoteBindRefused(
-            f"refusing to bind non-loopback endpoint(s) {', '.join(steering)}: these sockets "
-            "can submit requests or change the config, and the engine has no authentication yet "
-            "(CURVE comes later). Bind 127.0.0.1 or ipc:// and reach them over an ssh -L tunnel.")
+            f"refusing to bind non-loopback endpoint(s) {', '.join(steering)} without CURVE "
+            "keys: these sockets can submit requests or change the config, and without keys "
+            f"anyone who can reach the port could. {OPTIONS}")
     if remote and not allow_remote:
         eps = ", ".join(f"{n}={ep}" for n, ep in remote.items())
         raise RemoteBindRefused(
-            f"refusing to bind non-loopback endpoint(s) {eps} without --allow-remote-telemetry: "
-            "telemetry is unauthenticated and readable by anyone who can reach the port.")
+            f"refusing to bind non-loopback endpoint(s) {eps} without --allow-remote-telemetry "
+            "or CURVE keys: telemetry without keys is readable by anyone who can reach the port.")
 
 
-def secure_socket(sock: zmq.Socket, name: str, endpoint: str) -> None:
-    """The seam for authentication: CURVE server keys (``CURVE_SERVER``, ``CURVE_SECRETKEY``)
-    and a ZAP handler will be set here for non-loopback endpoints. No-op today: remote binds are
-    only allowed for read-only sockets, with ``--allow-remote-telemetry``."""
-    if not is_loopback(endpoint):
+def secure_socket(sock: zmq.Socket, name: str, endpoint: str,
+                  curve: ServerCurve | None = None) -> None:
+    """Called on every engine socket before it binds: with ``curve``, make it a CURVE server
+    (its ZAP handler must already run); without, warn about an unauthenticated remote bind
+    (only telemetry gets this far, with ``--allow-remote-telemetry``)."""
+    if curve is not None:
+        curve.secure(sock)
+    elif not is_loopback(endpoint):
         log.warning("%s socket on %s is unauthenticated (--allow-remote-telemetry)", name, endpoint)

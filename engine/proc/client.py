@@ -6,17 +6,29 @@ the identity) and receives outputs on the output DEALER (the engine's output ROU
 by that identity). `connect` sends ``hello`` on the input socket and waits for ``ready`` on the
 output socket: only then is the engine known to be up *and* able to route outputs back, so no
 output can be lost to a half-made connection, and a missing engine is a clear `TimeoutError`.
+With ``curve`` (`vconsole.telemetry.curve.ClientCurve`, needed by an engine started with CURVE
+keys) both sockets are CURVE clients; an engine that does not authorise the key pair never
+completes the handshake, so that too is the `TimeoutError` of `connect`.
 
 Requests from one client may be in flight in any number; outputs of different requests arrive
-interleaved and are sorted per request. Request ids default to ``<client id>-<n>`` so several
-clients never collide (the engine rejects an id that is already in flight); an id the engine
-would refuse (not a string of 1..`protocol.MAX_REQUEST_ID_LEN` characters) is a `ValueError` at
+interleaved and are sorted per request. Request ids are scoped per client at the engine (two
+clients may use the same ids); they default to ``<client id>-<n>``, and reusing an id this client
+has in flight is a `ValueError` at ``submit``. An id the engine would refuse (not a string of 1..`protocol.MAX_REQUEST_ID_LEN` characters) is a `ValueError` at
 ``submit``, before anything is sent.
 
 An ``error`` from the engine that names no request (a message it could not even attribute) means
 one of this client's messages was dropped and nobody can tell which: every request still waiting
 for its first output is then failed (a final output with finish_reason ``error`` and the engine's
 reason) and aborted at the engine, so no caller waits forever for an answer that will not come.
+
+Two timeouts keep a caller from waiting forever (the seed's double timeout):
+- **liveness**: the engine sends a ``heartbeat`` to every handshaken client each
+  ``heartbeat_interval_s`` (announced in ``ready``). A client that hears nothing at all for
+  ``liveness_intervals`` intervals while requests are in flight fails every one of them with
+  finish_reason ``error`` and ``engine unreachable: ...``, and handshakes again (``hello``) before
+  its next request, so it reconnects to an engine that was restarted on the same endpoints.
+- **processing**: with ``request_timeout_s`` a request without its final output after that long
+  is aborted at the engine and finished locally with finish_reason ``timeout``.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import zmq.asyncio
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
+from vconsole.telemetry.curve import ClientCurve
 from vconsole.telemetry.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -85,16 +98,31 @@ def _sampling(kw: dict[str, Any]) -> dict[str, Any]:
 
 def _no_engine(input_endpoint: str, output_endpoint: str, timeout_s: float) -> TimeoutError:
     return TimeoutError(f"no engine answered at input={input_endpoint} output={output_endpoint} "
-                        f"within {timeout_s:g}s (is `vconsole engine` running there?)")
+                        f"within {timeout_s:g}s (is `vconsole engine` running there? An engine "
+                        "with CURVE keys answers only clients holding an authorised key pair "
+                        "and its server public key)")
 
 
 def _ready_info(header: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in header.items() if k not in ("v", "type")}
 
 
+DEFAULT_HEARTBEAT_S = 1.0   # until the engine's ready says otherwise
+LIVENESS_INTERVALS = 10
+ENGINE_UNREACHABLE = "engine unreachable"
+
+
 class _ClientBase:
     def __init__(self, input_endpoint: str, output_endpoint: str, timeout_s: float,
-                 client_id: bytes | None) -> None:
+                 client_id: bytes | None, curve: ClientCurve | None = None,
+                 liveness_intervals: float = LIVENESS_INTERVALS,
+                 request_timeout_s: float | None = None) -> None:
+        self.curve = curve
+        self.liveness_intervals = liveness_intervals
+        self.request_timeout_s = request_timeout_s
+        self.num_unreachable = 0                 # times the engine went silent
+        self._last_heard = time.monotonic()
+        self._deadlines: dict[str, float] = {}   # request id -> processing deadline
         self.input_endpoint = input_endpoint
         self.output_endpoint = output_endpoint
         self.timeout_s = timeout_s
@@ -108,6 +136,8 @@ class _ClientBase:
         for sock in (in_sock, out_sock):
             sock.setsockopt(zmq.IDENTITY, self.client_id)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                self.curve.apply(sock)
         # Unbounded receive queue: a slow reader must never make the engine think it is gone.
         out_sock.setsockopt(zmq.RCVHWM, 0)
         out_sock.connect(self.output_endpoint)
@@ -119,22 +149,82 @@ class _ClientBase:
         if request_id is None:
             self._seq += 1
             request_id = f"{self.client_id.decode()}-{self._seq}"
+        elif request_id in self._unanswered or request_id in self._in_flight_ids():
+            raise ValueError(f"request id {request_id!r} is in flight on this client")
         frames = protocol.encode_add(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
                                      sampling=_sampling(sampling), priority=priority)
         return request_id, frames
 
+    def _in_flight_ids(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    @property
+    def heartbeat_s(self) -> float:
+        return float(self.engine_info.get("heartbeat_interval_s") or DEFAULT_HEARTBEAT_S)
+
+    @property
+    def liveness_s(self) -> float:
+        """Silence after which the engine counts as unreachable."""
+        return self.liveness_intervals * self.heartbeat_s
+
+    def _tick_s(self) -> float:
+        """How often a waiting client checks liveness and deadlines."""
+        return min(0.25, self.heartbeat_s / 2)
+
+    def _submitted(self, request_id: str) -> None:
+        self._unanswered.add(request_id)
+        if self.request_timeout_s is not None:
+            self._deadlines[request_id] = time.monotonic() + self.request_timeout_s
+
+    def _check_timeouts(self, in_flight: Iterable[str]) -> tuple[list[RequestOutput], list[str]]:
+        """Final outputs for requests the engine will not answer: all of them when it has
+        been silent too long, else those past their processing deadline (to abort)."""
+        ids = list(in_flight)
+        if not ids:
+            self._last_heard = max(self._last_heard, time.monotonic() - self.liveness_s / 2)
+            return [], []
+        now = time.monotonic()
+        silent = now - self._last_heard
+        if silent > self.liveness_s:
+            reason = (f"{ENGINE_UNREACHABLE}: nothing heard from {self.output_endpoint} for "
+                      f"{silent:.1f} s (heartbeats every {self.heartbeat_s:g} s)")
+            self.num_unreachable += 1
+            self._disconnected()
+            return [RequestOutput(rid, finished=True, finish_reason="error", error=reason)
+                    for rid in ids], []
+        expired = [rid for rid in ids if self._deadlines.get(rid, now + 1) <= now]
+        for rid in expired:
+            self._unanswered.discard(rid)
+            del self._deadlines[rid]
+        return [RequestOutput(rid, finished=True, finish_reason="timeout",
+                              error=f"no final output within request_timeout_s "
+                                    f"{self.request_timeout_s:g} s; aborted")
+                for rid in expired], expired
+
+    def _disconnected(self) -> None:
+        """Forget the engine: the next request starts with a new handshake."""
+        self.engine_info = {}
+        self._unanswered.clear()
+        self._deadlines.clear()
+
     def _handle(self, frames: list[Any]) -> tuple[list[RequestOutput], list[str]]:
         """One engine message -> (outputs to route, request ids to abort at the engine)."""
+        self._last_heard = time.monotonic()
         header = protocol.decode([f.buffer if isinstance(f, zmq.Frame) else f for f in frames])
         kind = header["type"]
         if kind == protocol.OUTPUTS:
             outs = protocol.parse_outputs(header)
             for out in outs:
                 self._unanswered.discard(out.request_id)
+                if out.finished:
+                    self._deadlines.pop(out.request_id, None)
             return outs, []
         if kind == protocol.ERROR:
             rid = header.get("request_id")
             reason = str(header.get("reason"))
+            if rid and header.get("in_flight") is True:
+                self.protocol_errors.append(reason)  # that request goes on
+                return [], []
             if rid:
                 self._unanswered.discard(rid)
                 return [RequestOutput(rid, finished=True, finish_reason="error",
@@ -164,8 +254,11 @@ class EngineClient(_ClientBase):
     """
 
     def __init__(self, input_endpoint: str = DEFAULT_INPUT, output_endpoint: str = DEFAULT_OUTPUT,
-                 *, timeout_s: float = DEFAULT_TIMEOUT_S, client_id: bytes | None = None) -> None:
-        super().__init__(input_endpoint, output_endpoint, timeout_s, client_id)
+                 *, timeout_s: float = DEFAULT_TIMEOUT_S, client_id: bytes | None = None,
+                 curve: ClientCurve | None = None, liveness_intervals: float = LIVENESS_INTERVALS,
+                 request_timeout_s: float | None = None) -> None:
+        super().__init__(input_endpoint, output_endpoint, timeout_s, client_id, curve,
+                         liveness_intervals, request_timeout_s)
         self._ctx = zmq.Context(io_threads=1)
         self._in = self._ctx.socket(zmq.DEALER)
         self._out = self._ctx.socket(zmq.DEALER)
@@ -203,7 +296,7 @@ class EngineClient(_ClientBase):
             self.connect()
         rid, frames = self._add_frames(prompt, prompt_token_ids, request_id, priority, sampling)
         self._pending[rid] = deque()
-        self._unanswered.add(rid)
+        self._submitted(rid)
         self._in.send_multipart(frames, copy=False)
         return rid
 
@@ -215,6 +308,18 @@ class EngineClient(_ClientBase):
     def num_in_flight(self) -> int:
         return len(self._pending)
 
+    def _in_flight_ids(self) -> Iterable[str]:
+        return self._pending.keys()
+
+    def _disconnected(self) -> None:
+        super()._disconnected()
+        self._connected = False
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            if out.request_id in self._pending:
+                self._pending[out.request_id].append(out)
+
     def _route(self, frames: list[Any]) -> None:
         try:
             outs, to_abort = self._handle(frames)
@@ -223,17 +328,29 @@ class EngineClient(_ClientBase):
             return
         if to_abort:
             self.abort(to_abort)
-        for out in outs:
-            if out.request_id in self._pending:
-                self._pending[out.request_id].append(out)
+        self._deliver(outs)
 
     def _receive(self, deadline: float | None) -> None:
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
-        if not self._out.poll(wait):
-            raise TimeoutError("no output from the engine before the deadline")
-        self._route(self._out.recv_multipart(copy=False))
-        while self._out.poll(0):
-            self._route(self._out.recv_multipart(copy=False))
+        """Wait for the next engine message (or for a timeout to finish requests locally);
+        `TimeoutError` at ``deadline``."""
+        while True:
+            wait = self._tick_s()
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            received = self._out.poll(wait * 1000)
+            if received:
+                self._route(self._out.recv_multipart(copy=False))
+                while self._out.poll(0):
+                    self._route(self._out.recv_multipart(copy=False))
+            outs, to_abort = self._check_timeouts(
+                rid for rid, q in self._pending.items() if not (q and q[-1].finished))
+            if to_abort:
+                self.abort(to_abort)
+            self._deliver(outs)
+            if received or outs:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("no output from the engine before the deadline")
 
     def stream(self, request_id: str, timeout_s: float | None = None) -> Iterator[RequestOutput]:
         """Yield one request's outputs (token deltas, then the final one) as they arrive,
@@ -293,24 +410,47 @@ class AsyncEngineClient(_ClientBase):
     of tasks can each await their own request's stream."""
 
     def __init__(self, input_endpoint: str = DEFAULT_INPUT, output_endpoint: str = DEFAULT_OUTPUT,
-                 *, timeout_s: float = DEFAULT_TIMEOUT_S, client_id: bytes | None = None) -> None:
-        super().__init__(input_endpoint, output_endpoint, timeout_s, client_id)
+                 *, timeout_s: float = DEFAULT_TIMEOUT_S, client_id: bytes | None = None,
+                 curve: ClientCurve | None = None, liveness_intervals: float = LIVENESS_INTERVALS,
+                 request_timeout_s: float | None = None) -> None:
+        super().__init__(input_endpoint, output_endpoint, timeout_s, client_id, curve,
+                         liveness_intervals, request_timeout_s)
         self._ctx = zmq.asyncio.Context(io_threads=1)
         self._in = self._ctx.socket(zmq.DEALER)
         self._out = self._ctx.socket(zmq.DEALER)
         self._configure(self._in, self._out)
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
 
     async def connect(self) -> AsyncEngineClient:
+        """Handshake with the engine; `TimeoutError` if none answers within ``timeout_s``."""
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read_loop())
+            self._watchdog = asyncio.create_task(self._watch_loop())
         await self._in.send_multipart(protocol.encode_hello(), copy=False)
-        self._reader = asyncio.create_task(self._read_loop())
         try:
             await asyncio.wait_for(self._ready.wait(), self.timeout_s)
         except TimeoutError:
             raise _no_engine(self.input_endpoint, self.output_endpoint, self.timeout_s) from None
         return self
+
+    def _disconnected(self) -> None:
+        super()._disconnected()
+        self._ready.clear()
+
+    async def _watch_loop(self) -> None:
+        """Finish requests the engine will not answer (silence, or request_timeout_s)."""
+        while True:
+            await asyncio.sleep(self._tick_s())
+            outs, to_abort = self._check_timeouts(self._queues.keys())
+            if to_abort:
+                await self.abort(to_abort)
+            for out in outs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
 
     async def __aenter__(self) -> AsyncEngineClient:
         try:
@@ -323,11 +463,12 @@ class AsyncEngineClient(_ClientBase):
         await self.close()
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-            self._reader = None
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._reader = self._watchdog = None
         self._in.close(0)
         self._out.close(0)
         self._ctx.term()
@@ -352,11 +493,16 @@ class AsyncEngineClient(_ClientBase):
     async def submit(self, prompt: str | None = None, *,
                      prompt_token_ids: Sequence[int] | None = None, request_id: str | None = None,
                      priority: int = 0, **sampling: Any) -> str:
+        if not self._ready.is_set():
+            await self.connect()  # a new handshake after the engine went silent
         rid, frames = self._add_frames(prompt, prompt_token_ids, request_id, priority, sampling)
         self._queues[rid] = asyncio.Queue()
-        self._unanswered.add(rid)
+        self._submitted(rid)
         await self._in.send_multipart(frames, copy=False)
         return rid
+
+    def _in_flight_ids(self) -> Iterable[str]:
+        return self._queues.keys()
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         queue = self._queues[request_id]

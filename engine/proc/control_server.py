@@ -3,8 +3,11 @@
 It owns the control ROUTER (bound by `EngineCoreProc` with the other sockets, so a busy port
 fails fast) and the thread ``engine-control``, which from `ControlServer.start` on is the only one
 to touch that socket and closes it when it stops. It also owns the control key
-(`vconsole.engine.proc.control_key_file`): made and written to its 0600 file when the server is
-made, checked against every ``set_config``, the file removed when the thread stops.
+(`vconsole.engine.proc.control_key_file`): made and written to its 0600 file (with its owner
+record) when the server is made, checked against every ``set_config``, the file removed when the
+thread stops. The key is checked also when the socket is CURVE (`curve_server`): CURVE admits
+every authorised client, including load generators and dashboards, while only holders of this
+start's key may change the engine.
 
 - ``get_config`` is answered at once from ``config_view()``, the config the busy loop last
   published; this thread never touches the core.
@@ -87,13 +90,14 @@ class ControlServer:
     whoever made it). ``endpoint``: the endpoint it bound, which names the key file unless
     ``key_file`` does. ``config_view()``: the busy loop's last published (version, config).
     ``submit(call)``: hands a `ControlCall` to the busy loop. ``stop``: set once, at shutdown.
-    Raises OSError when the key file cannot be written."""
+    ``engine_id`` goes into the key's owner record. Raises OSError when the key file cannot be
+    written, `control_key_file.KeyFileHeld` when a running engine holds it."""
 
     def __init__(self, sock: zmq.Socket, endpoint: str, *,
                  key_file: str | os.PathLike[str] | None,
                  config_view: Callable[[], tuple[int, EngineConfig]],
                  submit: Callable[[ControlCall], None], stop: threading.Event,
-                 poll_ms: int = 200) -> None:
+                 poll_ms: int = 200, engine_id: str = "") -> None:
         self._sock = sock
         self._config_view = config_view
         self._submit = submit
@@ -102,7 +106,10 @@ class ControlServer:
         self._key = control_key_file.new_key()
         self.key_path = key_path(endpoint, key_file)
         try:
-            control_key_file.write_key_file(self.key_path, self._key)
+            control_key_file.claim_key_file(self.key_path, self._key, engine_id=engine_id,
+                                            endpoint=endpoint)
+        except control_key_file.KeyFileHeld:
+            raise
         except OSError as e:
             raise OSError(f"cannot write the control key file {self.key_path}: {e}") from None
         log.info("control key: %s (mode 0600; clients need it to change the config)",

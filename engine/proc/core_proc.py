@@ -36,6 +36,11 @@ at shutdown (``abort``), unless its client is gone.
 
 ``log_stats`` (hot): the busy loop logs one stats line every few seconds while there is work
 (`vconsole.engine.proc.stats_log`). Which endpoints may bind beyond loopback: `vconsole.engine.proc.bind_policy`.
+
+A step whose model execution raises fails only its own requests (`vconsole.engine.core`); after
+``max_consecutive_step_failures`` such steps in a row the loop drains and the process exits with
+`vconsole.engine.proc.exit_codes.STEP_FAILURES` (``exit_code``), for the supervisor to restart
+it (`vconsole.engine.proc.supervisor`).
 """
 
 from __future__ import annotations
@@ -46,21 +51,28 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from vconsole.engine.config import ConfigUpdate, EngineConfig
 from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.proc import protocol
+from vconsole.engine.proc import exit_codes, protocol
 from vconsole.engine.proc.bind_policy import check_endpoints, secure_socket
 from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, read_file
+from vconsole.engine.proc.control_key_file import refuse_if_held
 from vconsole.engine.proc.control_server import ControlCall, ControlServer
 from vconsole.engine.proc.ready_file import ready_record, remove_ready_file, write_ready_file
+from vconsole.engine.proc.request_registry import RequestRegistry
 from vconsole.engine.proc.stats_log import StatsLog
-from vconsole.engine.request import FinishReason
+from vconsole.engine.request import FinishReason, Request
 from vconsole.telemetry import control
+from vconsole.telemetry.control_key import key_path
 from vconsole.telemetry.publisher import TelemetryPublisher
+
+if TYPE_CHECKING:
+    from vconsole.engine.proc.curve_server import CurveAuthenticator, ServerCurve
 
 log = logging.getLogger("vconsole.engine")
 
@@ -71,9 +83,12 @@ DRAIN_TIMEOUT_S = 5.0     # steps run at shutdown to deliver the final (abort) o
 STALL_WAIT_S = 0.005      # a step that scheduled nothing is followed by this wait (no spin)
 PUBLISHER_CLOSE_S = 5.0   # at shutdown, how long the telemetry thread gets to stop
 
+INLINE_PROMPT_CHARS = 2048  # longer text prompts are tokenized off the busy loop
+PREPARE_WORKERS = 2         # threads that tokenize and validate long prompts
+
 # Input queue items: (kind, ...). SimpleQueue because signal handlers put on it (reentrant).
-ADD, ABORT, CONTROL, CLIENT_GONE, RELOAD, SHUTDOWN = (
-    "add", "abort", "control", "client_gone", "reload", "shutdown")
+ADD, ADD_READY, REJECT, ABORT, CONTROL, CLIENT_GONE, RELOAD, SHUTDOWN = (
+    "add", "add_ready", "reject", "abort", "control", "client_gone", "reload", "shutdown")
 _STOP = ("stop",)         # output queue sentinel
 SENT, NO_ROUTE, FULL = "sent", "no route", "full"  # EngineCoreProc._send results
 
@@ -88,18 +103,27 @@ class EngineCoreProc:
                  config_path: str | None = None, allow_remote: bool = False, core: Any = None,
                  input_queue: queue.SimpleQueue[tuple[Any, ...]] | None = None,
                  control_key_file: str | None = None,
-                 ready_file: str | os.PathLike[str] | None = None) -> None:
-        check_endpoints(endpoints, allow_remote)
+                 ready_file: str | os.PathLike[str] | None = None,
+                 curve: ServerCurve | None = None,
+                 restart_count: int = 0, restart_reason: str | None = None) -> None:
+        check_endpoints(endpoints, allow_remote, curve=curve is not None)
+        refuse_if_held(key_path(endpoints["control"], control_key_file))  # before any bind
+        self.curve = curve
+        self._auth: CurveAuthenticator | None = None
         self.config_path = config_path
         self.ready_file = ready_file
         self.input_queue: queue.SimpleQueue[tuple[Any, ...]] = input_queue or queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._io_stop = threading.Event()
-        self._owners: dict[str, bytes] = {}     # request id in flight -> client id (busy loop)
+        self._requests = RequestRegistry()      # engine id <-> (client, its id); busy loop only
+        self._preparing: set[str] = set()       # engine ids being tokenized off the busy loop
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS,
+                                                thread_name_prefix="engine-prepare")
         self._stopping: str | None = None       # why the busy loop is leaving
         self._dirty = True                      # state changed since the last snapshot
         self.state = "starting"
         self._stats_log = StatsLog()
+        self.exit_code = exit_codes.OK            # what `vconsole engine` returns after the loop
         # Created first: its baseline is the file as loaded, so an edit made while the model
         # loads is noticed at the first poll.
         self._watcher = (ConfigFileWatcher(config_path, lambda: self.input_queue.put(
@@ -109,6 +133,8 @@ class EngineCoreProc:
         self.endpoints = dict(endpoints)
         self._sockets: dict[str, zmq.Socket] = {}
         try:
+            if curve is not None:   # the ZAP handler runs before the first CURVE socket binds
+                self._auth = curve.start_authenticator(self.ctx)
             self._sockets["input"] = self._bind(zmq.ROUTER, "input", config)
             self._sockets["output"] = self._bind(zmq.ROUTER, "output", config)
             self._sockets["control"] = self._bind(zmq.ROUTER, "control", config)
@@ -117,7 +143,7 @@ class EngineCoreProc:
                 self._sockets["control"], self.endpoints["control"], key_file=control_key_file,
                 config_view=lambda: self._config_view,
                 submit=lambda call: self.input_queue.put((CONTROL, call)),
-                stop=self._io_stop, poll_ms=IO_POLL_MS)
+                stop=self._io_stop, poll_ms=IO_POLL_MS, engine_id=config.engine_id)
             out = self._sockets["output"]
             out.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
@@ -127,7 +153,11 @@ class EngineCoreProc:
             self.core = core
             self.publisher = TelemetryPublisher(self.ctx, endpoints["telemetry"],
                                                 core.config.engine_id, core.config.dp_rank,
-                                                core.config)
+                                                core.config, secure=lambda sock: secure_socket(
+                                                    sock, "telemetry", endpoints["telemetry"],
+                                                    curve),
+                                                restart_count=restart_count,
+                                                restart_reason=restart_reason)
             self.publisher.start()
             self.endpoints["telemetry"] = self.publisher.endpoint
         except BaseException:
@@ -135,6 +165,8 @@ class EngineCoreProc:
                 self.control_server.remove_key_file()
             for sock in self._sockets.values():
                 sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
             self.ctx.term()
             raise
         self._config_view = (core.config_version, core.config)  # read by the I/O threads
@@ -157,7 +189,7 @@ class EngineCoreProc:
             sock.setsockopt(zmq.LINGER, config.zmq_linger_ms)
             sock.setsockopt(zmq.SNDHWM, config.zmq_sndhwm)
             sock.setsockopt(zmq.MAXMSGSIZE, config.zmq_maxmsgsize)
-            secure_socket(sock, name, self.endpoints[name])
+            secure_socket(sock, name, self.endpoints[name], self.curve)
             sock.bind(self.endpoints[name])
             self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoints[name]
         except zmq.ZMQError as e:
@@ -230,9 +262,25 @@ class EngineCoreProc:
             self._stats_log.record(self.core.last_step)
         self._emit(outputs)
         self._dirty = True
+        self._check_step_failures()
         if not scheduled:
             with contextlib.suppress(queue.Empty):
                 self._handle_input(self.input_queue.get(timeout=STALL_WAIT_S))
+
+    def _check_step_failures(self) -> None:
+        """Model execution failed on ``max_consecutive_step_failures`` steps in a row (each
+        failure already failed its own requests, `vconsole.engine.core`): this process cannot
+        serve any more, so drain (every request left gets its final output) and exit with
+        `exit_codes.STEP_FAILURES`, for the supervisor to start a fresh process."""
+        failures = getattr(self.core, "consecutive_step_failures", 0)
+        if failures < self.core.config.max_consecutive_step_failures \
+                or self.exit_code != exit_codes.OK:
+            return
+        self.exit_code = exit_codes.STEP_FAILURES
+        log.critical("model execution failed on %d steps in a row (last: %s): stopping the "
+                     "engine with exit code %d so that it is restarted", failures,
+                     getattr(self.core, "last_step_error", None), exit_codes.STEP_FAILURES)
+        self.request_shutdown("model execution keeps failing")
 
     def _maybe_snapshot(self) -> None:
         if self.publisher.snapshot_due():
@@ -248,27 +296,35 @@ class EngineCoreProc:
             self._dirty = True
 
     def _emit(self, outputs: dict[bytes, list[RequestOutput]]) -> None:
+        """Send outputs keyed by engine id to their clients, under the clients' own ids."""
         for client_id, outs in outputs.items():
             for out in outs:
+                owner = self._requests.owner(out.request_id)
+                if owner is None:
+                    continue  # not a client's request (cannot happen; never mis-deliver)
                 if out.finished:
-                    self._owners.pop(out.request_id, None)
+                    self._requests.close(out.request_id)
+                out.request_id = owner[1]
             self.output_queue.put((protocol.OUTPUTS, client_id, outs))
 
     def _handle_input(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == ADD:
             self._add(item[1], item[2])
+        elif kind == ADD_READY:
+            self._add_ready(item[1], item[2], item[3])
+        elif kind == REJECT:
+            self._reject_message(item[1], item[2], item[3])
         elif kind == ABORT:
-            client_id, ids = item[1], item[2]
-            self.core.abort_requests([i for i in ids if self._owners.get(i) == client_id])
+            self._abort(item[1], item[2])
         elif kind == CONTROL:
             self._apply_control(item[1])
         elif kind == CLIENT_GONE:
-            ids = [rid for rid, owner in self._owners.items() if owner == item[1]]
+            ids = self._requests.of_client(item[1])
             if ids:
                 log.warning("client %s is gone: aborting its %d request(s)",
                             item[1].decode(errors="replace"), len(ids))
-                self.core.abort_requests(ids)
+                self._abort_engine_ids(ids)
         elif kind == RELOAD:
             self._reload_config_file(item[1])
         elif kind == SHUTDOWN and self._stopping is None:
@@ -276,28 +332,91 @@ class EngineCoreProc:
             self._stopping = item[1]
         self._dirty = True
 
+    # Requests in: every message that names a request gets that request's final output, and
+    # exactly one — unless the request it names is in flight, which goes on (an ``error`` with
+    # ``in_flight`` tells the client so).
+
     def _reject(self, client_id: bytes, request_id: str, reason: str) -> None:
+        """The final output of a request that never got an engine id."""
         self.output_queue.put((protocol.OUTPUTS, client_id, [RequestOutput(
             request_id, finished=True, finish_reason=FinishReason.ERROR.value, error=reason)]))
+
+    def _reject_message(self, client_id: bytes, request_id: str, reason: str) -> None:
+        """A message naming ``request_id`` that could not be read (from the input thread)."""
+        if self._requests.lookup(client_id, request_id) is not None:
+            self.output_queue.put((protocol.ERROR, client_id, reason, request_id, True))
+        else:
+            self._reject(client_id, request_id, reason)
+
+    def _finish_unqueued(self, engine_id: str, reason: FinishReason, error: str | None) -> None:
+        """The final output of a request that has an engine id but never reached the core."""
+        owner = self._requests.owner(engine_id)
+        if owner is not None:
+            self._emit({owner[0]: [RequestOutput(engine_id, finished=True,
+                                                 finish_reason=reason.value, error=error)]})
 
     def _add(self, client_id: bytes, msg: protocol.AddMessage) -> None:
         if self._stopping is not None:
             return self._reject(client_id, msg.request_id, "engine is shutting down")
-        if msg.request_id in self._owners:
-            return self._reject(client_id, msg.request_id,
-                                f"duplicate request id {msg.request_id!r}: one is in flight")
-        try:
-            req = self.core.make_request(msg.request_id, prompt=msg.prompt,
-                                         prompt_token_ids=msg.prompt_token_ids,
-                                         sampling=msg.sampling, priority=msg.priority,
-                                         client_id=client_id)
-        except ValueError as e:
-            return self._reject(client_id, msg.request_id, str(e))
-        rejected = self.core.add_request(req)
-        if rejected is not None:
-            self.output_queue.put((protocol.OUTPUTS, client_id, [rejected]))
+        engine_id = self._requests.open(client_id, msg.request_id)
+        if engine_id is None:
+            self.output_queue.put((protocol.ERROR, client_id,
+                                   f"duplicate request id {msg.request_id!r}: one is in flight "
+                                   "(it goes on)", msg.request_id, True))
+            return
+        if msg.prompt is not None and len(msg.prompt) > INLINE_PROMPT_CHARS:
+            self._preparing.add(engine_id)
+            self._prepare_pool.submit(self._prepare_off_loop, engine_id, client_id, msg)
         else:
-            self._owners[msg.request_id] = client_id
+            self._admit(engine_id, client_id, self._make_request(engine_id, client_id, msg))
+
+    def _make_request(self, engine_id: str, client_id: bytes,
+                      msg: protocol.AddMessage) -> Request | str:
+        """Tokenize and validate: the Request, or why it was refused. Thread-safe (the core's
+        tokenizer and limits are only read)."""
+        try:
+            return self.core.make_request(engine_id, prompt=msg.prompt,
+                                          prompt_token_ids=msg.prompt_token_ids,
+                                          sampling=msg.sampling, priority=msg.priority,
+                                          client_id=client_id)
+        except ValueError as e:
+            return str(e)
+        except Exception as e:  # a tokenizer failure must cost this request only
+            return f"could not prepare the request: {type(e).__name__}: {e}"
+
+    def _prepare_off_loop(self, engine_id: str, client_id: bytes,
+                          msg: protocol.AddMessage) -> None:
+        self.input_queue.put((ADD_READY, engine_id, client_id,
+                              self._make_request(engine_id, client_id, msg)))
+
+    def _add_ready(self, engine_id: str, client_id: bytes, result: Request | str) -> None:
+        if engine_id not in self._preparing:
+            return  # aborted, or its client left, while it was prepared: already answered
+        self._preparing.discard(engine_id)
+        self._admit(engine_id, client_id, result)
+
+    def _admit(self, engine_id: str, client_id: bytes, result: Request | str) -> None:
+        if isinstance(result, str):
+            return self._finish_unqueued(engine_id, FinishReason.ERROR, result)
+        rejected = self.core.add_request(result)
+        if rejected is not None:
+            self._emit({client_id: [rejected]})
+
+    def _abort(self, client_id: bytes, request_ids: list[str]) -> None:
+        ids = [eid for rid in request_ids
+               if (eid := self._requests.lookup(client_id, rid)) is not None]
+        self._abort_engine_ids(ids)
+
+    def _abort_engine_ids(self, engine_ids: list[str]) -> None:
+        in_core = []
+        for eid in engine_ids:
+            if eid in self._preparing:
+                self._preparing.discard(eid)
+                self._finish_unqueued(eid, FinishReason.ABORT, None)
+            else:
+                in_core.append(eid)
+        if in_core:
+            self.core.abort_requests(in_core)
 
     def _apply_control(self, call: ControlCall) -> None:
         """The busy loop's half of a ``set_config`` (`vconsole.engine.proc.control_server`):
@@ -352,7 +471,8 @@ class EngineCoreProc:
         if self._watcher is not None:
             self._watcher.stop()
         self._drain_queue()
-        self.core.abort_requests(list(self._owners))
+        self._abort_engine_ids(self._requests.engine_ids())
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while self.core.has_unfinished_requests() and time.monotonic() < deadline:
             outputs, _ = self.core.step()
@@ -369,6 +489,8 @@ class EngineCoreProc:
         if self.publisher.is_alive():
             log.warning("the telemetry thread did not stop within %g s; closing its socket",
                         PUBLISHER_CLOSE_S)
+        if self._auth is not None:                   # its sockets live in this context
+            self._auth.stop()
         # Every other socket was closed by its thread; destroy closes what is left (never
         # term() alone: it waits forever for a socket still open).
         self.ctx.destroy(linger=0)
@@ -398,7 +520,11 @@ class EngineCoreProc:
             header = protocol.decode([f.buffer for f in frames[1:]])
             kind = header["type"]
             if kind == protocol.ADD:
-                self.input_queue.put((ADD, client_id, protocol.parse_add(header)))
+                config = self._config_view[1]
+                max_len = self.ready_info.get("max_model_len")
+                msg = protocol.parse_add(header, max_prompt_chars=config.max_prompt_chars,
+                                         max_prompt_tokens=max_len - 1 if max_len else None)
+                self.input_queue.put((ADD, client_id, msg))
             elif kind == protocol.ABORT:
                 self.input_queue.put((ABORT, client_id, protocol.parse_abort(header)))
             elif kind == protocol.HELLO:
@@ -409,7 +535,10 @@ class EngineCoreProc:
         except protocol.ProtocolError as e:
             log.warning("rejected a message from client %s: %s",
                         client_id.decode(errors="replace"), e.reason)
-            self.output_queue.put((protocol.ERROR, client_id, e.reason, e.request_id))
+            if e.request_id is not None:    # the busy loop knows whether it is in flight
+                self.input_queue.put((REJECT, client_id, e.request_id, e.reason))
+            else:
+                self.output_queue.put((protocol.ERROR, client_id, e.reason, None, False))
 
     # --- output thread ---------------------------------------------------------------------------
 
@@ -417,16 +546,23 @@ class EngineCoreProc:
         sock = self._sockets["output"]
         hellos: dict[bytes, float] = {}   # client id -> give-up time, while its route is unknown
         gone: set[bytes] = set()
+        clients: set[bytes] = set()       # handshaken clients: they get heartbeats
+        next_beat = time.monotonic()
         try:
             while True:
+                wait = max(0.0, next_beat - time.monotonic())
                 try:
-                    item = self.output_queue.get(timeout=HELLO_RETRY_S if hellos else None)
+                    item = self.output_queue.get(timeout=min(wait, HELLO_RETRY_S) if hellos
+                                                 else wait)
                 except queue.Empty:
                     item = None
                 if item is _STOP:
                     return
                 if item is not None:
                     self._on_output(sock, item, hellos, gone)
+                if time.monotonic() >= next_beat:
+                    self._send_heartbeats(sock, clients, gone)
+                    next_beat = time.monotonic() + self._config_view[1].client_heartbeat_s
                 for client_id, give_up in list(hellos.items()):
                     sent = self._send(sock, client_id, protocol.encode_ready(self._ready()))
                     if sent == NO_ROUTE:
@@ -436,13 +572,31 @@ class EngineCoreProc:
                                         client_id.decode(errors="replace"))
                     else:
                         del hellos[client_id]
+                        clients.add(client_id)
                         if sent == FULL:
                             self._client_gone(client_id, sent, gone)
         finally:
             sock.close()
 
     def _ready(self) -> dict[str, Any]:
-        return {**self.ready_info, "config_version": self._config_view[0]}
+        return {**self.ready_info, "config_version": self._config_view[0],
+                "heartbeat_interval_s": self._config_view[1].client_heartbeat_s}
+
+    def _send_heartbeats(self, sock: zmq.Socket, clients: set[bytes], gone: set[bytes]) -> None:
+        """Every handshaken client hears from the engine at least once per
+        ``client_heartbeat_s``, busy or idle: its liveness signal. A client whose route is gone
+        is forgotten; one whose queue is full is treated as any stuck client."""
+        frames = protocol.encode_heartbeat(self.ready_info["engine_id"])
+        for client_id in list(clients):
+            if client_id in gone:
+                clients.discard(client_id)
+                continue
+            sent = self._send(sock, client_id, frames)
+            if sent == NO_ROUTE:
+                clients.discard(client_id)
+            elif sent == FULL:
+                clients.discard(client_id)
+                self._client_gone(client_id, sent, gone)
 
     def _on_output(self, sock: zmq.Socket, item: tuple[Any, ...], hellos: dict[bytes, float],
                    gone: set[bytes]) -> None:
@@ -455,11 +609,8 @@ class EngineCoreProc:
             return
         if kind == protocol.OUTPUTS:
             frames = protocol.encode_outputs(item[2])
-        elif item[3] is not None:       # ERROR naming a request: that request's final output
-            frames = protocol.encode_outputs([RequestOutput(
-                item[3], finished=True, finish_reason=FinishReason.ERROR.value, error=item[2])])
-        else:
-            frames = protocol.encode_error(item[2])
+        else:                           # ERROR: (reason, request id or None, in flight)
+            frames = protocol.encode_error(item[2], item[3], item[4])
         sent = self._send(sock, client_id, frames)
         if sent != SENT:
             self._client_gone(client_id, sent, gone)

@@ -15,14 +15,19 @@ client -> engine (input socket)
     ``add``    {request_id, prompt | prompt_token_ids, sampling{...}, priority}
     ``abort``  {request_ids}
 engine -> client (output socket)
-    ``ready``   {engine_id, config_version, vocab_size, max_model_len}
+    ``ready``   {engine_id, config_version, vocab_size, max_model_len, heartbeat_interval_s}
+    ``heartbeat`` {engine_id}                           every heartbeat_interval_s to each client
+                                                        that said hello: its liveness signal
     ``outputs`` {outputs: [{request_id, new_token_ids, finished, finish_reason, text,
                  num_prompt_tokens, num_cached_tokens, num_output_tokens, num_preemptions,
                  error}]}
-    ``error``   {reason, request_id}                    a message the engine could not accept
+    ``error``   {reason, request_id, in_flight}         a message the engine could not accept
 
-Invariant: `decode` and the ``parse_*`` functions never raise anything but `ProtocolError`, so a
-malformed frame costs the engine one reply, never its input thread.
+Invariants: `decode` and the ``parse_*`` functions never raise anything but `ProtocolError`, so a
+malformed frame costs the engine one reply, never its input thread. A `ProtocolError` carries the
+request id whenever the message named one in a readable header, even if the rest of the message
+(frame count, array references, version) is bad, so the engine can answer that request with its
+final output. ``v`` must be the integer 1 (not ``true``, not ``1.0``).
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ MAX_FRAMES = 8
 MAX_REQUEST_ID_LEN = 256
 TOKEN_DTYPE = np.dtype("<i4")
 
-HELLO, READY, ADD, ABORT, OUTPUTS, ERROR = "hello", "ready", "add", "abort", "outputs", "error"
+HELLO, READY, ADD, ABORT, OUTPUTS, ERROR, HEARTBEAT = (
+    "hello", "ready", "add", "abort", "outputs", "error", "heartbeat")
 CLIENT_TYPES = frozenset({HELLO, ADD, ABORT})
-ENGINE_TYPES = frozenset({READY, OUTPUTS, ERROR})
+ENGINE_TYPES = frozenset({READY, OUTPUTS, ERROR, HEARTBEAT})
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids",
                  "ignore_eos")
@@ -96,7 +102,8 @@ def decode(frames: Sequence[Any]) -> dict[str, Any]:
     if not frames:
         raise ProtocolError("empty message")
     if len(frames) > MAX_FRAMES:
-        raise ProtocolError(f"too many frames ({len(frames)} > {MAX_FRAMES})")
+        raise ProtocolError(f"too many frames ({len(frames)} > {MAX_FRAMES})",
+                            _salvage_request_id(frames[0]))
 
     def ext_hook(code: int, data: bytes) -> Any:
         if code != EXT_ARRAY or len(data) < 5:
@@ -118,20 +125,36 @@ def decode(frames: Sequence[Any]) -> dict[str, Any]:
 
     try:
         header = msgpack.unpackb(frames[0], ext_hook=ext_hook, raw=False, strict_map_key=True)
-    except ProtocolError:
-        raise
+    except ProtocolError as e:
+        raise ProtocolError(e.reason, _salvage_request_id(frames[0])) from None
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"undecodable header: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header must be a msgpack map")
-    rid = header.get("request_id")
-    rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
-    if header.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {header.get('v')!r} not supported (this side "
-                            f"speaks {PROTOCOL_VERSION})", rid)
+    rid = _request_id_of(header)
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} not supported (this side speaks "
+                            f"the integer {PROTOCOL_VERSION})", rid)
     if not isinstance(header.get("type"), str):
         raise ProtocolError("header has no 'type'", rid)
     return header
+
+
+def _request_id_of(header: dict[Any, Any]) -> str | None:
+    rid = header.get("request_id")
+    return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
+
+
+def _salvage_request_id(frame: Any) -> str | None:
+    """The request id of a header whose message is otherwise unusable (too many frames, a bad
+    array reference), so its request can still get a final output; None if there is none."""
+    try:
+        header = msgpack.unpackb(frame, ext_hook=lambda code, data: None, raw=False,
+                                 strict_map_key=True)
+    except Exception:  # garbage: nothing to salvage
+        return None
+    return _request_id_of(header) if isinstance(header, dict) else None
 
 
 # --- client -> engine ----------------------------------------------------------------------
@@ -242,8 +265,12 @@ def parse_sampling(raw: Any, rid: str | None) -> SamplingParams:
     return params
 
 
-def parse_add(header: dict[str, Any]) -> AddMessage:
-    """Validate an ``add`` header into plain values the engine can use as they are."""
+def parse_add(header: dict[str, Any], *, max_prompt_chars: int | None = None,
+              max_prompt_tokens: int | None = None) -> AddMessage:
+    """Validate an ``add`` header into plain values the engine can use as they are.
+
+    The size limits are checked first, before any per-token work, so an oversized prompt costs
+    the receiver a length comparison, not a conversion."""
     rid = header.get("request_id")
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_LEN:
         raise ProtocolError(f"request_id must be a string of 1..{MAX_REQUEST_ID_LEN} characters")
@@ -252,6 +279,13 @@ def parse_add(header: dict[str, Any]) -> AddMessage:
         raise ProtocolError("give exactly one of prompt and prompt_token_ids", rid)
     if prompt is not None and not isinstance(prompt, str):
         raise ProtocolError("prompt must be a string", rid)
+    if prompt is not None and max_prompt_chars is not None and len(prompt) > max_prompt_chars:
+        raise ProtocolError(f"prompt of {len(prompt)} characters exceeds max_prompt_chars "
+                            f"{max_prompt_chars}", rid)
+    if ids is not None and max_prompt_tokens is not None and isinstance(ids, np.ndarray | list) \
+            and len(ids) > max_prompt_tokens:
+        raise ProtocolError(f"prompt of {len(ids)} tokens cannot fit: max_model_len allows at "
+                            f"most {max_prompt_tokens} prompt tokens", rid)
     token_ids = _token_ids(ids, "prompt_token_ids", rid) if ids is not None else None
     sampling = parse_sampling(header.get("sampling", {}), rid)
     priority = _int(header.get("priority", 0), "priority", rid)
@@ -271,8 +305,16 @@ def encode_ready(info: dict[str, Any]) -> Frames:
     return encode({"type": READY, **info})
 
 
-def encode_error(reason: str, request_id: str | None = None) -> Frames:
-    return encode({"type": ERROR, "reason": reason, "request_id": request_id})
+def encode_heartbeat(engine_id: str) -> Frames:
+    return encode({"type": HEARTBEAT, "engine_id": engine_id})
+
+
+def encode_error(reason: str, request_id: str | None = None, in_flight: bool = False) -> Frames:
+    """``in_flight``: the message named a request of this client that is still running (a
+    duplicate id, or a bad message reusing it); that request goes on and gets its own final
+    output, so the client must not finish it on this error."""
+    return encode({"type": ERROR, "reason": reason, "request_id": request_id,
+                   "in_flight": in_flight})
 
 
 def _output_to_wire(out: RequestOutput) -> dict[str, Any]:

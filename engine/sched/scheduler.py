@@ -21,7 +21,9 @@ Each step:
 Per-step cost is O(running + admitted * log waiting), never O(waiting).
 
 Call `update_from_output` after every `schedule()` (with an empty `ModelRunnerOutput` when
-nothing ran): it is also where requests finished by abort or timeout are reported.
+nothing ran): it is also where requests finished by abort or timeout are reported, and those
+of a step whose model execution raised (`fail_step`: that step's requests finish with
+``error``, everyone else keeps running).
 
 The runner never sees a `Request`: `_build_output` turns the step into plain data
 (`vconsole.engine.sched.output`), sending a request whole the first time and only what changed
@@ -85,6 +87,8 @@ class Scheduler:
         self._num_preempted_waiting = 0
         self.num_preemptions_total = 0
         self.num_finished_total = 0
+        self.num_prompt_tokens_total = 0      # see update_from_output
+        self.num_generation_tokens_total = 0
 
     # --- requests in and out ------------------------------------------------------------------
     @property
@@ -143,6 +147,14 @@ class Scheduler:
         ignored. Reported by the next `update_from_output`."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        self.finish_requests(request_ids, FinishReason.ABORT)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason, *,
+                        error: str | None = None) -> None:
+        """Finish waiting or running requests with ``reason`` (and ``error``, the reason a
+        person reads); unknown or finished ids are ignored. Reported by the next
+        `update_from_output`; the runner forgets them through ``finished_req_ids``, as it
+        forgets any finished request."""
         for rid in request_ids:
             req = self._requests.get(rid)
             if req is None:
@@ -151,7 +163,20 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self._leave_waiting(req)
-            self._finish(req, FinishReason.ABORT)
+            if error is not None:
+                req.error = error
+            self._finish(req, reason)
+
+    def fail_step(self, so: SchedulerOutput, error: str) -> None:
+        """The runner raised on ``so``: every request it scheduled finishes with ``error``;
+        the others (waiting, or running but not in this step) are untouched.
+
+        The runner may have raised before it read ``so``, so the ids ``so`` told it to forget
+        are sent again with the next step (forgetting is idempotent, and applied before
+        anything new). Call `update_from_output` with an empty `ModelRunnerOutput` afterwards,
+        as after any step: it reports these requests."""
+        self._finished_req_ids.update(so.finished_req_ids, so.preempted_req_ids)
+        self.finish_requests(list(so.num_scheduled_tokens), FinishReason.ERROR, error=error)
 
     def _leave_waiting(self, req: Request) -> None:
         self.waiting.remove(req.request_id)
@@ -307,7 +332,15 @@ class Scheduler:
                            out: ModelRunnerOutput) -> list[tuple[Request, RequestOutput]]:
         """Advance computed tokens, append sampled tokens, apply stop rules, release finished
         requests. Returns an output for every request that got a token or finished (including
-        those aborted or timed out since the last call)."""
+        those aborted or timed out since the last call).
+
+        The token counters count as vLLM's ``vllm:generation_tokens`` / ``vllm:prompt_tokens``
+        do (its output processor, per engine output): ``num_generation_tokens_total`` +1 for
+        every sampled token appended here, each of which goes out in the request's next output;
+        ``num_prompt_tokens_total`` + the whole prompt (prefix-cache hits included) once per
+        request, when its first token is sampled. A request that finishes before its first
+        token (aborted, timed out, rejected) adds no prompt tokens, and recomputing a prompt
+        after a preemption adds none again."""
         results: list[tuple[Request, RequestOutput]] = []
         for req in self._finished.values():
             results.append((req, self._make_output(req)))
@@ -330,6 +363,9 @@ class Scheduler:
                 reason: FinishReason | None = FinishReason.ERROR
             else:
                 req.output_token_ids.append(token)
+                self.num_generation_tokens_total += 1
+                if len(req.output_token_ids) == 1:
+                    self.num_prompt_tokens_total += req.num_prompt_tokens
                 reason = self._check_stop(req, token)
             if reason is not None:
                 self._finish(req, reason, report_later=False)
@@ -389,6 +425,8 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             policy=cfg.policy, num_finished_total=self.num_finished_total,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
             requests=rows, requests_truncated=total > len(rows))
 
     def kv_stats(self) -> KVStats:

@@ -49,7 +49,7 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], num_output_tokens: Sequence[int],
               vocab_size: int, device: torch.device) -> SamplingBatch:
-        greedy = [p.temperature == 0.0 for p in params]
+        greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
         if all_greedy:
             return cls(torch.ones(0), None, None, None, True, [])

@@ -100,6 +100,55 @@ def test_undecodable_messages_raise_protocol_errors_only(frames, reason):
         protocol.decode(frames)
 
 
+@pytest.mark.parametrize("version", [True, 1.0, "1", None, 2])
+def test_the_version_must_be_the_integer_one(version):
+    frame = msgpack.packb({"v": version, "type": "add", "request_id": "r"})
+    with pytest.raises(protocol.ProtocolError, match="version") as e:
+        protocol.decode([frame])
+    assert e.value.request_id == "r"
+
+
+def test_a_message_naming_a_request_keeps_its_id_even_when_its_frames_are_bad():
+    """Too many frames, or an array reference to a frame that is not there: the error still
+    names the request, so the engine can answer it with that request's final output."""
+    ids = np.arange(40, dtype=np.int32)
+    good = protocol.encode_add("mine", prompt_token_ids=ids)
+    with pytest.raises(protocol.ProtocolError, match="too many frames") as e:
+        protocol.decode([*good, *[b"pad"] * protocol.MAX_FRAMES])
+    assert e.value.request_id == "mine"
+    with pytest.raises(protocol.ProtocolError, match="refers to frame") as e:
+        protocol.decode(good[:1])  # the array's frame is missing
+    assert e.value.request_id == "mine"
+
+
+@pytest.mark.parametrize("sampling,reason", [
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": -1e-30}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"stop_token_ids": [1, -5]}, "non-negative"),
+])
+def test_sampling_values_that_would_sample_wrongly_are_refused(sampling, reason):
+    header = {"type": "add", "request_id": "r", "prompt": "x", "sampling": sampling}
+    with pytest.raises(protocol.ProtocolError, match=reason):
+        protocol.parse_add(protocol.decode(wire(protocol.encode(header))))
+
+
+def test_size_limits_are_checked_before_any_per_token_work():
+    header = {"type": "add", "request_id": "r", "prompt": "x" * 101}
+    with pytest.raises(protocol.ProtocolError, match="max_prompt_chars 100") as e:
+        protocol.parse_add(header, max_prompt_chars=100)
+    assert e.value.request_id == "r"
+    ids = np.zeros(5000, dtype=np.int32)
+    with pytest.raises(protocol.ProtocolError, match="5000 tokens cannot fit"):
+        protocol.parse_add({"type": "add", "request_id": "r", "prompt_token_ids": ids},
+                           max_prompt_tokens=2047)
+
+
 def test_completion_accumulates_deltas():
     c = Completion("r")
     c.add(RequestOutput("r", [1, 2], num_prompt_tokens=3))

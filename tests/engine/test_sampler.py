@@ -122,3 +122,12 @@ def test_per_row_parameters_do_not_leak_between_rows() -> None:
     out = torch.tensor(sample(logits, params))
     assert (out[0::2] == 0).all()
     assert (out[1::2] != 0).any()
+
+
+def test_a_temperature_too_small_for_float32_samples_greedily():
+    """1e-39 is 0 in float32: dividing by it would give NaN logits and token 0 every step."""
+    logits = random_logits(16, seed=5)
+    want = logits.argmax(dim=-1).tolist()
+    for temperature in (1e-39, 1e-12, 9e-6):
+        params = [SamplingParams(temperature=temperature)] * 16
+        assert sample(logits, params) == want

@@ -38,6 +38,7 @@ SAMPLES = {
              "steps_per_s": 100.0, "sched_share": 0.02},
     "sched": {"num_waiting": 3, "num_running": 22, "num_preempted": 1,
               "num_preemptions_total": 7, "num_finished_total": 99, "max_num_seqs": 64,
+              "num_prompt_tokens_total": 1234, "num_generation_tokens_total": 567,
               "max_num_batched_tokens": 512, "policy": "fcfs", "requests": ROWS,
               "requests_truncated": False},
     "kv": {"num_blocks": 8, "block_size": 16, "num_free": 4, "num_used": 3, "num_cached": 1,
@@ -288,5 +289,3 @@ def test_control_client_times_out_clearly_and_recovers(ctx):
     assert client.get_config()["ok"]  # same client object, fresh socket
     client.close()
     eng.close()
-    with pytest.raises(NotImplementedError, match="CURVE"):
-        control.ControlClient(eng.endpoint, curve={"server_key": b"x"})

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from vconsole.commands.curve_args import client_curve
+from vconsole.telemetry.curve import CurveKeyError
 from vconsole.telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
 
 
@@ -13,13 +15,18 @@ def main(args: argparse.Namespace) -> int:
     """Attach to a running engine (plus any extra telemetry endpoints, e.g. DP ranks)."""
     from vconsole.console.app import VConsoleApp
 
+    try:
+        curve = client_curve(args)
+    except CurveKeyError as e:
+        print(f"vconsole attach: {e}", file=sys.stderr)
+        return 2
     endpoints = [getattr(args, "telemetry", None) or DEFAULT_TELEMETRY,
                  *(getattr(args, "extra_telemetry", None) or [])]
     control = getattr(args, "control", None) or DEFAULT_CONTROL
     # Without the engine's control key (same machine: found by the endpoint) it is read-only.
     app = VConsoleApp(telemetry_endpoints=endpoints, control_endpoint=control,
                       readonly=bool(getattr(args, "readonly", False)),
-                      control_key_file=getattr(args, "control_key_file", None))
+                      control_key_file=getattr(args, "control_key_file", None), curve=curve)
     app.run()
     return 0
 

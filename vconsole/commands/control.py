@@ -15,8 +15,10 @@ import json
 import sys
 from typing import Any
 
-from vconsole.telemetry import control_key
+from vconsole.commands.curve_args import client_curve
+from vconsole.telemetry import control_key, key_owner
 from vconsole.telemetry.control import ControlClient, ControlError
+from vconsole.telemetry.curve import CurveKeyError
 from vconsole.telemetry.endpoints import DEFAULT_CONTROL
 
 TIMEOUT_S = 5.0
@@ -41,25 +43,32 @@ def _endpoint(args: argparse.Namespace) -> str:
 
 def _client(args: argparse.Namespace, key: str | None = None) -> ControlClient:
     return ControlClient(_endpoint(args), timeout_s=getattr(args, "timeout", None) or TIMEOUT_S,
-                         key=key)
+                         key=key, curve=client_curve(args))
 
 
 def _read_key(args: argparse.Namespace) -> str:
-    """The control key for `set`; raises ControlError naming the path and what to do."""
+    """The control key for `set`; raises ControlError naming the path and what to do, also when
+    the key's owner record says its engine is gone (a file left by a killed engine)."""
     path = control_key.key_path(_endpoint(args), getattr(args, "control_key_file", None))
     try:
-        return control_key.read_key_file(path)
-    except FileNotFoundError:
-        why = "no such file"
+        key = control_key.read_key_file(path)
     except (OSError, ValueError) as e:
-        why = str(getattr(e, "strerror", None) or e)
-    raise ControlError(
-        f"cannot read the engine's control key {path} ({why}); changing the config needs it. "
-        "The engine writes it at start: run this on the engine's machine as its user, copy the "
-        "key file here, or pass --control-key-file PATH") from None
+        why = ("no such file" if isinstance(e, FileNotFoundError)
+               else str(getattr(e, "strerror", None) or e))
+        raise ControlError(
+            f"cannot read the engine's control key {path} ({why}); changing the config needs "
+            "it. The engine writes it at start: run this on the engine's machine as its user, "
+            "copy the key file here, or pass --control-key-file PATH") from None
+    found = key_owner.status(path, key)
+    if found.state == key_owner.GONE:
+        raise ControlError(
+            f"the control key in {path} belongs to {found.describe()}: that engine was stopped "
+            "without cleaning up (killed?). Start the engine again (it replaces the stale file) "
+            "or pass the running engine's --control-key-file PATH")
+    return key
 
 
-def _fail(cmd: str, e: Exception) -> int:
+def _fail(cmd: str, e: Exception | str) -> int:
     print(f"vconsole {cmd}: {e}", file=sys.stderr)
     return 1
 
@@ -80,6 +89,9 @@ def main_set(args: argparse.Namespace) -> int:
         key = _read_key(args)
         with _client(args, key) as client:
             reply = client.set_config(values)
+    except CurveKeyError as e:
+        print(f"vconsole set: {e}", file=sys.stderr)
+        return 2
     except (TimeoutError, ControlError) as e:
         return _fail("set", e)
     applied, rejected = reply.get("applied", {}), reply.get("rejected", {})
@@ -102,11 +114,20 @@ def main_set(args: argparse.Namespace) -> int:
 
 
 def main_get(args: argparse.Namespace) -> int:
+    path = control_key.key_path(_endpoint(args), getattr(args, "control_key_file", None))
+    key = control_key.load_control_key(_endpoint(args), path)
     try:
-        key = control_key.load_control_key(_endpoint(args), getattr(args, "control_key_file", None))
         with _client(args, key) as client:
             reply = client.get_config()
-    except (TimeoutError, ControlError) as e:
+    except CurveKeyError as e:
+        print(f"vconsole get: {e}", file=sys.stderr)
+        return 2
+    except TimeoutError as e:
+        found = key_owner.status(path, key) if key else None
+        gone = (f"; the control key file {path} was left by {found.describe()}"
+                if found is not None and found.state == key_owner.GONE else "")
+        return _fail("get", f"{e}{gone}")
+    except ControlError as e:
         return _fail("get", e)
     values: dict[str, Any] = reply.get("values", {})
     hot = {row["key"]: row["hot"] for row in reply.get("schema", [])}

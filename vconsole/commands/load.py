@@ -10,6 +10,7 @@ import sys
 import threading
 from typing import Any
 
+from vconsole.commands.curve_args import client_curve
 from vconsole.engine.proc.client import AsyncEngineClient
 from vconsole.loadgen import LoadRun, LoadSpec, format_summary, parse_mix, parse_range, run_load
 
@@ -29,7 +30,8 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
 def main(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_args(args)
-    except ValueError as e:
+        curve = client_curve(args)
+    except ValueError as e:     # CurveKeyError too
         print(f"vconsole load: {e}", file=sys.stderr)
         return 2
     tty = sys.stderr.isatty() and not args.json
@@ -45,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             import signal
             loop.add_signal_handler(signal.SIGINT, stop.set)
-        async with AsyncEngineClient(args.input, args.output,
+        async with AsyncEngineClient(args.input, args.output, curve=curve,
                                      timeout_s=getattr(args, "timeout", None) or 10.0) as client:
             return await run_load(client, spec, stop=stop, on_progress=show if tty else None)
 
@@ -58,4 +60,8 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write("\n")
     summary = run.summary()
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    if run.engine_lost is not None:
+        print(f"vconsole load: stopped after {run.sent} of {spec.num} requests: {run.engine_lost}",
+              file=sys.stderr)
+        return 1
     return 0

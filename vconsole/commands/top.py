@@ -8,6 +8,8 @@ import sys
 
 import zmq
 
+from vconsole.commands.curve_args import client_curve
+from vconsole.telemetry.curve import CurveKeyError
 from vconsole.telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
 from vconsole.telemetry.top import Watcher, format_line, snapshot_once, to_json_payload
 
@@ -17,8 +19,13 @@ def main(args: argparse.Namespace) -> int:
     control = getattr(args, "control", None) or DEFAULT_CONTROL
     timeout = float(getattr(args, "timeout", 10.0) or 10.0)
     as_json = bool(getattr(args, "json", False))
+    try:
+        curve = client_curve(args)
+    except CurveKeyError as e:
+        print(f"vconsole top: {e}", file=sys.stderr)
+        return 2
     if getattr(args, "once", False):
-        snap, missing = snapshot_once(telemetry, control, timeout)
+        snap, missing = snapshot_once(telemetry, control, timeout, curve=curve)
         if missing:
             print(f"vconsole top: no complete telemetry from {telemetry} within {timeout:g} s "
                   f"(never saw: {', '.join(missing)}); is the engine running?", file=sys.stderr)
@@ -28,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             print(json.dumps(snap, indent=2, default=str))
         return 0
-    w = Watcher(telemetry, zmq.Context.instance())
+    w = Watcher(telemetry, zmq.Context.instance(), curve)
     try:
         while True:
             w.pump(1.0)

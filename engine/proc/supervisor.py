@@ -1,0 +1,385 @@
+"""EngineSupervisor: `vconsole engine` keeps its engine process alive across crashes.
+
+The supervisor is the process `vconsole engine` starts (unless ``--no-supervisor``); it loads no
+model and touches no GPU. It runs the engine, `EngineCoreProc`, as a child
+(``python -m vconsole engine ... --supervised-child``) and waits on it. When the child dies —
+an exception that ended it, ``kill -9``, the kernel's OOM killer, or exit code 3 after
+``max_consecutive_step_failures`` failed steps in a row — it starts another after a backoff
+(`RestartPolicy`: 0.5 s, doubling, at most 10 s) on the *same* endpoints: the ``*`` ports of the
+first start are taken from the first child's ready file and passed to every later child, so
+clients and consoles reconnect where they were. While no child runs, the supervisor binds the
+telemetry endpoint itself (`vconsole.telemetry.beacon.HealthBeacon`) and publishes ``health``
+with state ``restarting``, ``restart_reason`` ("killed by SIGKILL", "exit code 1") and
+``restart_count``, then closes it before the next child starts (telemetry is then silent while
+that child loads its model, until its own publisher binds); that child's own ``health`` carries
+the same count and reason. The requests the dead child held are lost with it; clients send them
+again. A child that hangs without dying is not this module's business.
+
+It gives up — exit code `exit_codes.GAVE_UP`, a message saying how often and why — after more
+than ``max_restarts`` failures within ``window_s``. It never restarts a start that cannot
+succeed: a child that exits with `exit_codes.CANNOT_START` (invalid config, a port it may not or
+cannot bind), or one that fails before the first child ever became ready (a model that does not
+load would fail the same way every time); it exits with the child's code and last stderr line.
+
+Signals: SIGTERM and SIGINT are passed on to the child, which drains and exits 0; the supervisor
+then exits 0 and starts nothing. A second one kills the child (SIGKILL). SIGHUP is passed on
+(the child reloads ``--config``). The child shares the supervisor's process group, so a
+launcher that signals the group (`vconsole.demo.EngineProcess`) reaches both: a supervised
+child drains on the first SIGTERM/SIGINT and ignores repeats, leaving escalation to the
+supervisor. The child also gets SIGTERM if the supervisor dies (Linux ``PR_SET_PDEATHSIG``).
+
+Ready file: the child writes its record to a private path; the supervisor republishes it at
+``ready_file`` with its *own* ``pid`` (the process a launcher started and checks) plus
+``child_pid``, ``restart_count`` and ``supervised``, rewrites it when a restarted child is ready
+(same endpoints), and removes it when it exits.
+
+Invariant: when `run` returns, no child is left running.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import zmq
+
+from vconsole.engine.proc import exit_codes
+from vconsole.engine.proc.exit_codes import describe_exit
+from vconsole.engine.proc.ready_file import (
+    ENDPOINT_NAMES,
+    ReadyFileError,
+    read_ready_file,
+    remove_ready_file,
+    write_ready_file,
+)
+from vconsole.telemetry.beacon import HealthBeacon
+
+if TYPE_CHECKING:
+    from vconsole.engine.proc.curve_server import ServerCurve
+
+log = logging.getLogger("vconsole.engine.supervisor")
+
+POLL_S = 0.05             # how often the supervisor looks for the child's ready file / a stop
+STDERR_TAIL_LINES = 20    # the child's last stderr lines, kept for the give-up message
+STDERR_JOIN_S = 5.0       # after the child exited, how long its stderr may still flow
+RESTARTING = "restarting"
+
+
+def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], Any] | None:
+    """A preexec_fn that asks Linux to send ``sig`` to the child when its parent dies; None
+    elsewhere. libc is resolved here, in the parent, so the child makes one system call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, sig)
+
+
+@dataclass
+class RestartPolicy:
+    """When to restart and when to give up: at most ``max_restarts`` failures within any
+    ``window_s`` are restarted; the delay before a restart doubles with each failure still in
+    the window, from ``backoff_s`` up to ``backoff_max_s`` (or ``backoff_s`` if that is
+    longer; an engine that served for a whole window starts over at ``backoff_s``). Pure: the
+    caller passes the clock."""
+
+    max_restarts: int = 5
+    window_s: float = 300.0
+    backoff_s: float = 0.5
+    backoff_max_s: float = 10.0
+    _failures: collections.deque[float] = field(default_factory=collections.deque, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.window_s > 0 or not self.backoff_s > 0:
+            raise ValueError("the restart window and the backoff must be > 0")
+
+    @property
+    def failures_in_window(self) -> int:
+        return len(self._failures)
+
+    def on_failure(self, now: float) -> float | None:
+        """Record a failure at ``now``: the delay before the next start, or None to give up."""
+        self._failures.append(now)
+        while self._failures and self._failures[0] <= now - self.window_s:
+            self._failures.popleft()
+        n = len(self._failures)
+        if n > self.max_restarts:
+            return None
+        return min(self.backoff_s * 2 ** (n - 1), max(self.backoff_max_s, self.backoff_s))
+
+
+class EngineSupervisor:
+    """Runs ``command`` (`vconsole engine` with the user's flags) as a child and restarts it;
+    see the module docstring. `run` blocks until the supervisor is done and returns its exit
+    code; ``failure`` then says why, when it gave up.
+
+    ``command`` gets ``--supervised-child``, a private ``--ready-file``, ``--restart-count``,
+    ``--restart-reason`` and, once known, the concrete endpoints appended (argparse: the last
+    value wins). ``curve``: the engine's CURVE keys, so the restarting heartbeats are as secure
+    as the engine's own telemetry."""
+
+    def __init__(self, command: Sequence[str], endpoints: dict[str, str], *, engine_id: str,
+                 rank: int = 0, policy: RestartPolicy | None = None,
+                 ready_file: str | os.PathLike[str] | None = None,
+                 heartbeat_interval_s: float = 1.0, sndhwm: int = 1000,
+                 env: dict[str, str] | None = None, curve: ServerCurve | None = None,
+                 stderr: IO[str] | None = None) -> None:
+        self.command = list(command)
+        self.endpoints = {n: endpoints[n] for n in ENDPOINT_NAMES}
+        self.engine_id = engine_id
+        self.rank = rank
+        self.policy = policy or RestartPolicy()
+        self.ready_file = ready_file
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.sndhwm = sndhwm
+        self.env = env
+        self.curve = curve
+        self._stderr = stderr
+        self.restart_count = 0
+        self.restart_reason: str | None = None
+        self.failure: str | None = None      # why `run` gave up, for the caller to print
+        self.child_pids: list[int] = []      # every child started, in order
+        self._ever_ready = False
+        self._child: subprocess.Popen[bytes] | None = None
+        self._stop_signal: int | None = None  # set by the first SIGTERM/SIGINT
+        self._run_dir: Path | None = None     # `run`'s private folder: the child's ready file
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Supervise until a clean stop (0), a start that cannot succeed (the child's code) or
+        too many failures (`exit_codes.GAVE_UP`). Call from the main thread (signals)."""
+        self._run_dir = Path(tempfile.mkdtemp(prefix="vconsole-supervisor-"))
+        previous = self._install_signal_handlers()
+        try:
+            return self._supervise()
+        finally:
+            self._kill_child()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.ready_file is not None:
+                remove_ready_file(self.ready_file, os.getpid())
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+
+    @property
+    def _child_ready_file(self) -> Path:
+        assert self._run_dir is not None, "only while `run` runs"
+        return self._run_dir / "child-ready.json"
+
+    def _supervise(self) -> int:
+        while True:
+            code, last_words = self._run_child()
+            if self._stop_signal is not None:
+                log.info("stopped by %s: the engine %s", signal.Signals(self._stop_signal).name,
+                         "drained" if code == exit_codes.OK else describe_exit(code))
+                return self._stopped_code(code)
+            if code == exit_codes.OK:
+                log.info("the engine stopped cleanly (exit code 0)")
+                return exit_codes.OK
+            reason = describe_exit(code)
+            # A signal's victim said nothing about it: its last line would only mislead.
+            said = f"; its last message: {last_words!r}" if last_words and code > 0 else ""
+            if code == exit_codes.CANNOT_START:
+                return self._give_up(code, f"the engine cannot start as configured ({reason}), "
+                                           f"so it is not restarted{said}")
+            if not self._ever_ready:
+                return self._give_up(code if code > 0 else exit_codes.FAILED,
+                                     f"the engine failed before it was ever ready ({reason}), "
+                                     f"so it is not restarted{said}")
+            delay = self.policy.on_failure(time.monotonic())
+            if delay is None:
+                return self._give_up(exit_codes.GAVE_UP, (
+                    f"giving up: the engine failed {self.policy.failures_in_window} times "
+                    f"within {self.policy.window_s:g} s, more than --max-restarts "
+                    f"{self.policy.max_restarts} (last: {reason}){said}"))
+            self.restart_count += 1
+            self.restart_reason = reason
+            log.warning("the engine (pid %d) died: %s; restart %d in %.1f s",
+                        self.child_pids[-1], reason, self.restart_count, delay)
+            self._wait_restarting(delay)
+            if self._stop_signal is not None:
+                return exit_codes.OK
+
+    def _stopped_code(self, code: int) -> int:
+        """The exit code after a requested stop: 0 when the child drained (or died of the very
+        signal it was passed before it could install its handlers)."""
+        if code in (exit_codes.OK, -(self._stop_signal or 0)):
+            return exit_codes.OK
+        return 128 - code if code < 0 else code
+
+    def _give_up(self, code: int, message: str) -> int:
+        self.failure = message      # the caller prints it: the last line a person reads
+        return code
+
+    # --- one child ----------------------------------------------------------------------------
+
+    def _child_command(self) -> list[str]:
+        cmd = [*self.command, "--supervised-child", "--ready-file", str(self._child_ready_file),
+               "--restart-count", str(self.restart_count)]
+        if self.restart_reason is not None:
+            cmd.append(f"--restart-reason={self.restart_reason}")
+        for name, ep in self.endpoints.items():
+            cmd.append(f"--{name}={ep}")
+        return cmd
+
+    def _run_child(self) -> tuple[int, str | None]:
+        """Start a child, announce it once ready, wait for it to exit: its return code and its
+        last line on stderr."""
+        tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        proc = subprocess.Popen(self._child_command(), stdin=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, env=self.env,
+                                preexec_fn=parent_death_signal())
+        self._child = proc
+        self.child_pids.append(proc.pid)
+        if self._stop_signal is not None:     # a stop that came while the child was forking
+            self._signal_child(self._stop_signal)
+        assert proc.stderr is not None
+        relay = threading.Thread(target=self._relay_stderr, args=(proc.stderr, tail),
+                                 name="supervisor-stderr", daemon=True)
+        relay.start()
+        try:
+            if self._wait_ready(proc):
+                proc.wait()
+        finally:
+            if proc.poll() is None:           # an exception here: never leave it running
+                self._kill_child()
+            relay.join(STDERR_JOIN_S)
+            self._child = None
+        last = next((line for line in reversed(tail) if line.strip()), None)
+        return proc.returncode, last
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Poll the child's ready file; True once it is ready (announced), False if it
+        exited first."""
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(POLL_S)
+                return False
+            try:
+                record = read_ready_file(self._child_ready_file)
+            except ReadyFileError:
+                continue
+            if record is not None and record["pid"] == proc.pid:
+                self._announce(record)
+                return True
+
+    def _announce(self, record: dict[str, Any]) -> None:
+        """The child is serving: keep its concrete endpoints for every later child and
+        republish its record under this process's pid."""
+        self._ever_ready = True
+        self.endpoints = {n: record["endpoints"][n] for n in ENDPOINT_NAMES}
+        log.info("engine ready (pid %d, restart %d): %s", record["pid"], self.restart_count,
+                 " ".join(f"{n}={ep}" for n, ep in self.endpoints.items()))
+        if self.ready_file is not None:
+            write_ready_file(self.ready_file, {
+                **record, "pid": os.getpid(), "child_pid": record["pid"],
+                "restart_count": self.restart_count, "supervised": True})
+
+    def _relay_stderr(self, pipe: IO[bytes], tail: collections.deque[str]) -> None:
+        """Pass the child's stderr through, line by line, keeping the last lines."""
+        out = self._stderr or sys.stderr
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode(errors="replace")
+                tail.append(line.rstrip("\n"))
+                with contextlib.suppress(OSError, ValueError):
+                    out.write(line)
+                    out.flush()
+
+    # --- while no child runs ---------------------------------------------------------------
+
+    def _wait_restarting(self, delay: float) -> None:
+        """Publish ``restarting`` heartbeats for ``delay`` seconds (or until a stop), then
+        release the telemetry endpoint for the next child."""
+        deadline = time.monotonic() + delay
+        with self._beacon() as beacon:
+            next_beat = 0.0
+            while self._stop_signal is None:
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                if beacon is not None and now >= next_beat:
+                    beacon.send(RESTARTING, interval_s=self.heartbeat_interval_s,
+                                restart_count=self.restart_count,
+                                restart_reason=self.restart_reason)
+                    next_beat = now + self.heartbeat_interval_s
+                time.sleep(min(POLL_S, max(0.0, deadline - now)))
+
+    @contextlib.contextmanager
+    def _beacon(self) -> Iterator[HealthBeacon | None]:
+        """A beacon on the telemetry endpoint, in a context of its own: terminating it when
+        done guarantees the port is free again before the next child binds it. None when the
+        endpoint is not known yet (a ``*`` port) or cannot be bound (logged)."""
+        endpoint = self.endpoints["telemetry"]
+        if endpoint.endswith(":*"):
+            yield None
+            return
+        ctx = zmq.Context()
+        auth = self.curve.start_authenticator(ctx) if self.curve is not None else None
+        beacon: HealthBeacon | None = None
+        try:
+            try:
+                beacon = HealthBeacon(ctx, endpoint, self.engine_id, self.rank,
+                                      sndhwm=self.sndhwm,
+                                      secure=self.curve.secure if self.curve else None)
+            except zmq.ZMQError as e:
+                log.warning("cannot publish restarting heartbeats on %s: %s", endpoint, e)
+            yield beacon
+        finally:
+            if beacon is not None:
+                beacon.close()
+            if auth is not None:
+                auth.stop()
+            ctx.destroy(linger=0)
+
+    # --- signals ----------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, self._on_stop)
+        if hasattr(signal, "SIGHUP"):
+            previous[signal.SIGHUP] = signal.signal(
+                signal.SIGHUP, lambda signum, _frame: self._signal_child(signum))
+        return previous
+
+    def _on_stop(self, signum: int, _frame: Any) -> None:
+        """First SIGTERM/SIGINT: pass it on (the child drains), start nothing more. Another:
+        kill the child now."""
+        if self._stop_signal is None:
+            self._stop_signal = signum
+            self._signal_child(signum)
+        else:
+            self._signal_child(signal.SIGKILL)
+
+    def _signal_child(self, sig: int) -> None:
+        proc = self._child
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, sig)
+
+    def _kill_child(self) -> None:
+        proc = self._child
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()

@@ -1,0 +1,123 @@
+"""Clients never wait forever: heartbeats on the output path, 'engine unreachable' after a
+silence, a new handshake when the engine is back, a per-request processing timeout, and a load
+generator that exits non-zero when its engine dies."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import zmq
+
+from vconsole.demo import EngineProcess
+from vconsole.engine.proc import protocol
+from vconsole.engine.proc.client import ENGINE_UNREACHABLE, EngineClient
+from vconsole.telemetry import schema
+
+pytestmark = pytest.mark.proc
+
+ARGS = ["--model", "tiny", "--num-kv-blocks", "64", "--block-size", "8",
+        "--set", "client_heartbeat_s=0.2", "--no-supervisor"]
+
+
+def ipc_endpoints(d) -> dict[str, str]:
+    return {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}
+
+
+def test_a_handshaken_client_hears_heartbeats_while_the_engine_is_idle(tmp_path):
+    with EngineProcess(ARGS, endpoints=ipc_endpoints(tmp_path)) as engine:
+        ctx = zmq.Context.instance()
+        inp, out = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for s in (inp, out):
+            s.setsockopt(zmq.IDENTITY, b"listener")
+            s.setsockopt(zmq.LINGER, 0)
+        out.connect(engine.endpoints["output"])
+        inp.connect(engine.endpoints["input"])
+        try:
+            inp.send_multipart(protocol.encode_hello())
+            kinds = []
+            while len(kinds) < 4 and out.poll(10_000):
+                kinds.append(protocol.decode(out.recv_multipart())["type"])
+        finally:
+            inp.close(0)
+            out.close(0)
+    assert kinds[0] == "ready" and kinds[1:] == ["heartbeat"] * 3
+
+
+def test_kill_9_fails_pending_requests_then_the_client_reconnects_to_a_new_engine(tmp_path):
+    eps = ipc_endpoints(tmp_path)
+    engine = EngineProcess(ARGS, endpoints=eps).start()
+    c = EngineClient(eps["input"], eps["output"], liveness_intervals=5).connect()
+    assert c.heartbeat_s == pytest.approx(0.2)
+    try:
+        ids = [c.submit(prompt_token_ids=[7, i], max_tokens=400, ignore_eos=True)
+               for i in range(3)]
+        next(c.stream(ids[0]))
+        os.kill(engine.pid, signal.SIGKILL)
+        results: dict = {}
+        t = threading.Thread(target=lambda: results.update(c.gather(ids)), daemon=True)
+        t.start()
+        t.join(60)  # a liveness bound for the test itself, not a performance claim
+        assert not t.is_alive(), "the client waited forever for a dead engine"
+        assert set(results) == set(ids)
+        for done in results.values():
+            assert done.finish_reason == "error" and done.error.startswith(ENGINE_UNREACHABLE)
+        assert c.num_in_flight == 0 and c.num_unreachable == 1
+        engine.stop()
+
+        with EngineProcess(ARGS, endpoints=eps):  # the same endpoints, a new process
+            again = c.generate(prompt_token_ids=[7, 1], max_tokens=5, ignore_eos=True,
+                               timeout_s=60)
+        assert again.finish_reason == "length" and len(again.output_token_ids) == 5
+    finally:
+        c.close()
+        engine.stop()
+
+
+def test_a_request_past_its_processing_timeout_is_aborted_and_finished(tmp_path):
+    with EngineProcess(ARGS, endpoints=ipc_endpoints(tmp_path)) as engine, \
+            EngineClient(engine.endpoints["input"], engine.endpoints["output"],
+                         request_timeout_s=0.2) as c:
+        slow = c.submit(prompt_token_ids=[9] * 4, max_tokens=500, ignore_eos=True)
+        outs = list(c.stream(slow, timeout_s=60))
+        assert outs[-1].finish_reason == "timeout" and "request_timeout_s" in outs[-1].error
+        assert sum(o.finished for o in outs) == 1
+        c.request_timeout_s = None
+        quick = c.generate(prompt_token_ids=[9, 9], max_tokens=3, ignore_eos=True, timeout_s=60)
+        assert quick.finish_reason == "length"
+
+
+def wait_for_steps(endpoint: str, timeout_ms: int = 60_000) -> None:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"health")
+    sub.connect(endpoint)
+    try:
+        while sub.poll(timeout_ms):
+            if schema.decode(sub.recv_multipart()).payload["steps"] > 20:
+                return
+        raise AssertionError("the engine never stepped")
+    finally:
+        sub.close(0)
+
+
+def test_vconsole_load_exits_non_zero_when_its_engine_dies(tmp_path):
+    eps = ipc_endpoints(tmp_path)
+    engine = EngineProcess(ARGS, endpoints=eps).start()
+    try:
+        load = subprocess.Popen(
+            [sys.executable, "-m", "vconsole", "load", "--input", eps["input"], "--output",
+             eps["output"], "--num", "100000", "--concurrency", "4", "--output-len", "50:60"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for_steps(eps["telemetry"])  # the load is being served
+            os.kill(engine.pid, signal.SIGKILL)
+            out, err = load.communicate(timeout=120)
+        finally:
+            if load.poll() is None:
+                load.kill()
+        assert load.returncode == 1, (out, err)
+        assert ENGINE_UNREACHABLE in err and "stopped after" in err
+    finally:
+        engine.stop()
