@@ -40,6 +40,7 @@ from vconsole.console.changes import (
     INVALID,
     TIMEOUT,
     UNCHANGED,
+    AdviceOutcome,
     ChangeRecord,
     consequence,
     show_value,
@@ -47,12 +48,14 @@ from vconsole.console.changes import (
 )
 from vconsole.console.commands import ConsoleCommands
 from vconsole.console.control_link import Control, ControlLink
+from vconsole.console.screens.advice import AdviceScreen
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.screens.config import ConfigScreen
 from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.kvmap import KvScreen
 from vconsole.console.screens.overview import OverviewScreen
 from vconsole.console.screens.requests import RequestsScreen
+from vconsole.console.screens.trends import TrendsScreen
 from vconsole.console.source import ReplaySource, Source, ZmqSource
 from vconsole.console.state import ConsoleState, EngineState
 from vconsole.console.theme import ANSI_THEME, LOW_COLOUR_SYSTEMS
@@ -75,7 +78,9 @@ class VConsoleApp(App[None]):
     TITLE = "vconsole"
     CSS_PATH = "app.tcss"
     MODES = {"overview": OverviewScreen, "requests": RequestsScreen, "kv": KvScreen,
-             "config": ConfigScreen}
+             "config": ConfigScreen,
+             "advice": AdviceScreen,
+             "trends": TrendsScreen}
     DEFAULT_MODE = "overview"
     BINDINGS = keymap.GLOBAL
     COMMANDS = App.COMMANDS | {ConsoleCommands}
@@ -124,6 +129,7 @@ class VConsoleApp(App[None]):
         self.history: list[ChangeRecord] = []
         self.replies: dict[str, ChangeRecord] = {}
         self.replies_generation = 0
+        self.advice_outcomes: list[AdviceOutcome] = []
         self.control_error: str | None = None
         self.key_status: KeyStatus | None = None
         self.config_fetches = 0
@@ -403,6 +409,99 @@ class VConsoleApp(App[None]):
         if add:
             self.history.append(rec)
         self.replies_generation += 1
+        self.refresh_view(force=True)
+
+    # --- advice: apply a hot suggestion --------------------------------------------------------
+
+    def apply_advice(self, advice: Any, *, confirmed: bool = False) -> str | None:
+        """Apply a hot suggestion of the advisor (`vconsole.telemetry.advisor.Advice`): always
+        confirmed first (the box names each change and what it does to the running load), then
+        sent as one all-or-nothing ``set_config``. Returns why it is not sent, else None; the
+        outcome lands in ``advice_outcomes`` and the Alerts panel."""
+        if self.readonly:
+            return f"read-only console ({self.readonly_reason})"
+        if not advice.hot:
+            return "restart-only: the engine would answer 'restart required'"
+        cfg = self.state.config
+        if cfg is None:
+            return "the engine's config is not known yet"
+        eng = self.current_engine()
+        if eng is not None and eng is not self.state.engine():
+            return "advice for another engine: the control channel steers the first one"
+        changes: dict[str, tuple[Any, Any]] = {}
+        for key, new in advice.change.items():
+            value, reason = validate(key, show_value(new))
+            if reason is not None:
+                return f"{key}: {reason}"
+            if value != cfg.values.get(key):
+                changes[key] = (cfg.values.get(key), value)
+        if not changes:
+            self.notify(f"already in force: {advice.change_text()}", title="Advice")
+            return None
+        sc = eng.latest.get("sched", {}) if eng else {}
+        kvp = eng.latest.get("kv", {}) if eng else {}
+        risks = [r for k, (old, new) in changes.items()
+                 if (r := consequence(k, old, new, num_running=sc.get("num_running"),
+                                      num_cached=kvp.get("num_cached"))) is not None]
+        if confirmed:
+            self._send_advice(advice, changes)
+            return None
+        text = "\n".join(risks) if risks else "Applied between two steps; nothing is preempted."
+        text += f"\nSuggested by the advisor ({advice.title}): its reasons are on the Advice " \
+                "screen."
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self._send_advice(advice, changes)
+            else:
+                self.notify(f"advice not applied: {advice.change_text()}", title="Advice")
+        self.push_screen(ConfirmScreen(f"Apply advice: {advice.change_text()}?", text,
+                                       "Apply advice"), done)
+        return None
+
+    def _send_advice(self, advice: Any, changes: dict[str, tuple[Any, Any]]) -> AdviceOutcome:
+        recs = [ChangeRecord(k, old, new) for k, (old, new) in changes.items()]
+        outcome = AdviceOutcome(advice, recs)
+        self.advice_outcomes.append(outcome)
+        for rec in recs:
+            self._note_reply(rec, add=True)
+        self._send_values(outcome)
+        return outcome
+
+    @work(thread=True, group="config-set")
+    def _send_values(self, outcome: AdviceOutcome) -> None:
+        assert self.control is not None
+        recs = outcome.records
+        try:
+            reply = self.control.set_config({r.key: r.new for r in recs})
+        except TimeoutError as e:
+            for r in recs:
+                r.status, r.reason = TIMEOUT, str(e)
+        except NotAuthorised as e:
+            for r in recs:
+                r.status, r.reason = ERROR, str(e)
+            where = self.control_key_path or "its control key"
+            self.call_from_thread(self.set_readonly, f"engine refused the control key: {where}")
+        except Exception as e:
+            for r in recs:
+                r.status, r.reason = ERROR, f"{type(e).__name__}: {e}"
+        else:
+            self._note_key_status()
+            for r in recs:
+                r.take_reply(reply)
+            if reply.get("values"):
+                self.state.set_config_reply(reply)
+            else:
+                self.state.apply_set_reply(reply)
+        self.call_from_thread(self._advice_replied, outcome)
+
+    def _advice_replied(self, outcome: AdviceOutcome) -> None:
+        what = outcome.advice.change_text()
+        self.state.note_advice_outcome(self.state.engine(), outcome.advice.rule, outcome.ok,
+                                       f"{outcome.summary}: {what}")
+        self.replies_generation += 1
+        self.notify(f"{what}: {outcome.summary}", title="Advice",
+                    severity="information" if outcome.ok else "error")
         self.refresh_view(force=True)
 
     def edit_key(self, key: str) -> None:

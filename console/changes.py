@@ -126,3 +126,30 @@ def consequence(key: str, old: Any, new: Any, *, num_running: int | None = None,
     if key == "telemetry_hz" and isinstance(new, int | float) and new < 1:
         return f"Telemetry only every {1 / new:.0f} s: this console will lag behind the engine."
     return None
+
+
+@dataclass
+class AdviceOutcome:
+    """What became of a suggestion applied from the Advice screen: one ``set_config`` carrying
+    all its keys, and the engine's answer per key (``records``)."""
+
+    advice: Any                     # vconsole.telemetry.advisor.Advice
+    records: list[ChangeRecord]
+
+    @property
+    def done(self) -> bool:
+        return all(r.done for r in self.records)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.records)
+
+    @property
+    def summary(self) -> str:
+        """``applied (v2)``, or the first refusal with the engine's reason."""
+        if not self.done:
+            return "sending…"
+        if self.ok:
+            return self.records[0].summary()
+        bad = next(r for r in self.records if not r.ok)
+        return bad.summary()

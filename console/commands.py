@@ -29,6 +29,12 @@ class ConsoleCommands(Provider):
         yield ("Stop recording" if app.source.recording else "Start recording the telemetry "
                "stream", app.action_toggle_recording, "R: raw frames to a .vrec file")
         yield "Help: keys and legend", app.action_help, "?"
+        yield "Go to Advice", partial(app.action_show, "advice"), "a: tuning advice"
+        if not app.readonly:
+            for a in app.state.advice(app.current_engine()):
+                if a.hot:
+                    yield (f"Apply advice: {a.change_text()}", partial(self._apply_advice, a),
+                           a.title)
         if len(app.state.engines) > 1:
             yield "Next engine", app.action_next_engine, "n"
         yield "Filter requests", partial(self._on_screen, "requests", "filter"), "/"
@@ -44,6 +50,10 @@ class ConsoleCommands(Provider):
         yield "KV map: fit the pool to the screen", partial(self._on_screen, "kv",
                                                             "zoom_fit"), "0"
         yield "Filter config keys", partial(self._on_screen, "config", "filter"), "/"
+        for i, label in enumerate(("last minute", "last 5 minutes", "last 15 minutes")):
+            yield (f"Trends: {label}", partial(self._on_screen, "trends", "set_range", i),
+                   "t cycles the time range")
+        yield "Trends: next plots", partial(self._on_screen, "trends", "page", 1), "v"
         if not app.readonly and app.state.config is not None:
             for row in app.state.config.schema:
                 key = str(row.get("key"))
@@ -61,6 +71,12 @@ class ConsoleCommands(Provider):
         if app.current_mode != mode:
             app.switch_mode(mode)
         app.call_after_refresh(run)
+
+    def _apply_advice(self, advice: object) -> None:
+        app: VConsoleApp = self.app  # type: ignore[assignment]
+        reason = app.apply_advice(advice)
+        if reason is not None:
+            app.notify(reason, title="Advice", severity="warning")
 
     def _sort(self, key: str) -> None:
         app: VConsoleApp = self.app  # type: ignore[assignment]

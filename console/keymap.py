@@ -15,6 +15,7 @@ SCREENS: dict[str, tuple[str, str]] = {
     "requests": ("2", "Requests"),
     "kv": ("3", "KV map"),
     "config": ("4", "Config"),
+    "trends": ("5", "Trends"),
 }
 
 GLOBAL = [
@@ -23,6 +24,7 @@ GLOBAL = [
     Binding("p", "toggle_pause", "Pause"),
     Binding("R", "toggle_recording", "Record", key_display="R"),
     Binding("n", "next_engine", "Engine"),
+    Binding("a", "show('advice')", "Advice", show=False),
     *(Binding(key, f"show('{mode}')", title, show=False) for mode, (key, title) in SCREENS.items()),
 ]
 
@@ -43,6 +45,21 @@ CONFIG = [
     Binding("e,enter", "edit", "Edit", key_display="e"),
     Binding("slash", "filter", "Filter", key_display="/"),
     Binding("escape", "clear_filter", "Clear filter", show=False),
+]
+
+TRENDS = [
+    Binding("t", "next_range", "Range"),
+    Binding("v,right", "page(1)", "Plots", key_display="v"),
+    Binding("left", "page(-1)", "Previous plots", show=False),
+]
+
+# Screens reached by a letter rather than a digit: a tab appears only while one is shown.
+LETTER_SCREENS: dict[str, tuple[str, str]] = {
+    "advice": ("a", "Advice"),
+}
+
+ADVICE = [
+    Binding("A,enter", "apply", "Apply", key_display="A"),
 ]
 
 TABLE = [
@@ -68,4 +85,10 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
                                                                    "screen")]),
     ("Config", [("e / enter", "edit the selected key; enter sends, esc cancels"),
                 ("/", "filter keys")]),
+    ("Advice", [("a", "tuning advice from the last 10 s of telemetry, with its evidence"),
+                ("A / enter", "apply the selected hot suggestion (asks first; restart-only "
+                              "ones are shown, not sent)")]),
+    ("Trends", [("5", "plots: throughput, step time, queues, KV, TTFT, ITL"),
+                ("t", "time range: last 1 / 5 / 15 minutes"),
+                ("v / → ←", "next / previous plots, when not all fit")]),
 ]

@@ -6,7 +6,8 @@ touch it, so the UI always sees a consistent picture (the latest payload of each
 replaced wholesale, never edited in place).
 
 Per engine (``engine/rank`` from the envelope, so several endpoints can feed one console) the
-model keeps the latest payload per topic, ring buffers for the sparklines, the receive time of the
+model keeps the latest payload per topic, ring buffers for the sparklines (and a 15-minute
+`vconsole.console.history.History` for the Trends screen), the receive time of the
 last heartbeat, and a count of messages lost to sequence gaps (``seq`` counts per topic per
 publisher; a ``seq`` that goes backwards means the publisher restarted, not a loss).
 
@@ -25,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from vconsole.console.history import History
+from vconsole.telemetry.advisor import Advice, Advisor
 from vconsole.telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
 
 # An engine is down after this many heartbeat intervals without a heartbeat.
@@ -153,6 +156,11 @@ SERIES: dict[str, tuple[str, Callable[[dict[str, Any]], float | None]]] = {
     "prefix_hit_rate": ("kv", _get("prefix_hit_rate")),
     "proc_cpu": ("host", _get("proc_cpu_percent")),
     "sys_cpu": ("host", _get("sys_cpu_percent")),
+    # The ``latency`` topic: window p99s over every priority class (the Overview's sparklines).
+    "ttft_p99": ("latency", _get("overall", "window", "ttft_s", "p99")),
+    "itl_p99": ("latency", _get("overall", "window", "itl_s", "p99")),
+    "e2e_p99": ("latency", _get("overall", "window", "e2e_s", "p99")),
+    "queue_p99": ("latency", _get("overall", "window", "queue_s", "p99")),
 }
 
 
@@ -167,6 +175,8 @@ class EngineState:
         self.block_states: np.ndarray | None = None
         self.series: dict[str, Series] = {name: Series() for name in SERIES}
         self.gpu_series: dict[int, tuple[Series, Series]] = {}
+        self.advisor = Advisor()   # tuning advice from this engine's stream (Advice screen)
+        self.history = History()   # the Trends screen: 15 minutes, one point per second
         self.last_seq: dict[str, int] = {}
         self.received = 0
         self.dropped = 0
@@ -215,6 +225,8 @@ class EngineState:
         elif last is not None and seq > last + 1:
             self.dropped += seq - last - 1
         self.last_seq[topic] = seq
+        if restarted:
+            self.advisor.reset()     # a new engine process: its evidence starts afresh
         return restarted
 
     def apply(self, msg: TelemetryMessage, recv_ts: float) -> bool:
@@ -226,6 +238,7 @@ class EngineState:
         self.received += 1
         self.latest[msg.topic] = p
         self.recv_ts[msg.topic] = recv_ts
+        self.advisor.observe(msg)
         if msg.topic == "health":
             self.last_heartbeat = recv_ts
         elif msg.topic == "kv":
@@ -247,6 +260,7 @@ class EngineState:
                 value = get(p)
                 if value is not None:
                     self.series[name].append(recv_ts, value)
+        self.history.add(msg.topic, p, recv_ts)
         return restarted
 
 
@@ -414,8 +428,9 @@ class ConsoleState:
 
     def alert_summary(self, now: float, window_s: float = 60.0) -> list[tuple[Alert, int]]:
         """The latest alert per (engine, name), newest first, with how many times it changed
-        level in the last ``window_s``. Alerts are edge-triggered with no hysteresis, so a
-        figure hovering on a threshold flaps; this keeps one line per figure."""
+        level in the last ``window_s``. Alerts are edge-triggered; hysteresis
+        (``alert_hysteresis``) keeps a figure hovering on a threshold from flapping, but one that
+        swings wide still changes level often, and this keeps one line per figure."""
         with self.lock:
             latest: dict[tuple[str, str], Alert] = {}
             counts: dict[tuple[str, str], int] = {}
@@ -426,6 +441,26 @@ class ConsoleState:
                     counts[key] = counts.get(key, 0) + 1
         items = sorted(latest.items(), key=lambda kv: kv[1].recv_ts, reverse=True)
         return [(a, counts.get(key, 0)) for key, a in items]
+
+    def advice(self, eng: EngineState | None) -> list[Advice]:
+        """The advisor's current suggestions for ``eng``. The primary engine's advisor first
+        takes the config this console holds (a control reply can be newer than telemetry's)."""
+        if eng is None:
+            return []
+        with self.lock:
+            if self.config is not None and self._is_primary(eng):
+                eng.advisor.set_config(self.config.values)
+            return eng.advisor.current()
+
+    def note_advice_outcome(self, eng: EngineState | None, rule: str, ok: bool,
+                            message: str) -> None:
+        """Record what became of an applied suggestion in the alert history, so the Alerts
+        panel shows it beside the engine's own alerts (name ``advice RULE``)."""
+        with self.lock:
+            self.alerts.append(Alert(self.clock(), eng.engine if eng else "console",
+                                     eng.rank if eng else 0, f"advice {rule}",
+                                     "ok" if ok else "warning", None, None, message))
+            self.generation += 1
 
     def feed(self, items: Iterable[tuple[float, Sequence[Any]]]) -> None:
         """Ingest many (recv_ts, frames) records at once (tests, instant replay)."""

@@ -76,6 +76,9 @@ class EngineConfig:
                                            "this long unscheduled; unset = never.", hot=True,
                                            lo=0.0, hi=1e9, nullable=True)
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes.", hot=True)
+    latency_window_s: float = _f(60.0, "Sliding window of the latency percentiles (TTFT, ITL, "
+                                 "e2e, queue time ...) in telemetry, seconds.", hot=True,
+                                 lo=1.0, hi=3600.0)
     client_heartbeat_s: float = _f(1.0, "Seconds between heartbeats on the output socket to each "
                                    "connected client; a client that hears nothing for several "
                                    "fails its requests as 'engine unreachable'.", hot=True,
@@ -109,6 +112,10 @@ class EngineConfig:
                                           "warning.", hot=True, lo=0.0, hi=1.0)
     fragmentation_threshold: float = _f(0.5, "KV fragmentation that raises a warning.", hot=True,
                                         lo=0.0, hi=1.0)
+    alert_hysteresis: float = _f(0.1, "An alert drops a level only once its value falls this "
+                                 "fraction below the threshold (0.1: 10 % below), so a value "
+                                 "hovering on a threshold does not flap.", hot=True,
+                                 lo=0.0, hi=0.5)
 
     # --- hot: reliability --------------------------------------------------------------------
     max_consecutive_step_failures: int = _f(3, "Failed model executions in a row after which "

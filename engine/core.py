@@ -15,6 +15,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 from vconsole.engine.config import ConfigUpdate, EngineConfig, apply_update
 from vconsole.engine.outputs import RequestOutput
@@ -23,6 +24,7 @@ from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
 from vconsole.engine.worker.model_runner import ModelRunner
+from vconsole.engine.worker.profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.consecutive_step_failures = 0          # model executions that raised, in a row
         self.last_step_error: str | None = None     # the latest one's "Type: message"
+        self.profiler: StepProfiler | None = None   # armed by start_profile; see profiling
         logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens",
                     config.model, self.runner.device, self.runner.dtype, self.num_kv_blocks,
                     config.block_size)
@@ -102,6 +105,9 @@ class EngineCore:
         """One engine iteration. Returns outputs per client and whether any token ran."""
         if not self.scheduler.has_requests():
             return {}, False
+        profiler = self.profiler if self.profiler is not None and not self.profiler.done else None
+        if profiler is not None:
+            profiler.begin_step(self.num_steps)
         t0 = time.monotonic_ns()
         scheduler_output = self.scheduler.schedule()
         t1 = time.monotonic_ns()
@@ -127,6 +133,8 @@ class EngineCore:
             num_decode_tokens=scheduler_output.num_decode_tokens,
             num_reqs=scheduler_output.num_scheduled_reqs,
             num_preempted=len(scheduler_output.preempted_req_ids), num_finished=num_finished)
+        if profiler is not None:
+            profiler.end_step(self.last_step, self.num_steps)
         return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0
 
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -166,5 +174,19 @@ class EngineCore:
     def scheduler_stats(self, max_rows: int) -> SchedulerStats:
         return self.scheduler.stats(max_rows)
 
+    def latency_snapshot(self) -> dict[str, Any]:
+        return self.scheduler.latency_snapshot()
+
     def kv_stats(self) -> KVStats:
         return self.scheduler.kv_stats()
+
+    # --- profiling ------------------------------------------------------------------------
+    def start_profile(self, num_steps: int) -> StepProfiler:
+        """Profile the next ``num_steps`` steps that run (`vconsole.engine.worker.profiler`):
+        `step` drives it, outside its phase timers. Call only between two steps. Raises
+        ValueError while another profile is armed or running."""
+        if self.profiler is not None and not self.profiler.done:
+            raise ValueError(f"a profile is already running ({self.profiler.steps_done}/"
+                             f"{self.profiler.num_steps} steps done)")
+        self.profiler = StepProfiler(self.runner, num_steps)
+        return self.profiler

@@ -105,6 +105,8 @@ class Request:
     error: str | None = None
     seq_no: int = 0                  # admission order, set by the scheduler (ties and fcfs)
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None   # on the scheduler's clock (latency metrics)
+    last_token_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

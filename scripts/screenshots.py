@@ -8,7 +8,8 @@ Three ways to feed the console:
 
 The first starts what `vconsole demo` starts (`vconsole.demo.DemoStack`: an engine process with
 the tiny model on free loopback ports and a bursty load), waits until every panel has data,
-takes the pictures and stops both. Pictures: each screen at 120x40 and 80x24, plus help and the config confirm box.
+takes the pictures and stops both. Pictures: each screen at 120x40 and 80x24, plus help and the config confirm box;
+Trends over its 1-minute range, and at 80x24 also its latency page (TTFT, ITL).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from vconsole.console.app import VConsoleApp  # noqa: E402
 from vconsole.console.source import ReplaySource  # noqa: E402
 
-MODES = ("overview", "requests", "kv", "config")
+MODES = ("overview", "requests", "kv", "config", "trends")
 SIZES = ((120, 40), (80, 24))
 
 
@@ -34,7 +35,18 @@ def ready(app: VConsoleApp) -> bool:
     eng = app.state.engine()
     need = ("health", "step", "sched", "kv", "gpu", "host")
     return eng is not None and all(t in eng.latest for t in need) and \
-        app.state.config is not None
+        app.state.config is not None and finished_in_window(app)
+
+
+def finished_in_window(app: VConsoleApp) -> bool:
+    """The latency topic has percentiles to show (a request finished within its window);
+    a recording from before the topic existed has none, and that is shown as it is."""
+    eng = app.state.engine()
+    lat = eng.latest.get("latency") if eng is not None else None
+    if lat is None:
+        return isinstance(app.source, ReplaySource)
+    e2e = ((lat.get("overall") or {}).get("window") or {}).get("e2e_s") or {}
+    return bool(e2e.get("count"))
 
 
 def busy(app: VConsoleApp) -> bool:
@@ -68,10 +80,18 @@ async def shoot(make_app, out: Path, warmup_s: float, timeout_s: float) -> list[
             for mode in MODES:
                 app.action_show(mode)
                 await pilot.pause(0.5)
+                if mode == "trends":
+                    app.screen.action_set_range(0)      # the last minute: the demo is young
+                    await pilot.pause(0.3)
                 await wait_busy(pilot, app, timeout_s)
                 app.refresh_view(force=True)
                 await pilot.pause()
                 saved.append(app.save_screenshot(f"{mode}{suffix}.svg", str(out)))
+                if mode == "trends" and app.screen.pages > 1:
+                    app.screen.action_page(app.screen.pages - 1 - app.screen.page)
+                    await pilot.pause(0.3)
+                    saved.append(app.save_screenshot(f"trends-latency{suffix}.svg", str(out)))
+                    app.screen.action_page(1)
         await pilot.resize_terminal(*SIZES[0])
         await pilot.press("question_mark")
         await pilot.pause(0.3)
@@ -96,7 +116,7 @@ def main() -> int:
     p.add_argument("--telemetry", default="tcp://127.0.0.1:5572")
     p.add_argument("--control", default="tcp://127.0.0.1:5573")
     p.add_argument("--rate", type=float, default=10.0, help="load: mean requests per second")
-    p.add_argument("--warmup", type=float, default=20.0,
+    p.add_argument("--warmup", type=float, default=30.0,
                    help="seconds of live data before the pictures (sparklines fill up)")
     p.add_argument("--out", default=str(ROOT / "screenshots"))
     args = p.parse_args()

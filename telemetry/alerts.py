@@ -2,10 +2,13 @@
 
 `AlertEvaluator` keeps one level per watched figure (``ok``/``warning``/``critical``) and is
 *edge-triggered*: `observe` returns an `AlertEvent` only when a figure's level changes (ok ->
-warning, warning -> critical, critical -> warning, any -> ok), never while it stays put. There is
-no hysteresis: a figure that hovers on a threshold alerts on every crossing, which is honest and
-cheap to reason about; rate-limiting that is the console's job. A figure is at ``critical`` when
-``value >= critical threshold``, else ``warning`` when ``value >= warning threshold``, else ``ok``.
+warning, warning -> critical, critical -> warning, any -> ok), never while it stays put. A figure
+rises to ``critical`` when ``value >= critical threshold``, to ``warning`` when ``value >= warning
+threshold``. With *hysteresis* (config ``alert_hysteresis``, a fraction ``h``, default 0.1) it
+leaves a level only once ``value < that level's threshold * (1 - h)``: a figure hovering on a
+threshold raises once and clears once instead of flapping on every crossing. Falling from
+``critical`` it lands on ``warning`` while ``value >= warning threshold * (1 - h)``. ``h = 0`` is
+plain thresholds.
 
 Watched figures (names on the wire):
 
@@ -29,6 +32,7 @@ from typing import Any
 from vconsole.engine.config import EngineConfig
 
 OK, WARNING, CRITICAL = "ok", "warning", "critical"
+_RANK = {OK: 0, WARNING: 1, CRITICAL: 2}
 
 # name -> (config key of the warning threshold, of the critical one or None, what it is, unit)
 RULES: dict[str, tuple[str, str | None, str, str]] = {
@@ -100,12 +104,24 @@ class AlertEvaluator:
         else:
             level, threshold = OK, warn
         previous = self._levels[name]
+        margin = 1.0 - float(getattr(self._config, "alert_hysteresis", 0.0))
+        # Falling: keep the highest level at or below the previous one whose release point
+        # (threshold * (1 - h)) the value has not yet fallen under.
+        if previous == CRITICAL and level != CRITICAL and crit is not None \
+                and value >= crit * margin:
+            level, threshold = CRITICAL, crit
+        elif previous != OK and level == OK and value >= warn * margin:
+            level, threshold = WARNING, warn
         if level == previous:
             return None
         self._levels[name] = level
         _, _, what, unit = RULES[name]
-        if level == OK:
-            msg = f"{what} back to {_fmt(value, unit)} (under {_fmt(threshold, unit)})"
+        if _RANK[level] < _RANK[previous]:
+            left = crit if previous == CRITICAL and crit is not None else warn
+            less = "" if margin == 1.0 else f" less {1 - margin:.0%}"
+            msg = (f"{what} {'back' if level == OK else 'down'} to {_fmt(value, unit)} "
+                   f"(under {_fmt(left * margin, unit)}: {previous} threshold "
+                   f"{_fmt(left, unit)}{less})")
         else:
             msg = f"{what} is {_fmt(value, unit)} (>= {level} threshold {_fmt(threshold, unit)})"
         return AlertEvent(name, level, previous, float(value), threshold, msg)

@@ -25,6 +25,14 @@ An engine started with CURVE keys (`vconsole.telemetry.curve`) answers only CURV
 key pair it authorises: `ControlClient` takes them as ``curve``. The control key is still needed
 for ``set_config`` then: CURVE says who may connect at all (submit requests, read telemetry), the
 key says who may change the engine.
+
+Profiling on demand (`vconsole.engine.proc.profiles`): ``{"op": "profile_start", "steps": n}``
+(the control key required, like ``set_config``; ``1 <= n <= PROFILE_MAX_STEPS``) arms
+``torch.profiler`` over the engine's next ``n`` steps and answers at once;
+``{"op": "profile_status", "profile": pid}`` (open, like ``get_config``) and
+``{"op": "profile_cancel", "profile": pid}`` (key required) follow it. Their replies carry every
+field above plus ``profile``: the profile's status, with its ``result`` once it is done
+(`ControlClient.profile_start` / `profile_status` / `profile_cancel`).
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from vconsole.telemetry.control_key import NOT_AUTHORISED
 from vconsole.telemetry.curve import ClientCurve
 from vconsole.telemetry.endpoints import DEFAULT_CONTROL
 
-OPS = ("get_config", "set_config")
+OPS = ("get_config", "set_config", "profile_start", "profile_status", "profile_cancel")
+PROFILE_MAX_STEPS = 200   # a profile's trace is kept in memory until its last step
 
 
 class ControlError(RuntimeError):
@@ -55,8 +64,10 @@ class NotAuthorised(ControlError):
 # --- bodies -----------------------------------------------------------------------------------
 
 def encode_request(op: str, values: dict[str, Any] | None = None, *,
-                   request_id: int | None = None, key: str | None = None) -> bytes:
-    req: dict[str, Any] = {"op": op}
+                   request_id: int | None = None, key: str | None = None,
+                   fields: dict[str, Any] | None = None) -> bytes:
+    """``fields``: the op's own fields (``steps``, ``profile``)."""
+    req: dict[str, Any] = {"op": op, **(fields or {})}
     if values is not None:
         req["values"] = values
     if request_id is not None:
@@ -83,6 +94,14 @@ def decode_request(data: bytes | memoryview) -> dict[str, Any]:
             raise ControlError("set_config needs 'values': a non-empty map of key -> value")
         if not all(isinstance(k, str) for k in values):
             raise ControlError("set_config 'values' keys must be strings")
+    if op == "profile_start":
+        steps = req.get("steps")
+        if (not isinstance(steps, int) or isinstance(steps, bool)
+                or not 1 <= steps <= PROFILE_MAX_STEPS):
+            raise ControlError(f"profile_start needs 'steps': an integer from 1 to "
+                               f"{PROFILE_MAX_STEPS}, got {steps!r}")
+    if op in ("profile_status", "profile_cancel") and not isinstance(req.get("profile"), str):
+        raise ControlError(f"{op} needs 'profile': the id profile_start answered")
     rid = req.get("id")
     if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool)):
         raise ControlError(f"'id' must be an integer, got {rid!r}")
@@ -117,6 +136,11 @@ def config_reply(version: int, values: dict[str, Any], update: Any = None,
     return make_reply(ok=update.ok, version=version, values=values, schema=describe_config(),
                       applied=update.applied, rejected=update.rejected,
                       restart_required=update.restart_required, request_id=request_id)
+
+
+def profile_reply(status: dict[str, Any], request_id: int | None = None) -> dict[str, Any]:
+    """Reply for the profile ops: every common field, plus ``profile`` (the status)."""
+    return {**make_reply(ok=True, request_id=request_id), "profile": status}
 
 
 def encode_reply(reply: dict[str, Any]) -> bytes:
@@ -195,12 +219,13 @@ class ControlClient:
             self._sock = sock
         return self._sock
 
-    def request(self, op: str, values: dict[str, Any] | None = None) -> dict[str, Any]:
+    def request(self, op: str, values: dict[str, Any] | None = None, *,
+                fields: dict[str, Any] | None = None) -> dict[str, Any]:
         """Send one request and wait for its reply; raises TimeoutError or ControlError."""
         rid = next(self._ids)
         sock = self._socket()
         sock.send_multipart([b"", encode_request(op, values, request_id=rid,
-                                                   key=self.key)])
+                                                   key=self.key, fields=fields)])
         deadline = time.monotonic() + self.timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not sock.poll(int(left * 1000) + 1):
@@ -233,6 +258,29 @@ class ControlClient:
                 raise NotAuthorised(reply["error"])
             raise ControlError(reply["error"])
         return reply
+
+    def _profile_op(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        reply = self.request(op, fields=fields)
+        if not reply.get("ok"):
+            error = str(reply.get("error") or f"{op} failed")
+            if error.startswith(NOT_AUTHORISED + ":"):
+                raise NotAuthorised(error)
+            raise ControlError(error)
+        return reply["profile"]
+
+    def profile_start(self, steps: int) -> dict[str, Any]:
+        """Profile the engine's next ``steps`` steps; the new profile's status (its ``id``).
+        Raises NotAuthorised without the key, ControlError when refused (one is running)."""
+        return self._profile_op("profile_start", {"steps": steps})
+
+    def profile_status(self, profile_id: str) -> dict[str, Any]:
+        """``state`` (running / done / cancelled / failed), ``steps_done`` of ``steps``, and
+        ``result`` once done. Raises ControlError for an unknown id."""
+        return self._profile_op("profile_status", {"profile": profile_id})
+
+    def profile_cancel(self, profile_id: str) -> dict[str, Any]:
+        """Stop a running profile (no result); its status. Raises NotAuthorised without the key."""
+        return self._profile_op("profile_cancel", {"profile": profile_id})
 
     def close(self) -> None:
         if self._sock is not None:

@@ -1,8 +1,8 @@
 """The engine's telemetry publisher: a PUB socket driven by its own thread.
 
 Why a thread of its own: the engine's busy loop must never wait on telemetry. The loop only
-does O(1) hand-offs (`record_step` appends to a bounded deque, `submit_snapshot` replaces one
-"latest" slot); this thread owns the PUB socket (zmq sockets are never shared across threads),
+does O(1) hand-offs (`record_step` appends to a bounded deque and adds the step to the
+cumulative totals the ``step`` topic carries, `submit_snapshot` replaces one "latest" slot); this thread owns the PUB socket (zmq sockets are never shared across threads),
 aggregates, encodes (`vconsole.telemetry.schema`) and sends. Health heartbeats, gpu/host readings and
 config announcements come from this thread's own clock, so they keep flowing while the engine
 loop sleeps.
@@ -22,8 +22,11 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -46,6 +49,9 @@ log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 1.0        # gpu and host
 MAX_BUFFERED_STEPS = 1 << 16  # steps kept between two publish windows; older ones are counted
+# Tokens per engine step: the ``step`` topic's ``iteration_tokens`` histogram (vLLM's bounds for
+# ``vllm:iteration_tokens_total``).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _ROW_GETTERS = {c: attrgetter(c) for c in schema.REQUEST_COLUMNS}
 
 
@@ -159,10 +165,18 @@ class TelemetryPublisher:
 
         self._steps: deque[StepStats] = deque(maxlen=MAX_BUFFERED_STEPS)
         self._steps_recorded = 0      # written by the engine thread only
+        # Cumulative since start, every recorded step (none lost to the bounded deque): tokens
+        # per step (per bucket, not cumulative) and their sum, phase ns. Guarded by _totals_lock
+        # (held for a few additions or one copy), so one step is in all of them or in none.
+        self._totals_lock = threading.Lock()
+        self._iter_buckets = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self._iter_tokens = 0
+        self._phase_ns = [0, 0, 0]    # schedule, execute, update
         self._last_step_t: float | None = None
         self._next_due = 0.0          # engine thread only (snapshot_due)
         self._lock = threading.Lock()  # guards the hand-off slots below
         self._latest: tuple[SchedulerStats, KVStats, int, float] | None = None
+        self._latency: dict[str, Any] | None = None   # the next ``latency`` body to send
         self._state = "idle"
         self._pending_config: EngineConfig | None = None
         self._announce: tuple[int, dict[str, Any]] | None = None
@@ -176,6 +190,7 @@ class TelemetryPublisher:
 
         # Publisher-thread state.
         self._seq: dict[str, int] = dict.fromkeys(schema.TOPICS, 0)
+        self._last_bodies: dict[str, dict[str, Any]] = {}
         self.sent: dict[str, int] = dict.fromkeys(schema.TOPICS, 0)
         self.send_drops = 0
         self.encode_errors = 0
@@ -187,7 +202,17 @@ class TelemetryPublisher:
     # --- engine thread ----------------------------------------------------------------------
 
     def record_step(self, stats: StepStats) -> None:
-        """O(1): buffer one step's stats for the next ``step`` window."""
+        """O(1): buffer one step's stats for the next ``step`` window and add it to the
+        cumulative totals."""
+        tokens = stats.num_prefill_tokens + stats.num_decode_tokens
+        bucket = bisect.bisect_left(ITERATION_TOKENS_BUCKETS, tokens)  # bounds are inclusive
+        with self._totals_lock:
+            self._iter_buckets[bucket] += 1
+            self._iter_tokens += tokens
+            phase = self._phase_ns
+            phase[0] += stats.schedule_ns
+            phase[1] += stats.execute_ns
+            phase[2] += stats.update_ns
         self._steps.append(stats)
         self._steps_recorded += 1
         self._last_step_t = time.monotonic()
@@ -207,6 +232,18 @@ class TelemetryPublisher:
             self._latest = (sched, kv, num_steps, time.time())
             self._state = state
         self._wake.set()
+
+    def submit_latency(self, body: dict[str, Any]) -> None:
+        """Hand over a ``latency`` body (`vconsole.engine.latency`); sent at once."""
+        with self._lock:
+            self._latency = body
+        self._wake.set()
+
+    def last_bodies(self) -> dict[str, dict[str, Any]]:
+        """The last message sent on each topic (envelope included): what a subscriber saw
+        last. Read by exporters (Prometheus) so their figures equal the stream's."""
+        with self._lock:
+            return dict(self._last_bodies)
 
     def set_state(self, state: str) -> None:
         """Announce idle/running/draining without a snapshot (shows in the next health)."""
@@ -274,6 +311,8 @@ class TelemetryPublisher:
             self.sent[topic] += 1
         except zmq.Again:
             self.send_drops += 1
+        with self._lock:
+            self._last_bodies[topic] = payload
 
     def _open(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PUB)
@@ -321,6 +360,8 @@ class TelemetryPublisher:
         next_config = now
         snapshot: tuple[SchedulerStats, KVStats, int, float] | None = None
         have_new = False
+        latency_body: dict[str, Any] | None = None
+        next_latency = now
 
         while not self._stop.is_set():
             with self._lock:
@@ -328,6 +369,7 @@ class TelemetryPublisher:
                     snapshot, have_new = self._latest, True
                     self._latest = None
                 new_cfg, self._pending_config = self._pending_config, None
+                latency, self._latency = self._latency, None
                 announce, self._announce = self._announce, None
                 state = self._state
             alerts: list[AlertEvent] = []
@@ -349,6 +391,7 @@ class TelemetryPublisher:
             if now >= next_snap and (have_new or steps_waiting or refresh):
                 drained = self._drain_steps()
                 step = aggregate_steps(drained, now - last_window)
+                step.update(self._step_totals())
                 last_window = now
                 self._send(sock, "step", step)
                 if drained:
@@ -368,6 +411,14 @@ class TelemetryPublisher:
                     last_state_sent = now
                 have_new = False
                 next_snap = now + 1.0 / cfg.telemetry_hz
+
+            if latency is not None:
+                latency_body = latency
+            if latency_body is not None and (latency is not None or now >= next_latency):
+                # An idle engine submits nothing: repeat the last body, so a late subscriber
+                # (`vconsole top --once`) still hears the topic.
+                self._send(sock, "latency", latency_body)
+                next_latency = now + cfg.heartbeat_interval_s
 
             if state == "idle" and not self._steps:
                 # Nothing to do is not slow. (A running engine with no steps may be stuck
@@ -400,6 +451,8 @@ class TelemetryPublisher:
                 next_health = now + cfg.heartbeat_interval_s
 
             deadlines = [next_health, next_probe, next_config]
+            if latency_body is not None:
+                deadlines.append(next_latency)
             if have_new or self._steps or snapshot is not None:
                 deadlines.append(next_snap if (have_new or self._steps)
                                  else max(next_snap, last_state_sent + cfg.heartbeat_interval_s))
@@ -407,6 +460,22 @@ class TelemetryPublisher:
             if wait > 0:
                 self._wake.wait(wait)
             self._wake.clear()
+
+    def _step_totals(self) -> dict[str, Any]:
+        """The ``step`` topic's cumulative fields: ``iteration_tokens`` (a histogram as the
+        ``latency`` topic's: bounds with +Inf, cumulative counts, count, sum) and
+        ``phase_s_total``."""
+        with self._totals_lock:
+            buckets = self._iter_buckets.copy()
+            tokens = self._iter_tokens
+            schedule, execute, update = self._phase_ns
+        counts = list(itertools.accumulate(buckets))
+        return {
+            "iteration_tokens": {"bounds": [*ITERATION_TOKENS_BUCKETS, math.inf],
+                                 "counts": counts, "count": counts[-1], "sum": tokens},
+            "phase_s_total": {"schedule": schedule / 1e9, "execute": execute / 1e9,
+                              "update": update / 1e9},
+        }
 
     def _drain_steps(self) -> list[StepStats]:
         out = []

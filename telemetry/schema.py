@@ -29,7 +29,7 @@ import msgpack
 import numpy as np
 
 SCHEMA_VERSION: int = 1
-TOPICS = ("health", "step", "sched", "kv", "gpu", "host", "config", "alert")
+TOPICS = ("health", "step", "sched", "kv", "gpu", "host", "config", "alert", "latency")
 _TOPIC_BYTES = {t.encode("ascii"): t for t in TOPICS}
 
 # Envelope: every payload carries these. seq counts per topic per publisher, from 0.
@@ -59,6 +59,7 @@ TOPIC_FIELDS: dict[str, tuple[str, ...]] = {
              "sys_mem_used", "sys_mem_total"),
     "config": ("version", "values", "schema"),
     "alert": ("name", "level", "value", "threshold", "message"),
+    "latency": ("window_s", "overall", "priority", "finished"),
 }
 
 # "restarting": sent by the engine's supervisor while no engine process runs (between a crash

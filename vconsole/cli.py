@@ -95,6 +95,16 @@ def add_supervisor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--restart-reason", help=argparse.SUPPRESS)
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port (0-65535): {text!r}")
+    return port
+
+
 def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     module_name, func_name = target.split(":")
 
@@ -146,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="once serving, write the bound endpoints and the control key path here "
                         "as JSON (atomically; removed on a clean stop): how launchers find "
                         "the engine")
+    g = p.add_argument_group("Prometheus (/metrics over HTTP, read-only)")
+    g.add_argument("--metrics-port", type=_port, metavar="PORT",
+                   help="serve Prometheus metrics on this port (0: a free one, named in the "
+                        "ready file); off by default")
+    g.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address for --metrics-port (default 127.0.0.1)")
+    g.add_argument("--allow-remote-metrics", action="store_true",
+                   help="allow a non-loopback --metrics-host (plain HTTP: anyone who can reach "
+                        "the port reads the metrics)")
     add_supervisor_args(p)
 
     p = cmd("attach", "vconsole.commands.attach:main", "attach the console to a running engine")

@@ -12,7 +12,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
-from vconsole.console.keymap import SCREENS
+from vconsole.console.keymap import LETTER_SCREENS, SCREENS
 from vconsole.console.state import STALE_INTERVALS, EngineState
 
 
@@ -95,6 +95,9 @@ class TabBar(Static):
             text = f"{key} {title}" if full else (f"{key} {title}" if mode == current else key)
             tabs.append(f"[reverse b] {text} [/]" if mode == current
                         else f"[$text-muted] {text} [/]")
+        if current in LETTER_SCREENS:
+            key, title = LETTER_SCREENS[current]
+            tabs.append(f"[reverse b] {key} {title} [/]")
         return "".join(tabs)
 
 

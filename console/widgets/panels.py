@@ -225,6 +225,56 @@ def host(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) 
     return f"{line1}\n{line2}"
 
 
+# Overview latency rows: label -> (series in the ``latency`` topic, its p99 sparkline series).
+LATENCY_ROWS = (("TTFT", "ttft_s", "ttft_p99"), ("ITL", "itl_s", "itl_p99"),
+                ("e2e", "e2e_s", "e2e_p99"), ("queue", "queue_s", "queue_p99"))
+
+
+def _latency_window(eng: EngineState) -> tuple[dict[str, Any], float | None] | None:
+    """The overall window percentiles of the last ``latency`` message and its window length."""
+    lat = eng.latest.get("latency")
+    if not lat:
+        return None
+    overall = lat.get("overall")
+    window = overall.get("window") if isinstance(overall, dict) else None
+    return (window if isinstance(window, dict) else {}), _num(lat, "window_s")
+
+
+def latency_title(eng: EngineState | None) -> str:
+    """``Latency p50/p99 · 60s · 315 req``: what the columns are, over which window, and how
+    many requests finished in it (so a p99 of three requests reads as such)."""
+    got = _latency_window(eng) if eng is not None else None
+    if got is None:
+        return "Latency p50/p99"
+    window, window_s = got
+    e2e = window.get("e2e_s")
+    n = _num(e2e, "count") if isinstance(e2e, dict) else None
+    parts = ["Latency p50/p99"]
+    if window_s is not None:
+        parts.append(f"{window_s:g}s")
+    if n is not None:
+        parts.append(f"{n:,.0f} req")
+    return " · ".join(parts)
+
+
+def latency(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:
+    """TTFT, inter-token latency, end-to-end and queue time: p50 and p99 over the engine's
+    sliding window (overall, every priority), and a sparkline of the p99."""
+    got = _latency_window(eng)
+    if got is None:
+        return _waiting("no latency data")
+    window, _ = got
+    spark_w = width - 6 - 9 - 9 - 1
+    lines = []
+    for label, key, spark in LATENCY_ROWS:
+        w = window.get(key)
+        w = w if isinstance(w, dict) else {}
+        p50, p99 = fmt.ms(_num(w, "p50")), fmt.ms(_num(w, "p99"))
+        lines.append(f"{_muted(f'{label:<6}')}{p50:>9}[b]{p99:>9}[/] "
+                     f"{_spark(eng.series[spark], now, spark_w, 0)}")
+    return "\n".join(lines)
+
+
 def alerts(eng: EngineState | None, items: list[tuple[Alert, int]], now: float,
            width: int) -> str:
     """Active alerts first (from the heartbeat, which a late subscriber also gets), then one

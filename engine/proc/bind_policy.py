@@ -7,7 +7,8 @@ where the operating system's users are the boundary (reach them from elsewhere o
 tunnel). The read-only telemetry socket may go remote without keys, with an explicit opt-in
 (``--allow-remote-telemetry``): anyone who can reach the port can read it, nobody can change
 anything through it. With keys, every socket is CURVE, loopback ones too, so a client holds the
-same keys whatever the address.
+same keys whatever the address. The Prometheus ``/metrics`` endpoint (plain HTTP, read-only)
+binds beyond loopback only with ``--allow-remote-metrics``, keys or not (`check_metrics_host`).
 
 Invariant: `check_endpoints` runs before any socket binds, so a refused configuration exposes
 nothing, not even for a moment.
@@ -63,6 +64,20 @@ def check_endpoints(endpoints: dict[str, str], allow_remote: bool, curve: bool =
         raise RemoteBindRefused(
             f"refusing to bind non-loopback endpoint(s) {eps} without --allow-remote-telemetry "
             "or CURVE keys: telemetry without keys is readable by anyone who can reach the port.")
+
+
+def check_metrics_host(host: str, allow_remote: bool) -> None:
+    """The Prometheus endpoint (``--metrics-host``) is read-only, like telemetry, but plain HTTP:
+    CURVE keys cannot protect it, so a non-loopback host needs its own explicit opt-in
+    (``--allow-remote-metrics``) whatever the keys. Raises `RemoteBindRefused`; called with
+    `check_endpoints`, before anything binds."""
+    endpoint = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+    if not allow_remote and not is_loopback(endpoint):
+        raise RemoteBindRefused(
+            f"refusing to serve metrics on non-loopback host {host!r} without "
+            "--allow-remote-metrics: /metrics is plain HTTP, readable by anyone who can reach "
+            "the port. Bind 127.0.0.1 and scrape over an SSH tunnel (ssh -N -L "
+            "PORT:127.0.0.1:PORT HOST), or pass --allow-remote-metrics.")
 
 
 def secure_socket(sock: zmq.Socket, name: str, endpoint: str,

@@ -16,6 +16,9 @@ start's key may change the engine.
   ``EngineCoreProc._apply_control``: that half is the seam) and this thread sends the reply once
   it was applied or refused. A call the busy loop has not reached within `CONTROL_WAIT_S` is
   cancelled and answered with an error.
+- ``profile_start`` and ``profile_cancel`` take the same path as ``set_config`` (key, then a
+  `ControlCall` with its ``op``: the busy loop owns the profiler, `vconsole.engine.proc.profiles`);
+  ``profile_status`` is answered at once from ``profile_view(id)``, like ``get_config``.
 
 Invariants:
 
@@ -65,6 +68,7 @@ class ControlCall:
 
     values: dict[str, Any]
     request_id: int | None
+    op: str = "set_config"          # or profile_start / profile_cancel (values: the op's fields)
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
@@ -97,7 +101,9 @@ class ControlServer:
                  key_file: str | os.PathLike[str] | None,
                  config_view: Callable[[], tuple[int, EngineConfig]],
                  submit: Callable[[ControlCall], None], stop: threading.Event,
-                 poll_ms: int = 200, engine_id: str = "") -> None:
+                 poll_ms: int = 200, engine_id: str = "",
+                 profile_view: Callable[[str], dict[str, Any] | None] | None = None) -> None:
+        self._profile_view = profile_view
         self._sock = sock
         self._config_view = config_view
         self._submit = submit
@@ -156,12 +162,21 @@ class ControlServer:
         if req["op"] == "get_config":
             version, cfg = self._config_view()
             return control.config_reply(version, cfg.to_dict(), request_id=rid)
+        if req["op"] == "profile_status":
+            status = self._profile_view(req["profile"]) if self._profile_view else None
+            if status is None:
+                return control.error_reply(f"no profile {req['profile']!r}", rid)
+            return control.profile_reply(status, rid)
         if not control_key_file.key_matches(req.get("key"), self._key):
-            log.warning("control: refused a set_config without the control key")
+            log.warning("control: refused a %s without the control key", req["op"])
             return control.error_reply(control_key_file.not_authorised(self.key_path), rid)
         if self._stop.is_set():
             return control.error_reply("engine is shutting down", rid)
-        call = ControlCall(dict(req["values"]), rid)
+        if req["op"] == "set_config":
+            call = ControlCall(dict(req["values"]), rid)
+        else:
+            call = ControlCall({k: v for k, v in req.items() if k not in ("op", "id", "key")},
+                               rid, op=req["op"])
         self._submit(call)
         if call.done.wait(CONTROL_WAIT_S):
             return call.reply or control.error_reply("no reply", rid)

@@ -19,6 +19,8 @@ fast, and from then on is touched only by its one thread, which also closes it):
   between two steps (`_apply_control`), its reply sent only after it was applied (or refused).
   A ``set_config`` without the control key is refused by the server and never queued.
 - the telemetry publisher's thread (`vconsole.telemetry.publisher`) and the config file watcher.
+- with ``metrics_endpoint`` (``--metrics-port``): the Prometheus HTTP server
+  (`vconsole.telemetry.prometheus`), whose threads read only what the publisher last sent.
 
 Routing: a client connects two DEALERs with one identity (its client id): requests on input,
 outputs on output. The output ROUTER is ``ROUTER_MANDATORY``: an output for a client that is no
@@ -41,6 +43,11 @@ A step whose model execution raises fails only its own requests (`vconsole.engin
 ``max_consecutive_step_failures`` such steps in a row the loop drains and the process exits with
 `vconsole.engine.proc.exit_codes.STEP_FAILURES` (``exit_code``), for the supervisor to restart
 it (`vconsole.engine.proc.supervisor`).
+
+Profile on demand: a ``profile_start`` control call arms the core's profiler between two steps
+(`_profile_start`); the core runs it over its next steps while the loop keeps serving, and after
+each step the loop notes its progress in ``profiles`` (`vconsole.engine.proc.profiles`), which
+the control thread reads for ``profile_status``.
 """
 
 from __future__ import annotations
@@ -59,16 +66,18 @@ import zmq
 from vconsole.engine.config import ConfigUpdate, EngineConfig
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import exit_codes, protocol
-from vconsole.engine.proc.bind_policy import check_endpoints, secure_socket
+from vconsole.engine.proc.bind_policy import check_endpoints, check_metrics_host, secure_socket
 from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, read_file
 from vconsole.engine.proc.control_key_file import refuse_if_held
 from vconsole.engine.proc.control_server import ControlCall, ControlServer
+from vconsole.engine.proc.profiles import ProfileBook
 from vconsole.engine.proc.ready_file import ready_record, remove_ready_file, write_ready_file
 from vconsole.engine.proc.request_registry import RequestRegistry
 from vconsole.engine.proc.stats_log import StatsLog
 from vconsole.engine.request import FinishReason, Request
 from vconsole.telemetry import control
 from vconsole.telemetry.control_key import key_path
+from vconsole.telemetry.prometheus import MetricsServer, TelemetryCollector
 from vconsole.telemetry.publisher import TelemetryPublisher
 
 if TYPE_CHECKING:
@@ -82,6 +91,7 @@ HELLO_WAIT_S = 5.0        # ...for at most this long
 DRAIN_TIMEOUT_S = 5.0     # steps run at shutdown to deliver the final (abort) outputs
 STALL_WAIT_S = 0.005      # a step that scheduled nothing is followed by this wait (no spin)
 PUBLISHER_CLOSE_S = 5.0   # at shutdown, how long the telemetry thread gets to stop
+LATENCY_INTERVAL_S = 1.0  # latency percentiles are computed at most this often
 
 INLINE_PROMPT_CHARS = 2048  # longer text prompts are tokenized off the busy loop
 PREPARE_WORKERS = 2         # threads that tokenize and validate long prompts
@@ -105,8 +115,13 @@ class EngineCoreProc:
                  control_key_file: str | None = None,
                  ready_file: str | os.PathLike[str] | None = None,
                  curve: ServerCurve | None = None,
-                 restart_count: int = 0, restart_reason: str | None = None) -> None:
+                 restart_count: int = 0, restart_reason: str | None = None,
+                 metrics_endpoint: tuple[str, int] | None = None,
+                 allow_remote_metrics: bool = False) -> None:
         check_endpoints(endpoints, allow_remote, curve=curve is not None)
+        if metrics_endpoint is not None:   # (host, port): Prometheus /metrics, port 0 = any
+            check_metrics_host(metrics_endpoint[0], allow_remote_metrics)
+        self.metrics: MetricsServer | None = None
         refuse_if_held(key_path(endpoints["control"], control_key_file))  # before any bind
         self.curve = curve
         self._auth: CurveAuthenticator | None = None
@@ -120,9 +135,11 @@ class EngineCoreProc:
         self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS,
                                                 thread_name_prefix="engine-prepare")
         self._stopping: str | None = None       # why the busy loop is leaving
+        self._next_latency = 0.0                # when the next latency snapshot is due
         self._dirty = True                      # state changed since the last snapshot
         self.state = "starting"
         self._stats_log = StatsLog()
+        self.profiles = ProfileBook()           # profile on demand; written by the busy loop
         self.exit_code = exit_codes.OK            # what `vconsole engine` returns after the loop
         # Created first: its baseline is the file as loaded, so an edit made while the model
         # loads is noticed at the first poll.
@@ -143,7 +160,8 @@ class EngineCoreProc:
                 self._sockets["control"], self.endpoints["control"], key_file=control_key_file,
                 config_view=lambda: self._config_view,
                 submit=lambda call: self.input_queue.put((CONTROL, call)),
-                stop=self._io_stop, poll_ms=IO_POLL_MS, engine_id=config.engine_id)
+                stop=self._io_stop, poll_ms=IO_POLL_MS, engine_id=config.engine_id,
+                profile_view=self.profiles.view)
             out = self._sockets["output"]
             out.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
@@ -160,7 +178,13 @@ class EngineCoreProc:
                                                 restart_reason=restart_reason)
             self.publisher.start()
             self.endpoints["telemetry"] = self.publisher.endpoint
+            if metrics_endpoint is not None:  # figures = what the publisher last sent
+                self.metrics = MetricsServer(TelemetryCollector(
+                    self.publisher, model_name=core.config.model, engine=core.config.dp_rank),
+                    *metrics_endpoint).start()
         except BaseException:
+            if getattr(self, "publisher", None) is not None:
+                self.publisher.close(PUBLISHER_CLOSE_S)
             if hasattr(self, "control_server"):     # never started: its socket is closed below
                 self.control_server.remove_key_file()
             for sock in self._sockets.values():
@@ -212,7 +236,7 @@ class EngineCoreProc:
             write_ready_file(self.ready_file, ready_record(
                 pid=os.getpid(), endpoints=self.endpoints,
                 control_key_file=self.control_server.key_path,
-                **self.ready_info))
+                **self.ready_info, **({"metrics": self.metrics.url} if self.metrics else {})))
 
     def request_shutdown(self, reason: str) -> None:
         """Safe from any thread and from signal handlers."""
@@ -260,6 +284,8 @@ class EngineCoreProc:
         if self.core.last_step is not None:
             self.publisher.record_step(self.core.last_step)
             self._stats_log.record(self.core.last_step)
+        if self.profiles.active is not None:
+            self.profiles.after_step()
         self._emit(outputs)
         self._dirty = True
         self._check_step_failures()
@@ -288,6 +314,12 @@ class EngineCoreProc:
             self.publisher.submit_snapshot(core.scheduler_stats(core.config.telemetry_max_requests),
                                            core.kv_stats(), self.state, core.num_steps)
             self._dirty = False
+            now = time.monotonic()
+            # Idle: this is the last snapshot before the loop blocks, so latency goes too.
+            due = now >= self._next_latency or not core.has_unfinished_requests()
+            if due and hasattr(core, "latency_snapshot"):
+                self.publisher.submit_latency(core.latency_snapshot())
+                self._next_latency = now + LATENCY_INTERVAL_S
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
@@ -421,7 +453,27 @@ class EngineCoreProc:
     def _apply_control(self, call: ControlCall) -> None:
         """The busy loop's half of a ``set_config`` (`vconsole.engine.proc.control_server`):
         applied here, between two steps, unless the control thread gave up on it."""
-        call.run(self._set_config)
+        if call.op == "profile_start":
+            call.run(self._profile_start)
+        elif call.op == "profile_cancel":
+            call.run(self._profile_cancel)
+        else:
+            call.run(self._set_config)
+
+    def _profile_start(self, fields: dict[str, Any], request_id: int | None) -> dict[str, Any]:
+        if self._stopping is not None:
+            return control.error_reply("engine is shutting down", request_id)
+        try:
+            return control.profile_reply(self.profiles.start(self.core, fields["steps"]),
+                                         request_id)
+        except ValueError as e:
+            return control.error_reply(str(e), request_id)
+
+    def _profile_cancel(self, fields: dict[str, Any], request_id: int | None) -> dict[str, Any]:
+        try:
+            return control.profile_reply(self.profiles.cancel(fields["profile"]), request_id)
+        except ValueError as e:
+            return control.error_reply(str(e), request_id)
 
     def _set_config(self, values: dict[str, Any], request_id: int | None) -> dict[str, Any]:
         if self._stopping is not None:
@@ -464,6 +516,7 @@ class EngineCoreProc:
         """Stop taking requests, abort those in flight and deliver their final outputs, answer
         any queued control call, then join every thread and close every socket."""
         self._set_state("draining")
+        self.profiles.cancel(None, "cancelled: the engine is shutting down")
         if self.ready_file is not None:
             remove_ready_file(self.ready_file, os.getpid())
         self._io_stop.set()
@@ -485,6 +538,8 @@ class EngineCoreProc:
             self.control_server.join(0.05)
         self.output_queue.put(_STOP)
         self._threads[1].join()                      # output: flushes everything queued first
+        if self.metrics is not None:
+            self.metrics.close()
         self.publisher.close(PUBLISHER_CLOSE_S)
         if self.publisher.is_alive():
             log.warning("the telemetry thread did not stop within %g s; closing its socket",

@@ -44,7 +44,11 @@ class RequestRegistry:
         self._owners[engine_id] = key
         return engine_id
 
-    def lookup(self, client_id: bytes, request_id: str) -> str | None:
+    def lookup(self, client_id: bytes, request_id: object) -> str | None:
+        """The engine id of this client's request in flight, else None. A malformed message may
+        name anything as its request id (a list, a map): that is None too, never an error."""
+        if not isinstance(request_id, str):
+            return None
         return self._engine_ids.get((client_id, request_id))
 
     def owner(self, engine_id: str) -> tuple[bytes, str] | None:

@@ -7,8 +7,9 @@ an exception that ended it, ``kill -9``, the kernel's OOM killer, or exit code 3
 ``max_consecutive_step_failures`` failed steps in a row — it starts another after a backoff
 (`RestartPolicy`: 0.5 s, doubling, at most 10 s) on the *same* endpoints: the ``*`` ports of the
 first start are taken from the first child's ready file and passed to every later child, so
-clients and consoles reconnect where they were. While no child runs, the supervisor binds the
-telemetry endpoint itself (`vconsole.telemetry.beacon.HealthBeacon`) and publishes ``health``
+clients and consoles reconnect where they were (so is the port of ``--metrics-port 0``, from
+the ready file's ``metrics``). While no child runs, the supervisor binds the telemetry
+endpoint itself (`vconsole.telemetry.beacon.HealthBeacon`) and publishes ``health``
 with state ``restarting``, ``restart_reason`` ("killed by SIGKILL", "exit code 1") and
 ``restart_count``, then closes it before the next child starts (telemetry is then silent while
 that child loads its model, until its own publisher binds); that child's own ``health`` carries
@@ -54,6 +55,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import zmq
 
@@ -162,6 +164,7 @@ class EngineSupervisor:
         self._child: subprocess.Popen[bytes] | None = None
         self._stop_signal: int | None = None  # set by the first SIGTERM/SIGINT
         self._run_dir: Path | None = None     # `run`'s private folder: the child's ready file
+        self.metrics_port: int | None = None  # the first ready child's Prometheus port, if any
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -239,6 +242,8 @@ class EngineSupervisor:
             cmd.append(f"--restart-reason={self.restart_reason}")
         for name, ep in self.endpoints.items():
             cmd.append(f"--{name}={ep}")
+        if self.metrics_port is not None:
+            cmd.append(f"--metrics-port={self.metrics_port}")
         return cmd
 
     def _run_child(self) -> tuple[int, str | None]:
@@ -287,6 +292,8 @@ class EngineSupervisor:
         republish its record under this process's pid."""
         self._ever_ready = True
         self.endpoints = {n: record["endpoints"][n] for n in ENDPOINT_NAMES}
+        if isinstance(record.get("metrics"), str):   # `--metrics-port 0` resolved: keep it
+            self.metrics_port = urlsplit(record["metrics"]).port
         log.info("engine ready (pid %d, restart %d): %s", record["pid"], self.restart_count,
                  " ".join(f"{n}={ep}" for n, ep in self.endpoints.items()))
         if self.ready_file is not None:

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
+from vconsole.engine.latency import LatencyStats
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -82,6 +84,7 @@ class Scheduler:
         self._finished: dict[str, Request] = {}       # finished, not yet reported
         self._num_reported: dict[str, int] = {}       # output tokens already sent
         self._runner_view: dict[str, tuple[int, int]] = {}  # id -> (tokens, blocks) it holds
+        self.latency = LatencyStats(config.latency_window_s)
         self._finished_req_ids: set[str] = set()      # for the runner to forget, next step
         self._seq = 0
         self._num_preempted_waiting = 0
@@ -188,6 +191,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self._record_finish(req, reason)
         del self._requests[req.request_id]
         if self._runner_view.pop(req.request_id, None) is not None:
             self._finished_req_ids.add(req.request_id)
@@ -363,6 +367,7 @@ class Scheduler:
                 reason: FinishReason | None = FinishReason.ERROR
             else:
                 req.output_token_ids.append(token)
+                self._record_token(req)
                 self.num_generation_tokens_total += 1
                 if len(req.output_token_ids) == 1:
                     self.num_prompt_tokens_total += req.num_prompt_tokens
@@ -374,6 +379,34 @@ class Scheduler:
         if finished_now:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return results
+
+    # --- latency (on the scheduler's clock; `vconsole.engine.latency`) -------------------------
+    def _record_token(self, req: Request) -> None:
+        now = self.clock()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.latency.observe("ttft_s", now - req.arrival_time, req.priority, now)
+        elif req.last_token_time is not None:
+            self.latency.observe("itl_s", now - req.last_token_time, req.priority, now)
+        req.last_token_time = now
+
+    def _record_finish(self, req: Request, reason: FinishReason) -> None:
+        now, lat, prio = self.clock(), self.latency, req.priority
+        lat.finish(reason.value)
+        lat.observe("e2e_s", now - req.arrival_time, prio, now)
+        scheduled = req.first_scheduled_time
+        if scheduled is not None:
+            lat.observe("queue_s", scheduled - req.arrival_time, prio, now)
+        first, last = req.first_token_time, req.last_token_time
+        if scheduled is not None and first is not None and last is not None:
+            lat.observe("prefill_s", first - scheduled, prio, now)
+            lat.observe("decode_s", last - first, prio, now)
+            lat.observe("inference_s", last - scheduled, prio, now)
+
+    def latency_snapshot(self) -> dict[str, Any]:
+        """The ``latency`` telemetry payload (histograms and window percentiles)."""
+        self.latency.set_window(self.config.latency_window_s)
+        return self.latency.snapshot(self.clock())
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         """Stop reasons win over length: a model that emits EOS as its last allowed token has

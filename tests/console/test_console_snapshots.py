@@ -8,12 +8,14 @@ is the recording's, so no wall time reaches the screen; inputs do not blink. Upd
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
 from textual.widgets import Input
 
 from support.console_testing import RECORDING, FakeControl, replay_app
+from support.synthetic import generate
 from vconsole.telemetry.record import read_records
 
 pytestmark = pytest.mark.slow
@@ -117,4 +119,37 @@ ENGINE_RECORDING = RECORDING.with_name("engine.vrec")
 @pytest.mark.parametrize("press", [[], ["2"], ["3"]], ids=["overview", "requests", "kv"])
 def test_real_engine_recording(snap_compare, press):
     assert snap_compare(replay_app(ENGINE_RECORDING), press=press, terminal_size=(80, 24),
+                        run_before=settle)
+
+
+# Issue #10: the Trends screen and the Overview's latency panel, from the synthetic stream with
+# its ``latency`` topic (the same 30 s as synthetic.vrec, plus latency); the recording itself has
+# none, so the snapshots above show "no latency data".
+@functools.cache
+def latency_stream() -> tuple:
+    return tuple(generate(duration_s=30.0))
+
+
+def latency_app():
+    return replay_app(records=latency_stream())
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_overview_latency_panel(snap_compare, size):
+    assert snap_compare(latency_app(), terminal_size=size, run_before=settle)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_trends_last_minute(snap_compare, size):
+    assert snap_compare(latency_app(), press=["5", "t", "t"], terminal_size=size,
+                        run_before=settle)
+
+
+def test_trends_latency_plots(snap_compare):
+    assert snap_compare(latency_app(), press=["5", "t", "t", "v", "v"], terminal_size=(80, 24),
+                        run_before=settle)
+
+
+def test_trends_without_latency(snap_compare):
+    assert snap_compare(replay_app(), press=["5", "v", "v"], terminal_size=(80, 24),
                         run_before=settle)

@@ -36,3 +36,12 @@ def test_a_clients_number_is_released_with_its_last_request():
     reg.close(e2)  # twice: ignored
     assert reg.of_client(b"A") == [] and reg.engine_ids() == []
     assert reg._clients == {}
+
+
+def test_looking_up_an_id_that_is_not_a_string_finds_nothing():
+    """A malformed message may name anything as its request id; the lookup must not raise
+    (an unhashable id used to kill the engine's busy loop)."""
+    reg = RequestRegistry()
+    reg.open(b"A", "1")
+    for junk in ([1], {"a": 1}, 1, None, b"1"):
+        assert reg.lookup(b"A", junk) is None

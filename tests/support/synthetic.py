@@ -6,13 +6,21 @@ one token per step, preempts the lowest priority when the pool is full, leaves f
 blocks cached and shares a common system-prompt prefix — enough for every panel to have
 something true-looking to show. Every message goes through `vconsole.telemetry.schema.encode`, so the
 frames are exactly what a real publisher sends. Deterministic for a given seed.
+
+Request latencies (TTFT, ITL, e2e, queue ...) go through the engine's own
+`vconsole.engine.latency.LatencyStats`, stamped on a toy clock that spreads each window's steps
+evenly; they draw no random numbers, so adding them leaves every other topic as it was.
+
+Scenario knobs (the advisor's tests; every default leaves the stream as it was): prompt and
+output lengths, the policy the toy reports, extra config values, when the scheduler is slow, when
+arrivals burst, and the execute time per step.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from vconsole.engine.config import EngineConfig, describe_config
+from vconsole.engine.latency import LatencyStats
 from vconsole.telemetry.schema import TOPICS, encode, make_envelope
 
 T0 = 1_700_000_000.0
@@ -37,6 +46,9 @@ class _Req:
     state: str = "waiting"
     blocks: list[int] | None = None
     prefilled: bool = False
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
 
 
 class ToyEngine:
@@ -44,8 +56,14 @@ class ToyEngine:
 
     def __init__(self, *, seed: int = 0, num_blocks: int = 1024, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-                 rate: float = 9.0, engine: str = "tiny-0", rank: int = 0) -> None:
+                 rate: float = 9.0, engine: str = "tiny-0", rank: int = 0,
+                 latency_window_s: float = 60.0, prompt_range: tuple[int, int] = (24, 480),
+                 output_range: tuple[int, int] = (16, 160), policy: str | None = None,
+                 config_overrides: dict[str, Any] | None = None) -> None:
         self.rng = random.Random(seed)
+        self.prompt_range, self.output_range = prompt_range, output_range
+        self.policy = policy or "priority"
+        self.latency = LatencyStats(latency_window_s)
         self.engine, self.rank = engine, rank
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
@@ -63,9 +81,12 @@ class ToyEngine:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.seq = dict.fromkeys(TOPICS, 0)
+        extra = dict(config_overrides or {})
+        if policy is not None:
+            extra.setdefault("policy", policy)
         self.config = EngineConfig(max_num_seqs=max_num_seqs, num_kv_blocks=num_blocks,
                                    block_size=block_size,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens, **extra)
 
     # --- the toy scheduler -------------------------------------------------------------------
 
@@ -82,8 +103,8 @@ class ToyEngine:
         for _ in range(k):
             self.n += 1
             prio = self.rng.choices((0, 1, 5), weights=(6, 3, 1))[0]
-            r = _Req(f"req-{self.n:05d}", prio, self.rng.randint(24, 480),
-                     self.rng.randint(16, 160), now)
+            r = _Req(f"req-{self.n:05d}", prio, self.rng.randint(*self.prompt_range),
+                     self.rng.randint(*self.output_range), now)
             self.reqs.append(r)
             self.by_num[self.n] = r
 
@@ -119,8 +140,9 @@ class ToyEngine:
     def step_window(self, now: float, dt: float, burst: float, steps: int) -> dict[str, int]:
         self._arrive(now, dt, burst)
         prefill = decode = preempted = 0
-        for _ in range(steps):
+        for k in range(steps):
             self.steps += 1
+            t = now + (k + 1) * dt / steps   # this step's time on the toy clock
             running = [r for r in self.reqs if r.state == "running"]
             waiting = sorted((r for r in self.reqs if r.state != "running"),
                              key=lambda r: (r.priority, r.arrived))
@@ -139,6 +161,8 @@ class ToyEngine:
                 self.prefix_queries += r.prompt
                 self.prefix_hits += min(r.prompt, SHARED_PREFIX_BLOCKS * self.block_size)
                 r.state = "running"
+                if r.scheduled is None:
+                    r.scheduled = t
                 budget -= r.prompt
                 prefill += r.prompt
                 running.append(r)
@@ -156,6 +180,7 @@ class ToyEngine:
                     continue
                 r.output += 1
                 decode += 1
+                self._token(r, t)
                 if r.blocks is not None and len(r.blocks) < self._blocks_needed(r):
                     b = self._alloc(self._num(r))
                     if b is None:
@@ -172,8 +197,28 @@ class ToyEngine:
                     r.state = "finished"
                     running.remove(r)
                     self.finished += 1
+                    self._finish(r, t)
             self.reqs = [r for r in self.reqs if r.state != "finished"]
         return {"prefill": prefill, "decode": decode, "preempted": preempted}
+
+    def _token(self, r: _Req, t: float) -> None:
+        if r.first_token is None:
+            r.first_token = t
+            self.latency.observe("ttft_s", t - r.arrived, r.priority, t)
+        elif r.last_token is not None:
+            self.latency.observe("itl_s", t - r.last_token, r.priority, t)
+        r.last_token = t
+
+    def _finish(self, r: _Req, t: float) -> None:
+        lat, prio = self.latency, r.priority
+        lat.finish("length")
+        lat.observe("e2e_s", t - r.arrived, prio, t)
+        if r.scheduled is not None:
+            lat.observe("queue_s", r.scheduled - r.arrived, prio, t)
+        if r.scheduled is not None and r.first_token is not None and r.last_token is not None:
+            lat.observe("prefill_s", r.first_token - r.scheduled, prio, t)
+            lat.observe("decode_s", r.last_token - r.first_token, prio, t)
+            lat.observe("inference_s", r.last_token - r.scheduled, prio, t)
 
     # --- payloads ----------------------------------------------------------------------------
 
@@ -201,7 +246,7 @@ class ToyEngine:
             "num_preempted": sum(r.state == "preempted" for r in self.reqs),
             "num_preemptions_total": self.preemptions, "num_finished_total": self.finished,
             "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_tokens,
-            "policy": "priority", "requests": rows, "requests_truncated": False,
+            "policy": self.policy, "requests": rows, "requests_truncated": False,
             "snapshot_ts": now,
         }
 
@@ -225,12 +270,28 @@ class ToyEngine:
         }
 
 
+Window = tuple[float, float] | Callable[[int, float], bool]
+
+
+def _inside(window: Window, i: int, frac: float) -> bool:
+    """Is window ``i`` (at ``frac`` of the run) inside ``window``: (from, to) fractions of the
+    run, or a predicate ``(i, frac) -> bool``."""
+    return window(i, frac) if callable(window) else window[0] < frac < window[1]
+
+
 def generate(duration_s: float = 30.0, *, seed: int = 0, t0: float = T0, hz: float = 5.0,
-             gpu: bool = True, **engine_kw: Any) -> Iterator[tuple[float, list[Any]]]:
+             gpu: bool = True, latency: bool = True, slow_window: Window = (0.3, 0.55),
+             burst_window: Window = (0.45, 0.97), burst: float = 2.2, exec_s: float = 0.0140,
+             **engine_kw: Any) -> Iterator[tuple[float, list[Any]]]:
     """(receive time, frames) records of a ``duration_s`` run, in time order.
 
     A burst of arrivals in the middle fills the queue (waiting alerts fire and clear) and makes
-    the scheduler slow for a while (the scheduler-share warning)."""
+    the scheduler slow for a while (the scheduler-share warning). ``latency``: also send the
+    ``latency`` topic once a second, as the engine does (False: a stream from before the topic
+    existed, like tests/data/synthetic.vrec; every other message is the same either way).
+    Scenario knobs: ``slow_window`` / ``burst_window`` where the scheduler is slow / arrivals
+    come ``burst`` times faster; ``exec_s`` the execute time per step; the rest go to
+    `ToyEngine` (``prompt_range``, ``output_range``, ``policy``, ``config_overrides`` ...)."""
     eng = ToyEngine(seed=seed, **engine_kw)
     rng = eng.rng
     dt = 1.0 / hz
@@ -242,16 +303,16 @@ def generate(duration_s: float = 30.0, *, seed: int = 0, t0: float = T0, hz: flo
     for i in range(n + 1):
         now = t0 + i * dt
         frac = i / max(1, n)
-        burst = 2.2 if 0.45 < frac < 0.97 else 1.0
+        factor = burst if _inside(burst_window, i, frac) else 1.0
         steps = rng.randint(6, 9)
-        done = eng.step_window(now, dt, burst, steps)
-        slow = 0.3 < frac < 0.55
+        done = eng.step_window(now, dt, factor, steps)
+        slow = _inside(slow_window, i, frac)
         sched_s = steps * (0.0042 if slow else 0.0011) * rng.uniform(0.9, 1.1)
-        exec_s = steps * 0.0140 * rng.uniform(0.9, 1.1)
+        exec_total = steps * exec_s * rng.uniform(0.9, 1.1)
         upd_s = steps * 0.0009 * rng.uniform(0.9, 1.1)
-        busy = sched_s + exec_s + upd_s
+        busy = sched_s + exec_total + upd_s
         step = {"steps": steps, "window_s": dt,
-                "phase_s": {"schedule": sched_s, "execute": exec_s, "update": upd_s},
+                "phase_s": {"schedule": sched_s, "execute": exec_total, "update": upd_s},
                 "busy_s": busy, "step_time_p50_s": busy / steps,
                 "step_time_max_s": busy / steps * rng.uniform(1.2, 2.5),
                 "num_prefill_tokens": done["prefill"], "num_decode_tokens": done["decode"],
@@ -301,6 +362,8 @@ def generate(duration_s: float = 30.0, *, seed: int = 0, t0: float = T0, hz: flo
                 "steps": eng.steps, "interval_s": 1.0, "pid": 4242, "started_ts": t0 - uptime0,
                 "send_drops": 0, "steps_dropped": 0,
                 "alerts_active": {k: v for k, v in alert_levels.items() if v != "ok"}}, now)
+            if latency:
+                yield now + 0.0075, eng.frames("latency", eng.latency.snapshot(now), now)
         if i and i % int(5 * hz) == 0:
             yield now + 0.008, eng.frames("config", {"version": 1, "values": cfg,
                                                      "schema": describe_config()}, now)

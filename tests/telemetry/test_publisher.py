@@ -8,6 +8,7 @@ import pytest
 import zmq
 
 from vconsole.engine.config import EngineConfig
+from vconsole.engine.latency import LatencyStats
 from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
 from vconsole.telemetry.publisher import TelemetryPublisher
 from vconsole.telemetry.schema import TOPICS, decode, missing_fields
@@ -93,6 +94,9 @@ def test_a_subscriber_gets_every_topic_with_the_submitted_numbers(ctx, make_pub)
         pub.record_step(step(i))
     sched, kv = snapshot(num_waiting=60)  # over alert_waiting_warning (50)
     pub.submit_snapshot(sched, kv, "running", 40)
+    lat = LatencyStats(60.0)
+    lat.observe("ttft_s", 0.3, priority=0, now=5.0)
+    pub.submit_latency(lat.snapshot(5.0))
     msgs = collect(sub, 3, until=lambda ms: {m.topic for m in ms} == set(TOPICS)
                    and sum(m.payload["steps"] for m in ms if m.topic == "step") >= 40)
     by_topic = {t: [m for m in msgs if m.topic == t] for t in TOPICS}

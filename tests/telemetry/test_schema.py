@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from vconsole.engine.config import EngineConfig, apply_update, describe_config
+from vconsole.engine.latency import LatencyStats
 from vconsole.telemetry import control
 from vconsole.telemetry.schema import (
     SCHEMA_VERSION,
@@ -29,6 +30,14 @@ def env(seq=0):
 ROWS = [{"id": f"r{i}", "state": "running" if i % 2 else "waiting", "priority": i % 3,
          "num_prompt_tokens": 10 + i, "num_output_tokens": i, "num_blocks": i // 4,
          "age_s": i / 10} for i in range(25)]
+
+def _latency_sample() -> dict:
+    lat = LatencyStats(60.0)
+    lat.observe("ttft_s", 0.25, priority=0, now=10.0)
+    lat.observe("itl_s", 0.02, priority=3, now=10.0, times=4)
+    lat.finish("length")
+    return lat.snapshot(11.0)
+
 
 SAMPLES = {
     "health": {"state": "running", "uptime_s": 12.5, "steps": 100, "interval_s": 1.0},
@@ -53,6 +62,7 @@ SAMPLES = {
     "config": {"version": 3, "values": EngineConfig().to_dict(), "schema": describe_config()},
     "alert": {"name": "waiting", "level": "warning", "value": 60.0, "threshold": 50.0,
               "message": "waiting requests is 60"},
+    "latency": _latency_sample(),
 }
 
 

@@ -73,7 +73,10 @@ def main(args: argparse.Namespace) -> int:
                               input_queue=q, ready_file=getattr(args, "ready_file", None),
                               curve=server_curve(args),
                               restart_count=getattr(args, "restart_count", 0) or 0,
-                              restart_reason=getattr(args, "restart_reason", None))
+                              restart_reason=getattr(args, "restart_reason", None),
+                              metrics_endpoint=_metrics_endpoint(args),
+                              allow_remote_metrics=bool(getattr(args, "allow_remote_metrics",
+                                                                False)))
     except (RemoteBindRefused, CurveKeyError, OSError) as e:
         print(f"vconsole engine: {e}", file=sys.stderr)
         return 2
@@ -83,10 +86,20 @@ def main(args: argparse.Namespace) -> int:
     proc.start()
     ep = proc.endpoints
     print(f"vconsole engine {config.engine_id} ready (pid {os.getpid()}): input={ep['input']} "
-          f"output={ep['output']} telemetry={ep['telemetry']} control={ep['control']}",
-          flush=True)
+          f"output={ep['output']} telemetry={ep['telemetry']} control={ep['control']}"
+          + (f" metrics={proc.metrics.url}" if proc.metrics is not None else ""), flush=True)
     proc.run_busy_loop()
     return proc.exit_code
+
+
+def _metrics_endpoint(args: argparse.Namespace) -> tuple[str, int] | None:
+    """``(host, port)`` for the Prometheus server, None without ``--metrics-port``. Only the
+    process that runs the engine serves it (a supervised child, or ``--no-supervisor``); the
+    supervisor passes a port 0 resolved by the first child to every later one."""
+    port = getattr(args, "metrics_port", None)
+    if port is None:
+        return None
+    return getattr(args, "metrics_host", None) or "127.0.0.1", port
 
 
 def _supervise(args: argparse.Namespace, config: Any, endpoints: dict[str, str]) -> int:

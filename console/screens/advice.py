@@ -1,0 +1,185 @@
+"""Advice: what the tuning advisor (`vconsole.telemetry.advisor`) makes of the recent telemetry.
+
+One row per suggestion (the rule, the change, hot or restart-only); below it the selected one's
+reasons and figures, then what became of the suggestions applied from here. ``A`` (or enter)
+applies a hot suggestion through the app (`VConsoleApp.apply_advice`: confirmation, then one ``set_config``);
+restart-only ones are shown with the command that would apply them, never sent. Read-only hides
+the action. The advice is the same for a live engine and a replayed recording.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.content import Content
+from textual.widgets import DataTable, Static
+
+from vconsole.console import format as fmt
+from vconsole.console.keymap import ADVICE
+from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.state import ConsoleState
+from vconsole.console.widgets.chrome import Frame
+from vconsole.telemetry.advisor import WINDOW_S, Advice
+
+RULES_WATCHED = "scheduler share, KV fragmentation, KV pressure, TTFT, step time"
+
+
+def evidence_text(evidence: dict[str, Any]) -> str:
+    """``sched_share 0.214 · threshold 0.15 · held in 25 of 26 snapshots (10 s)``."""
+    parts = []
+    for key, value in evidence.items():
+        if key in ("held_in", "snapshots", "window_s"):
+            continue
+        shown = f"{value:.3g}" if isinstance(value, float) else fmt.escape(str(value))
+        parts.append(f"{key} {shown}")
+    if "held_in" in evidence:
+        parts.append(f"held in {evidence['held_in']} of {evidence.get('snapshots', '?')} "
+                     f"snapshots ({evidence.get('window_s', WINDOW_S):g} s)")
+    return " · ".join(parts)
+
+
+def why_not_applied(advice: Advice) -> str:
+    """Why a restart-only suggestion is shown but never sent from the console."""
+    return (f"restart-only: the engine fixes {', '.join(advice.change)} at start and would "
+            f"answer 'restart required' without changing anything. Restart it with: "
+            f"{advice.restart_command()}")
+
+
+class AdviceScreen(ConsoleScreen):
+    MODE = "advice"
+    BINDINGS = ADVICE
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.advice: list[Advice] = []
+        self._ids: list[str] = []
+
+    def compose_body(self) -> ComposeResult:
+        yield Static(id="adv-summary")
+        table: DataTable[Any] = DataTable(id="adv-table", cursor_type="row", zebra_stripes=False)
+        yield table
+        yield Static(id="adv-detail")
+        yield Static(id="adv-history")
+
+    @property
+    def table(self) -> DataTable[Any]:
+        return self.query_one("#adv-table", DataTable)
+
+    def on_mount(self) -> None:
+        self.table.add_column("rule", key="rule")
+        self.table.add_column("suggests", key="change")
+        self.table.add_column("applies", key="mode")
+        self.table.focus()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action != "apply":
+            return True
+        if self.console.readonly:
+            return False
+        sel = self.selected()
+        return True if sel is not None and sel.hot else None
+
+    def selected(self) -> Advice | None:
+        row = self.table.cursor_row
+        return self.advice[row] if 0 <= row < len(self.advice) else None
+
+    # --- data ------------------------------------------------------------------------------
+
+    def apply(self, frame: Frame, state: ConsoleState) -> None:
+        self.advice = state.advice(frame.engine)
+        ids = [a.id for a in self.advice]
+        if ids != self._ids:
+            self._rebuild(ids)
+        else:  # same suggestions, maybe new figures: refresh the cells in place
+            for a in self.advice:
+                self.table.update_cell(a.id, "change", fmt.clip(a.change_text(), 48))
+        self._show_summary(frame)
+        self._show_detail()
+        self._show_history()
+
+    def _rebuild(self, ids: list[str]) -> None:
+        table = self.table
+        keep = self._ids[table.cursor_row] if 0 <= table.cursor_row < len(self._ids) else None
+        table.clear()
+        for a in self.advice:
+            mode = Text("hot", style="green") if a.hot else Text("restart", style="yellow")
+            table.add_row(a.title, fmt.clip(a.change_text(), 48), mode, key=a.id)
+        self._ids = ids
+        if keep in ids:
+            table.move_cursor(row=ids.index(keep), animate=False)
+        self.refresh_bindings()
+
+    def _show_summary(self, frame: Frame) -> None:
+        n = len(self.advice)
+        if frame.engine is None:
+            text = "[$text-muted]no telemetry yet[/]"
+        elif not n and frame.engine.advisor.evidence_s() < frame.engine.advisor.min_span_s:
+            adv = frame.engine.advisor
+            text = (f"[$text-muted]no advice yet: gathering evidence ({adv.evidence_s():.0f} of "
+                    f"{adv.min_span_s:g} s since attaching or the last config change)[/]")
+        elif not n:
+            text = (f"[$text-muted]no advice: nothing in the last {WINDOW_S:g} s of telemetry "
+                    f"calls for a change (watching {RULES_WATCHED})[/]")
+        else:
+            hot = sum(a.hot for a in self.advice)
+            text = (f"[b]{n}[/] suggestion{'s' if n != 1 else ''} from the last {WINDOW_S:g} s "
+                    f"· {hot} hot")
+            if frame.readonly:
+                text += f" · [$warning]read-only: {fmt.escape(frame.readonly_reason)}[/]"
+            elif hot:
+                text += " · A applies the selected hot one (asks first)"
+        self.query_one("#adv-summary", Static).update(Content.from_markup(text))
+
+    def _show_detail(self) -> None:
+        box = self.query_one("#adv-detail", Static)
+        a = self.selected()
+        if a is None:
+            box.update("")
+            return
+        if a.hot:
+            how = ("[$success]hot[/]: applied between two steps"
+                   + ("" if self.console.readonly else " · A applies (asks first)"))
+        else:
+            how = ("[$warning]restart-only[/]: shown, not sent (the engine would answer "
+                   "'restart required')")
+        box.update(Content.from_markup(
+            f"[b]{fmt.escape(a.change_text())}[/]  {how}\n{fmt.escape(a.message)}\n"
+            f"[$text-muted]{evidence_text(a.evidence)}[/]"))
+
+    def _show_history(self) -> None:
+        box = self.query_one("#adv-history", Static)
+        done = self.console.advice_outcomes
+        if not done:
+            box.update("")
+            return
+        lines = ["[b]applied from here[/]"]
+        for out in reversed(done[-4:]):
+            style = "$success" if out.ok else "$error"
+            lines.append(f"{fmt.escape(out.advice.change_text())}  "
+                         f"[{style}]{fmt.escape(out.summary)}[/]")
+        box.update(Content.from_markup("\n".join(lines)))
+
+    @on(DataTable.RowHighlighted, "#adv-table")
+    def _highlighted(self) -> None:
+        self._show_detail()
+        self.refresh_bindings()
+
+    # --- applying --------------------------------------------------------------------------
+
+    @on(DataTable.RowSelected, "#adv-table")
+    def _selected(self) -> None:
+        self.action_apply()
+
+    def action_apply(self) -> None:
+        a = self.selected()
+        if a is None or self.console.readonly:
+            return
+        if not a.hot:
+            self.notify(why_not_applied(a), title="Advice", severity="warning")
+            return
+        reason = self.console.apply_advice(a)
+        if reason is not None:
+            self.notify(reason, title="Advice", severity="warning")

@@ -1,0 +1,126 @@
+"""Helpers for tests that run the engine as a process (`vconsole.demo.EngineProcess`).
+
+`Telemetry` keeps every decoded telemetry message from a SUB thread; `RssSampler` follows the
+engine process's resident memory from a thread (psutil); `reference_outputs` computes greedy
+outputs with an in-process `EngineCore`, the figures a live engine must reproduce.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zmq
+
+from vconsole.telemetry import schema
+
+ENDPOINT_NAMES = ("input", "output", "telemetry", "control")
+
+
+def ipc_endpoints(folder: str | Path) -> dict[str, str]:
+    return {n: f"ipc://{folder}/{n}" for n in ENDPOINT_NAMES}
+
+
+class Telemetry:
+    """Every telemetry message, decoded, as ``(monotonic time, topic, payload)``."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.messages: list[tuple[float, str, dict[str, Any]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(endpoint,), daemon=True)
+        self._thread.start()
+
+    def _run(self, endpoint: str) -> None:
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(endpoint)
+        while not self._stop.is_set():
+            if sock.poll(50):
+                msg = schema.decode(sock.recv_multipart())
+                self.messages.append((time.monotonic(), msg.topic, msg.payload))
+        sock.close(0)
+
+    def topic(self, name: str, since: float = 0.0) -> list[dict[str, Any]]:
+        return [p for t, topic, p in list(self.messages) if topic == name and t >= since]
+
+    def wait_for(self, name: str, pred: Callable[[dict[str, Any]], bool],
+                 timeout_s: float = 10.0, since: float = 0.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for p in self.topic(name, since):
+                if pred(p):
+                    return p
+            time.sleep(0.05)
+        raise AssertionError(f"no {name} message matched within {timeout_s} s")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class RssSampler:
+    """The resident memory of process ``pid``, sampled every ``interval_s`` while running."""
+
+    def __init__(self, pid: int, interval_s: float = 0.05) -> None:
+        self.process = psutil.Process(pid)
+        self.interval_s = interval_s
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def rss(self) -> int:
+        return self.process.memory_info().rss
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self.rss())
+            except psutil.Error:
+                return
+            self._stop.wait(self.interval_s)
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples, default=0)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def reference_outputs(work: list[tuple[list[int], int]], *, block_size: int = 8,
+                      num_kv_blocks: int = 64) -> list[list[int]]:
+    """Greedy outputs of ``(prompt token ids, max_tokens)`` through an in-process EngineCore
+    with the tiny model, on one thread (the other core stays with the engine process)."""
+    import torch
+
+    from vconsole.engine.config import EngineConfig
+    from vconsole.engine.core import EngineCore
+    from vconsole.engine.request import SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        core = EngineCore(EngineConfig(num_kv_blocks=num_kv_blocks, block_size=block_size,
+                                       max_num_seqs=16))
+        for i, (ids, max_tokens) in enumerate(work):
+            core.add_request(core.make_request(str(i), prompt_token_ids=ids,
+                                               sampling=SamplingParams(max_tokens=max_tokens)))
+        results: dict[str, list[int]] = {str(i): [] for i in range(len(work))}
+        while core.has_unfinished_requests():
+            outputs, _ = core.step()
+            for outs in outputs.values():
+                for out in outs:
+                    results[out.request_id].extend(out.new_token_ids)
+    finally:
+        torch.set_num_threads(threads)
+    return [results[str(i)] for i in range(len(work))]
