@@ -48,12 +48,14 @@ from vconsole.console.changes import (
 )
 from vconsole.console.commands import ConsoleCommands
 from vconsole.console.control_link import Control, ControlLink
+from vconsole.console.profiling import ProfileRun, supports_profile
 from vconsole.console.screens.advice import AdviceScreen
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.screens.config import ConfigScreen
 from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.kvmap import KvScreen
 from vconsole.console.screens.overview import OverviewScreen
+from vconsole.console.screens.profile import ProfileScreen
 from vconsole.console.screens.requests import RequestsScreen
 from vconsole.console.screens.trends import TrendsScreen
 from vconsole.console.source import ReplaySource, Source, ZmqSource
@@ -80,7 +82,8 @@ class VConsoleApp(App[None]):
     MODES = {"overview": OverviewScreen, "requests": RequestsScreen, "kv": KvScreen,
              "config": ConfigScreen,
              "advice": AdviceScreen,
-             "trends": TrendsScreen}
+             "trends": TrendsScreen,
+             "profile": ProfileScreen}
     DEFAULT_MODE = "overview"
     BINDINGS = keymap.GLOBAL
     COMMANDS = App.COMMANDS | {ConsoleCommands}
@@ -130,6 +133,7 @@ class VConsoleApp(App[None]):
         self.replies: dict[str, ChangeRecord] = {}
         self.replies_generation = 0
         self.advice_outcomes: list[AdviceOutcome] = []
+        self.profile_run: ProfileRun | None = None   # the last profile (screens/profile.py)
         self.control_error: str | None = None
         self.key_status: KeyStatus | None = None
         self.config_fetches = 0
@@ -242,6 +246,8 @@ class VConsoleApp(App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "next_engine":
             return len(self.state.engines) > 1
+        if action == "show" and parameters == ("profile",):
+            return not self.readonly and supports_profile(self.control)
         return True
 
     def set_readonly(self, reason: str) -> None:

@@ -30,6 +30,9 @@ class ConsoleCommands(Provider):
                "stream", app.action_toggle_recording, "R: raw frames to a .vrec file")
         yield "Help: keys and legend", app.action_help, "?"
         yield "Go to Advice", partial(app.action_show, "advice"), "a: tuning advice"
+        if app.check_action("show", ("profile",)):
+            yield ("Profile the engine's next steps", partial(app.action_show, "profile"),
+                   "P: torch.profiler over N steps (slows the engine while it runs)")
         if not app.readonly:
             for a in app.state.advice(app.current_engine()):
                 if a.hot:

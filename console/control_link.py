@@ -5,14 +5,16 @@ send a change at the same time, so every call opens its own short-lived `Control
 DEALER connect on loopback costs well under a millisecond).
 
 Every call carries the engine's control key when the console has one (``key``). When the engine
-refuses it and ``key_path`` is known, the file is read again and the change retried once: an
-engine restarted on the same endpoint writes a new key there. `key_status` says which engine
-wrote the key held now (its owner record, `vconsole.telemetry.key_owner`) and whether it still
-runs. ``curve``: the console's CURVE keys, for an engine started with them.
+refuses it and ``key_path`` is known, the file is read again and the change (or profile start or
+cancel) retried once: an engine restarted on the same endpoint writes a new key there.
+`key_status` says which engine wrote the key held now (its owner record,
+`vconsole.telemetry.key_owner`) and whether it still runs. ``curve``: the console's CURVE keys,
+for an engine started with them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,16 +60,31 @@ class ControlLink:
             return client.get_config()
 
     def set_config(self, values: dict[str, Any]) -> dict[str, Any]:
+        return self._keyed(lambda client: client.set_config(values))
+
+    def profile_start(self, steps: int) -> dict[str, Any]:
+        """The new profile's status (`vconsole.telemetry.control.ControlClient.profile_start`)."""
+        return self._keyed(lambda client: client.profile_start(steps))
+
+    def profile_status(self, profile_id: str) -> dict[str, Any]:
+        with self._client() as client:
+            return client.profile_status(profile_id)
+
+    def profile_cancel(self, profile_id: str) -> dict[str, Any]:
+        return self._keyed(lambda client: client.profile_cancel(profile_id))
+
+    def _keyed(self, call: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        """A call that needs the key: refused, read the key file again and retry once."""
         from vconsole.telemetry.control import NotAuthorised
         from vconsole.telemetry.control_key import load_control_key
 
         try:
             with self._client() as client:
-                return client.set_config(values)
+                return call(client)
         except NotAuthorised:
             fresh = (load_control_key(self.endpoint, self.key_path) if self.key_path else None)
             if fresh is None or fresh == self.key:
                 raise
             self.key = fresh
         with self._client() as client:
-            return client.set_config(values)
+            return call(client)

@@ -25,6 +25,7 @@ GLOBAL = [
     Binding("R", "toggle_recording", "Record", key_display="R"),
     Binding("n", "next_engine", "Engine"),
     Binding("a", "show('advice')", "Advice", show=False),
+    Binding("P", "show('profile')", "Profile", key_display="P", show=False),
     *(Binding(key, f"show('{mode}')", title, show=False) for mode, (key, title) in SCREENS.items()),
 ]
 
@@ -56,10 +57,18 @@ TRENDS = [
 # Screens reached by a letter rather than a digit: a tab appears only while one is shown.
 LETTER_SCREENS: dict[str, tuple[str, str]] = {
     "advice": ("a", "Advice"),
+    "profile": ("P", "Profile"),
 }
 
 ADVICE = [
     Binding("A,enter", "apply", "Apply", key_display="A"),
+]
+
+PROFILE = [
+    Binding("s,enter", "start", "Start", key_display="s"),
+    Binding("c", "cancel", "Cancel"),
+    Binding("plus,equals_sign", "steps(1)", "More steps", key_display="+"),
+    Binding("minus", "steps(-1)", "Fewer steps", key_display="-"),
 ]
 
 TABLE = [
@@ -88,6 +97,9 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
     ("Advice", [("a", "tuning advice from the last 10 s of telemetry, with its evidence"),
                 ("A / enter", "apply the selected hot suggestion (asks first; restart-only "
                               "ones are shown, not sent)")]),
+    ("Profile", [("P", "profile the engine's next N steps: operators, step phases, layers"),
+                 ("s / enter", "start (asks first: profiling slows the engine until done)"),
+                 ("+ / -", "more / fewer steps (10 to 200)"), ("c", "cancel the profile")]),
     ("Trends", [("5", "plots: throughput, step time, queues, KV, TTFT, ITL"),
                 ("t", "time range: last 1 / 5 / 15 minutes"),
                 ("v / → ←", "next / previous plots, when not all fit")]),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vconsole.engine.config import ConfigUpdate, EngineConfig, apply_update
@@ -181,12 +181,13 @@ class EngineCore:
         return self.scheduler.kv_stats()
 
     # --- profiling ------------------------------------------------------------------------
-    def start_profile(self, num_steps: int) -> StepProfiler:
+    def start_profile(self, num_steps: int,
+                      on_done: Callable[[], None] | None = None) -> StepProfiler:
         """Profile the next ``num_steps`` steps that run (`vconsole.engine.worker.profiler`):
-        `step` drives it, outside its phase timers. Call only between two steps. Raises
-        ValueError while another profile is armed or running."""
+        `step` drives it, outside its phase timers; ``on_done`` is called once it is over.
+        Call only between two steps. Raises ValueError while another profile runs."""
         if self.profiler is not None and not self.profiler.done:
             raise ValueError(f"a profile is already running ({self.profiler.steps_done}/"
                              f"{self.profiler.num_steps} steps done)")
-        self.profiler = StepProfiler(self.runner, num_steps)
+        self.profiler = StepProfiler(self.runner, num_steps, on_done)
         return self.profiler

@@ -104,7 +104,7 @@ class AlertEvaluator:
         else:
             level, threshold = OK, warn
         previous = self._levels[name]
-        margin = 1.0 - float(getattr(self._config, "alert_hysteresis", 0.0))
+        margin = 1.0 - float(self._config.alert_hysteresis)
         # Falling: keep the highest level at or below the previous one whose release point
         # (threshold * (1 - h)) the value has not yet fallen under.
         if previous == CRITICAL and level != CRITICAL and crit is not None \

@@ -210,6 +210,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("keys", nargs="*", metavar="KEY", help="only these keys")
     p.add_argument("--json", action="store_true", help="print JSON")
 
+    p = cmd("profile", "vconsole.commands.profile:main",
+            "profile the engine's next N steps (torch.profiler)",
+            "Run torch.profiler over the engine's next N steps (it keeps serving, slower) and "
+            "print the step phase shares, the time per layer type and the top operators by "
+            "self time. Needs the control key, as `set` does.")
+    add_endpoint_args(p)
+    add_control_key_arg(p)
+    add_curve_args(p)
+    p.add_argument("--steps", type=int, default=20, metavar="N",
+                   help="steps to profile (default 20, at most 200)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="give up (and cancel the profile) after S seconds (default 120)")
+
     p = cmd("top", "vconsole.commands.top:main", "a telemetry snapshot for scripts")
     add_endpoint_args(p)
     add_control_key_arg(p)

@@ -34,6 +34,8 @@ class HelpScreen(ModalScreen[None]):
         for title, keys in HELP_SECTIONS:
             if self.readonly and title == "Config":
                 keys = [("", "read-only: config changes are disabled")]
+            if self.readonly and title == "Profile":
+                keys = [("", "read-only: profiling is disabled")]
             if self.readonly and title == "Advice":
                 keys = [("a", "tuning advice (read-only: shown, never applied)")]
             lines.append(f"\n[b $accent]{title}[/]")

@@ -586,7 +586,7 @@ class EngineCoreProc:
                 self.output_queue.put((protocol.HELLO, client_id))
             else:
                 raise protocol.ProtocolError(f"unknown message type {kind!r}",
-                                             header.get("request_id"))
+                                             protocol.request_id_of(header))
         except protocol.ProtocolError as e:
             log.warning("rejected a message from client %s: %s",
                         client_id.decode(errors="replace"), e.reason)

@@ -3,12 +3,14 @@
 The busy loop owns the profiler itself (`EngineCore.start_profile`,
 `vconsole.engine.worker.profiler`): it starts a profile (`ProfileBook.start`, from a
 ``profile_start`` control call), notes its progress after every step (`after_step`) and cancels
-it (`cancel`). The control thread answers ``profile_status`` from `view` at any time, without
-waiting for a step boundary.
+it (`cancel`). The profiler settles a profile (`_settle`: its result, or why it failed) from the
+thread that builds its report. The control thread answers ``profile_status`` from `view` at any
+time, without waiting for a step boundary.
 
-Invariants: only the busy loop calls `start`, `after_step` and `cancel`; a status is plain data
-(msgpack-able), replaced whole under the lock and never changed in place, so `view` may hand it
-out as is; at most one profile runs at a time; the last `KEEP` profiles stay readable.
+Invariants: only the busy loop calls `start`, `after_step` and `cancel`; everything is read and
+written under one lock; a status is plain data (msgpack-able), replaced whole and never changed
+in place, so `view` may hand it out as is; at most one profile runs at a time (``active``) and
+it ends exactly once (done, failed or cancelled); the last `KEEP` profiles stay readable.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from functools import partial
 from typing import Any
 
 log = logging.getLogger("vconsole.engine")
@@ -30,10 +33,10 @@ SLOWER = ("the engine keeps serving while it profiles, but each profiled step ru
 
 class ProfileBook:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()       # guards everything below
         self._status: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._ids = itertools.count(1)
-        self._profiler: Any = None          # the running StepProfiler (busy loop only)
+        self._profiler: Any = None          # the running StepProfiler
         self.active: str | None = None      # the running profile's id
 
     # --- busy loop ----------------------------------------------------------------------------
@@ -41,52 +44,46 @@ class ProfileBook:
     def start(self, core: Any, steps: int) -> dict[str, Any]:
         """Arm a profile of the next ``steps`` steps; its status. Raises ValueError with the
         reason (one is running, this core cannot profile)."""
-        if self.active is not None:
-            raise ValueError(f"profile {self.active} is running "
-                             f"({self._profiler.steps_done}/{self._profiler.num_steps} steps "
-                             "done); wait for it or cancel it")
-        if not hasattr(core, "start_profile"):
-            raise ValueError("this engine cannot profile")
-        self._profiler = core.start_profile(steps)
-        pid = f"p{next(self._ids)}"
-        self.active = pid
-        self._put(pid, {"id": pid, "state": RUNNING, "steps": steps, "steps_done": 0,
-                        "profiling": True, "started_ts": time.time(), "finished_ts": None,
-                        "slowdown_note": SLOWER, "result": None, "error": None})
+        with self._lock:
+            if self.active is not None:
+                prof = self._profiler
+                what = ("building its report" if prof.reporting else
+                        f"{prof.steps_done}/{prof.num_steps} steps done")
+                raise ValueError(f"profile {self.active} is running ({what}); wait for it or "
+                                 "cancel it")
+            if not hasattr(core, "start_profile"):
+                raise ValueError("this engine cannot profile")
+            pid = f"p{next(self._ids)}"
+            self._profiler = core.start_profile(steps, on_done=partial(self._settle, pid))
+            self.active = pid
+            self._put(pid, {"id": pid, "state": RUNNING, "steps": steps, "steps_done": 0,
+                            "profiling": True, "started_ts": time.time(), "finished_ts": None,
+                            "slowdown_note": SLOWER, "result": None, "error": None})
         log.warning("profile %s: profiling the next %d steps with torch.profiler; %s", pid,
                     steps, SLOWER)
         return self.view(pid) or {}
 
     def after_step(self) -> None:
-        """Note the running profile's progress; its result once it is done."""
-        prof, pid = self._profiler, self.active
-        if prof is None or pid is None:
-            return
-        if not prof.done:
-            if prof.steps_done != (self.view(pid) or {}).get("steps_done"):
-                self._update(pid, steps_done=prof.steps_done)
-            return
-        if prof.result is not None:
-            r = prof.result
-            self._finish(pid, DONE, result={"id": pid, **r})
-            log.info("profile %s done: %d steps in %.2f s (mean step %.1f ms, profiled)", pid,
-                     r["steps"], r["wall_s"], r["mean_step_s"] * 1e3)
-        else:
-            self._finish(pid, FAILED, error=prof.error or "the profiler stopped")
-            log.error("profile %s failed: %s", pid, prof.error)
+        """Note the running profile's progress."""
+        with self._lock:
+            prof, pid = self._profiler, self.active
+            if prof is None or pid is None:
+                return
+            if prof.steps_done != self._status[pid]["steps_done"]:
+                self._status[pid] = {**self._status[pid], "steps_done": prof.steps_done}
 
     def cancel(self, pid: str | None, reason: str = "cancelled") -> dict[str, Any]:
         """Cancel profile ``pid`` (None: the running one, if any); its status. Raises
         ValueError for an unknown id; a finished one is returned as is."""
-        status = self.view(pid) if pid is not None else None
-        if pid is not None and status is None:
-            raise ValueError(f"no profile {pid!r}")
-        if self.active is None or (pid is not None and pid != self.active):
-            return status or {}
-        pid = self.active
-        self._profiler.cancel()
-        self._finish(pid, CANCELLED, error=reason)
-        log.info("profile %s %s after %d steps", pid, reason, self._last_done(pid))
+        with self._lock:
+            if pid is not None and pid not in self._status:
+                raise ValueError(f"no profile {pid!r}")
+            if self.active is None or (pid is not None and pid != self.active):
+                return self._status.get(pid or "", {})
+            pid, prof = self.active, self._profiler
+            self._finish(pid, CANCELLED, error=reason)
+        prof.cancel()       # its on_done finds the profile already settled
+        log.info("profile %s %s after %d steps", pid, reason, prof.steps_done)
         return self.view(pid) or {}
 
     # --- any thread ---------------------------------------------------------------------------
@@ -95,25 +92,34 @@ class ProfileBook:
         with self._lock:
             return self._status.get(pid)
 
-    # --- internals ----------------------------------------------------------------------------
+    def _settle(self, pid: str) -> None:
+        """The profiler's ``on_done`` (the report thread, or the busy loop on failure)."""
+        with self._lock:
+            if pid != self.active:
+                return                      # cancelled meanwhile
+            prof = self._profiler
+            if prof.result is not None:
+                self._finish(pid, DONE, result={"id": pid, **prof.result})
+            else:
+                self._finish(pid, FAILED, error=prof.error or "the profiler stopped")
+        if prof.result is not None:
+            r = prof.result
+            log.info("profile %s done: %d steps in %.2f s (mean step %.1f ms, profiled)", pid,
+                     r["steps"], r["wall_s"], r["mean_step_s"] * 1e3)
+        else:
+            log.error("profile %s failed: %s", pid, prof.error)
+
+    # --- internals (under the lock) -----------------------------------------------------------
 
     def _put(self, pid: str, status: dict[str, Any]) -> None:
-        with self._lock:
-            self._status[pid] = status
-            while len(self._status) > KEEP:
-                self._status.popitem(last=False)
-
-    def _update(self, pid: str, **changes: Any) -> None:
-        with self._lock:
-            self._status[pid] = {**self._status[pid], **changes}
-
-    def _last_done(self, pid: str) -> int:
-        return int((self.view(pid) or {}).get("steps_done", 0))
+        self._status[pid] = status
+        while len(self._status) > KEEP:
+            self._status.popitem(last=False)
 
     def _finish(self, pid: str, state: str, *, result: dict[str, Any] | None = None,
                 error: str | None = None) -> None:
-        prof = self._profiler
-        self._update(pid, state=state, steps_done=prof.steps_done, profiling=False,
-                     finished_ts=time.time(), result=result, error=error)
+        self._status[pid] = {**self._status[pid], "state": state,
+                             "steps_done": self._profiler.steps_done, "profiling": False,
+                             "finished_ts": time.time(), "result": result, "error": error}
         self._profiler = None
         self.active = None

@@ -131,7 +131,7 @@ def decode(frames: Sequence[Any]) -> dict[str, Any]:
         raise ProtocolError(f"undecodable header: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header must be a msgpack map")
-    rid = _request_id_of(header)
+    rid = request_id_of(header)
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} not supported (this side speaks "
@@ -141,7 +141,8 @@ def decode(frames: Sequence[Any]) -> dict[str, Any]:
     return header
 
 
-def _request_id_of(header: dict[Any, Any]) -> str | None:
+def request_id_of(header: dict[Any, Any]) -> str | None:
+    """The header's ``request_id`` if it is a valid one (a string of 1..256 characters)."""
     rid = header.get("request_id")
     return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
 
@@ -154,7 +155,7 @@ def _salvage_request_id(frame: Any) -> str | None:
                                  strict_map_key=True)
     except Exception:  # garbage: nothing to salvage
         return None
-    return _request_id_of(header) if isinstance(header, dict) else None
+    return request_id_of(header) if isinstance(header, dict) else None
 
 
 # --- client -> engine ----------------------------------------------------------------------

@@ -3,8 +3,11 @@
 `StepProfiler` is made by `EngineCore.start_profile` and driven by `EngineCore.step`:
 `begin_step` before a step's schedule phase, `end_step` after its update phase, both on the busy
 loop between the phase timers, so the step's own `StepStats` never include the profiler's
-start or its report. The first `begin_step` starts the profiler and installs the labels; the
-N-th `end_step` stops it, removes every label and builds `result`.
+start or stop. The first `begin_step` starts the profiler and installs the labels; the N-th
+`end_step` stops it and removes every label. The report (`result`) is built from the trace on a
+thread of its own (``engine-profile-report``; seconds for a long trace), so the busy loop goes
+on serving meanwhile; ``on_done`` is called once the profile is over, from that thread (or from
+the busy loop when it failed or was cancelled).
 
 Labels exist only while a profile runs: forward hooks on the model's modules (each call becomes
 a ``record_function`` range ``vconsole.layer::TYPE``) and wrappers around the runner's input
@@ -19,12 +22,14 @@ range there is only the kernel launches), CPU time otherwise, where ``other`` is
 execute phase (host-side bookkeeping outside every labelled range).
 
 Invariants: every method runs on the busy loop's thread; none raises (a failing profiler sets
-``error`` and stops, it never fails a step); `result` is plain data (msgpack-able).
+``error`` and stops, it never fails a step); ``done`` is set once, after ``result`` (plain data,
+msgpack-able) or ``error``; ``on_done`` runs once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -80,7 +85,8 @@ class StepProfiler:
     before the first and after the last profiled step (profiled: ``first_step + 1 ..
     last_step``)."""
 
-    def __init__(self, runner: Any, num_steps: int) -> None:
+    def __init__(self, runner: Any, num_steps: int,
+                 on_done: Callable[[], None] | None = None) -> None:
         if num_steps < 1:
             raise ValueError(f"a profile needs at least 1 step, got {num_steps}")
         self.runner = runner
@@ -91,6 +97,8 @@ class StepProfiler:
         self.error: str | None = None
         self.first_step: int | None = None
         self.last_step: int | None = None
+        self.on_done = on_done
+        self._settle_lock = threading.Lock()
         device = getattr(runner, "device", torch.device("cpu"))
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
         self._prof: torch.profiler.profile | None = None
@@ -100,15 +108,11 @@ class StepProfiler:
         self._phase_ns = dict.fromkeys(PHASES, 0)
         self._t0 = 0.0
 
-    @property
-    def started(self) -> bool:
-        return self._prof is not None or self.done
-
     # --- the busy loop's hooks ------------------------------------------------------------------
 
     def begin_step(self, num_steps_before: int) -> None:
         """Before a step's schedule phase; the first call starts the profiler."""
-        if self.done or self._prof is not None:
+        if self.done or self.first_step is not None:
             return
         try:
             self._install_labels()
@@ -137,24 +141,51 @@ class StepProfiler:
             return
         self.last_step = num_steps_after
         wall_s = time.monotonic() - self._t0
+        prof = self._prof
         try:
-            self._prof.stop()
+            prof.stop()
+            self._prof = None
             self._remove_labels()
-            self.result = self._report(self._prof, wall_s)
         except Exception as e:
             self._fail(e)
             return
-        finally:
-            self._prof = None
-        self.done = True
+        threading.Thread(target=self._build_report, args=(prof, wall_s),
+                         name="engine-profile-report", daemon=True).start()
 
     def cancel(self) -> None:
-        """Stop now, without a result; safe at any point."""
+        """Stop now, without a result; safe at any point (a report being built is dropped)."""
         if self.done:
             return
         self._stop_quietly()
-        self.error = self.error or "cancelled"
-        self.done = True
+        self._settle(None, "cancelled")
+
+    @property
+    def reporting(self) -> bool:
+        """Every step profiled, the report not built yet."""
+        return self.steps_done >= self.num_steps and not self.done
+
+    def _build_report(self, prof: torch.profiler.profile, wall_s: float) -> None:
+        try:
+            result = self._report(prof, wall_s)
+        except Exception as e:
+            log.exception("profiler: building the report failed")
+            self._settle(None, f"{type(e).__name__}: {e}")
+            return
+        self._settle(result, None)
+
+    def _settle(self, result: dict[str, Any] | None, error: str | None) -> None:
+        """The profile is over: set ``result`` or ``error``, then ``done``, then ``on_done``;
+        only the first call counts."""
+        with self._settle_lock:
+            if self.done:
+                return
+            self.result, self.error = result, error
+            self.done = True
+        if self.on_done is not None:
+            try:
+                self.on_done()
+            except Exception:
+                log.exception("profiler: on_done failed")
 
     # --- labels -------------------------------------------------------------------------------
 
@@ -220,8 +251,7 @@ class StepProfiler:
     def _fail(self, e: Exception) -> None:
         log.exception("profiler failed; the engine goes on without it")
         self._stop_quietly()
-        self.error = f"{type(e).__name__}: {e}"
-        self.done = True
+        self._settle(None, f"{type(e).__name__}: {e}")
 
     # --- the report ---------------------------------------------------------------------------
 
@@ -260,11 +290,11 @@ class StepProfiler:
             "wall_s": wall_s,
             "mean_step_s": mean_step_s,
             "slowdown_note": (
-                f"profiled: torch.profiler recorded every operator "
-                f"({'CPU and CUDA' if self.cuda else 'CPU'}) and every layer was labelled, so these {self.steps_done} steps ran slower than "
-                f"unprofiled ones (mean step {mean_step_s * 1e3:.1f} ms here); operator times "
-                "include the profiler's overhead, and the step that ended the profile also "
-                "built this report"),
+                f"profiled steps run slower than usual: torch.profiler recorded every "
+                f"operator ({'CPU and CUDA' if self.cuda else 'CPU'}) and every layer was "
+                f"labelled (mean step {mean_step_s * 1e3:.1f} ms over these "
+                f"{self.steps_done}); operator times include the profiler's overhead, and "
+                "building this report after the last step slowed the engine a little longer"),
         }
 
 

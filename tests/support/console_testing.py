@@ -3,7 +3,9 @@ and an app driven by a recording (used by tests/test_console*.py and scripts/scr
 
 `FakeControl` answers exactly as the engine does — it runs `vconsole.engine.config.apply_update` and
 builds the reply with `vconsole.telemetry.control.config_reply` — so the console's handling of applied /
-rejected / restart-required is tested against the real rules.
+rejected / restart-required is tested against the real rules. Its profile ops answer with the
+engine's status and result shapes (`fake_profile_result`); a profile advances
+``profile_steps_per_poll`` steps per ``profile_status`` unless ``profile_hold`` is set.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class FakeControl:
         self.down = False
         self.calls: list[tuple[str, dict[str, Any] | None]] = []
         self._lock = threading.Lock()
+        self.profile: dict[str, Any] | None = None   # the last profile's status
+        self.profile_steps_per_poll = 5
+        self.profile_hold = False
+        self._profiles = 0
 
     def _reply(self, update: Any = None) -> dict[str, Any]:
         from vconsole.telemetry.control import config_reply
@@ -68,6 +74,70 @@ class FakeControl:
                 self.config = update.config
                 self.version += 1
             return self._reply(update)
+
+
+    # --- profile ops (the engine's shapes; see engine/proc/profiles.py) -----------------------
+
+    def _profile_call(self, op: str, fields: dict[str, Any]) -> None:
+        self.calls.append((op, fields))
+        if self.down:
+            raise TimeoutError("no reply from the engine's control socket (fake, down)")
+
+    def profile_start(self, steps: int) -> dict[str, Any]:
+        from vconsole.telemetry.control import ControlError
+
+        with self._lock:
+            self._profile_call("profile_start", {"steps": steps})
+            if self.profile is not None and self.profile["state"] == "running":
+                raise ControlError(f"profile {self.profile['id']} is running")
+            self._profiles += 1
+            self.profile = {"id": f"p{self._profiles}", "state": "running", "steps": steps,
+                            "steps_done": 0, "profiling": True, "started_ts": 0.0,
+                            "finished_ts": None, "slowdown_note": "each profiled step runs "
+                            "slower", "result": None, "error": None}
+            return dict(self.profile)
+
+    def profile_status(self, profile_id: str) -> dict[str, Any]:
+        from vconsole.telemetry.control import ControlError
+
+        with self._lock:
+            self._profile_call("profile_status", {"profile": profile_id})
+            p = self.profile
+            if p is None or p["id"] != profile_id:
+                raise ControlError(f"no profile {profile_id!r}")
+            if p["state"] == "running" and not self.profile_hold:
+                p["steps_done"] = min(p["steps"], p["steps_done"] + self.profile_steps_per_poll)
+                if p["steps_done"] == p["steps"]:
+                    p.update(state="done", profiling=False,
+                             result=fake_profile_result(p["steps"], profile_id))
+            return dict(p)
+
+    def profile_cancel(self, profile_id: str) -> dict[str, Any]:
+        with self._lock:
+            self._profile_call("profile_cancel", {"profile": profile_id})
+            p = self.profile
+            if p is not None and p["id"] == profile_id and p["state"] == "running":
+                p.update(state="cancelled", profiling=False, error="cancelled")
+            return dict(p or {})
+
+
+def fake_profile_result(steps: int, profile_id: str = "p1") -> dict[str, Any]:
+    """A profile result with the engine's fields (`vconsole.engine.worker.profiler`)."""
+    ops = [("aten::mm", 0.8), ("aten::_scaled_dot_product_flash_attention_for_cpu", 0.12),
+           ("aten::mul", 0.02), ("aten::silu", 0.01), ("aten::index_select", 0.004)]
+    phase_s = {"schedule": 0.004 * steps, "execute": 0.05 * steps, "update": 0.002 * steps}
+    busy = sum(phase_s.values())
+    return {
+        "id": profile_id, "steps": steps, "first_step": 40, "last_step": 40 + steps,
+        "device": "cpu", "sort_by": "self_cpu_s",
+        "ops": [{"name": n, "self_cpu_s": s, "self_cuda_s": 0.0, "calls": 29 * steps}
+                for n, s in ops],
+        "phases": {k: v / busy for k, v in phase_s.items()}, "phase_s": phase_s,
+        "layers": {"attention": 0.5, "mlp": 0.4, "lm_head": 0.05, "norm": 0.03,
+                   "other": 0.02, "sampler": 0.001, "prepare": 0.001, "embedding": 0.0005},
+        "layers_clock": "cpu", "wall_s": busy * 1.01, "mean_step_s": busy / steps,
+        "slowdown_note": "profiled steps run slower than usual (fake)",
+    }
 
 
 def replay_app(path: str | Path = RECORDING, *, control: Any = None, readonly: bool = False,
