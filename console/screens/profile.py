@@ -44,9 +44,9 @@ STATE_STYLE = {"done": "$success", "running": "$warning", "starting": "$warning"
 
 def consequence(steps: int) -> str:
     return (f"torch.profiler records every operator of the engine's next {steps} steps and "
-            "every layer is labelled while it runs: those steps run slower (often several "
-            "times on CPU) and building the report afterwards slows the engine a little "
-            "longer. Requests keep being served, and their tokens do not change. c cancels.")
+            "every layer is labelled while it runs: those steps run slower, and building the "
+            "report afterwards slows the engine a little longer. Requests keep being served "
+            "and their tokens do not change. c cancels.")
 
 
 def _ms(seconds: float) -> str:
@@ -129,21 +129,20 @@ class ProfileScreen(ConsoleScreen):
             return
         self._shown = key
         self.query_one("#prof-summary", Static).update(
-            Content.from_markup(self._summary(run, frame, idle)))
+            Content.from_markup(self._summary(run, frame, idle, width)))
         text = result_lines(run.result, width) if run and run.result else []
         self.query_one("#prof-text", Static).update(Content.from_markup("\n".join(text)))
         self.refresh_bindings()
 
-    def _summary(self, run: ProfileRun | None, frame: Frame, idle: bool) -> str:
+    def _summary(self, run: ProfileRun | None, frame: Frame, idle: bool, width: int) -> str:
         if frame.readonly:
             ro = (f"[$warning]read-only ({fmt.escape(frame.readonly_reason)}): profiling is "
                   "disabled[/]")
             return ro if run is None else ro + "\n" + self._run_line(run)
-        hint = (f"s profiles the engine's next [b]{self.steps}[/] steps (+ / - to change; "
-                "asks first: profiling slows the engine until done)")
+        hint = f"s profiles the next [b]{self.steps}[/] steps (+/- to change; it asks first)"
         if run is None:
-            return hint + ("\n[$text-muted]No profile yet. The engine profiles only while it "
-                           "serves requests.[/]")
+            return hint + ("\n[$text-muted]No profile yet. Profiling slows the engine until it "
+                           "is done, and it advances only while the engine serves requests.[/]")
         lines = [self._run_line(run)]
         if run.active:
             lines.append("[$warning]the engine runs slower while profiling[/]"
@@ -152,8 +151,9 @@ class ProfileScreen(ConsoleScreen):
                 lines.append("[$text-muted]waiting for steps: the engine profiles only while "
                              "it serves requests[/]")
         else:
-            if run.result and run.note:
-                lines.append(f"[$text-muted]{fmt.escape(run.result['slowdown_note'])}[/]")
+            if run.result:
+                note = fmt.clip(run.result["slowdown_note"], width)
+                lines.append(f"[$text-muted]{fmt.escape(note)}[/]")
             lines.append(hint)
         return "\n".join(lines)
 
@@ -166,9 +166,9 @@ class ProfileScreen(ConsoleScreen):
                     f"[$accent]{fmt.bar(run.steps_done / run.steps, 20)}[/]")
         r = run.result
         if r is not None:
-            return (f"{head}  {r['steps']} steps (engine steps {r['first_step'] + 1}–"
-                    f"{r['last_step']}) on {fmt.escape(r['device'])} · {r['wall_s']:.2f} s · "
-                    f"mean step {_ms(r['mean_step_s'])}")
+            return (f"{head}  {r['steps']} steps ({r['first_step'] + 1}–{r['last_step']}) on "
+                    f"{fmt.escape(r['device'])} · {r['wall_s']:.2f} s wall · mean step "
+                    f"{_ms(r['mean_step_s'])}")
         why = f": {fmt.escape(run.error)}" if run.error else ""
         return f"{head} after {run.steps_done}/{run.steps} steps{why}"
 

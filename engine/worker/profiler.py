@@ -128,7 +128,8 @@ class StepProfiler:
         self._t0 = time.monotonic()
 
     def end_step(self, stats: StepStats | None, num_steps_after: int) -> None:
-        """After a step's update phase; the N-th call stops the profiler and builds `result`."""
+        """After a step's update phase; the N-th call stops the profiler, removes the labels
+        and hands the trace to the report thread."""
         if self.done or self._prof is None:
             return
         if stats is not None:
@@ -259,14 +260,14 @@ class StepProfiler:
         ops: list[dict[str, Any]] = []
         layers: dict[str, float] = {}
         for row in prof.key_averages():
+            if getattr(row, "device_type", None) not in (None, torch.autograd.DeviceType.CPU):
+                continue    # a kernel or GPU-side range: already in its CPU op's CUDA times
             self_cuda = _self_device_us(row) if self.cuda else 0.0
             if row.key.startswith(LABEL):
                 kind = row.key[len(LABEL):]
                 total_us = _device_us(row) if self.cuda else row.cpu_time_total
                 layers[kind] = layers.get(kind, 0.0) + total_us / 1e6
                 continue
-            if getattr(row, "device_type", None) not in (None, torch.autograd.DeviceType.CPU):
-                continue    # a kernel row: its time is already its operator's self CUDA time
             ops.append({"name": row.key, "self_cpu_s": row.self_cpu_time_total / 1e6,
                         "self_cuda_s": self_cuda / 1e6, "calls": int(row.count)})
         sort_by = "self_cuda_s" if self.cuda else "self_cpu_s"

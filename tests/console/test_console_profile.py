@@ -43,11 +43,11 @@ async def test_a_confirmed_profile_shows_progress_then_the_tables(size):
         screen = app.screen
         assert isinstance(screen, ProfileScreen)
         await pilot.pause()
-        assert "s profiles the engine's next 20 steps" in text_of(screen, "#prof-summary")
+        assert "s profiles the next 20 steps" in text_of(screen, "#prof-summary")
         assert "P Profile" in text_of(screen, "#tabbar")
         await pilot.press("plus")
         await pilot.pause()
-        assert "next 50 steps" in text_of(screen, "#prof-summary")
+        assert "the next 50 steps" in text_of(screen, "#prof-summary")
         await pilot.press("minus")
 
         await pilot.press("s")                     # asks first; enter is on Cancel
@@ -72,7 +72,7 @@ async def test_a_confirmed_profile_shows_progress_then_the_tables(size):
         await pilot.pause(0.1)
         app.refresh_view(force=True)
         summary = text_of(screen, "#prof-summary")
-        assert "profile p1 done  20 steps (engine steps 41–60) on cpu" in summary
+        assert "profile p1 done  20 steps (41–60) on cpu" in summary
         assert "(fake)" in summary                  # the engine's slowdown note
         text = text_of(screen, "#prof-text")
         assert "Step phases" in text and "execute 89.3%" in text

@@ -249,3 +249,15 @@ def test_one_profile_at_a_time_and_cancel(engine):
         assert again["id"] != armed["id"]
         assert ctl.profile_cancel(again["id"])["state"] == "cancelled"
         assert ctl.profile_status(armed["id"])["state"] == "cancelled"
+
+
+def test_the_console_link_speaks_the_profile_ops(engine):
+    from vconsole.console.control_link import ControlLink
+
+    # A stale key is read again from the key file and the start retried, as for set_config.
+    link = ControlLink(engine.endpoints["control"], timeout_s=30, key="0" * 64,
+                       key_path=engine.control_key_path)
+    started = link.profile_start(5)
+    assert started["state"] == "running" and link.key == engine.control_key()
+    assert link.profile_status(started["id"])["steps"] == 5
+    assert link.profile_cancel(started["id"])["state"] == "cancelled"
