@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from vconsole.engine.config import coerce_value
+from vconsole.engine.config import coerce_value, format_value
 
 PENDING, APPLIED, UNCHANGED, REJECTED, RESTART, TIMEOUT, ERROR, INVALID = (
     "pending", "applied", "unchanged", "rejected", "restart required", "no answer", "error",
@@ -30,14 +30,7 @@ def validate(key: str, text: str) -> tuple[Any, str | None]:
         return None, str(e)
 
 
-def show_value(value: Any) -> str:
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
+show_value = format_value
 
 
 @dataclass

@@ -108,7 +108,8 @@ class Trend:
 Getter = Callable[[dict[str, Any]], float | None]
 
 
-def _get(*path: str) -> Getter:
+def path_getter(*path: str) -> Getter:
+    """A getter of the number at ``path`` in a payload (None when absent or not a number)."""
     def get(p: dict[str, Any]) -> float | None:
         cur: Any = p
         for k in path:
@@ -121,18 +122,18 @@ def _get(*path: str) -> Getter:
 
 def _latency(series: str, q: str) -> Getter:
     """A window percentile of the ``latency`` topic, over every priority class."""
-    return _get("overall", "window", series, q)
+    return path_getter("overall", "window", series, q)
 
 
 # name -> (topic, getter, how a second's samples become one point)
 TRENDS: dict[str, tuple[str, Getter, str]] = {
-    "tokens_per_s": ("step", _get("tokens_per_s"), MEAN),
-    "step_p50_s": ("step", _get("step_time_p50_s"), MEAN),
-    "step_max_s": ("step", _get("step_time_max_s"), MAX),
-    "waiting": ("sched", _get("num_waiting"), MEAN),
-    "running": ("sched", _get("num_running"), MEAN),
-    "kv_usage": ("kv", _get("usage"), MEAN),
-    "fragmentation": ("kv", _get("fragmentation"), MEAN),
+    "tokens_per_s": ("step", path_getter("tokens_per_s"), MEAN),
+    "step_p50_s": ("step", path_getter("step_time_p50_s"), MEAN),
+    "step_max_s": ("step", path_getter("step_time_max_s"), MAX),
+    "waiting": ("sched", path_getter("num_waiting"), MEAN),
+    "running": ("sched", path_getter("num_running"), MEAN),
+    "kv_usage": ("kv", path_getter("usage"), MEAN),
+    "fragmentation": ("kv", path_getter("fragmentation"), MEAN),
     "ttft_p50_s": ("latency", _latency("ttft_s", "p50"), MEAN),
     "ttft_p99_s": ("latency", _latency("ttft_s", "p99"), MEAN),
     "itl_p50_s": ("latency", _latency("itl_s", "p50"), MEAN),

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from vconsole.console.history import History
+from vconsole.console.history import History, path_getter
 from vconsole.telemetry.advisor import Advice, Advisor
 from vconsole.telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
 
@@ -131,36 +131,25 @@ class ConfigView:
 
 
 # Series fed from each topic: name -> (topic, getter).
-def _get(*path: str) -> Callable[[dict[str, Any]], float | None]:
-    def get(p: dict[str, Any]) -> float | None:
-        cur: Any = p
-        for k in path:
-            if not isinstance(cur, dict):
-                return None
-            cur = cur.get(k)
-        return float(cur) if isinstance(cur, int | float) and not isinstance(cur, bool) else None
-    return get
-
-
 SERIES: dict[str, tuple[str, Callable[[dict[str, Any]], float | None]]] = {
-    "waiting": ("sched", _get("num_waiting")),
-    "running": ("sched", _get("num_running")),
-    "preempted": ("sched", _get("num_preempted")),
-    "steps_per_s": ("step", _get("steps_per_s")),
-    "tokens_per_s": ("step", _get("tokens_per_s")),
-    "sched_share": ("step", _get("sched_share")),
-    "step_p50_s": ("step", _get("step_time_p50_s")),
-    "kv_usage": ("kv", _get("usage")),
-    "token_usage": ("kv", _get("token_usage")),
-    "fragmentation": ("kv", _get("fragmentation")),
-    "prefix_hit_rate": ("kv", _get("prefix_hit_rate")),
-    "proc_cpu": ("host", _get("proc_cpu_percent")),
-    "sys_cpu": ("host", _get("sys_cpu_percent")),
+    "waiting": ("sched", path_getter("num_waiting")),
+    "running": ("sched", path_getter("num_running")),
+    "preempted": ("sched", path_getter("num_preempted")),
+    "steps_per_s": ("step", path_getter("steps_per_s")),
+    "tokens_per_s": ("step", path_getter("tokens_per_s")),
+    "sched_share": ("step", path_getter("sched_share")),
+    "step_p50_s": ("step", path_getter("step_time_p50_s")),
+    "kv_usage": ("kv", path_getter("usage")),
+    "token_usage": ("kv", path_getter("token_usage")),
+    "fragmentation": ("kv", path_getter("fragmentation")),
+    "prefix_hit_rate": ("kv", path_getter("prefix_hit_rate")),
+    "proc_cpu": ("host", path_getter("proc_cpu_percent")),
+    "sys_cpu": ("host", path_getter("sys_cpu_percent")),
     # The ``latency`` topic: window p99s over every priority class (the Overview's sparklines).
-    "ttft_p99": ("latency", _get("overall", "window", "ttft_s", "p99")),
-    "itl_p99": ("latency", _get("overall", "window", "itl_s", "p99")),
-    "e2e_p99": ("latency", _get("overall", "window", "e2e_s", "p99")),
-    "queue_p99": ("latency", _get("overall", "window", "queue_s", "p99")),
+    "ttft_p99": ("latency", path_getter("overall", "window", "ttft_s", "p99")),
+    "itl_p99": ("latency", path_getter("overall", "window", "itl_s", "p99")),
+    "e2e_p99": ("latency", path_getter("overall", "window", "e2e_s", "p99")),
+    "queue_p99": ("latency", path_getter("overall", "window", "queue_s", "p99")),
 }
 
 

@@ -146,6 +146,17 @@ def _type_name(f: dataclasses.Field[Any]) -> str:
     return str(f.type).replace(" | None", "")
 
 
+def format_value(value: Any) -> str:
+    """A config value as people (and ``vconsole set KEY=VALUE``) write it."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
 def coerce_value(key: str, value: Any) -> Any:
     """Check one value against its field (type, range, choices) and return it in its type.
 

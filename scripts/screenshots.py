@@ -9,7 +9,9 @@ Three ways to feed the console:
 The first starts what `vconsole demo` starts (`vconsole.demo.DemoStack`: an engine process with
 the tiny model on free loopback ports and a bursty load), waits until every panel has data,
 takes the pictures and stops both. Pictures: each screen at 120x40 and 80x24, plus help and the config confirm box;
-Trends over its 1-minute range, and at 80x24 also its latency page (TTFT, ITL).
+Trends over its 1-minute range, and at 80x24 also its latency page (TTFT, ITL). Meanwhile it
+records the engine's telemetry (`vconsole record`) and then replays that recording into a fresh
+console for ``overview-replay.svg`` and ``trends-replay.svg``: the same screens from a file.
 """
 
 from __future__ import annotations
@@ -107,6 +109,27 @@ async def shoot(make_app, out: Path, warmup_s: float, timeout_s: float) -> list[
     return saved
 
 
+async def shoot_replay(recording: Path, out: Path, speed: float = 10.0) -> list[str]:
+    """The Overview and Trends of a replayed recording, once it has played to its end."""
+    app = VConsoleApp(source=ReplaySource(recording, speed=speed))
+    saved = []
+    async with app.run_test(size=SIZES[0]) as pilot:
+        source = app.source
+        deadline = time.monotonic() + 120.0
+        while not getattr(source, "finished", False) and time.monotonic() < deadline:
+            await pilot.pause(0.5)
+        for mode, name in (("overview", "overview-replay.svg"), ("trends", "trends-replay.svg")):
+            app.action_show(mode)
+            await pilot.pause(0.5)
+            if mode == "trends":
+                app.screen.action_set_range(0)
+                await pilot.pause(0.3)
+            app.refresh_view(force=True)
+            await pilot.pause()
+            saved.append(app.save_screenshot(name, str(out)))
+    return saved
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group()
@@ -130,16 +153,26 @@ def main() -> int:
         saved = asyncio.run(shoot(lambda: VConsoleApp([args.telemetry], args.control), out,
                                   args.warmup, 30.0))
     else:
+        import tempfile
+        import threading
+
         from vconsole.demo import DemoStack
+        from vconsole.telemetry.record import record_stream
 
         engine_args = ["--num-kv-blocks", "256", "--max-num-seqs", "32", "--policy", "hybrid"]
+        recording = Path(tempfile.mkdtemp(prefix="vconsole-shots-")) / "demo.vrec"
         with DemoStack(engine_args, rate=args.rate) as stack:
             eps = stack.endpoints
             key, key_file = stack.engine.control_key(), stack.engine.control_key_path
+            recorder = threading.Thread(target=record_stream, daemon=True, args=(
+                eps["telemetry"], recording, args.warmup + 45.0))
+            recorder.start()
             saved = asyncio.run(shoot(lambda: VConsoleApp([eps["telemetry"]], eps["control"],
                                                           control_key=key,
                                                           control_key_file=key_file),
                                       out, args.warmup, 60.0))
+            recorder.join()
+        saved += asyncio.run(shoot_replay(recording, out))
     for path in saved:
         print(path)
     return 0

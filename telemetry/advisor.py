@@ -47,6 +47,7 @@ from vconsole.engine.config import (
     apply_update,
     coerce_value,
     describe_config,
+    format_value,
     validate_config,
 )
 
@@ -73,14 +74,7 @@ HOT: dict[str, bool] = {row["key"]: bool(row["hot"]) for row in describe_config(
 _DEFAULTS = EngineConfig().to_dict()
 
 
-def show(value: Any) -> str:
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
+show = format_value
 
 
 def _pct(x: float) -> str:

@@ -105,6 +105,18 @@ def _port(text: str) -> int:
     return port
 
 
+def _int_list(text: str) -> list[int]:
+    """``100,1000`` -> [100, 1000]; every item a positive integer."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") \
+            from None
+    if not out or any(n < 1 for n in out):
+        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
+    return out
+
+
 def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     module_name, func_name = target.split(":")
 
@@ -233,9 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every topic")
 
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
-    p.add_argument("name", choices=["throughput"], help="which benchmark")
+    p.add_argument("name", choices=["throughput", "scheduler", "kvmap"],
+                   help="which benchmark: model throughput against transformers, the "
+                        "scheduler's per-step cost, or the KV map's engine-to-console round trip")
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
-    p.add_argument("--num-requests", type=int, help="override the workload size")
+    p.add_argument("--num-requests", type=int, help="throughput: override the workload size")
+    p.add_argument("--sizes", type=_int_list, default=None, metavar="N,N,...",
+                   help="scheduler: waiting-queue sizes (default 100,1000,10000,50000)")
+    p.add_argument("--steps", type=int, default=300,
+                   help="scheduler: measured steps per policy and size (default 300)")
+    p.add_argument("--num-blocks", type=int, default=1_000_000,
+                   help="kvmap: blocks in the pool (default 1000000)")
+    p.add_argument("--rounds", type=int, default=30,
+                   help="kvmap: measured round trips (default 30)")
 
     p = cmd("record", "vconsole.commands.record:main", "save the telemetry stream to a file")
     add_endpoint_args(p)

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import zmq
 
+from support.live_engine import Telemetry
 from vconsole.demo import EngineProcess
 from vconsole.engine.proc import control_key_file, protocol
 from vconsole.engine.proc.client import EngineClient
-from vconsole.telemetry import control_key, schema
+from vconsole.telemetry import control_key
 from vconsole.telemetry.control import ControlClient, NotAuthorised
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
@@ -36,47 +37,6 @@ alert_waiting_warning = 5
 """
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "40", "--block-size", "8",
                "--max-num-batched-tokens", "64", "--policy", "priority"]
-
-
-class Telemetry:
-    """Every telemetry message, decoded, from a SUB thread."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.messages: list[tuple[float, str, dict]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(endpoint,), daemon=True)
-        self._thread.start()
-
-    def _run(self, endpoint: str) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(endpoint)
-        while not self._stop.is_set():
-            if sock.poll(50):
-                msg = schema.decode(sock.recv_multipart(copy=False))
-                payload = dict(msg.payload)
-                if msg.topic == "kv":
-                    payload["block_states"] = msg.block_states().copy()
-                self.messages.append((time.monotonic(), msg.topic, payload))
-        sock.close(0)
-
-    def topic(self, name: str, since: float = 0.0) -> list[dict]:
-        return [p for t, topic, p in list(self.messages) if topic == name and t >= since]
-
-    def wait_for(self, name: str, pred, timeout_s: float = 10.0, since: float = 0.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for p in self.topic(name, since):
-                if pred(p):
-                    return p
-            time.sleep(0.05)
-        raise AssertionError(f"no {name} message matched within {timeout_s} s")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,12 @@ def ipc_endpoints(folder: str | Path) -> dict[str, str]:
 
 
 class Telemetry:
-    """Every telemetry message, decoded, as ``(monotonic time, topic, payload)``."""
+    """Every telemetry message, decoded, as ``(monotonic time, topic, payload)``, from a SUB
+    thread of its own (a ``kv`` payload keeps a copy of its block states)."""
 
     def __init__(self, endpoint: str) -> None:
         self.messages: list[tuple[float, str, dict[str, Any]]] = []
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(endpoint,), daemon=True)
         self._thread.start()
@@ -42,11 +44,16 @@ class Telemetry:
         while not self._stop.is_set():
             if sock.poll(50):
                 msg = schema.decode(sock.recv_multipart())
-                self.messages.append((time.monotonic(), msg.topic, msg.payload))
+                payload = dict(msg.payload)
+                if msg.topic == "kv":
+                    payload["block_states"] = msg.block_states().copy()
+                with self._lock:
+                    self.messages.append((time.monotonic(), msg.topic, payload))
         sock.close(0)
 
     def topic(self, name: str, since: float = 0.0) -> list[dict[str, Any]]:
-        return [p for t, topic, p in list(self.messages) if topic == name and t >= since]
+        with self._lock:
+            return [p for t, topic, p in self.messages if topic == name and t >= since]
 
     def wait_for(self, name: str, pred: Callable[[dict[str, Any]], bool],
                  timeout_s: float = 10.0, since: float = 0.0) -> dict[str, Any]:

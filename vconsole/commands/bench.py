@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
-
-from vconsole.bench import throughput
+import sys
 
 
 def main(args: argparse.Namespace) -> int:
-    out = throughput(args)
+    log = None if args.json else (lambda m: print(m, file=sys.stderr))
+    if args.name == "scheduler":
+        from vconsole.bench_scheduler import scheduler_bench
+
+        out = scheduler_bench(args.sizes, args.steps, log)
+    elif args.name == "kvmap":
+        from vconsole.bench_kvmap import kvmap_bench
+
+        out = kvmap_bench(args.num_blocks, args.rounds, log)
+    else:  # torch and transformers are imported only for the benchmark that needs them
+        from vconsole.bench import throughput
+
+        out = throughput(args)
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
