@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from textual.app import ComposeResult
 from textual.containers import Container
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer
 
@@ -40,13 +41,17 @@ class ConsoleScreen(Screen[None]):
         yield from ()
 
     def refresh_view(self, frame: Frame, state: ConsoleState) -> None:
-        self.query_one(TabBar).show(frame)
+        try:
+            tabbar, banner = self.query_one(TabBar), self.query_one(Banner)
+        except NoMatches:
+            return  # torn down while the app exits (a last timer tick): nothing to show
+        tabbar.show(frame)
         try:
             self.apply(frame, state)
         except Exception as e:  # a payload we cannot show must not take the console down
             self.log.error(f"{type(self).__name__}.apply failed: {e!r}")
             frame.last_error = f"cannot show this data ({type(e).__name__}: {e})"
-        self.query_one(Banner).show(frame)
+        banner.show(frame)
 
     def apply(self, frame: Frame, state: ConsoleState) -> None:
         """Show the latest state (subclasses)."""
