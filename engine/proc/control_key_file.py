@@ -50,10 +50,12 @@ def new_key() -> str:
 def write_key_file(path: str | os.PathLike[str], key: str) -> Path:
     """Write ``key`` to ``path`` atomically (temp file in the same folder, then rename), mode
     0600; a missing folder is created mode 0700. Raises OSError."""
-    return _write_private(path, key + "\n")
+    return write_private(path, key + "\n")
 
 
-def _write_private(path: str | os.PathLike[str], text: str) -> Path:
+def write_private(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ASCII ``text`` atomically (temp file, fsync, rename), mode 0600, in a folder made
+    0700 if missing: a reader sees the old file or the whole new one."""
     target = Path(path)
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -112,7 +114,7 @@ def claim_key_file(path: str | os.PathLike[str], key: str, *, engine_id: str,
             why = "it has no owner record"
         log.warning("replacing the control key file %s: %s", path, why)
     owner = KeyOwner.for_this_process(key, engine_id=engine_id, endpoint=endpoint)
-    _write_private(key_owner.owner_path(path), owner.to_json() + "\n")
+    write_private(key_owner.owner_path(path), owner.to_json() + "\n")
     return write_key_file(path, key)
 
 

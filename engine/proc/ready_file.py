@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from vconsole.engine.proc.control_key_file import write_private
 
 READY_FILE_VERSION = 1
 ENDPOINT_NAMES = ("input", "output", "telemetry", "control")
@@ -42,20 +43,7 @@ def ready_record(*, engine_id: str, pid: int, endpoints: dict[str, str],
 
 def write_ready_file(path: str | os.PathLike[str], record: dict[str, Any]) -> Path:
     """Write ``record`` to ``path`` atomically (mode 0600: it names the key file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(record, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+    return write_private(path, json.dumps(record))  # ASCII: json escapes the rest
 
 
 def read_ready_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
-from support.live_engine import Telemetry
+from support.live_engine import Telemetry, reference_outputs
 from vconsole.demo import EngineProcess
 from vconsole.engine.proc import control_key_file, protocol
 from vconsole.engine.proc.client import EngineClient
@@ -82,32 +82,6 @@ def prompts(n: int, seed: int = 0) -> list[tuple[list[int], int, int]]:
              rng.choice([0, 0, 1, 2])) for _ in range(n)]
 
 
-def reference_outputs(work: list[tuple[list[int], int, int]]) -> list[list[int]]:
-    """The same prompts, greedy, through an in-process EngineCore."""
-    import torch
-
-    from vconsole.engine.config import EngineConfig
-    from vconsole.engine.core import EngineCore
-    from vconsole.engine.request import SamplingParams
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # leave the other core to the engine process
-    try:
-        core = EngineCore(EngineConfig(num_kv_blocks=64, block_size=8, max_num_seqs=16))
-        for i, (ids, max_tokens, _) in enumerate(work):
-            core.add_request(core.make_request(str(i), prompt_token_ids=ids,
-                                               sampling=SamplingParams(max_tokens=max_tokens)))
-        results: dict[str, list[int]] = {str(i): [] for i in range(len(work))}
-        while core.has_unfinished_requests():
-            outputs, _ = core.step()
-            for outs in outputs.values():
-                for out in outs:
-                    results[out.request_id].extend(out.new_token_ids)
-    finally:
-        torch.set_num_threads(threads)
-    return [results[str(i)] for i in range(len(work))]
-
-
 def test_four_clients_200_requests_match_an_in_process_greedy_run(engine, telemetry):
     work = prompts(200)
     quarters = [list(range(k, 200, 4)) for k in range(4)]
@@ -124,7 +98,8 @@ def test_four_clients_200_requests_match_an_in_process_greedy_run(engine, teleme
         except BaseException as e:
             errors.append(e)
 
-    expected = reference_outputs(work)  # first: two torch processes on 2 cores thrash
+    # First: two torch processes on 2 cores thrash.
+    expected = reference_outputs([(ids, n) for ids, n, _ in work])
     t0 = time.monotonic()
     threads = [threading.Thread(target=run, args=(q,)) for q in quarters]
     for t in threads:
