@@ -29,7 +29,11 @@ import msgpack
 import numpy as np
 
 SCHEMA_VERSION: int = 1
-TOPICS = ("health", "step", "sched", "kv", "gpu", "host", "config", "alert", "latency")
+TOPICS = ("health", "step", "sched", "kv", "gpu", "host", "config", "alert", "latency",
+          "dp", "wave")
+# Sent only by the ranks of a data-parallel group (`vconsole engine --data-parallel-size N`);
+# a lone engine never sends them.
+DP_TOPICS = ("dp", "wave")
 _TOPIC_BYTES = {t.encode("ascii"): t for t in TOPICS}
 
 # Envelope: every payload carries these. seq counts per topic per publisher, from 0.
@@ -60,6 +64,15 @@ TOPIC_FIELDS: dict[str, tuple[str, ...]] = {
     "config": ("version", "values", "schema"),
     "alert": ("name", "level", "value", "threshold", "message"),
     "latency": ("window_s", "overall", "priority", "finished"),
+    # Data parallel, per rank, at the snapshot rate: the wave it is in, its share of dummy
+    # steps (run while idle so the group's collective steps stay in lockstep) and the cost of
+    # the "is anyone busy" all-reduce run every ``sync_every`` steps.
+    "dp": ("world_size", "wave", "wave_running", "group_generation", "group_state",
+           "steps_total", "dummy_steps_total", "dummy_share", "sync_every",
+           "sync_count_total", "sync_s_total", "sync_s_per_step"),
+    # Data parallel, an event: a wave started on this rank, or completed (every rank drained;
+    # each rank sends its own, with the same wave number).
+    "wave": ("event", "wave", "steps", "dummy_steps", "duration_s"),
 }
 
 # "restarting": sent by the engine's supervisor while no engine process runs (between a crash

@@ -19,9 +19,9 @@ import zmq
 from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from vconsole.telemetry.control import ControlClient, ControlError
 from vconsole.telemetry.curve import ClientCurve
-from vconsole.telemetry.schema import TOPICS, SchemaError, TelemetryMessage, decode
+from vconsole.telemetry.schema import DP_TOPICS, TOPICS, SchemaError, TelemetryMessage, decode
 
-WAIT_FOR = tuple(t for t in TOPICS if t != "alert")
+WAIT_FOR = tuple(t for t in TOPICS if t != "alert" and t not in DP_TOPICS)
 CONFIG_GRACE_S = 1.5
 MAX_RUNS = 64
 _STATE_NAMES = {BLOCK_FREE: "free", BLOCK_USED: "used", BLOCK_CACHED: "cached",

@@ -63,6 +63,11 @@ SAMPLES = {
     "alert": {"name": "waiting", "level": "warning", "value": 60.0, "threshold": 50.0,
               "message": "waiting requests is 60"},
     "latency": _latency_sample(),
+    "dp": {"world_size": 2, "wave": 3, "wave_running": True, "group_generation": 0,
+           "group_state": "ok", "steps_total": 400, "dummy_steps_total": 40, "dummy_share": 0.1,
+           "sync_every": 4, "sync_count_total": 100, "sync_s_total": 0.05,
+           "sync_s_per_step": 0.000125},
+    "wave": {"event": "complete", "wave": 3, "steps": 120, "dummy_steps": 12, "duration_s": 1.5},
 }
 
 
