@@ -53,6 +53,20 @@ class EngineConfig:
     engine_id: str = _f("engine-0", "Name of this engine in telemetry.", hot=False)
     dp_rank: int = _f(0, "Data-parallel rank of this engine (0 when alone).", hot=False, lo=0, hi=1024)
 
+    # --- fixed at start: data parallel (`vconsole engine --data-parallel-size N`) --------------
+    data_parallel_size: int = _f(1, "Engine ranks (model replicas) behind one front end.",
+                                 hot=False, lo=1, hi=1024)
+    dp_master_addr: str = _f("127.0.0.1", "Rendezvous host of the data-parallel group (the "
+                             "torch.distributed store; torchrun's MASTER_ADDR).", hot=False)
+    dp_master_port: int | None = _f(None, "Rendezvous port of the data-parallel group; unset = "
+                                    "any free port (single host) or torchrun's MASTER_PORT.",
+                                    hot=False, lo=1, hi=65535, nullable=True)
+    dp_sync_every: int = _f(4, "Data parallel: steps between two 'is any rank busy' "
+                            "all-reduces.", hot=False, lo=1, hi=1 << 16)
+    dp_group_timeout_s: float = _f(60.0, "Data parallel: how long forming the process group "
+                                   "or one collective may take before the group counts as "
+                                   "broken.", hot=False, lo=1.0, hi=3600.0)
+
     # --- fixed at start: sockets ---------------------------------------------------------------
     zmq_io_threads: int = _f(4, "ZeroMQ I/O threads (capped at the number of cores).", hot=False,
                              lo=1, hi=64)
@@ -330,7 +344,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 _FLAG_KEYS = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
-              "max_num_batched_tokens", "policy")
+              "max_num_batched_tokens", "policy", "data_parallel_size", "dp_rank",
+              "dp_master_addr", "dp_master_port")
 
 
 def config_from_args(args: Any) -> EngineConfig:

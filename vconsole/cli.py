@@ -35,6 +35,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "on change for `engine`)")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config key (repeatable)")
+    g = p.add_argument_group("data parallel (several engine ranks behind one front end)")
+    g.add_argument("--data-parallel-size", type=int, metavar="N",
+                   help="engine ranks (model replicas) to run (default 1)")
+    g.add_argument("--dp-rank", type=int, metavar="R", help=argparse.SUPPRESS)
+    g.add_argument("--dp-master-addr", metavar="HOST",
+                   help="rendezvous host (default 127.0.0.1, or torchrun's MASTER_ADDR)")
+    g.add_argument("--dp-master-port", type=int, metavar="PORT",
+                   help="rendezvous port (default: a free one, or torchrun's MASTER_PORT)")
 
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
