@@ -17,6 +17,10 @@ record, `vconsole.telemetry.key_owner`) and whether it still runs; the Config sc
 ``curve``: the console's CURVE keys (`vconsole.telemetry.curve`), for telemetry and control of an
 engine started with CURVE keys.
 
+Data parallel: one telemetry endpoint carries every rank of a group; ``selected_engine`` is then
+a rank (``n``, the Ranks screen's cursor, the KV map's ``[`` ``]``), and the Ranks screen
+(``6``), its tab and keys exist only while a group is watched (`is_dp`).
+
 Test hooks: ``state`` (the model), ``history`` / ``replies`` (change records),
 ``refreshes`` (how many batched applies ran), ``refresh_view(force=True)`` (apply now),
 ``control_error`` (the last control failure), ``config_fetches`` (successful get_config calls).
@@ -56,6 +60,7 @@ from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.kvmap import KvScreen
 from vconsole.console.screens.overview import OverviewScreen
 from vconsole.console.screens.profile import ProfileScreen
+from vconsole.console.screens.ranks import RanksScreen
 from vconsole.console.screens.requests import RequestsScreen
 from vconsole.console.screens.trends import TrendsScreen
 from vconsole.console.source import ReplaySource, Source, ZmqSource
@@ -83,7 +88,8 @@ class VConsoleApp(App[None]):
              "config": ConfigScreen,
              "advice": AdviceScreen,
              "trends": TrendsScreen,
-             "profile": ProfileScreen}
+             "profile": ProfileScreen,
+             "dp": RanksScreen}
     DEFAULT_MODE = "overview"
     BINDINGS = keymap.GLOBAL
     COMMANDS = App.COMMANDS | {ConsoleCommands}
@@ -189,6 +195,7 @@ class VConsoleApp(App[None]):
         now = st.now()
         engines = st.engine_list()
         eng = st.engine(self.selected_engine)
+        ranks = st.dp_ranks(eng)
         return Frame(
             now=now, mode=mode, engine=eng,
             engine_index=engines.index(eng) if eng in engines else 0,
@@ -199,7 +206,8 @@ class VConsoleApp(App[None]):
             recorded=self.source.recorded, schema_error=st.schema_problem(now),
             last_error=st.recent_error(now) or (
                 f"telemetry reader stopped: {self.source.error}" if self.source.error else None),
-            endpoints=" ".join(self.endpoints))
+            endpoints=" ".join(self.endpoints),
+            dp_size=st.dp_world_size(ranks) if ranks else 0)
 
     def active_console_screen(self) -> ConsoleScreen | None:
         for screen in reversed(self.screen_stack):
@@ -248,7 +256,19 @@ class VConsoleApp(App[None]):
             return len(self.state.engines) > 1
         if action == "show" and parameters == ("profile",):
             return not self.readonly and supports_profile(self.control)
+        if action == "show" and parameters == ("dp",):
+            return self.is_dp()
         return True
+
+    def is_dp(self) -> bool:
+        """A data-parallel group is watched (the Ranks screen and rank keys exist only then)."""
+        with self.state.lock:
+            return bool(self.state.dp_ranks(self.current_engine()))
+
+    def dp_rank_keys(self) -> list[str]:
+        """Engine keys of the watched group's ranks, by rank ([] for a lone engine)."""
+        with self.state.lock:
+            return [e.key for e in self.state.dp_ranks(self.current_engine())]
 
     def set_readonly(self, reason: str) -> None:
         """Become read-only from now on (e.g. the engine refused this console's key)."""
@@ -263,13 +283,13 @@ class VConsoleApp(App[None]):
             self.switch_mode(mode)
 
     def action_cycle(self, step: int) -> None:
-        modes = list(self.MODES)
+        modes = [m for m in self.MODES if m != "dp" or self.is_dp()]
         i = modes.index(self.current_mode) if self.current_mode in modes else 0
         self.switch_mode(modes[(i + step) % len(modes)])
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(readonly=self.readonly))
+            self.push_screen(HelpScreen(readonly=self.readonly, dp=self.is_dp()))
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
@@ -281,6 +301,16 @@ class VConsoleApp(App[None]):
             return
         cur = self.selected_engine if self.selected_engine in keys else keys[0]
         self.selected_engine = keys[(keys.index(cur) + 1) % len(keys)]
+        self.refresh_view(force=True)
+
+    def action_next_rank(self, step: int) -> None:
+        """Select the previous / next rank of the watched data-parallel group."""
+        keys = self.dp_rank_keys()
+        if len(keys) < 2:
+            return
+        cur = self.current_engine()
+        i = keys.index(cur.key) if cur is not None and cur.key in keys else 0
+        self.selected_engine = keys[(i + step) % len(keys)]
         self.refresh_view(force=True)
 
     def action_toggle_recording(self) -> None:

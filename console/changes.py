@@ -44,6 +44,8 @@ class ChangeRecord:
     reason: str = ""
     version: int | None = None
     id: int = field(default_factory=lambda: next(_ids))
+    # A data-parallel front end acknowledges per rank: rank -> applied there (empty otherwise).
+    ranks: dict[str, bool] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -57,14 +59,21 @@ class ChangeRecord:
         """What the console shows next to the key."""
         if self.status == PENDING:
             return "sending…"
+        acks = ""
+        if self.ranks:
+            acks = f" · {sum(self.ranks.values())}/{len(self.ranks)} ranks acked"
         if self.status in (APPLIED, UNCHANGED):
             v = f" (v{self.version})" if self.version is not None else ""
-            return f"{self.status}{v}"
-        return f"{self.status}: {self.reason}" if self.reason else self.status
+            return f"{self.status}{v}{acks}"
+        return (f"{self.status}: {self.reason}" if self.reason else self.status) + acks
 
     def take_reply(self, reply: dict[str, Any]) -> None:
         """Fold in a ``set_config`` reply for this one key."""
         self.version = reply.get("version")
+        acks = reply.get("ranks")
+        if isinstance(acks, dict):
+            self.ranks = {str(r): isinstance(a, dict) and bool(a.get("ok"))
+                          for r, a in acks.items()}
         rejected = reply.get("rejected") or {}
         restart = reply.get("restart_required") or []
         if reply.get("error"):

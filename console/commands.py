@@ -40,6 +40,10 @@ class ConsoleCommands(Provider):
                            a.title)
         if len(app.state.engines) > 1:
             yield "Next engine", app.action_next_engine, "n"
+        if app.is_dp():
+            yield "Go to Ranks", partial(app.action_show, "dp"), "6: every rank of the group"
+            yield "Next rank", partial(app.action_next_rank, 1), "]: on the KV map"
+            yield "Previous rank", partial(app.action_next_rank, -1), "[: on the KV map"
         yield "Filter requests", partial(self._on_screen, "requests", "filter"), "/"
         yield "Clear the request filter", partial(self._on_screen, "requests",
                                                   "clear_filter"), "esc"

@@ -18,6 +18,10 @@ SCREENS: dict[str, tuple[str, str]] = {
     "trends": ("5", "Trends"),
 }
 
+# The Ranks screen of a data-parallel group: its tab (and key) only while one is watched, so a
+# lone engine's console is exactly as it was.
+DP_SCREEN: dict[str, tuple[str, str]] = {"dp": ("6", "Ranks")}
+
 GLOBAL = [
     Binding("q", "quit", "Quit"),
     Binding("question_mark", "help", "Help", key_display="?"),
@@ -27,6 +31,8 @@ GLOBAL = [
     Binding("a", "show('advice')", "Advice", show=False),
     Binding("P", "show('profile')", "Profile", key_display="P", show=False),
     *(Binding(key, f"show('{mode}')", title, show=False) for mode, (key, title) in SCREENS.items()),
+    *(Binding(key, f"show('{mode}')", title, show=False)
+      for mode, (key, title) in DP_SCREEN.items()),
 ]
 
 REQUESTS = [
@@ -40,6 +46,17 @@ KV = [
     Binding("plus,equals_sign", "zoom(-1)", "Zoom in", key_display="+"),
     Binding("minus", "zoom(1)", "Zoom out", key_display="-"),
     Binding("0", "zoom_fit", "Fit"),
+    # Data parallel only (hidden otherwise): which rank's pool the map shows.
+    Binding("left_square_bracket", "rank(-1)", "Prev rank", key_display="["),
+    Binding("right_square_bracket", "rank(1)", "Next rank", key_display="]"),
+]
+
+RANKS = [
+    Binding("up,k", "cursor(-1)", "Up", show=False),
+    Binding("down,j", "cursor(1)", "Down", show=False),
+    Binding("home", "jump(0)", "First", show=False),
+    Binding("end", "jump(-1)", "Last", show=False),
+    Binding("enter", "open_kv", "KV of rank"),
 ]
 
 CONFIG = [
@@ -104,3 +121,12 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
                 ("t", "time range: last 1 / 5 / 15 minutes"),
                 ("v / → ←", "next / previous plots, when not all fit")]),
 ]
+
+# Shown in the help only while a data-parallel group is watched.
+DP_HELP: tuple[str, list[tuple[str, str]]] = (
+    "Ranks (data parallel)", [
+        ("6", "every rank: state, queues, tok/s, KV, step phases, dummy share, wave, group; "
+              "the aggregate and the load imbalance on top"),
+        ("↑ ↓ home end", "select a rank (it becomes the engine every screen shows)"),
+        ("enter", "the selected rank's KV map"),
+        ("[ / ]", "KV map: previous / next rank")])

@@ -11,6 +11,10 @@ model keeps the latest payload per topic, ring buffers for the sparklines (and a
 last heartbeat, and a count of messages lost to sequence gaps (``seq`` counts per topic per
 publisher; a ``seq`` that goes backwards means the publisher restarted, not a loss).
 
+Data parallel: every rank of a group is an engine of its own here (same engine name, its
+``rank``); `ConsoleState.dp_ranks` finds a group and `ConsoleState.dp_aggregate` sums it up
+(`vconsole.telemetry.ranks`, shared with ``vconsole top``). A lone engine is unaffected.
+
 Time comes from ``clock`` (wall seconds). Live it is ``time.time``; a replay substitutes its own
 virtual clock, so ages on screen depend only on the recording — which keeps snapshots stable.
 """
@@ -28,6 +32,7 @@ import numpy as np
 
 from vconsole.console.history import History, path_getter
 from vconsole.telemetry.advisor import Advice, Advisor
+from vconsole.telemetry.ranks import aggregate
 from vconsole.telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
 
 # An engine is down after this many heartbeat intervals without a heartbeat.
@@ -398,6 +403,40 @@ class ConsoleState:
         if key is not None and key in self.engines:
             return self.engines[key]
         return next(iter(self.engines.values()), None)
+
+    # --- data parallel (one endpoint, every rank of a group) ---------------------------------
+
+    def dp_ranks(self, eng: EngineState | None = None) -> list[EngineState]:
+        """The ranks of ``eng``'s data-parallel group (default: the first engine's), by rank: the
+        engines heard with its engine name. Empty unless it is a group — a rank sent the ``dp``
+        topic, or several ranks of that name are heard. A lone engine is never a group."""
+        eng = eng if eng is not None else self.engine()
+        if eng is None:
+            return []
+        group = sorted((e for e in self.engines.values() if e.engine == eng.engine),
+                       key=lambda e: e.rank)
+        if len(group) > 1 or self.dp_world_size(group) > 1:
+            return group
+        return []
+
+    @staticmethod
+    def dp_world_size(ranks: Sequence[EngineState]) -> int:
+        """The group's size: the largest ``world_size`` a rank reported, at least the ranks
+        heard (a rank not heard yet still counts once another one names the size)."""
+        sizes = [int(w) for e in ranks
+                 if isinstance(w := e.latest.get("dp", {}).get("world_size"), int)]
+        return max([len(ranks), *sizes]) if ranks else 0
+
+    def dp_aggregate(self, ranks: Sequence[EngineState], now: float | None = None
+                     ) -> dict[str, Any]:
+        """`vconsole.telemetry.ranks.aggregate` over the ranks that serve: a rank that is down or
+        restarting is left out (its last figures are stale), and named in ``left_out``."""
+        t = self.clock() if now is None else now
+        live = {e.rank: e.latest for e in ranks if e.status(t) not in ("down", "restarting")}
+        out = aggregate(live)
+        out["left_out"] = [e.rank for e in ranks if e.rank not in live]
+        out["world_size"] = max(out["world_size"], self.dp_world_size(ranks))
+        return out
 
     def mark_down(self, now: float | None = None) -> list[EngineState]:
         """Flag engines that went stale, so the next heartbeat counts as a reconnect; return the

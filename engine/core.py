@@ -137,6 +137,18 @@ class EngineCore:
             profiler.end_step(self.last_step, self.num_steps)
         return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0
 
+    def dummy_step(self) -> None:
+        """A data-parallel rank's step with nothing to do: one minimal forward that touches no
+        request and no KV block (`ModelRunner.execute_dummy_batch`), so the rank keeps pace
+        with busy ranks. Not counted in ``num_steps``, no `StepStats`; the caller counts it.
+        A failure counts in `consecutive_step_failures` like a failed model execution."""
+        try:
+            self.runner.execute_dummy_batch()
+        except Exception as e:
+            self.consecutive_step_failures += 1
+            self.last_step_error = f"{type(e).__name__}: {e}"
+            logger.exception("dummy step failed (%d in a row)", self.consecutive_step_failures)
+
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model; if it raises, fail this step's requests and keep serving the rest.
 

@@ -6,7 +6,9 @@ them into wire messages (see `vconsole.telemetry.schema`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, overload
 
 import numpy as np
 
@@ -43,6 +45,33 @@ class RequestRow:
     age_s: float
 
 
+_ROW_FIELDS = tuple(f.name for f in fields(RequestRow))
+
+
+class RequestTable(Sequence[RequestRow]):
+    """Request rows kept by column, as the ``sched`` topic sends them: ten thousand rows are
+    seven lists, not ten thousand objects, and the publisher sends ``columns`` as they are.
+    Reads as a sequence of `RequestRow` (built on access). ``columns`` holds one equally long
+    list per `RequestRow` field."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, columns: dict[str, list[Any]]) -> None:
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(self.columns["id"])
+
+    @overload
+    def __getitem__(self, i: int) -> RequestRow: ...
+    @overload
+    def __getitem__(self, i: slice) -> RequestTable: ...
+    def __getitem__(self, i: int | slice) -> RequestRow | RequestTable:
+        if isinstance(i, slice):
+            return RequestTable({c: v[i] for c, v in self.columns.items()})
+        return RequestRow(*(self.columns[c][i] for c in _ROW_FIELDS))
+
+
 @dataclass
 class SchedulerStats:
     num_waiting: int
@@ -57,7 +86,7 @@ class SchedulerStats:
     # ``vllm:generation_tokens`` (see `Scheduler.update_from_output`).
     num_prompt_tokens_total: int = 0
     num_generation_tokens_total: int = 0
-    requests: list[RequestRow] = field(default_factory=list)
+    requests: Sequence[RequestRow] = field(default_factory=list)  # list or RequestTable
     requests_truncated: bool = False
 
 

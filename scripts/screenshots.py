@@ -5,6 +5,7 @@ Three ways to feed the console:
     .venv/bin/python scripts/screenshots.py                 # engine + load, started here
     .venv/bin/python scripts/screenshots.py --attach --telemetry EP --control EP
     .venv/bin/python scripts/screenshots.py --replay tests/data/synthetic.vrec
+    .venv/bin/python scripts/screenshots.py --dp             # data parallel, synthetic only
 
 The first starts what `vconsole demo` starts (`vconsole.demo.DemoStack`: an engine process with
 the tiny model on free loopback ports and a bursty load), waits until every panel has data,
@@ -12,6 +13,11 @@ takes the pictures and stops both. Pictures: each screen at 120x40 and 80x24, pl
 Trends over its 1-minute range, and at 80x24 also its latency page (TTFT, ITL). Meanwhile it
 records the engine's telemetry (`vconsole record`) and then replays that recording into a fresh
 console for ``overview-replay.svg`` and ``trends-replay.svg``: the same screens from a file.
+
+``--dp`` takes only the data-parallel pictures, at 80x24, from a synthetic stream of 2 and of 8
+ranks on one endpoint (tests/support/synthetic_dp.py `showcase`: light load, waves, then a burst
+on rank 0 alone; of the 8, rank 5 dies halfway): ``ranks-2-80x24.svg``, ``ranks-8-80x24.svg`` (the Ranks screen) and
+``overview-dp-80x24.svg`` (the Overview of the 2 ranks). The other pictures are left as they are.
 """
 
 from __future__ import annotations
@@ -130,12 +136,38 @@ async def shoot_replay(recording: Path, out: Path, speed: float = 10.0) -> list[
     return saved
 
 
+async def shoot_dp(out: Path) -> list[str]:
+    """The Ranks screen of a synthetic 2-rank and 8-rank group, and the 2 ranks' Overview."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.synthetic_dp import showcase
+
+    saved = []
+    for n, stop in ((2, None), (8, (5, 0.5))):
+        records = list(showcase(n, 30.0, stop_rank=stop))
+        app = VConsoleApp(source=ReplaySource(f"synthetic-{n}-ranks", speed=0,
+                                              records=lambda r=records: iter(r)))
+        async with app.run_test(size=SIZES[1]) as pilot:
+            await pilot.pause(0.3)
+            if n == 2:
+                app.refresh_view(force=True)
+                await pilot.pause()
+                saved.append(app.save_screenshot("overview-dp-80x24.svg", str(out)))
+            app.action_show("dp")
+            await pilot.pause(0.3)
+            app.refresh_view(force=True)
+            await pilot.pause()
+            saved.append(app.save_screenshot(f"ranks-{n}-80x24.svg", str(out)))
+    return saved
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group()
     g.add_argument("--replay", metavar="FILE", nargs="?", const=str(RECORDING),
                    help=f"drive the console from a recording (default {RECORDING.name})")
     g.add_argument("--attach", action="store_true", help="attach to a running engine")
+    g.add_argument("--dp", action="store_true",
+                   help="only the data-parallel pictures, from synthetic 2- and 8-rank streams")
     p.add_argument("--telemetry", default="tcp://127.0.0.1:5572")
     p.add_argument("--control", default="tcp://127.0.0.1:5573")
     p.add_argument("--rate", type=float, default=10.0, help="load: mean requests per second")
@@ -146,7 +178,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    if args.replay:
+    if args.dp:
+        saved = asyncio.run(shoot_dp(out))
+    elif args.replay:
         saved = asyncio.run(shoot(lambda: VConsoleApp(source=ReplaySource(args.replay, speed=0)),
                                   out, 0.0, 5.0))
     elif args.attach:

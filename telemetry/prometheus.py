@@ -12,6 +12,12 @@ Counters are cumulative since the engine process started (prometheus_client expo
 Histograms are the cumulative bucket counts the stream carries (``latency`` topic's
 ``overall.histograms``, ``step`` topic's ``iteration_tokens``), with vLLM's bucket bounds.
 
+Data parallel (`vconsole engine --data-parallel-size N`): `RanksCollector` takes the last
+bodies of every rank (the front end's proxy keeps them) and exposes each rank's series with
+``engine="<rank>"``, plus ``vconsole:dp_*`` from the ``dp`` topic; each family is exposed once
+with every rank's samples. `TelemetryCollector` (one engine, one publisher) is its one-rank case,
+so both go through the same code.
+
 Invariant: every figure of a scrape is a field of the last message of its topic, unchanged, so
 on an idle engine (whose messages repeat) a scrape equals the stream. A topic not heard yet
 contributes no samples.
@@ -24,7 +30,7 @@ call (loopback unless ``--allow-remote-metrics``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -68,6 +74,11 @@ class BodySource(Protocol):
     def last_bodies(self) -> dict[str, dict[str, Any]]: ...
 
 
+# The last payload per topic of each rank: {rank: {topic: body}}.
+BodiesByRank = Mapping[int | str, Mapping[str, dict[str, Any]]]
+DP_GROUP_STATES = ("none", "forming", "ok", "broken")
+
+
 def histogram_buckets(h: dict[str, Any]) -> list[tuple[str, float]]:
     """A wire histogram (``bounds``, cumulative ``counts``, the last bound +Inf) as
     prometheus_client's ``(le, cumulative count)`` pairs, ending with ``+Inf`` = ``count``."""
@@ -77,126 +88,189 @@ def histogram_buckets(h: dict[str, Any]) -> list[tuple[str, float]]:
     return pairs
 
 
-class TelemetryCollector(Collector):
-    """A prometheus_client collector over ``source.last_bodies()`` (a `TelemetryPublisher`);
+class _Families:
+    """Metric families of one scrape, by name in first-seen order: every rank adds its samples
+    to the same family, so each name is exposed once (HELP, TYPE, then all ranks)."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, Metric] = {}
+
+    def _family(self, kind: type[Metric], name: str, doc: str, labels: list[str]) -> Any:
+        fam = self.by_name.get(name)
+        if fam is None:
+            fam = self.by_name[name] = kind(name, doc, labels=labels)
+        return fam
+
+
+class _Rank:
+    """The samples of one rank: ``labels`` (model name, engine rank) on every one."""
+
+    def __init__(self, out: _Families, labels: list[str]) -> None:
+        self.out = out
+        self.labels = labels
+
+    def gauge(self, name: str, doc: str, value: float) -> None:
+        self.out._family(GaugeMetricFamily, name, doc, list(LABELS)).add_metric(
+            self.labels, float(value))
+
+    def counter(self, name: str, doc: str, value: float) -> None:
+        self.out._family(CounterMetricFamily, name, doc, list(LABELS)).add_metric(
+            self.labels, float(value))
+
+    def histogram(self, name: str, doc: str, h: dict[str, Any]) -> None:
+        self.out._family(HistogramMetricFamily, name, doc, list(LABELS)).add_metric(
+            self.labels, histogram_buckets(h), h["sum"])
+
+    def per(self, kind: type[Metric], name: str, doc: str, label: str,
+            values: Iterable[tuple[str, float]]) -> None:
+        fam = self.out._family(kind, name, doc, [*LABELS, label])
+        for key, value in values:
+            fam.add_metric([*self.labels, key], float(value))
+
+
+class RanksCollector(Collector):
+    """A prometheus_client collector over ``bodies_by_rank()`` — ``{rank: {topic: last
+    payload}}``, one entry per engine rank (a data-parallel front end passes the last bodies it
+    proxied from each rank; a lone engine is the one-rank case, `TelemetryCollector`). Every
+    rank's series carry ``engine="<rank>"`` (vLLM's data-parallel label) and ``model_name``;
+    ranks are exposed in ascending order. The ``dp`` topic adds the ``vconsole:dp_*`` series.
+    ``bodies_by_rank`` is called once per scrape and must return a consistent copy."""
+
+    def __init__(self, bodies_by_rank: Callable[[], BodiesByRank], *, model_name: str) -> None:
+        self._bodies_by_rank = bodies_by_rank
+        self._model_name = str(model_name)
+
+    def collect(self) -> Iterator[Metric]:
+        out = _Families()
+        ranks = self._bodies_by_rank()
+        for rank in sorted(ranks, key=_rank_order):
+            bodies = ranks[rank]
+            r = _Rank(out, [self._model_name, str(rank)])
+            for topic, families in (("sched", _sched), ("kv", _kv), ("step", _step),
+                                    ("latency", _latency), ("health", _health),
+                                    ("config", _config), ("dp", _dp)):
+                body = bodies.get(topic)
+                if body is not None:
+                    families(r, body)
+        yield from out.by_name.values()
+
+
+def _rank_order(rank: int | str) -> tuple[int, str]:
+    try:
+        return int(rank), ""
+    except (TypeError, ValueError):
+        return 1 << 30, str(rank)
+
+
+class TelemetryCollector(RanksCollector):
+    """The one-rank case: a collector over ``source.last_bodies()`` (a `TelemetryPublisher`);
     see the module docstring. ``model_name`` and ``engine`` are every sample's labels."""
 
     def __init__(self, source: BodySource, *, model_name: str, engine: int | str = 0) -> None:
-        self._source = source
-        self._labels = [str(model_name), str(engine)]
+        super().__init__(lambda: {engine: source.last_bodies()}, model_name=model_name)
 
-    def collect(self) -> Iterator[Metric]:
-        bodies = self._source.last_bodies()
-        for topic, families in (("sched", self._sched), ("kv", self._kv),
-                                ("step", self._step), ("latency", self._latency),
-                                ("health", self._health), ("config", self._config)):
-            body = bodies.get(topic)
-            if body is not None:
-                yield from families(body)
 
-    # --- one method per topic ---------------------------------------------------------------
+# --- one function per topic ------------------------------------------------------------------
 
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(name, doc, labels=LABELS)
-        g.add_metric(self._labels, float(value))
-        return g
+def _sched(r: _Rank, b: dict[str, Any]) -> None:
+    r.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+            b["num_running"])
+    r.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+            b["num_waiting"])
+    r.gauge("vconsole:num_requests_preempted",
+            "Of the waiting requests, those preempted and waiting to resume.", b["num_preempted"])
+    r.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+              b["num_preemptions_total"])
+    if "num_prompt_tokens_total" in b:      # added within schema version 1
+        r.counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                  b["num_prompt_tokens_total"])
+    if "num_generation_tokens_total" in b:
+        r.counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                  b["num_generation_tokens_total"])
 
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(name, doc, labels=LABELS)
-        c.add_metric(self._labels, float(value))
-        return c
 
-    def _histogram(self, name: str, doc: str, h: dict[str, Any]) -> HistogramMetricFamily:
-        fam = HistogramMetricFamily(name, doc, labels=LABELS)
-        fam.add_metric(self._labels, histogram_buckets(h), h["sum"])
-        return fam
+def _kv(r: _Rank, b: dict[str, Any]) -> None:
+    r.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", b["usage"])
+    r.counter("vllm:prefix_cache_queries",
+              "Prefix cache queries, in terms of number of queried tokens.", b["prefix_queries"])
+    r.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+              b["prefix_hits"])
+    r.gauge("vconsole:kv_block_usage_perc",
+            "KV blocks referenced by a request / all blocks (1 = 100 percent).", b["usage"])
+    r.gauge("vconsole:kv_token_usage_perc",
+            "Tokens stored / token slots in the KV pool (1 = 100 percent).", b["token_usage"])
+    r.gauge("vconsole:kv_fragmentation",
+            "1 - tokens stored / slots of allocated KV blocks (0 when none).", b["fragmentation"])
+    r.per(GaugeMetricFamily, "vconsole:kv_blocks",
+          "KV blocks by state (shared blocks are also counted as used).", "state",
+          ((state, b[field]) for state, field in KV_BLOCK_STATES.items()))
 
-    def _per(self, kind: type[Metric], name: str, doc: str, label: str,
-             values: Iterable[tuple[str, float]]) -> Metric:
-        fam = kind(name, doc, labels=[*LABELS, label])
-        for key, value in values:
-            fam.add_metric([*self._labels, key], float(value))
-        return fam
 
-    def _sched(self, b: dict[str, Any]) -> Iterator[Metric]:
-        yield self._gauge("vllm:num_requests_running",
-                          "Number of requests in model execution batches.", b["num_running"])
-        yield self._gauge("vllm:num_requests_waiting",
-                          "Number of requests waiting to be processed.", b["num_waiting"])
-        yield self._gauge("vconsole:num_requests_preempted",
-                          "Of the waiting requests, those preempted and waiting to resume.",
-                          b["num_preempted"])
-        yield self._counter("vllm:num_preemptions",
-                            "Cumulative number of preemption from the engine.",
-                            b["num_preemptions_total"])
-        if "num_prompt_tokens_total" in b:      # added within schema version 1
-            yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                                b["num_prompt_tokens_total"])
-        if "num_generation_tokens_total" in b:
-            yield self._counter("vllm:generation_tokens",
-                                "Number of generation tokens processed.",
-                                b["num_generation_tokens_total"])
+def _step(r: _Rank, b: dict[str, Any]) -> None:
+    h = b.get("iteration_tokens")
+    if h is not None:
+        r.histogram("vllm:iteration_tokens_total",
+                    "Histogram of number of tokens per engine_step.", h)
+    phases = b.get("phase_s_total")
+    if phases is not None:
+        r.per(CounterMetricFamily, "vconsole:step_phase_seconds",
+              "Engine step time by phase (schedule, execute, update), seconds.", "phase",
+              ((p, phases[p]) for p in PHASES if p in phases))
+    r.gauge("vconsole:scheduler_share",
+            "Schedule time / step time over the last telemetry window (0 when idle).",
+            b["sched_share"])
 
-    def _kv(self, b: dict[str, Any]) -> Iterator[Metric]:
-        yield self._gauge("vllm:kv_cache_usage_perc",
-                          "KV-cache usage. 1 means 100 percent usage.", b["usage"])
-        yield self._counter("vllm:prefix_cache_queries",
-                            "Prefix cache queries, in terms of number of queried tokens.",
-                            b["prefix_queries"])
-        yield self._counter("vllm:prefix_cache_hits",
-                            "Prefix cache hits, in terms of number of cached tokens.",
-                            b["prefix_hits"])
-        yield self._gauge("vconsole:kv_block_usage_perc",
-                          "KV blocks referenced by a request / all blocks (1 = 100 percent).",
-                          b["usage"])
-        yield self._gauge("vconsole:kv_token_usage_perc",
-                          "Tokens stored / token slots in the KV pool (1 = 100 percent).",
-                          b["token_usage"])
-        yield self._gauge("vconsole:kv_fragmentation",
-                          "1 - tokens stored / slots of allocated KV blocks (0 when none).",
-                          b["fragmentation"])
-        yield self._per(GaugeMetricFamily, "vconsole:kv_blocks",
-                        "KV blocks by state (shared blocks are also counted as used).", "state",
-                        ((state, b[field]) for state, field in KV_BLOCK_STATES.items()))
 
-    def _step(self, b: dict[str, Any]) -> Iterator[Metric]:
-        h = b.get("iteration_tokens")
-        if h is not None:
-            yield self._histogram("vllm:iteration_tokens_total",
-                                  "Histogram of number of tokens per engine_step.", h)
-        phases = b.get("phase_s_total")
-        if phases is not None:
-            yield self._per(CounterMetricFamily, "vconsole:step_phase_seconds",
-                            "Engine step time by phase (schedule, execute, update), seconds.",
-                            "phase", ((p, phases[p]) for p in PHASES if p in phases))
-        yield self._gauge("vconsole:scheduler_share",
-                          "Schedule time / step time over the last telemetry window (0 when "
-                          "idle).", b["sched_share"])
+def _latency(r: _Rank, b: dict[str, Any]) -> None:
+    hists = b["overall"]["histograms"]
+    for series, (name, doc) in LATENCY_HISTOGRAMS.items():
+        if series in hists:
+            r.histogram(name, doc, hists[series])
+    r.per(CounterMetricFamily, "vllm:request_success",
+          "Count of processed requests by finish reason.", "finished_reason",
+          sorted(b.get("finished", {}).items()))
 
-    def _latency(self, b: dict[str, Any]) -> Iterator[Metric]:
-        hists = b["overall"]["histograms"]
-        for series, (name, doc) in LATENCY_HISTOGRAMS.items():
-            if series in hists:
-                yield self._histogram(name, doc, hists[series])
-        yield self._per(CounterMetricFamily, "vllm:request_success",
-                        "Count of processed requests by finish reason.", "finished_reason",
-                        sorted(b.get("finished", {}).items()))
 
-    def _health(self, b: dict[str, Any]) -> Iterator[Metric]:
-        active = b.get("alerts_active") or {}
-        names = [*RULES, *sorted(n for n in active if n not in RULES)]
-        yield self._per(GaugeMetricFamily, "vconsole:alert_level",
-                        "Alert level per alert: 0 ok, 1 warning, 2 critical.", "alert",
-                        ((n, ALERT_LEVEL_VALUES.get(active.get(n, ""), 0.0)) for n in names))
-        if "restart_count" in b:
-            yield self._counter("vconsole:engine_restarts",
-                                "How often the supervisor restarted this engine.",
-                                b["restart_count"])
+def _health(r: _Rank, b: dict[str, Any]) -> None:
+    active = b.get("alerts_active") or {}
+    names = [*RULES, *sorted(n for n in active if n not in RULES)]
+    r.per(GaugeMetricFamily, "vconsole:alert_level",
+          "Alert level per alert: 0 ok, 1 warning, 2 critical.", "alert",
+          ((n, ALERT_LEVEL_VALUES.get(active.get(n, ""), 0.0)) for n in names))
+    if "restart_count" in b:
+        r.counter("vconsole:engine_restarts", "How often the supervisor restarted this engine.",
+                  b["restart_count"])
 
-    def _config(self, b: dict[str, Any]) -> Iterator[Metric]:
-        yield self._gauge("vconsole:config_version",
-                          "Version of the config in force (increases with every change).",
-                          b["version"])
+
+def _config(r: _Rank, b: dict[str, Any]) -> None:
+    r.gauge("vconsole:config_version",
+            "Version of the config in force (increases with every change).", b["version"])
+
+
+def _dp(r: _Rank, b: dict[str, Any]) -> None:
+    """The ``dp`` topic (data-parallel ranks only): waves, dummy steps, the busy all-reduce."""
+    r.gauge("vconsole:dp_world_size", "Ranks in the data-parallel group.", b["world_size"])
+    r.gauge("vconsole:dp_wave", "The wave this rank is in (or will start next).", b["wave"])
+    r.gauge("vconsole:dp_wave_running", "1 while this rank is in a wave, else 0.",
+            1.0 if b["wave_running"] else 0.0)
+    r.gauge("vconsole:dp_group_generation", "Generation of the process group (+1 per regroup).",
+            b["group_generation"])
+    r.per(GaugeMetricFamily, "vconsole:dp_group_state",
+          "1 for the process group's current state (none, forming, ok, broken), else 0.",
+          "state", ((s, 1.0 if b["group_state"] == s else 0.0) for s in DP_GROUP_STATES))
+    r.counter("vconsole:dp_steps", "Steps run by this rank, dummy ones included.",
+              b["steps_total"])
+    r.counter("vconsole:dp_dummy_steps",
+              "Dummy steps run while idle to keep the group's collective steps in lockstep.",
+              b["dummy_steps_total"])
+    r.gauge("vconsole:dp_dummy_share", "Dummy steps / steps (as the rank reports it).",
+            b["dummy_share"])
+    r.counter("vconsole:dp_syncs", "All-reduces deciding whether any rank is busy.",
+              b["sync_count_total"])
+    r.counter("vconsole:dp_sync_seconds", "Seconds spent in those all-reduces.",
+              b["sync_s_total"])
+    r.gauge("vconsole:dp_sync_seconds_per_step", "All-reduce seconds per step.",
+            b["sync_s_per_step"])
 
 
 class MetricsServer:

@@ -13,9 +13,11 @@ Invariants:
   ``sndhwm = zmq_sndhwm`` (PUB drops at the high-water mark instead of blocking); a send that
   still reports EAGAIN is counted in ``health.send_drops``. Subscribers count their own losses
   from the per-topic ``seq`` gaps.
-- step/sched/kv go out at most ``telemetry_hz`` times a second. sched and kv are *state*: when
-  the engine submits nothing new (idle), the last snapshot is re-sent every heartbeat so a late
-  subscriber still learns it (``snapshot_ts`` tells its age); step then reports an empty window.
+- step/sched/kv go out at most ``telemetry_hz`` times a second (a fresh snapshot may follow the
+  previous message by 85% of a period: the engine's `snapshot_due` already spaces snapshots).
+  sched and kv are *state*: when the engine submits nothing new (idle), the last snapshot is
+  re-sent every heartbeat so a late subscriber still learns it (``snapshot_ts`` tells its age);
+  step then reports an empty window.
 - Objects handed to `submit_snapshot` belong to the publisher afterwards: the engine must not
   mutate them (in particular ``KVStats.block_states``, which is sent without a copy).
 """
@@ -39,7 +41,7 @@ import numpy as np
 import zmq
 
 from vconsole.engine.config import EngineConfig, describe_config
-from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
+from vconsole.engine.stats import KVStats, RequestTable, SchedulerStats, StepStats
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import AlertEvaluator, AlertEvent
 from vconsole.telemetry.gpu import GpuProbe, memory_share
@@ -48,6 +50,7 @@ from vconsole.telemetry.host import HostProbe
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 1.0        # gpu and host
+SNAPSHOT_EARLY = 0.15        # of a period: how early a fresh snapshot may follow the last
 MAX_BUFFERED_STEPS = 1 << 16  # steps kept between two publish windows; older ones are counted
 # Tokens per engine step: the ``step`` topic's ``iteration_tokens`` histogram (vLLM's bounds for
 # ``vllm:iteration_tokens_total``).
@@ -59,8 +62,11 @@ class _Probe(Protocol):
     def read(self) -> dict[str, Any]: ...
 
 
-def request_columns(rows: list[Any]) -> dict[str, list[Any]]:
-    """RequestRow objects -> the columnar ``requests`` table, without per-row dicts."""
+def request_columns(rows: Any) -> dict[str, list[Any]]:
+    """RequestRow objects -> the columnar ``requests`` table, without per-row dicts; a
+    `RequestTable` (the scheduler's) is already columns and goes as it is."""
+    if isinstance(rows, RequestTable):
+        return {c: rows.columns[c] for c in _ROW_GETTERS}
     return {c: list(map(g, rows)) for c, g in _ROW_GETTERS.items()}
 
 
@@ -123,7 +129,8 @@ def sched_body(s: SchedulerStats, max_rows: int) -> dict[str, Any]:
         "num_generation_tokens_total": s.num_generation_tokens_total,
         "max_num_seqs": s.max_num_seqs,
         "max_num_batched_tokens": s.max_num_batched_tokens, "policy": s.policy,
-        "requests": request_columns(rows[:max_rows]), "requests_truncated": truncated,
+        "requests": request_columns(rows[:max_rows] if len(rows) > max_rows else rows),
+        "requests_truncated": truncated,
     }
 
 
@@ -142,7 +149,8 @@ class TelemetryPublisher:
     """Publishes one engine's telemetry on ``endpoint`` (bound by `start`).
 
     Engine-thread methods (cheap, never block on I/O): `record_step`, `snapshot_due`,
-    `submit_snapshot`, `set_state`, `publish_config`, `update_config`. ``gpu_probe`` and
+    `submit_snapshot`, `set_state`, `publish_config`, `update_config`, and on a data-parallel
+    rank `submit_dp` and `submit_wave`. ``gpu_probe`` and
     ``host_probe`` replace the real probes (tests); ``secure(sock)`` sets the PUB socket's
     security options (the engine's CURVE keys) before it binds; ``restart_count`` and
     ``restart_reason`` are what the supervisor told this engine process (`health_body`)."""
@@ -177,6 +185,8 @@ class TelemetryPublisher:
         self._lock = threading.Lock()  # guards the hand-off slots below
         self._latest: tuple[SchedulerStats, KVStats, int, float] | None = None
         self._latency: dict[str, Any] | None = None   # the next ``latency`` body to send
+        self._dp: dict[str, Any] | None = None        # the next ``dp`` body (DP ranks only)
+        self._waves: list[dict[str, Any]] = []        # ``wave`` events not yet sent
         self._state = "idle"
         self._pending_config: EngineConfig | None = None
         self._announce: tuple[int, dict[str, Any]] | None = None
@@ -237,6 +247,20 @@ class TelemetryPublisher:
         """Hand over a ``latency`` body (`vconsole.engine.latency`); sent at once."""
         with self._lock:
             self._latency = body
+        self._wake.set()
+
+    def submit_dp(self, body: dict[str, Any]) -> None:
+        """Hand over a data-parallel rank's ``dp`` body (at the snapshot rate); sent at once,
+        then repeated every heartbeat while nothing newer comes (an idle rank submits none)."""
+        with self._lock:
+            self._dp = body
+        self._wake.set()
+
+    def submit_wave(self, body: dict[str, Any]) -> None:
+        """Queue a ``wave`` event (a wave started or completed on this rank); sent at once,
+        in order, each once."""
+        with self._lock:
+            self._waves.append(body)
         self._wake.set()
 
     def last_bodies(self) -> dict[str, dict[str, Any]]:
@@ -362,6 +386,8 @@ class TelemetryPublisher:
         have_new = False
         latency_body: dict[str, Any] | None = None
         next_latency = now
+        dp_body: dict[str, Any] | None = None
+        next_dp = now
 
         while not self._stop.is_set():
             with self._lock:
@@ -370,6 +396,8 @@ class TelemetryPublisher:
                     self._latest = None
                 new_cfg, self._pending_config = self._pending_config, None
                 latency, self._latency = self._latency, None
+                dp, self._dp = self._dp, None
+                waves, self._waves = self._waves, []
                 announce, self._announce = self._announce, None
                 state = self._state
             alerts: list[AlertEvent] = []
@@ -388,7 +416,11 @@ class TelemetryPublisher:
 
             steps_waiting = bool(self._steps)
             refresh = snapshot is not None and now - last_state_sent >= cfg.heartbeat_interval_s
-            if now >= next_snap and (have_new or steps_waiting or refresh):
+            # A fresh snapshot may go out a little early (the engine's `snapshot_due` already
+            # spaces them 1/hz apart): otherwise the two 10 Hz clocks drift apart and each
+            # snapshot waits up to a period here (the console's lag, `bench console`).
+            early = SNAPSHOT_EARLY / cfg.telemetry_hz if have_new else 0.0
+            if now >= next_snap - early and (have_new or steps_waiting or refresh):
                 drained = self._drain_steps()
                 step = aggregate_steps(drained, now - last_window)
                 step.update(self._step_totals())
@@ -425,6 +457,14 @@ class TelemetryPublisher:
                 # inside one: it keeps its level, and health.last_step_age_s grows.)
                 alerts += evaluator.observe(step_time_s=0.0, sched_share=0.0)
 
+            for wave in waves:
+                self._send(sock, "wave", wave)
+            if dp is not None:
+                dp_body = dp
+            if dp_body is not None and (dp is not None or now >= next_dp):
+                self._send(sock, "dp", dp_body)
+                next_dp = now + cfg.heartbeat_interval_s
+
             if now >= next_probe:
                 reading = gpu.read()
                 self._send(sock, "gpu", reading)
@@ -453,8 +493,10 @@ class TelemetryPublisher:
             deadlines = [next_health, next_probe, next_config]
             if latency_body is not None:
                 deadlines.append(next_latency)
+            if dp_body is not None:
+                deadlines.append(next_dp)
             if have_new or self._steps or snapshot is not None:
-                deadlines.append(next_snap if (have_new or self._steps)
+                deadlines.append(next_snap - early if (have_new or self._steps)
                                  else max(next_snap, last_state_sent + cfg.heartbeat_interval_s))
             wait = min(deadlines) - time.monotonic()
             if wait > 0:

@@ -5,6 +5,12 @@ a second, for scripts and for checking an engine without the console.
 announced only every ``config_interval_s``, so if it has not arrived after a short grace the
 control socket is asked instead (`ControlClient`). The KV block-state array is summarised (counts
 per state and, when short, a run-length list) rather than dumped.
+
+Data parallel (one endpoint carrying every rank's messages, the envelope's ``rank`` apart): once
+several ranks are seen, or a ``dp`` message names a group of more than one, the snapshot is
+``{"ranks": {"0": {topic: payload}, ...}, "aggregate": {...}}`` (`vconsole.telemetry.ranks`),
+and ``--once`` waits for those topics plus ``dp`` from every rank of the group (0 to
+``world_size`` - 1). One rank and no ``dp``: exactly the lone engine's ``{topic: payload}``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import zmq
 from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from vconsole.telemetry.control import ControlClient, ControlError
 from vconsole.telemetry.curve import ClientCurve
+from vconsole.telemetry.ranks import aggregate
 from vconsole.telemetry.schema import DP_TOPICS, TOPICS, SchemaError, TelemetryMessage, decode
 
 WAIT_FOR = tuple(t for t in TOPICS if t != "alert" and t not in DP_TOPICS)
@@ -65,7 +72,8 @@ class Watcher:
             curve.apply(self.sock)
         self.sock.subscribe(b"")
         self.sock.connect(endpoint)
-        self.latest: dict[str, TelemetryMessage] = {}
+        self.latest: dict[str, TelemetryMessage] = {}    # last per topic, any rank
+        self.by_rank: dict[int, dict[str, TelemetryMessage]] = {}
         self.bad = 0
 
     def pump(self, timeout_s: float) -> None:
@@ -88,8 +96,27 @@ class Watcher:
                         print(f"vconsole top: skipping a bad message: {e}", file=sys.stderr)
                     continue
                 self.latest[msg.topic] = msg
+                self.by_rank.setdefault(msg.rank, {})[msg.topic] = msg
             if time.monotonic() >= deadline:
                 return
+
+    def world_size(self) -> int:
+        """The data-parallel group's size: the largest ``world_size`` a ``dp`` message named,
+        at least the ranks seen (1 for a lone engine)."""
+        sizes = [m.payload.get("world_size") for r in self.by_rank.values()
+                 if (m := r.get("dp")) is not None]
+        return max([len(self.by_rank), *(s for s in sizes if isinstance(s, int))])
+
+    def ranks_expected(self) -> list[int]:
+        return sorted(set(range(self.world_size())) | set(self.by_rank))
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``top --json`` prints for what was seen: ``{topic: payload}`` for one rank,
+        ``{"ranks": {...}, "aggregate": {...}}`` for a group."""
+        if self.world_size() <= 1:
+            return {t: to_json_payload(m) for t, m in self.latest.items()}
+        return ranks_snapshot({r: {t: to_json_payload(m) for t, m in msgs.items()}
+                               for r, msgs in self.by_rank.items()})
 
     def close(self) -> None:
         self.sock.close(0)
@@ -106,11 +133,22 @@ def _control_config(endpoint: str, timeout_s: float,
             "source": "control"}
 
 
+def _ordered(bodies: dict[str, Any]) -> dict[str, Any]:
+    return {t: bodies[t] for t in TOPICS if t in bodies}
+
+
+def ranks_snapshot(bodies_by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """``{"ranks": {"<rank>": {topic: payload}}, "aggregate": ranks.aggregate(...)}``."""
+    ranks = {str(r): _ordered(bodies_by_rank[r]) for r in sorted(bodies_by_rank)}
+    return {"ranks": ranks, "aggregate": aggregate(bodies_by_rank)}
+
+
 def snapshot_once(telemetry: str, control: str | None, timeout_s: float,
                   ctx: zmq.Context | None = None, curve: ClientCurve | None = None
                   ) -> tuple[dict[str, Any], list[str]]:
     """({topic: payload}, missing topics). Config may come from the control socket. ``curve``:
-    this client's keys, for an engine started with CURVE keys (both sockets use them)."""
+    this client's keys, for an engine started with CURVE keys (both sockets use them). A
+    data-parallel group: ``({"ranks": ..., "aggregate": ...}, ["rank R: topic", ...])``."""
     ctx = ctx or zmq.Context.instance()
     w = Watcher(telemetry, ctx, curve)
     start = time.monotonic()
@@ -119,24 +157,40 @@ def snapshot_once(telemetry: str, control: str | None, timeout_s: float,
     asked = False
     try:
         while True:
-            missing = [t for t in WAIT_FOR if t not in w.latest
-                       and not (t == "config" and config_body is not None)]
+            missing = _missing(w, config_body is not None)
             now = time.monotonic()
             if not missing or now >= deadline:
                 break
-            if (missing == ["config"] or now - start >= CONFIG_GRACE_S) and \
-                    "config" in missing and not asked and control:
+            need_config = any(m.endswith("config") for m in missing)
+            if (all(m.endswith("config") for m in missing) or now - start >= CONFIG_GRACE_S) \
+                    and need_config and not asked and control:
                 asked = True
                 config_body = _control_config(control, min(2.0, deadline - now), curve)
                 continue
             w.pump(min(0.1, deadline - now))
     finally:
         w.close()
+    if w.world_size() > 1:
+        by_rank = {r: {t: to_json_payload(m) for t, m in w.by_rank.get(r, {}).items()}
+                   for r in w.ranks_expected()}
+        for bodies in by_rank.values():
+            if "config" not in bodies and config_body is not None:
+                bodies["config"] = config_body
+        return ranks_snapshot(by_rank), missing
     out = {t: to_json_payload(m) for t, m in w.latest.items()}
     if "config" not in out and config_body is not None:
         out["config"] = config_body
-    out = {t: out[t] for t in TOPICS if t in out}
-    return out, missing
+    return _ordered(out), missing
+
+
+def _missing(w: Watcher, have_config: bool) -> list[str]:
+    """Topics still awaited: ``topic`` for one rank; ``rank R: topic`` (``dp`` included) for
+    every rank of a group."""
+    if w.world_size() <= 1:
+        return [t for t in WAIT_FOR if t not in w.latest
+                and not (t == "config" and have_config)]
+    return [f"rank {r}: {t}" for r in w.ranks_expected() for t in (*WAIT_FOR, "dp")
+            if t not in w.by_rank.get(r, {}) and not (t == "config" and have_config)]
 
 
 def format_line(latest: dict[str, TelemetryMessage]) -> str:
@@ -169,3 +223,24 @@ def format_line(latest: dict[str, TelemetryMessage]) -> str:
     return "  ".join(parts)
 
 
+def format_ranks_line(w: Watcher) -> str:
+    """The status line of a group: the aggregate, then each rank's queues."""
+    bodies = {r: {t: m.payload for t, m in msgs.items()} for r, msgs in w.by_rank.items()}
+    agg = aggregate(bodies)
+    parts = [time.strftime("%H:%M:%S"), f"{w.world_size()} ranks"]
+    if agg["wave"] is not None:
+        parts.append(f"wave={agg['wave']}{'+' if agg['wave_running'] else ''}")
+    if agg["tokens_per_s"] is not None:
+        parts.append(f"{agg['tokens_per_s']:.0f} tok/s")
+    if agg["num_running"] is not None:
+        parts.append(f"run={agg['num_running']:.0f} wait={agg['num_waiting']:.0f}")
+    if agg["kv_usage"] is not None:
+        parts.append(f"kv={agg['kv_usage']:.0%}")
+    if agg["imbalance"] is not None:
+        parts.append(f"imbalance={agg['imbalance']:.2f}" + ("!" if agg["imbalanced"] else ""))
+    for r in sorted(bodies):
+        sc = bodies[r].get("sched")
+        state = bodies[r].get("health", {}).get("state", "?")
+        parts.append(f"r{r}:{state}" + (f" {sc['num_running']}/{sc['num_waiting']}" if sc
+                                         else ""))
+    return "  ".join(parts)

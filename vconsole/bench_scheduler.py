@@ -11,6 +11,9 @@ free a seat; each finished request is replaced by a new one at the back of the w
 N stays constant and every step also admits (and prefills) a request or two. Priorities are drawn
 from four classes. The peer is the same scheduler at 100 waiting: the goal is that a deep queue
 costs (almost) nothing, ``t(50k) / t(100) <= 2``, and one step stays under 1 ms at 50k.
+
+``queue_impl`` compares the waiting queue alone, our heap against the seed's time wheel
+(`vconsole.bench_queue`), per admission at each size.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+from vconsole.bench_queue import queue_bench
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.request import Request, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -162,6 +166,9 @@ def scheduler_bench(sizes: list[int] | None = None, steps: int = 300,
         if log:
             log(f"{policy}: {', '.join(map(str, sizes))} waiting ...")
         results += run_policy(policy, sizes, steps)
+    if log:
+        log("waiting queue: heap vs the seed's time wheel ...")
     return {"benchmark": "scheduler", "num_running": NUM_RUNNING, "block_size": BLOCK_SIZE,
             "prompt_len": PROMPT_LEN, "max_tokens": list(MAX_TOKENS), "steps": steps,
-            "results": results, "goal": goal(results)}
+            "results": results, "goal": goal(results),
+            "queue_impl": queue_bench(sizes, rounds=max(200, 4 * steps))}

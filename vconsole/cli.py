@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from vconsole.engine.config import DEVICES, DTYPES, POLICIES
+from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
 from vconsole.telemetry.endpoints import DEFAULTS
 
 
@@ -20,7 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags that build an EngineConfig. Unset flags stay None so a --config file or the
     defaults in vconsole.engine.config decide."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", help="local model directory, or 'tiny' (default)")
+    g.add_argument("--model", help="local model directory, or a built-in model: 'tiny' "
+                   "(default) or 'small-gqa'")
     g.add_argument("--device", choices=DEVICES, help="auto (default), cpu or cuda")
     g.add_argument("--dtype", choices=DTYPES, help="auto (default): float32 on CPU, bf16 on CUDA")
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
@@ -43,6 +45,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rendezvous host (default 127.0.0.1, or torchrun's MASTER_ADDR)")
     g.add_argument("--dp-master-port", type=int, metavar="PORT",
                    help="rendezvous port (default: a free one, or torchrun's MASTER_PORT)")
+    g.add_argument("--dp-rank-host", metavar="HOST",
+                   help="torchrun: the address this node's ranks bind their private endpoints "
+                   "on, one the front end's host can reach (default 127.0.0.1; beyond loopback "
+                   "needs --dp-curve-dir)")
+    g.add_argument("--dp-curve-dir", metavar="DIR",
+                   help="torchrun: CURVE keys between the front end and the ranks, a `vconsole "
+                   "keys DIR` folder copied to every host (ranks: server.key_secret + "
+                   "authorized_clients/; the front end: client.key_secret + server.key)")
 
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
@@ -222,12 +232,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_key_arg(p)
     add_curve_args(p)
     p.add_argument("pairs", nargs="+", metavar="KEY=VALUE")
+    p.add_argument("--rank", type=int, metavar="R",
+                   help="data parallel: change only rank R (default: every rank)")
 
     p = cmd("get", "vconsole.commands.control:main_get", "print the engine's effective config")
     add_endpoint_args(p)
     add_control_key_arg(p)
     add_curve_args(p)
     p.add_argument("keys", nargs="*", metavar="KEY", help="only these keys")
+    p.add_argument("--rank", type=int, metavar="R",
+                   help="data parallel: read rank R's config (default: rank 0's)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = cmd("profile", "vconsole.commands.profile:main",
@@ -253,19 +267,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every topic")
 
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
-    p.add_argument("name", choices=["throughput", "scheduler", "kvmap"],
+    p.add_argument("name", choices=["throughput", "scheduler", "kvmap", "telemetry", "console",
+                                    "dp"],
                    help="which benchmark: model throughput against transformers, the "
-                        "scheduler's per-step cost, or the KV map's engine-to-console round trip")
+                        "scheduler's per-step cost, the KV map's engine-to-console round trip, "
+                        "telemetry's cost to throughput, the console's lag and CPU, or 2 "
+                        "data-parallel ranks against 1 engine")
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
-    p.add_argument("--num-requests", type=int, help="throughput: override the workload size")
+    p.add_argument("--num-requests", type=int,
+                   help="throughput: override the workload size; telemetry, console: requests "
+                        "in the engine (default 12000 / 10000)")
     p.add_argument("--sizes", type=_int_list, default=None, metavar="N,N,...",
                    help="scheduler: waiting-queue sizes (default 100,1000,10000,50000)")
     p.add_argument("--steps", type=int, default=300,
                    help="scheduler: measured steps per policy and size (default 300)")
     p.add_argument("--num-blocks", type=int, default=1_000_000,
                    help="kvmap: blocks in the pool (default 1000000)")
-    p.add_argument("--rounds", type=int, default=30,
-                   help="kvmap: measured round trips (default 30)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="kvmap: measured round trips (default 30); telemetry: rounds per mode "
+                        "(default 10)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="telemetry: seconds per round (default 1); console: seconds per "
+                        "measurement (default 4)")
+    p.add_argument("--model-config", default="tiny", choices=sorted(MODEL_CONFIGS),
+                   help="throughput: the built-in model to run (default tiny)")
+    p.add_argument("--runs", type=int, default=5,
+                   help="throughput: repetitions; the JSON gives each run and the median/worst "
+                        "ratios (default 5)")
 
     p = cmd("record", "vconsole.commands.record:main", "save the telemetry stream to a file")
     add_endpoint_args(p)

@@ -10,7 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
-from vconsole.console.keymap import HELP_SECTIONS
+from vconsole.console.keymap import DP_HELP, HELP_SECTIONS
 
 LEGEND = [
     ("[$success]●[/] [$warning]●[/] [$error]●[/]", "ok / warning / critical (engine's alert "
@@ -25,13 +25,14 @@ LEGEND = [
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,question_mark,q", "close", "Close")]
 
-    def __init__(self, readonly: bool = False) -> None:
+    def __init__(self, readonly: bool = False, dp: bool = False) -> None:
         super().__init__()
         self.readonly = readonly
+        self.dp = dp    # a data-parallel group is watched: its keys are listed too
 
     def compose(self) -> ComposeResult:
         lines = ["[b]vconsole[/] — keys"]
-        for title, keys in HELP_SECTIONS:
+        for title, keys in [*HELP_SECTIONS, *([DP_HELP] if self.dp else [])]:
             if self.readonly and title == "Config":
                 keys = [("", "read-only: config changes are disabled")]
             if self.readonly and title == "Profile":

@@ -1,4 +1,7 @@
-"""KV map: the block pool, one cell per block or per run of blocks, with legend and zoom."""
+"""KV map: the block pool, one cell per block or per run of blocks, with legend and zoom.
+
+Data parallel: the map is the selected rank's pool (each rank has its own); ``[`` / ``]`` cycle
+the rank and the bottom line names it. A lone engine has neither."""
 
 from __future__ import annotations
 
@@ -21,6 +24,11 @@ class KvScreen(ConsoleScreen):
     MODE = "kv"
     BINDINGS = KV
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._dp = False      # a data-parallel group: [ ] cycle the rank shown
+        self._rank = ""
+
     def compose_body(self) -> ComposeResult:
         yield Static(id="kv-legend")
         yield KvGrid(id="kv-grid")
@@ -33,8 +41,18 @@ class KvScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self.grid.focus()
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "rank":
+            return self._dp
+        return True
+
     def apply(self, frame: Frame, state: ConsoleState) -> None:
+        dp = frame.dp_size > 1
+        if dp != self._dp:
+            self._dp = dp
+            self.refresh_bindings()
         eng = frame.engine
+        self._rank = f"rank {eng.rank}/{frame.dp_size} · " if dp and eng is not None else ""
         k = eng.latest.get("kv") if eng else None
         states = eng.block_states if eng else None
         grid = self.grid
@@ -76,7 +94,8 @@ class KvScreen(ConsoleScreen):
         cell = "1 cell = 1 block" if per == 1 else f"1 cell = {per:,} blocks"
         if grid.cell_width > 1:
             cell += f" ×{grid.cell_width} wide"
-        text = (f"{cell} ({mode}) · {len(grid.states):,} blocks × {block_size} tokens")
+        text = (f"{self._rank}{cell} ({mode}) · {len(grid.states):,} blocks × {block_size} "
+                f"tokens")
         if per > 1:
             text += " · shade ░▒▓█ = share not free, colour = most common state"
         self.query_one("#kv-zoom", Static).update(Content(fmt.clip(text, max(10, self.size.width
@@ -85,6 +104,9 @@ class KvScreen(ConsoleScreen):
     def action_zoom(self, steps: int) -> None:
         self.grid.zoom_by(steps)
         self.console.refresh_view(force=True)
+
+    def action_rank(self, step: int) -> None:
+        self.console.action_next_rank(step)
 
     def action_zoom_fit(self) -> None:
         self.grid.zoom_fit()

@@ -54,8 +54,11 @@ class RequestsScreen(ConsoleScreen):
         if not frame.paused or self._source is None:
             self._source = sc
         src_rows = (self._source or {}).get("requests") or []
-        key = (id(self._source), self.query_text, self.sort_key, self.reverse,
-               self.table.scrollable_content_region.width)
+        # An idle engine re-sends its last snapshot every heartbeat (same ``snapshot_ts``):
+        # the same rows, so 10k rows are not filtered and sorted again for nothing.
+        snap = self._source or {}
+        key = (snap.get("snapshot_ts", id(self._source)), len(src_rows), self.query_text,
+               self.sort_key, self.reverse, self.table.scrollable_content_region.width)
         if key != self._view_key:
             self._view_key = key
             shown = sort_rows(filter_rows(src_rows, self.query_text), self.sort_key,

@@ -12,7 +12,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
-from vconsole.console.keymap import LETTER_SCREENS, SCREENS
+from vconsole.console.keymap import DP_SCREEN, LETTER_SCREENS, SCREENS
 from vconsole.console.state import STALE_INTERVALS, EngineState
 
 
@@ -35,6 +35,7 @@ class Frame:
     schema_error: str | None = None
     last_error: str | None = None
     endpoints: str = ""
+    dp_size: int = 0          # ranks in the watched data-parallel group; 0 for a lone engine
 
     @property
     def status(self) -> str:
@@ -51,8 +52,9 @@ class TabBar(Static):
     def show(self, frame: Frame) -> None:
         width = self.content_size.width or 80
         brand = "[b $accent]vconsole[/] "
-        lefts = [brand + self._tabs(frame.mode, full=True), self._tabs(frame.mode, full=True),
-                 self._tabs(frame.mode, full=False)]
+        dp = frame.dp_size > 1
+        lefts = [brand + self._tabs(frame.mode, full=True, dp=dp),
+                 self._tabs(frame.mode, full=True, dp=dp), self._tabs(frame.mode, full=False, dp=dp)]
         flags = []
         if frame.recording:
             flags.append("[$error b]● REC[/]")
@@ -66,7 +68,9 @@ class TabBar(Static):
             name: list[str] = []
         else:
             label = fmt.escape(eng.label)
-            if frame.engine_count > 1:
+            if dp:
+                label = f"{fmt.escape(eng.engine)} rank {eng.rank}/{frame.dp_size}"
+            elif frame.engine_count > 1:
                 label += f" ({frame.engine_index + 1}/{frame.engine_count})"
             name = [label]
             hb = eng.heartbeat_age(frame.now)
@@ -89,9 +93,10 @@ class TabBar(Static):
         self.update(left_c + Content(" " * gap) + right_c)
 
     @staticmethod
-    def _tabs(current: str, *, full: bool) -> str:
+    def _tabs(current: str, *, full: bool, dp: bool = False) -> str:
         tabs = []
-        for mode, (key, title) in SCREENS.items():
+        screens = {**SCREENS, **DP_SCREEN} if dp or current in DP_SCREEN else SCREENS
+        for mode, (key, title) in screens.items():
             text = f"{key} {title}" if full else (f"{key} {title}" if mode == current else key)
             tabs.append(f"[reverse b] {text} [/]" if mode == current
                         else f"[$text-muted] {text} [/]")

@@ -89,6 +89,28 @@ def summary(eng: EngineState | None, now: float) -> str:
     return "  ".join(parts)
 
 
+def dp_summary(eng: EngineState | None, agg: Mapping[str, Any], now: float) -> str:
+    """The summary line of a data-parallel group: its name, how many ranks and in which
+    states, the summed tokens/s and queues, the wave; the heartbeat of the selected rank."""
+    if eng is None:
+        return _waiting("no telemetry yet")
+    size = agg.get("world_size") or agg.get("ranks")
+    down = agg.get("left_out") or []
+    ranks = f"[b]{size} ranks[/]" + (f" [$error b]{len(down)} down[/]" if down else "")
+    wave = agg.get("wave")
+    parts = [f"[b]{fmt.escape(eng.engine)}[/]", ranks,
+             f"[b]{fmt.num(agg.get('tokens_per_s'), 0)}[/] tok/s",
+             f"run [b]{fmt.count(agg.get('num_running'))}[/]",
+             f"wait [b]{fmt.count(agg.get('num_waiting'))}[/]"]
+    if wave is not None:
+        parts.append(f"wave {wave}" + (" ▶" if agg.get("wave_running") else ""))
+    if agg.get("imbalanced"):
+        parts.append(f"[$warning b]⚠ imbalance {agg['imbalance']:.1f}×[/]")
+    age = eng.heartbeat_age(now)
+    parts.append(f"r{eng.rank} hb {fmt.duration(age)}" if age is not None else "hb –")
+    return "  ".join(parts)
+
+
 def queues(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:
     sc = eng.latest.get("sched")
     if not sc:

@@ -52,6 +52,12 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def tables(self) -> dict[str, list[int]]:
+        """Every request's block table by id (the live dict: read only; the scheduler's per-step
+        output reads it without a call per request)."""
+        return self._tables
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (the live list: copy it before keeping it)."""
         return self._tables.get(request_id, [])
@@ -120,6 +126,9 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.get(rid)
+        if table and not cached_blocks and (len(table) * self.block_size
+                                            >= request.num_computed_tokens + num_new_tokens):
+            return True  # the common decode step: the last block still has room
         if cached_blocks and table:
             raise ValueError("cached blocks can only be taken by a request without blocks")
         num_cached_tokens = len(cached_blocks) * self.block_size
@@ -152,11 +161,17 @@ class KVCacheManager:
         if table is None:
             return
         B, pool = self.block_size, self.pool
-        computed = min(request.num_computed_tokens, len(table) * B)
+        computed = request.num_computed_tokens
+        if computed > len(table) * B:
+            computed = len(table) * B
         written = self._num_written[rid]
         if computed > written:
-            for i in range(written // B, (computed - 1) // B + 1):
-                pool.set_fill(table[i], min(B, computed - i * B))
+            first, last = written // B, (computed - 1) // B
+            if first == last:  # decode: one block's fill grows
+                pool.set_fill(table[first], computed - first * B)
+            else:
+                for i in range(first, last + 1):
+                    pool.set_fill(table[i], min(B, computed - i * B))
             self._num_written[rid] = computed
         if not self.enable_prefix_caching:
             return

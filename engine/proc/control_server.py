@@ -133,6 +133,12 @@ class ControlServer:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    @property
+    def key(self) -> str:
+        """This server's control key: for a channel that authenticated its peer (a CURVE rank's
+        ``ready`` to its front end, `vconsole.engine.proc.core_proc`), never a plain one."""
+        return self._key
+
     def remove_key_file(self) -> None:
         """Remove the key file if it still holds this server's key. The thread does this when it
         stops; call it directly only when the server is never started."""

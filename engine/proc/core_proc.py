@@ -11,8 +11,9 @@ fast, and from then on is touched only by its one thread, which also closes it):
 - **input thread**: the input ROUTER (many clients). Decodes and validates each message
   (`vconsole.engine.proc.protocol`) off the compute path; a malformed one is answered with its reason and
   never reaches the core.
-- **output thread**: the output ROUTER. Encodes outputs and sends each to the client that sent the
-  request (its routing identity), and answers ``hello`` with ``ready``.
+- **output thread** (`vconsole.engine.proc.output_thread`): the output ROUTER. Encodes outputs
+  and sends each to the client that sent the request (its routing identity), answers ``hello``
+  with ``ready``, sends heartbeats (and a data-parallel rank's ``wave`` messages).
 - **control thread**: the control ROUTER and the control key, owned by the `ControlServer`
   (`vconsole.engine.proc.control_server`). ``get_config`` is answered from the busy loop's last
   published config; ``set_config`` is queued to the busy loop (``CONTROL``) and applied there
@@ -44,6 +45,12 @@ A step whose model execution raises fails only its own requests (`vconsole.engin
 `vconsole.engine.proc.exit_codes.STEP_FAILURES` (``exit_code``), for the supervisor to restart
 it (`vconsole.engine.proc.supervisor`).
 
+Data parallel: with ``data_parallel_size > 1`` (or under torchrun) the process is one rank of a
+group (`vconsole.engine.proc.dp`): it joins the rendezvous store before binding anything, and
+its `DPRank` adds a few hooks to the loop — ``regroup`` / ``start_wave`` from the front end are
+applied between steps, and inside a wave the loop never blocks: it runs a dummy step when it has
+no request, and every ``dp_sync_every`` steps asks the group whether any rank is still busy.
+
 Profile on demand: a ``profile_start`` control call arms the core's profiler between two steps
 (`_profile_start`); the core runs it over its next steps while the loop keeps serving, and after
 each step the loop notes its progress in ``profiles`` (`vconsole.engine.proc.profiles`), which
@@ -70,6 +77,7 @@ from vconsole.engine.proc.bind_policy import check_endpoints, check_metrics_host
 from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, read_file
 from vconsole.engine.proc.control_key_file import refuse_if_held
 from vconsole.engine.proc.control_server import ControlCall, ControlServer
+from vconsole.engine.proc.output_thread import STOP, OutputThread
 from vconsole.engine.proc.profiles import ProfileBook
 from vconsole.engine.proc.ready_file import ready_record, remove_ready_file, write_ready_file
 from vconsole.engine.proc.request_registry import RequestRegistry
@@ -82,12 +90,11 @@ from vconsole.telemetry.publisher import TelemetryPublisher
 
 if TYPE_CHECKING:
     from vconsole.engine.proc.curve_server import CurveAuthenticator, ServerCurve
+    from vconsole.engine.proc.dp.rank import DPRank, WaveEvent
 
 log = logging.getLogger("vconsole.engine")
 
 IO_POLL_MS = 200          # how often an idle I/O thread checks for shutdown
-HELLO_RETRY_S = 0.005     # ready re-sent this often until the client's output socket is known
-HELLO_WAIT_S = 5.0        # ...for at most this long
 DRAIN_TIMEOUT_S = 5.0     # steps run at shutdown to deliver the final (abort) outputs
 STALL_WAIT_S = 0.005      # a step that scheduled nothing is followed by this wait (no spin)
 PUBLISHER_CLOSE_S = 5.0   # at shutdown, how long the telemetry thread gets to stop
@@ -97,10 +104,8 @@ INLINE_PROMPT_CHARS = 2048  # longer text prompts are tokenized off the busy loo
 PREPARE_WORKERS = 2         # threads that tokenize and validate long prompts
 
 # Input queue items: (kind, ...). SimpleQueue because signal handlers put on it (reentrant).
-ADD, ADD_READY, REJECT, ABORT, CONTROL, CLIENT_GONE, RELOAD, SHUTDOWN = (
-    "add", "add_ready", "reject", "abort", "control", "client_gone", "reload", "shutdown")
-_STOP = ("stop",)         # output queue sentinel
-SENT, NO_ROUTE, FULL = "sent", "no route", "full"  # EngineCoreProc._send results
+ADD, ADD_READY, REJECT, ABORT, CONTROL, CLIENT_GONE, RELOAD, SHUTDOWN, DP = (
+    "add", "add_ready", "reject", "abort", "control", "client_gone", "reload", "shutdown", "dp")
 
 
 class EngineCoreProc:
@@ -123,6 +128,7 @@ class EngineCoreProc:
             check_metrics_host(metrics_endpoint[0], allow_remote_metrics)
         self.metrics: MetricsServer | None = None
         refuse_if_held(key_path(endpoints["control"], control_key_file))  # before any bind
+        config, self.dp = _dp_rank(config)  # a data-parallel rank: reach the store first
         self.curve = curve
         self._auth: CurveAuthenticator | None = None
         self.config_path = config_path
@@ -169,6 +175,8 @@ class EngineCoreProc:
                 from vconsole.engine.core import EngineCore  # torch: only once the sockets are ours
                 core = EngineCore(config)
             self.core = core
+            if self.dp is not None:
+                self.dp.device = getattr(getattr(core, "runner", None), "device", "cpu")
             self.publisher = TelemetryPublisher(self.ctx, endpoints["telemetry"],
                                                 core.config.engine_id, core.config.dp_rank,
                                                 core.config, secure=lambda sock: secure_socket(
@@ -201,10 +209,14 @@ class EngineCoreProc:
             "max_model_len": getattr(runner, "max_model_len", None),
             "block_size": core.config.block_size,
             "num_kv_blocks": getattr(core, "num_kv_blocks", None),
+            "dp_rank": core.config.dp_rank, "data_parallel_size": core.config.data_parallel_size,
         }
         self._threads = [
             threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
-            threading.Thread(target=self._output_loop, name="engine-output", daemon=True),
+            OutputThread(self._sockets["output"], self.output_queue, ready=self._ready,
+                         heartbeat_s=lambda: self._config_view[1].client_heartbeat_s,
+                         engine_id=core.config.engine_id,
+                         on_client_gone=lambda c: self.input_queue.put((CLIENT_GONE, c))),
         ]
 
     def _bind(self, kind: int, name: str, config: EngineConfig) -> zmq.Socket:
@@ -232,11 +244,13 @@ class EngineCoreProc:
             self._watcher.start()
         self._publish_config()
         self._set_state("idle")
+        record = ready_record(pid=os.getpid(), endpoints=self.endpoints,
+                              control_key_file=self.control_server.key_path, **self.ready_info,
+                              **({"metrics": self.metrics.url} if self.metrics else {}))
         if self.ready_file is not None:
-            write_ready_file(self.ready_file, ready_record(
-                pid=os.getpid(), endpoints=self.endpoints,
-                control_key_file=self.control_server.key_path,
-                **self.ready_info, **({"metrics": self.metrics.url} if self.metrics else {})))
+            write_ready_file(self.ready_file, record)
+        if self.dp is not None:     # the front end finds the rank through the store
+            self.dp.publish_ready(record)
 
     def request_shutdown(self, reason: str) -> None:
         """Safe from any thread and from signal handlers."""
@@ -258,9 +272,12 @@ class EngineCoreProc:
 
     def _process_input_queue(self) -> None:
         """Apply every queued input. With no work, block for the first one (waking only to send
-        the snapshot that shows the drained state), so an idle engine costs nothing."""
-        if not self.core.has_unfinished_requests():
+        the snapshot that shows the drained state), so an idle engine costs nothing. A
+        data-parallel rank inside a wave never blocks: it must keep stepping."""
+        idle = not self.core.has_unfinished_requests()
+        if idle:
             self._set_state("idle")
+        if idle and not (self.dp is not None and self.dp.in_wave):
             wait = 1.0 / self.core.config.telemetry_hz if self._dirty else None
             stats_wait = self._stats_log.wait_s(self.core.config.log_stats)
             if stats_wait is not None:
@@ -277,8 +294,45 @@ class EngineCoreProc:
             self._handle_input(item)
 
     def _process_engine_step(self) -> None:
-        if self._stopping is not None or not self.core.has_unfinished_requests():
+        """One step: a real one when there are requests; on a data-parallel rank in a wave
+        without requests a dummy one; then the rank's wave bookkeeping (`DPRank`)."""
+        dp = self.dp
+        if self._stopping is not None:
             return
+        if dp is not None and (ev := dp.maybe_start(self.core.has_unfinished_requests())):
+            self._announce_wave(ev)
+        dummy = not self.core.has_unfinished_requests()
+        if not dummy:
+            self._real_step()
+        elif dp is not None and dp.in_wave:
+            self.core.dummy_step()
+            self._check_step_failures()
+        else:
+            return
+        if dp is not None and (ev := dp.after_step(dummy, self.core.has_unfinished_requests())):
+            self._announce_wave(ev)
+
+    def _announce_wave(self, ev: WaveEvent) -> None:
+        """A wave started or completed here: the ``wave`` topic, and (``notify``) a ``wave``
+        message to every client that said hello — in data parallel, the front end."""
+        self.publisher.submit_wave(ev.body)
+        if ev.notify:
+            self.output_queue.put((protocol.WAVE, b"", ev.event, ev.wave))
+        self._dirty = True
+
+    def _dp_message(self, kind: str, value: int) -> None:
+        """The front end's ``regroup`` or ``start_wave``, between two steps."""
+        dp = self.dp
+        assert dp is not None   # the input thread refuses both on a lone engine
+        if self._stopping is not None:
+            return              # leaving: never block on a group again
+        if kind == protocol.REGROUP:
+            dp.regroup(value, before_form=lambda: self.publisher.submit_dp(dp.dp_body()))
+            self.publisher.submit_dp(dp.dp_body())
+        elif (ev := dp.on_start_wave(value)) is not None:
+            self._announce_wave(ev)
+
+    def _real_step(self) -> None:
         self._set_state("running")
         outputs, scheduled = self.core.step()
         if self.core.last_step is not None:
@@ -314,6 +368,8 @@ class EngineCoreProc:
             self.publisher.submit_snapshot(core.scheduler_stats(core.config.telemetry_max_requests),
                                            core.kv_stats(), self.state, core.num_steps)
             self._dirty = False
+            if self.dp is not None:
+                self.publisher.submit_dp(self.dp.dp_body())
             now = time.monotonic()
             # Idle: this is the last snapshot before the loop blocks, so latency goes too.
             due = now >= self._next_latency or not core.has_unfinished_requests()
@@ -359,6 +415,8 @@ class EngineCoreProc:
                 self._abort_engine_ids(ids)
         elif kind == RELOAD:
             self._reload_config_file(item[1])
+        elif kind == DP:
+            self._dp_message(item[1], item[2])
         elif kind == SHUTDOWN and self._stopping is None:
             log.info("%s: draining", item[1])
             self._stopping = item[1]
@@ -516,6 +574,8 @@ class EngineCoreProc:
         """Stop taking requests, abort those in flight and deliver their final outputs, answer
         any queued control call, then join every thread and close every socket."""
         self._set_state("draining")
+        if self.dp is not None:     # peers in a collective with us fail and go uncoordinated
+            self.dp.close()
         self.profiles.cancel(None, "cancelled: the engine is shutting down")
         if self.ready_file is not None:
             remove_ready_file(self.ready_file, os.getpid())
@@ -536,7 +596,7 @@ class EngineCoreProc:
         while self.control_server.is_alive():        # control: may wait on a queued call
             self._drain_queue()
             self.control_server.join(0.05)
-        self.output_queue.put(_STOP)
+        self.output_queue.put(STOP)
         self._threads[1].join()                      # output: flushes everything queued first
         if self.metrics is not None:
             self.metrics.close()
@@ -550,6 +610,17 @@ class EngineCoreProc:
         # term() alone: it waits forever for a socket still open).
         self.ctx.destroy(linger=0)
         log.info("engine stopped (%s)", self._stopping)
+
+    def _ready(self) -> dict[str, Any]:
+        """The ``ready`` answer to a ``hello`` (read by the output thread). A data-parallel
+        rank whose sockets are CURVE servers adds its ``control_key``: only its front end's key
+        is authorised there, and the front end may be on another host, where the key file is
+        not (over plain loopback/ipc the key stays in its 0600 file)."""
+        info = {**self.ready_info, "config_version": self._config_view[0],
+                "heartbeat_interval_s": self._config_view[1].client_heartbeat_s}
+        if self.curve is not None and self.dp is not None:
+            info["control_key"] = self.control_server.key
+        return info
 
     def _drain_queue(self) -> None:
         while True:
@@ -584,6 +655,13 @@ class EngineCoreProc:
                 self.input_queue.put((ABORT, client_id, protocol.parse_abort(header)))
             elif kind == protocol.HELLO:
                 self.output_queue.put((protocol.HELLO, client_id))
+            elif kind in (protocol.START_WAVE, protocol.REGROUP):
+                if self.dp is None:
+                    raise protocol.ProtocolError(f"{kind}: this engine is not a data-parallel "
+                                                 "rank (data_parallel_size 1)")
+                self.input_queue.put((DP, kind, protocol.parse_start_wave(header)
+                                      if kind == protocol.START_WAVE
+                                      else protocol.parse_regroup(header)))
             else:
                 raise protocol.ProtocolError(f"unknown message type {kind!r}",
                                              protocol.request_id_of(header))
@@ -595,98 +673,21 @@ class EngineCoreProc:
             else:
                 self.output_queue.put((protocol.ERROR, client_id, e.reason, None, False))
 
-    # --- output thread ---------------------------------------------------------------------------
 
-    def _output_loop(self) -> None:
-        sock = self._sockets["output"]
-        hellos: dict[bytes, float] = {}   # client id -> give-up time, while its route is unknown
-        gone: set[bytes] = set()
-        clients: set[bytes] = set()       # handshaken clients: they get heartbeats
-        next_beat = time.monotonic()
-        try:
-            while True:
-                wait = max(0.0, next_beat - time.monotonic())
-                try:
-                    item = self.output_queue.get(timeout=min(wait, HELLO_RETRY_S) if hellos
-                                                 else wait)
-                except queue.Empty:
-                    item = None
-                if item is _STOP:
-                    return
-                if item is not None:
-                    self._on_output(sock, item, hellos, gone)
-                if time.monotonic() >= next_beat:
-                    self._send_heartbeats(sock, clients, gone)
-                    next_beat = time.monotonic() + self._config_view[1].client_heartbeat_s
-                for client_id, give_up in list(hellos.items()):
-                    sent = self._send(sock, client_id, protocol.encode_ready(self._ready()))
-                    if sent == NO_ROUTE:
-                        if time.monotonic() > give_up:
-                            del hellos[client_id]
-                            log.warning("hello from %s: its output socket never connected",
-                                        client_id.decode(errors="replace"))
-                    else:
-                        del hellos[client_id]
-                        clients.add(client_id)
-                        if sent == FULL:
-                            self._client_gone(client_id, sent, gone)
-        finally:
-            sock.close()
+def _dp_rank(config: EngineConfig) -> tuple[EngineConfig, DPRank | None]:
+    """A data-parallel rank (flags or torchrun's environment, `vconsole.engine.proc.dp`): its
+    config with the rank's values and its `DPRank`, connected to the store; else ``config`` and
+    None. Raises `RendezvousError` (an OSError) when the store cannot be reached."""
+    from vconsole.engine.proc.dp.rendezvous import DPEnv
 
-    def _ready(self) -> dict[str, Any]:
-        return {**self.ready_info, "config_version": self._config_view[0],
-                "heartbeat_interval_s": self._config_view[1].client_heartbeat_s}
+    env = DPEnv.from_config(config)
+    if not env.is_rank:
+        return config, None
+    from vconsole.engine.proc.dp.rank import DPRank, split_cpu_threads  # torch: ranks only
 
-    def _send_heartbeats(self, sock: zmq.Socket, clients: set[bytes], gone: set[bytes]) -> None:
-        """Every handshaken client hears from the engine at least once per
-        ``client_heartbeat_s``, busy or idle: its liveness signal. A client whose route is gone
-        is forgotten; one whose queue is full is treated as any stuck client."""
-        frames = protocol.encode_heartbeat(self.ready_info["engine_id"])
-        for client_id in list(clients):
-            if client_id in gone:
-                clients.discard(client_id)
-                continue
-            sent = self._send(sock, client_id, frames)
-            if sent == NO_ROUTE:
-                clients.discard(client_id)
-            elif sent == FULL:
-                clients.discard(client_id)
-                self._client_gone(client_id, sent, gone)
-
-    def _on_output(self, sock: zmq.Socket, item: tuple[Any, ...], hellos: dict[bytes, float],
-                   gone: set[bytes]) -> None:
-        kind, client_id = item[0], item[1]
-        if kind == protocol.HELLO:
-            gone.discard(client_id)
-            hellos[client_id] = time.monotonic() + HELLO_WAIT_S
-            return
-        if client_id in gone:       # its requests are being aborted; nobody would read these
-            return
-        if kind == protocol.OUTPUTS:
-            frames = protocol.encode_outputs(item[2])
-        else:                           # ERROR: (reason, request id or None, in flight)
-            frames = protocol.encode_error(item[2], item[3], item[4])
-        sent = self._send(sock, client_id, frames)
-        if sent != SENT:
-            self._client_gone(client_id, sent, gone)
-
-    def _client_gone(self, client_id: bytes, why: str, gone: set[bytes]) -> None:
-        gone.add(client_id)
-        log.warning("client %s: %s; dropping its outputs", client_id.decode(errors="replace"),
-                    "not reading its outputs (send queue full)" if why == FULL
-                    else "no output connection")
-        self.input_queue.put((CLIENT_GONE, client_id))
-
-    @staticmethod
-    def _send(sock: zmq.Socket, client_id: bytes, frames: protocol.Frames) -> str:
-        """Never blocks. `SENT`; `NO_ROUTE` when the client has no output connection (not yet,
-        or no longer); `FULL` when its queue is at the high-water mark (it stopped reading)."""
-        try:
-            sock.send_multipart([client_id, *frames], flags=zmq.NOBLOCK, copy=False)
-            return SENT
-        except zmq.Again:
-            return FULL
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                return NO_ROUTE
-            raise
+    config = env.apply(config)
+    rank = DPRank(env, config)
+    threads = split_cpu_threads(env, config)
+    log.info("data-parallel rank %d of %d%s", env.rank, env.world_size,
+             f" ({threads} CPU threads)" if threads else "")
+    return config, rank

@@ -14,6 +14,10 @@ client -> engine (input socket)
     ``hello``  {}                                       answered by ``ready`` on the output socket
     ``add``    {request_id, prompt | prompt_token_ids, sampling{...}, priority}
     ``abort``  {request_ids}
+    ``start_wave`` {wave}                               data parallel: another rank started
+                                                        ``wave`` (from the front end)
+    ``regroup`` {generation}                            data parallel: form process group
+                                                        ``generation`` (from the front end)
 engine -> client (output socket)
     ``ready``   {engine_id, config_version, vocab_size, max_model_len, heartbeat_interval_s}
     ``heartbeat`` {engine_id}                           every heartbeat_interval_s to each client
@@ -22,6 +26,12 @@ engine -> client (output socket)
                  num_prompt_tokens, num_cached_tokens, num_output_tokens, num_preemptions,
                  error}]}
     ``error``   {reason, request_id, in_flight}         a message the engine could not accept
+    ``wave``    {event, wave}                           data parallel: a wave ``start``-ed here
+                                                        or ``complete``-d; to every client that
+                                                        said hello
+
+``start_wave`` and ``regroup`` are for data-parallel ranks only (``data_parallel_size > 1``); a
+lone engine answers them with an ``error`` and goes on serving.
 
 Invariants: `decode` and the ``parse_*`` functions never raise anything but `ProtocolError`, so a
 malformed frame costs the engine one reply, never its input thread. A `ProtocolError` carries the
@@ -52,8 +62,10 @@ TOKEN_DTYPE = np.dtype("<i4")
 
 HELLO, READY, ADD, ABORT, OUTPUTS, ERROR, HEARTBEAT = (
     "hello", "ready", "add", "abort", "outputs", "error", "heartbeat")
-CLIENT_TYPES = frozenset({HELLO, ADD, ABORT})
-ENGINE_TYPES = frozenset({READY, OUTPUTS, ERROR, HEARTBEAT})
+START_WAVE, REGROUP, WAVE = "start_wave", "regroup", "wave"   # data parallel (ranks only)
+CLIENT_TYPES = frozenset({HELLO, ADD, ABORT, START_WAVE, REGROUP})
+ENGINE_TYPES = frozenset({READY, OUTPUTS, ERROR, HEARTBEAT, WAVE})
+WAVE_EVENTS = ("start", "complete")
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids",
                  "ignore_eos")
@@ -300,6 +312,31 @@ def parse_abort(header: dict[str, Any]) -> list[str]:
     return ids
 
 
+def encode_start_wave(wave: int) -> Frames:
+    return encode({"type": START_WAVE, "wave": wave})
+
+
+def encode_regroup(generation: int) -> Frames:
+    return encode({"type": REGROUP, "generation": generation})
+
+
+def _count(header: dict[str, Any], key: str) -> int:
+    value = header.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProtocolError(f"{header.get('type')}: {key} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def parse_start_wave(header: dict[str, Any]) -> int:
+    """The wave number of a ``start_wave``."""
+    return _count(header, "wave")
+
+
+def parse_regroup(header: dict[str, Any]) -> int:
+    """The group generation of a ``regroup``."""
+    return _count(header, "generation")
+
+
 # --- engine -> client ----------------------------------------------------------------------
 
 def encode_ready(info: dict[str, Any]) -> Frames:
@@ -308,6 +345,23 @@ def encode_ready(info: dict[str, Any]) -> Frames:
 
 def encode_heartbeat(engine_id: str) -> Frames:
     return encode({"type": HEARTBEAT, "engine_id": engine_id})
+
+
+def encode_wave(event: str, wave: int) -> Frames:
+    """A data-parallel rank's wave ``start`` (one of its requests started it) or
+    ``complete`` (every rank drained)."""
+    if event not in WAVE_EVENTS:
+        raise ValueError(f"wave event must be one of {WAVE_EVENTS}, got {event!r}")
+    return encode({"type": WAVE, "event": event, "wave": wave})
+
+
+def parse_wave(header: dict[str, Any]) -> tuple[str, int]:
+    """``(event, wave)`` of a ``wave`` message."""
+    event = header.get("event")
+    if event not in WAVE_EVENTS:
+        raise ProtocolError(f"wave: event must be one of {', '.join(WAVE_EVENTS)}, got "
+                            f"{event!r}")
+    return event, _count(header, "wave")
 
 
 def encode_error(reason: str, request_id: str | None = None, in_flight: bool = False) -> Frames:

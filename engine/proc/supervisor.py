@@ -34,6 +34,11 @@ Ready file: the child writes its record to a private path; the supervisor republ
 ``child_pid``, ``restart_count`` and ``supervised``, rewrites it when a restarted child is ready
 (same endpoints), and removes it when it exits.
 
+Data parallel (`vconsole.engine.proc.dp.launcher`): the launcher runs one supervisor per rank,
+each in a thread of its own (``run(install_signals=False)``; the launcher's signal handler calls
+`EngineSupervisor.stop`), and learns of each child's start and end through ``on_ready(record)``
+and ``on_exit(code, reason)``.
+
 Invariant: when `run` returns, no child is left running.
 """
 
@@ -137,14 +142,18 @@ class EngineSupervisor:
     ``command`` gets ``--supervised-child``, a private ``--ready-file``, ``--restart-count``,
     ``--restart-reason`` and, once known, the concrete endpoints appended (argparse: the last
     value wins). ``curve``: the engine's CURVE keys, so the restarting heartbeats are as secure
-    as the engine's own telemetry."""
+    as the engine's own telemetry. ``beacon=False``: no ``restarting`` heartbeats of its own
+    (a data-parallel rank's: the front end's telemetry proxy publishes them for the rank)."""
 
     def __init__(self, command: Sequence[str], endpoints: dict[str, str], *, engine_id: str,
                  rank: int = 0, policy: RestartPolicy | None = None,
                  ready_file: str | os.PathLike[str] | None = None,
                  heartbeat_interval_s: float = 1.0, sndhwm: int = 1000,
                  env: dict[str, str] | None = None, curve: ServerCurve | None = None,
-                 stderr: IO[str] | None = None) -> None:
+                 stderr: IO[str] | None = None,
+                 on_ready: Callable[[dict[str, Any]], None] | None = None,
+                 on_exit: Callable[[int, str], None] | None = None,
+                 beacon: bool = True) -> None:
         self.command = list(command)
         self.endpoints = {n: endpoints[n] for n in ENDPOINT_NAMES}
         self.engine_id = engine_id
@@ -156,6 +165,9 @@ class EngineSupervisor:
         self.env = env
         self.curve = curve
         self._stderr = stderr
+        self.on_ready = on_ready              # (the child's ready record) once it serves
+        self.on_exit = on_exit                # (exit code, reason) each time a child exits
+        self.beacon = beacon                  # publish `restarting` while no child runs
         self.restart_count = 0
         self.restart_reason: str | None = None
         self.failure: str | None = None      # why `run` gave up, for the caller to print
@@ -168,11 +180,13 @@ class EngineSupervisor:
 
     # --- the loop --------------------------------------------------------------------------
 
-    def run(self) -> int:
+    def run(self, *, install_signals: bool = True) -> int:
         """Supervise until a clean stop (0), a start that cannot succeed (the child's code) or
-        too many failures (`exit_codes.GAVE_UP`). Call from the main thread (signals)."""
+        too many failures (`exit_codes.GAVE_UP`). With ``install_signals`` call it from the main
+        thread; without (a supervisor per data-parallel rank, each in a thread of the
+        launcher), the caller passes stops on with `stop`."""
         self._run_dir = Path(tempfile.mkdtemp(prefix="vconsole-supervisor-"))
-        previous = self._install_signal_handlers()
+        previous = self._install_signal_handlers() if install_signals else {}
         try:
             return self._supervise()
         finally:
@@ -191,6 +205,8 @@ class EngineSupervisor:
     def _supervise(self) -> int:
         while True:
             code, last_words = self._run_child()
+            if self.on_exit is not None:
+                self.on_exit(code, describe_exit(code))
             if self._stop_signal is not None:
                 log.info("stopped by %s: the engine %s", signal.Signals(self._stop_signal).name,
                          "drained" if code == exit_codes.OK else describe_exit(code))
@@ -291,6 +307,8 @@ class EngineSupervisor:
         """The child is serving: keep its concrete endpoints for every later child and
         republish its record under this process's pid."""
         self._ever_ready = True
+        if self.on_ready is not None:
+            self.on_ready(record)
         self.endpoints = {n: record["endpoints"][n] for n in ENDPOINT_NAMES}
         if isinstance(record.get("metrics"), str):   # `--metrics-port 0` resolved: keep it
             self.metrics_port = urlsplit(record["metrics"]).port
@@ -337,7 +355,7 @@ class EngineSupervisor:
         done guarantees the port is free again before the next child binds it. None when the
         endpoint is not known yet (a ``*`` port) or cannot be bound (logged)."""
         endpoint = self.endpoints["telemetry"]
-        if endpoint.endswith(":*"):
+        if not self.beacon or endpoint.endswith(":*"):
             yield None
             return
         ctx = zmq.Context()
@@ -370,8 +388,11 @@ class EngineSupervisor:
         return previous
 
     def _on_stop(self, signum: int, _frame: Any) -> None:
+        self.stop(signum)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
         """First SIGTERM/SIGINT: pass it on (the child drains), start nothing more. Another:
-        kill the child now."""
+        kill the child now. Safe from a signal handler or another thread."""
         if self._stop_signal is None:
             self._stop_signal = signum
             self._signal_child(signum)

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from vconsole.engine.request import Request, RequestStatus
 
 _Key = tuple[float, ...]
+MAX_REMOVED_LOG = 1 << 16
 _Entry = tuple[_Key, int, Request]  # (policy key, insertion counter, request)
 
 
@@ -47,6 +48,8 @@ class WaitingQueue:
         self._timeouts: list[tuple[float, int, Request]] = []
         self._enqueued_at: dict[str, float] = {}
         self._counter = 0  # makes heap entries unique, so requests are never compared
+        self._removed: list[str] = []   # ids that left, in order (`removed_since`)
+        self._removed_base = 0          # how many were dropped from the front of that log
 
     # --- keys ---------------------------------------------------------------------------------
     def class_key(self, req: Request) -> float:
@@ -115,6 +118,10 @@ class WaitingQueue:
 
     def _forget(self, request_id: str) -> None:
         del self._live[request_id]
+        self._removed.append(request_id)
+        if len(self._removed) > MAX_REMOVED_LOG:
+            self._removed_base += len(self._removed)
+            self._removed = []
         self._enqueued_at.pop(request_id, None)
 
     def _maybe_compact(self) -> None:
@@ -165,14 +172,35 @@ class WaitingQueue:
 
     # --- views --------------------------------------------------------------------------------
     def ordered(self, limit: int | None = None) -> list[Request]:
-        """Waiting requests in scheduling order, the first ``limit`` of them. O(n log limit):
-        for telemetry, not for the per-step path."""
-        entries = self._live.values()
+        """Waiting requests in scheduling order, the first ``limit`` of them: for telemetry
+        (10 Hz), not for the per-step path.
+
+        Sorts the heap list in place (a sorted list is a valid heap) and reads it front to
+        back, skipping stale entries. Between two calls only a few entries moved, and Timsort
+        finds the runs: close to O(n) comparisons, all in C."""
+        heap, live = self._heap, self._live
+        heap.sort()
         if limit is None:
-            chosen = sorted(entries)
-        else:
-            chosen = heapq.nsmallest(limit, entries)
-        return [entry[2] for entry in chosen]
+            limit = len(live)
+        out: list[Request] = []
+        if limit <= 0:
+            return out
+        append = out.append
+        for entry in heap:
+            req = entry[2]
+            if live.get(req.request_id) is entry:
+                append(req)
+                if len(out) >= limit:
+                    break
+        return out
+
+    def removed_since(self, mark: int) -> tuple[list[str] | None, int]:
+        """Ids that left the queue (admitted, aborted, expired) since ``mark``, and the mark to
+        pass next time (0 at first). None when the log no longer reaches back that far."""
+        end = self._removed_base + len(self._removed)
+        if mark < self._removed_base:
+            return None, end
+        return self._removed[mark - self._removed_base:], end
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.ordered())

@@ -45,7 +45,8 @@ from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vconsole.engine.sched.request_queue import WaitingQueue
-from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats
+from vconsole.engine.sched.request_rows import WaitingRows
+from vconsole.engine.stats import KVStats, SchedulerStats
 
 
 class _Step:
@@ -85,6 +86,7 @@ class Scheduler:
         self._num_reported: dict[str, int] = {}       # output tokens already sent
         self._runner_view: dict[str, tuple[int, int]] = {}  # id -> (tokens, blocks) it holds
         self.latency = LatencyStats(config.latency_window_s)
+        self._waiting_rows = WaitingRows()    # telemetry's request table (request_rows.py)
         self._finished_req_ids: set[str] = set()      # for the runner to forget, next step
         self._seq = 0
         self._num_preempted_waiting = 0
@@ -206,6 +208,8 @@ class Scheduler:
 
     def _apply_config(self) -> None:
         cfg = self.config
+        if (cfg.policy, cfg.hybrid_aging_s) != (self.waiting.policy, self.waiting.hybrid_aging_s):
+            self._waiting_rows.invalidate()  # a new order
         self.waiting.set_policy(cfg.policy, cfg.hybrid_aging_s)
         self.kv.set_prefix_caching(cfg.enable_prefix_caching)
 
@@ -220,23 +224,26 @@ class Scheduler:
         step = _Step(self.clock(), cfg.max_num_batched_tokens)
         self._expire(step.now)
 
+        allocate, running_status = self.kv.allocate_slots, RequestStatus.RUNNING
         for req in list(self.running):
             if step.budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not running_status:
                 continue  # preempted earlier in this step
-            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            n = min(len(req.prompt_token_ids) + len(req.output_token_ids)
+                    - req.num_computed_tokens, step.budget)
             if n <= 0:
                 continue
-            while not self.kv.allocate_slots(req, n):
+            while not allocate(req, n):
                 victim = self._worst_running()
                 assert victim is not None
                 self._preempt(victim, step)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not running_status:
                 break
-            step.add(req, req.num_computed_tokens, n)
+            step.scheduled[req.request_id] = (req, req.num_computed_tokens, n)
+            step.budget -= n
 
         if not step.preempted:
             self._admit(cfg, step)
@@ -306,29 +313,42 @@ class Scheduler:
         out = SchedulerOutput(preempted_req_ids=step.preempted,
                               finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
-        kv, view, cached = self.kv, self._runner_view, out.scheduled_cached_reqs
+        view, cached = self._runner_view, out.scheduled_cached_reqs
+        tables = self.kv.tables
+        c_ids, c_tokens = cached.req_ids.append, cached.new_token_ids.append
+        c_blocks, c_computed = cached.new_block_ids.append, cached.num_computed_tokens.append
+        num_scheduled = out.num_scheduled_tokens
+        num_prefill_total = num_decode_total = 0
         for req, start, n in step.scheduled.values():
             rid = req.request_id
-            end = start + n
-            num_tokens = req.num_tokens
-            table = kv.get_block_ids(rid)
+            num_prompt = len(req.prompt_token_ids)
+            outputs = req.output_token_ids
+            num_tokens = num_prompt + len(outputs)
+            table = tables[rid]
             held = view.get(rid)
             if held is None:
                 out.scheduled_new_reqs.append(NewRequestData(
-                    rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling,
-                    list(table), start))
+                    rid, req.prompt_token_ids, list(outputs), req.sampling, list(table), start))
             else:
                 num_held_tokens, num_held_blocks = held
-                cached.append(rid, token_slice(req, num_held_tokens, num_tokens),
-                              table[num_held_blocks:], start)
+                c_ids(rid)
+                c_tokens(outputs[num_held_tokens - num_prompt:] if num_held_tokens >= num_prompt
+                         else token_slice(req, num_held_tokens, num_tokens))
+                c_blocks(table[num_held_blocks:])
+                c_computed(start)
             view[rid] = (num_tokens, len(table))
-            out.num_scheduled_tokens[rid] = n
+            num_scheduled[rid] = n
             # Recompute of a resumed request's outputs counts as prefill; only the position
             # that produces the next token after the prompt's is a decode.
-            prefill_end = max(req.num_prompt_tokens, num_tokens - 1)
-            num_prefill = max(0, min(end, prefill_end) - start)
-            out.num_prefill_tokens += num_prefill
-            out.num_decode_tokens += n - num_prefill
+            if start + 1 >= num_tokens and start >= num_prompt:
+                num_decode_total += n          # the decode step: all of it is decode
+                continue
+            prefill_end = max(num_prompt, num_tokens - 1)
+            num_prefill = max(0, min(start + n, prefill_end) - start)
+            num_prefill_total += num_prefill
+            num_decode_total += n - num_prefill
+        out.num_prefill_tokens = num_prefill_total
+        out.num_decode_tokens = num_decode_total
         return out
 
     # --- after the model ran ------------------------------------------------------------------
@@ -352,43 +372,71 @@ class Scheduler:
 
         finished_now = False
         starts = so.start_positions()
+        requests, sampled, cache_blocks = self._requests, out.sampled, self.kv.cache_blocks
+        running_status, max_model_len = RequestStatus.RUNNING, self.max_model_len
+        reported = self._num_reported
+        now = self.clock()
+        itl_values: list[float] = []    # this step's inter-token gaps, recorded in one call
+        itl_priorities: list[int] = []
+        num_generated = 0
         for rid, n in so.num_scheduled_tokens.items():
-            req = self._requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING \
+            req = requests.get(rid)
+            if req is None or req.status is not running_status \
                     or req.num_computed_tokens != starts[rid]:
                 continue  # aborted or preempted after it was scheduled
-            req.num_computed_tokens += n
-            self.kv.cache_blocks(req)
-            if req.num_computed_tokens != req.num_tokens:
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            cache_blocks(req)
+            outputs = req.output_token_ids
+            if computed != len(req.prompt_token_ids) + len(outputs):
                 continue  # a prefill chunk short of the last token: nothing sampled
-            token = out.sampled.get(rid)
+            token = sampled.get(rid)
+            reason: FinishReason | None = None
             if token is None:
                 req.error = "the model runner returned no token for a sampling step"
-                reason: FinishReason | None = FinishReason.ERROR
+                reason = FinishReason.ERROR
             else:
-                req.output_token_ids.append(token)
-                self._record_token(req)
-                self.num_generation_tokens_total += 1
-                if len(req.output_token_ids) == 1:
-                    self.num_prompt_tokens_total += req.num_prompt_tokens
-                reason = self._check_stop(req, token)
+                outputs.append(token)
+                num_generated += 1
+                last = req.last_token_time
+                if last is not None:
+                    itl_values.append(now - last)
+                    itl_priorities.append(req.priority)
+                else:
+                    self._record_first_token(req, now)
+                req.last_token_time = now
+                sp = req.sampling
+                if (token == req.eos_token_id or token in req.eos_token_ids
+                        or token in sp.stop_token_ids
+                        or len(outputs) >= sp.max_tokens or computed + 1 >= max_model_len):
+                    reason = self._check_stop(req, token)
             if reason is not None:
                 self._finish(req, reason, report_later=False)
                 finished_now = True
-            results.append((req, self._make_output(req)))
+                results.append((req, self._make_output(req)))
+                continue
+            # `_make_output` of a running request, inline: this line runs for every token.
+            sent = reported.get(rid, 0)
+            reported[rid] = num_outputs = len(outputs)
+            cached = req.num_cached_tokens
+            results.append((req, RequestOutput(
+                rid, outputs[sent:], False, None, None, len(req.prompt_token_ids),
+                cached if cached > 0 else 0, num_outputs, req.num_preemptions, req.error)))
+        self.num_generation_tokens_total += num_generated
+        if itl_values:
+            self.latency.observe_many("itl_s", itl_values, itl_priorities, now)
         if finished_now:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return results
 
     # --- latency (on the scheduler's clock; `vconsole.engine.latency`) -------------------------
-    def _record_token(self, req: Request) -> None:
-        now = self.clock()
+    def _record_first_token(self, req: Request, now: float) -> None:
+        """A request's first sampled token (its later ones only add an ``itl_s`` gap, in bulk
+        per step): TTFT, and its whole prompt counts as prompt tokens (see above)."""
         if req.first_token_time is None:
             req.first_token_time = now
             self.latency.observe("ttft_s", now - req.arrival_time, req.priority, now)
-        elif req.last_token_time is not None:
-            self.latency.observe("itl_s", now - req.last_token_time, req.priority, now)
-        req.last_token_time = now
+        if len(req.output_token_ids) == 1:
+            self.num_prompt_tokens_total += req.num_prompt_tokens
 
     def _record_finish(self, req: Request, reason: FinishReason) -> None:
         now, lat, prio = self.clock(), self.latency, req.priority
@@ -421,37 +469,30 @@ class Scheduler:
 
     def _make_output(self, req: Request) -> RequestOutput:
         rid = req.request_id
+        outputs = req.output_token_ids
         sent = self._num_reported.get(rid, 0)
-        new = req.output_token_ids[sent:]
-        finished = req.is_finished
+        finished = req.status is RequestStatus.FINISHED
         if finished:
             self._num_reported.pop(rid, None)
         else:
-            self._num_reported[rid] = len(req.output_token_ids)
+            self._num_reported[rid] = len(outputs)
+        cached = req.num_cached_tokens
         return RequestOutput(
-            request_id=rid, new_token_ids=new, finished=finished,
-            finish_reason=str(req.finish_reason) if finished and req.finish_reason else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(0, req.num_cached_tokens),
-            num_output_tokens=len(req.output_token_ids),
-            num_preemptions=req.num_preemptions, error=req.error)
+            rid, outputs[sent:], finished,
+            str(req.finish_reason) if finished and req.finish_reason else None, None,
+            len(req.prompt_token_ids), cached if cached > 0 else 0, len(outputs),
+            req.num_preemptions, req.error)
 
     # --- telemetry ----------------------------------------------------------------------------
     def stats(self, max_rows: int) -> SchedulerStats:
         """Queue figures and up to ``max_rows`` request rows: running first, then waiting in
-        queue order. O(running + waiting * log max_rows): for telemetry, not per step."""
-        cfg, now, kv = self.config, self.clock(), self.kv
+        queue order; the waiting rows are cached and refreshed every second or so
+        (`vconsole.engine.sched.request_rows`): for telemetry, not per step."""
+        cfg, now = self.config, self.clock()
         total = len(self.running) + len(self.waiting)
-        rows: list[RequestRow] = []
-        if max_rows > 0:
-            reqs = self.running[:max_rows]
-            if len(reqs) < max_rows:
-                reqs = reqs + self.waiting.ordered(max_rows - len(reqs))
-            rows = [RequestRow(id=r.request_id, state=r.status.label, priority=r.priority,
-                               num_prompt_tokens=r.num_prompt_tokens,
-                               num_output_tokens=len(r.output_token_ids),
-                               num_blocks=kv.num_blocks_of(r.request_id),
-                               age_s=max(0.0, now - r.arrival_time)) for r in reqs]
+        running = self.running[:max(0, max_rows)]
+        rest = max(0, max_rows - len(running))
+        rows = self._waiting_rows.table(running, self.kv.tables, self.waiting, rest, now)
         return SchedulerStats(
             num_waiting=len(self.waiting), num_running=len(self.running),
             num_preempted=self._num_preempted_waiting,
@@ -460,7 +501,7 @@ class Scheduler:
             policy=cfg.policy, num_finished_total=self.num_finished_total,
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
-            requests=rows, requests_truncated=total > len(rows))
+            requests=rows, requests_truncated=total > min(max_rows, total))
 
     def kv_stats(self) -> KVStats:
         return self.kv.kv_stats()

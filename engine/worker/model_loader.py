@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from vconsole.engine.worker import paged_attention
-from vconsole.engine.worker.tiny_model import ensure_tiny_model
+from vconsole.engine.worker import cpu_linear, paged_attention
+from vconsole.engine.worker.tiny_model import MODEL_CONFIGS, ensure_model
 
 SUPPORTED_MODEL_TYPES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,13 +59,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_model_path(path_or_tiny: str | Path, seed: int = 0) -> Path:
-    if str(path_or_tiny) == "tiny":
-        return ensure_tiny_model(seed=seed)
+    """A built-in model's name (``tiny``, ``small-gqa``: built on first use) or a local
+    directory with a ``config.json``."""
+    if str(path_or_tiny) in MODEL_CONFIGS:
+        return ensure_model(str(path_or_tiny), seed=seed)
     path = Path(path_or_tiny).expanduser()
     if not (path / "config.json").is_file():
         what = "does not exist" if not path.exists() else "has no config.json"
+        names = " or ".join(repr(n) for n in MODEL_CONFIGS)
         raise ValueError(f"model directory {str(path)!r} {what}; pass a local Hugging Face "
-                         "model directory or 'tiny'")
+                         f"model directory or a built-in model: {names}")
     return path
 
 
@@ -80,7 +83,8 @@ def check_supported(config: Any) -> None:
 def load_model(path_or_tiny: str | Path, device: str = "auto", dtype: str = "auto",
                seed: int = 0) -> tuple[Any, Any, ModelInfo]:
     """Return ``(model, tokenizer, info)`` with the model in eval mode on ``device``, using
-    ``attn_implementation="vconsole_paged"``. Raises ValueError for anything the caller got
+    ``attn_implementation="vconsole_paged"`` (and, on CPU, oneDNN linears:
+    `vconsole.engine.worker.cpu_linear`). Raises ValueError for anything the caller got
     wrong: a missing directory, an unsupported architecture, a bad device or dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -98,7 +102,10 @@ def load_model(path_or_tiny: str | Path, device: str = "auto", dtype: str = "aut
     model.to(dev).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tokenizer, _describe(model, tokenizer, path, dev, torch_dtype)
+    info = _describe(model, tokenizer, path, dev, torch_dtype)
+    if dev.type == "cpu":
+        cpu_linear.pack_linears(model)  # after _describe: it counts the plain weights
+    return model, tokenizer, info
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

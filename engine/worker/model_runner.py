@@ -279,3 +279,25 @@ class ModelRunner:
             return None
         hidden = out.last_hidden_state[0].index_select(0, step.sample_rows)
         return self._lm_head(hidden)
+
+    # --- data parallel -----------------------------------------------------------------------
+
+    def execute_dummy_batch(self) -> None:
+        """One minimal forward, a single token at position 0 through the decoder and the LM
+        head, that touches no request: its K/V go to a private one-slot scratch pool, never to
+        ``kv_caches``, and neither the request states nor the sampler change. A data-parallel
+        rank runs it while it has no work inside a wave, so that the group's steps stay in
+        lockstep (vLLM's ``execute_dummy_batch``). Built here, independently of `prepare`."""
+        with torch.inference_mode():
+            scratch = getattr(self, "_dummy_kv_caches", None)
+            if scratch is None:
+                scratch = paged_attention.allocate_kv_cache(
+                    self.num_layers, 1, 1, self.num_kv_heads, self.head_dim, self.dtype,
+                    self.device)
+                self._dummy_kv_caches = scratch
+            zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
+            meta = PagedAttentionMetadata(kv_caches=scratch, block_size=1, slot_mapping=zeros,
+                                          prefills=[PrefillChunk(0, 1, 0, None)])
+            out = self._decoder(input_ids=zeros[None], position_ids=zeros[None],
+                                use_cache=False, **{paged_attention.METADATA_KWARG: meta})
+            self._lm_head(out.last_hidden_state[0])

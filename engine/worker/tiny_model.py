@@ -1,8 +1,11 @@
-"""A small random-weight Llama, built locally, so the engine runs and is tested without a hub.
+"""Small random-weight Llamas, built locally, so the engine runs and is tested without a hub.
 
-`ensure_tiny_model` writes an ordinary Hugging Face model directory (config, safetensors weights,
-generation config, tokenizer). `--model tiny` then loads it through exactly the same
-`from_pretrained` path as any real model directory: nothing downstream knows it is special.
+`ensure_model(name)` writes an ordinary Hugging Face model directory (config, safetensors
+weights, generation config, tokenizer) for one of the built-in configs in `MODEL_CONFIGS`:
+``tiny`` (4 layers x 256 hidden, the default everywhere) and ``small-gqa`` (8 layers x 512
+hidden, 8 query heads over 2 KV heads, for benchmarks at a less trivial size). ``--model NAME``
+then loads it through exactly the same `from_pretrained` path as any real model directory:
+nothing downstream knows it is special.
 
 Invariants:
 - The directory name carries a hash of everything that determines its contents (config, seed,
@@ -47,6 +50,22 @@ TINY_LLAMA: dict[str, Any] = {
     "eos_token_id": EOS_ID,
 }
 
+# 8 layers x 512 hidden, GQA with 4 query heads per KV head: ~27M parameters, the shape of a
+# small real model's layer (head_dim 64), still quick to build and to run on a CPU.
+SMALL_GQA_LLAMA: dict[str, Any] = {
+    **TINY_LLAMA,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    # Deeper and wider than tiny: a smaller spread keeps the residual stream and the logits in
+    # the same range as tiny's, so greedy argmax still has clear margins.
+    "initializer_range": 0.06,
+}
+
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {"tiny": TINY_LLAMA, "small-gqa": SMALL_GQA_LLAMA}
+
 
 def default_cache_dir() -> Path:
     """``$VCONSOLE_CACHE`` if set, else ``~/.cache/vconsole``."""
@@ -54,16 +73,24 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "vconsole"
 
 
-def tiny_model_hash(seed: int = 0) -> str:
-    recipe = {"config": TINY_LLAMA, "seed": seed, "special": SPECIAL_TOKENS,
+def tiny_model_hash(seed: int = 0, name: str = "tiny") -> str:
+    recipe = {"config": MODEL_CONFIGS[name], "seed": seed, "special": SPECIAL_TOKENS,
               "format": _FORMAT_VERSION}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def ensure_tiny_model(cache_dir: str | Path | None = None, seed: int = 0) -> Path:
     """Return the tiny model's directory, building it first if it is not there yet."""
+    return ensure_model("tiny", cache_dir, seed)
+
+
+def ensure_model(name: str, cache_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Return the directory of built-in model ``name`` (a key of `MODEL_CONFIGS`), building
+    it first if it is not there yet. Raises ValueError for an unknown name."""
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"unknown built-in model {name!r}; built-in: {', '.join(MODEL_CONFIGS)}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = root / f"tiny-{tiny_model_hash(seed)}"
+    target = root / f"{name}-{tiny_model_hash(seed, name)}"
     if (target / "config.json").is_file():
         return target
     with _BUILD_LOCK:
@@ -72,7 +99,7 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, seed: int = 0) -> Pat
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         try:
-            _build(tmp, seed)
+            _build(tmp, name, seed)
             try:
                 os.replace(tmp, target)
             except OSError:
@@ -84,11 +111,13 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, seed: int = 0) -> Pat
     return target
 
 
-def _build(out: Path, seed: int) -> None:
+def _build(out: Path, name: str, seed: int) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    config = LlamaConfig(**TINY_LLAMA)
+    hf_logging.disable_progress_bar()  # callers print JSON; a build must not write to stderr
+    config = LlamaConfig(**MODEL_CONFIGS[name])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

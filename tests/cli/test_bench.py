@@ -1,4 +1,4 @@
-"""`vconsole bench scheduler` and `vconsole bench kvmap`: each runs on a small size as a process
+"""`vconsole bench scheduler`, `kvmap` and `throughput`: each runs on a small size as a process
 and prints JSON with every figure the README quotes. Timings are only checked for sanity (a
 shared test machine makes them meaningless as pass/fail criteria)."""
 
@@ -62,3 +62,60 @@ def test_kvmap_bench_round_trips_a_mixed_map_through_zmq():
     assert goal["wire_bytes_max"] == 1_100_000 and goal["roundtrip_ms_max"] == 5.0
     assert goal["wire_met"] is True
     assert isinstance(goal["roundtrip_met"], bool)
+
+
+def test_scheduler_bench_measures_the_seeds_time_wheel_against_the_heap():
+    out = bench("scheduler", "--sizes", "100,1000", "--steps", "10")
+    rows = out["queue_impl"]["results"]
+    assert {(r["policy"], r["num_waiting"]) for r in rows} == {
+        (p, n) for p in ("priority", "hybrid") for n in (100, 1000)}
+    for r in rows:
+        assert r["heap_us"] > 0 and r["time_wheel_us"] > 0
+        assert r["wheel_speedup"] == pytest.approx(r["heap_us"] / r["time_wheel_us"], rel=0.05)
+
+
+@pytest.mark.slow
+def test_telemetry_bench_alternates_rounds_with_a_subscriber_and_a_full_table():
+    out = bench("telemetry", "--num-requests", "300", "--rounds", "1", "--seconds", "0.1")
+    assert out["tokens_per_s_off"] > 0 and out["tokens_per_s_on"] > 0
+    assert out["ratio"] == pytest.approx(out["tokens_per_s_on"] / out["tokens_per_s_off"],
+                                         rel=0.01)
+    assert len(out["rounds_off"]) == len(out["rounds_on"]) == 1
+    assert out["request_rows_min"] == out["requests_in_engine_min"] > 250  # every request a row
+    sent = out["messages_sent"]
+    assert sent["sched"] >= 1 and sent["step"] >= 1   # fed while on
+    assert out["goal"]["ratio_min"] == 0.98 and isinstance(out["goal"]["met"], bool)
+
+
+@pytest.mark.slow
+def test_console_bench_times_a_real_console_process_on_one_clock():
+    out = bench("console", "--num-requests", "1000", "--seconds", "1")
+    assert out["rows"] == 1000                        # the console held the whole table
+    assert out["snapshots"] >= 3
+    for key in ("p50_ms", "p99_ms", "model_p50_ms", "model_p99_ms"):
+        assert 0 < out[key] < 60_000                  # after the snapshot, on the same clock
+    assert out["p50_ms"] <= out["p99_ms"] and out["model_p50_ms"] <= out["model_p99_ms"]
+    assert out["idle_cpu_percent"] >= 0 and out["busy_cpu_percent"] > 0
+    sf = out["sort_filter_ms"]
+    assert sf["max"] > 0 and len(sf["by_case"]) == 4
+    assert set(out["goal"]) >= {"p99_met", "idle_met", "busy_met", "sort_filter_met"}
+
+
+def test_throughput_bench_reports_every_run_and_the_median_and_worst_ratios():
+    out = bench("throughput", "--model-config", "tiny", "--num-requests", "1", "--runs", "2")
+    assert out["model_config"] == "tiny" and out["num_requests"] == 1
+    runs = out["runs"]
+    assert len(runs) == 2
+    for r in runs:
+        assert r["engine_tokens_per_s"] > 0 and r["static_tokens_per_s"] > 0
+        assert r["ratio_static"] == round(r["engine_tokens_per_s"] / r["static_tokens_per_s"], 2)
+    ratios = sorted(r["ratio_static"] for r in runs)
+    assert out["worst_ratio_static"] == ratios[0]
+    assert out["median_ratio_static"] == round(sum(ratios) / 2, 2)
+    # The single-round keys are the median round's (the lower one of two).
+    assert out["ratio_vs_static"] == ratios[0]
+    assert out["engine"]["tokens"] == out["hf_static"]["tokens"] == out["output_tokens"]
+    goal = out["goal"]
+    assert (goal["median_vs_static"], goal["median_vs_generate_batch"],
+            goal["worst_vs_static"]) == (3.0, 8.0, 2.0)
+    assert goal["all_met"] == all(goal["met"].values())

@@ -16,6 +16,7 @@ from textual.widgets import Input
 
 from support.console_testing import RECORDING, FakeControl, replay_app
 from support.synthetic import generate
+from support.synthetic_dp import showcase
 from vconsole.telemetry.record import read_records
 
 pytestmark = pytest.mark.slow
@@ -153,3 +154,15 @@ def test_trends_latency_plots(snap_compare):
 def test_trends_without_latency(snap_compare):
     assert snap_compare(replay_app(), press=["5", "v", "v"], terminal_size=(80, 24),
                         run_before=settle)
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_ranks_screen_of_a_data_parallel_group(snap_compare, ranks):
+    recs = list(showcase(ranks, 12.0, stop_rank=(ranks - 3, 0.5) if ranks > 2 else None))
+    assert snap_compare(replay_app(records=recs), press=["6"], terminal_size=(80, 24),
+                        run_before=settle)
+
+
+def test_overview_of_a_data_parallel_group(snap_compare):
+    recs = list(showcase(2, 12.0))
+    assert snap_compare(replay_app(records=recs), terminal_size=(80, 24), run_before=settle)

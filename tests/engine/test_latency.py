@@ -91,3 +91,32 @@ def test_stats_are_per_priority_as_well_as_overall():
     assert snap["overall"]["histograms"]["ttft_s"]["count"] == 3
     assert snap["priority"]["2"]["histograms"]["ttft_s"]["count"] == 2
     assert snap["priority"]["0"]["window"]["ttft_s"]["p50"] == 0.1
+
+
+def test_a_steps_tokens_recorded_at_once_publish_what_one_by_one_would():
+    """The scheduler records a step's inter-token gaps in one call, binned later in bulk: the
+    snapshot must be the one of observing each value on its own (counts, sums, windows)."""
+    import random
+
+    rng = random.Random(3)
+    lat = LatencyStats(30.0)
+    hist, window = Histogram(ITL_BUCKETS), SlidingWindow(30.0)          # one value at a time
+    hist5, window5 = Histogram(ITL_BUCKETS), SlidingWindow(30.0)        # priority 5 only
+    t = 100.0
+    for _ in range(400):
+        t += rng.random() * 0.05
+        values = [rng.random() * 0.3 - 0.01 for _ in range(rng.randint(0, 9))]
+        prios = [rng.choice((0, 1, 5)) for _ in values]
+        lat.observe_many("itl_s", values, prios, t)
+        for v, p in zip(values, prios, strict=True):
+            v = max(0.0, v)                                            # negative gaps clamp
+            hist.observe(v)
+            window.observe(t, v)
+            if p == 5:
+                hist5.observe(v)
+                window5.observe(t, v)
+    snap = lat.snapshot(t)
+    assert snap["overall"]["histograms"]["itl_s"] == hist.to_dict()
+    assert snap["overall"]["window"]["itl_s"] == window.percentiles(t)
+    assert snap["priority"]["5"]["histograms"]["itl_s"] == hist5.to_dict()
+    assert snap["priority"]["5"]["window"]["itl_s"] == window5.percentiles(t)

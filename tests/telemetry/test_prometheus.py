@@ -36,7 +36,7 @@ from vconsole.engine.proc.ready_file import read_ready_file
 from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import RULES
-from vconsole.telemetry.prometheus import MetricsServer, TelemetryCollector
+from vconsole.telemetry.prometheus import MetricsServer, RanksCollector, TelemetryCollector
 from vconsole.telemetry.publisher import (
     ITERATION_TOKENS_BUCKETS,
     TelemetryPublisher,
@@ -241,6 +241,80 @@ def test_a_topic_not_heard_yet_contributes_no_metric():
     older = scrape_collector(TelemetryCollector(Bodies({"sched": old_sched}), model_name="t"))
     assert "vllm:num_requests_running" in older.families
     assert "vllm:prompt_tokens" not in older.families
+
+
+# --- data parallel: every rank's series, engine="<rank>" -------------------------------------
+
+DP_NAMES = {
+    "vconsole:dp_world_size": "gauge", "vconsole:dp_wave": "gauge",
+    "vconsole:dp_wave_running": "gauge", "vconsole:dp_group_generation": "gauge",
+    "vconsole:dp_group_state": "gauge", "vconsole:dp_steps": "counter",
+    "vconsole:dp_dummy_steps": "counter", "vconsole:dp_dummy_share": "gauge",
+    "vconsole:dp_syncs": "counter", "vconsole:dp_sync_seconds": "counter",
+    "vconsole:dp_sync_seconds_per_step": "gauge",
+}
+
+
+def two_rank_bodies() -> dict[int, dict[str, dict[str, Any]]]:
+    """Rank 0 busy in wave 3; rank 1 idle in the same wave, running dummy steps."""
+    r0, r1 = hand_made_bodies(), hand_made_bodies()
+    r1["sched"] = {**r1["sched"], "num_running": 0, "num_waiting": 0,
+                   "num_preemptions_total": 1}
+    r1["kv"] = {**r1["kv"], "usage": 0.0}
+    r1["health"] = {"state": "idle", "alerts_active": {}}
+    dp = {"world_size": 2, "wave": 3, "wave_running": True, "group_generation": 1,
+          "group_state": "ok", "steps_total": 400, "dummy_steps_total": 0, "dummy_share": 0.0,
+          "sync_every": 4, "sync_count_total": 100, "sync_s_total": 0.05,
+          "sync_s_per_step": 0.000125}
+    r0["dp"] = dp
+    r1["dp"] = {**dp, "dummy_steps_total": 120, "dummy_share": 0.3, "group_state": "broken",
+                "sync_s_total": 0.07}
+    return {0: r0, 1: r1}
+
+
+def test_a_data_parallel_scrape_labels_every_rank_and_adds_the_dp_series():
+    ranks = two_rank_bodies()
+    s = scrape_collector(RanksCollector(lambda: ranks, model_name="tiny"))
+    # One family per name (HELP and TYPE once), each with both ranks' samples.
+    assert s.text.count("# TYPE vllm:num_requests_running gauge") == 1
+    for name, kind in {**VLLM_NAMES, **VCONSOLE_NAMES, **DP_NAMES}.items():
+        fam = s.families.get(name)
+        assert fam is not None and fam.type == kind, name
+        assert {smp.labels["engine"] for smp in fam.samples} >= {"0", "1"} or \
+            name == "vconsole:engine_restarts", name
+    assert s.value("vllm:num_requests_running", engine="0") == 3
+    assert s.value("vllm:num_requests_running", engine="1") == 0
+    assert s.value("vllm:num_preemptions_total", engine="1") == 1
+    assert s.value("vconsole:alert_level", engine="1", alert="waiting") == 0
+    assert s.value("vconsole:alert_level", engine="0", alert="waiting") == 2
+    assert s.value("vconsole:dp_wave", engine="1") == 3
+    assert s.value("vconsole:dp_wave_running", engine="0") == 1
+    assert s.value("vconsole:dp_dummy_steps_total", engine="0") == 0
+    assert s.value("vconsole:dp_dummy_steps_total", engine="1") == 120
+    assert s.value("vconsole:dp_dummy_share", engine="1") == 0.3
+    assert s.value("vconsole:dp_sync_seconds_total", engine="1") == 0.07
+    assert s.value("vconsole:dp_syncs_total", engine="0") == 100
+    assert {st: s.value("vconsole:dp_group_state", engine="1", state=st)
+            for st in ("none", "forming", "ok", "broken")} == {
+        "none": 0, "forming": 0, "ok": 0, "broken": 1}
+    assert all(smp.labels["model_name"] == "tiny" for f in s.families.values()
+               for smp in f.samples)
+
+
+def test_the_single_engine_collector_is_the_one_rank_case():
+    bodies = hand_made_bodies()
+    one = scrape_collector(TelemetryCollector(Bodies(bodies), model_name="tiny", engine=2))
+    ranks = scrape_collector(RanksCollector(lambda: {2: bodies}, model_name="tiny"))
+    assert one.text == ranks.text
+    assert not any(n.startswith("vconsole:dp_") for n in one.families)   # no dp topic
+
+
+def test_a_rank_not_heard_yet_contributes_nothing_and_ranks_come_in_order():
+    ranks = two_rank_bodies()
+    s = scrape_collector(RanksCollector(lambda: {1: ranks[1], 0: {}, 10: ranks[0]},
+                                        model_name="tiny"))
+    engines = [smp.labels["engine"] for smp in s.samples("vllm:num_requests_running")]
+    assert engines == ["1", "10"]
 
 
 # --- the publisher: cumulative step fields, and a scrape against its last messages -----------

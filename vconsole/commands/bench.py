@@ -16,7 +16,20 @@ def main(args: argparse.Namespace) -> int:
     elif args.name == "kvmap":
         from vconsole.bench_kvmap import kvmap_bench
 
-        out = kvmap_bench(args.num_blocks, args.rounds, log)
+        out = kvmap_bench(args.num_blocks, args.rounds or 30, log)
+    elif args.name == "telemetry":
+        from vconsole.bench_telemetry import telemetry_bench
+
+        out = telemetry_bench(args.num_requests or 12_000, args.rounds or 10,
+                              args.seconds or 1.0, log)
+    elif args.name == "console":
+        from vconsole.bench_console import console_bench
+
+        out = console_bench(args.num_requests or 10_000, args.seconds or 4.0, log)
+    elif args.name == "dp":
+        from vconsole.bench_dp import dp_bench
+
+        out = dp_bench(args.num_requests or 32, args.rounds or 3, log=log)
     else:  # torch and transformers are imported only for the benchmark that needs them
         from vconsole.bench import throughput
 

@@ -68,6 +68,25 @@ def _read_key(args: argparse.Namespace) -> str:
     return key
 
 
+def _request(client: ControlClient, op: str, values: dict[str, Any] | None,
+             rank: int | None) -> dict[str, Any]:
+    """``client.set_config`` / ``get_config``, with ``rank`` (a data-parallel front end's
+    addressee) when given. Raises ControlError on a reply that failed as a whole."""
+    if rank is None:
+        return client.set_config(values or {}) if op == "set_config" else client.get_config()
+    reply = client.request(op, values, fields={"rank": rank})
+    if not reply.get("ok") and reply.get("error"):
+        raise ControlError(reply["error"])
+    return reply
+
+
+def _print_ranks(reply: dict[str, Any]) -> None:
+    """A data-parallel front end's per-rank acknowledgements, one line each."""
+    for rank, ack in sorted((reply.get("ranks") or {}).items()):
+        state = "applied" if ack.get("ok") else f"refused: {ack.get('error') or 'rejected'}"
+        print(f"rank {rank}  {state} (config version {ack.get('version')})")
+
+
 def _fail(cmd: str, e: Exception | str) -> int:
     print(f"vconsole {cmd}: {e}", file=sys.stderr)
     return 1
@@ -88,7 +107,7 @@ def main_set(args: argparse.Namespace) -> int:
     try:
         key = _read_key(args)
         with _client(args, key) as client:
-            reply = client.set_config(values)
+            reply = _request(client, "set_config", values, getattr(args, "rank", None))
     except CurveKeyError as e:
         print(f"vconsole set: {e}", file=sys.stderr)
         return 2
@@ -106,6 +125,7 @@ def main_set(args: argparse.Namespace) -> int:
     for key in restart:
         print(f"restart required  {key}: restart-only; restart the engine with the new value",
               file=sys.stderr)
+    _print_ranks(reply)
     if not reply.get("ok"):
         print("nothing was applied (a change is all-or-nothing)", file=sys.stderr)
         return 1
@@ -118,7 +138,7 @@ def main_get(args: argparse.Namespace) -> int:
     key = control_key.load_control_key(_endpoint(args), path)
     try:
         with _client(args, key) as client:
-            reply = client.get_config()
+            reply = _request(client, "get_config", None, getattr(args, "rank", None))
     except CurveKeyError as e:
         print(f"vconsole get: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,9 @@
 """`vconsole engine`: run EngineCoreProc until SIGINT/SIGTERM, under a supervisor by default.
 
+With ``--data-parallel-size N`` (N > 1) and no ``--dp-rank``, this process is the
+data-parallel launcher (`vconsole.engine.proc.dp.launcher`); as a torchrun worker it is one
+rank (plus the front end on global rank 0); with ``--dp-rank`` it is that one rank. N == 1 is
+the path below.
 Without ``--no-supervisor`` this process is the `EngineSupervisor`
 (`vconsole.engine.proc.supervisor`), which runs the same command line with
 ``--supervised-child`` as its child and restarts it when it dies; the child (or
@@ -62,16 +66,37 @@ def main(args: argparse.Namespace) -> int:
         return 2
     endpoints = {name: getattr(args, name, None) or default for name, default in DEFAULTS.items()}
     supervised_child = bool(getattr(args, "supervised_child", False))
+    one_rank = supervised_child or getattr(args, "dp_rank", None) is not None
+    if not one_rank and _torchrun_world() > 1:
+        return _torchrun_rank(args, config, endpoints)
+    multi_host = [f for f in ("dp_rank_host", "dp_curve_dir") if getattr(args, f, None)]
+    if not one_rank and multi_host:
+        print(f"vconsole engine: --{multi_host[0].replace('_', '-')} is for torchrun workers "
+              "(ranks on several hosts); this engine's ranks, if any, use private ipc "
+              "endpoints on this host", file=sys.stderr)
+        return exit_codes.CANNOT_START
+    if not one_rank and config.data_parallel_size > 1:
+        return _launch_ranks(args, config, endpoints)
     if not supervised_child and not getattr(args, "no_supervisor", False):
         return _supervise(args, config, endpoints)
+    return _serve(args, config, endpoints, escalate=not supervised_child)
+
+
+def _serve(args: argparse.Namespace, config: Any, endpoints: dict[str, str], *,
+           escalate: bool = True, ready_file: str | None | bool = True,
+           curve: Any = True, front: Any = None) -> int:
+    """Run the engine in this process until it is stopped. ``front``: a torchrun group's
+    front end, started once the engine serves and closed after it drained."""
     q: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-    _install_signal_handlers(q, escalate=not supervised_child)
+    _install_signal_handlers(q, escalate=escalate)
     try:
         proc = EngineCoreProc(config, endpoints, config_path=getattr(args, "config", None),
                               allow_remote=bool(getattr(args, "allow_remote", False)),
                               control_key_file=getattr(args, "control_key_file", None),
-                              input_queue=q, ready_file=getattr(args, "ready_file", None),
-                              curve=server_curve(args),
+                              input_queue=q,
+                              ready_file=(getattr(args, "ready_file", None) if ready_file is True
+                                          else ready_file or None),
+                              curve=server_curve(args) if curve is True else curve,
                               restart_count=getattr(args, "restart_count", 0) or 0,
                               restart_reason=getattr(args, "restart_reason", None),
                               metrics_endpoint=_metrics_endpoint(args),
@@ -88,8 +113,68 @@ def main(args: argparse.Namespace) -> int:
     print(f"vconsole engine {config.engine_id} ready (pid {os.getpid()}): input={ep['input']} "
           f"output={ep['output']} telemetry={ep['telemetry']} control={ep['control']}"
           + (f" metrics={proc.metrics.url}" if proc.metrics is not None else ""), flush=True)
-    proc.run_busy_loop()
+    if front is not None:
+        front.start()
+    try:
+        proc.run_busy_loop()
+    finally:
+        if front is not None:
+            front.close()
     return proc.exit_code
+
+
+def _torchrun_world() -> int:
+    """WORLD_SIZE when this process is a torchrun worker (RANK and WORLD_SIZE set), else 1."""
+    if os.environ.get("RANK") is None:
+        return 1
+    try:
+        return int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return 1
+
+
+def _torchrun_rank(args: argparse.Namespace, config: Any, endpoints: dict[str, str]) -> int:
+    """A torchrun worker is one rank (no supervisor: torchrun restarts the group) on private
+    endpoints, ``tcp://--dp-rank-host:*`` (loopback by default; beyond it only as CURVE servers
+    with ``--dp-curve-dir`` keys, refused before anything binds); global rank 0 also runs the
+    front end on the public ones (`vconsole.engine.proc.dp.torchrun`)."""
+    from vconsole.engine.proc.bind_policy import check_endpoints
+    from vconsole.engine.proc.dp.torchrun import TorchrunFrontEnd, rank_curves, rank_endpoints
+    front_end = int(os.environ.get("RANK") or 0) == 0
+    try:
+        curve = server_curve(args)
+        private = rank_endpoints(endpoints, getattr(args, "dp_rank_host", None))
+        check_endpoints(private, False, curve=bool(getattr(args, "dp_curve_dir", None)))
+        rank_curve, front_curve = rank_curves(getattr(args, "dp_curve_dir", None),
+                                              front_end=front_end)
+    except (ValueError, CurveKeyError) as e:    # RemoteBindRefused is a ValueError
+        print(f"vconsole engine: {e}", file=sys.stderr)
+        return exit_codes.CANNOT_START
+    try:
+        front = (TorchrunFrontEnd(args, config, endpoints, curve=curve, rank_curve=front_curve)
+                 if front_end else None)
+    except (RemoteBindRefused, OSError) as e:
+        print(f"vconsole engine: {e}", file=sys.stderr)
+        return exit_codes.CANNOT_START
+    args.metrics_port = None        # the front end's: /metrics and the key are the group's
+    args.control_key_file = None
+    args.allow_remote = False       # --allow-remote-telemetry is for the public endpoint
+    return _serve(args, config, private, ready_file=False, curve=rank_curve, front=front)
+
+
+def _launch_ranks(args: argparse.Namespace, config: Any, endpoints: dict[str, str]) -> int:
+    """N ranks behind one front end on this host: `vconsole.engine.proc.dp.launcher`."""
+    try:
+        curve = server_curve(args)
+    except (ValueError, CurveKeyError) as e:
+        print(f"vconsole engine: {e}", file=sys.stderr)
+        return exit_codes.CANNOT_START
+    from vconsole.engine.proc.dp.launcher import DPLauncher
+    try:
+        return DPLauncher(args, config, endpoints, curve=curve).run()
+    except (RemoteBindRefused, OSError) as e:
+        print(f"vconsole engine: {e}", file=sys.stderr)
+        return exit_codes.CANNOT_START
 
 
 def _metrics_endpoint(args: argparse.Namespace) -> tuple[str, int] | None:

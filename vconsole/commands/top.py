@@ -11,7 +11,7 @@ import zmq
 from vconsole.commands.curve_args import client_curve
 from vconsole.telemetry.curve import CurveKeyError
 from vconsole.telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
-from vconsole.telemetry.top import Watcher, format_line, snapshot_once, to_json_payload
+from vconsole.telemetry.top import Watcher, format_line, format_ranks_line, snapshot_once
 
 
 def main(args: argparse.Namespace) -> int:
@@ -40,8 +40,9 @@ def main(args: argparse.Namespace) -> int:
         while True:
             w.pump(1.0)
             if as_json:
-                print(json.dumps({t: to_json_payload(m) for t, m in w.latest.items()},
-                                 default=str), flush=True)
+                print(json.dumps(w.snapshot(), default=str), flush=True)
+            elif w.world_size() > 1:
+                print(format_ranks_line(w), flush=True)
             else:
                 print(format_line(w.latest), flush=True)
     except KeyboardInterrupt:

@@ -1,0 +1,211 @@
+"""DPLauncher: `vconsole engine --data-parallel-size N` on one host — N supervised ranks, one front.
+
+The launcher loads no model. It hosts the rendezvous store (a ``torch.distributed.TCPStore``
+master on ``--dp-master-addr``:``--dp-master-port``, or a free port), starts the front end in
+threads on the PUBLIC endpoints (`vconsole.engine.proc.dp.stack.FrontEndStack`: requests,
+telemetry proxy, control fan-out, Prometheus with ``--metrics-port``) and runs
+each rank as a supervised child (`vconsole.engine.proc.supervisor.EngineSupervisor`, one per
+rank, each in a thread): ``python -m vconsole engine ... --data-parallel-size N --dp-rank r
+--dp-master-addr A --dp-master-port P`` bound to private ``ipc://`` endpoints under a private
+run folder (mode 0700). Device split: with CUDA each rank sees device ``r mod count``
+(``CUDA_VISIBLE_DEVICES``); on CPU each gets ``cores // N`` threads (``OMP_NUM_THREADS``).
+
+A rank that dies is restarted by its supervisor (same endpoints, same backoff and give-up rules
+as a lone engine); meanwhile the front end fails its in-flight requests with an error naming
+the rank and routes new ones to the others, and the proxy publishes ``health`` ``restarting``
+with the rank's ``rank`` until it is back. When the rank is ready again the front end
+reconnects and regroups every rank.
+
+The public ready file (``--ready-file``) is written once every rank is ready: the front end's
+endpoints, its control key file, ``data_parallel_size`` and ``ranks`` (``[{rank, pid,
+ready_file}]``, ``pid`` the rank's engine process), rewritten when a rank restarts.
+
+Signals: SIGTERM/SIGINT → every rank drains, the front end closes, exit 0 (a second one kills
+the ranks). A rank's supervisor that gives up stops the whole group with its exit code.
+Invariant: when `run` returns no rank process is left running and the run folder is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vconsole.engine.proc import exit_codes
+from vconsole.engine.proc.dp.stack import FrontEndStack
+from vconsole.engine.proc.ready_file import ENDPOINT_NAMES
+from vconsole.engine.proc.supervisor import EngineSupervisor, RestartPolicy
+
+if TYPE_CHECKING:
+    from vconsole.engine.config import EngineConfig
+    from vconsole.engine.proc.curve_server import ServerCurve
+
+log = logging.getLogger("vconsole.engine.dp")
+
+# Flags of the launcher's own command line that a rank must not inherit (it gets its own).
+_VALUE_FLAGS = ("--input", "--output", "--telemetry", "--control", "--ready-file",
+                "--metrics-port", "--metrics-host", "--control-key-file", "--curve-server-key",
+                "--curve-clients", "--data-parallel-size", "--dp-rank", "--dp-master-addr",
+                "--dp-master-port", "--max-restarts", "--restart-window", "--restart-backoff")
+_BOOL_FLAGS = ("--allow-remote-telemetry", "--allow-remote-metrics", "--no-supervisor")
+POLL_S = 0.1
+
+
+def rank_argv(argv: list[str]) -> list[str]:
+    """``argv`` without the flags the launcher keeps for itself (both ``--f v`` and ``--f=v``)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _BOOL_FLAGS or (name in _VALUE_FLAGS and "=" in arg):
+            continue
+        if name in _VALUE_FLAGS:
+            skip = True
+            continue
+        out.append(arg)
+    return out
+
+
+def gpu_count(device: str) -> int:
+    """CUDA devices the ranks may use (0 with ``--device cpu`` or without usable CUDA)."""
+    if device == "cpu":
+        return 0
+    try:
+        import torch
+        return int(torch.cuda.device_count())
+    except Exception:   # no usable CUDA: CPU ranks
+        return 0
+
+
+def rank_env(rank: int, world_size: int, device: str) -> dict[str, str]:
+    """The rank's environment: its device (CUDA) or its share of the cores (CPU)."""
+    env = dict(os.environ)
+    gpus = gpu_count(device)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = str(rank % gpus)
+    else:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+    return env
+
+
+class DPLauncher:
+    """See the module docstring; `run` from the main thread (signals)."""
+
+    def __init__(self, args: argparse.Namespace, config: EngineConfig,
+                 endpoints: dict[str, str], *, curve: ServerCurve | None = None) -> None:
+        self.args = args
+        self.config = config
+        self.world_size = config.data_parallel_size
+        self.public = dict(endpoints)
+        self.curve = curve
+        self._stop_signal: int | None = None
+        self._failed: int | None = None
+        self.supervisors: list[EngineSupervisor] = []
+
+    def run(self) -> int:
+        args = self.args
+        port = getattr(args, "metrics_port", None)
+        self.stack = FrontEndStack(
+            self.config, self.public, self.world_size,
+            allow_remote=bool(getattr(args, "allow_remote", False)), curve=self.curve,
+            control_key_file=getattr(args, "control_key_file", None),
+            ready_file=getattr(args, "ready_file", None),
+            metrics=None if port is None else (getattr(args, "metrics_host", None)
+                                               or "127.0.0.1", port),
+            allow_remote_metrics=bool(getattr(args, "allow_remote_metrics", False)))
+        run_dir = Path(tempfile.mkdtemp(prefix="vconsole-dp-"))
+        previous = {s: signal.signal(s, self._on_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            import torch.distributed as dist
+
+            store = dist.TCPStore(self.config.dp_master_addr, self.config.dp_master_port or 0,
+                                  is_master=True, wait_for_workers=False)
+            try:
+                return self._run_ranks(run_dir, store.port)
+            finally:
+                del store
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.stack.close()
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _run_ranks(self, run_dir: Path, port: int) -> int:
+        argv = rank_argv(list(getattr(self.args, "argv", None) or sys.argv[1:]))
+        gpus = gpu_count(self.config.device)
+        if 0 < gpus < self.world_size:
+            log.warning("%d ranks share %d CUDA device(s): rank r uses device r mod %d",
+                        self.world_size, gpus, gpus)
+        max_restarts, window, backoff = (self.args.max_restarts, self.args.restart_window,
+                                         self.args.restart_backoff)
+        codes: dict[int, int] = {}
+        threads = []
+        for r in range(self.world_size):
+            eps = {n: f"ipc://{run_dir}/r{r}-{n}" for n in ENDPOINT_NAMES}
+            self.stack.watch(r, eps["telemetry"])
+            cmd = [sys.executable, "-m", "vconsole", *argv,
+                   "--data-parallel-size", str(self.world_size), "--dp-rank", str(r),
+                   "--dp-master-addr", self.config.dp_master_addr, "--dp-master-port",
+                   str(port), "--control-key-file", str(run_dir / f"r{r}.key")]
+            ready = str(run_dir / f"r{r}.ready")
+            sup = EngineSupervisor(
+                cmd, eps, engine_id=self.config.engine_id, rank=r,
+                policy=RestartPolicy(max_restarts=max_restarts, window_s=window,
+                                     backoff_s=backoff),
+                ready_file=ready, heartbeat_interval_s=self.config.heartbeat_interval_s,
+                sndhwm=self.config.zmq_sndhwm,
+                env=rank_env(r, self.world_size, self.config.device),
+                on_ready=lambda rec, r=r, ready=ready: self.stack.rank_ready(r, rec, ready),
+                on_exit=lambda code, why, r=r: self._rank_exit(r, code, why),
+                beacon=False)   # the front end's proxy says `restarting` for the rank
+            self.supervisors.append(sup)
+
+            def target(sup: EngineSupervisor = sup, r: int = r) -> None:
+                codes[r] = sup.run(install_signals=False)
+
+            threads.append(threading.Thread(target=target, name=f"dp-rank-{r}", daemon=True))
+        for t in threads:
+            t.start()
+        while True:
+            alive = any(t.is_alive() for t in threads)
+            failed = [r for r, c in sorted(codes.items()) if c != exit_codes.OK]
+            if failed and self._failed is None and self._stop_signal is None:
+                r = failed[0]
+                print(f"vconsole engine: data-parallel rank {r}: "
+                      f"{self.supervisors[r].failure or f'exit code {codes[r]}'}; "
+                      + ("stopping the group" if alive else "the group stopped"),
+                      file=sys.stderr)
+                self._failed = codes[r]
+                self._on_stop(signal.SIGTERM, None)
+            if not alive:
+                break
+            time.sleep(POLL_S)
+        if self._failed is not None:
+            return self._failed
+        bad = [c for c in codes.values() if c != exit_codes.OK]
+        return bad[0] if bad else exit_codes.OK
+
+    def _rank_exit(self, rank: int, code: int, reason: str) -> None:
+        """A rank's process ended (its supervisor's thread): unless the group is stopping or
+        it stopped cleanly, its supervisor restarts it."""
+        restarting = self._stop_signal is None and code != exit_codes.OK
+        self.stack.rank_exit(rank, reason, restarting=restarting,
+                             restart_count=self.supervisors[rank].restart_count + 1)
+
+    def _on_stop(self, signum: int, _frame: Any) -> None:
+        """First SIGTERM/SIGINT: every rank drains. Another: kill them."""
+        first = self._stop_signal is None
+        self._stop_signal = self._stop_signal or signum
+        for sup in self.supervisors:
+            sup.stop(signum if first else signal.SIGKILL)

@@ -1,0 +1,81 @@
+"""The ``sched`` request table between two rebuilds of its cached waiting rows: running rows are
+exact, no request is listed twice, ages follow the clock, and a policy change re-orders."""
+
+from __future__ import annotations
+
+from support.scheduling import make_request, make_scheduler
+from vconsole.engine.sched.output import ModelRunnerOutput
+from vconsole.engine.stats import RequestRow, RequestTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def step(s) -> None:
+    so = s.schedule()
+    s.update_from_output(so, ModelRunnerOutput({r: 7 for r in so.num_scheduled_tokens}))
+
+
+def scheduler(clock: Clock, n: int = 40, **cfg: object):
+    s = make_scheduler(num_blocks=256, clock=clock, max_num_seqs=4, **cfg)
+    for i in range(n):
+        s.add_request(make_request(f"r{i:02d}", 8, max_tokens=3, priority=i % 3,
+                                   arrival=clock.t - 1 + i * 0.01))
+    return s
+
+
+def test_rows_are_running_then_waiting_in_queue_order():
+    clock = Clock()
+    s = scheduler(clock)
+    step(s)
+    st = s.stats(100)
+    assert isinstance(st.requests, RequestTable) and len(st.requests) == 40
+    ids = [r.id for r in st.requests]
+    assert ids[:4] == [r.request_id for r in s.running]
+    assert ids[4:] == [r.request_id for r in s.waiting.ordered()]
+    assert st.requests[0] == RequestRow(ids[0], "running", 0, 8, 1, s.kv.num_blocks_of(ids[0]),
+                                        st.requests[0].age_s)
+    assert {r.state for r in st.requests[4:]} == {"waiting"}
+
+
+def test_between_rebuilds_admitted_requests_are_not_listed_twice_and_ages_move():
+    clock = Clock()
+    s = scheduler(clock)
+    step(s)
+    first = s.stats(100)
+    rebuilds = s._waiting_rows.rebuilds
+    for _ in range(4):            # requests finish, others are admitted from the queue
+        step(s)
+    clock.t += 0.5
+    st = s.stats(100)
+    assert s._waiting_rows.rebuilds == rebuilds        # the cached waiting rows were reused
+    ids = [r.id for r in st.requests]
+    assert len(ids) == len(set(ids))                   # admitted ones left the waiting rows
+    assert ids[:len(s.running)] == [r.request_id for r in s.running]
+    assert set(ids) <= {r.request_id for r in s.running} | set(s.waiting._live)
+    assert len(first.requests) == 40 and first.requests[10].state == "waiting"
+    by_id = {r.id: r for r in st.requests}
+    old = {r.id: r for r in first.requests}
+    waiting_id = ids[-1]
+    assert abs(by_id[waiting_id].age_s - old[waiting_id].age_s - 0.5) < 1e-9
+
+
+def test_a_policy_change_or_a_shrunken_queue_rebuilds_the_rows():
+    clock = Clock()
+    s = scheduler(clock, policy="fcfs")
+    step(s)
+    s.stats(100)
+    s.update_config(s.config.__class__(**{**s.config.to_dict(), "policy": "priority"}))
+    step(s)
+    st = s.stats(100)
+    waiting = [r for r in st.requests if r.state != "running"]
+    assert [r.priority for r in waiting] == sorted(r.priority for r in waiting)
+    s.abort_requests([r.id for r in waiting[:30]])
+    step(s)
+    ids = [r.id for r in s.stats(100).requests]
+    assert not set(ids) & {r.id for r in waiting[:30]}
