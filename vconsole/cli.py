@@ -46,7 +46,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-master-port", type=int, metavar="PORT",
                    help="rendezvous port (default: a free one, or torchrun's MASTER_PORT)")
     g.add_argument("--dp-rank-host", metavar="HOST",
-                   help="torchrun: the address this node's ranks bind their private endpoints "
+                   help="torchrun: the IPv4 address this node's ranks bind their private endpoints "
                    "on, one the front end's host can reach (default 127.0.0.1; beyond loopback "
                    "needs --dp-curve-dir)")
     g.add_argument("--dp-curve-dir", metavar="DIR",

@@ -52,7 +52,7 @@ def _torchrun_env(port: int) -> dict[str, str]:
     (["--dp-rank-host", "10.1.2.3"],
      "refusing to bind non-loopback endpoint(s) input=tcp://10.1.2.3:*"),
     (["--dp-rank-host", "0.0.0.0", "--dp-curve-dir", "KEYS"],
-     "--dp-rank-host '0.0.0.0': give this node's address"),
+     "--dp-rank-host '0.0.0.0': give this node's IPv4 address"),
     (["--dp-curve-dir", "EMPTY"], "server.key_secret"),
 ], ids=["remote-host-without-keys", "wildcard-host", "keyless-folder"])
 def test_a_rank_refuses_what_it_cannot_serve_safely_before_anything_binds(

@@ -3,7 +3,7 @@
 Under ``torchrun --nnodes ... --nproc-per-node ... -m vconsole engine ...`` every worker is one
 rank (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` from the environment;
 `vconsole.engine.proc.dp.rendezvous.DPEnv`): it serves on private ``tcp://127.0.0.1:*``
-endpoints and publishes its ready record in the store that torchrun's agent hosts. Global rank
+endpoints (see "Several hosts" below) and publishes its ready record in the store that torchrun's agent hosts. Global rank
 0's process also runs this front end, in threads, on the PUBLIC endpoints of the command line:
 it reads every rank's record from the store (`read_rank`, waiting for ranks still loading) and
 then serves exactly as the single-host launcher's front end does
@@ -58,15 +58,15 @@ WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
 
 def rank_endpoints(names: Iterable[str], host: str | None) -> dict[str, str]:
     """A rank's private endpoints: ``tcp://HOST:*`` for every socket name. ``host`` must be an
-    address the front end can connect to (what the rank registers is what it bound), so a
-    wildcard is refused (`ValueError`)."""
-    bare = (DEFAULT_RANK_HOST if host is None else host).strip().strip("[]")
-    if bare in WILDCARDS or "/" in bare:
-        raise ValueError(f"--dp-rank-host {host!r}: give this node's address that the front "
-                         "end's host can reach (a rank registers the address it bound, and a "
-                         "wildcard address cannot be connected to)")
-    bound = f"[{bare}]" if ":" in bare else bare
-    return dict.fromkeys(names, f"tcp://{bound}:*")
+    IPv4 address (or interface) the front end can connect to (what the rank registers is what
+    it bound), so a wildcard is refused (`ValueError`), and IPv6, which engine sockets do not
+    enable, too."""
+    bare = (DEFAULT_RANK_HOST if host is None else host).strip()
+    if bare in WILDCARDS or "/" in bare or ":" in bare:
+        raise ValueError(f"--dp-rank-host {host!r}: give this node's IPv4 address that the "
+                         "front end's host can reach (a rank registers the address it bound, "
+                         "and a wildcard address cannot be connected to)")
+    return dict.fromkeys(names, f"tcp://{bare}:*")
 
 
 def rank_curves(curve_dir: str | os.PathLike[str] | None, *, front_end: bool
