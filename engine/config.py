@@ -33,7 +33,8 @@ def _f(default: Any, desc: str, *, hot: bool, lo: float | None = None, hi: float
 @dataclass(frozen=True)
 class EngineConfig:
     # --- fixed at start: the model and the memory it owns -----------------------------------
-    model: str = _f("tiny", "Local model directory, or 'tiny' for the built-in random-weight Llama.",
+    model: str = _f("tiny", "Local model directory, or a built-in random-weight Llama: 'tiny' "
+                    "(4 layers x 256) or 'small-gqa' (8 layers x 512, GQA).",
                     hot=False)
     device: str = _f("auto", "Where the model runs: auto (CUDA if present), cpu or cuda.",
                      hot=False, choices=DEVICES)

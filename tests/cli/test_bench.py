@@ -101,6 +101,7 @@ def test_console_bench_times_a_real_console_process_on_one_clock():
     assert set(out["goal"]) >= {"p99_met", "idle_met", "busy_met", "sort_filter_met"}
 
 
+@pytest.mark.slow  # two rounds of three contenders, transformers' generate_batch the slowest
 def test_throughput_bench_reports_every_run_and_the_median_and_worst_ratios():
     out = bench("throughput", "--model-config", "tiny", "--num-requests", "1", "--runs", "2")
     assert out["model_config"] == "tiny" and out["num_requests"] == 1
