@@ -1,9 +1,15 @@
 """`VConsoleApp`: the Textual console that watches and steers one or more engines.
 
-Data path (Memray's live TUI): a `Source` thread folds telemetry into `ConsoleState`; a timer
-here, at most ``refresh_hz`` times a second and only when something changed (or ages need to
-tick), builds one `Frame` and hands it to the visible screen inside ``batch_update()``. The
-message rate never reaches the event loop.
+Data path (Memray's live TUI): a `Source` thread folds telemetry into `ConsoleState` and, when
+a snapshot came (its ``sched`` message), wakes the app (one `DataArrived` message at a time, however
+many messages it folded in); the app then builds one `Frame` and hands it to the visible screen
+inside ``batch_update()`` — at once while a token bucket allows it (``refresh_hz`` tokens a
+second, at most ``WAKE_BURST`` saved up), else as soon as it does. (A plain "at least a period
+since the last refresh" rule chains: one late refresh delays every later snapshot too.) A timer (``refresh_hz``) marks engines down and re-applies when the last
+refresh is ``AGE_TICK_S`` old (ages move; the 1 Hz topics and data fed without a wake-up show
+then), so it never takes the slot a snapshot arriving right after needs. So new snapshots show
+promptly, the screen refreshes at most ~``refresh_hz`` times a second, and the message rate
+never reaches the event loop.
 
 Steering: `request_change` validates a value, asks for confirmation when the change can hurt,
 and sends it from a worker thread; the engine's reply lands in `history` / `replies` and on the
@@ -34,8 +40,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from textual import work
+from textual import on, work
 from textual.app import App
+from textual.message import Message
+from textual.timer import Timer
 from textual.worker import get_current_worker
 
 from vconsole.console import keymap
@@ -77,8 +85,13 @@ from vconsole.telemetry.key_owner import KeyStatus
 MIN_WIDTH, MIN_HEIGHT = 64, 18
 NARROW_WIDTH = 100
 SINGLE_COLUMN_WIDTH = 78
-AGE_TICK_S = 0.5          # re-apply this often even without new messages (ages move)
+AGE_TICK_S = 0.5          # re-apply this often without a wake-up (ages move, 1 Hz topics)
+WAKE_BURST = 2.0          # refreshes a wake-up may spend at once (see the module docstring)
 CONFIG_RETRY_S = 2.0
+
+
+class DataArrived(Message):
+    """Posted by the reader thread (thread-safe) when it folded new telemetry in."""
 
 
 class VConsoleApp(App[None]):
@@ -147,6 +160,10 @@ class VConsoleApp(App[None]):
         self.too_small = False
         self._applied_generation = -1
         self._last_apply = 0.0
+        self._wake_pending = False             # a DataArrived is queued, not yet handled
+        self._wake_timer: Timer | None = None  # a refresh scheduled for when it is due
+        self._tokens = WAKE_BURST              # the wake-ups' refresh budget, and when it was
+        self._tokens_ts = time.monotonic()     # last topped up
         self._seen_reconnects: dict[str, int] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -155,6 +172,7 @@ class VConsoleApp(App[None]):
         if self.console.color_system in LOW_COLOUR_SYSTEMS:
             self.register_theme(ANSI_THEME)
             self.theme = ANSI_THEME.name
+        self.source.on_data = self._data_arrived
         self.source.start(self.state)
         if self._clock is not None:
             self.state.clock = self._clock
@@ -169,11 +187,43 @@ class VConsoleApp(App[None]):
 
     # --- the refresh loop ----------------------------------------------------------------------
 
+    def _data_arrived(self) -> None:
+        """Reader thread: wake the app, once per batch of arrivals it has not yet seen."""
+        if not self._wake_pending:
+            self._wake_pending = True
+            self.post_message(DataArrived())
+
+    @on(DataArrived)
+    def _wake(self) -> None:
+        self._wake_pending = False
+        if self._wake_timer is not None:
+            return                                  # a refresh is already scheduled
+        wait = self._spend_token()
+        if wait <= 0:
+            self.refresh_view()
+        else:
+            self._wake_timer = self.set_timer(wait, self._wake_due)
+
+    def _wake_due(self) -> None:
+        self._wake_timer = None
+        self._spend_token(force=True)
+        self.refresh_view()
+
+    def _spend_token(self, force: bool = False) -> float:
+        """Spend a refresh token and return 0, or return the seconds until one is there."""
+        now = time.monotonic()
+        rate = 1.0 / self.refresh_interval
+        self._tokens = min(WAKE_BURST, self._tokens + (now - self._tokens_ts) * rate)
+        self._tokens_ts = now
+        if self._tokens >= 1.0 or force:
+            self._tokens -= 1.0
+            return 0.0
+        return (1.0 - self._tokens) / rate
+
     def _tick(self) -> None:
         self.state.mark_down()
         self._check_reconnects()
-        changed = self.state.generation != self._applied_generation
-        if changed or time.monotonic() - self._last_apply >= AGE_TICK_S:
+        if time.monotonic() - self._last_apply >= AGE_TICK_S:
             self.refresh_view()
 
     def _check_reconnects(self) -> None:

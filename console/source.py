@@ -2,8 +2,18 @@
 
 Why a thread (Memray's live TUI does the same): a socket read or a file read must never run on
 Textual's event loop. The thread only decodes and folds messages into `ConsoleState` under its
-lock; the UI polls the state on its own timer, so the screen refreshes at a bounded rate
-whatever the message rate.
+lock, then calls ``on_data`` when what it folded in includes a snapshot (`WAKE_TOPICS`: the
+``sched`` message every 10 Hz snapshot has; its ``step`` and ``kv`` come with it): the app wakes
+up and refreshes, at most ~10 times a second, so the screen follows the stream promptly at a
+bounded rate whatever the message rate. Other messages wake nothing: they show with the next
+snapshot or on the app's slow timer, and never spend the refresh a snapshot right behind them
+needs.
+
+Conflation (live): of a burst of queued messages, a ``sched`` snapshot that a newer one of the
+same engine rank follows in the burst is not decoded at all (`vconsole.telemetry.schema.peek`
+reads its envelope): a console that fell behind catches up with one 10k-row decode instead of
+one per queued snapshot. Its ``seq`` is still noted (`ConsoleState.note_skipped`), so it is not
+counted as lost, and the recording still gets every message.
 
 Both sources can tee the raw frames they read into a `vconsole.telemetry.record.Recorder` (start/stop
 from the console), and both own the clock the state uses: wall time live, a virtual clock in a
@@ -20,10 +30,18 @@ from typing import Any
 
 from vconsole.console.state import ConsoleState
 from vconsole.telemetry.curve import ClientCurve
-from vconsole.telemetry.schema import SchemaVersionError
+from vconsole.telemetry.schema import SchemaVersionError, peek
 
 POLL_MS = 100
 MAX_BATCH = 2000  # messages drained per wake-up before checking for stop
+# A publisher sends step, sched and kv back to back: after the first message of a burst, wait
+# this long for more (at most COALESCE_MAX_MS in all), so the burst is folded in and shown as
+# one (a refresh on ``step`` alone would hold the ``sched`` right behind it a refresh period).
+COALESCE_MS = 2
+COALESCE_MAX_MS = 10
+CONFLATE = frozenset({"sched"})  # state topics whose older snapshots in a burst are skipped
+WAKE_TOPICS = frozenset({"sched"})   # a new snapshot: data to show now
+_WAKE_BYTES = frozenset(t.encode("ascii") for t in WAKE_TOPICS)
 
 
 class Source:
@@ -41,6 +59,8 @@ class Source:
         self.recorded = 0
         self.error: str | None = None
         self.finished = False
+        self.on_data: Callable[[], None] | None = None   # called after each batch is folded in
+        self.conflated = 0                                # snapshots skipped (see the docstring)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -73,6 +93,28 @@ class Source:
 
     def _run(self, state: ConsoleState) -> None:
         raise NotImplementedError
+
+    def _notify(self, batch: Sequence[tuple[float, Sequence[Any]]]) -> None:
+        if self.on_data is not None and any(
+                len(frames) and bytes(frames[0]) in _WAKE_BYTES for _, frames in batch):
+            self.on_data()
+
+    def _ingest_batch(self, state: ConsoleState, batch: list[tuple[float, Sequence[Any]]]) -> None:
+        """Fold in a burst of messages, decoding only the newest ``CONFLATE`` snapshot of each
+        engine rank (older ones only have their ``seq`` noted)."""
+        heads = [peek(frames) if len(batch) > 1 else None for _, frames in batch]
+        newest: dict[tuple[str, str, int], int] = {}
+        for i, head in enumerate(heads):
+            if head is not None and head[0] in CONFLATE:
+                newest[head[:3]] = i
+        for i, (ts, frames) in enumerate(batch):
+            head = heads[i]
+            if head is not None and head[0] in CONFLATE and newest[head[:3]] != i:
+                state.note_skipped(head[1], head[2], head[0], head[3])
+                self.conflated += 1
+            else:
+                state.ingest(frames, ts)
+        self._notify(batch)
 
     # --- recording ---------------------------------------------------------------------------
 
@@ -147,15 +189,22 @@ class ZmqSource(Source):
             while not self._stop.is_set():
                 if not poller.poll(POLL_MS):
                     continue
-                for _ in range(MAX_BATCH):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
+                batch: list[tuple[float, Sequence[Any]]] = []
+                until = time.monotonic() + COALESCE_MAX_MS / 1000
+                while True:
+                    while len(batch) < MAX_BATCH:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        ts = time.time()
+                        bufs = [f.buffer for f in frames]
+                        self._tee(ts, bufs)
+                        batch.append((ts, bufs))
+                    if (len(batch) >= MAX_BATCH or time.monotonic() >= until
+                            or not poller.poll(COALESCE_MS)):
                         break
-                    ts = time.time()
-                    bufs = [f.buffer for f in frames]
-                    self._tee(ts, bufs)
-                    state.ingest(bufs, ts)
+                self._ingest_batch(state, batch)
         finally:
             sock.close(0)
             ctx.term()
@@ -231,6 +280,8 @@ class ReplaySource(Source):
                 self.count += 1
                 self._tee(ts, frames)
                 state.ingest(frames, ts)
+                if self.speed > 0:
+                    self._notify(((ts, frames),))
         finally:
             self.finished = True
             with state.lock:

@@ -174,6 +174,7 @@ class EngineState:
         self.last_seq: dict[str, int] = {}
         self.received = 0
         self.dropped = 0
+        self.skipped = 0           # snapshots the reader conflated away (`note_skipped`)
         self.restarts = 0
         self.first_seen: float | None = None
         self.last_heartbeat: float | None = None
@@ -305,6 +306,19 @@ class ConsoleState:
             self.note_error(f"bad {msg.topic} payload: {type(e).__name__}: {e}")
             return None
         return msg
+
+    def note_skipped(self, engine: str, rank: int, topic: str, seq: int) -> None:
+        """A message the reader chose not to decode (an older snapshot conflated away, see
+        `vconsole.console.source`): its ``seq`` counts as seen, not lost."""
+        with self.lock:
+            eng = self.engines.get(f"{engine}/{rank}")
+            if eng is None:
+                return
+            eng.skipped += 1
+            last = eng.last_seq.get(topic)
+            if last is not None and seq > last:   # (a restart shows in the next decoded one)
+                eng.dropped += seq - last - 1
+                eng.last_seq[topic] = seq
 
     def note_schema_error(self, message: str, ts: float | None = None) -> None:
         with self.lock:

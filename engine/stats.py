@@ -7,7 +7,7 @@ them into wire messages (see `vconsole.telemetry.schema`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 import numpy as np
@@ -45,18 +45,24 @@ class RequestRow:
     age_s: float
 
 
-_ROW_FIELDS = tuple(f.name for f in fields(RequestRow))
+# A request's state as a small code (uint8 on the wire): the index here, which is also
+# `vconsole.engine.request.RequestStatus`'s value (tests/engine/test_request_rows.py checks it).
+REQUEST_STATES = ("waiting", "running", "preempted")
+# The numeric columns of a `RequestTable` and their dtypes (those of the ``sched`` wire form).
+REQUEST_NUMERIC = {"priority": np.int32, "num_prompt_tokens": np.int32,
+                   "num_output_tokens": np.int32, "num_blocks": np.int32, "age_s": np.float64}
 
 
 class RequestTable(Sequence[RequestRow]):
     """Request rows kept by column, as the ``sched`` topic sends them: ten thousand rows are
-    seven lists, not ten thousand objects, and the publisher sends ``columns`` as they are.
-    Reads as a sequence of `RequestRow` (built on access). ``columns`` holds one equally long
-    list per `RequestRow` field."""
+    a list of ids and six numpy arrays, not ten thousand objects, and the publisher sends the
+    arrays as raw buffers without touching a row. ``columns``: ``id`` a list of str, ``state``
+    uint8 codes (`REQUEST_STATES`), the `REQUEST_NUMERIC` columns arrays of those dtypes, all
+    equally long. Reads as a sequence of `RequestRow` (built on access, Python values)."""
 
     __slots__ = ("columns",)
 
-    def __init__(self, columns: dict[str, list[Any]]) -> None:
+    def __init__(self, columns: dict[str, Any]) -> None:
         self.columns = columns
 
     def __len__(self) -> int:
@@ -69,7 +75,9 @@ class RequestTable(Sequence[RequestRow]):
     def __getitem__(self, i: int | slice) -> RequestRow | RequestTable:
         if isinstance(i, slice):
             return RequestTable({c: v[i] for c, v in self.columns.items()})
-        return RequestRow(*(self.columns[c][i] for c in _ROW_FIELDS))
+        c = self.columns
+        return RequestRow(c["id"][i], REQUEST_STATES[int(c["state"][i])],
+                          *(c[k][i].item() for k in REQUEST_NUMERIC))
 
 
 @dataclass

@@ -15,6 +15,9 @@ Invariants:
   from the per-topic ``seq`` gaps.
 - step/sched/kv go out at most ``telemetry_hz`` times a second (a fresh snapshot may follow the
   previous message by 85% of a period: the engine's `snapshot_due` already spaces snapshots).
+  The send slots are phase-locked (the next is a period after the previous *slot*, not after
+  a late send, and at least half a period after the send): otherwise one late send would hold
+  every later snapshot back too (the console's lag, `bench console`).
   sched and kv are *state*: when the engine submits nothing new (idle), the last snapshot is
   re-sent every heartbeat so a late subscriber still learns it (``snapshot_ts`` tells its age);
   step then reports an empty window.
@@ -62,11 +65,12 @@ class _Probe(Protocol):
     def read(self) -> dict[str, Any]: ...
 
 
-def request_columns(rows: Any) -> dict[str, list[Any]]:
-    """RequestRow objects -> the columnar ``requests`` table, without per-row dicts; a
-    `RequestTable` (the scheduler's) is already columns and goes as it is."""
+def request_columns(rows: Any) -> RequestTable | dict[str, list[Any]]:
+    """The ``requests`` table to encode: a `RequestTable` (the scheduler's: numpy columns that
+    `schema.encode` sends as raw buffers) goes as it is; RequestRow objects become column
+    lists, without per-row dicts."""
     if isinstance(rows, RequestTable):
-        return {c: rows.columns[c] for c in _ROW_GETTERS}
+        return rows
     return {c: list(map(g, rows)) for c, g in _ROW_GETTERS.items()}
 
 
@@ -442,7 +446,8 @@ class TelemetryPublisher:
                                                     fragmentation=kv.fragmentation)
                     last_state_sent = now
                 have_new = False
-                next_snap = now + 1.0 / cfg.telemetry_hz
+                period = 1.0 / cfg.telemetry_hz
+                next_snap = max(next_snap + period, now + period / 2)   # phase-locked
 
             if latency is not None:
                 latency_body = latency

@@ -13,9 +13,12 @@ reference in it points at an existing frame whose size matches dtype x shape. Fi
 envelope are not enforced here (a newer publisher may add fields; `missing_fields` tells which
 of a topic's documented minimum fields are absent). See docs/PROTOCOL.md for each topic.
 
-The ``sched`` topic's ``requests`` table is columnar on the wire (a map of column -> list, all
-the same length), which is several times smaller and cheaper than a list of maps for thousands
-of rows; `encode` accepts either form and `decode` always hands back a list of row dicts.
+The ``sched`` topic's ``requests`` table is columnar on the wire: ids as a list, the state
+as uint8 codes and the counts and ages as raw buffers (`vconsole.telemetry.request_columns`),
+so 10,000 rows cost the publisher no Python per row. `encode` accepts a `RequestTable`, a
+`RequestColumns`, a column map or a list of row maps; `decode` accepts those wire forms and the
+older ones (column -> list, a list of rows: recordings hold them) and always hands back a
+`RequestColumns` (numpy columns that also read as a sequence of row dicts).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
+from vconsole.telemetry.request_columns import REQUEST_COLUMNS as REQUEST_COLUMNS
+from vconsole.telemetry.request_columns import RequestColumns as RequestColumns
+from vconsole.telemetry.request_columns import from_wire, to_wire
 
 SCHEMA_VERSION: int = 1
 TOPICS = ("health", "step", "sched", "kv", "gpu", "host", "config", "alert", "latency",
@@ -41,8 +48,6 @@ ENVELOPE: dict[str, tuple[type, ...]] = {
     "v": (int,), "ts": (int, float), "engine": (str,), "rank": (int,), "seq": (int,),
 }
 
-REQUEST_COLUMNS = ("id", "state", "priority", "num_prompt_tokens", "num_output_tokens",
-                   "num_blocks", "age_s")
 
 # The documented minimum fields per topic (beyond the envelope). Informational: `decode` does
 # not enforce them, `missing_fields` reports them, the publisher's tests check it sends them all.
@@ -182,14 +187,6 @@ def _lift_arrays(obj: dict[str, Any], frames: list[Buffer]) -> dict[str, Any]:
     return out
 
 
-def _columns(rows: Any) -> Any:
-    """Request rows (list of maps) -> columnar map; already-columnar input passes through."""
-    if isinstance(rows, dict) or not isinstance(rows, list | tuple):
-        return rows
-    return {c: [r[c] for r in rows] for c in REQUEST_COLUMNS} if rows else \
-        {c: [] for c in REQUEST_COLUMNS}
-
-
 def encode(topic: str, payload: dict[str, Any], buffers: Sequence[Buffer] = ()) -> list[Buffer]:
     """Frames for one message: ``[topic bytes, msgpack payload, *buffers, *lifted arrays]``.
 
@@ -203,11 +200,14 @@ def encode(topic: str, payload: dict[str, Any], buffers: Sequence[Buffer] = ()) 
     if not isinstance(payload, dict):
         raise SchemaError(f"{topic}: payload must be a dict, got {type(payload).__name__}")
     frames: list[Buffer] = list(buffers)
+    if topic == "sched" and "requests" in payload:
+        try:
+            payload = {**payload, "requests": to_wire(payload["requests"])}
+        except (ValueError, TypeError, KeyError) as e:
+            raise SchemaError(f"{topic}: bad 'requests' table: {e}") from e
     body = _lift_arrays(payload, frames)
     body.setdefault("v", SCHEMA_VERSION)
     _check_envelope(topic, body)
-    if topic == "sched" and "requests" in body:
-        body["requests"] = _columns(body["requests"])
     try:
         packed = msgpack.packb(body, use_bin_type=True, default=_default)
     except (TypeError, ValueError, OverflowError) as e:
@@ -286,16 +286,28 @@ def _check_refs(topic: str, obj: dict[str, Any], buffers: Sequence[Buffer], path
                               f"holds {have}")
 
 
-def _rows(topic: str, cols: Any) -> list[dict[str, Any]]:
-    if isinstance(cols, list):
-        return cols
-    if not isinstance(cols, dict):
-        raise SchemaError(f"{topic}: 'requests' must be a column map or a list of rows")
-    names = list(cols)
-    lists = [cols[n] for n in names]
-    if any(not isinstance(c, list) for c in lists) or len({len(c) for c in lists}) > 1:
-        raise SchemaError(f"{topic}: 'requests' columns must be lists of equal length")
-    return [dict(zip(names, vals, strict=False)) for vals in zip(*lists, strict=False)]
+def peek(frames: Sequence[Any]) -> tuple[str, str, int, int] | None:
+    """``(topic, engine, rank, seq)`` of a message without decoding its payload: the envelope
+    leads every payload our publisher sends, so only its first entries are read. None when
+    they are not there (the caller then decodes the message as usual); not a validation."""
+    if len(frames) < 2:
+        return None
+    topic = _TOPIC_BYTES.get(bytes(_as_buffer(frames[0])))
+    if topic is None:
+        return None
+    up = msgpack.Unpacker(raw=False)
+    found: dict[str, Any] = {}
+    try:
+        up.feed(_as_buffer(frames[1]))
+        for _ in range(min(up.read_map_header(), len(ENVELOPE))):
+            key = up.unpack()
+            found[key] = up.unpack()
+    except Exception:  # garbage: let decode say what is wrong
+        return None
+    engine, rank, seq = found.get("engine"), found.get("rank"), found.get("seq")
+    if isinstance(engine, str) and isinstance(rank, int) and isinstance(seq, int):
+        return topic, engine, rank, seq
+    return None
 
 
 def decode(frames: Sequence[Any]) -> TelemetryMessage:
@@ -320,5 +332,8 @@ def decode(frames: Sequence[Any]) -> TelemetryMessage:
     buffers = [_as_buffer(f) for f in frames[2:]]
     _check_refs(topic, payload, buffers, "")
     if topic == "sched" and "requests" in payload:
-        payload["requests"] = _rows(topic, payload["requests"])
+        try:
+            payload["requests"] = from_wire(payload["requests"], lambda r: _view(r, buffers))
+        except (ValueError, TypeError) as e:
+            raise SchemaError(f"{topic}: bad 'requests' table: {e}") from None
     return TelemetryMessage(topic, payload, buffers)

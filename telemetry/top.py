@@ -26,7 +26,14 @@ from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_
 from vconsole.telemetry.control import ControlClient, ControlError
 from vconsole.telemetry.curve import ClientCurve
 from vconsole.telemetry.ranks import aggregate
-from vconsole.telemetry.schema import DP_TOPICS, TOPICS, SchemaError, TelemetryMessage, decode
+from vconsole.telemetry.schema import (
+    DP_TOPICS,
+    TOPICS,
+    RequestColumns,
+    SchemaError,
+    TelemetryMessage,
+    decode,
+)
 
 WAIT_FOR = tuple(t for t in TOPICS if t != "alert" and t not in DP_TOPICS)
 CONFIG_GRACE_S = 1.5
@@ -59,6 +66,8 @@ def summarise_blocks(states: np.ndarray) -> dict[str, Any]:
 def to_json_payload(msg: TelemetryMessage) -> dict[str, Any]:
     """The payload with raw buffer references replaced by something JSON can carry."""
     body = dict(msg.payload)
+    if isinstance(body.get("requests"), RequestColumns):   # sched: the rows, as JSON maps
+        body["requests"] = body["requests"].rows()
     if msg.topic == "kv" and "block_states" in body:
         body["block_states"] = summarise_blocks(msg.block_states())
     return body

@@ -188,16 +188,19 @@ def _round(x: float | None) -> float | None:
 
 # --- the console side (a child process) -----------------------------------------------------
 
-def sort_filter_ms(rows: list[dict[str, Any]], repeats: int = 5) -> dict[str, Any]:
-    """Median ms of filter + sort for each combination in ``SORT_FILTERS``, and the slowest."""
-    from vconsole.console.requests_view import filter_rows, sort_rows
+def sort_filter_ms(rows: Any, repeats: int = 5) -> dict[str, Any]:
+    """Median ms of filter + sort (what the Requests screen runs: `requests_view.select` over
+    the decoded columns) for each combination in ``SORT_FILTERS``, and the slowest."""
+    from vconsole.console.requests_view import select
+    from vconsole.telemetry.schema import RequestColumns
 
+    cols = rows if isinstance(rows, RequestColumns) else RequestColumns.from_rows(list(rows))
     per = {}
     for query, key, reverse in SORT_FILTERS:
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            sort_rows(filter_rows(rows, query), key, reverse)
+            select(cols, query, key, reverse)
             times.append(1000 * (time.perf_counter() - t0))
         per[f"{query or '-'} / {key}"] = round(statistics.median(times), 2)
     return {"max": max(per.values()), "by_case": per}

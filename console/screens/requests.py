@@ -11,11 +11,19 @@ from textual.widgets import Input, Static
 
 from vconsole.console import format as fmt
 from vconsole.console.keymap import REQUESTS
-from vconsole.console.requests_view import SORT_KEYS, TITLES, filter_rows, sort_rows
+from vconsole.console.requests_view import SORT_KEYS, TITLES, select
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
 from vconsole.console.widgets.request_table import RequestTable, header_text
+from vconsole.telemetry.schema import RequestColumns
+
+
+def _columns(requests: Any) -> RequestColumns:
+    """The snapshot's table as columns (`decode` gives them; a hand-built payload may not)."""
+    if isinstance(requests, RequestColumns):
+        return requests
+    return RequestColumns.from_rows(list(requests or []))
 
 
 class RequestsScreen(ConsoleScreen):
@@ -50,23 +58,21 @@ class RequestsScreen(ConsoleScreen):
     def apply(self, frame: Frame, state: ConsoleState) -> None:
         eng = frame.engine
         sc = eng.latest.get("sched") if eng else None
-        rows = (sc or {}).get("requests") or []
         if not frame.paused or self._source is None:
             self._source = sc
-        src_rows = (self._source or {}).get("requests") or []
+        src = _columns((self._source or {}).get("requests"))
         # An idle engine re-sends its last snapshot every heartbeat (same ``snapshot_ts``):
         # the same rows, so 10k rows are not filtered and sorted again for nothing.
         snap = self._source or {}
-        key = (snap.get("snapshot_ts", id(self._source)), len(src_rows), self.query_text,
+        key = (snap.get("snapshot_ts", id(self._source)), len(src), self.query_text,
                self.sort_key, self.reverse, self.table.scrollable_content_region.width)
         if key != self._view_key:
             self._view_key = key
-            shown = sort_rows(filter_rows(src_rows, self.query_text), self.sort_key,
-                              self.reverse)
-            self.table.set_rows(shown)
-            self.total_rows = len(src_rows)
+            self.table.set_view(src, select(src, self.query_text, self.sort_key,
+                                            self.reverse))
+            self.total_rows = len(src)
         self._show_header()
-        self._show_summary(sc, rows, frame)
+        self._show_summary(sc, frame)
 
     def _show_header(self) -> None:
         width = self.table.scrollable_content_region.width or self.size.width
@@ -74,7 +80,7 @@ class RequestsScreen(ConsoleScreen):
                  for t, is_sort in header_text(width, self.sort_key, self.reverse)]
         self.query_one("#req-header", Static).update(Content.from_markup("".join(parts)))
 
-    def _show_summary(self, sc: dict[str, Any] | None, rows: list[Any], frame: Frame) -> None:
+    def _show_summary(self, sc: dict[str, Any] | None, frame: Frame) -> None:
         if sc is None:
             text = "[$text-muted]no scheduler snapshot yet[/]"
         else:

@@ -1,15 +1,19 @@
 """A virtualised table of live requests: renders only the visible lines (Toolong's pattern).
 
 Why not DataTable: replacing thousands of rows ten times a second through ``update_cell`` costs
-~100 ms per tick. Here `set_rows` swaps one list and `render_line` formats just the lines on
+~100 ms per tick. Here `set_view` takes the decoded columns and a row order (an index array,
+`vconsole.console.requests_view.select`) and `render_line` builds and formats just the lines on
 screen, so the cost per refresh is independent of the number of rows. The cursor follows the
-request id it is on when rows move under it.
+request id it is on when rows move under it. ``rows`` reads as a sequence of row maps in view
+order (built on access).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, overload
 
+import numpy as np
 from rich.segment import Segment
 from rich.style import Style
 from textual.geometry import Size
@@ -20,6 +24,7 @@ from textual.strip import Strip
 from vconsole.console import format as fmt
 from vconsole.console.keymap import TABLE
 from vconsole.console.requests_view import Column, layout
+from vconsole.telemetry.schema import RequestColumns
 
 STATE_CLASSES = {"running": "request-table--running", "waiting": "request-table--waiting",
                  "preempted": "request-table--preempted"}
@@ -49,6 +54,47 @@ def header_text(width: int, sort_key: str, reverse: bool) -> list[tuple[str, boo
     return out
 
 
+class RowsView(Sequence[dict[str, Any]]):
+    """The rows of ``cols`` in ``order``, as row maps built on access."""
+
+    __slots__ = ("cols", "order")
+
+    def __init__(self, cols: RequestColumns, order: np.ndarray) -> None:
+        self.cols = cols
+        self.order = order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, Any]]: ...
+    def __getitem__(self, i: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(i, slice):
+            return [self.cols.row(int(j)) for j in self.order[i]]
+        return self.cols.row(int(self.order[i]))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a list of the same row maps in the same order."""
+        if isinstance(other, RowsView | list):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def id_at(self, i: int) -> str:
+        return self.cols.ids[int(self.order[i])]
+
+    def position(self, request_id: str) -> int | None:
+        """Where ``request_id`` is in this view (None: not in it)."""
+        src = self.cols.index_of(request_id)
+        if src is None:
+            return None
+        where = np.flatnonzero(self.order == src)
+        return int(where[0]) if len(where) else None
+
+
 class RequestTable(ScrollView, can_focus=True):
     COMPONENT_CLASSES = {"request-table--cursor", "request-table--running",
                          "request-table--waiting", "request-table--preempted",
@@ -59,19 +105,22 @@ class RequestTable(ScrollView, can_focus=True):
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
-        self.rows: list[dict[str, Any]] = []
+        self.rows = RowsView(RequestColumns.from_rows([]), np.zeros(0, np.intp))
         self.cursor_id: str | None = None
 
-    def set_rows(self, rows: list[dict[str, Any]]) -> None:
-        """Show ``rows`` (already filtered and sorted); keeps the cursor on its request."""
-        self.rows = rows
+    def set_rows(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Show ``rows`` (row maps, already filtered and sorted)."""
+        self.set_view(RequestColumns.from_rows(list(rows)), np.arange(len(rows)))
+
+    def set_view(self, cols: RequestColumns, order: np.ndarray) -> None:
+        """Show the rows of ``cols`` in ``order``; keeps the cursor on its request."""
+        rows = self.rows = RowsView(cols, order)
         if self.cursor_id is not None:
-            for i, r in enumerate(rows):
-                if r.get("id") == self.cursor_id:
-                    self.cursor = i
-                    break
+            at = rows.position(self.cursor_id)
+            if at is not None:
+                self.cursor = at
         self.cursor = min(self.cursor, max(0, len(rows) - 1))
-        self.cursor_id = rows[self.cursor].get("id") if rows else None
+        self.cursor_id = rows.id_at(self.cursor) if len(rows) else None
         self.virtual_size = Size(self.scrollable_content_region.width, len(rows))
         self._keep_cursor_visible()
         self.refresh()
@@ -90,7 +139,7 @@ class RequestTable(ScrollView, can_focus=True):
         if not self.rows:
             return
         self.cursor = max(0, min(len(self.rows) - 1, index))
-        self.cursor_id = self.rows[self.cursor].get("id")
+        self.cursor_id = self.rows.id_at(self.cursor)
         self._keep_cursor_visible()
         self.refresh()
 

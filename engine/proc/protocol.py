@@ -73,6 +73,9 @@ SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_to
 Frames = list[Any]  # bytes / numpy arrays on send; bytes / memoryviews on receive
 
 
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1   # a request's priority (lower runs first)
+
+
 class ProtocolError(ValueError):
     """A message the receiver cannot accept. ``request_id`` is set when the message named one,
     so the engine can answer that request instead of the client as a whole."""
@@ -302,6 +305,9 @@ def parse_add(header: dict[str, Any], *, max_prompt_chars: int | None = None,
     token_ids = _token_ids(ids, "prompt_token_ids", rid) if ids is not None else None
     sampling = parse_sampling(header.get("sampling", {}), rid)
     priority = _int(header.get("priority", 0), "priority", rid)
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:   # telemetry carries it as int32
+        raise ProtocolError(f"priority must be within {PRIORITY_MIN}..{PRIORITY_MAX}, got "
+                            f"{priority}", rid)
     return AddMessage(rid, prompt, token_ids, sampling, priority)
 
 

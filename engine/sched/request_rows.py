@@ -15,7 +15,10 @@ Invariants: no request appears twice; the running rows and every ``age_s`` are e
 snapshot; the waiting rows are the queue's first rows at the last rebuild (at most ``refresh_s``
 old), minus those no longer waiting. Requests queued since show at the next rebuild (early
 when the queue grew past twice the cached rows); a request preempted since keeps its cached
-row (state, output tokens) until then. Cached lists are never mutated: a snapshot handed to the publisher stays as it was.
+row (state, output tokens) until then. Cached columns are never mutated: a snapshot handed to
+the publisher stays as it was. Columns are numpy arrays (state as a uint8 code,
+`vconsole.engine.stats.REQUEST_STATES`) and a list of ids: the publisher sends them as raw
+buffers, so a snapshot costs no Python per row after a rebuild.
 """
 
 from __future__ import annotations
@@ -25,14 +28,27 @@ from typing import Any
 
 import numpy as np
 
-from vconsole.engine.request import Request, RequestStatus
+from vconsole.engine.request import Request
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.engine.stats import RequestTable
 
-_LABELS = {status: status.label for status in RequestStatus}
-_STATIC = ("id", "state", "priority", "num_prompt_tokens", "num_output_tokens", "num_blocks")
+_NUMERIC = ("priority", "num_prompt_tokens", "num_output_tokens", "num_blocks")
 REFRESH_S = 1.0
 MAX_REBUILD_SHARE = 0.01
+
+
+def _columns(reqs: list[Request], blocks: list[int] | None = None) -> dict[str, Any]:
+    """``reqs`` as `RequestTable` columns (but ``age_s``): ids, state codes, int32 counts."""
+    n = len(reqs)
+    return {
+        "id": [r.request_id for r in reqs],
+        "state": np.fromiter((r.status for r in reqs), np.uint8, n),
+        "priority": np.fromiter((r.priority for r in reqs), np.int32, n),
+        "num_prompt_tokens": np.fromiter((len(r.prompt_token_ids) for r in reqs), np.int32, n),
+        "num_output_tokens": np.fromiter((len(r.output_token_ids) for r in reqs), np.int32, n),
+        # a waiting request holds no blocks
+        "num_blocks": np.zeros(n, np.int32) if blocks is None else np.array(blocks, np.int32),
+    }
 
 
 class WaitingRows:
@@ -40,7 +56,7 @@ class WaitingRows:
 
     def __init__(self, refresh_s: float = REFRESH_S) -> None:
         self.refresh_s = refresh_s
-        self._cols: dict[str, list[Any]] = {c: [] for c in _STATIC}
+        self._cols: dict[str, Any] = _columns([])
         self._arrival = np.empty(0)
         self._ids: set[str] = set()         # the cached rows' ids
         self._mark = 0                      # the queue's removal log, read up to here
@@ -54,14 +70,7 @@ class WaitingRows:
     def _rebuild(self, waiting: WaitingQueue, limit: int) -> None:
         t0 = time.perf_counter()
         reqs = waiting.ordered(limit)
-        self._cols = {
-            "id": [r.request_id for r in reqs],
-            "state": [_LABELS[r.status] for r in reqs],
-            "priority": [r.priority for r in reqs],
-            "num_prompt_tokens": [len(r.prompt_token_ids) for r in reqs],
-            "num_output_tokens": [len(r.output_token_ids) for r in reqs],
-            "num_blocks": [0] * len(reqs),   # a waiting request holds no blocks
-        }
+        self._cols = _columns(reqs)
         self._arrival = np.fromiter((r.arrival_time for r in reqs), np.float64, len(reqs))
         self._ids = set(self._cols["id"])
         self._mark = waiting.removed_since(0)[1]
@@ -72,32 +81,28 @@ class WaitingRows:
 
     def _drop(self, ids: list[str]) -> None:
         """Forget the cached rows of ``ids`` (they left the queue: admitted, aborted, expired;
-        mostly from its front, so each is found near the start). The cached lists are never
-        handed out — `table` sends copies — so they change in place."""
+        mostly from its front, so each is found near the start). The cached columns are
+        replaced, never changed in place: a table handed out earlier may share them."""
         if not ids:
             return
         cols = self._cols
         positions = sorted(cols["id"].index(rid) for rid in ids)
-        for values in cols.values():
-            for i in reversed(positions):
-                del values[i]
+        keep = cols["id"][:]
+        for i in reversed(positions):
+            del keep[i]
+        self._cols = {"id": keep, **{c: np.delete(v, positions) for c, v in cols.items()
+                                     if c != "id"}}
         self._arrival = np.delete(self._arrival, positions)
         self._ids.difference_update(ids)
 
     def table(self, running: list[Request], tables: dict[str, list[int]],
               waiting: WaitingQueue, max_waiting: int, now: float) -> RequestTable:
         """Running rows (fresh) followed by up to ``max_waiting`` waiting rows."""
-        head: dict[str, list[Any]] = {
-            "id": [r.request_id for r in running],
-            "state": [_LABELS[r.status] for r in running],
-            "priority": [r.priority for r in running],
-            "num_prompt_tokens": [len(r.prompt_token_ids) for r in running],
-            "num_output_tokens": [len(r.output_token_ids) for r in running],
-            "num_blocks": [len(tables.get(r.request_id, ())) for r in running],
-            "age_s": [max(0.0, now - r.arrival_time) for r in running],
-        }
+        head = _columns(running, [len(tables.get(r.request_id, ())) for r in running])
+        head_age = np.maximum(now - np.fromiter((r.arrival_time for r in running), np.float64,
+                                                len(running)), 0.0)
         if max_waiting <= 0 or not waiting:
-            return RequestTable(head)
+            return RequestTable({**head, "age_s": head_age})
         removed, mark = waiting.removed_since(self._mark)
         if (removed is None or max_waiting > self._limit
                 or time.monotonic() >= self._next_rebuild
@@ -107,10 +112,9 @@ class WaitingRows:
             removed = []
         self._mark = mark
         self._drop([rid for rid in removed if rid in self._ids])
-        cols, arrival = self._cols, self._arrival
-        if len(arrival) > max_waiting:
-            arrival = arrival[:max_waiting]
-            cols = {c: v[:max_waiting] for c, v in cols.items()}
-        out = {c: head[c] + cols[c] for c in _STATIC}
-        out["age_s"] = head["age_s"] + np.maximum(now - arrival, 0.0).tolist()
+        cols, arrival = self._cols, self._arrival[:max_waiting]
+        out: dict[str, Any] = {"id": head["id"] + cols["id"][:max_waiting]}
+        for c in ("state", *_NUMERIC):
+            out[c] = np.concatenate((head[c], cols[c][:max_waiting]))
+        out["age_s"] = np.concatenate((head_age, np.maximum(now - arrival, 0.0)))
         return RequestTable(out)

@@ -8,6 +8,7 @@ Models never come from a hub: everything is ``local_files_only``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ import torch
 
 from vconsole.engine.worker import cpu_linear, paged_attention
 from vconsole.engine.worker.tiny_model import MODEL_CONFIGS, ensure_model
+
+CPU_LINEAR_ENV = "VCONSOLE_CPU_LINEAR"   # "onednn": pack CPU linears (see load_model)
 
 SUPPORTED_MODEL_TYPES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,8 +86,10 @@ def check_supported(config: Any) -> None:
 def load_model(path_or_tiny: str | Path, device: str = "auto", dtype: str = "auto",
                seed: int = 0) -> tuple[Any, Any, ModelInfo]:
     """Return ``(model, tokenizer, info)`` with the model in eval mode on ``device``, using
-    ``attn_implementation="vconsole_paged"`` (and, on CPU, oneDNN linears:
-    `vconsole.engine.worker.cpu_linear`). Raises ValueError for anything the caller got
+    ``attn_implementation="vconsole_paged"`` (on CPU with ``VCONSOLE_CPU_LINEAR=onednn``
+    also oneDNN linears, `vconsole.engine.worker.cpu_linear`: opt-in, because oneDNN caches a
+    primitive per input shape and the engine's RSS then grows with the variety of batch
+    shapes — 115 MB in the fuzz test, against its 64 MB bound). Raises ValueError for anything the caller got
     wrong: a missing directory, an unsupported architecture, a bad device or dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -103,7 +108,7 @@ def load_model(path_or_tiny: str | Path, device: str = "auto", dtype: str = "aut
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     info = _describe(model, tokenizer, path, dev, torch_dtype)
-    if dev.type == "cpu":
+    if dev.type == "cpu" and os.environ.get(CPU_LINEAR_ENV) == "onednn":
         cpu_linear.pack_linears(model)  # after _describe: it counts the plain weights
     return model, tokenizer, info
 

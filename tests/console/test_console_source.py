@@ -88,3 +88,33 @@ def test_replay_of_a_foreign_schema_version_is_reported(tmp_path):
     state = ConsoleState()
     ReplaySource(path, speed=0).start(state)
     assert state.schema_problem() is not None and "99" in state.schema_problem()
+
+
+def test_a_burst_decodes_only_the_newest_sched_of_each_rank_and_counts_no_loss():
+    """A console that fell behind catches up with one snapshot decode per engine rank; the
+    skipped snapshots' ``seq`` count as seen, so nothing reads as lost."""
+    from support.console_testing import frames
+
+    def sched(rank: int, seq: int) -> list[bytes]:
+        body = {"num_waiting": seq, "requests": [{"id": f"r{seq}", "state": "waiting",
+                "priority": 0, "num_prompt_tokens": 1, "num_output_tokens": 0,
+                "num_blocks": 0, "age_s": 0.0}]}
+        return frames("sched", body, seq=seq, rank=rank)
+
+    state = ConsoleState()
+    src = ZmqSource(["tcp://127.0.0.1:1"])
+    wakes: list[int] = []
+    src.on_data = lambda: wakes.append(state.messages)
+    health = frames("health", {"state": "running", "uptime_s": 1.0, "steps": 1,
+                               "interval_s": 1.0})
+    src._ingest_batch(state, [(1.0, sched(0, 0)), (1.0, sched(1, 0))])
+    burst = [sched(0, 1), health, sched(1, 1), sched(0, 2), sched(0, 3), sched(1, 2)]
+    src._ingest_batch(state, [(2.0, f) for f in burst])
+    assert wakes == [2, 5]                  # one wake-up per batch, after it is folded in
+    assert src.conflated == 3               # r0 seq 1 and 2, r1 seq 1: never decoded
+    e0, e1 = state.engine("tiny-0/0"), state.engine("tiny-0/1")
+    assert e0.latest["sched"]["num_waiting"] == 3 and e1.latest["sched"]["num_waiting"] == 2
+    assert [r["id"] for r in e0.latest["sched"]["requests"]] == ["r3"]
+    assert e0.dropped == e1.dropped == 0 and e0.skipped == 2 and e1.skipped == 1
+    src._ingest_batch(state, [(3.0, sched(0, 5))])       # a real gap still counts
+    assert e0.dropped == 1

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from support.console_testing import frames, replay_app
-from vconsole.console.requests_view import filter_rows, sort_rows
+from vconsole.console.requests_view import SORT_KEYS, filter_rows, select, sort_rows
 from vconsole.console.widgets.request_table import RequestTable
+from vconsole.telemetry.schema import RequestColumns
 
 T0 = 1_700_000_000.0
 N = 10_000
@@ -119,3 +120,26 @@ async def test_a_resent_snapshot_is_not_sorted_again_but_a_new_one_is():
         app.refresh_view(force=True)
         await pilot.pause()
         assert table.rows is not shown and len(table.rows) == N - 1
+
+
+@pytest.mark.parametrize("query", ["", "state:waiting prio>3", "req-0001", "run", "age>=50",
+                                   "blocks!=0 output<10", "prio:3", "nonsense>1x"])
+@pytest.mark.parametrize("key", SORT_KEYS)
+def test_columnar_select_gives_the_rows_and_order_of_filter_then_sort(query, key):
+    """The screen filters and sorts numpy columns; the result is exactly the row version's."""
+    rows = big_sched(3_000)["requests"]
+    cols = RequestColumns.from_rows(rows)
+    for reverse in (False, True):
+        want = [r["id"] for r in sort_rows(filter_rows(rows, query), key, reverse)]
+        assert [cols.ids[i] for i in select(cols, query, key, reverse)] == want
+
+
+def test_columnar_select_puts_missing_values_last_in_both_directions():
+    rows = big_sched(30)["requests"]
+    rows[5] = {k: v for k, v in rows[5].items() if k != "num_blocks"}
+    cols = RequestColumns.from_rows(rows)
+    for reverse in (False, True):
+        order = select(cols, "", "num_blocks", reverse)
+        assert cols.ids[order[-1]] == "req-000005" and len(order) == 30
+        assert [cols.ids[i] for i in order] == [
+            r["id"] for r in sort_rows(rows, "num_blocks", reverse)]

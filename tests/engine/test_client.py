@@ -70,6 +70,8 @@ def test_outputs_round_trip_inline_and_as_buffers():
      "top_p must be a number"),
     ({"type": "add", "request_id": "r", "prompt_token_ids": [1, -2]}, "non-negative"),
     ({"type": "add", "request_id": "r", "prompt": "x", "priority": 1.5}, "priority"),
+    ({"type": "add", "request_id": "r", "prompt": "x", "priority": 2**31},
+     r"priority must be within -2147483648\.\.2147483647"),
     ({"type": "add", "request_id": "r", "prompt": "x", "sampling": {"ignore_eos": 1}},
      "ignore_eos must be a boolean"),
 ])
