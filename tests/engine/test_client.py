@@ -3,7 +3,6 @@ timeouts without an engine, and the asyncio client against a real engine process
 
 import asyncio
 import threading
-import time
 
 import msgpack
 import numpy as np
@@ -276,11 +275,9 @@ def test_an_error_the_engine_cannot_attribute_fails_unanswered_requests_instead_
         c.submit(prompt_token_ids=[42], max_tokens=3, request_id=LONG_ID)
         got: list = []
         t = threading.Thread(target=lambda: got.extend(c.stream(LONG_ID)), daemon=True)
-        t0 = time.monotonic()
         t.start()
         t.join(15)  # default timeout: without the fix this waits forever
         assert not t.is_alive(), "stream() of a request the engine dropped never returned"
-        assert time.monotonic() - t0 < 15
         (final,) = got
         assert final.finished and final.finish_reason == "error"
         assert "could not attribute" in final.error and "request_id must be" in final.error

@@ -296,10 +296,8 @@ def test_control_client_against_a_router(ctx):
 def test_control_client_times_out_clearly_and_recovers(ctx):
     eng = FakeEngineControl(ctx, silent=True)
     client = control.ControlClient(eng.endpoint, timeout_s=0.3, ctx=ctx)
-    t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="no reply from the engine's control socket at tcp://"):
         client.get_config()
-    assert time.monotonic() - t0 < 2
     eng.silent = False
     client.timeout_s = 3
     assert client.get_config()["ok"]  # same client object, fresh socket
