@@ -80,6 +80,24 @@ def check_metrics_host(host: str, allow_remote: bool) -> None:
             "PORT:127.0.0.1:PORT HOST), or pass --allow-remote-metrics.")
 
 
+def bind_socket(ctx: zmq.Context, kind: int, name: str, endpoint: str,
+                curve: ServerCurve | None = None, *, sndhwm: int | None = None) -> zmq.Socket:
+    """A new ``kind`` socket (linger 0), secured (`secure_socket`) and bound to ``endpoint``;
+    read the endpoint actually bound (a ``*`` port resolved) from its ``LAST_ENDPOINT``. A bind
+    that fails closes the socket and raises OSError naming the socket and the endpoint."""
+    sock = ctx.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        if sndhwm is not None:
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
+        secure_socket(sock, name, endpoint, curve)
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise OSError(f"cannot bind the {name} socket to {endpoint}: {e}") from None
+    return sock
+
+
 def secure_socket(sock: zmq.Socket, name: str, endpoint: str,
                   curve: ServerCurve | None = None) -> None:
     """Called on every engine socket before it binds: with ``curve``, make it a CURVE server

@@ -30,7 +30,7 @@ import zmq
 
 from vconsole.engine.config import ConfigError, apply_update, validate_config
 from vconsole.engine.proc import control_key_file
-from vconsole.engine.proc.bind_policy import secure_socket
+from vconsole.engine.proc.bind_policy import bind_socket
 from vconsole.telemetry import control
 from vconsole.telemetry.control_key import key_path, read_key_file
 
@@ -53,14 +53,7 @@ class ControlFanout:
         self.ctx = ctx or zmq.Context.instance()
         self.rank_curve = rank_curve
         self.world_size = world_size
-        self._sock = self.ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        secure_socket(self._sock, "control", endpoint, curve)
-        try:
-            self._sock.bind(endpoint)
-        except zmq.ZMQError as e:
-            self._sock.close(0)
-            raise OSError(f"cannot bind the control socket to {endpoint}: {e}") from None
+        self._sock = bind_socket(self.ctx, zmq.ROUTER, "control", endpoint, curve)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._key = control_key_file.new_key()
         self.key_path = key_path(self.endpoint, key_file)

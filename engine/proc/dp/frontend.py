@@ -49,7 +49,7 @@ import zmq
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
-from vconsole.engine.proc.bind_policy import check_endpoints, secure_socket
+from vconsole.engine.proc.bind_policy import bind_socket, check_endpoints
 from vconsole.engine.proc.dp.rank_link import RankLink, drain
 from vconsole.engine.proc.dp.request_map import RequestMap, Routed
 from vconsole.engine.proc.dp.router import choose_rank
@@ -92,17 +92,13 @@ class DPFrontEnd:
         self.endpoints = dict(public)
         self._sockets: dict[str, zmq.Socket] = {}
         for name in ("input", "output"):
-            sock = self.ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, sndhwm)
-            secure_socket(sock, name, public[name], curve)
             try:
-                sock.bind(public[name])
-            except zmq.ZMQError as e:
-                sock.close(0)
+                sock = bind_socket(self.ctx, zmq.ROUTER, name, public[name], curve,
+                                   sndhwm=sndhwm)
+            except OSError:
                 for s in self._sockets.values():
                     s.close(0)
-                raise OSError(f"cannot bind the {name} socket to {public[name]}: {e}") from None
+                raise
             self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._sockets[name] = sock
         self._sockets["output"].setsockopt(zmq.ROUTER_MANDATORY, 1)

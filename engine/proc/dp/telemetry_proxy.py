@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from vconsole.engine.proc.bind_policy import check_endpoints, secure_socket
+from vconsole.engine.proc.bind_policy import bind_socket, check_endpoints
 from vconsole.telemetry import schema
 from vconsole.telemetry.publisher import health_body
 
@@ -56,15 +56,7 @@ class TelemetryProxy:
         self._t0_wall = time.time()
         check_endpoints({"telemetry": endpoint}, allow_remote, curve=curve is not None)
         self.ctx = ctx or zmq.Context.instance()
-        self._pub = self.ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, sndhwm)
-        secure_socket(self._pub, "telemetry", endpoint, curve)
-        try:
-            self._pub.bind(endpoint)
-        except zmq.ZMQError as e:
-            self._pub.close(0)
-            raise OSError(f"cannot bind the telemetry socket to {endpoint}: {e}") from None
+        self._pub = bind_socket(self.ctx, zmq.PUB, "telemetry", endpoint, curve, sndhwm=sndhwm)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._cmd_addr = f"inproc://dp-telemetry-{id(self)}"
         self._cmd_in = self.ctx.socket(zmq.PULL)
