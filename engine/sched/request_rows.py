@@ -86,7 +86,10 @@ class WaitingRows:
         if not ids:
             return
         cols = self._cols
-        positions = sorted(cols["id"].index(rid) for rid in ids)
+        # A set: one id may be in the removal log twice (admitted, preempted back, admitted
+        # again between two rebuilds) but has one row; deleting it twice from the ids and once
+        # from the arrays put them out of step (the demo's crash).
+        positions = sorted({cols["id"].index(rid) for rid in ids})
         keep = cols["id"][:]
         for i in reversed(positions):
             del keep[i]
@@ -94,6 +97,15 @@ class WaitingRows:
                                      if c != "id"}}
         self._arrival = np.delete(self._arrival, positions)
         self._ids.difference_update(ids)
+
+    def check(self, waiting: WaitingQueue) -> None:
+        """Raise AssertionError unless the cache is consistent in itself: ids and every column
+        equally long, no id twice (used by the stateful tests and the telemetry guard)."""
+        ids = self._cols["id"]
+        n = len(ids)
+        assert all(len(v) == n for v in self._cols.values()) and len(self._arrival) == n, \
+            "cached waiting rows: ids and columns out of step"
+        assert len(self._ids) == n and set(ids) == self._ids, "cached waiting rows: ids twice"
 
     def table(self, running: list[Request], tables: dict[str, list[int]],
               waiting: WaitingQueue, max_waiting: int, now: float) -> RequestTable:

@@ -79,3 +79,26 @@ def test_a_policy_change_or_a_shrunken_queue_rebuilds_the_rows():
     step(s)
     ids = [r.id for r in s.stats(100).requests]
     assert not set(ids) & {r.id for r in waiting[:30]}
+
+
+def test_a_request_leaving_the_queue_twice_between_rebuilds_keeps_ids_and_columns_in_step():
+    """The demo's crash: admitted, preempted back, admitted again between two rebuilds put the
+    same id twice in the queue's removal log; ids and columns fell out of step."""
+    from vconsole.engine.request import RequestStatus
+    from vconsole.engine.sched.request_queue import WaitingQueue
+    from vconsole.engine.sched.request_rows import WaitingRows
+
+    q, rows = WaitingQueue("fcfs"), WaitingRows(refresh_s=3600)
+    reqs = [make_request(f"r{i}", 4, arrival=float(i)) for i in range(4)]
+    for r in reqs:
+        q.add(r, 0.0)
+    rows.table([], {}, q, 10, 1.0)                     # the cached rows: r0..r3
+    a = q.pop()                                        # r0 admitted
+    a.status = RequestStatus.PREEMPTED
+    q.add(a, 1.0)                                      # preempted back
+    assert q.pop() is a                                # admitted again
+    t = rows.table([], {}, q, 10, 2.0)
+    assert t.columns["id"] == ["r1", "r2", "r3"]
+    assert all(len(v) == 3 for v in t.columns.values())
+    q.remove("r2")
+    assert rows.table([], {}, q, 10, 3.0).columns["id"] == ["r1", "r3"]
