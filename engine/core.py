@@ -45,6 +45,8 @@ class EngineCore:
         self.runner.allocate_kv_cache(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.num_kv_blocks, config.block_size,
                                    self.runner.max_model_len)
+        # Every telemetry call of the busy loop goes through it (`vconsole.engine.telemetry_guard`).
+        self.telemetry_guard = self.scheduler.telemetry
         self.num_steps = 0
         self.last_step: StepStats | None = None
         self.consecutive_step_failures = 0          # model executions that raised, in a row

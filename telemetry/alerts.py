@@ -153,3 +153,27 @@ class AlertEvaluator:
             if ev is not None:
                 events.append(ev)
         return events
+
+
+# Events that are not thresholds: sent as they happen on the ``alert`` topic, same fields.
+ENGINE_RESTART = "engine_restart"      # the supervisor restarted the engine process
+TELEMETRY_ERROR = "telemetry_error"    # a telemetry cache failed on the busy loop (guarded)
+
+
+def restart_event(count: int, reason: str | None, *, back: bool) -> AlertEvent:
+    """An engine restart: ``critical`` from the supervisor while no engine runs, ``ok`` from
+    the restarted engine once it serves again. ``value`` is the restart count, so a console
+    lists each restart once however many of the two it hears."""
+    why = reason or "unknown reason"
+    if back:
+        return AlertEvent(ENGINE_RESTART, OK, CRITICAL, float(count), 0.0,
+                          f"engine serving again after restart {count} ({why})")
+    return AlertEvent(ENGINE_RESTART, CRITICAL, OK, float(count), 0.0,
+                      f"engine restarting ({count}): {why}")
+
+
+def telemetry_error_event(part: str, message: str, total: int) -> AlertEvent:
+    """A telemetry failure the busy loop survived (`vconsole.engine.telemetry_guard`)."""
+    return AlertEvent(TELEMETRY_ERROR, WARNING, OK, float(total), 0.0,
+                      f"telemetry ({part}) failed, rebuilt; serving goes on "
+                      f"({total} so far): {message}")

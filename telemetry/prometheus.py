@@ -240,6 +240,12 @@ def _health(r: _Rank, b: dict[str, Any]) -> None:
     if "restart_count" in b:
         r.counter("vconsole:engine_restarts", "How often the supervisor restarted this engine.",
                   b["restart_count"])
+    if "telemetry_errors" in b:
+        r.counter("vconsole:telemetry_errors",
+                  "Telemetry failures the engine survived (the cache rebuilt, serving on).",
+                  b["telemetry_errors"])
+    r.gauge("vconsole:engine_up", "1 while an engine process serves, 0 while it restarts.",
+            0.0 if b.get("state") == "restarting" else 1.0)
 
 
 def _config(r: _Rank, b: dict[str, Any]) -> None:

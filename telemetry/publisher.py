@@ -46,13 +46,20 @@ import zmq
 from vconsole.engine.config import EngineConfig, describe_config
 from vconsole.engine.stats import KVStats, RequestTable, SchedulerStats, StepStats
 from vconsole.telemetry import schema
-from vconsole.telemetry.alerts import AlertEvaluator, AlertEvent
+from vconsole.telemetry.alerts import (
+    AlertEvaluator,
+    AlertEvent,
+    restart_event,
+    telemetry_error_event,
+)
 from vconsole.telemetry.gpu import GpuProbe, memory_share
 from vconsole.telemetry.host import HostProbe
 
 log = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 1.0        # gpu and host
+ERROR_ALERT_EVERY_S = 30.0    # at most one telemetry_error alert per part this often
+LOOP_RETRY_S = 1.0            # after this thread's own loop raised, it starts over after this
 SNAPSHOT_EARLY = 0.15        # of a period: how early a fresh snapshot may follow the last
 MAX_BUFFERED_STEPS = 1 << 16  # steps kept between two publish windows; older ones are counted
 # Tokens per engine step: the ``step`` topic's ``iteration_tokens`` histogram (vLLM's bounds for
@@ -107,11 +114,14 @@ def health_body(state: str, *, uptime_s: float, steps: int, interval_s: float,
                 started_ts: float, pid: int | None = None, send_drops: int = 0,
                 steps_dropped: int = 0, alerts_active: dict[str, str] | None = None,
                 last_step_age_s: float | None = None, restart_count: int = 0,
-                restart_reason: str | None = None) -> dict[str, Any]:
+                restart_reason: str | None = None,
+                telemetry_errors: int = 0) -> dict[str, Any]:
     """The ``health`` topic body: one place, so the engine's publisher and the supervisor's
     `vconsole.telemetry.beacon.HealthBeacon` send the same fields. ``restart_count`` and
     ``restart_reason``: how often the supervisor restarted this engine and why it did the last
-    time (0 and None: never restarted, or not supervised)."""
+    time (0 and None: never restarted, or not supervised). ``telemetry_errors``: telemetry
+    failures this engine process survived (`vconsole.engine.telemetry_guard`, and this
+    publisher's own loop)."""
     return {
         "state": state, "uptime_s": uptime_s, "steps": steps, "interval_s": interval_s,
         "pid": os.getpid() if pid is None else pid, "started_ts": started_ts,
@@ -119,6 +129,7 @@ def health_body(state: str, *, uptime_s: float, steps: int, interval_s: float,
         "alerts_active": {} if alerts_active is None else alerts_active,
         "last_step_age_s": last_step_age_s,
         "restart_count": restart_count, "restart_reason": restart_reason,
+        "telemetry_errors": telemetry_errors,
     }
 
 
@@ -191,6 +202,9 @@ class TelemetryPublisher:
         self._latency: dict[str, Any] | None = None   # the next ``latency`` body to send
         self._dp: dict[str, Any] | None = None        # the next ``dp`` body (DP ranks only)
         self._waves: list[dict[str, Any]] = []        # ``wave`` events not yet sent
+        self._engine_errors = 0                       # `report_error` calls (engine thread)
+        self._error_reports: dict[str, str] = {}      # part -> last message, not yet alerted
+        self.loop_errors = 0                          # this thread's own loop failures
         self._state = "idle"
         self._pending_config: EngineConfig | None = None
         self._announce: tuple[int, dict[str, Any]] | None = None
@@ -266,6 +280,19 @@ class TelemetryPublisher:
         with self._lock:
             self._waves.append(body)
         self._wake.set()
+
+    def report_error(self, part: str, message: str) -> None:
+        """A telemetry failure the busy loop survived (`vconsole.engine.telemetry_guard`):
+        counted in ``health.telemetry_errors`` and raised as a ``telemetry_error`` alert (at
+        most one per part every `ERROR_ALERT_EVERY_S`)."""
+        with self._lock:
+            self._engine_errors += 1
+            self._error_reports[part] = message
+        self._wake.set()
+
+    @property
+    def telemetry_errors(self) -> int:
+        return self._engine_errors + self.loop_errors
 
     def last_bodies(self) -> dict[str, dict[str, Any]]:
         """The last message sent on each topic (envelope included): what a subscriber saw
@@ -367,10 +394,19 @@ class TelemetryPublisher:
         gpu = self._gpu_probe if self._gpu_probe is not None else GpuProbe()
         host = self._host_probe if self._host_probe is not None else HostProbe()
         try:
-            self._loop(sock, gpu, host)
-        except Exception as e:  # keep the engine alive; the missing heartbeats tell the console
-            self.error = e
-            log.exception("telemetry publisher stopped")
+            if self.restart_count:      # the restart is an event, not only a health state
+                self._send(sock, "alert", restart_event(
+                    self.restart_count, self.restart_reason, back=True).payload())
+            while not self._stop.is_set():
+                try:
+                    self._loop(sock, gpu, host)
+                except Exception as e:  # start over with fresh state; the engine is untouched
+                    self.error = e
+                    self.loop_errors += 1
+                    if self.loop_errors == 1:
+                        log.exception("telemetry publisher loop failed; it starts over "
+                                      "(later failures are counted in health.telemetry_errors)")
+                    self._stop.wait(LOOP_RETRY_S)
         finally:
             sock.close(self._config.zmq_linger_ms)
             if self._gpu_probe is None and isinstance(gpu, GpuProbe):
@@ -392,6 +428,7 @@ class TelemetryPublisher:
         next_latency = now
         dp_body: dict[str, Any] | None = None
         next_dp = now
+        next_error_alert: dict[str, float] = {}
 
         while not self._stop.is_set():
             with self._lock:
@@ -404,11 +441,16 @@ class TelemetryPublisher:
                 waves, self._waves = self._waves, []
                 announce, self._announce = self._announce, None
                 state = self._state
+                errors, self._error_reports = self._error_reports, {}
             alerts: list[AlertEvent] = []
             if new_cfg is not None:
                 cfg = new_cfg
                 alerts += evaluator.update_config(cfg)
             now = time.monotonic()
+            for part, message in errors.items():   # the others are counted, not alerted
+                if now >= next_error_alert.get(part, 0.0):
+                    alerts.append(telemetry_error_event(part, message, self.telemetry_errors))
+                    next_error_alert[part] = now + ERROR_ALERT_EVERY_S
             if announce is not None:
                 self._config_msg = announce
                 next_config = now
@@ -492,7 +534,8 @@ class TelemetryPublisher:
                                       - len(self._steps)),
                     alerts_active=evaluator.active(),
                     last_step_age_s=None if last_step is None else max(0.0, now - last_step),
-                    restart_count=self.restart_count, restart_reason=self.restart_reason))
+                    restart_count=self.restart_count, restart_reason=self.restart_reason,
+                    telemetry_errors=self.telemetry_errors))
                 next_health = now + cfg.heartbeat_interval_s
 
             deadlines = [next_health, next_probe, next_config]

@@ -220,6 +220,26 @@ class BlockPool:
         self._cached.clear()
         self._hash_of.clear()
 
+    def recount(self) -> None:
+        """Rebuild what only telemetry reads — the shared/cached/stored counters and
+        ``block_states`` — from the reference counts, fills and hashes (the truth the
+        allocator uses). O(num_blocks); after a telemetry failure (`TelemetryGuard`)."""
+        ref, fill, hashed = self._ref, self._fill, self._hash_of
+        states = np.empty(self.num_blocks, dtype=np.uint8)
+        shared = cached = stored = 0
+        for b in range(self.num_blocks):
+            r = ref[b]
+            if r == 0:
+                is_cached = b in hashed
+                cached += is_cached
+                states[b] = BLOCK_CACHED if is_cached else BLOCK_FREE
+            else:
+                shared += r > 1
+                stored += fill[b]
+                states[b] = BLOCK_SHARED if r > 1 else BLOCK_USED
+        self.block_states = states
+        self._num_shared, self._num_cached_free, self._tokens_stored = shared, cached, stored
+
     # --- checking -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Assert every invariant of the module docstring. O(num_blocks)."""

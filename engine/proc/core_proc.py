@@ -37,6 +37,11 @@ Invariants: request ids are unique among requests in flight (engine-wide); a cli
 only its own requests; every request that was accepted gets exactly one final output, including
 at shutdown (``abort``), unless its client is gone.
 
+Telemetry never stops serving: every telemetry call of the busy loop (step records, the
+snapshot's request rows, KV figures and latency, a rank's ``dp`` figures, the stats line) runs
+behind the core's `vconsole.engine.telemetry_guard.TelemetryGuard`, which logs, counts (health
+``telemetry_errors``), alerts and rebuilds the failing cache instead of raising.
+
 ``log_stats`` (hot): the busy loop logs one stats line every few seconds while there is work
 (`vconsole.engine.proc.stats_log`). Which endpoints may bind beyond loopback: `vconsole.engine.proc.bind_policy`.
 
@@ -83,6 +88,7 @@ from vconsole.engine.proc.ready_file import ready_record, remove_ready_file, wri
 from vconsole.engine.proc.request_registry import RequestRegistry
 from vconsole.engine.proc.stats_log import StatsLog
 from vconsole.engine.request import FinishReason, Request
+from vconsole.engine.stats import StepStats
 from vconsole.telemetry import control
 from vconsole.telemetry.control_key import key_path
 from vconsole.telemetry.prometheus import MetricsServer, TelemetryCollector
@@ -186,6 +192,8 @@ class EngineCoreProc:
                                                 restart_reason=restart_reason)
             self.publisher.start()
             self.endpoints["telemetry"] = self.publisher.endpoint
+            self.guard = core.telemetry_guard   # observability never stops serving
+            self.guard.on_failure = self.publisher.report_error
             if metrics_endpoint is not None:  # figures = what the publisher last sent
                 self.metrics = MetricsServer(TelemetryCollector(
                     self.publisher, model_name=core.config.model, engine=core.config.dp_rank),
@@ -265,7 +273,7 @@ class EngineCoreProc:
             self._process_input_queue()
             self._process_engine_step()
             self._maybe_snapshot()
-            self._stats_log.maybe_log(self.core)
+            self.guard.run("step", self._stats_log.maybe_log, self.core)
         self._shutdown()
 
     # --- busy loop ------------------------------------------------------------------------------
@@ -336,8 +344,7 @@ class EngineCoreProc:
         self._set_state("running")
         outputs, scheduled = self.core.step()
         if self.core.last_step is not None:
-            self.publisher.record_step(self.core.last_step)
-            self._stats_log.record(self.core.last_step)
+            self.guard.run("step", self._record_step, self.core.last_step)
         if self.profiles.active is not None:
             self.profiles.after_step()
         self._emit(outputs)
@@ -346,6 +353,10 @@ class EngineCoreProc:
         if not scheduled:
             with contextlib.suppress(queue.Empty):
                 self._handle_input(self.input_queue.get(timeout=STALL_WAIT_S))
+
+    def _record_step(self, step: StepStats) -> None:
+        self.publisher.record_step(step)
+        self._stats_log.record(step)
 
     def _check_step_failures(self) -> None:
         """Model execution failed on ``max_consecutive_step_failures`` steps in a row (each
@@ -363,19 +374,32 @@ class EngineCoreProc:
         self.request_shutdown("model execution keeps failing")
 
     def _maybe_snapshot(self) -> None:
-        if self.publisher.snapshot_due():
-            core = self.core
-            self.publisher.submit_snapshot(core.scheduler_stats(core.config.telemetry_max_requests),
-                                           core.kv_stats(), self.state, core.num_steps)
-            self._dirty = False
-            if self.dp is not None:
-                self.publisher.submit_dp(self.dp.dp_body())
-            now = time.monotonic()
-            # Idle: this is the last snapshot before the loop blocks, so latency goes too.
-            due = now >= self._next_latency or not core.has_unfinished_requests()
-            if due and hasattr(core, "latency_snapshot"):
-                self.publisher.submit_latency(core.latency_snapshot())
-                self._next_latency = now + LATENCY_INTERVAL_S
+        """The telemetry snapshot, at most ``telemetry_hz`` times a second. Each part runs
+        behind the guard: one that raises is logged, counted and rebuilt, and is missing from
+        this snapshot only (`vconsole.engine.telemetry_guard`)."""
+        if not self.publisher.snapshot_due():
+            return
+        self._submit_snapshot(self.state)
+        self._dirty = False
+        core, run = self.core, self.guard.run
+        if self.dp is not None:
+            dp_body = run("dp", self.dp.dp_body)
+            if dp_body is not None:
+                self.publisher.submit_dp(dp_body)
+        now = time.monotonic()
+        # Idle: this is the last snapshot before the loop blocks, so latency goes too.
+        if now >= self._next_latency or not core.has_unfinished_requests():
+            body = run("latency", core.latency_snapshot)
+            if body is not None:
+                self.publisher.submit_latency(body)
+            self._next_latency = now + LATENCY_INTERVAL_S
+
+    def _submit_snapshot(self, state: str) -> None:
+        core, run = self.core, self.guard.run
+        sched = run("sched", core.scheduler_stats, core.config.telemetry_max_requests)
+        kv = run("kv", core.kv_stats)
+        if sched is not None and kv is not None:
+            self.publisher.submit_snapshot(sched, kv, state, core.num_steps)
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
@@ -590,9 +614,7 @@ class EngineCoreProc:
         while self.core.has_unfinished_requests() and time.monotonic() < deadline:
             outputs, _ = self.core.step()
             self._emit(outputs)
-        self.publisher.submit_snapshot(
-            self.core.scheduler_stats(self.core.config.telemetry_max_requests),
-            self.core.kv_stats(), "draining", self.core.num_steps)
+        self._submit_snapshot("draining")
         while self.control_server.is_alive():        # control: may wait on a queued call
             self._drain_queue()
             self.control_server.join(0.05)

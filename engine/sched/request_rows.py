@@ -125,6 +125,9 @@ class WaitingRows:
         self._mark = mark
         self._drop([rid for rid in removed if rid in self._ids])
         cols, arrival = self._cols, self._arrival[:max_waiting]
+        if len(cols["id"]) != len(self._arrival):   # O(1): never send a table out of step
+            raise RuntimeError(f"cached waiting rows out of step: {len(cols['id'])} ids, "
+                               f"{len(self._arrival)} rows")
         out: dict[str, Any] = {"id": head["id"] + cols["id"][:max_waiting]}
         for c in ("state", *_NUMERIC):
             out[c] = np.concatenate((head[c], cols[c][:max_waiting]))

@@ -47,6 +47,7 @@ from vconsole.engine.sched.output import ModelRunnerOutput, NewRequestData, Sche
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.engine.sched.request_rows import WaitingRows
 from vconsole.engine.stats import KVStats, SchedulerStats
+from vconsole.engine.telemetry_guard import TelemetryGuard
 
 
 class _Step:
@@ -87,6 +88,8 @@ class Scheduler:
         self._runner_view: dict[str, tuple[int, int]] = {}  # id -> (tokens, blocks) it holds
         self.latency = LatencyStats(config.latency_window_s)
         self._waiting_rows = WaitingRows()    # telemetry's request table (request_rows.py)
+        # Every telemetry call on the busy loop goes through it (`vconsole.engine.telemetry_guard`)
+        self.telemetry = TelemetryGuard(rebuild=self.rebuild_telemetry)
         self._finished_req_ids: set[str] = set()      # for the runner to forget, next step
         self._seq = 0
         self._num_preempted_waiting = 0
@@ -423,7 +426,8 @@ class Scheduler:
                 cached if cached > 0 else 0, num_outputs, req.num_preemptions, req.error)))
         self.num_generation_tokens_total += num_generated
         if itl_values:
-            self.latency.observe_many("itl_s", itl_values, itl_priorities, now)
+            self.telemetry.run("latency", self.latency.observe_many, "itl_s", itl_values,
+                               itl_priorities, now)
         if finished_now:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return results
@@ -434,11 +438,15 @@ class Scheduler:
         per step): TTFT, and its whole prompt counts as prompt tokens (see above)."""
         if req.first_token_time is None:
             req.first_token_time = now
-            self.latency.observe("ttft_s", now - req.arrival_time, req.priority, now)
+            self.telemetry.run("latency", self.latency.observe, "ttft_s",
+                               now - req.arrival_time, req.priority, now)
         if len(req.output_token_ids) == 1:
             self.num_prompt_tokens_total += req.num_prompt_tokens
 
     def _record_finish(self, req: Request, reason: FinishReason) -> None:
+        self.telemetry.run("latency", self._observe_finish, req, reason)
+
+    def _observe_finish(self, req: Request, reason: FinishReason) -> None:
         now, lat, prio = self.clock(), self.latency, req.priority
         lat.finish(reason.value)
         lat.observe("e2e_s", now - req.arrival_time, prio, now)
@@ -505,3 +513,16 @@ class Scheduler:
 
     def kv_stats(self) -> KVStats:
         return self.kv.kv_stats()
+
+    def rebuild_telemetry(self, part: str) -> None:
+        """Drop the caches of ``part`` after it failed (`TelemetryGuard`): the next snapshot
+        builds them from the truth (the queue, the running list, the block pool). Latency
+        starts over: its windows and histograms cannot be recounted from anything."""
+        if part == "sched":
+            self._waiting_rows = WaitingRows(self._waiting_rows.refresh_s)
+        elif part == "kv":
+            self.kv.pool.recount()
+        elif part == "latency":
+            finished = dict(self.latency.finished)
+            self.latency = LatencyStats(self.config.latency_window_s)
+            self.latency.finished = finished

@@ -550,11 +550,13 @@ class _IdleCore:
 
     def __init__(self) -> None:
         from vconsole.engine.config import EngineConfig
+        from vconsole.engine.telemetry_guard import TelemetryGuard
 
         self.config = EngineConfig()
         self.config_version = 1
         self.num_steps = 0
         self.last_step = None
+        self.telemetry_guard = TelemetryGuard()
 
     def has_unfinished_requests(self) -> bool:
         return False
@@ -566,6 +568,9 @@ class _IdleCore:
         return None
 
     def kv_stats(self):
+        return None
+
+    def latency_snapshot(self):
         return None
 
 

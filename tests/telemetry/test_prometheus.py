@@ -74,6 +74,8 @@ VCONSOLE_NAMES = {
     "vconsole:scheduler_share": "gauge",
     "vconsole:alert_level": "gauge",
     "vconsole:engine_restarts": "counter",
+    "vconsole:telemetry_errors": "counter",
+    "vconsole:engine_up": "gauge",
     "vconsole:config_version": "gauge",
 }
 
@@ -151,7 +153,7 @@ def hand_made_bodies() -> dict[str, dict[str, Any]]:
         "latency": lat.snapshot(10.0), "step": step_body,
         "health": {"state": "idle", "alerts_active": {"waiting": "critical",
                                                       "fragmentation": "warning"},
-                   "restart_count": 2},
+                   "restart_count": 2, "telemetry_errors": 3},
         "config": {"version": 6, "values": {}, "schema": []},
     }
 
@@ -281,7 +283,7 @@ def test_a_data_parallel_scrape_labels_every_rank_and_adds_the_dp_series():
         fam = s.families.get(name)
         assert fam is not None and fam.type == kind, name
         assert {smp.labels["engine"] for smp in fam.samples} >= {"0", "1"} or \
-            name == "vconsole:engine_restarts", name
+            name in ("vconsole:engine_restarts", "vconsole:telemetry_errors"), name
     assert s.value("vllm:num_requests_running", engine="0") == 3
     assert s.value("vllm:num_requests_running", engine="1") == 0
     assert s.value("vllm:num_preemptions_total", engine="1") == 1
