@@ -32,6 +32,7 @@ import numpy as np
 
 from vconsole.console.history import History, path_getter
 from vconsole.telemetry.advisor import Advice, Advisor
+from vconsole.telemetry.alerts import ENGINE_RESTART
 from vconsole.telemetry.ranks import aggregate
 from vconsole.telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
 
@@ -180,6 +181,7 @@ class EngineState:
         self.last_heartbeat: float | None = None
         self.was_down = False
         self.reconnects = 0
+        self.restarts_listed = 0   # engine restarts already in the alert list (by count)
 
     @property
     def key(self) -> str:
@@ -354,17 +356,37 @@ class ConsoleState:
                 self.config.version = -1  # a restarted engine counts versions afresh
             if msg.topic == "alert":
                 self._add_alert(msg, recv_ts)
+            elif msg.topic == "health":
+                self._note_restart(eng, msg.payload, recv_ts)
             elif msg.topic == "config" and self._is_primary(eng):
                 self._set_config(msg.payload, recv_ts, "telemetry")
 
     def _is_primary(self, eng: EngineState) -> bool:
         return next(iter(self.engines.values())) is eng
 
+    def _note_restart(self, eng: EngineState, health: dict[str, Any], recv_ts: float) -> None:
+        """Every engine restart is listed once, even when its ``engine_restart`` event was
+        lost (a subscriber reconnecting to a new process misses its first messages): health's
+        ``restart_count`` says how many there were."""
+        count = health.get("restart_count")
+        if isinstance(count, int) and count > eng.restarts_listed:
+            eng.restarts_listed = count
+            self.alerts.append(Alert(
+                recv_ts, eng.engine, eng.rank, ENGINE_RESTART, "critical", count, 0,
+                f"engine restarted ({count}): {health.get('restart_reason') or 'unknown'}"))
+
     def _add_alert(self, msg: TelemetryMessage, recv_ts: float) -> None:
         p = msg.payload
         alert = Alert(recv_ts, msg.engine, msg.rank, str(p.get("name", "?")),
                       str(p.get("level", "warning")), p.get("value"), p.get("threshold"),
                       str(p.get("message", "")))
+        if alert.name == ENGINE_RESTART:    # an event, listed once per restart, never "active"
+            eng = self.engines[f"{msg.engine}/{msg.rank}"]
+            if isinstance(alert.value, int | float) and alert.level != "ok" \
+                    and int(alert.value) > eng.restarts_listed:
+                eng.restarts_listed = int(alert.value)
+                self.alerts.append(alert)
+            return
         self.alerts.append(alert)
         key = (f"{msg.engine}/{msg.rank}", alert.name)
         if alert.level == "ok":

@@ -34,6 +34,7 @@ class HealthBeacon:
         self.engine_id = engine_id
         self.rank = rank
         self._seq = 0
+        self._alert_seq = 0
         self._t0 = time.monotonic()
         self._t0_wall = time.time()
         self._sock = ctx.socket(zmq.PUB)
@@ -58,6 +59,19 @@ class HealthBeacon:
         self._seq += 1
         try:
             self._sock.send_multipart(schema.encode("health", payload), flags=zmq.NOBLOCK,
+                                      copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    def send_alert(self, body: dict[str, Any]) -> bool:
+        """Send one ``alert`` (an `AlertEvent.payload`): the restart as an event, not only a
+        state. Its own ``seq`` (per topic, from 0). False at the high-water mark."""
+        payload = {**schema.make_envelope(self.engine_id, self.rank, self._alert_seq,
+                                          time.time()), **body}
+        self._alert_seq += 1
+        try:
+            self._sock.send_multipart(schema.encode("alert", payload), flags=zmq.NOBLOCK,
                                       copy=False)
         except zmq.Again:
             return False

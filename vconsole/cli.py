@@ -108,7 +108,11 @@ def add_supervisor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--restart-backoff", type=float, default=0.5, metavar="S",
                    help="wait before the first restart; doubles per failure in the window, up "
                         "to 10 s (default 0.5)")
+    g.add_argument("--hang-timeout", type=float, default=60.0, metavar="S",
+                   help="restart an engine that has work but made no step for S seconds "
+                        "(default 60; 0: never)")
     g.add_argument("--supervised-child", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--liveness-file", help=argparse.SUPPRESS)
     g.add_argument("--restart-count", type=int, default=0, help=argparse.SUPPRESS)
     g.add_argument("--restart-reason", help=argparse.SUPPRESS)
 
@@ -268,11 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
     p.add_argument("name", choices=["throughput", "scheduler", "kvmap", "telemetry", "console",
-                                    "dp"],
+                                    "dp", "soak"],
                    help="which benchmark: model throughput against transformers, the "
                         "scheduler's per-step cost, the KV map's engine-to-console round trip, "
-                        "telemetry's cost to throughput, the console's lag and CPU, or 2 "
-                        "data-parallel ranks against 1 engine")
+                        "telemetry's cost to throughput, the console's lag and CPU, 2 "
+                        "data-parallel ranks against 1 engine, or a soak of the demo's load "
+                        "(exit 1 unless it passes)")
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
     p.add_argument("--num-requests", type=int,
                    help="throughput: override the workload size; telemetry, console: requests "
@@ -291,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "measurement (default 4)")
     p.add_argument("--model-config", default="tiny", choices=sorted(MODEL_CONFIGS),
                    help="throughput: the built-in model to run (default tiny)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="soak: how long the load runs (default 10)")
+    p.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                   help="soak: run the engine as N data-parallel ranks (default 1)")
+    p.add_argument("--rate", type=float, default=8.0,
+                   help="soak: the demo's mean request rate, req/s (default 8)")
     p.add_argument("--runs", type=int, default=5,
                    help="throughput: repetitions; the JSON gives each run and the median/worst "
                         "ratios (default 5)")

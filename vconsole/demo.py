@@ -38,6 +38,11 @@ from vconsole.engine.proc.supervisor import parent_death_signal
 from vconsole.loadgen import LoadThread, demo_rate, demo_spec
 
 STOP_GRACE_S = 10.0
+# The demo's engine: small enough that bursts fill the KV pool and preempt, with priorities to
+# show (`vconsole bench soak` runs the same).
+DEMO_ENGINE_DEFAULTS = {"num_kv_blocks": 128, "max_num_seqs": 16, "policy": "hybrid"}
+DEMO_ENGINE_ARGS = [arg for key, value in DEMO_ENGINE_DEFAULTS.items()
+                    for arg in (f"--{key.replace('_', '-')}", str(value))]
 
 
 def loopback_endpoints(base_port: int = 0) -> dict[str, str]:
@@ -51,7 +56,9 @@ class EngineProcess:
     """``vconsole engine`` as a child process; its stdout and stderr go to ``log_path``.
 
     Without a ``log_path`` the log is a temporary file, removed by `stop` after a clean exit
-    (code 0) and kept when the engine failed (``failed``: it did not start, or exited non-zero)."""
+    (code 0) and kept when the engine failed (``failed``: it did not start, exited non-zero,
+    or its supervisor restarted it: ``restart_count`` and ``restart_reason``, read from the
+    ready file the supervisor rewrites at each restart)."""
 
     def __init__(self, engine_args: Sequence[str] = (), *,
                  endpoints: dict[str, str] | None = None, log_path: str | Path | None = None,
@@ -66,6 +73,8 @@ class EngineProcess:
             log_path = tmp
         self.log_path = Path(log_path)
         self.failed = False
+        self.restart_count = 0
+        self.restart_reason: str | None = None
         self._run_dir = Path(tempfile.mkdtemp(prefix="vconsole-engine-run-"))
         self.ready_path = self._run_dir / "ready.json"
         self.ready: dict[str, Any] = {}
@@ -123,6 +132,16 @@ class EngineProcess:
                       else f"not ready in {timeout_s:g} s")
         raise RuntimeError(f"the engine {why}; log {self.log_path}:\n{self.log_tail()}")
 
+    def read_restarts(self) -> int:
+        """How often the supervisor restarted the engine so far (also kept in
+        ``restart_count`` / ``restart_reason``)."""
+        with contextlib.suppress(ReadyFileError, OSError):
+            record = read_ready_file(self.ready_path)
+            if record is not None and isinstance(record.get("restart_count"), int):
+                self.restart_count = record["restart_count"]
+                self.restart_reason = record.get("restart_reason")
+        return self.restart_count
+
     def log_text(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -142,6 +161,7 @@ class EngineProcess:
         if self.proc is None:
             self._drop_log()
             return None
+        self.read_restarts()
         if self.proc.poll() is None:
             self._kill_group(signal.SIGTERM)
             try:
@@ -150,7 +170,7 @@ class EngineProcess:
                 self._kill_group(signal.SIGKILL)
                 self.proc.wait()
         self._kill_group(signal.SIGKILL)  # anything the engine itself left in its group
-        if self.proc.returncode != 0:
+        if self.proc.returncode != 0 or self.restart_count:
             self.failed = True
         self._drop_log()
         return self.proc.returncode

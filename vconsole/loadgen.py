@@ -206,10 +206,11 @@ async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_toke
 
 async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn | None = None,
                    stop: threading.Event | None = None, on_progress: ProgressFn | None = None,
-                   run: LoadRun | None = None) -> LoadRun:
+                   run: LoadRun | None = None, abort_wait_s: float = 2.0) -> LoadRun:
     """Send ``spec``'s requests through a connected client; return when all have finished or
     ``stop`` is set (requests still in flight are then aborted and their final outputs
-    awaited, briefly). ``run`` may be passed to watch the counters from another thread."""
+    awaited for up to ``abort_wait_s``). ``run`` may be passed to watch the counters from
+    another thread."""
     info = client.engine_info
     workload = Workload(spec, int(info.get("vocab_size") or 256),
                         int(info.get("max_model_len") or 2048))
@@ -261,7 +262,7 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
             await asyncio.wait(set(tasks), timeout=0.1)
         if tasks:
             await client.abort(list(in_flight))
-            await asyncio.wait(set(tasks), timeout=2.0)
+            await asyncio.wait(set(tasks), timeout=abort_wait_s)
             for t in tasks:
                 t.cancel()
     finally:
@@ -315,30 +316,50 @@ def demo_spec(seed: int = 0) -> LoadSpec:
 
 
 class LoadThread(threading.Thread):
-    """`run_load` on its own asyncio loop in a daemon thread (the demo, screenshots)."""
+    """`run_load` on its own asyncio loop in a daemon thread (the demo, screenshots).
+
+    A failure (the engine went away, say) does not end it: ``error`` keeps the last one,
+    ``on_error(message)`` is told (the demo shows it on screen), and the load starts over on a
+    new connection after `RETRY_S`, until `stop`."""
+
+    RETRY_S = 2.0
 
     def __init__(self, input_endpoint: str, output_endpoint: str, spec: LoadSpec, *,
-                 rate_fn: RateFn | None = None, timeout_s: float = 10.0) -> None:
+                 rate_fn: RateFn | None = None, timeout_s: float = 10.0,
+                 abort_wait_s: float = 2.0) -> None:
         super().__init__(name="loadgen", daemon=True)
+        self.abort_wait_s = abort_wait_s
         self.endpoints = (input_endpoint, output_endpoint)
         self.spec = spec
         self.rate_fn = rate_fn
         self.timeout_s = timeout_s
         self.run_state = LoadRun()
         self.error: BaseException | None = None
+        self.errors = 0
+        self.on_error: Callable[[str], None] | None = None
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as e:  # reported by the owner; a daemon thread has no one else
-            self.error = e
+        while not self._stop_event.is_set():
+            try:
+                asyncio.run(self._main())
+            except Exception as e:  # reported by the owner; a daemon thread has no one else
+                self.error = e
+                self.errors += 1
+                if self.on_error is not None:
+                    self.on_error(f"{type(e).__name__}: {e} (retrying in {self.RETRY_S:g} s)")
+                self._stop_event.wait(self.RETRY_S)
+            else:
+                return
 
     async def _main(self) -> None:
+        self.run_state.engine_lost = None
         async with AsyncEngineClient(*self.endpoints, timeout_s=self.timeout_s) as client:
             self.run_state.started = time.monotonic()
             await run_load(client, self.spec, rate_fn=self.rate_fn, stop=self._stop_event,
-                           run=self.run_state)
+                           run=self.run_state, abort_wait_s=self.abort_wait_s)
+        if self.run_state.engine_lost and not self._stop_event.is_set():
+            raise ConnectionError(self.run_state.engine_lost)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop_event.set()

@@ -82,6 +82,7 @@ from vconsole.engine.proc.bind_policy import check_endpoints, check_metrics_host
 from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, read_file
 from vconsole.engine.proc.control_key_file import refuse_if_held
 from vconsole.engine.proc.control_server import ControlCall, ControlServer
+from vconsole.engine.proc.liveness import LivenessStamp
 from vconsole.engine.proc.output_thread import STOP, OutputThread
 from vconsole.engine.proc.profiles import ProfileBook
 from vconsole.engine.proc.ready_file import ready_record, remove_ready_file, write_ready_file
@@ -128,7 +129,8 @@ class EngineCoreProc:
                  curve: ServerCurve | None = None,
                  restart_count: int = 0, restart_reason: str | None = None,
                  metrics_endpoint: tuple[str, int] | None = None,
-                 allow_remote_metrics: bool = False) -> None:
+                 allow_remote_metrics: bool = False,
+                 liveness_file: str | os.PathLike[str] | None = None) -> None:
         check_endpoints(endpoints, allow_remote, curve=curve is not None)
         if metrics_endpoint is not None:   # (host, port): Prometheus /metrics, port 0 = any
             check_metrics_host(metrics_endpoint[0], allow_remote_metrics)
@@ -151,6 +153,8 @@ class EngineCoreProc:
         self._dirty = True                      # state changed since the last snapshot
         self.state = "starting"
         self._stats_log = StatsLog()
+        # Stamped on every pass, read by the supervisor to tell hung from busy (liveness.py).
+        self._liveness = LivenessStamp(liveness_file) if liveness_file else None
         self.profiles = ProfileBook()           # profile on demand; written by the busy loop
         self.exit_code = exit_codes.OK            # what `vconsole engine` returns after the loop
         # Created first: its baseline is the file as loaded, so an edit made while the model
@@ -270,6 +274,7 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         """The loop: inputs, one step, telemetry — until asked to stop; then drain and close."""
         while self._stopping is None:
+            self._beat()
             self._process_input_queue()
             self._process_engine_step()
             self._maybe_snapshot()
@@ -277,6 +282,13 @@ class EngineCoreProc:
         self._shutdown()
 
     # --- busy loop ------------------------------------------------------------------------------
+
+    def _beat(self, busy: bool | None = None) -> None:
+        if self._liveness is not None:
+            if busy is None:
+                busy = self.core.has_unfinished_requests() or (
+                    self.dp is not None and self.dp.in_wave)
+            self._liveness.beat(busy)
 
     def _process_input_queue(self) -> None:
         """Apply every queued input. With no work, block for the first one (waking only to send
@@ -310,6 +322,8 @@ class EngineCoreProc:
         if dp is not None and (ev := dp.maybe_start(self.core.has_unfinished_requests())):
             self._announce_wave(ev)
         dummy = not self.core.has_unfinished_requests()
+        if not dummy or (dp is not None and dp.in_wave):
+            self._beat(True)        # a step is about to run: from here, no pass means hung
         if not dummy:
             self._real_step()
         elif dp is not None and dp.in_wave:

@@ -14,7 +14,12 @@ with state ``restarting``, ``restart_reason`` ("killed by SIGKILL", "exit code 1
 ``restart_count``, then closes it before the next child starts (telemetry is then silent while
 that child loads its model, until its own publisher binds); that child's own ``health`` carries
 the same count and reason. The requests the dead child held are lost with it; clients send them
-again. A child that hangs without dying is not this module's business.
+again.
+
+A child that hangs without dying — alive, work pending, no pass of its busy loop for
+``hang_timeout_s`` (`vconsole.engine.proc.liveness`: the child stamps a shared file on every
+pass) — is killed (SIGKILL) and restarted like one that died, with reason
+``hung: no step for N s``. ``hang_timeout_s`` None or 0: never.
 
 It gives up — exit code `exit_codes.GAVE_UP`, a message saying how often and why — after more
 than ``max_restarts`` failures within ``window_s``. It never restarts a start that cannot
@@ -64,7 +69,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from vconsole.engine.proc import exit_codes
+from vconsole.engine.proc import exit_codes, liveness
 from vconsole.engine.proc.exit_codes import describe_exit
 from vconsole.engine.proc.ready_file import (
     ENDPOINT_NAMES,
@@ -73,6 +78,7 @@ from vconsole.engine.proc.ready_file import (
     remove_ready_file,
     write_ready_file,
 )
+from vconsole.telemetry.alerts import restart_event
 from vconsole.telemetry.beacon import HealthBeacon
 
 if TYPE_CHECKING:
@@ -84,6 +90,8 @@ POLL_S = 0.05             # how often the supervisor looks for the child's ready
 STDERR_TAIL_LINES = 20    # the child's last stderr lines, kept for the give-up message
 STDERR_JOIN_S = 5.0       # after the child exited, how long its stderr may still flow
 RESTARTING = "restarting"
+LIVENESS_POLL_S = 0.5     # how often the supervisor reads a ready child's liveness stamp
+HANG_TIMEOUT_S = 60.0     # default: no busy-loop pass for this long with work pending = hung
 
 
 def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], Any] | None:
@@ -153,7 +161,8 @@ class EngineSupervisor:
                  stderr: IO[str] | None = None,
                  on_ready: Callable[[dict[str, Any]], None] | None = None,
                  on_exit: Callable[[int, str], None] | None = None,
-                 beacon: bool = True) -> None:
+                 beacon: bool = True,
+                 hang_timeout_s: float | None = HANG_TIMEOUT_S) -> None:
         self.command = list(command)
         self.endpoints = {n: endpoints[n] for n in ENDPOINT_NAMES}
         self.engine_id = engine_id
@@ -168,6 +177,8 @@ class EngineSupervisor:
         self.on_ready = on_ready              # (the child's ready record) once it serves
         self.on_exit = on_exit                # (exit code, reason) each time a child exits
         self.beacon = beacon                  # publish `restarting` while no child runs
+        self.hang_timeout_s = hang_timeout_s or None
+        self._hung: str | None = None         # why the last child was killed as hung
         self.restart_count = 0
         self.restart_reason: str | None = None
         self.failure: str | None = None      # why `run` gave up, for the caller to print
@@ -177,6 +188,7 @@ class EngineSupervisor:
         self._stop_signal: int | None = None  # set by the first SIGTERM/SIGINT
         self._run_dir: Path | None = None     # `run`'s private folder: the child's ready file
         self.metrics_port: int | None = None  # the first ready child's Prometheus port, if any
+        self._last_record: dict[str, Any] | None = None  # the last ready child's record
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -205,8 +217,9 @@ class EngineSupervisor:
     def _supervise(self) -> int:
         while True:
             code, last_words = self._run_child()
+            reason = self._hung or describe_exit(code)
             if self.on_exit is not None:
-                self.on_exit(code, describe_exit(code))
+                self.on_exit(code, reason)
             if self._stop_signal is not None:
                 log.info("stopped by %s: the engine %s", signal.Signals(self._stop_signal).name,
                          "drained" if code == exit_codes.OK else describe_exit(code))
@@ -214,7 +227,6 @@ class EngineSupervisor:
             if code == exit_codes.OK:
                 log.info("the engine stopped cleanly (exit code 0)")
                 return exit_codes.OK
-            reason = describe_exit(code)
             # A signal's victim said nothing about it: its last line would only mislead.
             said = f"; its last message: {last_words!r}" if last_words and code > 0 else ""
             if code == exit_codes.CANNOT_START:
@@ -232,6 +244,7 @@ class EngineSupervisor:
                     f"{self.policy.max_restarts} (last: {reason}){said}"))
             self.restart_count += 1
             self.restart_reason = reason
+            self._publish_ready(self._last_record)     # launchers read the count from it
             log.warning("the engine (pid %d) died: %s; restart %d in %.1f s",
                         self.child_pids[-1], reason, self.restart_count, delay)
             self._wait_restarting(delay)
@@ -251,9 +264,15 @@ class EngineSupervisor:
 
     # --- one child ----------------------------------------------------------------------------
 
+    @property
+    def _liveness_file(self) -> Path:
+        assert self._run_dir is not None, "only while `run` runs"
+        return self._run_dir / "child-liveness"
+
     def _child_command(self) -> list[str]:
         cmd = [*self.command, "--supervised-child", "--ready-file", str(self._child_ready_file),
-               "--restart-count", str(self.restart_count)]
+               "--restart-count", str(self.restart_count),
+               "--liveness-file", str(self._liveness_file)]
         if self.restart_reason is not None:
             cmd.append(f"--restart-reason={self.restart_reason}")
         for name, ep in self.endpoints.items():
@@ -266,6 +285,8 @@ class EngineSupervisor:
         """Start a child, announce it once ready, wait for it to exit: its return code and its
         last line on stderr."""
         tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._hung = None
+        liveness.create(self._liveness_file)
         proc = subprocess.Popen(self._child_command(), stdin=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, env=self.env,
                                 preexec_fn=parent_death_signal())
@@ -279,7 +300,7 @@ class EngineSupervisor:
         relay.start()
         try:
             if self._wait_ready(proc):
-                proc.wait()
+                self._watch(proc)
         finally:
             if proc.poll() is None:           # an exception here: never leave it running
                 self._kill_child()
@@ -303,6 +324,21 @@ class EngineSupervisor:
                 self._announce(record)
                 return True
 
+    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """Wait for a ready child to exit; kill it if it hangs (see the module docstring)."""
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(LIVENESS_POLL_S)
+                return
+            if self.hang_timeout_s is None or self._stop_signal is not None:
+                continue
+            age = liveness.hung_for(self._liveness_file, self.hang_timeout_s)
+            if age is not None:
+                self._hung = f"hung: no step for {age:.0f} s"
+                log.error("the engine (pid %d) is %s with work pending: killing it", proc.pid,
+                          self._hung)
+                self._kill_child()
+
     def _announce(self, record: dict[str, Any]) -> None:
         """The child is serving: keep its concrete endpoints for every later child and
         republish its record under this process's pid."""
@@ -314,10 +350,17 @@ class EngineSupervisor:
             self.metrics_port = urlsplit(record["metrics"]).port
         log.info("engine ready (pid %d, restart %d): %s", record["pid"], self.restart_count,
                  " ".join(f"{n}={ep}" for n, ep in self.endpoints.items()))
-        if self.ready_file is not None:
+        self._last_record = record
+        self._publish_ready(record)
+
+    def _publish_ready(self, record: dict[str, Any] | None) -> None:
+        """The ready file: the child's record under this process's pid, with the restart
+        count and the last restart's reason (rewritten at each restart)."""
+        if self.ready_file is not None and record is not None:
             write_ready_file(self.ready_file, {
                 **record, "pid": os.getpid(), "child_pid": record["pid"],
-                "restart_count": self.restart_count, "supervised": True})
+                "restart_count": self.restart_count, "restart_reason": self.restart_reason,
+                "supervised": True})
 
     def _relay_stderr(self, pipe: IO[bytes], tail: collections.deque[str]) -> None:
         """Pass the child's stderr through, line by line, keeping the last lines."""
@@ -346,6 +389,10 @@ class EngineSupervisor:
                     beacon.send(RESTARTING, interval_s=self.heartbeat_interval_s,
                                 restart_count=self.restart_count,
                                 restart_reason=self.restart_reason)
+                    # With every beat: a subscriber that reconnects late still hears the
+                    # event (consoles list each restart count once).
+                    beacon.send_alert(restart_event(self.restart_count, self.restart_reason,
+                                                    back=False).payload())
                     next_beat = now + self.heartbeat_interval_s
                 time.sleep(min(POLL_S, max(0.0, deadline - now)))
 

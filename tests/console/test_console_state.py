@@ -115,6 +115,32 @@ def test_alerts_history_and_active_set():
     assert [a.level for a in s.latest_alerts(5)] == ["ok", "warning"]
 
 
+def test_each_engine_restart_is_listed_once_from_its_event_or_from_health():
+    """The supervisor's ``engine_restart`` event repeats with every restarting beat, the new
+    engine's health carries the count: the Alerts list shows each restart once, with time and
+    reason, and none stays "active"."""
+    from vconsole.telemetry.alerts import restart_event
+
+    s = ConsoleState(clock=lambda: T)
+    s.ingest(health(0, T, restart_count=0), T)
+    event = restart_event(1, "killed by SIGKILL", back=False).payload()
+    for seq in range(3):
+        s.ingest(frames("alert", event, seq=seq), T + 1 + seq)
+    s.ingest(health(1, T + 5, restart_count=1, restart_reason="killed by SIGKILL"), T + 5)
+    s.ingest(frames("alert", restart_event(1, "killed by SIGKILL", back=True).payload(),
+                    seq=3), T + 6)
+    restarts = [a for a in s.latest_alerts(20) if a.name == "engine_restart"]
+    assert [(a.recv_ts, a.value) for a in restarts] == [(T + 1, 1.0)]
+    assert "killed by SIGKILL" in restarts[0].message
+    # A second restart whose event was lost still shows, from health.
+    s.ingest(health(2, T + 30, restart_count=2, restart_reason="hung: no step for 61 s"),
+             T + 30)
+    restarts = [a for a in s.latest_alerts(20) if a.name == "engine_restart"]
+    assert [a.value for a in restarts] == [2, 1.0]
+    assert restarts[0].message == "engine restarted (2): hung: no step for 61 s"
+    assert not s.active_alerts
+
+
 def test_config_from_control_and_telemetry_newest_wins_but_no_rollback():
     ctl = FakeControl()
     s = ConsoleState(clock=lambda: T)

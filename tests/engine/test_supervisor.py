@@ -19,6 +19,7 @@ import psutil
 import pytest
 import zmq
 
+from vconsole.commands.demo import closing_line
 from vconsole.demo import EngineProcess
 from vconsole.engine.proc import exit_codes
 from vconsole.engine.proc.client import EngineClient
@@ -178,6 +179,12 @@ def test_a_killed_engine_is_restarted_on_the_same_endpoints_and_telemetry_says_s
         assert_gone(first)
     assert engine.proc.returncode == 0
     assert_gone(second)
+    # What `vconsole demo` says on exit: the restart, its reason, the log it kept; exit 1.
+    assert (engine.restart_count, engine.restart_reason) == (1, "killed by SIGKILL")
+    line, code = closing_line(engine)
+    assert code == 1 and line == (f"engine restarted 1 times (last: killed by SIGKILL); "
+                                  f"log: {engine.log_path}")
+    assert engine.failed and engine.log_path.exists()
 
 
 @pytest.mark.proc
@@ -265,3 +272,51 @@ def test_an_engine_that_never_became_ready_is_not_restarted(tmp_path):
     assert last.startswith("vconsole engine: the engine failed before it was ever ready "
                            "(exit code 1), so it is not restarted")
     assert "no-model' does not exist" in last and "died" not in run.stderr
+
+
+class Alerts(Health):
+    """Every ``alert`` message on one endpoint (the same reconnecting SUB thread)."""
+
+    def _run(self, endpoint: str) -> None:
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"alert")
+        sock.setsockopt(zmq.RECONNECT_IVL, 10)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 50)
+        sock.connect(endpoint)
+        while not self._stop.is_set():
+            if sock.poll(50):
+                self.messages.append(schema.decode(sock.recv_multipart()).payload)
+        sock.close(0)
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+def test_a_hung_engine_is_killed_and_restarted_but_an_idle_one_is_left_alone(tmp_path):
+    """SIGSTOP freezes the child (alive, never stepping). Idle, it is left alone past the hang
+    timeout; with a request in flight, the supervisor kills it and restarts it with reason
+    ``hung: no step for N s``, and the restart goes out as an ``engine_restart`` event."""
+    engine = EngineProcess([*ENGINE_ARGS, "--hang-timeout", "2", "--restart-backoff", "1"],
+                           log_path=tmp_path / "engine.log")
+    with engine:
+        first = child_of(engine)
+        alerts = Alerts(engine.endpoints["telemetry"])
+        try:
+            os.kill(first, signal.SIGSTOP)          # idle: waiting for work is not a hang
+            time.sleep(4)
+            os.kill(first, signal.SIGCONT)
+            assert child_of(engine) == first and psutil.pid_exists(first)
+            with EngineClient(engine.endpoints["input"], engine.endpoints["output"]) as client:
+                rid = client.submit(prompt_token_ids=[5, 6, 7], max_tokens=900, ignore_eos=True)
+                first_token(client, rid)
+                os.kill(first, signal.SIGSTOP)
+                record = wait_for_new_child(engine, first)
+            assert record["restart_count"] == 1
+            assert record["restart_reason"].startswith("hung: no step for ")
+            event = alerts.wait_for(lambda m: m["name"] == "engine_restart", "engine_restart")
+            assert event["level"] == "critical" and event["value"] == 1
+            assert "hung: no step for" in event["message"]
+        finally:
+            alerts.close()
+        assert_gone(first)
+        assert "is hung: no step for" in engine.log_text()
+    assert engine.proc.returncode == 0

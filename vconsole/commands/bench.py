@@ -26,6 +26,13 @@ def main(args: argparse.Namespace) -> int:
         from vconsole.bench_console import console_bench
 
         out = console_bench(args.num_requests or 10_000, args.seconds or 4.0, log)
+    elif args.name == "soak":
+        from vconsole.bench_soak import soak_bench
+
+        out = soak_bench(args.minutes, data_parallel_size=args.data_parallel_size or 1,
+                         rate=args.rate, log=log)
+        print(json.dumps(out, indent=None if args.json else 2))
+        return 0 if out["passed"] else 1
     elif args.name == "dp":
         from vconsole.bench_dp import dp_bench
 

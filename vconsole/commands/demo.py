@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vconsole.demo import DemoStack
+from vconsole.demo import DEMO_ENGINE_DEFAULTS, DemoStack, EngineProcess
 
 _PASS_THROUGH = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
                  "max_num_batched_tokens", "policy", "config")
-# Small enough that bursts fill the KV pool and preempt; with priorities to show.
-_DEMO_DEFAULTS = {"num_kv_blocks": 128, "max_num_seqs": 16, "policy": "hybrid"}
 
 
 def engine_args_from(args: argparse.Namespace) -> list[str]:
@@ -20,7 +18,7 @@ def engine_args_from(args: argparse.Namespace) -> list[str]:
     for key in _PASS_THROUGH:
         value = getattr(args, key, None)
         if value is None and use_defaults:
-            value = _DEMO_DEFAULTS.get(key)
+            value = DEMO_ENGINE_DEFAULTS.get(key)
         if value is not None:
             out += [f"--{key.replace('_', '-')}", str(value)]
     if getattr(args, "no_prefix_caching", False):
@@ -44,18 +42,28 @@ def main(args: argparse.Namespace) -> int:
                           control_endpoint=stack.endpoints["control"],
                           control_key=stack.engine.control_key(),
                           control_key_file=stack.engine.control_key_path)
+        if stack.load is not None:     # its errors on screen, not only after the fact
+            stack.load.on_error = lambda e: app.state.note_error(f"load generator: {e}")
         app.run()
     finally:
         stack.close()
-        engine = stack.engine
-        if engine.failed:
-            code = engine.proc.returncode if engine.proc else None
-            print(f"vconsole demo: the engine failed (exit code {code}); its log: "
-                  f"{engine.log_path}", file=sys.stderr)
-        elif engine.keep_log:
-            print(f"vconsole demo: stopped (engine log: {engine.log_path})", file=sys.stderr)
-        else:
-            print("vconsole demo: stopped", file=sys.stderr)
+        line, code = closing_line(stack.engine)
+        print(f"vconsole demo: {line}", file=sys.stderr)
     if stack.load is not None and stack.load.error is not None:
-        print(f"vconsole demo: the load generator failed: {stack.load.error!r}", file=sys.stderr)
-    return 0
+        print(f"vconsole demo: the load generator failed {stack.load.errors} time(s), last: "
+              f"{stack.load.error!r}", file=sys.stderr)
+    return code
+
+
+def closing_line(engine: EngineProcess) -> tuple[str, int]:
+    """What the demo says when it ends, and its exit code: an engine that was restarted or
+    failed is never a clean exit, and its log (kept) is named."""
+    if engine.restart_count:
+        return (f"engine restarted {engine.restart_count} times (last: "
+                f"{engine.restart_reason}); log: {engine.log_path}", 1)
+    if engine.failed:
+        code = engine.proc.returncode if engine.proc else None
+        return f"the engine failed (exit code {code}); its log: {engine.log_path}", 1
+    if engine.keep_log:
+        return f"stopped (engine log: {engine.log_path})", 0
+    return "stopped", 0

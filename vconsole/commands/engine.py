@@ -99,6 +99,7 @@ def _serve(args: argparse.Namespace, config: Any, endpoints: dict[str, str], *,
                               curve=server_curve(args) if curve is True else curve,
                               restart_count=getattr(args, "restart_count", 0) or 0,
                               restart_reason=getattr(args, "restart_reason", None),
+                              liveness_file=getattr(args, "liveness_file", None),
                               metrics_endpoint=_metrics_endpoint(args),
                               allow_remote_metrics=bool(getattr(args, "allow_remote_metrics",
                                                                 False)))
@@ -200,7 +201,8 @@ def _supervise(args: argparse.Namespace, config: Any, endpoints: dict[str, str])
     supervisor = EngineSupervisor(
         [sys.executable, "-m", "vconsole", *argv], endpoints, engine_id=config.engine_id,
         rank=config.dp_rank, policy=policy, ready_file=getattr(args, "ready_file", None),
-        heartbeat_interval_s=config.heartbeat_interval_s, sndhwm=config.zmq_sndhwm, curve=curve)
+        heartbeat_interval_s=config.heartbeat_interval_s, sndhwm=config.zmq_sndhwm, curve=curve,
+        hang_timeout_s=args.hang_timeout)
     code = supervisor.run()
     if supervisor.failure:
         print(f"vconsole engine: {supervisor.failure}", file=sys.stderr)

@@ -54,7 +54,8 @@ log = logging.getLogger("vconsole.engine.dp")
 _VALUE_FLAGS = ("--input", "--output", "--telemetry", "--control", "--ready-file",
                 "--metrics-port", "--metrics-host", "--control-key-file", "--curve-server-key",
                 "--curve-clients", "--data-parallel-size", "--dp-rank", "--dp-master-addr",
-                "--dp-master-port", "--max-restarts", "--restart-window", "--restart-backoff")
+                "--dp-master-port", "--max-restarts", "--restart-window", "--restart-backoff",
+                "--hang-timeout")
 _BOOL_FLAGS = ("--allow-remote-telemetry", "--allow-remote-metrics", "--no-supervisor")
 POLL_S = 0.1
 
@@ -168,7 +169,8 @@ class DPLauncher:
                 env=rank_env(r, self.world_size, self.config.device),
                 on_ready=lambda rec, r=r, ready=ready: self.stack.rank_ready(r, rec, ready),
                 on_exit=lambda code, why, r=r: self._rank_exit(r, code, why),
-                beacon=False)   # the front end's proxy says `restarting` for the rank
+                beacon=False,   # the front end's proxy says `restarting` for the rank
+                hang_timeout_s=getattr(self.args, "hang_timeout", None))
             self.supervisors.append(sup)
 
             def target(sup: EngineSupervisor = sup, r: int = r) -> None:
