@@ -7,14 +7,15 @@ an exception that ended it, ``kill -9``, the kernel's OOM killer, or exit code 3
 ``max_consecutive_step_failures`` failed steps in a row — it starts another after a backoff
 (`RestartPolicy`: 0.5 s, doubling, at most 10 s) on the *same* endpoints: the ``*`` ports of the
 first start are taken from the first child's ready file and passed to every later child, so
-clients and consoles reconnect where they were (so is the port of ``--metrics-port 0``, from
-the ready file's ``metrics``). While no child runs, the supervisor binds the telemetry
+clients and consoles reconnect where they were. While no child runs, the supervisor binds the telemetry
 endpoint itself (`vconsole.telemetry.beacon.HealthBeacon`) and publishes ``health``
 with state ``restarting``, ``restart_reason`` ("killed by SIGKILL", "exit code 1") and
 ``restart_count``, then closes it before the next child starts (telemetry is then silent while
 that child loads its model, until its own publisher binds); that child's own ``health`` carries
 the same count and reason. The requests the dead child held are lost with it; clients send them
-again.
+again. With ``metrics`` (``--metrics-port``) the public ``/metrics`` port is the supervisor's
+(`vconsole.engine.proc.metrics_relay`): each child serves a private loopback port, and a scrape
+while no child answers gets the last figures with ``vconsole:engine_up 0``.
 
 A child that hangs without dying — alive, work pending, no pass of its busy loop for
 ``hang_timeout_s`` (`vconsole.engine.proc.liveness`: the child stamps a shared file on every
@@ -65,12 +66,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import zmq
 
 from vconsole.engine.proc import exit_codes, liveness
 from vconsole.engine.proc.exit_codes import describe_exit
+from vconsole.engine.proc.metrics_relay import MetricsRelay
 from vconsole.engine.proc.ready_file import (
     ENDPOINT_NAMES,
     ReadyFileError,
@@ -162,7 +163,8 @@ class EngineSupervisor:
                  on_ready: Callable[[dict[str, Any]], None] | None = None,
                  on_exit: Callable[[int, str], None] | None = None,
                  beacon: bool = True,
-                 hang_timeout_s: float | None = HANG_TIMEOUT_S) -> None:
+                 hang_timeout_s: float | None = HANG_TIMEOUT_S,
+                 metrics: tuple[str, int] | None = None) -> None:
         self.command = list(command)
         self.endpoints = {n: endpoints[n] for n in ENDPOINT_NAMES}
         self.engine_id = engine_id
@@ -187,7 +189,9 @@ class EngineSupervisor:
         self._child: subprocess.Popen[bytes] | None = None
         self._stop_signal: int | None = None  # set by the first SIGTERM/SIGINT
         self._run_dir: Path | None = None     # `run`'s private folder: the child's ready file
-        self.metrics_port: int | None = None  # the first ready child's Prometheus port, if any
+        self.metrics = metrics                # (host, port) of the public /metrics, if any
+        self._relay: MetricsRelay | None = None
+        self._child_metrics: str | None = None  # the serving child's private /metrics URL
         self._last_record: dict[str, Any] | None = None  # the last ready child's record
 
     # --- the loop --------------------------------------------------------------------------
@@ -198,11 +202,16 @@ class EngineSupervisor:
         thread; without (a supervisor per data-parallel rank, each in a thread of the
         launcher), the caller passes stops on with `stop`."""
         self._run_dir = Path(tempfile.mkdtemp(prefix="vconsole-supervisor-"))
+        if self.metrics is not None:      # OSError (port in use) before any child starts
+            self._relay = MetricsRelay(*self.metrics, upstream=lambda: self._child_metrics,
+                                       restart_count=lambda: self.restart_count).start()
         previous = self._install_signal_handlers() if install_signals else {}
         try:
             return self._supervise()
         finally:
             self._kill_child()
+            if self._relay is not None:
+                self._relay.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.ready_file is not None:
@@ -277,8 +286,8 @@ class EngineSupervisor:
             cmd.append(f"--restart-reason={self.restart_reason}")
         for name, ep in self.endpoints.items():
             cmd.append(f"--{name}={ep}")
-        if self.metrics_port is not None:
-            cmd.append(f"--metrics-port={self.metrics_port}")
+        if self._relay is not None:       # a private port; the public one is the relay's
+            cmd += ["--metrics-port=0", "--metrics-host=127.0.0.1"]
         return cmd
 
     def _run_child(self) -> tuple[int, str | None]:
@@ -306,6 +315,7 @@ class EngineSupervisor:
                 self._kill_child()
             relay.join(STDERR_JOIN_S)
             self._child = None
+            self._child_metrics = None
         last = next((line for line in reversed(tail) if line.strip()), None)
         return proc.returncode, last
 
@@ -346,8 +356,9 @@ class EngineSupervisor:
         if self.on_ready is not None:
             self.on_ready(record)
         self.endpoints = {n: record["endpoints"][n] for n in ENDPOINT_NAMES}
-        if isinstance(record.get("metrics"), str):   # `--metrics-port 0` resolved: keep it
-            self.metrics_port = urlsplit(record["metrics"]).port
+        if self._relay is not None and isinstance(record.get("metrics"), str):
+            self._child_metrics = record["metrics"]
+            record = {**record, "metrics": self._relay.url}
         log.info("engine ready (pid %d, restart %d): %s", record["pid"], self.restart_count,
                  " ".join(f"{n}={ep}" for n, ep in self.endpoints.items()))
         self._last_record = record

@@ -527,7 +527,8 @@ def test_the_metrics_port_binds_loopback_by_default_and_is_in_the_ready_file(eng
     url = engine.ready["metrics"]
     parts = urlsplit(url)
     assert parts.hostname == "127.0.0.1" and parts.path == "/metrics" and parts.port
-    listening = [c.laddr for c in psutil.Process(engine.ready["child_pid"]).net_connections("tcp")
+    # The supervisor's port (it answers while the engine restarts, `metrics_relay`).
+    listening = [c.laddr for c in psutil.Process(engine.pid).net_connections("tcp")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == parts.port]
     assert [a.ip for a in listening] == ["127.0.0.1"]
     scrape_url(url)   # answers 200 (even before any request)
@@ -597,17 +598,32 @@ def test_a_scrape_of_a_live_engine_equals_its_telemetry_and_what_clients_receive
 @pytest.mark.proc
 @pytest.mark.slow
 def test_a_restarted_engine_serves_metrics_on_the_same_port(engine, served):
+    """While no engine process runs, /metrics answers with the last figures and
+    ``vconsole:engine_up 0``; the restarted engine then serves on the same port."""
     url = engine.ready["metrics"]
     old_child = engine.ready["child_pid"]
+    generated = sum(len(c.output_token_ids) for c in served)
+    deadline = time.monotonic() + 30
+    while scrape_url(url).value("vllm:generation_tokens_total") != generated:
+        assert time.monotonic() < deadline, "the stream never caught up"
+        time.sleep(0.1)     # the relay keeps this last good scrape
+    assert scrape_url(url).value("vconsole:engine_up") == 1
     os.kill(old_child, signal.SIGKILL)
     deadline = time.monotonic() + 120
+    down = None
     while time.monotonic() < deadline:
+        s = scrape_url(url)
+        if "vconsole:engine_up" in s.families and s.value("vconsole:engine_up") == 0:
+            down = s    # the last one before the new engine answers
         record = read_ready_file(engine.ready_path)
         if record is not None and record.get("child_pid") not in (None, old_child):
             break
-        time.sleep(0.1)
+        time.sleep(0.05)
     else:
         raise AssertionError("the supervisor did not restart the engine")
+    assert down is not None, "no scrape saw the engine down"
+    assert down.value("vllm:generation_tokens_total") == generated, "the last values"
+    assert down.value("vconsole:engine_restarts_total") == 1
     assert record["metrics"] == url and record["restart_count"] == 1
     scrape = None
     while time.monotonic() < deadline:
@@ -616,9 +632,23 @@ def test_a_restarted_engine_serves_metrics_on_the_same_port(engine, served):
         except OSError:
             time.sleep(0.1)
             continue
-        if {"vconsole:engine_restarts", "vllm:generation_tokens"} <= scrape.families.keys():
+        if {"vconsole:engine_restarts", "vllm:generation_tokens", "vconsole:engine_up"} \
+                <= scrape.families.keys() and scrape.value("vconsole:engine_up") == 1:
             break   # the new engine's health and its first sched message were sent
         time.sleep(0.1)
     assert scrape is not None
     assert scrape.value("vconsole:engine_restarts_total") == 1
     assert scrape.value("vllm:generation_tokens_total") == 0   # a new engine process
+
+
+def test_a_scrape_while_no_engine_answers_keeps_the_last_values_and_says_down():
+    from vconsole.engine.proc.metrics_relay import mark_down
+
+    last = ('vllm:generation_tokens_total{engine="0",model_name="tiny"} 42.0\n'
+            'vconsole:engine_restarts_total{engine="0",model_name="tiny"} 0.0\n'
+            'vconsole:engine_up{engine="0",model_name="tiny"} 1.0\n')
+    down = mark_down(last, 3)
+    assert 'vllm:generation_tokens_total{engine="0",model_name="tiny"} 42.0' in down
+    assert 'vconsole:engine_restarts_total{engine="0",model_name="tiny"} 3.0' in down
+    assert 'vconsole:engine_up{engine="0",model_name="tiny"} 0.0' in down
+    assert "vconsole:engine_up 0.0" in mark_down("", 1), "never scraped: still says down"

@@ -24,7 +24,7 @@ from typing import Any
 from vconsole.commands.curve_args import server_curve
 from vconsole.engine.config import ConfigError, config_from_args
 from vconsole.engine.proc import exit_codes
-from vconsole.engine.proc.bind_policy import RemoteBindRefused
+from vconsole.engine.proc.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.engine.proc.core_proc import RELOAD, SHUTDOWN, EngineCoreProc
 from vconsole.engine.proc.supervisor import EngineSupervisor, RestartPolicy
 from vconsole.telemetry.curve import CurveKeyError
@@ -179,9 +179,9 @@ def _launch_ranks(args: argparse.Namespace, config: Any, endpoints: dict[str, st
 
 
 def _metrics_endpoint(args: argparse.Namespace) -> tuple[str, int] | None:
-    """``(host, port)`` for the Prometheus server, None without ``--metrics-port``. Only the
-    process that runs the engine serves it (a supervised child, or ``--no-supervisor``); the
-    supervisor passes a port 0 resolved by the first child to every later one."""
+    """``(host, port)`` for the Prometheus server, None without ``--metrics-port``. Under the
+    supervisor this port is the supervisor's relay and each child serves a private loopback
+    port (`vconsole.engine.proc.metrics_relay`); ``--no-supervisor`` serves it itself."""
     port = getattr(args, "metrics_port", None)
     if port is None:
         return None
@@ -190,10 +190,13 @@ def _metrics_endpoint(args: argparse.Namespace) -> tuple[str, int] | None:
 
 def _supervise(args: argparse.Namespace, config: Any, endpoints: dict[str, str]) -> int:
     """Run this very command line as a supervised child; see `EngineSupervisor`."""
+    metrics = _metrics_endpoint(args)
     try:
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
                                backoff_s=args.restart_backoff)
         curve = server_curve(args)
+        if metrics is not None:
+            check_metrics_host(metrics[0], bool(getattr(args, "allow_remote_metrics", False)))
     except (ValueError, CurveKeyError) as e:
         print(f"vconsole engine: {e}", file=sys.stderr)
         return exit_codes.CANNOT_START
@@ -202,8 +205,12 @@ def _supervise(args: argparse.Namespace, config: Any, endpoints: dict[str, str])
         [sys.executable, "-m", "vconsole", *argv], endpoints, engine_id=config.engine_id,
         rank=config.dp_rank, policy=policy, ready_file=getattr(args, "ready_file", None),
         heartbeat_interval_s=config.heartbeat_interval_s, sndhwm=config.zmq_sndhwm, curve=curve,
-        hang_timeout_s=args.hang_timeout)
-    code = supervisor.run()
+        hang_timeout_s=args.hang_timeout, metrics=metrics)
+    try:
+        code = supervisor.run()
+    except OSError as e:    # the metrics port is taken
+        print(f"vconsole engine: cannot serve metrics on {metrics}: {e}", file=sys.stderr)
+        return exit_codes.CANNOT_START
     if supervisor.failure:
         print(f"vconsole engine: {supervisor.failure}", file=sys.stderr)
     return code
