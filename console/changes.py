@@ -101,9 +101,11 @@ def consequence(key: str, old: Any, new: Any, *, num_running: int | None = None,
         return None
     if key == "max_num_seqs" and isinstance(old, int) and isinstance(new, int):
         if num_running is not None and new < num_running:
-            return (f"Cuts max_num_seqs from {old} to {new}: {num_running - new} of the "
-                    f"{num_running} running requests will be preempted back to the waiting "
-                    f"queue, their KV blocks freed and their tokens recomputed later.")
+            # The scheduler's rule (`vconsole.engine.sched.scheduler`): admissions stop, the
+            # running requests drain, none is preempted.
+            return (f"Cuts max_num_seqs from {old} to {new}: no waiting request is admitted "
+                    f"until the {num_running} running ones drain to {new}; none is preempted, "
+                    f"they finish as they would have.")
         if new <= old / 2:
             return (f"Cuts max_num_seqs from {old} to {new} ({(old - new) / old:.0%} fewer "
                     f"concurrent requests): throughput drops and the waiting queue grows.")

@@ -226,7 +226,7 @@ def test_validate_and_consequences():
     assert validate("max_num_seqs", "8") == (8, None)
     value, reason = validate("max_num_seqs", "lots")
     assert value is None and "integer" in reason
-    assert "preempted" in consequence("max_num_seqs", 64, 8, num_running=40)
+    assert "none is preempted" in consequence("max_num_seqs", 64, 8, num_running=40)
     assert consequence("max_num_seqs", 64, 60, num_running=10) is None
     assert consequence("block_size", 16, 32, hot=False) is None
     assert consequence("enable_prefix_caching", True, False) is not None
@@ -243,3 +243,32 @@ def test_change_record_reads_engine_replies():
     rec = ChangeRecord("max_num_seqs", 16, 10**9)
     rec.take_reply(ctl.set_config({"max_num_seqs": 10**9}))
     assert rec.status == REJECTED and "<=" in rec.reason
+
+
+def test_what_the_dialog_says_of_lowering_max_num_seqs_is_what_the_scheduler_does():
+    """16 -> 4 with 12 running: the dialog says they drain and none is preempted; a real
+    scheduler then keeps all 12 running and admits nobody until they are under 4."""
+    from support.scheduling import make_request, make_scheduler
+    from vconsole.engine.sched.output import ModelRunnerOutput
+
+    s = make_scheduler(num_blocks=256, max_num_seqs=16)
+    for i in range(12):
+        s.add_request(make_request(f"r{i}", 4, max_tokens=6 + i))
+
+    def step() -> None:
+        so = s.schedule()
+        s.update_from_output(so, ModelRunnerOutput({r: 7 for r in so.num_scheduled_tokens}))
+
+    step()
+    for i in range(12, 20):
+        s.add_request(make_request(f"r{i}", 4, max_tokens=40))
+    assert len(s.running) == 12
+    said = consequence("max_num_seqs", 16, 4, num_running=12)
+    assert "until the 12 running ones drain to 4" in said and "none is preempted" in said
+    s.update_config(s.config.__class__(**{**s.config.to_dict(), "max_num_seqs": 4}))
+    seen = []
+    while len(s.running) > 4:
+        step()
+        seen.append(len(s.running))
+    assert s.num_preemptions_total == 0
+    assert seen == sorted(seen, reverse=True), "drains, never admits on the way down"
