@@ -172,6 +172,14 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def unknown_key(key: object) -> str:
+    """Why ``key`` is refused, with the closest known keys when there are any."""
+    import difflib
+
+    close = difflib.get_close_matches(str(key), FIELDS, n=2, cutoff=0.6)
+    return f"unknown key (did you mean {' or '.join(close)}?)" if close else "unknown key"
+
+
 def coerce_value(key: str, value: Any) -> Any:
     """Check one value against its field (type, range, choices) and return it in its type.
 
@@ -179,7 +187,7 @@ def coerce_value(key: str, value: Any) -> Any:
     nullable key. Raises ValueError with a reason a person can act on.
     """
     if key not in FIELDS:
-        raise ValueError("unknown key")
+        raise ValueError(unknown_key(key))
     f = FIELDS[key]
     meta = f.metadata
     kind = _type_name(f)
@@ -297,7 +305,7 @@ def apply_update(current: EngineConfig, values: dict[str, Any]) -> ConfigUpdate:
         return ConfigUpdate(current, rejected={"values": "expected a mapping of key -> value"})
     for key, raw in values.items():
         if not isinstance(key, str) or key not in FIELDS:
-            rejected[str(key)] = "unknown key"
+            rejected[str(key)] = unknown_key(key)
             continue
         try:
             value = coerce_value(key, raw)

@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `vconsole SUBCOMMAND --help` for a subcommand's flags. Start with "
                "`vconsole demo`.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    parser.add_argument("--version", action="version", version=f"vconsole {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
 
     def cmd(name: str, target: str, help_: str, desc: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=desc or help_)
@@ -327,14 +328,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("vconsole")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:            # bare `vconsole`: what there is, not an error line
+        parser.print_help()
+        return 2
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: the supervisor reruns it
     try:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:             # `vconsole get | head`: the reader left, as for `yes`
+        _silence_stdout()
+        return 128 + 13                 # as if killed by SIGPIPE
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush raises nothing more."""
+    import os
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -155,3 +155,32 @@ def test_no_engine_is_a_clear_error_and_exit_1(func, argv, tmp_path, capsys):
                               "--control-key-file", str(key)], capsys, timeout=0.3)
     assert code == 1
     assert "no reply from the engine's control socket" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["set", "max_num_seqs=8"], ["profile"]])
+def test_without_an_engine_set_and_profile_say_that_no_engine_answers(argv, tmp_path):
+    r = vconsole(*argv, "--control", f"ipc://{tmp_path}/none",
+                 "--control-key-file", str(tmp_path / "missing.key"))
+    assert r.returncode == 1
+    assert f"no engine answers on ipc://{tmp_path}/none" in r.stderr, r.stderr
+    assert "control key" not in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.proc
+def test_a_misspelt_key_gets_a_suggestion(engine, capsys):
+    code, _, err = run(main_set, ["set", "--control", engine.endpoints["control"],
+                                  "max_seqs=8"], capsys)
+    assert code == 1 and "rejected  max_seqs: unknown key (did you mean max_num_seqs?)" in err
+
+
+@pytest.mark.proc
+@pytest.mark.parametrize("argv", [["get"], ["top", "--once", "--json"]])
+def test_output_piped_into_head_ends_quietly(engine, argv):
+    """`vconsole get | head`: the reader leaves early; no BrokenPipeError traceback."""
+    flag = "--control" if argv[0] == "get" else "--telemetry"
+    ep = engine.endpoints["control" if argv[0] == "get" else "telemetry"]
+    cmd = [sys.executable, "-m", "vconsole", *argv, flag, ep]
+    # `true` leaves at once: every write the command makes meets a closed pipe.
+    r = subprocess.run(" ".join(cmd) + " | true", shell=True, capture_output=True,
+                       text=True, timeout=60)
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr

@@ -22,6 +22,7 @@ from vconsole.telemetry.curve import CurveKeyError
 from vconsole.telemetry.endpoints import DEFAULT_CONTROL
 
 TIMEOUT_S = 5.0
+PROBE_S = 1.5       # is any engine there at all (when the control key is missing)
 
 
 def parse_pairs(pairs: list[str]) -> dict[str, str]:
@@ -46,9 +47,33 @@ def _client(args: argparse.Namespace, key: str | None = None) -> ControlClient:
                          key=key, curve=client_curve(args))
 
 
+def _engine_answers(args: argparse.Namespace) -> bool:
+    """Whether an engine answers ``get_config`` (which needs no key) within `PROBE_S`."""
+    try:
+        with ControlClient(_endpoint(args), timeout_s=PROBE_S,
+                           curve=client_curve(args)) as client:
+            client.get_config()
+    except (TimeoutError, ControlError, CurveKeyError):
+        return False
+    return True
+
+
 def _read_key(args: argparse.Namespace) -> str:
     """The control key for `set`; raises ControlError naming the path and what to do, also when
-    the key's owner record says its engine is gone (a file left by a killed engine)."""
+    the key's owner record says its engine is gone (a file left by a killed engine). Without a
+    usable key it first asks whether any engine answers: with none running, that is the
+    error, not the key."""
+    try:
+        return _key_from_file(args)
+    except ControlError:
+        if not _engine_answers(args):
+            raise ControlError(
+                f"no engine answers on {_endpoint(args)}: start one (`vconsole engine`, or "
+                "`vconsole demo`), or pass the running engine's --control ENDPOINT") from None
+        raise
+
+
+def _key_from_file(args: argparse.Namespace) -> str:
     path = control_key.key_path(_endpoint(args), getattr(args, "control_key_file", None))
     try:
         key = control_key.read_key_file(path)
