@@ -210,7 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_key_arg(p)
     add_curve_args(p)
 
-    p = cmd("generate", "vconsole.commands.generate:main", "offline batch inference from a JSONL file")
+    p = cmd("generate", "vconsole.commands.generate:main", "offline batch inference from a JSONL file",
+            "Run every line of FILE.jsonl as one request and write one result line per input "
+            "line, in input order. Fields of an input line: prompt (text) or prompt_token_ids "
+            "(list of ints), and optionally max_tokens, temperature, top_p, top_k, seed, "
+            "ignore_eos, stop_token_ids, priority. Output lines: index, output_token_ids, text, "
+            "finish_reason, num_prompt_tokens, num_cached_tokens (and error). A bad line gets "
+            "an error line, is named on stderr with its line number, and makes the exit code 1; "
+            "the other lines still run.")
     add_engine_args(p)
     p.add_argument("--input", required=True, metavar="FILE.jsonl",
                    help='one request per line: {"prompt": ...} or {"prompt_token_ids": [...]}')

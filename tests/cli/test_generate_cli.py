@@ -30,7 +30,7 @@ def test_generate_writes_one_line_per_input_in_order_with_errors_in_place(tmp_pa
     proc = subprocess.run([sys.executable, "-m", "vconsole.cli", "generate", "--model", "tiny",
                            "--input", str(src), "--output", str(dst)],
                           capture_output=True, text=True, env=env, timeout=240)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, "a bad line makes the run fail, after every good one ran"
     out = [json.loads(ln) for ln in dst.read_text().splitlines()]
     assert [o["index"] for o in out] == list(range(len(lines)))
     assert [o["finish_reason"] == "error" for o in out] == [False, True, False, True, False, True]
@@ -47,6 +47,9 @@ def test_generate_writes_one_line_per_input_in_order_with_errors_in_place(tmp_pa
     summary = proc.stderr.strip().splitlines()[-1]
     for key in ("requests=6", "errors=3", "tok/s=", "preemptions=", "prefix_hit_rate="):
         assert key in summary
+    named = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"{src}:")]
+    assert [ln.split(":")[1] for ln in named] == ["2", "4", "6"], "1-based line numbers"
+    assert "invalid JSON" in named[0] and "colour" in named[2]
 
 
 def test_generate_with_a_bad_model_path_exits_1_with_the_reason_and_no_traceback(tmp_path):

@@ -11,6 +11,8 @@ from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import run_batch
 from vconsole.generate import parse_line, result_line
 
+MAX_ERROR_LINES = 20    # bad lines named on stderr (all of them get an error line in OUTPUT)
+
 
 class _Progress:
     """A one-line progress bar on a terminal (stderr); silent otherwise."""
@@ -56,9 +58,14 @@ def main(args: argparse.Namespace) -> int:
         for i, (out, toks) in enumerate(zip(result.outputs, result.output_token_ids,
                                             strict=True)):
             fh.write(json.dumps(result_line(i, out, toks)) + "\n")
-    errors = sum(1 for o in result.outputs if o.finish_reason == "error")
-    print(f"requests={len(lines)} errors={errors} tokens={result.num_output_tokens} "
+    errors = [(i, o) for i, o in enumerate(result.outputs) if o.finish_reason == "error"]
+    for i, out in errors[:MAX_ERROR_LINES]:
+        print(f"{args.input}:{i + 1}: {out.error}", file=sys.stderr)
+    if len(errors) > MAX_ERROR_LINES:
+        print(f"... and {len(errors) - MAX_ERROR_LINES} more (each has an error line in "
+              f"{args.output})", file=sys.stderr)
+    print(f"requests={len(lines)} errors={len(errors)} tokens={result.num_output_tokens} "
           f"tok/s={result.tokens_per_s:.1f} elapsed={result.elapsed_s:.2f}s "
           f"preemptions={result.num_preemptions} prefix_hit_rate={result.prefix_hit_rate:.1%}",
           file=sys.stderr)
-    return 0
+    return 1 if errors else 0
