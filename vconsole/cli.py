@@ -17,9 +17,10 @@ from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
 from vconsole.telemetry.endpoints import DEFAULTS
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> None:
     """Flags that build an EngineConfig. Unset flags stay None so a --config file or the
-    defaults in vconsole.engine.config decide."""
+    defaults in vconsole.engine.config decide. ``serving``: `vconsole engine` itself, which
+    also reloads --config and can run data-parallel ranks."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="local model directory, or a built-in model: 'tiny' "
                    "(default) or 'small-gqa'")
@@ -33,10 +34,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step (default 512)")
     g.add_argument("--policy", choices=POLICIES, help="waiting-queue order (default fcfs)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--config", metavar="FILE", help="TOML config file (reloaded on SIGHUP and "
-                   "on change for `engine`)")
+    g.add_argument("--config", metavar="FILE",
+                   help="TOML config file" + (" (reloaded on SIGHUP and when it changes)"
+                                              if serving else ""))
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config key (repeatable)")
+    if serving:
+        add_data_parallel_args(p)
+
+
+def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data parallel (several engine ranks behind one front end)")
     g.add_argument("--data-parallel-size", type=int, metavar="N",
                    help="engine ranks (model replicas) to run (default 1)")
@@ -180,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first of four loopback ports (default: pick free ones)")
 
     p = cmd("engine", "vconsole.commands.engine:main", "run the EngineCore process (restarted if it dies)")
-    add_engine_args(p)
+    add_engine_args(p, serving=True)
     add_endpoint_args(p)
     p.add_argument("--allow-remote-telemetry", dest="allow_remote", action="store_true",
                    help="allow the (read-only) telemetry socket on a non-loopback address "
@@ -228,8 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_endpoint_args(p)
     add_curve_args(p)
     p.add_argument("--num", type=int, default=100, help="requests to send (default 100)")
-    p.add_argument("--rate", type=float, help="Poisson arrival rate, req/s")
-    p.add_argument("--concurrency", type=int, help="keep this many requests in flight")
+    p.add_argument("--rate", type=float,
+                   help="Poisson arrival rate, req/s (default: none, all sent at once)")
+    p.add_argument("--concurrency", type=int,
+                   help="keep at most this many requests in flight (default: no limit)")
     p.add_argument("--prompt-len", default="16:128", metavar="LO:HI",
                    help="prompt length range in tokens (default 16:128)")
     p.add_argument("--output-len", default="16:64", metavar="LO:HI",
@@ -272,11 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("top", "vconsole.commands.top:main", "a telemetry snapshot for scripts")
     add_endpoint_args(p)
-    add_control_key_arg(p)
     add_curve_args(p)
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for every topic")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait for every topic (default 10)")
 
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
     p.add_argument("name", choices=["throughput", "scheduler", "kvmap", "telemetry", "console",
@@ -318,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_endpoint_args(p)
     add_curve_args(p)
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--duration", type=float, help="stop after this many seconds")
+    p.add_argument("--duration", type=float,
+                   help="stop after this many seconds (default: until Ctrl-C)")
 
     p = cmd("keys", "vconsole.commands.keys:main", "make CURVE key pairs for remote use",
             "Write a CURVE server key pair and a client key pair (zmq.auth certificates; secret "

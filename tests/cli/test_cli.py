@@ -34,3 +34,34 @@ def test_client_commands_share_engine_endpoint_defaults():
         for ep in ("input", "output", "telemetry", "control"):
             assert getattr(args, ep) == getattr(engine, ep)
             assert "127.0.0.1" in getattr(args, ep)
+
+
+def help_of(name: str, capsys) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([name, "--help"])
+    return " ".join(capsys.readouterr().out.split())    # argparse wraps at the terminal width
+
+
+def test_each_command_lists_only_the_flags_it_uses_and_states_its_defaults(capsys):
+    engine = help_of("engine", capsys)
+    assert "--data-parallel-size" in engine and "reloaded on SIGHUP" in engine
+    assert "--hang-timeout" in engine
+    for name in ("generate", "demo"):
+        text = help_of(name, capsys)
+        assert "--data-parallel-size" not in text and "--dp-" not in text, name
+        assert "SIGHUP" not in text, name
+    assert "--control-key-file" not in help_of("top", capsys)
+    assert "(default 10)" in help_of("top", capsys)
+    load = help_of("load", capsys)
+    assert "all sent at once" in load and "no limit" in load
+    assert "until Ctrl-C" in help_of("record", capsys)
+    assert "prompt_token_ids" in help_of("generate", capsys)
+
+
+def test_bare_vconsole_prints_its_help_and_version_is_there():
+    bare = subprocess.run([sys.executable, "-m", "vconsole"], capture_output=True, text=True)
+    assert bare.returncode == 2 and "usage: vconsole" in bare.stdout
+    assert "demo" in bare.stdout and "Traceback" not in bare.stderr
+    version = subprocess.run([sys.executable, "-m", "vconsole", "--version"],
+                             capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("vconsole ")
