@@ -339,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client", default="client", metavar="NAME",
                    help="the client pair's name: NAME.key, NAME.key_secret (default client)")
 
+    p = cmd("doctor", "vconsole.commands.doctor:main", "check this machine for vconsole",
+            "One line per check: Python and package versions, the torch build (CPU or CUDA), "
+            "GPUs seen by torch and NVML, the default ports, the cache and run folders, a stale "
+            "control key. Exits 1 when a check fails.")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
     p = cmd("replay", "vconsole.commands.attach:main_replay", "play a recorded stream in the console")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--speed", type=float, default=1.0, help="playback speed (default 1.0)")

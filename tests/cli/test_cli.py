@@ -8,7 +8,7 @@ import pytest
 from vconsole.cli import build_parser
 
 SUBCOMMANDS = ["demo", "engine", "attach", "generate", "load", "set", "get", "top", "bench",
-               "record", "replay"]
+               "record", "replay", "doctor"]
 
 
 def test_help_lists_every_subcommand():

@@ -1,0 +1,72 @@
+"""`vconsole doctor`: one line per check, JSON for scripts, exit 1 only on a failure; each check
+finds what it says it finds on this machine (a busy port, an open run folder, a stale key)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from vconsole import doctor
+from vconsole.engine.proc import control_key_file
+from vconsole.telemetry import control_key, key_owner
+from vconsole.telemetry.endpoints import DEFAULT_CONTROL
+from vconsole.telemetry.key_owner import KeyOwner
+
+
+def test_doctor_prints_one_line_per_check_and_json_says_the_same(tmp_path):
+    env = {**os.environ, "VCONSOLE_RUNTIME_DIR": str(tmp_path / "run"),
+           "VCONSOLE_CACHE": str(tmp_path / "cache")}
+    text = subprocess.run([sys.executable, "-m", "vconsole", "doctor"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    lines = text.stdout.splitlines()
+    assert len(lines) == len(doctor.CHECKS)
+    assert all(ln.split()[0] in ("ok", "warn", "fail") for ln in lines), lines
+    assert "CPU build" in text.stdout or "CUDA" in text.stdout
+    assert "NVML" in text.stdout or "device(s)" in text.stdout   # a reason, never a traceback
+    out = subprocess.run([sys.executable, "-m", "vconsole", "doctor", "--json"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    report = json.loads(out.stdout)
+    assert [c["name"] for c in report["checks"]] == [ln[6:].split("  ")[0].strip()
+                                                     for ln in lines]
+    failed = [c for c in report["checks"] if c["status"] == "fail"]
+    assert report["ok"] == (not failed) and out.returncode == (1 if failed else 0)
+
+
+def test_a_port_held_by_another_program_fails_with_what_to_do():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        eps = {"input": f"tcp://127.0.0.1:{port}", "output": "tcp://127.0.0.1:0",
+               "telemetry": "tcp://127.0.0.1:0", "control": f"tcp://127.0.0.1:{port}"}
+        check = doctor.check_ports(eps)
+    assert check.status == doctor.FAIL and f"input {port}" in check.detail
+    assert "--control" in check.detail
+
+
+def test_an_open_run_folder_warns_and_a_private_one_passes(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    run.chmod(0o755)
+    monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(run))
+    assert doctor.check_run_dir().status == doctor.WARN
+    run.chmod(0o700)
+    assert doctor.check_run_dir().status == doctor.OK
+
+
+def test_a_control_key_left_by_a_killed_engine_is_named_stale(tmp_path, monkeypatch):
+    monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path))
+    assert doctor.check_control_key().status == doctor.OK
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = control_key.key_path(DEFAULT_CONTROL)
+    key = control_key_file.new_key()
+    owner = KeyOwner.for_this_process(key, engine_id="old-0", endpoint=DEFAULT_CONTROL)
+    record = {**json.loads(owner.to_json()), "pid": dead.pid, "started": 1.0}
+    key_owner.owner_path(path).write_text(json.dumps(record))
+    control_key_file.write_key_file(path, key)
+    check = doctor.check_control_key()
+    assert check.status == doctor.WARN and "stale" in check.detail
