@@ -88,6 +88,7 @@ SINGLE_COLUMN_WIDTH = 78
 AGE_TICK_S = 0.5          # re-apply this often without a wake-up (ages move, 1 Hz topics)
 WAKE_BURST = 2.0          # refreshes a wake-up may spend at once (see the module docstring)
 CONFIG_RETRY_S = 2.0
+NO_KEY = "no control key"   # the read-only reason a key file written later lifts
 
 
 class DataArrived(Message):
@@ -139,7 +140,7 @@ class VConsoleApp(App[None]):
         elif control is None:
             self.readonly_reason = "no control endpoint"
         elif self.control_key_path is not None and control_key is None:
-            self.readonly_reason = f"no control key: {self.control_key_path}"
+            self.readonly_reason = f"{NO_KEY}: {self.control_key_path}"
         else:
             self.readonly_reason = ""
         self.readonly = bool(self.readonly_reason)
@@ -399,7 +400,27 @@ class VConsoleApp(App[None]):
             self.state.set_config_reply(reply)
             self.control_error = None
             self.config_fetches += 1
+            self._take_written_key()
             return
+
+    def _take_written_key(self) -> None:
+        """Worker thread, once the engine answered: a console started before its engine found
+        no key file; the engine writes it before it answers, so read it now and leave
+        read-only mode (no need to quit and attach again)."""
+        if not self.readonly_reason.startswith(NO_KEY) or not isinstance(self.control,
+                                                                         ControlLink):
+            return
+        key = load_control_key(self.control_endpoint or "", self.control_key_path)
+        if key is not None:
+            self.control.key = key
+            self.call_from_thread(self._leave_readonly, NO_KEY)
+
+    def _leave_readonly(self, reason_prefix: str) -> None:
+        if self.readonly_reason.startswith(reason_prefix):
+            self.readonly, self.readonly_reason = False, ""
+            for screen in self.screen_stack:
+                screen.refresh_bindings()
+            self.refresh_view(force=True)
 
     def _note_key_status(self) -> None:
         """Worker threads: look up which engine the held key belongs to (a file and a pid)."""

@@ -377,6 +377,23 @@ async def test_a_console_without_the_key_is_read_only_by_itself(engine, tmp_path
     assert writable.control_key_path == engine.control_key_path
 
 
+async def test_a_console_started_before_its_engine_takes_the_key_once_it_is_written(spawn,
+                                                                                    workdir):
+    """No engine yet: read-only, "no control key". The engine comes up on those endpoints and
+    writes its key: the console reads it and may edit, without being started again."""
+    eps = {n: f"ipc://{workdir}/early-{n}" for n in ("input", "output", "telemetry", "control")}
+    app = VConsoleApp(telemetry_endpoints=[eps["telemetry"]], control_endpoint=eps["control"])
+    assert app.readonly and app.readonly_reason.startswith("no control key")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.5)
+        engine = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: spawn(engine_args("early-0"), endpoints=eps))
+        await until(pilot, lambda: not app.readonly, "the console left read-only mode", 30)
+        assert app.readonly_reason == ""
+        await open_config_key(pilot, app, "alert_waiting_warning")   # e opens the editor
+    assert app.control_key_path == engine.control_key_path
+
+
 async def test_a_key_the_engine_refuses_makes_the_console_read_only(engine, tmp_path):
     before = wait_for_control(engine.endpoints["control"])
     key = "alert_waiting_warning"
