@@ -79,6 +79,7 @@ from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.console.widgets.panels import DEFAULT_LIMITS
 from vconsole.telemetry.control import NotAuthorised
 from vconsole.telemetry.control_key import key_path, load_control_key
+from vconsole.telemetry.record import default_recordings_dir
 from vconsole.telemetry.curve import ClientCurve
 from vconsole.telemetry.key_owner import KeyStatus
 
@@ -111,7 +112,7 @@ class VConsoleApp(App[None]):
     def __init__(self, telemetry_endpoints: Sequence[str] | None = None,
                  control_endpoint: str | None = None, readonly: bool = False, *,
                  source: Source | None = None, control: Control | None = None,
-                 refresh_hz: float = 10.0, record_dir: str | Path = ".",
+                 refresh_hz: float = 10.0, record_dir: str | Path | None = None,
                  control_timeout_s: float = 3.0, clock: Callable[[], float] | None = None,
                  control_key: str | None = None, control_key_file: str | Path | None = None,
                  curve: ClientCurve | None = None) -> None:
@@ -146,7 +147,7 @@ class VConsoleApp(App[None]):
         self.readonly = bool(self.readonly_reason)
         self._clock = clock
         self.refresh_interval = 1.0 / refresh_hz
-        self.record_dir = Path(record_dir)
+        self.record_dir = Path(record_dir) if record_dir else default_recordings_dir()
         self.paused = False
         self.selected_engine: str | None = None
         self.history: list[ChangeRecord] = []
@@ -372,6 +373,7 @@ class VConsoleApp(App[None]):
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
             path = self.record_dir / f"vconsole-{stamp}.vrec"
             try:
+                self.record_dir.mkdir(parents=True, exist_ok=True)
                 self.source.start_recording(path)
             except OSError as e:
                 self.notify(f"cannot record to {path}: {e}", severity="error", title="Record")

@@ -19,6 +19,7 @@ raises. Sorting is stable (ties keep their input order in either direction, as P
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections.abc import Callable, Sequence
@@ -59,6 +60,7 @@ _OPS: dict[str, Callable[[Any, Any], bool]] = {
     "=": operator.eq,
 }
 _CMP = re.compile(r"^([a-z_]+)(>=|<=|!=|>|<|=|:)(.*)$")
+_DIGITS = re.compile(r"(\d+)")
 
 
 def _predicate(word: str) -> Callable[[Row], bool]:
@@ -93,10 +95,21 @@ def sort_rows(rows: list[Row], key: str, reverse: bool = False) -> list[Row]:
     """Sorted copy; rows lacking ``key`` go last whichever the direction."""
     present = [r for r in rows if r.get(key) is not None]
     missing = [r for r in rows if r.get(key) is None]
-    numeric = key not in ("id", "state")
-    present.sort(key=(lambda r: r[key]) if numeric else (lambda r: str(r[key])),
-                 reverse=reverse)
+    if key == "id":
+        present.sort(key=lambda r: natural_key(str(r[key])), reverse=reverse)
+    else:
+        numeric = key != "state"
+        present.sort(key=(lambda r: r[key]) if numeric else (lambda r: str(r[key])),
+                     reverse=reverse)
     return present + missing
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def natural_key(text: str) -> tuple[tuple[int, int, str], ...]:
+    """Ids in the order a person expects: ``c-18`` before ``c-132`` (digit runs compare as
+    numbers). Cached: the same ids come back at every refresh."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
+                 for part in _DIGITS.split(text) if part)
 
 
 def layout(width: int) -> list[tuple[Column, int]]:
@@ -170,7 +183,9 @@ def select(cols: RequestColumns, query: str, key: str, reverse: bool = False) ->
             np.arange(len(cols.state_names))
         return idx[_stable_argsort(rank[cols.state[idx]], reverse)]
     if key == "id":
-        return idx[_stable_argsort(np.array(cols.ids, dtype=object)[idx], reverse)]
+        ids = cols.ids
+        return np.array(sorted(idx.tolist(), key=lambda i: natural_key(ids[i]),
+                               reverse=reverse), dtype=idx.dtype)
     col = cols.numeric.get(key)
     if col is None:
         return idx

@@ -33,6 +33,13 @@ _LEN = struct.Struct("<Q")
 _BODY_HEAD = struct.Struct("<dI")
 
 
+def default_recordings_dir() -> Path:
+    """Where the console's ``R`` writes recordings: ``$VCONSOLE_CACHE/recordings``, else
+    ``~/.cache/vconsole/recordings`` (never the working directory, often a source tree)."""
+    base = os.environ.get("VCONSOLE_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "vconsole") / "recordings"
+
+
 class RecordFormatError(ValueError):
     """Not a recording, or one in a format this code cannot read."""
 

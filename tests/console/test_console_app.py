@@ -567,3 +567,21 @@ def test_replay_of_a_file_that_is_not_a_recording_exits_2(tmp_path, capsys):
     bad.write_bytes(b"not a recording")
     assert main_replay(argparse.Namespace(file=str(bad), speed=1.0)) == 2
     assert "not a vconsole telemetry recording" in capsys.readouterr().err
+
+
+async def test_r_records_into_the_cache_folder_not_the_working_directory(tmp_path, monkeypatch):
+    from vconsole.console.app import VConsoleApp
+
+    monkeypatch.setenv("VCONSOLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    app = VConsoleApp(telemetry_endpoints=[f"ipc://{tmp_path}/no-engine"])
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("R")
+        await pilot.pause()
+        assert app.source.recording
+        path = app.source.recording_path
+        await pilot.press("R")
+        await pilot.pause()
+    assert str(path).startswith(str(tmp_path / "cache" / "recordings"))
+    assert (tmp_path / "cache" / "recordings").is_dir()
+    assert not list(tmp_path.glob("*.vrec")), "nothing written into the working directory"

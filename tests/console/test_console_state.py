@@ -272,3 +272,17 @@ def test_what_the_dialog_says_of_lowering_max_num_seqs_is_what_the_scheduler_doe
         seen.append(len(s.running))
     assert s.num_preemptions_total == 0
     assert seen == sorted(seen, reverse=True), "drains, never admits on the way down"
+
+
+def test_request_ids_sort_as_a_person_reads_them():
+    from vconsole.console.requests_view import select
+    from vconsole.telemetry.request_columns import RequestColumns
+
+    ids = ["1:c-132", "1:c-18", "1:c-2", "0:b-7", "1:c-18a"]
+    rows = [{"id": i, "state": "waiting", "priority": 0} for i in ids]
+    want = ["0:b-7", "1:c-2", "1:c-18", "1:c-18a", "1:c-132"]
+    assert [r["id"] for r in sort_rows(rows, "id")] == want
+    assert [r["id"] for r in sort_rows(rows, "id", reverse=True)] == want[::-1]
+    cols = RequestColumns.from_rows(rows)        # the columnar path the screen uses
+    assert [ids[i] for i in select(cols, "", "id")] == want
+    assert [ids[i] for i in select(cols, "", "id", reverse=True)] == want[::-1]
