@@ -79,9 +79,9 @@ from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.console.widgets.panels import DEFAULT_LIMITS
 from vconsole.telemetry.control import NotAuthorised
 from vconsole.telemetry.control_key import key_path, load_control_key
-from vconsole.telemetry.record import default_recordings_dir
 from vconsole.telemetry.curve import ClientCurve
 from vconsole.telemetry.key_owner import KeyStatus
+from vconsole.telemetry.record import default_recordings_dir
 
 MIN_WIDTH, MIN_HEIGHT = 64, 18
 NARROW_WIDTH = 100
