@@ -98,7 +98,8 @@ TABLE = [
 ]
 
 HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
-    ("Everywhere", [("1 2 3 4", "Overview / Requests / KV map / Config"),
+    ("Everywhere", [(" ".join(k for k, _ in [*SCREENS.values(), *LETTER_SCREENS.values()]),
+                     " / ".join(t for _, t in [*SCREENS.values(), *LETTER_SCREENS.values()])),
                     ("?", "this help"), ("q", "quit"),
                     ("p", "pause the request table and KV map (header and graphs keep moving)"),
                     ("R", "start / stop recording the raw telemetry stream"),

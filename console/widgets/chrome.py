@@ -81,8 +81,9 @@ class TabBar(Static):
                       f"[{hb_style}]{hb_text}[/]" if hb_style else hb_text]
         rights = [" ".join(flags + name + status), " ".join(flags + status),
                   " ".join(flags[:2] + status)]
-        for left in lefts:
-            for right in rights:
+        # The engine's name and status outrank tab titles: tabs shrink to keys first.
+        for right in rights:
+            for left in lefts:
                 left_c, right_c = Content.from_markup(left), Content.from_markup(right)
                 if left_c.cell_length + right_c.cell_length + 1 <= width:
                     break
@@ -96,13 +97,11 @@ class TabBar(Static):
     def _tabs(current: str, *, full: bool, dp: bool = False) -> str:
         tabs = []
         screens = {**SCREENS, **DP_SCREEN} if dp or current in DP_SCREEN else SCREENS
-        for mode, (key, title) in screens.items():
+        # Every screen has its tab, the lettered ones too: a screen nobody sees is never found.
+        for mode, (key, title) in {**screens, **LETTER_SCREENS}.items():
             text = f"{key} {title}" if full else (f"{key} {title}" if mode == current else key)
             tabs.append(f"[reverse b] {text} [/]" if mode == current
                         else f"[$text-muted] {text} [/]")
-        if current in LETTER_SCREENS:
-            key, title = LETTER_SCREENS[current]
-            tabs.append(f"[reverse b] {key} {title} [/]")
         return "".join(tabs)
 
 
