@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from vconsole.console.format import duration
 from vconsole.console.state import ConsoleState
 from vconsole.telemetry.curve import ClientCurve
 from vconsole.telemetry.schema import SchemaVersionError, peek
@@ -254,8 +255,8 @@ class ReplaySource(Source):
     def describe(self) -> str:
         name = Path(self.path).name
         if self.finished:
-            return f"replay {name} (end, {self.elapsed:.0f}s)"
-        return f"replay {name} ×{self.speed:g} {self.elapsed:.0f}s"
+            return f"■ END of {name} ({duration(self.elapsed)})"
+        return f"▶ {name} ×{self.speed:g} {duration(self.elapsed)}"
 
     def start(self, state: ConsoleState) -> None:
         if self.speed > 0:

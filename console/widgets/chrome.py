@@ -56,6 +56,8 @@ class TabBar(Static):
         lefts = [brand + self._tabs(frame.mode, full=True, dp=dp),
                  self._tabs(frame.mode, full=True, dp=dp), self._tabs(frame.mode, full=False, dp=dp)]
         flags = []
+        if not frame.live and frame.source:    # a replay: where it is, and when it has ended
+            flags.append(f"[$accent b]{fmt.escape(frame.source)}[/]")
         if frame.recording:
             flags.append("[$error b]● REC[/]")
         if frame.paused:

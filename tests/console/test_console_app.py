@@ -585,3 +585,11 @@ async def test_r_records_into_the_cache_folder_not_the_working_directory(tmp_pat
     assert str(path).startswith(str(tmp_path / "cache" / "recordings"))
     assert (tmp_path / "cache" / "recordings").is_dir()
     assert not list(tmp_path.glob("*.vrec")), "nothing written into the working directory"
+
+
+async def test_a_replay_shows_where_it_is_and_when_it_has_ended():
+    app = replay_app()                       # played at once: already at its end
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        bar = text_of(app.screen.query_one(TabBar))
+        assert "■ END of " in bar and ".vrec" in bar
