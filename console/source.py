@@ -255,7 +255,7 @@ class ReplaySource(Source):
     def describe(self) -> str:
         name = Path(self.path).name
         if self.finished:
-            return f"■ END of {name} ({duration(self.elapsed)})"
+            return f"■ END {name} {duration(self.elapsed)}"
         return f"▶ {name} ×{self.speed:g} {duration(self.elapsed)}"
 
     def start(self, state: ConsoleState) -> None:

@@ -62,7 +62,7 @@ class TabBar(Static):
             flags.append("[$error b]● REC[/]")
         if frame.paused:
             flags.append("[$warning b]PAUSED[/]")
-        if frame.readonly:
+        if frame.readonly and frame.live:      # (a replay is read-only by nature)
             flags.append("[$text-muted]read-only[/]")
         eng = frame.engine
         if eng is None:

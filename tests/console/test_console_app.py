@@ -592,4 +592,4 @@ async def test_a_replay_shows_where_it_is_and_when_it_has_ended():
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
         bar = text_of(app.screen.query_one(TabBar))
-        assert "■ END of " in bar and ".vrec" in bar
+        assert "■ END " in bar and ".vrec" in bar
