@@ -1,4 +1,5 @@
-"""HealthBeacon: ``health`` heartbeats on an engine's telemetry endpoint while no engine owns it.
+"""HealthBeacon: ``health`` heartbeats (and the restart as an ``alert`` event) on an engine's
+telemetry endpoint while no engine owns it.
 
 The engine's supervisor (`vconsole.engine.proc.supervisor`) binds one between an engine process
 that died and the next one, so a console keeps hearing from the endpoint it watches, with state
@@ -8,7 +9,7 @@ engine's publisher: the body is `vconsole.telemetry.publisher.health_body`, enco
 
 Invariants: one thread uses a beacon (no thread of its own: the caller sends each heartbeat);
 sends never block (``NOBLOCK`` on a PUB, which drops at the high-water mark); ``seq`` counts
-from 0 per beacon, so a subscriber sees the publisher restart, as it does for a new engine. The
+from 0 per topic per beacon, so a subscriber sees the publisher restart, as it does for a new engine. The
 caller owns the context and closes the beacon before the next engine binds the endpoint.
 """
 
@@ -33,8 +34,7 @@ class HealthBeacon:
         sets the socket's security options (the engine's CURVE keys) before the bind."""
         self.engine_id = engine_id
         self.rank = rank
-        self._seq = 0
-        self._alert_seq = 0
+        self._seq: dict[str, int] = {}
         self._t0 = time.monotonic()
         self._t0_wall = time.time()
         self._sock = ctx.socket(zmq.PUB)
@@ -54,24 +54,18 @@ class HealthBeacon:
         socket refused it (at the high-water mark)."""
         body = health_body(state, uptime_s=time.monotonic() - self._t0, steps=0,
                            interval_s=interval_s, started_ts=self._t0_wall, **fields)
-        payload = {**schema.make_envelope(self.engine_id, self.rank, self._seq, time.time()),
-                   **body}
-        self._seq += 1
-        try:
-            self._sock.send_multipart(schema.encode("health", payload), flags=zmq.NOBLOCK,
-                                      copy=False)
-        except zmq.Again:
-            return False
-        return True
+        return self._send("health", body)
 
     def send_alert(self, body: dict[str, Any]) -> bool:
         """Send one ``alert`` (an `AlertEvent.payload`): the restart as an event, not only a
-        state. Its own ``seq`` (per topic, from 0). False at the high-water mark."""
-        payload = {**schema.make_envelope(self.engine_id, self.rank, self._alert_seq,
-                                          time.time()), **body}
-        self._alert_seq += 1
+        state. False at the high-water mark."""
+        return self._send("alert", body)
+
+    def _send(self, topic: str, body: dict[str, Any]) -> bool:
+        seq = self._seq[topic] = self._seq.get(topic, -1) + 1     # per topic, from 0
+        payload = {**schema.make_envelope(self.engine_id, self.rank, seq, time.time()), **body}
         try:
-            self._sock.send_multipart(schema.encode("alert", payload), flags=zmq.NOBLOCK,
+            self._sock.send_multipart(schema.encode(topic, payload), flags=zmq.NOBLOCK,
                                       copy=False)
         except zmq.Again:
             return False

@@ -171,8 +171,9 @@ class LatencyModel:
 
 
 class BusyLoopModel(RuleBasedStateMachine):
-    """A scheduler, a runner, a model of what each cache must say, and the invariants; the
-    rules are the subclasses' (each picks the events it drives)."""
+    """A scheduler, a runner, a model of what each cache must say, and the invariants; requests
+    in and steps are the rules of every machine, the others are the subclasses' (each picks
+    the events it drives)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -421,6 +422,17 @@ class BusyLoopModel(RuleBasedStateMachine):
         self.latency.check(self.s.latency_snapshot(), window_s, self.finished)
 
     # --- after every rule: the recounts that change no cache -----------------------------------
+    # Requests in and steps: the two rules every machine drives; the rest are the subclasses'.
+    @rule(batch=st.lists(REQUEST, min_size=1, max_size=5))
+    def add_requests(self, batch):
+        for spec in batch:
+            self.add(spec)
+
+    @rule(times=st.integers(1, 12))
+    def step(self, times):
+        for _ in range(times):
+            self.one_step()
+
     @invariant()
     def no_telemetry_failure_was_swallowed(self):
         assert self.s.telemetry.errors_total == 0, self.s.telemetry.last_error
@@ -544,16 +556,6 @@ class BusyLoopModel(RuleBasedStateMachine):
 class BusyLoop(BusyLoopModel):
     """Every event of the engine loop (see the module docstring)."""
 
-    @rule(batch=st.lists(REQUEST, min_size=1, max_size=5))
-    def add_requests(self, batch):
-        for spec in batch:
-            self.add(spec)
-
-    @rule(times=st.integers(1, 12))
-    def step(self, times):
-        for _ in range(times):
-            self.one_step()
-
     @rule(mishap=st.sampled_from(MISHAPS), i=st.integers(0, 100))
     def a_step_that_goes_wrong(self, mishap, i):
         """A runner that returns no token for a request, an abort between `schedule()` and
@@ -599,16 +601,6 @@ class BusyLoop(BusyLoopModel):
 class WaitingRowsUnderChurn(BusyLoopModel):
     """Requests in, steps and ``sched`` snapshots only: requests leave and re-enter the waiting
     queue many times between two snapshots (see the module docstring)."""
-
-    @rule(batch=st.lists(REQUEST, min_size=1, max_size=5))
-    def add_requests(self, batch):
-        for spec in batch:
-            self.add(spec)
-
-    @rule(times=st.integers(1, 12))
-    def step(self, times):
-        for _ in range(times):
-            self.one_step()
 
     @rule(max_rows=st.integers(0, 16), rebuild_first=st.booleans())
     def take_a_sched_snapshot(self, max_rows, rebuild_first):

@@ -79,9 +79,11 @@ class Health:
         self._thread = threading.Thread(target=self._run, args=(endpoint,), daemon=True)
         self._thread.start()
 
+    TOPIC = b"health"
+
     def _run(self, endpoint: str) -> None:
         sock = zmq.Context.instance().socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, b"health")
+        sock.setsockopt(zmq.SUBSCRIBE, self.TOPIC)
         sock.setsockopt(zmq.RECONNECT_IVL, 10)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 50)
         sock.connect(endpoint)
@@ -277,16 +279,7 @@ def test_an_engine_that_never_became_ready_is_not_restarted(tmp_path):
 class Alerts(Health):
     """Every ``alert`` message on one endpoint (the same reconnecting SUB thread)."""
 
-    def _run(self, endpoint: str) -> None:
-        sock = zmq.Context.instance().socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, b"alert")
-        sock.setsockopt(zmq.RECONNECT_IVL, 10)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 50)
-        sock.connect(endpoint)
-        while not self._stop.is_set():
-            if sock.poll(50):
-                self.messages.append(schema.decode(sock.recv_multipart()).payload)
-        sock.close(0)
+    TOPIC = b"alert"
 
 
 @pytest.mark.proc
