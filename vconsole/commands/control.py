@@ -47,6 +47,10 @@ def _client(args: argparse.Namespace, key: str | None = None) -> ControlClient:
                          key=key, curve=client_curve(args))
 
 
+class StaleKeyError(ControlError):
+    """The key file was left by an engine that no longer runs."""
+
+
 def _engine_answers(args: argparse.Namespace) -> bool:
     """Whether an engine answers ``get_config`` (which needs no key) within `PROBE_S`."""
     try:
@@ -65,12 +69,14 @@ def _read_key(args: argparse.Namespace) -> str:
     error, not the key."""
     try:
         return _key_from_file(args)
-    except ControlError:
-        if not _engine_answers(args):
-            raise ControlError(
-                f"no engine answers on {_endpoint(args)}: start one (`vconsole engine`, or "
-                "`vconsole demo`), or pass the running engine's --control ENDPOINT") from None
-        raise
+    except ControlError as e:
+        if _engine_answers(args):
+            raise
+        # A stale key says which engine is gone: keep that; a missing one says nothing more.
+        why = f"; {e}" if isinstance(e, StaleKeyError) else ""
+        raise ControlError(
+            f"no engine answers on {_endpoint(args)}: start one (`vconsole engine`, or "
+            f"`vconsole demo`), or pass the running engine's --control ENDPOINT{why}") from None
 
 
 def _key_from_file(args: argparse.Namespace) -> str:
@@ -86,7 +92,7 @@ def _key_from_file(args: argparse.Namespace) -> str:
             "copy the key file here, or pass --control-key-file PATH") from None
     found = key_owner.status(path, key)
     if found.state == key_owner.GONE:
-        raise ControlError(
+        raise StaleKeyError(
             f"the control key in {path} belongs to {found.describe()}: that engine was stopped "
             "without cleaning up (killed?). Start the engine again (it replaces the stale file) "
             "or pass the running engine's --control-key-file PATH")
