@@ -1,5 +1,5 @@
 """`vconsole bench scheduler`, `kvmap` and `throughput`: each runs on a small size as a process
-and prints JSON with every figure the README quotes. Timings are only checked for sanity (a
+and prints JSON with every figure docs/benchmarks.md quotes. Timings are only checked for sanity (a
 shared test machine makes them meaningless as pass/fail criteria)."""
 
 from __future__ import annotations
