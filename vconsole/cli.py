@@ -67,6 +67,20 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     for name, default in DEFAULTS.items():
         g.add_argument(f"--{name}", default=default, metavar="ENDPOINT",
                        help=f"{name} socket (default {default})")
+    g.add_argument("--base-port", type=int, metavar="PORT",
+                   help="the four sockets on 127.0.0.1 ports PORT..PORT+3 (input, output, "
+                        "telemetry, control), as `vconsole demo --base-port`; an endpoint "
+                        "given by its own flag wins")
+
+
+def apply_base_port(args: argparse.Namespace) -> None:
+    """``--base-port P``: every endpoint still at its default moves to 127.0.0.1:P+i."""
+    base = getattr(args, "base_port", None)
+    if not base:
+        return
+    for i, (name, default) in enumerate(DEFAULTS.items()):
+        if getattr(args, name, None) == default:
+            setattr(args, name, f"tcp://127.0.0.1:{base + i}")
 
 
 def add_control_key_arg(p: argparse.ArgumentParser, *, engine: bool = False) -> None:
@@ -365,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:            # bare `vconsole`: what there is, not an error line
         parser.print_help()
         return 2
+    apply_base_port(args)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: the supervisor reruns it
     try:
         return args.func(args)

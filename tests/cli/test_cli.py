@@ -65,3 +65,16 @@ def test_bare_vconsole_prints_its_help_and_version_is_there():
     version = subprocess.run([sys.executable, "-m", "vconsole", "--version"],
                              capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("vconsole ")
+
+
+def test_base_port_moves_every_default_endpoint_but_not_an_explicit_one():
+    from vconsole.cli import apply_base_port
+
+    args = build_parser().parse_args(["engine", "--base-port", "6000",
+                                      "--control", "ipc:///tmp/ctl"])
+    apply_base_port(args)
+    assert (args.input, args.output, args.telemetry, args.control) == (
+        "tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002", "ipc:///tmp/ctl")
+    client = build_parser().parse_args(["attach", "--base-port", "6000"])
+    apply_base_port(client)
+    assert client.telemetry == "tcp://127.0.0.1:6002" and client.control == "tcp://127.0.0.1:6003"
