@@ -142,6 +142,13 @@ class DPLauncher:
             self.stack.close()
             shutil.rmtree(run_dir, ignore_errors=True)
 
+    def _hang_timeout(self) -> float | None:
+        """``--hang-timeout`` for a rank, but never within a collective's own timeout: a rank
+        waiting on a dead peer is not hung until its group gives up (``dp_group_timeout_s``,
+        for forming the group and for each collective), which then counts as a failure."""
+        hang = getattr(self.args, "hang_timeout", None)
+        return max(hang, 2 * self.config.dp_group_timeout_s + 10) if hang else None
+
     def _run_ranks(self, run_dir: Path, port: int) -> int:
         argv = rank_argv(list(getattr(self.args, "argv", None) or sys.argv[1:]))
         gpus = gpu_count(self.config.device)
@@ -170,7 +177,7 @@ class DPLauncher:
                 on_ready=lambda rec, r=r, ready=ready: self.stack.rank_ready(r, rec, ready),
                 on_exit=lambda code, why, r=r: self._rank_exit(r, code, why),
                 beacon=False,   # the front end's proxy says `restarting` for the rank
-                hang_timeout_s=getattr(self.args, "hang_timeout", None))
+                hang_timeout_s=self._hang_timeout())
             self.supervisors.append(sup)
 
             def target(sup: EngineSupervisor = sup, r: int = r) -> None:
