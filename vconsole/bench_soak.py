@@ -31,7 +31,7 @@ import numpy as np
 import psutil
 import zmq
 
-from vconsole.demo import DEMO_ENGINE_ARGS, EngineProcess
+from vconsole.demo import DEMO_ENGINE_ARGS, EngineProcess, demo_engine_env
 from vconsole.loadgen import LoadThread, demo_rate, demo_spec
 from vconsole.telemetry import schema
 
@@ -123,7 +123,7 @@ def soak_bench(minutes: float, *, data_parallel_size: int = 1, rate: float = 8.0
     engine_args = list(DEMO_ENGINE_ARGS)
     if data_parallel_size > 1:
         engine_args += ["--data-parallel-size", str(data_parallel_size)]
-    engine = EngineProcess(engine_args)
+    engine = EngineProcess(engine_args, env=demo_engine_env(data_parallel_size))
     say(f"soak: starting the engine ({' '.join(engine_args)})")
     engine.start(timeout_s=300)
     watcher = _Watcher(engine.endpoints["telemetry"])

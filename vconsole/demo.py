@@ -45,6 +45,18 @@ DEMO_ENGINE_ARGS = [arg for key, value in DEMO_ENGINE_DEFAULTS.items()
                     for arg in (f"--{key.replace('_', '-')}", str(value))]
 
 
+def demo_engine_env(data_parallel_size: int = 1) -> dict[str, str]:
+    """The demo engine's environment: on a CPU, one core is left to the console and the load
+    generator, which share the machine with it by design (torch's OpenMP threads, one per
+    core, slow down many times over when another process takes a core: the step-time alert
+    then flaps). A data-parallel group splits the cores itself; ``OMP_NUM_THREADS`` set by
+    the user wins."""
+    cores = os.cpu_count() or 1
+    if data_parallel_size > 1 or "OMP_NUM_THREADS" in os.environ or cores < 2:
+        return {}
+    return {"OMP_NUM_THREADS": str(cores - 1)}
+
+
 def loopback_endpoints(base_port: int = 0) -> dict[str, str]:
     """Four consecutive loopback ports from ``base_port``, or ``*`` (engine picks free ones)."""
     if base_port:
@@ -200,6 +212,7 @@ class DemoStack:
                  base_port: int = 0, load: bool = True, log_path: str | Path | None = None,
                  seed: int = 0) -> None:
         self.engine = EngineProcess(engine_args, endpoints=loopback_endpoints(base_port),
+                                    env=demo_engine_env(),
                                     log_path=log_path)
         self.rate = rate
         self.load_enabled = load

@@ -128,3 +128,17 @@ def test_an_asked_for_log_path_is_kept(tmp_path):
     engine = demo.EngineProcess(ENGINE_ARGS, log_path=log)
     assert engine.stop() is None
     assert log.exists()
+
+
+def test_the_demo_engine_leaves_a_core_to_the_console_unless_told_otherwise(monkeypatch):
+    from vconsole import demo
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
+    assert demo.demo_engine_env() == {"OMP_NUM_THREADS": "1"}
+    assert demo.demo_engine_env(data_parallel_size=2) == {}    # the launcher splits the cores
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 1)
+    assert demo.demo_engine_env() == {}
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 8)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert demo.demo_engine_env() == {}                          # the user's setting wins
