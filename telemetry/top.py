@@ -202,25 +202,21 @@ def _missing(w: Watcher, have_config: bool) -> list[str]:
             if t not in w.by_rank.get(r, {}) and not (t == "config" and have_config)]
 
 
-def format_line(latest: dict[str, TelemetryMessage]) -> str:
+def format_line(latest: dict[str, dict[str, Any]]) -> str:
+    """One status line from the last payload of each topic (``{topic: payload}``)."""
     parts = [time.strftime("%H:%M:%S")]
-    if h := latest.get("health"):
-        p = h.payload
+    if p := latest.get("health"):
         parts.append(f"{p['engine']}/{p['rank']} {p['state']} steps={p['steps']}")
         if p.get("alerts_active"):
             parts.append("alerts=" + ",".join(f"{k}:{v}" for k, v in p["alerts_active"].items()))
-    if s := latest.get("step"):
-        p = s.payload
+    if p := latest.get("step"):
         parts.append(f"{p['steps_per_s']:.1f} steps/s {p['tokens_per_s']:.0f} tok/s "
                      f"p50={p['step_time_p50_s'] * 1000:.1f}ms")
-    if s := latest.get("sched"):
-        p = s.payload
+    if p := latest.get("sched"):
         parts.append(f"run={p['num_running']} wait={p['num_waiting']}")
-    if k := latest.get("kv"):
-        p = k.payload
+    if p := latest.get("kv"):
         parts.append(f"kv={p['usage']:.0%} hit={p['prefix_hit_rate']:.0%}")
-    if g := latest.get("gpu"):
-        p = g.payload
+    if p := latest.get("gpu"):
         if p["available"] and p["devices"]:
             d = p["devices"][0]
             util = "?" if d["util"] is None else f"{d['util']:.0f}%"

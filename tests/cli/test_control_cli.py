@@ -184,3 +184,13 @@ def test_output_piped_into_head_ends_quietly(engine, argv):
     r = subprocess.run(" ".join(cmd) + " | true", shell=True, capture_output=True,
                        text=True, timeout=60)
     assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
+
+
+@pytest.mark.proc
+def test_top_once_without_json_prints_a_status_line(engine):
+    r = vconsole("top", "--once", "--telemetry", engine.endpoints["telemetry"],
+                 "--control", engine.endpoints["control"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1 and not lines[0].startswith("{")
+    assert "run=" in lines[0] and "kv=" in lines[0] and "steps=" in lines[0]

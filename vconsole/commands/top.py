@@ -32,8 +32,11 @@ def main(args: argparse.Namespace) -> int:
             return 1
         if as_json:
             print(json.dumps(snap, default=str))
+        elif "ranks" in snap:       # a data-parallel group: one line per rank
+            for rank, bodies in sorted(snap["ranks"].items(), key=lambda kv: int(kv[0])):
+                print(f"rank {rank}  {format_line(bodies)}")
         else:
-            print(json.dumps(snap, indent=2, default=str))
+            print(format_line(snap))
         return 0
     w = Watcher(telemetry, zmq.Context.instance(), curve)
     try:
@@ -44,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
             elif w.world_size() > 1:
                 print(format_ranks_line(w), flush=True)
             else:
-                print(format_line(w.latest), flush=True)
+                print(format_line({t: m.payload for t, m in w.latest.items()}), flush=True)
     except KeyboardInterrupt:
         return 0
     finally:
