@@ -202,11 +202,12 @@ class EngineSupervisor:
         thread; without (a supervisor per data-parallel rank, each in a thread of the
         launcher), the caller passes stops on with `stop`."""
         self._run_dir = Path(tempfile.mkdtemp(prefix="vconsole-supervisor-"))
-        if self.metrics is not None:      # OSError (port in use) before any child starts
-            self._relay = MetricsRelay(*self.metrics, upstream=lambda: self._child_metrics,
-                                       restart_count=lambda: self.restart_count).start()
-        previous = self._install_signal_handlers() if install_signals else {}
+        previous: dict[int, Any] = {}
         try:
+            if self.metrics is not None:  # OSError (port in use) before any child starts
+                self._relay = MetricsRelay(*self.metrics, upstream=lambda: self._child_metrics,
+                                           restart_count=lambda: self.restart_count).start()
+            previous = self._install_signal_handlers() if install_signals else {}
             return self._supervise()
         finally:
             self._kill_child()
