@@ -393,8 +393,9 @@ class EngineCoreProc:
         this snapshot only (`vconsole.engine.telemetry_guard`)."""
         if not self.publisher.snapshot_due():
             return
-        self._submit_snapshot(self.state)
-        self._dirty = False
+        # A snapshot a guarded part failed leaves the engine dirty: an idle loop wakes once
+        # more to send the drained state instead of blocking on a stale one.
+        self._dirty = not self._submit_snapshot(self.state)
         core, run = self.core, self.guard.run
         if self.dp is not None:
             dp_body = run("dp", self.dp.dp_body)
@@ -408,12 +409,15 @@ class EngineCoreProc:
                 self.publisher.submit_latency(body)
             self._next_latency = now + LATENCY_INTERVAL_S
 
-    def _submit_snapshot(self, state: str) -> None:
+    def _submit_snapshot(self, state: str) -> bool:
+        """Send the scheduler and KV snapshot; False when a guarded part failed."""
         core, run = self.core, self.guard.run
         sched = run("sched", core.scheduler_stats, core.config.telemetry_max_requests)
         kv = run("kv", core.kv_stats)
-        if sched is not None and kv is not None:
-            self.publisher.submit_snapshot(sched, kv, state, core.num_steps)
+        if sched is None or kv is None:
+            return False
+        self.publisher.submit_snapshot(sched, kv, state, core.num_steps)
+        return True
 
     def _set_state(self, state: str) -> None:
         if state != self.state:

@@ -164,3 +164,41 @@ def test_an_injected_snapshot_failure_leaves_serving_untouched(tmp_path, monkeyp
         telemetry.close()
         proc.request_shutdown("test cleanup")
         loop.join(30)
+
+
+@pytest.mark.proc
+def test_a_failed_snapshot_of_the_drained_engine_is_sent_again_not_left_stale(tmp_path,
+                                                                               monkeypatch):
+    """The snapshot that shows an engine gone idle is the last one before the loop blocks: when
+    a part of it raises, the loop wakes once more and sends it, so a console never keeps the
+    busy picture of an idle engine."""
+    real_table = WaitingRows.table
+    failed = {"idle": 0}
+
+    def table_failing_once_idle(self, running, *args):
+        if not running and core.scheduler.num_finished_total == 1 and not failed["idle"]:
+            failed["idle"] += 1
+            raise InjectedFault("first snapshot of the drained engine")
+        return real_table(self, running, *args)
+
+    monkeypatch.setattr(WaitingRows, "table", table_failing_once_idle)
+    monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
+    core = EngineCore(EngineConfig(model="tiny", device="cpu", num_kv_blocks=32, block_size=4,
+                                   max_num_seqs=2, telemetry_hz=20))
+    eps = ipc_endpoints(tmp_path)
+    proc = EngineCoreProc(core.config, eps, core=core)
+    proc.start()
+    telemetry = Telemetry(eps["telemetry"])
+    loop = threading.Thread(target=proc.run_busy_loop, name="busy-loop")
+    loop.start()
+    try:
+        with EngineClient(eps["input"], eps["output"], timeout_s=60) as client:
+            rid = client.submit(prompt_token_ids=[5, 6, 7], max_tokens=4)
+            assert list(client.stream(rid))[-1].finished
+        telemetry.wait_for("sched", lambda p: p["num_finished_total"] == 1, timeout_s=15)
+        assert failed["idle"] == 1, "the drained snapshot failed once"
+        assert core.telemetry_guard.errors["sched"] == 1
+    finally:
+        telemetry.close()
+        proc.request_shutdown("test cleanup")
+        loop.join(30)
