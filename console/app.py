@@ -62,6 +62,7 @@ from vconsole.console.commands import ConsoleCommands
 from vconsole.console.control_link import Control, ControlLink
 from vconsole.console.profiling import ProfileRun, supports_profile
 from vconsole.console.screens.advice import AdviceScreen
+from vconsole.console.screens.alerts import AlertsScreen
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.screens.config import ConfigScreen
 from vconsole.console.screens.help import HelpScreen
@@ -101,6 +102,7 @@ class VConsoleApp(App[None]):
     CSS_PATH = "app.tcss"
     MODES = {"overview": OverviewScreen, "requests": RequestsScreen, "kv": KvScreen,
              "config": ConfigScreen,
+             "alerts": AlertsScreen,
              "advice": AdviceScreen,
              "trends": TrendsScreen,
              "profile": ProfileScreen,

@@ -29,6 +29,7 @@ class ConsoleCommands(Provider):
         yield ("Stop recording" if app.source.recording else "Start recording the telemetry "
                "stream", app.action_toggle_recording, "R: raw frames to a .vrec file")
         yield "Help: keys and legend", app.action_help, "?"
+        yield "Go to Alerts", partial(app.action_show, "alerts"), "!: every alert heard"
         yield "Go to Advice", partial(app.action_show, "advice"), "a: tuning advice"
         if app.check_action("show", ("profile",)):
             yield ("Profile the engine's next steps", partial(app.action_show, "profile"),

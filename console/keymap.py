@@ -28,6 +28,7 @@ GLOBAL = [
     Binding("p", "toggle_pause", "Pause"),
     Binding("R", "toggle_recording", "Record", key_display="R"),
     Binding("n", "next_engine", "Engine"),
+    Binding("exclamation_mark", "show('alerts')", "Alerts", key_display="!", show=False),
     Binding("a", "show('advice')", "Advice", show=False),
     Binding("P", "show('profile')", "Profile", key_display="P", show=False),
     *(Binding(key, f"show('{mode}')", title, show=False) for mode, (key, title) in SCREENS.items()),
@@ -73,9 +74,15 @@ TRENDS = [
 
 # Screens reached by a letter rather than a digit: a tab appears only while one is shown.
 LETTER_SCREENS: dict[str, tuple[str, str]] = {
+    "alerts": ("!", "Alerts"),
     "advice": ("a", "Advice"),
     "profile": ("P", "Profile"),
 }
+
+ALERTS = [
+    Binding("slash", "filter", "Filter", key_display="/"),
+    Binding("escape", "clear_filter", "Clear filter", show=False),
+]
 
 ADVICE = [
     Binding("A,enter", "apply", "Apply", key_display="A"),
@@ -112,6 +119,10 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
                                                                    "screen")]),
     ("Config", [("e / enter", "edit the selected key; enter sends, esc cancels"),
                 ("/", "filter keys")]),
+    ("Alerts", [("!", "every alert heard, newest first (engine restarts and applied advice "
+                      "too); the active ones on top"),
+                ("/", "filter: words match the name, level, engine or message"),
+                ("esc", "clear the filter")]),
     ("Advice", [("a", "tuning advice from the last 10 s of telemetry, with its evidence"),
                 ("A / enter", "apply the selected hot suggestion (asks first; restart-only "
                               "ones are shown, not sent)")]),

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from vconsole.console.app import VConsoleApp  # noqa: E402
 from vconsole.console.source import ReplaySource  # noqa: E402
 
-MODES = ("overview", "requests", "kv", "config", "trends")
+MODES = ("overview", "requests", "kv", "config", "trends", "alerts")
 SIZES = ((120, 40), (80, 24))
 
 

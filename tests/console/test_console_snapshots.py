@@ -95,6 +95,11 @@ def test_readonly_config(snap_compare):
     assert snap_compare(replay_app(), press=["4"], terminal_size=(80, 24), run_before=settle)
 
 
+def test_alerts(snap_compare):
+    assert snap_compare(replay_app(), press=["exclamation_mark"], terminal_size=(80, 24),
+                        run_before=settle)
+
+
 def test_help(snap_compare):
     assert snap_compare(replay_app(), press=["question_mark"], terminal_size=(80, 24))
 

@@ -1,0 +1,192 @@
+"""Alerts: every alert this console heard, newest first, and the ones active now.
+
+The Overview keeps one line per alerting figure in a small panel; here is the whole history
+(the last ``ALERT_HISTORY`` events of every engine watched): when, which engine, the level, the
+figure, its value against the threshold and the engine's message. The selected alert's full
+message sits below the table, since a long one does not fit a row at 80 columns. ``/`` filters
+(words match the name, level, engine or message), ``esc`` clears. Engine restarts and the
+outcome of advice applied from this console are listed too; they are events, never active.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.content import Content
+from textual.widgets import DataTable, Input, Static
+
+from vconsole.console import format as fmt
+from vconsole.console.keymap import ALERTS
+from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.state import ALERT_HISTORY, Alert, ConsoleState
+from vconsole.console.widgets.chrome import Frame
+
+LEVEL_STYLE = {"critical": "bold red", "warning": "yellow", "ok": "green"}
+LEVEL_MARKUP = {"critical": "$error", "warning": "$warning", "ok": "$success"}
+
+
+def matches(alert: Alert, words: list[str]) -> bool:
+    """Every word must appear in the alert's name, level, engine or message."""
+    hay = f"{alert.name} {alert.level} {alert.engine}/{alert.rank} {alert.message}".lower()
+    return all(w in hay for w in words)
+
+
+def figure(alert: Alert) -> str:
+    """``0.62 ≥ 0.5``: the value against its threshold, when the alert carries them."""
+    if alert.value is None:
+        return ""
+    value = f"{alert.value:.3g}" if isinstance(alert.value, float) else str(alert.value)
+    if alert.threshold is None:
+        return value
+    thr = (f"{alert.threshold:.3g}" if isinstance(alert.threshold, float)
+           else str(alert.threshold))
+    return f"{value} / {thr}"
+
+
+def active_now(state: ConsoleState) -> list[tuple[str, str, str]]:
+    """(engine, name, level) of every alert active now, from each engine's heartbeat (which a
+    console attached late also has), else from the edges this console saw."""
+    out: dict[tuple[str, str], str] = {}
+    for eng in state.engines.values():
+        where = f"{eng.engine}/{eng.rank}" if len(state.engines) > 1 else eng.engine
+        active = eng.latest.get("health", {}).get("alerts_active")
+        if isinstance(active, dict):
+            for name, level in active.items():
+                out[(where, str(name))] = str(level)
+    if not out:
+        for (where, name), a in state.active_alerts.items():
+            out[(where, name)] = a.level
+    rank = {"critical": 0, "warning": 1}
+    return sorted(((w, n, lvl) for (w, n), lvl in out.items()),
+                  key=lambda t: (rank.get(t[2], 2), t[0], t[1]))
+
+
+class AlertsScreen(ConsoleScreen):
+    MODE = "alerts"
+    BINDINGS = ALERTS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.filter_text = ""
+        self.shown: list[Alert] = []
+        self._signature: tuple[Any, ...] | None = None
+
+    def compose_body(self) -> ComposeResult:
+        yield Static(id="alert-summary")
+        table: DataTable[Any] = DataTable(id="alert-table", cursor_type="row",
+                                          zebra_stripes=False)
+        yield table
+        yield Input(placeholder="filter alerts (enter keeps, esc clears)", id="alert-filter")
+        yield Static(id="alert-detail")
+
+    @property
+    def table(self) -> DataTable[Any]:
+        return self.query_one("#alert-table", DataTable)
+
+    def on_mount(self) -> None:
+        self.table.add_column("when", key="when")
+        self.table.add_column("level", key="level")
+        self.table.add_column("alert", key="name")
+        self.table.add_column("engine", key="engine")
+        self.table.add_column("value", key="value")
+        self.table.add_column("message", key="message")
+        self.table.focus()
+
+    def selected(self) -> Alert | None:
+        row = self.table.cursor_row
+        return self.shown[row] if 0 <= row < len(self.shown) else None
+
+    # --- data ------------------------------------------------------------------------------
+
+    def apply(self, frame: Frame, state: ConsoleState) -> None:
+        alerts = state.alerts
+        last = alerts[-1].recv_ts if alerts else None
+        # Ages move once a second; the table is rebuilt no more often than that.
+        sig = (len(alerts), last, self.filter_text, int(frame.now), len(state.engines))
+        if sig != self._signature:
+            self._signature = sig
+            self._rebuild(state, frame.now)
+        self._show_summary(state)
+        self._show_detail(frame.now)
+
+    def _rebuild(self, state: ConsoleState, now: float) -> None:
+        table = self.table
+        # At the top the cursor follows the newest alert; moved down, it stays on its alert.
+        keep = self.selected() if table.cursor_row > 0 else None
+        words = self.filter_text.lower().split()
+        several = len(state.engines) > 1
+        self.shown = [a for a in reversed(state.alerts) if matches(a, words)]
+        table.clear()
+        for i, a in enumerate(self.shown):
+            where = f"{a.engine}/{a.rank}" if several else a.engine
+            table.add_row(fmt.duration(max(0.0, now - a.recv_ts)) + " ago",
+                          Text(a.level, style=LEVEL_STYLE.get(a.level, "")), a.name,
+                          fmt.clip(where, 16), figure(a), fmt.clip(a.message, 60), key=str(i))
+        if keep is not None and keep in self.shown:
+            table.move_cursor(row=self.shown.index(keep), animate=False)
+
+    def _show_summary(self, state: ConsoleState) -> None:
+        active = active_now(state)
+        if active:
+            parts = [f"[{LEVEL_MARKUP.get(lvl, '')}]● {fmt.escape(name)} {lvl}[/]"
+                     + (f" [$text-muted]{fmt.escape(where)}[/]" if len(state.engines) > 1
+                        else "")
+                     for where, name, lvl in active]
+            text = f"[b]{len(active)}[/] active  " + "  ".join(parts)
+        else:
+            text = "[$success]nothing active[/]"
+        n = len(state.alerts)
+        text += (f"\n[$text-muted]{n} event{'s' if n != 1 else ''} heard (the last "
+                 f"{ALERT_HISTORY} kept), newest first[/]")
+        if self.filter_text:
+            text += (f" · filter [b]{fmt.escape(self.filter_text)}[/]: {len(self.shown)} "
+                     f"shown · esc clears")
+        elif not n:
+            text += " · [$text-muted]an alert fires when a figure crosses its threshold[/]"
+        self.query_one("#alert-summary", Static).update(Content.from_markup(text))
+
+    def _show_detail(self, now: float) -> None:
+        box = self.query_one("#alert-detail", Static)
+        a = self.selected()
+        if a is None:
+            box.update("")
+            return
+        fig = figure(a)
+        head = (f"[{LEVEL_MARKUP.get(a.level, '')} b]{fmt.escape(a.name)} {a.level}[/]  "
+                f"[$text-muted]{fmt.escape(a.engine)} rank {a.rank} · "
+                f"{fmt.duration(max(0.0, now - a.recv_ts))} ago"
+                + (f" · value / threshold {fmt.escape(fig)}" if fig else "") + "[/]")
+        box.update(Content.from_markup(f"{head}\n{fmt.escape(a.message)}"))
+
+    @on(DataTable.RowHighlighted, "#alert-table")
+    def _highlighted(self) -> None:
+        self._show_detail(self.console.state.clock())
+
+    # --- filter ----------------------------------------------------------------------------
+
+    def action_filter(self) -> None:
+        box = self.query_one("#alert-filter", Input)
+        box.add_class("-shown")
+        box.value = self.filter_text
+        box.focus()
+
+    @on(Input.Changed, "#alert-filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        self.filter_text = event.value.strip()
+        self.console.refresh_view(force=True)
+
+    @on(Input.Submitted, "#alert-filter")
+    def _filter_done(self) -> None:
+        self.query_one("#alert-filter", Input).remove_class("-shown")
+        self.table.focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#alert-filter", Input)
+        box.value = ""
+        box.remove_class("-shown")
+        self.filter_text = ""
+        self.table.focus()
+        self.console.refresh_view(force=True)
