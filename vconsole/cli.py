@@ -134,6 +134,7 @@ def add_supervisor_args(p: argparse.ArgumentParser) -> None:
                         "(default 60; 0: never)")
     g.add_argument("--supervised-child", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--liveness-file", help=argparse.SUPPRESS)
+    g.add_argument("--failure-file", help=argparse.SUPPRESS)
     g.add_argument("--restart-count", type=int, default=0, help=argparse.SUPPRESS)
     g.add_argument("--restart-reason", help=argparse.SUPPRESS)
 

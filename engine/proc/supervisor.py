@@ -26,7 +26,9 @@ It gives up — exit code `exit_codes.GAVE_UP`, a message saying how often and w
 than ``max_restarts`` failures within ``window_s``. It never restarts a start that cannot
 succeed: a child that exits with `exit_codes.CANNOT_START` (invalid config, a port it may not or
 cannot bind), or one that fails before the first child ever became ready (a model that does not
-load would fail the same way every time); it exits with the child's code and last stderr line.
+load would fail the same way every time); it exits with the child's code. Each error is printed
+once: a child that knows why it cannot go on writes the reason to its failure file instead of
+stderr, and the supervisor's last line carries it.
 
 Signals: SIGTERM and SIGINT are passed on to the child, which drains and exits 0; the supervisor
 then exits 0 and starts nothing. A second one kills the child (SIGKILL). SIGHUP is passed on
@@ -88,7 +90,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vconsole.engine.supervisor")
 
 POLL_S = 0.05             # how often the supervisor looks for the child's ready file / a stop
-STDERR_TAIL_LINES = 20    # the child's last stderr lines, kept for the give-up message
+STDERR_TAIL_LINES = 20    # the child's last stderr lines: did it say anything
 STDERR_JOIN_S = 5.0       # after the child exited, how long its stderr may still flow
 RESTARTING = "restarting"
 LIVENESS_POLL_S = 0.5     # how often the supervisor reads a ready child's liveness stamp
@@ -238,7 +240,7 @@ class EngineSupervisor:
                 log.info("the engine stopped cleanly (exit code 0)")
                 return exit_codes.OK
             # A signal's victim said nothing about it: its last line would only mislead.
-            said = f"; its last message: {last_words!r}" if last_words and code > 0 else ""
+            said = f"; {last_words}" if last_words and code > 0 else ""
             if code == exit_codes.CANNOT_START:
                 return self._give_up(code, f"the engine cannot start as configured ({reason}), "
                                            f"so it is not restarted{said}")
@@ -279,10 +281,18 @@ class EngineSupervisor:
         assert self._run_dir is not None, "only while `run` runs"
         return self._run_dir / "child-liveness"
 
+    @property
+    def _failure_file(self) -> Path:
+        """Where a child that cannot go on writes why, instead of printing it: the supervisor
+        says it once, in its own last line."""
+        assert self._run_dir is not None, "only while `run` runs"
+        return self._run_dir / "child-failure"
+
     def _child_command(self) -> list[str]:
         cmd = [*self.command, "--supervised-child", "--ready-file", str(self._child_ready_file),
                "--restart-count", str(self.restart_count),
-               "--liveness-file", str(self._liveness_file)]
+               "--liveness-file", str(self._liveness_file),
+               "--failure-file", str(self._failure_file)]
         if self.restart_reason is not None:
             cmd.append(f"--restart-reason={self.restart_reason}")
         for name, ep in self.endpoints.items():
@@ -291,12 +301,13 @@ class EngineSupervisor:
             cmd += ["--metrics-port=0", "--metrics-host=127.0.0.1"]
         return cmd
 
-    def _run_child(self) -> tuple[int, str | None]:
+    def _run_child(self) -> tuple[int, str]:
         """Start a child, announce it once ready, wait for it to exit: its return code and its
-        last line on stderr."""
+        last words (`_last_words`)."""
         tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._hung = None
         liveness.create(self._liveness_file)
+        self._failure_file.unlink(missing_ok=True)
         proc = subprocess.Popen(self._child_command(), stdin=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, env=self.env,
                                 preexec_fn=parent_death_signal())
@@ -317,8 +328,18 @@ class EngineSupervisor:
             relay.join(STDERR_JOIN_S)
             self._child = None
             self._child_metrics = None
-        last = next((line for line in reversed(tail) if line.strip()), None)
-        return proc.returncode, last
+        return proc.returncode, self._last_words(tail)
+
+    def _last_words(self, tail: collections.deque[str]) -> str:
+        """For the give-up line: what the child said about its end (its failure file, which
+        nobody printed), else a pointer to its stderr, which the relay already printed."""
+        try:
+            said = self._failure_file.read_text().strip()
+        except OSError:
+            said = ""
+        if said:
+            return f"it said: {said}"
+        return "its output is above" if any(line.strip() for line in tail) else ""
 
     def _wait_ready(self, proc: subprocess.Popen[bytes]) -> bool:
         """Poll the child's ready file; True once it is ready (announced), False if it

@@ -248,6 +248,7 @@ def test_an_engine_that_cannot_start_is_not_restarted(tmp_path):
     assert last.startswith("vconsole engine: the engine cannot start as configured "
                            "(exit code 2), so it is not restarted")
     assert f"cannot bind the input socket to {taken}" in last
+    assert run.stderr.count("cannot bind the input socket") == 1, "said once, not twice"
     assert "died" not in run.stderr and not (tmp_path / "ready.json").exists()
 
 
@@ -274,6 +275,7 @@ def test_an_engine_that_never_became_ready_is_not_restarted(tmp_path):
     assert last.startswith("vconsole engine: the engine failed before it was ever ready "
                            "(exit code 1), so it is not restarted")
     assert "no-model' does not exist" in last and "died" not in run.stderr
+    assert run.stderr.count("does not exist") == 1, "the child's reason is printed once"
 
 
 class Alerts(Health):

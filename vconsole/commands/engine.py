@@ -19,6 +19,7 @@ import os
 import queue
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from vconsole.commands.curve_args import server_curve
@@ -53,16 +54,30 @@ def _install_signal_handlers(q: queue.SimpleQueue[tuple[Any, ...]], *,
         signal.signal(signal.SIGHUP, lambda *_: q.put((RELOAD, "SIGHUP")))
 
 
+def _fatal(args: argparse.Namespace, message: str) -> None:
+    """Say why this engine cannot go on, once. A supervised child leaves the words to its
+    supervisor (``--failure-file``), which prints them in its own last line; anyone else prints
+    them here."""
+    path = getattr(args, "failure_file", None)
+    if path:
+        try:
+            Path(path).write_text(message)
+            return
+        except OSError:
+            pass
+    print(f"vconsole engine: {message}", file=sys.stderr)
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
     except ConfigError as e:
-        print(f"vconsole engine: invalid config: {e}", file=sys.stderr)
+        _fatal(args, f"invalid config: {e}")
         return 2
     except (ValueError, OSError) as e:  # an unreadable --config file
-        print(f"vconsole engine: {e}", file=sys.stderr)
+        _fatal(args, str(e))
         return 2
     endpoints = {name: getattr(args, name, None) or default for name, default in DEFAULTS.items()}
     supervised_child = bool(getattr(args, "supervised_child", False))
@@ -104,10 +119,10 @@ def _serve(args: argparse.Namespace, config: Any, endpoints: dict[str, str], *,
                               allow_remote_metrics=bool(getattr(args, "allow_remote_metrics",
                                                                 False)))
     except (RemoteBindRefused, CurveKeyError, OSError) as e:
-        print(f"vconsole engine: {e}", file=sys.stderr)
+        _fatal(args, str(e))
         return 2
     except ValueError as e:  # the model or the KV pool: the loader says why
-        print(f"vconsole engine: cannot start: {e}", file=sys.stderr)
+        _fatal(args, f"cannot start: {e}")
         return 1
     proc.start()
     ep = proc.endpoints
