@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 
@@ -62,6 +63,19 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
                    "authorized_clients/; the front end: client.key_secret + server.key)")
 
 
+BASE_PORT_ENV = "VCONSOLE_BASE_PORT"
+
+
+def env_base_port() -> int | None:
+    """``$VCONSOLE_BASE_PORT`` as a port, None when unset; ValueError names a bad value."""
+    raw = os.environ.get(BASE_PORT_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= 65532:
+        raise ValueError(f"${BASE_PORT_ENV} must be a port from 1 to 65532, not {raw!r}")
+    return int(raw)
+
+
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("endpoints (ZeroMQ; tcp:// or ipc://)")
     for name, default in DEFAULTS.items():
@@ -70,12 +84,15 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base-port", type=int, metavar="PORT",
                    help="the four sockets on 127.0.0.1 ports PORT..PORT+3 (input, output, "
                         "telemetry, control), as `vconsole demo --base-port`; an endpoint "
-                        "given by its own flag wins")
+                        f"given by its own flag wins (default: ${BASE_PORT_ENV} when set)")
 
 
 def apply_base_port(args: argparse.Namespace) -> None:
-    """``--base-port P``: every endpoint still at its default moves to 127.0.0.1:P+i."""
-    base = getattr(args, "base_port", None)
+    """``--base-port P`` (else ``$VCONSOLE_BASE_PORT``, so one shell's commands all move off
+    busy ports together): every endpoint still at its default moves to 127.0.0.1:P+i."""
+    if not hasattr(args, "base_port"):
+        return
+    base = args.base_port = args.base_port or env_base_port()
     if not base:
         return
     for i, (name, default) in enumerate(DEFAULTS.items()):
@@ -380,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:            # bare `vconsole`: what there is, not an error line
         parser.print_help()
         return 2
-    apply_base_port(args)
+    try:
+        apply_base_port(args)
+    except ValueError as e:
+        print(f"vconsole: {e}", file=sys.stderr)
+        return 2
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: the supervisor reruns it
     try:
         return args.func(args)

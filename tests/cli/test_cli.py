@@ -1,5 +1,6 @@
 """The CLI: every subcommand is listed and has useful help."""
 
+import os
 import subprocess
 import sys
 
@@ -78,3 +79,23 @@ def test_base_port_moves_every_default_endpoint_but_not_an_explicit_one():
     client = build_parser().parse_args(["attach", "--base-port", "6000"])
     apply_base_port(client)
     assert client.telemetry == "tcp://127.0.0.1:6002" and client.control == "tcp://127.0.0.1:6003"
+
+
+def test_vconsole_base_port_moves_a_whole_shell_and_the_flag_wins(monkeypatch):
+    from vconsole.cli import apply_base_port
+
+    monkeypatch.setenv("VCONSOLE_BASE_PORT", "7100")
+    get = build_parser().parse_args(["get"])
+    apply_base_port(get)
+    assert get.control == "tcp://127.0.0.1:7103"
+    flag = build_parser().parse_args(["top", "--base-port", "6000"])
+    apply_base_port(flag)
+    assert flag.telemetry == "tcp://127.0.0.1:6002"
+    demo = build_parser().parse_args(["demo"])
+    apply_base_port(demo)
+    assert demo.base_port == 7100
+    monkeypatch.setenv("VCONSOLE_BASE_PORT", "http")
+    bad = subprocess.run([sys.executable, "-m", "vconsole", "get"], capture_output=True,
+                         text=True, env={**os.environ})
+    assert bad.returncode == 2
+    assert "VCONSOLE_BASE_PORT must be a port from 1 to 65532, not 'http'" in bad.stderr

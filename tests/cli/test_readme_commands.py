@@ -1,6 +1,7 @@
 """Every `vconsole` and `make` command the README shows exists with the flags it is shown with:
 the README's shell blocks are read and each command line is parsed by the real parser (a
-renamed flag or subcommand fails here, not in a newcomer's terminal)."""
+renamed flag or subcommand fails here, not in a newcomer's terminal). The first session also
+runs, verbatim, in `test_readme_session.py`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def shell_commands() -> list[str]:
     for block in re.findall(r"```sh\n(.*?)```", README.read_text(), re.S):
         for line in block.splitlines():
             line = line.split(" #", 1)[0].strip().rstrip("&").strip()
+            line = re.split(r"\s[<>]", line, maxsplit=1)[0]     # a redirection is the shell's
             for part in re.split(r"&&|\|", line):
                 if part.strip():
                     out.append(part.strip())
