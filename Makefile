@@ -46,7 +46,7 @@ demo: install
 # make test: ruff, the import contracts ([tool.importlinter] in pyproject.toml), every test.
 # make test-fast: the same checks, then only the unit layer (no engine processes, nothing slow).
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: lint
 	$(PY) -m pytest -q -m "not proc and not slow"
