@@ -1,5 +1,7 @@
-"""`vconsole bench soak`: the demo's workload against a real supervised engine process for 90
-seconds through the real client. Passing means no restart, no request error, no telemetry
+"""`vconsole bench soak`: the demo's workload against a real supervised engine process for 45
+seconds through the real client (the crash this guards against came at 18–80 s; the stateful
+tests in tests/engine/test_busy_loop_state_machines.py find its cause in under a second, and
+`vconsole bench soak --minutes 10` is the long run). Passing means no restart, no request error, no telemetry
 error, preemptions seen and every output token the engine counted received by the client —
 the run that found the demo's crash (a row cache on the busy loop) would fail it."""
 
@@ -12,8 +14,8 @@ from vconsole.bench_soak import soak_bench
 
 @pytest.mark.proc
 @pytest.mark.slow
-def test_a_90_second_soak_of_the_demo_workload_passes():
-    out = soak_bench(1.5)
+def test_a_45_second_soak_of_the_demo_workload_passes():
+    out = soak_bench(0.75)
     assert out["checks"] == {
         "no_restarts": True, "no_request_errors": True, "no_telemetry_errors": True,
         "engine_idle_at_end": True, "tokens_equal_counters": True, "preemptions_seen": True,
