@@ -110,7 +110,10 @@ class EngineConfig:
                                   hot=True, lo=0.1, hi=3600.0)
     telemetry_max_requests: int = _f(512, "Most request rows in one sched snapshot.", hot=True,
                                      lo=0, hi=1_000_000)
-    log_stats: bool = _f(False, "Log a stats line to stderr every few seconds.", hot=True)
+    log_stats: bool = _f(False, "Log a stats line to stderr every log_stats_interval_s.",
+                         hot=True)
+    log_stats_interval_s: float = _f(5.0, "Seconds between two log_stats lines (vLLM: "
+                                     "VLLM_LOG_STATS_INTERVAL).", hot=True, lo=0.5, hi=3600.0)
     alert_step_time_warning_s: float = _f(0.5, "Step time that raises a warning.", hot=True,
                                           lo=0.0, hi=3600.0)
     alert_step_time_critical_s: float = _f(1.0, "Step time that raises a critical alert.",

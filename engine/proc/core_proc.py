@@ -299,7 +299,7 @@ class EngineCoreProc:
             self._set_state("idle")
         if idle and not (self.dp is not None and self.dp.in_wave):
             wait = 1.0 / self.core.config.telemetry_hz if self._dirty else None
-            stats_wait = self._stats_log.wait_s(self.core.config.log_stats)
+            stats_wait = self._stats_log.wait_s(self.core.config)
             if stats_wait is not None:
                 wait = stats_wait if wait is None else min(wait, stats_wait)
             try:

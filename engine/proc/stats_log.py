@@ -8,17 +8,15 @@ from typing import Any
 
 log = logging.getLogger("vconsole.engine")
 
-LOG_STATS_INTERVAL_S = 5.0  # one stats line this often
-
 
 class StatsLog:
-    """``log_stats``: one line to the engine's log (stderr) every ``interval_s`` — steps/s,
-    prompt and generation tok/s, queue lengths, KV and token usage, prefix hit rate, each over
-    the interval. Written while steps run and once more after the engine drained, then nothing
-    until work comes back. Busy loop only; the toggle is read at every call (hot)."""
+    """``log_stats``: one line to the engine's log (stderr) every ``log_stats_interval_s`` —
+    steps/s, prompt and generation tok/s, queue lengths, KV and token usage, prefix hit rate,
+    each over the interval. Written while steps run and once more after the engine drained, then
+    nothing until work comes back. Busy loop only; the toggle and the interval are read from the
+    config at every call (both hot)."""
 
-    def __init__(self, interval_s: float = LOG_STATS_INTERVAL_S) -> None:
-        self.interval_s = interval_s
+    def __init__(self) -> None:
         self._t0 = time.monotonic()
         self._steps = self._prompt_tokens = self._generation_tokens = 0
         self._quiet = True              # the last line (or none yet) showed no steps
@@ -31,15 +29,15 @@ class StatsLog:
         self._prompt_tokens += step.num_prefill_tokens
         self._generation_tokens += step.num_decode_tokens
 
-    def wait_s(self, enabled: bool) -> float | None:
+    def wait_s(self, config: Any) -> float | None:
         """Seconds until a line is due; None when none will be (off, or nothing to report)."""
-        if not enabled or (self._steps == 0 and self._quiet):
+        if not config.log_stats or (self._steps == 0 and self._quiet):
             return None
-        return max(0.0, self._t0 + self.interval_s - time.monotonic())
+        return max(0.0, self._t0 + config.log_stats_interval_s - time.monotonic())
 
     def maybe_log(self, core: Any) -> None:
         enabled = bool(core.config.log_stats)
-        wait = self.wait_s(enabled)
+        wait = self.wait_s(core.config)
         if not enabled:
             self._steps = self._prompt_tokens = self._generation_tokens = 0
             self._quiet, self._prefix = True, None

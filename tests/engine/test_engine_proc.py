@@ -446,40 +446,54 @@ def _ipc_endpoints(d) -> dict[str, str]:
 
 
 def test_log_stats_is_off_by_default(engine):
-    from vconsole.engine.proc.stats_log import LOG_STATS_INTERVAL_S
+    with control(engine) as ctl:
+        assert ctl.get_config()["values"]["log_stats"] is False
+        ctl.set_config({"log_stats_interval_s": 0.5})
+    try:
+        with client(engine) as c:
+            c.generate(prompt_token_ids=[21] * 8, max_tokens=8, ignore_eos=True, timeout_s=30)
+        time.sleep(2.0)  # four intervals: a line would be due by now
+        assert "vconsole.engine: stats: " not in engine.log_text()
+    finally:
+        with control(engine) as ctl:
+            ctl.set_config({"log_stats_interval_s": 5.0})
 
-    with client(engine) as c:
-        c.generate(prompt_token_ids=[21] * 8, max_tokens=8, ignore_eos=True, timeout_s=30)
-    time.sleep(LOG_STATS_INTERVAL_S + 1.5)  # a line would be due by now
-    assert "vconsole.engine: stats: " not in engine.log_text()
 
-
-def test_log_stats_logs_a_stats_line_every_few_seconds_and_the_toggle_is_hot(tmp_path):
-    from vconsole.engine.proc.stats_log import LOG_STATS_INTERVAL_S
-
-    with EngineProcess([*ENGINE_ARGS, "--set", "log_stats=true"],
+def test_log_stats_logs_a_stats_line_every_interval_and_the_toggle_is_hot(tmp_path):
+    interval = 1.0
+    with EngineProcess([*ENGINE_ARGS, "--set", "log_stats=true",
+                        "--set", f"log_stats_interval_s={interval}"],
                        endpoints=_ipc_endpoints(tmp_path),
                        log_path=tmp_path / "engine.log") as proc, client(proc) as c:
         for i in range(4):
             c.submit(prompt_token_ids=[3 + i] * 12, max_tokens=8, ignore_eos=True)
         assert all(d.finish_reason == "length" for d in c.gather(timeout_s=30).values())
-        deadline = time.monotonic() + LOG_STATS_INTERVAL_S + 10
-        while not STATS_LINE.search(proc.log_text()):
+        deadline = time.monotonic() + interval + 10
+
+        def quiet_line() -> bool:     # lines while steps ran, then one with none: drained
+            lines = STATS_LINE.findall(proc.log_text())
+            return bool(lines) and float(lines[-1][0]) == 0
+
+        while not quiet_line():
             assert time.monotonic() < deadline, f"no stats line:\n{proc.log_tail()}"
             time.sleep(0.1)
-        (line,) = STATS_LINE.findall(proc.log_text())  # then quiet: nothing more to report
-        steps, prompt_tps, gen_tps = (float(v) for v in line[:3])
+        lines = STATS_LINE.findall(proc.log_text())
+        busy, quiet = lines[:-1], lines[-1]
+        assert busy and all(float(v[0]) > 0 for v in busy), "each line before reports steps"
+        steps, prompt_tps, gen_tps = (float(v) for v in busy[0][:3])
         assert steps > 0 and prompt_tps > 0 and gen_tps > 0
-        assert line[3:6] == ("0", "0", "0")  # drained: running, waiting, preempted
-        assert 0 <= float(line[6]) <= 100 and 0 <= float(line[8]) <= 100
+        assert quiet[3:6] == ("0", "0", "0")  # drained: running, waiting, preempted
+        assert 0 <= float(quiet[6]) <= 100 and 0 <= float(quiet[8]) <= 100
+        time.sleep(interval * 2.5)
+        assert len(STATS_LINE.findall(proc.log_text())) == len(lines), "then nothing"
 
         with control(proc) as ctl:
             assert ctl.set_config({"log_stats": "false"})["applied"] == {"log_stats": False}
         for i in range(4):
             c.submit(prompt_token_ids=[30 + i] * 12, max_tokens=8, ignore_eos=True)
         c.gather(timeout_s=30)
-        time.sleep(LOG_STATS_INTERVAL_S + 1.5)
-        assert len(STATS_LINE.findall(proc.log_text())) == 1, "log_stats=false still logs"
+        time.sleep(interval * 2.5)
+        assert len(STATS_LINE.findall(proc.log_text())) == len(lines), "log_stats=false logs"
 
 
 def test_a_client_that_stops_reading_holds_back_no_other_clients_output(tmp_path):
