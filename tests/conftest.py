@@ -8,3 +8,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["VCONSOLE_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="vconsole-test-run-")
+
+
+# --- one engine process for the modules whose tests only read from it ----------------------
+
+import pytest  # noqa: E402
+
+# The tiny model, 64 blocks of 8, 8 seats, priority policy. Modules that only submit requests,
+# profile or read telemetry share it (each engine start costs ~4 s of a 2-core machine); a test
+# that changes the config or kills the engine starts its own.
+SHARED_ENGINE_ARGS = ["--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8",
+                      "--policy", "priority"]
+
+
+@pytest.fixture(scope="session")
+def shared_engine(tmp_path_factory):
+    from vconsole.demo import EngineProcess
+
+    d = tmp_path_factory.mktemp("shared-engine")
+    eps = {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}
+    with EngineProcess(SHARED_ENGINE_ARGS, endpoints=eps, log_path=d / "engine.log") as proc:
+        yield proc

@@ -11,7 +11,6 @@ import zmq
 
 from vconsole.cli import build_parser
 from vconsole.commands.load import main as loadgen_main
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc.client import AsyncEngineClient
 from vconsole.loadgen import (
     LoadRun,
@@ -94,13 +93,9 @@ async def test_a_failing_submit_raises_its_own_error_not_an_unbound_rid():
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    d = tmp_path_factory.mktemp("load")
-    eps = {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}
-    with EngineProcess(["--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8",
-                        "--policy", "priority"], endpoints=eps,
-                       log_path=d / "engine.log") as proc:
-        yield proc
+def engine(shared_engine):
+    """The session's shared engine (tests/conftest.py): these tests only use it."""
+    return shared_engine
 
 
 @pytest.mark.proc

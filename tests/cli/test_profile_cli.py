@@ -12,17 +12,13 @@ import pytest
 
 from vconsole.cli import build_parser
 from vconsole.commands.profile import main as main_profile
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc.client import EngineClient
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    d = tmp_path_factory.mktemp("profile-cli")
-    eps = {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}
-    with EngineProcess(["--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8"],
-                       endpoints=eps, log_path=d / "engine.log") as proc:
-        yield proc
+def engine(shared_engine):
+    """The session's shared engine (tests/conftest.py): these tests only use it."""
+    return shared_engine
 
 
 @contextlib.contextmanager

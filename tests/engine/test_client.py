@@ -8,7 +8,6 @@ import msgpack
 import numpy as np
 import pytest
 
-from vconsole.demo import EngineProcess
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
 from vconsole.engine.proc.client import AsyncEngineClient, Completion, EngineClient
@@ -201,12 +200,9 @@ async def test_async_client_without_engine_times_out_clearly(tmp_path):
 # --- against an engine ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    d = tmp_path_factory.mktemp("client")
-    eps = {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}
-    with EngineProcess(["--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8"],
-                       endpoints=eps, log_path=d / "engine.log") as proc:
-        yield proc
+def engine(shared_engine):
+    """The session's shared engine (tests/conftest.py): these tests only use it."""
+    return shared_engine
 
 
 @pytest.mark.proc
