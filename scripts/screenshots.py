@@ -7,7 +7,7 @@ Three ways to feed the console:
     .venv/bin/python scripts/screenshots.py --replay tests/data/synthetic.vrec
     .venv/bin/python scripts/screenshots.py --dp             # data parallel, synthetic only
 
-The first starts what `vconsole demo` starts (`vconsole.demo.DemoStack`: an engine process with
+The first starts what `vconsole demo` starts (`vconsole.tools.demo.DemoStack`: an engine process with
 the tiny model on free loopback ports and a bursty load), waits until every panel has data,
 takes the pictures and stops both. Pictures: each screen at 120x40 and 80x24, plus help and the config confirm box;
 Trends over its 1-minute range, and at 80x24 also its latency page (TTFT, ITL). Meanwhile it
@@ -190,8 +190,8 @@ def main() -> int:
         import tempfile
         import threading
 
-        from vconsole.demo import DemoStack
         from vconsole.telemetry.record import record_stream
+        from vconsole.tools.demo import DemoStack
 
         engine_args = ["--num-kv-blocks", "256", "--max-num-seqs", "32", "--policy", "hybrid"]
         recording = Path(tempfile.mkdtemp(prefix="vconsole-shots-")) / "demo.vrec"

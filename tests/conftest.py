@@ -23,7 +23,7 @@ SHARED_ENGINE_ARGS = ["--num-kv-blocks", "64", "--block-size", "8", "--max-num-s
 
 @pytest.fixture(scope="session")
 def shared_engine(tmp_path_factory):
-    from vconsole.demo import EngineProcess
+    from vconsole.tools.demo import EngineProcess
 
     d = tmp_path_factory.mktemp("shared-engine")
     eps = {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}

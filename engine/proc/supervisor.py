@@ -33,7 +33,7 @@ stderr, and the supervisor's last line carries it.
 Signals: SIGTERM and SIGINT are passed on to the child, which drains and exits 0; the supervisor
 then exits 0 and starts nothing. A second one kills the child (SIGKILL). SIGHUP is passed on
 (the child reloads ``--config``). The child shares the supervisor's process group, so a
-launcher that signals the group (`vconsole.demo.EngineProcess`) reaches both: a supervised
+launcher that signals the group (`vconsole.tools.demo.EngineProcess`) reaches both: a supervised
 child drains on the first SIGTERM/SIGINT and ignores repeats, leaving escalation to the
 supervisor. The child also gets SIGTERM if the supervisor dies (Linux ``PR_SET_PDEATHSIG``).
 

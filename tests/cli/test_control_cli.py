@@ -10,9 +10,9 @@ import pytest
 
 from vconsole.cli import build_parser
 from vconsole.commands.control import main_get, main_set, parse_pairs
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc import control_key_file
 from vconsole.telemetry import control_key
+from vconsole.tools.demo import EngineProcess
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ import psutil
 import pytest
 import zmq
 
-from vconsole import demo
 from vconsole.cli import build_parser
 from vconsole.commands import demo as demo_cmd
 from vconsole.commands.demo import engine_args_from
-from vconsole.demo import DemoStack
 from vconsole.telemetry import schema
+from vconsole.tools import demo
+from vconsole.tools.demo import DemoStack
 
 ENGINE_ARGS = ["--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8"]
 
@@ -131,7 +131,7 @@ def test_an_asked_for_log_path_is_kept(tmp_path):
 
 
 def test_the_demo_engine_leaves_a_core_to_the_console_unless_told_otherwise(monkeypatch):
-    from vconsole import demo
+    from vconsole.tools import demo
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)

@@ -9,11 +9,11 @@ import socket
 import subprocess
 import sys
 
-from vconsole import doctor
 from vconsole.engine.proc import control_key_file
 from vconsole.telemetry import control_key, key_owner
 from vconsole.telemetry.endpoints import DEFAULT_CONTROL
 from vconsole.telemetry.key_owner import KeyOwner
+from vconsole.tools import doctor
 
 
 def test_doctor_prints_one_line_per_check_and_json_says_the_same(tmp_path):

@@ -21,11 +21,11 @@ import pytest
 import zmq
 
 from tests.support.live_engine import Telemetry, ipc_endpoints, reference_outputs
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc import protocol
 from vconsole.engine.proc.client import EngineClient
 from vconsole.engine.proc.ready_file import read_ready_file
 from vconsole.telemetry.control import ControlClient
+from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

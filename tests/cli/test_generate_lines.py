@@ -1,6 +1,6 @@
 """`vconsole generate` line parsing that needs no model: what makes a line an error."""
 
-from vconsole.generate import parse_line
+from vconsole.tools.generate import parse_line
 
 
 def test_an_inner_blank_line_keeps_its_index_and_is_an_error():

@@ -12,7 +12,7 @@ import zmq
 from vconsole.cli import build_parser
 from vconsole.commands.load import main as loadgen_main
 from vconsole.engine.proc.client import AsyncEngineClient
-from vconsole.loadgen import (
+from vconsole.tools.loadgen import (
     LoadRun,
     LoadSpec,
     LoadThread,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from vconsole.bench_soak import soak_bench
+from vconsole.tools.bench.soak import soak_bench
 
 
 @pytest.mark.proc

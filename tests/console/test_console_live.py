@@ -28,11 +28,11 @@ from vconsole.console.screens.config import ConfigScreen
 from vconsole.console.screens.overview import OverviewScreen
 from vconsole.console.widgets.chrome import Banner, TabBar
 from vconsole.console.widgets.confirmation import ConfirmScreen
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc import control_key_file
 from vconsole.engine.proc.client import EngineClient
 from vconsole.telemetry import schema
 from vconsole.telemetry.control import ControlClient
+from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

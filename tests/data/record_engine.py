@@ -10,8 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from vconsole.demo import DemoStack  # noqa: E402
 from vconsole.telemetry.record import record_stream  # noqa: E402
+from vconsole.tools.demo import DemoStack  # noqa: E402
 
 if __name__ == "__main__":
     out = Path(__file__).with_name("engine.vrec")

@@ -20,7 +20,6 @@ import time
 import pytest
 import zmq
 
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc.bind_policy import RemoteBindRefused, check_endpoints
 from vconsole.engine.proc.client import AsyncEngineClient, EngineClient
 from vconsole.engine.proc.curve_server import load_server_curve
@@ -28,6 +27,7 @@ from vconsole.telemetry.control import ControlClient, NotAuthorised
 from vconsole.telemetry.curve import ClientCurve, CurveKeyError, load_client_curve
 from vconsole.telemetry.key_owner import RUNNING, read_owner
 from vconsole.telemetry.top import snapshot_once
+from vconsole.tools.demo import EngineProcess
 
 ENGINE_ID = "curve-0"
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "24", "--max-num-seqs", "4",

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import zmq
 
 from support.live_engine import Telemetry, ipc_endpoints, reference_outputs
-from vconsole.demo import EngineProcess
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
 from vconsole.engine.proc import protocol
@@ -35,6 +34,7 @@ from vconsole.engine.proc.dp.rendezvous import (
 from vconsole.engine.request import SamplingParams
 from vconsole.telemetry import schema
 from vconsole.telemetry.publisher import TelemetryPublisher
+from vconsole.tools.demo import EngineProcess
 
 WORK = [([5, 9, 13, 2, 7], 6), ([40, 41, 42], 9), ([100] * 11, 5), ([3, 1, 4, 1, 5, 9, 2], 7)]
 

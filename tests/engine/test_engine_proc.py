@@ -20,11 +20,11 @@ import pytest
 import zmq
 
 from support.live_engine import Telemetry, reference_outputs
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc import control_key_file, protocol
 from vconsole.engine.proc.client import EngineClient
 from vconsole.telemetry import control_key
 from vconsole.telemetry.control import ControlClient, NotAuthorised
+from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

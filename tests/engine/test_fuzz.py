@@ -40,10 +40,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from support.live_engine import RssSampler, Telemetry, ipc_endpoints, reference_outputs
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc import protocol
 from vconsole.engine.proc.client import EngineClient
 from vconsole.telemetry import control
+from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

@@ -11,10 +11,10 @@ import threading
 import pytest
 import zmq
 
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc import protocol
 from vconsole.engine.proc.client import ENGINE_UNREACHABLE, EngineClient
 from vconsole.telemetry import schema
+from vconsole.tools.demo import EngineProcess
 
 pytestmark = pytest.mark.proc
 

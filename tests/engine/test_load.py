@@ -29,8 +29,8 @@ import pytest
 import zmq
 
 from support.live_engine import RssSampler, Telemetry, ipc_endpoints
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc import protocol
+from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

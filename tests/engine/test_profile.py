@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import zmq
 
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc.client import EngineClient
 from vconsole.telemetry import schema
 from vconsole.telemetry.control import (
@@ -26,6 +25,7 @@ from vconsole.telemetry.control import (
     ControlError,
     NotAuthorised,
 )
+from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc.client import EngineClient
 from vconsole.engine.proc.ready_file import (
     ReadyFileError,
@@ -16,6 +15,7 @@ from vconsole.engine.proc.ready_file import (
     write_ready_file,
 )
 from vconsole.telemetry.control import ControlClient
+from vconsole.tools.demo import EngineProcess
 
 EPS = {"input": "tcp://127.0.0.1:1", "output": "tcp://127.0.0.1:2",
        "telemetry": "tcp://127.0.0.1:3", "control": "tcp://127.0.0.1:4"}

@@ -18,13 +18,13 @@ import pytest
 
 from vconsole.cli import build_parser
 from vconsole.commands.control import main_get
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc import control_key_file
 from vconsole.engine.proc.client import EngineClient
 from vconsole.telemetry import key_owner
 from vconsole.telemetry.control import ControlClient
 from vconsole.telemetry.control_key import read_key_file
 from vconsole.telemetry.key_owner import GONE, RUNNING, KeyOwner
+from vconsole.tools.demo import EngineProcess
 
 ENGINE_ARGS = ["--no-supervisor", "--model", "tiny", "--num-kv-blocks", "16",
                "--max-num-seqs", "4"]

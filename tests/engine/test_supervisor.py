@@ -2,7 +2,7 @@
 endpoints and says so on telemetry; one that keeps dying, or can never start, is given up with a
 clear message; SIGTERM drains and leaves nothing behind.
 
-Real processes throughout (`vconsole.demo.EngineProcess`, the launcher the demo uses), real
+Real processes throughout (`vconsole.tools.demo.EngineProcess`, the launcher the demo uses), real
 sockets, ``kill -9``; the restart policy itself is pure and tested with a made-up clock.
 """
 
@@ -20,13 +20,13 @@ import pytest
 import zmq
 
 from vconsole.commands.demo import closing_line
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc import exit_codes
 from vconsole.engine.proc.client import EngineClient
 from vconsole.engine.proc.exit_codes import describe_exit
 from vconsole.engine.proc.ready_file import read_ready_file
 from vconsole.engine.proc.supervisor import RestartPolicy
 from vconsole.telemetry import schema
+from vconsole.tools.demo import EngineProcess
 
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "128", "--block-size", "16",
                "--set", "heartbeat_interval_s=0.1"]

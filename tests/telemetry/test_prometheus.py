@@ -26,7 +26,6 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vconsole.demo import EngineProcess
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.latency import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, LatencyStats
 from vconsole.engine.proc.bind_policy import RemoteBindRefused, check_metrics_host
@@ -43,6 +42,7 @@ from vconsole.telemetry.publisher import (
     kv_body,
     sched_body,
 )
+from vconsole.tools.demo import EngineProcess
 
 LABELS = {"model_name": "tiny", "engine": "0"}
 VLLM_NAMES = {   # family name (as the parser reports it) -> type

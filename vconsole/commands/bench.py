@@ -10,35 +10,35 @@ import sys
 def main(args: argparse.Namespace) -> int:
     log = None if args.json else (lambda m: print(m, file=sys.stderr))
     if args.name == "scheduler":
-        from vconsole.bench_scheduler import scheduler_bench
+        from vconsole.tools.bench.scheduler import scheduler_bench
 
         out = scheduler_bench(args.sizes, args.steps, log)
     elif args.name == "kvmap":
-        from vconsole.bench_kvmap import kvmap_bench
+        from vconsole.tools.bench.kvmap import kvmap_bench
 
         out = kvmap_bench(args.num_blocks, args.rounds or 30, log)
     elif args.name == "telemetry":
-        from vconsole.bench_telemetry import telemetry_bench
+        from vconsole.tools.bench.telemetry import telemetry_bench
 
         out = telemetry_bench(args.num_requests or 12_000, args.rounds or 10,
                               args.seconds or 1.0, log)
     elif args.name == "console":
-        from vconsole.bench_console import console_bench
+        from vconsole.tools.bench.console import console_bench
 
         out = console_bench(args.num_requests or 10_000, args.seconds or 4.0, log)
     elif args.name == "soak":
-        from vconsole.bench_soak import soak_bench
+        from vconsole.tools.bench.soak import soak_bench
 
         out = soak_bench(args.minutes, data_parallel_size=args.data_parallel_size or 1,
                          rate=args.rate, log=log)
         print(json.dumps(out, indent=None if args.json else 2))
         return 0 if out["passed"] else 1
     elif args.name == "dp":
-        from vconsole.bench_dp import dp_bench
+        from vconsole.tools.bench.dp import dp_bench
 
         out = dp_bench(args.num_requests or 32, args.rounds or 3, log=log)
     else:  # torch and transformers are imported only for the benchmark that needs them
-        from vconsole.bench import throughput
+        from vconsole.tools.bench.throughput import throughput
 
         out = throughput(args)
     print(json.dumps(out, indent=None if args.json else 2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vconsole.demo import DEMO_ENGINE_DEFAULTS, DemoStack, EngineProcess
+from vconsole.tools.demo import DEMO_ENGINE_DEFAULTS, DemoStack, EngineProcess
 
 _PASS_THROUGH = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
                  "max_num_batched_tokens", "policy", "config")

@@ -1,11 +1,11 @@
-"""`vconsole doctor`: check this machine for vconsole (`vconsole.doctor`)."""
+"""`vconsole doctor`: check this machine for vconsole (`vconsole.tools.doctor`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from vconsole.doctor import FAIL, as_json, run_checks
+from vconsole.tools.doctor import FAIL, as_json, run_checks
 
 
 def main(args: argparse.Namespace) -> int:

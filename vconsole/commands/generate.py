@@ -9,7 +9,7 @@ import sys
 from vconsole.engine.config import ConfigError, config_from_args
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import run_batch
-from vconsole.generate import parse_line, result_line
+from vconsole.tools.generate import parse_line, result_line
 
 MAX_ERROR_LINES = 20    # bad lines named on stderr (all of them get an error line in OUTPUT)
 

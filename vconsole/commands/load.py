@@ -12,7 +12,14 @@ from typing import Any
 
 from vconsole.commands.curve_args import client_curve
 from vconsole.engine.proc.client import AsyncEngineClient
-from vconsole.loadgen import LoadRun, LoadSpec, format_summary, parse_mix, parse_range, run_load
+from vconsole.tools.loadgen import (
+    LoadRun,
+    LoadSpec,
+    format_summary,
+    parse_mix,
+    parse_range,
+    run_load,
+)
 
 
 def spec_from_args(args: argparse.Namespace) -> LoadSpec:

@@ -13,7 +13,7 @@ from four classes. The peer is the same scheduler at 100 waiting: the goal is th
 costs (almost) nothing, ``t(50k) / t(100) <= 2``, and one step stays under 1 ms at 50k.
 
 ``queue_impl`` compares the waiting queue alone, our heap against the seed's time wheel
-(`vconsole.bench_queue`), per admission at each size.
+(`vconsole.tools.bench.waiting_queue`), per admission at each size.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import statistics
 import time
 from typing import Any
 
-from vconsole.bench_queue import queue_bench
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.request import Request, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
+from vconsole.tools.bench.waiting_queue import queue_bench
 
 POLICIES = ("fcfs", "priority", "hybrid")
 DEFAULT_SIZES = (100, 1_000, 10_000, 50_000)

@@ -2,7 +2,7 @@
 
 The engine runs as `vconsole demo` starts it (a supervised process, the demo's small pool of 128
 KV blocks, 16 seats, the hybrid policy; ``--data-parallel-size 2`` for a 2-rank group) and the
-load is the demo's (`vconsole.loadgen.demo_spec`, `demo_rate`: bursts, quiet spells, long
+load is the demo's (`vconsole.tools.loadgen.demo_spec`, `demo_rate`: bursts, quiet spells, long
 prompts, shared prefixes, three priorities) through the real client. The pool is small on
 purpose: bursts fill it and the scheduler preempts.
 
@@ -31,9 +31,9 @@ import numpy as np
 import psutil
 import zmq
 
-from vconsole.demo import DEMO_ENGINE_ARGS, EngineProcess, demo_engine_env
-from vconsole.loadgen import LoadThread, demo_rate, demo_spec
 from vconsole.telemetry import schema
+from vconsole.tools.demo import DEMO_ENGINE_ARGS, EngineProcess, demo_engine_env
+from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec
 
 WARMUP_SHARE = 0.2         # RSS is taken as the baseline after this share of the run
 DRAIN_S = 20.0             # after the load stops sending: requests in flight may finish

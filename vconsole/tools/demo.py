@@ -35,7 +35,7 @@ from vconsole.engine.proc.ready_file import (
     read_ready_file,
 )
 from vconsole.engine.proc.supervisor import parent_death_signal
-from vconsole.loadgen import LoadThread, demo_rate, demo_spec
+from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec
 
 STOP_GRACE_S = 10.0
 # The demo's engine: small enough that bursts fill the KV pool and preempt, with priorities to

@@ -6,7 +6,7 @@ per request and a 5 ms sleep (the forward's time, during which a real engine's C
 device's) — drives a real `TelemetryPublisher` on 127.0.0.1 exactly as the engine process does:
 `record_step` each step, ``sched`` (a 10,000-row request table) and ``kv`` snapshots at 10 Hz.
 
-Console side: a real console *process* (``python -m vconsole.bench_console --child``): the
+Console side: a real console *process* (``python -m vconsole.tools.bench.console --child``): the
 Textual app (`VConsoleApp`, headless through ``App.run_test``) on the Requests screen, its own
 reader thread and data model. It notes, on the machine's one wall clock (``time.time``), when
 each ``sched`` snapshot (its ``snapshot_ts``, stamped by the engine when it was taken) reached
@@ -63,8 +63,8 @@ class _Engine:
     """A scheduler with ``num_requests`` requests feeding a real publisher."""
 
     def __init__(self, num_requests: int) -> None:
-        from vconsole.bench_scheduler import NUM_RUNNING, _Bench
         from vconsole.telemetry.publisher import TelemetryPublisher
+        from vconsole.tools.bench.scheduler import NUM_RUNNING, _Bench
 
         # 10% more requests than rows, so that the table stays full between the scheduler's
         # rebuilds of its cached waiting rows (`vconsole.engine.sched.request_rows`).
@@ -110,7 +110,7 @@ def console_bench(num_requests: int = 10_000, seconds: float = 4.0,
     if log:
         log(f"engine side: {num_requests} requests ...")
     eng = _Engine(num_requests)
-    child = subprocess.Popen([sys.executable, "-m", "vconsole.bench_console", "--child",
+    child = subprocess.Popen([sys.executable, "-m", "vconsole.tools.bench.console", "--child",
                               eng.endpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     assert child.stdin is not None and child.stdout is not None
@@ -257,5 +257,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         _child(sys.argv[2])
     else:
-        sys.exit("usage: python -m vconsole.bench_console --child ENDPOINT "
+        sys.exit("usage: python -m vconsole.tools.bench.console --child ENDPOINT "
                  "(run `vconsole bench console`)")

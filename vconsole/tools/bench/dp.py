@@ -30,9 +30,9 @@ from typing import Any
 
 import zmq
 
-from vconsole.demo import EngineProcess
 from vconsole.engine.proc.client import EngineClient
 from vconsole.telemetry import schema
+from vconsole.tools.demo import EngineProcess
 
 ENGINE_ARGS = ["--num-kv-blocks", "256", "--block-size", "16", "--max-num-seqs", "32"]
 COUNTERS = ("steps_total", "dummy_steps_total", "sync_count_total", "sync_s_total")
