@@ -15,12 +15,12 @@ Steering: `request_change` validates a value, asks for confirmation when the cha
 and sends it from a worker thread; the engine's reply lands in `history` / `replies` and on the
 Config screen. Read-only (``--readonly``, a replay, no control endpoint, or no control key)
 hides and disables every action that changes the engine. The control key
-(`vconsole.telemetry.control_key`) is ``control_key`` when given, else read from ``control_key_file`` or
+(`vconsole.security.control_key`) is ``control_key`` when given, else read from ``control_key_file`` or
 the path derived from the control endpoint; without it the console still reads the config but is
 read-only by itself, and an engine that refuses its key mid-session makes it read-only too
 (`set_readonly`). ``key_status`` says which engine wrote the key the console holds (its owner
-record, `vconsole.telemetry.key_owner`) and whether it still runs; the Config screen shows it.
-``curve``: the console's CURVE keys (`vconsole.telemetry.curve`), for telemetry and control of an
+record, `vconsole.security.key_owner`) and whether it still runs; the Config screen shows it.
+``curve``: the console's CURVE keys (`vconsole.security.curve`), for telemetry and control of an
 engine started with CURVE keys.
 
 Data parallel: one telemetry endpoint carries every rank of a group; ``selected_engine`` is then
@@ -78,10 +78,10 @@ from vconsole.console.theme import ANSI_THEME, LOW_COLOUR_SYSTEMS
 from vconsole.console.widgets.chrome import Frame, TooSmall
 from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.console.widgets.panels import DEFAULT_LIMITS
+from vconsole.security.control_key import key_path, load_control_key
+from vconsole.security.curve import ClientCurve
+from vconsole.security.key_owner import KeyStatus
 from vconsole.telemetry.control import NotAuthorised
-from vconsole.telemetry.control_key import key_path, load_control_key
-from vconsole.telemetry.curve import ClientCurve
-from vconsole.telemetry.key_owner import KeyStatus
 from vconsole.telemetry.record import default_recordings_dir
 
 MIN_WIDTH, MIN_HEIGHT = 64, 18
@@ -525,7 +525,7 @@ class VConsoleApp(App[None]):
     # --- advice: apply a hot suggestion --------------------------------------------------------
 
     def apply_advice(self, advice: Any, *, confirmed: bool = False) -> str | None:
-        """Apply a hot suggestion of the advisor (`vconsole.telemetry.advisor.Advice`): always
+        """Apply a hot suggestion of the advisor (`vconsole.console.advisor.Advice`): always
         confirmed first (the box names each change and what it does to the running load), then
         sent as one all-or-nothing ``set_config``. Returns why it is not sent, else None; the
         outcome lands in ``advice_outcomes`` and the Alerts panel."""

@@ -137,7 +137,7 @@ class AdviceOutcome:
     """What became of a suggestion applied from the Advice screen: one ``set_config`` carrying
     all its keys, and the engine's answer per key (``records``)."""
 
-    advice: Any                     # vconsole.telemetry.advisor.Advice
+    advice: Any                     # vconsole.console.advisor.Advice
     records: list[ChangeRecord]
 
     @property

@@ -8,7 +8,7 @@ Every call carries the engine's control key when the console has one (``key``). 
 refuses it and ``key_path`` is known, the file is read again and the change (or profile start or
 cancel) retried once: an engine restarted on the same endpoint writes a new key there.
 `key_status` says which engine wrote the key held now (its owner record,
-`vconsole.telemetry.key_owner`) and whether it still runs. ``curve``: the console's CURVE keys,
+`vconsole.security.key_owner`) and whether it still runs. ``curve``: the console's CURVE keys,
 for an engine started with them.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from vconsole.telemetry.curve import ClientCurve
-    from vconsole.telemetry.key_owner import KeyStatus
+    from vconsole.security.curve import ClientCurve
+    from vconsole.security.key_owner import KeyStatus
 
 
 class Control(Protocol):
@@ -49,7 +49,7 @@ class ControlLink:
     def key_status(self) -> KeyStatus | None:
         """Which engine wrote the key held now, and whether it runs; None without a key file.
         Reads a file and the process table: call from a worker thread."""
-        from vconsole.telemetry.key_owner import status
+        from vconsole.security.key_owner import status
 
         if self.key is None or self.key_path is None:
             return None
@@ -75,8 +75,8 @@ class ControlLink:
 
     def _keyed(self, call: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         """A call that needs the key: refused, read the key file again and retry once."""
+        from vconsole.security.control_key import load_control_key
         from vconsole.telemetry.control import NotAuthorised
-        from vconsole.telemetry.control_key import load_control_key
 
         try:
             with self._client() as client:

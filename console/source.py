@@ -30,7 +30,7 @@ from typing import Any
 
 from vconsole.console.format import duration
 from vconsole.console.state import ConsoleState
-from vconsole.telemetry.curve import ClientCurve
+from vconsole.security.curve import ClientCurve
 from vconsole.telemetry.schema import SchemaVersionError, peek
 
 POLL_MS = 100

@@ -13,7 +13,7 @@ publisher; a ``seq`` that goes backwards means the publisher restarted, not a lo
 
 Data parallel: every rank of a group is an engine of its own here (same engine name, its
 ``rank``); `ConsoleState.dp_ranks` finds a group and `ConsoleState.dp_aggregate` sums it up
-(`vconsole.telemetry.ranks`, shared with ``vconsole top``). A lone engine is unaffected.
+(`vconsole.console.ranks`, shared with ``vconsole top``). A lone engine is unaffected.
 
 Time comes from ``clock`` (wall seconds). Live it is ``time.time``; a replay substitutes its own
 virtual clock, so ages on screen depend only on the recording — which keeps snapshots stable.
@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from vconsole.console.advisor import Advice, Advisor
 from vconsole.console.history import History, path_getter
-from vconsole.telemetry.advisor import Advice, Advisor
+from vconsole.console.ranks import aggregate
 from vconsole.telemetry.alerts import ENGINE_RESTART
-from vconsole.telemetry.ranks import aggregate
 from vconsole.telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
 
 # An engine is down after this many heartbeat intervals without a heartbeat.
@@ -465,7 +465,7 @@ class ConsoleState:
 
     def dp_aggregate(self, ranks: Sequence[EngineState], now: float | None = None
                      ) -> dict[str, Any]:
-        """`vconsole.telemetry.ranks.aggregate` over the ranks that serve: a rank that is down or
+        """`vconsole.console.ranks.aggregate` over the ranks that serve: a rank that is down or
         restarting is left out (its last figures are stale), and named in ``left_out``."""
         t = self.clock() if now is None else now
         live = {e.rank: e.latest for e in ranks if e.status(t) not in ("down", "restarting")}

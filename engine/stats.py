@@ -46,7 +46,7 @@ class RequestRow:
 
 
 # A request's state as a small code (uint8 on the wire): the index here, which is also
-# `vconsole.engine.request.RequestStatus`'s value (tests/engine/test_request_rows.py checks it).
+# `vconsole.engine.request.RequestStatus`'s value (tests/engine/sched/test_request_rows.py checks it).
 REQUEST_STATES = ("waiting", "running", "preempted")
 # The numeric columns of a `RequestTable` and their dtypes (those of the ``sched`` wire form).
 REQUEST_NUMERIC = {"priority": np.int32, "num_prompt_tokens": np.int32,

@@ -1,7 +1,7 @@
 """Check the import contracts in pyproject.toml (``[tool.importlinter]``) with import-linter.
 
-The top-level folders ``engine/``, ``telemetry/`` and ``console/`` install as ``vconsole.engine``
-and so on (a ``package-dir`` mapping), but import-linter's graph builder walks one folder per
+The top-level folders ``engine/``, ``telemetry/``, ``security/`` and ``console/`` install as
+``vconsole.engine`` and so on (pyproject's ``package-dir`` mapping, read from there), but import-linter's graph builder walks one folder per
 top-level package. So the sources are staged into a temporary tree laid out as installed
 (``STAGE/vconsole/engine/...``) and import-linter runs there, with the same contracts.
 
@@ -21,19 +21,26 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Where each installed package's sources live, relative to the repository root.
-PACKAGE_DIRS = {"vconsole": "vconsole", "vconsole/engine": "engine",
-                "vconsole/telemetry": "telemetry", "vconsole/console": "console"}
+
+
+def package_dirs(root: Path = REPO) -> dict[str, str]:
+    """Where each installed package's sources live (pyproject's package-dir mapping):
+    ``{"vconsole/engine": "engine", ...}``."""
+    with (root / "pyproject.toml").open("rb") as f:
+        mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    return {name.replace(".", "/"): folder for name, folder in mapping.items()}
+
 
 
 def stage(root: Path, dest: Path) -> Path:
     """Copy the sources under ``root`` into ``dest/vconsole/...`` as they are installed."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "__snapshots__")
-    for installed, source in PACKAGE_DIRS.items():
+    for installed, source in package_dirs(root).items():
         shutil.copytree(root / source, dest / installed, ignore=ignore, dirs_exist_ok=True)
     return dest
 

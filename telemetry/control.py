@@ -18,10 +18,10 @@ Invariant: `decode_request` either returns a well-formed request or raises `Cont
 message becomes the ``error`` of an ``ok: false`` reply; the engine never answers a malformed
 request with silence.
 
-Authentication: the control key (`vconsole.telemetry.control_key`). ``get_config`` is open;
+Authentication: the control key (`vconsole.security.control_key`). ``get_config`` is open;
 ``set_config`` without the engine's key is answered ``ok: false`` with an ``error`` starting
 ``not authorised:`` (`ControlClient.set_config` raises `NotAuthorised`) and changes nothing.
-An engine started with CURVE keys (`vconsole.telemetry.curve`) answers only CURVE clients whose
+An engine started with CURVE keys (`vconsole.security.curve`) answers only CURVE clients whose
 key pair it authorises: `ControlClient` takes them as ``curve``. The control key is still needed
 for ``set_config`` then: CURVE says who may connect at all (submit requests, read telemetry), the
 key says who may change the engine.
@@ -45,9 +45,9 @@ from typing import Any
 import msgpack
 import zmq
 
-from vconsole.telemetry.control_key import NOT_AUTHORISED
-from vconsole.telemetry.curve import ClientCurve
-from vconsole.telemetry.endpoints import DEFAULT_CONTROL
+from vconsole.security.control_key import NOT_AUTHORISED
+from vconsole.security.curve import ClientCurve
+from vconsole.security.endpoints import DEFAULT_CONTROL
 
 OPS = ("get_config", "set_config", "profile_start", "profile_status", "profile_cancel")
 PROFILE_MAX_STEPS = 200   # a profile's trace is kept in memory until its last step
@@ -194,7 +194,7 @@ def handle_frames(frames: Sequence[bytes], handler: Any) -> list[bytes]:
 class ControlClient:
     """Blocking client. After a timeout the socket is dropped and a fresh one made on the next
     call, so a late reply can never be taken for the answer to a later request. ``key`` (the
-    engine's control key, `vconsole.telemetry.control_key.load_control_key`) is sent with every
+    engine's control key, `vconsole.security.control_key.load_control_key`) is sent with every
     request; without it the client can read but not change the config. ``curve``: this client's
     CURVE keys, for an engine started with them."""
 

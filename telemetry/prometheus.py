@@ -23,7 +23,7 @@ on an idle engine (whose messages repeat) a scrape equals the stream. A topic no
 contributes no samples.
 
 `MetricsServer` serves one collector over HTTP (prometheus_client's WSGI server, in its own
-registry: no process-global state). Where it may bind is `vconsole.engine.proc.bind_policy`'s
+registry: no process-global state). Where it may bind is `vconsole.security.bind_policy`'s
 call (loopback unless ``--allow-remote-metrics``).
 """
 

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 import zmq
 
-from vconsole.telemetry.curve import ClientCurve
+from vconsole.security.curve import ClientCurve
 from vconsole.telemetry.schema import SCHEMA_VERSION, TOPICS, SchemaVersionError
 
 MAGIC = b"VCTELREC"

@@ -25,7 +25,7 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 CONTRACTS = {c["id"]: c["name"] for c in PYPROJECT["tool"]["importlinter"]["contracts"]}
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 PACKAGE_DIR: dict[str, str] = SETUPTOOLS["package-dir"]
-SOURCE_ROOTS = ("engine", "telemetry", "console", "vconsole")
+SOURCE_ROOTS = tuple(PACKAGE_DIR.values())
 
 
 def lint(*args: str) -> subprocess.CompletedProcess[str]:
@@ -142,9 +142,10 @@ for name in sys.argv[1:]:
         result[name] = "ModuleNotFoundError: " + str(e)
 print(json.dumps(result))
 """
-OUTSIDE = ["engine", "telemetry", "console", "support"]
+OUTSIDE = ["engine", "telemetry", "security", "console", "support"]
 INSIDE = ["vconsole", "vconsole.cli", "vconsole.commands", "vconsole.engine.core",
           "vconsole.engine.proc.core_proc", "vconsole.telemetry.publisher",
+          "vconsole.security.curve",
           "vconsole.console.app"]
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from vconsole.engine.config import DEVICES, DTYPES, POLICIES
 from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
-from vconsole.telemetry.endpoints import DEFAULTS
+from vconsole.security.endpoints import DEFAULTS
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> None:
@@ -103,7 +103,7 @@ def apply_base_port(args: argparse.Namespace) -> None:
 def add_control_key_arg(p: argparse.ArgumentParser, *, engine: bool = False) -> None:
     """``--control-key-file``: where the engine writes its control key / where a client reads
     it. The default, on both sides, is derived from the control endpoint
-    (`vconsole.telemetry.control_key.key_path`), so a bare client finds a bare engine's key."""
+    (`vconsole.security.control_key.key_path`), so a bare client finds a bare engine's key."""
     if engine:
         help_ = ("write the control key here, mode 0600 (default: derived from --control under "
                  "$VCONSOLE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/vconsole, else "

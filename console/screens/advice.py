@@ -1,4 +1,4 @@
-"""Advice: what the tuning advisor (`vconsole.telemetry.advisor`) makes of the recent telemetry.
+"""Advice: what the tuning advisor (`vconsole.console.advisor`) makes of the recent telemetry.
 
 One row per suggestion (the rule, the change, hot or restart-only); below it the selected one's
 reasons and figures, then what became of the suggestions applied from here. ``A`` (or enter)
@@ -18,11 +18,11 @@ from textual.content import Content
 from textual.widgets import DataTable, Static
 
 from vconsole.console import format as fmt
+from vconsole.console.advisor import WINDOW_S, Advice
 from vconsole.console.keymap import ADVICE
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
-from vconsole.telemetry.advisor import WINDOW_S, Advice
 
 RULES_WATCHED = "scheduler share, KV fragmentation, KV pressure, TTFT, step time"
 

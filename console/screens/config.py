@@ -34,7 +34,7 @@ from vconsole.console.keymap import CONFIG
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConfigView, ConsoleState
 from vconsole.console.widgets.chrome import Frame
-from vconsole.telemetry.key_owner import GONE, UNKNOWN, KeyStatus
+from vconsole.security.key_owner import GONE, UNKNOWN, KeyStatus
 
 REPLY_STYLE = {APPLIED: "green", UNCHANGED: "green", REJECTED: "red", INVALID: "red",
                ERROR: "red", TIMEOUT: "red", RESTART: "yellow", PENDING: "dim"}

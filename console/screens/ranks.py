@@ -2,7 +2,7 @@
 
 The top says what the group does as a whole (summed queues and tokens/s, blocks-weighted KV
 usage, phases, dummy-step share, wave, process-group state) and how unevenly the load is spread
-(max / mean of waiting + running, highlighted past `vconsole.telemetry.ranks.IMBALANCE_WARN`).
+(max / mean of waiting + running, highlighted past `vconsole.console.ranks.IMBALANCE_WARN`).
 Below, one row per rank, scrolling when there are more ranks than lines (8 ranks fit at 80x24);
 the cursor row is the selected engine, so every other screen shows that rank, and ``enter``
 opens its KV map. A rank the group's size names but that was never heard shows as such.
@@ -17,11 +17,11 @@ from textual.widgets import Static
 
 from vconsole.console import format as fmt
 from vconsole.console.keymap import RANKS
+from vconsole.console.ranks import rank_load
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState, EngineState
 from vconsole.console.widgets import dp_panels
 from vconsole.console.widgets.chrome import Frame
-from vconsole.telemetry.ranks import rank_load
 
 
 class RankRow(Static):

@@ -1,7 +1,7 @@
 """Data-parallel text: the group's aggregate, one row per rank, the load imbalance.
 
 Plain functions of the ranks' `EngineState`s and the aggregate
-(`vconsole.console.state.ConsoleState.dp_aggregate`, i.e. `vconsole.telemetry.ranks.aggregate`),
+(`vconsole.console.state.ConsoleState.dp_aggregate`, i.e. `vconsole.console.ranks.aggregate`),
 returning Content markup, like `vconsole.console.widgets.panels`: the Ranks screen and the
 Overview's "Data parallel" panel show the same figures. Imbalance is the one thing coloured
 here besides state: the summary says max/mean, and an overloaded rank's load is ``$warning``.
@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vconsole.console import format as fmt
+from vconsole.console.ranks import IMBALANCE_WARN, rank_load
 from vconsole.console.state import EngineState
 from vconsole.console.widgets.chrome import STATUS_STYLE
 from vconsole.console.widgets.panels import USAGE_CRIT, USAGE_WARN
-from vconsole.telemetry.ranks import IMBALANCE_WARN, rank_load
 
 GROUP_STYLE = {"ok": "$success", "forming": "$warning", "broken": "$error b", "none": "$text-muted"}
 WIDE = 96     # from this width the rows also get a load bar and the sync cost per step

@@ -6,7 +6,7 @@ the identity) and receives outputs on the output DEALER (the engine's output ROU
 by that identity). `connect` sends ``hello`` on the input socket and waits for ``ready`` on the
 output socket: only then is the engine known to be up *and* able to route outputs back, so no
 output can be lost to a half-made connection, and a missing engine is a clear `TimeoutError`.
-With ``curve`` (`vconsole.telemetry.curve.ClientCurve`, needed by an engine started with CURVE
+With ``curve`` (`vconsole.security.curve.ClientCurve`, needed by an engine started with CURVE
 keys) both sockets are CURVE clients; an engine that does not authorise the key pair never
 completes the handshake, so that too is the `TimeoutError` of `connect`.
 
@@ -48,8 +48,8 @@ import zmq.asyncio
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
-from vconsole.telemetry.curve import ClientCurve
-from vconsole.telemetry.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
+from vconsole.security.curve import ClientCurve
+from vconsole.security.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
 
 DEFAULT_TIMEOUT_S = 10.0
 

@@ -3,7 +3,7 @@
 It owns the control ROUTER (bound by `EngineCoreProc` with the other sockets, so a busy port
 fails fast) and the thread ``engine-control``, which from `ControlServer.start` on is the only one
 to touch that socket and closes it when it stops. It also owns the control key
-(`vconsole.engine.proc.control_key_file`): made and written to its 0600 file (with its owner
+(`vconsole.security.engine_key`): made and written to its 0600 file (with its owner
 record) when the server is made, checked against every ``set_config``, the file removed when the
 thread stops. The key is checked also when the socket is CURVE (`curve_server`): CURVE admits
 every authorised client, including load generators and dashboards, while only holders of this
@@ -45,9 +45,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vconsole.engine.proc import control_key_file
+from vconsole.security import engine_key
+from vconsole.security.control_key import key_path
 from vconsole.telemetry import control
-from vconsole.telemetry.control_key import key_path
 
 if TYPE_CHECKING:
     import zmq
@@ -95,7 +95,7 @@ class ControlServer:
     ``key_file`` does. ``config_view()``: the busy loop's last published (version, config).
     ``submit(call)``: hands a `ControlCall` to the busy loop. ``stop``: set once, at shutdown.
     ``engine_id`` goes into the key's owner record. Raises OSError when the key file cannot be
-    written, `control_key_file.KeyFileHeld` when a running engine holds it."""
+    written, `engine_key.KeyFileHeld` when a running engine holds it."""
 
     def __init__(self, sock: zmq.Socket, endpoint: str, *,
                  key_file: str | os.PathLike[str] | None,
@@ -109,12 +109,12 @@ class ControlServer:
         self._submit = submit
         self._stop = stop
         self._poll_ms = poll_ms
-        self._key = control_key_file.new_key()
+        self._key = engine_key.new_key()
         self.key_path = key_path(endpoint, key_file)
         try:
-            control_key_file.claim_key_file(self.key_path, self._key, engine_id=engine_id,
+            engine_key.claim_key_file(self.key_path, self._key, engine_id=engine_id,
                                             endpoint=endpoint)
-        except control_key_file.KeyFileHeld:
+        except engine_key.KeyFileHeld:
             raise
         except OSError as e:
             raise OSError(f"cannot write the control key file {self.key_path}: {e}") from None
@@ -142,7 +142,7 @@ class ControlServer:
     def remove_key_file(self) -> None:
         """Remove the key file if it still holds this server's key. The thread does this when it
         stops; call it directly only when the server is never started."""
-        control_key_file.remove_key_file(self.key_path, self._key)
+        engine_key.remove_key_file(self.key_path, self._key)
 
     # --- control thread ------------------------------------------------------------------------
 
@@ -173,9 +173,9 @@ class ControlServer:
             if status is None:
                 return control.error_reply(f"no profile {req['profile']!r}", rid)
             return control.profile_reply(status, rid)
-        if not control_key_file.key_matches(req.get("key"), self._key):
+        if not engine_key.key_matches(req.get("key"), self._key):
             log.warning("control: refused a %s without the control key", req["op"])
-            return control.error_reply(control_key_file.not_authorised(self.key_path), rid)
+            return control.error_reply(engine_key.not_authorised(self.key_path), rid)
         if self._stop.is_set():
             return control.error_reply("engine is shutting down", rid)
         if req["op"] == "set_config":

@@ -43,7 +43,7 @@ behind the core's `vconsole.engine.telemetry_guard.TelemetryGuard`, which logs, 
 ``telemetry_errors``), alerts and rebuilds the failing cache instead of raising.
 
 ``log_stats`` (hot): the busy loop logs one stats line every few seconds while there is work
-(`vconsole.engine.proc.stats_log`). Which endpoints may bind beyond loopback: `vconsole.engine.proc.bind_policy`.
+(`vconsole.engine.proc.stats_log`). Which endpoints may bind beyond loopback: `vconsole.security.bind_policy`.
 
 A step whose model execution raises fails only its own requests (`vconsole.engine.core`); after
 ``max_consecutive_step_failures`` such steps in a row the loop drains and the process exits with
@@ -78,9 +78,7 @@ import zmq
 from vconsole.engine.config import ConfigUpdate, EngineConfig
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import exit_codes, protocol
-from vconsole.engine.proc.bind_policy import check_endpoints, check_metrics_host, secure_socket
 from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, read_file
-from vconsole.engine.proc.control_key_file import refuse_if_held
 from vconsole.engine.proc.control_server import ControlCall, ControlServer
 from vconsole.engine.proc.liveness import LivenessStamp
 from vconsole.engine.proc.output_thread import STOP, OutputThread
@@ -90,14 +88,16 @@ from vconsole.engine.proc.request_registry import RequestRegistry
 from vconsole.engine.proc.stats_log import StatsLog
 from vconsole.engine.request import FinishReason, Request
 from vconsole.engine.stats import StepStats
+from vconsole.security.bind_policy import check_endpoints, check_metrics_host, secure_socket
+from vconsole.security.control_key import key_path
+from vconsole.security.engine_key import refuse_if_held
 from vconsole.telemetry import control
-from vconsole.telemetry.control_key import key_path
 from vconsole.telemetry.prometheus import MetricsServer, TelemetryCollector
 from vconsole.telemetry.publisher import TelemetryPublisher
 
 if TYPE_CHECKING:
-    from vconsole.engine.proc.curve_server import CurveAuthenticator, ServerCurve
     from vconsole.engine.proc.dp.rank import DPRank, WaveEvent
+    from vconsole.security.curve_server import CurveAuthenticator, ServerCurve
 
 log = logging.getLogger("vconsole.engine")
 

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vconsole.engine.proc.control_key_file import write_private
+from vconsole.security.engine_key import write_private
 
 READY_FILE_VERSION = 1
 ENDPOINT_NAMES = ("input", "output", "telemetry", "control")

@@ -85,7 +85,7 @@ from vconsole.telemetry.alerts import restart_event
 from vconsole.telemetry.beacon import HealthBeacon
 
 if TYPE_CHECKING:
-    from vconsole.engine.proc.curve_server import ServerCurve
+    from vconsole.security.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine.supervisor")
 

@@ -10,8 +10,7 @@ import pytest
 
 from vconsole.cli import build_parser
 from vconsole.commands.control import main_get, main_set, parse_pairs
-from vconsole.engine.proc import control_key_file
-from vconsole.telemetry import control_key
+from vconsole.security import control_key, engine_key
 from vconsole.tools.demo import EngineProcess
 
 
@@ -138,7 +137,7 @@ def test_set_without_the_key_file_exits_1_naming_the_path_and_changes_nothing(en
 @pytest.mark.proc
 def test_set_with_a_wrong_key_is_not_authorised(engine, tmp_path, capsys):
     ctl = engine.endpoints["control"]
-    wrong = control_key_file.write_key_file(tmp_path / "wrong.key", control_key_file.new_key())
+    wrong = engine_key.write_key_file(tmp_path / "wrong.key", engine_key.new_key())
     code, out, err = run(main_set, ["set", "--control", ctl, "--control-key-file", str(wrong),
                                     "max_num_seqs=2"], capsys)
     assert code == 1 and not out
@@ -150,7 +149,7 @@ def test_set_with_a_wrong_key_is_not_authorised(engine, tmp_path, capsys):
 @pytest.mark.parametrize("func,argv", [(main_set, ["set", "max_num_seqs=2"]),
                                        (main_get, ["get"])])
 def test_no_engine_is_a_clear_error_and_exit_1(func, argv, tmp_path, capsys):
-    key = control_key_file.write_key_file(tmp_path / "k.key", control_key_file.new_key())
+    key = engine_key.write_key_file(tmp_path / "k.key", engine_key.new_key())
     code, _, err = run(func, [*argv, "--control", f"ipc://{tmp_path}/none",
                               "--control-key-file", str(key)], capsys, timeout=0.3)
     assert code == 1

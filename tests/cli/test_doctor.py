@@ -9,10 +9,9 @@ import socket
 import subprocess
 import sys
 
-from vconsole.engine.proc import control_key_file
-from vconsole.telemetry import control_key, key_owner
-from vconsole.telemetry.endpoints import DEFAULT_CONTROL
-from vconsole.telemetry.key_owner import KeyOwner
+from vconsole.security import control_key, engine_key, key_owner
+from vconsole.security.endpoints import DEFAULT_CONTROL
+from vconsole.security.key_owner import KeyOwner
 from vconsole.tools import doctor
 
 
@@ -63,10 +62,10 @@ def test_a_control_key_left_by_a_killed_engine_is_named_stale(tmp_path, monkeypa
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     path = control_key.key_path(DEFAULT_CONTROL)
-    key = control_key_file.new_key()
+    key = engine_key.new_key()
     owner = KeyOwner.for_this_process(key, engine_id="old-0", endpoint=DEFAULT_CONTROL)
     record = {**json.loads(owner.to_json()), "pid": dead.pid, "started": 1.0}
     key_owner.owner_path(path).write_text(json.dumps(record))
-    control_key_file.write_key_file(path, key)
+    engine_key.write_key_file(path, key)
     check = doctor.check_control_key()
     assert check.status == doctor.WARN and "stale" in check.detail

@@ -22,8 +22,8 @@ import zmq
 from tests.support.live_engine import Telemetry, ipc_endpoints
 from vconsole.engine.proc.client import EngineClient
 from vconsole.engine.proc.ready_file import read_ready_file
-from vconsole.telemetry.control_key import ENV_RUNTIME_DIR, key_file_name
-from vconsole.telemetry.curve import ClientCurve, load_client_curve, read_public_key
+from vconsole.security.control_key import ENV_RUNTIME_DIR, key_file_name
+from vconsole.security.curve import ClientCurve, load_client_curve, read_public_key
 
 pytestmark = [pytest.mark.proc]
 

@@ -1,6 +1,6 @@
 """`vconsole bench soak`: the demo's workload against a real supervised engine process for 45
 seconds through the real client (the crash this guards against came at 18–80 s; the stateful
-tests in tests/engine/test_busy_loop_state_machines.py find its cause in under a second, and
+tests in tests/engine/sched/test_busy_loop_state_machines.py find its cause in under a second, and
 `vconsole bench soak --minutes 10` is the long run). Passing means no restart, no request error, no telemetry
 error, preemptions seen and every output token the engine counted received by the client —
 the run that found the demo's crash (a row cache on the busy loop) would fail it."""

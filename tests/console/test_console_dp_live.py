@@ -21,7 +21,7 @@ from support.live_engine import Telemetry
 from vconsole.console.app import VConsoleApp
 from vconsole.console.screens.ranks import RankRow, RanksScreen
 from vconsole.engine.proc.client import EngineClient
-from vconsole.telemetry import top
+from vconsole.tools import top
 from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]

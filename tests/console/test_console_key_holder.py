@@ -13,9 +13,8 @@ from textual.widgets import Static
 
 from vconsole.console.app import VConsoleApp
 from vconsole.console.screens.config import key_holder
-from vconsole.engine.proc import control_key_file
-from vconsole.telemetry import key_owner
-from vconsole.telemetry.key_owner import GONE, RUNNING, UNRECORDED, KeyOwner, KeyStatus
+from vconsole.security import engine_key, key_owner
+from vconsole.security.key_owner import GONE, RUNNING, UNRECORDED, KeyOwner, KeyStatus
 
 OWNER = KeyOwner(4242, 1.0, "here", "eng-0", "ipc:///x/control", "0" * 16)
 
@@ -36,12 +35,12 @@ async def test_a_key_left_by_a_killed_engine_is_shown_as_gone(tmp_path):
     dead.wait()
     control = f"ipc://{tmp_path}/control"
     path = tmp_path / "control.key"
-    key = control_key_file.new_key()
+    key = engine_key.new_key()
     record = {**json.loads(KeyOwner.for_this_process(key, engine_id="old-0",
                                                      endpoint=control).to_json()),
               "pid": dead.pid, "started": time.time() - 60}
     key_owner.owner_path(path).write_text(json.dumps(record))
-    control_key_file.write_key_file(path, key)
+    engine_key.write_key_file(path, key)
 
     app = VConsoleApp(telemetry_endpoints=[f"ipc://{tmp_path}/telemetry"],
                       control_endpoint=control, control_key_file=path, control_timeout_s=0.2)

@@ -28,8 +28,8 @@ from vconsole.console.screens.config import ConfigScreen
 from vconsole.console.screens.overview import OverviewScreen
 from vconsole.console.widgets.chrome import Banner, TabBar
 from vconsole.console.widgets.confirmation import ConfirmScreen
-from vconsole.engine.proc import control_key_file
 from vconsole.engine.proc.client import EngineClient
+from vconsole.security import engine_key
 from vconsole.telemetry import schema
 from vconsole.telemetry.control import ControlClient
 from vconsole.tools.demo import EngineProcess
@@ -398,7 +398,7 @@ async def test_a_key_the_engine_refuses_makes_the_console_read_only(engine, tmp_
     before = wait_for_control(engine.endpoints["control"])
     key = "alert_waiting_warning"
     value = str(before["values"][key] + 1)  # valid, and no confirmation asked
-    stale = control_key_file.write_key_file(tmp_path / "stale.key", control_key_file.new_key())
+    stale = engine_key.write_key_file(tmp_path / "stale.key", engine_key.new_key())
     app = console_for(engine, control_key_file=stale)
     assert not app.readonly  # it holds a key; only the engine can say it is the wrong one
     async with app.run_test(size=(120, 40)) as pilot:

@@ -28,11 +28,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.latency import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, LatencyStats
-from vconsole.engine.proc.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.engine.proc.client import EngineClient
 from vconsole.engine.proc.core_proc import EngineCoreProc
 from vconsole.engine.proc.ready_file import read_ready_file
 from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
+from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import RULES
 from vconsole.telemetry.prometheus import MetricsServer, RanksCollector, TelemetryCollector

@@ -17,8 +17,9 @@ from vconsole.commands import top as top_cmd
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.latency import LatencyStats
 from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
-from vconsole.telemetry import control, top
+from vconsole.telemetry import control
 from vconsole.telemetry.publisher import TelemetryPublisher
+from vconsole.tools import top
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from vconsole.commands.curve_args import client_curve
-from vconsole.telemetry.curve import CurveKeyError
-from vconsole.telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
+from vconsole.security.curve import CurveKeyError
+from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
 
 
 def main(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ Exit codes say what happened, so a script can rely on them: 0 applied (or read),
 rejected or needing a restart, no engine answering, or no control key (with the reason on
 stderr), 2 a usage error caught before anything was sent.
 
-`set` needs the engine's control key (`vconsole.telemetry.control_key`): read from ``--control-key-file``
+`set` needs the engine's control key (`vconsole.security.control_key`): read from ``--control-key-file``
 or the path derived from ``--control``; `get` sends it when it is there but needs none.
 """
 
@@ -16,10 +16,10 @@ import sys
 from typing import Any
 
 from vconsole.commands.curve_args import client_curve
-from vconsole.telemetry import control_key, key_owner
+from vconsole.security import control_key, key_owner
+from vconsole.security.curve import CurveKeyError
+from vconsole.security.endpoints import DEFAULT_CONTROL
 from vconsole.telemetry.control import ControlClient, ControlError
-from vconsole.telemetry.curve import CurveKeyError
-from vconsole.telemetry.endpoints import DEFAULT_CONTROL
 
 TIMEOUT_S = 5.0
 PROBE_S = 1.5       # is any engine there at all (when the control key is missing)

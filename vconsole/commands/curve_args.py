@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from vconsole.telemetry.curve import ClientCurve, load_client_curve
+from vconsole.security.curve import ClientCurve, load_client_curve
 
 if TYPE_CHECKING:
-    from vconsole.engine.proc.curve_server import ServerCurve
+    from vconsole.security.curve_server import ServerCurve
 
 
 def client_curve(args: argparse.Namespace) -> ClientCurve | None:
@@ -20,7 +20,7 @@ def client_curve(args: argparse.Namespace) -> ClientCurve | None:
 
 def server_curve(args: argparse.Namespace) -> ServerCurve | None:
     """``--curve-server-key`` + ``--curve-clients``; None when neither is given."""
-    from vconsole.engine.proc.curve_server import load_server_curve
+    from vconsole.security.curve_server import load_server_curve
 
     return load_server_curve(getattr(args, "curve_server_key", None),
                              getattr(args, "curve_clients", None))

@@ -25,11 +25,11 @@ from typing import Any
 from vconsole.commands.curve_args import server_curve
 from vconsole.engine.config import ConfigError, config_from_args
 from vconsole.engine.proc import exit_codes
-from vconsole.engine.proc.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.engine.proc.core_proc import RELOAD, SHUTDOWN, EngineCoreProc
 from vconsole.engine.proc.supervisor import EngineSupervisor, RestartPolicy
-from vconsole.telemetry.curve import CurveKeyError
-from vconsole.telemetry.endpoints import DEFAULTS
+from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
+from vconsole.security.curve import CurveKeyError
+from vconsole.security.endpoints import DEFAULTS
 
 
 def _install_signal_handlers(q: queue.SimpleQueue[tuple[Any, ...]], *,
@@ -154,8 +154,8 @@ def _torchrun_rank(args: argparse.Namespace, config: Any, endpoints: dict[str, s
     endpoints, ``tcp://--dp-rank-host:*`` (loopback by default; beyond it only as CURVE servers
     with ``--dp-curve-dir`` keys, refused before anything binds); global rank 0 also runs the
     front end on the public ones (`vconsole.engine.proc.dp.torchrun`)."""
-    from vconsole.engine.proc.bind_policy import check_endpoints
     from vconsole.engine.proc.dp.torchrun import TorchrunFrontEnd, rank_curves, rank_endpoints
+    from vconsole.security.bind_policy import check_endpoints
     front_end = int(os.environ.get("RANK") or 0) == 0
     try:
         curve = server_curve(args)

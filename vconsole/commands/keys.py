@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vconsole.telemetry.curve import CurveKeyError, make_keys
+from vconsole.security.curve import CurveKeyError, make_keys
 
 
 def main(args: argparse.Namespace) -> int:

@@ -21,8 +21,8 @@ from typing import Any, TextIO
 
 from vconsole.commands.control import _endpoint, _read_key
 from vconsole.commands.curve_args import client_curve
+from vconsole.security.curve import CurveKeyError
 from vconsole.telemetry.control import PROFILE_MAX_STEPS, ControlClient, ControlError
-from vconsole.telemetry.curve import CurveKeyError
 
 REQUEST_TIMEOUT_S = 10.0   # one control round trip (profile_start waits for a step boundary)
 POLL_S = 0.2

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from vconsole.commands.curve_args import client_curve
-from vconsole.telemetry.curve import CurveKeyError
-from vconsole.telemetry.endpoints import DEFAULT_TELEMETRY
+from vconsole.security.curve import CurveKeyError
+from vconsole.security.endpoints import DEFAULT_TELEMETRY
 from vconsole.telemetry.record import record_stream
 
 

@@ -9,9 +9,9 @@ import sys
 import zmq
 
 from vconsole.commands.curve_args import client_curve
-from vconsole.telemetry.curve import CurveKeyError
-from vconsole.telemetry.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
-from vconsole.telemetry.top import Watcher, format_line, format_ranks_line, snapshot_once
+from vconsole.security.curve import CurveKeyError
+from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
+from vconsole.tools.top import Watcher, format_line, format_ranks_line, snapshot_once
 
 
 def main(args: argparse.Namespace) -> int:

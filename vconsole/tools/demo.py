@@ -106,7 +106,7 @@ class EngineProcess:
 
     def control_key(self) -> str | None:
         """The engine's control key (same machine, same user), None if unreadable."""
-        from vconsole.telemetry.control_key import load_control_key
+        from vconsole.security.control_key import load_control_key
         path = self.control_key_path
         return load_control_key(self.endpoints.get("control", ""), path) if path else None
 

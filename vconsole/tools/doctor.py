@@ -113,7 +113,7 @@ def _engine_answers(control: str) -> bool:
 
 
 def check_ports(endpoints: dict[str, str] | None = None) -> Check:
-    from vconsole.telemetry.endpoints import DEFAULTS
+    from vconsole.security.endpoints import DEFAULTS
 
     endpoints = endpoints or DEFAULTS
     busy = []
@@ -155,13 +155,13 @@ def check_cache() -> Check:
 
 
 def check_run_dir() -> Check:
-    from vconsole.telemetry.control_key import runtime_dir
+    from vconsole.security.control_key import runtime_dir
     return _private_dir("run folder", runtime_dir(), strict=True)
 
 
 def check_control_key(control: str | None = None) -> Check:
-    from vconsole.telemetry import control_key, key_owner
-    from vconsole.telemetry.endpoints import DEFAULT_CONTROL
+    from vconsole.security import control_key, key_owner
+    from vconsole.security.endpoints import DEFAULT_CONTROL
 
     path = control_key.key_path(control or DEFAULT_CONTROL)
     try:

@@ -2,7 +2,7 @@
 
 Clients speak the lone engine's control protocol (`vconsole.telemetry.control`) to one
 endpoint, with one control key (its own 0600 file, same rules as a lone engine's:
-`vconsole.engine.proc.control_key_file`). A request may carry ``"rank": R`` to address one rank.
+`vconsole.security.engine_key`). A request may carry ``"rank": R`` to address one rank.
 
 - ``set_config`` is validated ONCE, here, against the same table every rank uses
   (`vconsole.engine.config.apply_update` over the addressed rank's current config): a change
@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from vconsole.engine.config import ConfigError, apply_update, validate_config
-from vconsole.engine.proc import control_key_file
-from vconsole.engine.proc.bind_policy import bind_socket
+from vconsole.security import engine_key
+from vconsole.security.bind_policy import bind_socket
+from vconsole.security.control_key import key_path, read_key_file
 from vconsole.telemetry import control
-from vconsole.telemetry.control_key import key_path, read_key_file
 
 if TYPE_CHECKING:
-    from vconsole.engine.proc.curve_server import ServerCurve
-    from vconsole.telemetry.curve import ClientCurve
+    from vconsole.security.curve import ClientCurve
+    from vconsole.security.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine.dp")
 
@@ -55,10 +55,10 @@ class ControlFanout:
         self.world_size = world_size
         self._sock = bind_socket(self.ctx, zmq.ROUTER, "control", endpoint, curve)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._key = control_key_file.new_key()
+        self._key = engine_key.new_key()
         self.key_path = key_path(self.endpoint, key_file)
         try:
-            control_key_file.claim_key_file(self.key_path, self._key, engine_id=engine_id,
+            engine_key.claim_key_file(self.key_path, self._key, engine_id=engine_id,
                                             endpoint=self.endpoint)
         except OSError:
             self._sock.close(0)
@@ -94,7 +94,7 @@ class ControlFanout:
             self._thread.join()
         else:
             self._sock.close(0)
-            control_key_file.remove_key_file(self.key_path, self._key)
+            engine_key.remove_key_file(self.key_path, self._key)
 
     # --- the dp-control thread ---------------------------------------------------------------
 
@@ -112,7 +112,7 @@ class ControlFanout:
                 self._sock.send_multipart(reply)
         finally:
             self._sock.close(0)
-            control_key_file.remove_key_file(self.key_path, self._key)
+            engine_key.remove_key_file(self.key_path, self._key)
 
     def _on_request(self, req: dict[str, Any]) -> dict[str, Any]:
         rid = req.get("id")
@@ -121,8 +121,8 @@ class ControlFanout:
                                  or not 0 <= rank < self.world_size):
             return control.error_reply(f"'rank' must be an integer from 0 to "
                                        f"{self.world_size - 1}, got {rank!r}", rid)
-        if req["op"] in KEYED and not control_key_file.key_matches(req.get("key"), self._key):
-            return control.error_reply(control_key_file.not_authorised(self.key_path), rid)
+        if req["op"] in KEYED and not engine_key.key_matches(req.get("key"), self._key):
+            return control.error_reply(engine_key.not_authorised(self.key_path), rid)
         fields = {k: v for k, v in req.items() if k not in ("op", "id", "key", "values", "rank")}
         if req["op"] == "set_config":
             return self._set_config(req["values"], rank, rid)

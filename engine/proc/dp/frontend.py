@@ -49,14 +49,14 @@ import zmq
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
-from vconsole.engine.proc.bind_policy import bind_socket, check_endpoints
 from vconsole.engine.proc.dp.rank_link import RankLink, drain
 from vconsole.engine.proc.dp.request_map import RequestMap, Routed
 from vconsole.engine.proc.dp.router import choose_rank
+from vconsole.security.bind_policy import bind_socket, check_endpoints
 
 if TYPE_CHECKING:
-    from vconsole.engine.proc.curve_server import ServerCurve
-    from vconsole.telemetry.curve import ClientCurve
+    from vconsole.security.curve import ClientCurve
+    from vconsole.security.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine.dp")
 

@@ -46,7 +46,7 @@ from vconsole.engine.proc.supervisor import EngineSupervisor, RestartPolicy
 
 if TYPE_CHECKING:
     from vconsole.engine.config import EngineConfig
-    from vconsole.engine.proc.curve_server import ServerCurve
+    from vconsole.security.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine.dp")
 

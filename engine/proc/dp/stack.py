@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from vconsole.engine.proc.bind_policy import check_endpoints, check_metrics_host
-from vconsole.engine.proc.control_key_file import refuse_if_held
 from vconsole.engine.proc.dp.control_fanout import ControlFanout
 from vconsole.engine.proc.dp.frontend import DPFrontEnd
 from vconsole.engine.proc.dp.telemetry_proxy import TelemetryProxy
@@ -36,12 +34,14 @@ from vconsole.engine.proc.ready_file import (
     remove_ready_file,
     write_ready_file,
 )
-from vconsole.telemetry.control_key import key_path
+from vconsole.security.bind_policy import check_endpoints, check_metrics_host
+from vconsole.security.control_key import key_path
+from vconsole.security.engine_key import refuse_if_held
 
 if TYPE_CHECKING:
     from vconsole.engine.config import EngineConfig
-    from vconsole.engine.proc.curve_server import ServerCurve
-    from vconsole.telemetry.curve import ClientCurve
+    from vconsole.security.curve import ClientCurve
+    from vconsole.security.curve_server import ServerCurve
 
 
 class FrontEndStack:

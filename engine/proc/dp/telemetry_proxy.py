@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from vconsole.engine.proc.bind_policy import bind_socket, check_endpoints
+from vconsole.security.bind_policy import bind_socket, check_endpoints
 from vconsole.telemetry import schema
 from vconsole.telemetry.publisher import health_body
 
 if TYPE_CHECKING:
-    from vconsole.engine.proc.curve_server import ServerCurve
-    from vconsole.telemetry.curve import ClientCurve
+    from vconsole.security.curve import ClientCurve
+    from vconsole.security.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine.dp")
 

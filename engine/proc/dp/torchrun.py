@@ -20,7 +20,7 @@ they must be CURVE servers (``--dp-curve-dir DIR``, `rank_curves`: the ranks' se
 an allow-list holding the front end's key only); the front end connects to every rank as that
 CURVE client, and learns each rank's control key from the rank's ``ready`` over that channel
 (the rank's key file is on the rank's host). Invariant: the bind policy
-(`vconsole.engine.proc.bind_policy.check_endpoints`) refuses a remote rank host without keys
+(`vconsole.security.bind_policy.check_endpoints`) refuses a remote rank host without keys
 before anything binds, the public endpoints included.
 """
 
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from vconsole.engine.proc.dp.rendezvous import DPEnv, connect_store, read_rank
 from vconsole.engine.proc.dp.stack import FrontEndStack
-from vconsole.telemetry.curve import (
+from vconsole.security.curve import (
     AUTHORIZED_CLIENTS,
     CLIENT,
     PUBLIC_SUFFIX,
@@ -48,7 +48,7 @@ from vconsole.telemetry.curve import (
 
 if TYPE_CHECKING:
     from vconsole.engine.config import EngineConfig
-    from vconsole.engine.proc.curve_server import ServerCurve
+    from vconsole.security.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine.dp")
 
@@ -77,7 +77,7 @@ def rank_curves(curve_dir: str | os.PathLike[str] | None, *, front_end: bool
     without a folder. Raises `CurveKeyError` naming the file that is wrong."""
     if not curve_dir:
         return None, None
-    from vconsole.engine.proc.curve_server import load_server_curve
+    from vconsole.security.curve_server import load_server_curve
 
     root = Path(curve_dir).expanduser()
     server = load_server_curve(root / f"{SERVER}{SECRET_SUFFIX}", root / AUTHORIZED_CLIENTS)

@@ -20,14 +20,14 @@ import time
 import pytest
 import zmq
 
-from vconsole.engine.proc.bind_policy import RemoteBindRefused, check_endpoints
 from vconsole.engine.proc.client import AsyncEngineClient, EngineClient
-from vconsole.engine.proc.curve_server import load_server_curve
+from vconsole.security.bind_policy import RemoteBindRefused, check_endpoints
+from vconsole.security.curve import ClientCurve, CurveKeyError, load_client_curve
+from vconsole.security.curve_server import load_server_curve
+from vconsole.security.key_owner import RUNNING, read_owner
 from vconsole.telemetry.control import ControlClient, NotAuthorised
-from vconsole.telemetry.curve import ClientCurve, CurveKeyError, load_client_curve
-from vconsole.telemetry.key_owner import RUNNING, read_owner
-from vconsole.telemetry.top import snapshot_once
 from vconsole.tools.demo import EngineProcess
+from vconsole.tools.top import snapshot_once
 
 ENGINE_ID = "curve-0"
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "24", "--max-num-seqs", "4",

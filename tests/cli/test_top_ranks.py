@@ -1,6 +1,6 @@
 """`vconsole top` and the aggregate over a data-parallel group's ranks.
 
-The aggregate (`vconsole.telemetry.ranks`) is checked on hand-made bodies; `top --once --json`
+The aggregate (`vconsole.console.ranks`) is checked on hand-made bodies; `top --once --json`
 against a synthetic 2-rank stream published on a real PUB socket, as a front end's telemetry
 endpoint carries it (every rank's messages, the envelope's ``rank`` apart).
 """
@@ -18,9 +18,9 @@ import zmq
 from support.synthetic import generate
 from support.synthetic_dp import generate_dp
 from vconsole.commands import top as top_cmd
-from vconsole.telemetry import top
-from vconsole.telemetry.ranks import aggregate, imbalance, is_imbalanced
+from vconsole.console.ranks import aggregate, imbalance, is_imbalanced
 from vconsole.telemetry.schema import DP_TOPICS, decode
+from vconsole.tools import top
 
 # --- the aggregate ---------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ Files are zmq.auth certificates (``zmq.auth.load_certificate`` reads them):
 
 `make_keys` (``vconsole keys DIR``) writes a server pair and a client pair into DIR and a copy of
 the client's public key into ``DIR/authorized_clients/`` (the engine's ``--curve-clients``). The
-engine's side (socket options, the allow-list check) is `vconsole.engine.proc.curve_server`.
+engine's side (socket options, the allow-list check) is `vconsole.security.curve_server`.
 
 Invariants: a secret file is refused when other users may read it (like ssh does), so a key
 that leaked by its mode is never used; `make_keys` never overwrites an existing key file and a

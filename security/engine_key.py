@@ -1,6 +1,6 @@
 """The engine's side of the control key: make it, write its file, check it, remove the file.
 
-Clients only find and read the key (`vconsole.telemetry.control_key`: the path rule and
+Clients only find and read the key (`vconsole.security.control_key`: the path rule and
 `load_control_key`, imported by both sides so the path lives in one place); making, writing,
 comparing and removing it is the engine's job alone, so it lives here, next to the control
 server (`vconsole.engine.proc.control_server`) that checks it.
@@ -11,7 +11,7 @@ engine's key (a second engine on the same endpoint may have replaced it); the co
 constant time, and anything but a non-empty string is no key.
 
 Stale files: next to the key the engine writes its owner record
-(`vconsole.telemetry.key_owner`: pid, start time, host, engine id, a fingerprint of the key),
+(`vconsole.security.key_owner`: pid, start time, host, engine id, a fingerprint of the key),
 the record first and the key second. `claim_key_file` replaces a key file whose engine is gone
 (killed without cleaning up) with a warning, and refuses (`KeyFileHeld`) one whose engine is
 still running on this host: two engines on one control endpoint is a mistake, and the first
@@ -29,9 +29,9 @@ import secrets
 import tempfile
 from pathlib import Path
 
-from vconsole.telemetry import key_owner
-from vconsole.telemetry.control_key import NOT_AUTHORISED, read_key_file
-from vconsole.telemetry.key_owner import GONE, RUNNING, UNKNOWN, KeyOwner, KeyStatus
+from vconsole.security import key_owner
+from vconsole.security.control_key import NOT_AUTHORISED, read_key_file
+from vconsole.security.key_owner import GONE, RUNNING, UNKNOWN, KeyOwner, KeyStatus
 
 log = logging.getLogger("vconsole.engine")
 
@@ -143,6 +143,6 @@ def key_matches(given: object, expected: str) -> bool:
 
 def not_authorised(path: str | os.PathLike[str]) -> str:
     """The ``error`` of an ``ok: false`` reply to a set_config without the right key. Clients
-    recognise it by its prefix (`vconsole.telemetry.control_key.NOT_AUTHORISED` + ``:``)."""
+    recognise it by its prefix (`vconsole.security.control_key.NOT_AUTHORISED` + ``:``)."""
     return (f"{NOT_AUTHORISED}: this client does not hold the engine's control key "
             f"({path})")

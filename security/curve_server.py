@@ -9,7 +9,7 @@ started before the first bind, because a CURVE socket without a ZAP handler acce
 
 A refused client learns nothing (ZeroMQ gives it no reply and keeps retrying); the engine logs
 its public key once, so an operator can authorise it by copying a file. Client key files and
-the file layout: `vconsole.telemetry.curve`.
+the file layout: `vconsole.security.curve`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from vconsole.telemetry.curve import (
+from vconsole.security.curve import (
     AUTHORIZED_CLIENTS,
     SECRET_SUFFIX,
     SERVER,

@@ -1,7 +1,7 @@
 """Which engine sockets may bind beyond loopback, and how each socket is secured before it binds.
 
 Anything that can change the engine (input, output's pair, control) binds beyond loopback only
-with CURVE (`vconsole.engine.proc.curve_server`): encrypted, and only clients whose public key is
+with CURVE (`vconsole.security.curve_server`): encrypted, and only clients whose public key is
 on the engine's allow-list get through. Without keys those sockets stay on loopback or ipc://,
 where the operating system's users are the boundary (reach them from elsewhere over an SSH
 tunnel). The read-only telemetry socket may go remote without keys, with an explicit opt-in
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from vconsole.telemetry.endpoints import is_loopback
+from vconsole.security.endpoints import is_loopback
 
 if TYPE_CHECKING:
-    from vconsole.engine.proc.curve_server import ServerCurve
+    from vconsole.security.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine")
 

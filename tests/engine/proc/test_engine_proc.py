@@ -20,9 +20,9 @@ import pytest
 import zmq
 
 from support.live_engine import Telemetry, reference_outputs
-from vconsole.engine.proc import control_key_file, protocol
+from vconsole.engine.proc import protocol
 from vconsole.engine.proc.client import EngineClient
-from vconsole.telemetry import control_key
+from vconsole.security import control_key, engine_key
 from vconsole.telemetry.control import ControlClient, NotAuthorised
 from vconsole.tools.demo import EngineProcess
 
@@ -182,7 +182,7 @@ def test_control_key_file_is_private_and_derived_from_the_endpoint(engine):
     assert path.parent == control_key.runtime_dir()
     assert path.stat().st_mode & 0o777 == 0o600
     key = path.read_text().strip()
-    assert len(key) == 2 * control_key_file.KEY_BYTES and int(key, 16) >= 0
+    assert len(key) == 2 * engine_key.KEY_BYTES and int(key, 16) >= 0
     assert control_key.load_control_key(engine.endpoints["control"]) == key
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
 
@@ -418,7 +418,7 @@ def test_non_loopback_endpoints_are_refused_without_opt_in():
 
 
 def test_steering_sockets_stay_on_loopback_even_with_the_opt_in():
-    from vconsole.engine.proc.bind_policy import RemoteBindRefused, check_endpoints
+    from vconsole.security.bind_policy import RemoteBindRefused, check_endpoints
 
     check_endpoints({"telemetry": "tcp://0.0.0.0:1", "control": "ipc:///tmp/c"}, True)
     with pytest.raises(RemoteBindRefused, match="--allow-remote-telemetry"):

@@ -8,16 +8,16 @@ A client on the same machine, as the same user, derives the same path from the s
 (`load_control_key`), so a bare `vconsole set` finds a bare engine's key; ``--control-key-file``
 names another path on either side. The engine removes the file on a clean shutdown (only if it
 still holds this engine's key). Making, writing, comparing and removing the key is the engine's
-alone: `vconsole.engine.proc.control_key_file`.
+alone: `vconsole.security.engine_key`.
 
 Clients send the key as ``"key"`` in every control request. ``get_config`` is open (read-only);
 ``set_config`` without the right key (compared in constant time) is answered ``ok: false`` with
 an ``error`` starting `NOT_AUTHORISED` + ``:``, and changes nothing.
 
 Anyone who can read the file can steer the engine. Without CURVE the key travels in clear, which
-is why a control endpoint beyond loopback needs CURVE keys (`vconsole.telemetry.curve`); with
+is why a control endpoint beyond loopback needs CURVE keys (`vconsole.security.curve`); with
 them the key is still required for ``set_config`` (CURVE says who may connect, the key who may
-steer). Next to the key file the engine writes an owner record (`vconsole.telemetry.key_owner`)
+steer). Next to the key file the engine writes an owner record (`vconsole.security.key_owner`)
 that tells a stale file, left by a killed engine, from a live one.
 
 Both sides import this module, so the path rule lives in exactly one place.

@@ -9,11 +9,12 @@ import pytest
 import zmq
 
 from vconsole.engine.config import EngineConfig, apply_update
-from vconsole.engine.proc import control_key_file, control_server
+from vconsole.engine.proc import control_server
 from vconsole.engine.proc.control_server import ControlCall, ControlServer
+from vconsole.security import engine_key
+from vconsole.security.control_key import load_control_key
 from vconsole.telemetry import control
 from vconsole.telemetry.control import ControlClient, NotAuthorised
-from vconsole.telemetry.control_key import load_control_key
 
 
 class BusyLoop:
@@ -69,7 +70,7 @@ def test_set_config_is_applied_by_the_busy_loop_and_answered_once_applied(served
 
 def test_an_unauthorised_set_config_is_never_queued(served):
     server, loop, endpoint = served
-    for key in (None, control_key_file.new_key()):
+    for key in (None, engine_key.new_key()):
         with ControlClient(endpoint, key=key) as ctl, pytest.raises(NotAuthorised):
             ctl.set_config({"max_num_seqs": 3})
     assert loop.calls.empty() and loop.version == 1
@@ -93,7 +94,7 @@ def test_the_key_file_is_private_and_removed_when_the_thread_stops(tmp_path):
                            config_view=BusyLoop().view, submit=lambda call: None, stop=stop,
                            poll_ms=20)
     assert server.key_path.stat().st_mode & 0o777 == 0o600
-    assert len(server.key_path.read_text().strip()) == 2 * control_key_file.KEY_BYTES
+    assert len(server.key_path.read_text().strip()) == 2 * engine_key.KEY_BYTES
     server.start()
     stop.set()
     server.join(5)

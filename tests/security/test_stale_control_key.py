@@ -18,12 +18,11 @@ import pytest
 
 from vconsole.cli import build_parser
 from vconsole.commands.control import main_get
-from vconsole.engine.proc import control_key_file
 from vconsole.engine.proc.client import EngineClient
-from vconsole.telemetry import key_owner
+from vconsole.security import engine_key, key_owner
+from vconsole.security.control_key import read_key_file
+from vconsole.security.key_owner import GONE, RUNNING, KeyOwner
 from vconsole.telemetry.control import ControlClient
-from vconsole.telemetry.control_key import read_key_file
-from vconsole.telemetry.key_owner import GONE, RUNNING, KeyOwner
 from vconsole.tools.demo import EngineProcess
 
 ENGINE_ARGS = ["--no-supervisor", "--model", "tiny", "--num-kv-blocks", "16",
@@ -47,13 +46,13 @@ def exited_pid() -> int:
 
 def plant(path, pid: int, started: float | None = None, engine_id: str = "old-0") -> str:
     """A key file with an owner record naming ``pid``, as an engine would leave it."""
-    key = control_key_file.new_key()
+    key = engine_key.new_key()
     owner = KeyOwner.for_this_process(key, engine_id=engine_id, endpoint="ipc:///x/control")
     record = {**json.loads(owner.to_json()), "pid": pid,
               "started": started if started is not None
               else (key_owner.process_started(pid) or time.time() - 60)}
     key_owner.owner_path(path).write_text(json.dumps(record))
-    control_key_file.write_key_file(path, key)
+    engine_key.write_key_file(path, key)
     return key
 
 
@@ -64,7 +63,7 @@ def test_a_key_file_whose_engine_exited_is_replaced_and_the_replacement_is_logge
     old = plant(path, dead)
     assert key_owner.status(path, old).state == GONE
     with caplog.at_level(logging.WARNING, "vconsole.engine"):
-        control_key_file.claim_key_file(path, "ab" * 32, engine_id="new-0", endpoint="ipc://c")
+        engine_key.claim_key_file(path, "ab" * 32, engine_id="new-0", endpoint="ipc://c")
     assert read_key_file(path) == "ab" * 32
     found = key_owner.status(path, "ab" * 32)
     assert found.state == RUNNING and found.owner.engine_id == "new-0"
@@ -75,7 +74,7 @@ def test_a_reused_pid_does_not_make_a_stale_file_look_alive(tmp_path, sleeper):
     path = tmp_path / "control.key"
     old = plant(path, sleeper.pid, started=time.time() - 3600)   # same pid, another process
     assert key_owner.status(path, old).state == GONE
-    control_key_file.claim_key_file(path, "cd" * 32, engine_id="new-0", endpoint="ipc://c")
+    engine_key.claim_key_file(path, "cd" * 32, engine_id="new-0", endpoint="ipc://c")
     assert read_key_file(path) == "cd" * 32
 
 
@@ -94,25 +93,25 @@ def test_a_key_file_whose_engine_runs_is_never_overwritten(tmp_path, sleeper):
     path = tmp_path / "control.key"
     old = plant(path, sleeper.pid)
     before = path.read_bytes(), key_owner.owner_path(path).read_bytes()
-    with pytest.raises(control_key_file.KeyFileHeld, match=f"pid {sleeper.pid}.*still running"):
-        control_key_file.claim_key_file(path, "ef" * 32, engine_id="new-0", endpoint="ipc://c")
+    with pytest.raises(engine_key.KeyFileHeld, match=f"pid {sleeper.pid}.*still running"):
+        engine_key.claim_key_file(path, "ef" * 32, engine_id="new-0", endpoint="ipc://c")
     assert (path.read_bytes(), key_owner.owner_path(path).read_bytes()) == before
     assert key_owner.status(path, old).state == RUNNING
 
 
 def test_a_key_file_without_an_owner_record_is_replaced(tmp_path):
     path = tmp_path / "control.key"
-    control_key_file.write_key_file(path, "12" * 32)
-    control_key_file.claim_key_file(path, "34" * 32, engine_id="new-0", endpoint="ipc://c")
+    engine_key.write_key_file(path, "12" * 32)
+    engine_key.claim_key_file(path, "34" * 32, engine_id="new-0", endpoint="ipc://c")
     assert read_key_file(path) == "34" * 32
 
 
 def test_the_owner_record_goes_with_its_key_and_only_with_it(tmp_path):
     path = tmp_path / "control.key"
-    control_key_file.claim_key_file(path, "56" * 32, engine_id="e", endpoint="ipc://c")
-    assert not control_key_file.remove_key_file(path, "78" * 32)     # another engine's key
+    engine_key.claim_key_file(path, "56" * 32, engine_id="e", endpoint="ipc://c")
+    assert not engine_key.remove_key_file(path, "78" * 32)     # another engine's key
     assert path.exists() and key_owner.owner_path(path).exists()
-    assert control_key_file.remove_key_file(path, "56" * 32)
+    assert engine_key.remove_key_file(path, "56" * 32)
     assert not path.exists() and not key_owner.owner_path(path).exists()
 
 

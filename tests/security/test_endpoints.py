@@ -2,7 +2,7 @@
 
 import pytest
 
-from vconsole.telemetry.endpoints import DEFAULTS, is_loopback
+from vconsole.security.endpoints import DEFAULTS, is_loopback
 
 
 @pytest.mark.parametrize("ep", ["tcp://127.0.0.1:5570", "tcp://127.8.9.10:1", "tcp://[::1]:5",

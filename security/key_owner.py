@@ -1,6 +1,6 @@
 """Who wrote a control key file, and whether that engine still runs.
 
-Next to its key file (`vconsole.telemetry.control_key`) the engine writes an *owner record*,
+Next to its key file (`vconsole.security.control_key`) the engine writes an *owner record*,
 ``<key file>.owner``: one JSON object with its pid, the process's start time, the host, its
 engine id, the control endpoint and a fingerprint of the key (`key_id`, never the key). The key
 file keeps its documented one-line format; the record is what tells

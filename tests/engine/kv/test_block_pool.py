@@ -128,7 +128,7 @@ def test_block_hash_chains_the_prefix_and_is_stable_across_processes():
             "print(h(h(None, [1, 2, 3]), [4, 5, 6]))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={"PYTHONHASHSEED": "random"},
-                           cwd=Path(__file__).resolve().parents[2]).stdout
+                           cwd=Path(__file__).resolve().parents[3]).stdout
     assert int(other) == hash_block_tokens(h1, [4, 5, 6])
 
 

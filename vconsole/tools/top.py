@@ -8,7 +8,7 @@ per state and, when short, a run-length list) rather than dumped.
 
 Data parallel (one endpoint carrying every rank's messages, the envelope's ``rank`` apart): once
 several ranks are seen, or a ``dp`` message names a group of more than one, the snapshot is
-``{"ranks": {"0": {topic: payload}, ...}, "aggregate": {...}}`` (`vconsole.telemetry.ranks`),
+``{"ranks": {"0": {topic: payload}, ...}, "aggregate": {...}}`` (`vconsole.console.ranks`),
 and ``--once`` waits for those topics plus ``dp`` from every rank of the group (0 to
 ``world_size`` - 1). One rank and no ``dp``: exactly the lone engine's ``{topic: payload}``.
 """
@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import zmq
 
+from vconsole.console.ranks import aggregate
 from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from vconsole.security.curve import ClientCurve
 from vconsole.telemetry.control import ControlClient, ControlError
-from vconsole.telemetry.curve import ClientCurve
-from vconsole.telemetry.ranks import aggregate
 from vconsole.telemetry.schema import (
     DP_TOPICS,
     TOPICS,
