@@ -32,132 +32,29 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from operator import attrgetter
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import zmq
 
 from vconsole.engine.config import EngineConfig, describe_config
-from vconsole.engine.stats import KVStats, RequestTable, SchedulerStats, StepStats
+from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
 from vconsole.telemetry import schema
-from vconsole.telemetry.alerts import (
-    AlertEvaluator,
-    AlertEvent,
-    restart_event,
-    telemetry_error_event,
-)
-from vconsole.telemetry.gpu import GpuProbe, memory_share
+from vconsole.telemetry.alerts import restart_event
+from vconsole.telemetry.gpu import GpuProbe
 from vconsole.telemetry.host import HostProbe
+from vconsole.telemetry.publish_loop import Handoff, Probe, PublishLoop
 
 log = logging.getLogger(__name__)
 
-PROBE_INTERVAL_S = 1.0        # gpu and host
-ERROR_ALERT_EVERY_S = 30.0    # at most one telemetry_error alert per part this often
 LOOP_RETRY_S = 1.0            # after this thread's own loop raised, it starts over after this
-SNAPSHOT_EARLY = 0.15        # of a period: how early a fresh snapshot may follow the last
 MAX_BUFFERED_STEPS = 1 << 16  # steps kept between two publish windows; older ones are counted
 # Tokens per engine step: the ``step`` topic's ``iteration_tokens`` histogram (vLLM's bounds for
 # ``vllm:iteration_tokens_total``).
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-_ROW_GETTERS = {c: attrgetter(c) for c in schema.REQUEST_COLUMNS}
-
-
-class _Probe(Protocol):
-    def read(self) -> dict[str, Any]: ...
-
-
-def request_columns(rows: Any) -> RequestTable | dict[str, list[Any]]:
-    """The ``requests`` table to encode: a `RequestTable` (the scheduler's: numpy columns that
-    `schema.encode` sends as raw buffers) goes as it is; RequestRow objects become column
-    lists, without per-row dicts."""
-    if isinstance(rows, RequestTable):
-        return rows
-    return {c: list(map(g, rows)) for c, g in _ROW_GETTERS.items()}
-
-
-def aggregate_steps(steps: list[StepStats], window_s: float) -> dict[str, Any]:
-    """The ``step`` topic body for one window of steps (empty window -> zeros)."""
-    n = len(steps)
-    sched_ns = sum(s.schedule_ns for s in steps)
-    totals = np.fromiter((s.total_ns for s in steps), dtype=np.int64, count=n)
-    total_ns = int(totals.sum()) if n else 0
-    prefill = sum(s.num_prefill_tokens for s in steps)
-    decode = sum(s.num_decode_tokens for s in steps)
-    per_s = 1.0 / window_s if window_s > 0 else 0.0
-    return {
-        "steps": n,
-        "window_s": window_s,
-        "phase_s": {"schedule": sched_ns / 1e9,
-                    "execute": sum(s.execute_ns for s in steps) / 1e9,
-                    "update": sum(s.update_ns for s in steps) / 1e9},
-        "busy_s": total_ns / 1e9,
-        "step_time_p50_s": float(np.median(totals)) / 1e9 if n else 0.0,
-        "step_time_max_s": int(totals.max()) / 1e9 if n else 0.0,
-        "num_prefill_tokens": prefill,
-        "num_decode_tokens": decode,
-        "num_reqs_max": max((s.num_reqs for s in steps), default=0),
-        "num_preempted": sum(s.num_preempted for s in steps),
-        "num_finished": sum(s.num_finished for s in steps),
-        "tokens_per_s": (prefill + decode) * per_s,
-        "steps_per_s": n * per_s,
-        "sched_share": sched_ns / total_ns if total_ns else 0.0,
-    }
-
-
-def health_body(state: str, *, uptime_s: float, steps: int, interval_s: float,
-                started_ts: float, pid: int | None = None, send_drops: int = 0,
-                steps_dropped: int = 0, alerts_active: dict[str, str] | None = None,
-                last_step_age_s: float | None = None, restart_count: int = 0,
-                restart_reason: str | None = None,
-                telemetry_errors: int = 0) -> dict[str, Any]:
-    """The ``health`` topic body: one place, so the engine's publisher and the supervisor's
-    `vconsole.telemetry.beacon.HealthBeacon` send the same fields. ``restart_count`` and
-    ``restart_reason``: how often the supervisor restarted this engine and why it did the last
-    time (0 and None: never restarted, or not supervised). ``telemetry_errors``: telemetry
-    failures this engine process survived (`vconsole.engine.telemetry_guard`, and this
-    publisher's own loop)."""
-    return {
-        "state": state, "uptime_s": uptime_s, "steps": steps, "interval_s": interval_s,
-        "pid": os.getpid() if pid is None else pid, "started_ts": started_ts,
-        "send_drops": send_drops, "steps_dropped": steps_dropped,
-        "alerts_active": {} if alerts_active is None else alerts_active,
-        "last_step_age_s": last_step_age_s,
-        "restart_count": restart_count, "restart_reason": restart_reason,
-        "telemetry_errors": telemetry_errors,
-    }
-
-
-def sched_body(s: SchedulerStats, max_rows: int) -> dict[str, Any]:
-    rows = s.requests
-    truncated = s.requests_truncated or len(rows) > max_rows
-    return {
-        "num_waiting": s.num_waiting, "num_running": s.num_running,
-        "num_preempted": s.num_preempted, "num_preemptions_total": s.num_preemptions_total,
-        "num_finished_total": s.num_finished_total,
-        "num_prompt_tokens_total": s.num_prompt_tokens_total,
-        "num_generation_tokens_total": s.num_generation_tokens_total,
-        "max_num_seqs": s.max_num_seqs,
-        "max_num_batched_tokens": s.max_num_batched_tokens, "policy": s.policy,
-        "requests": request_columns(rows[:max_rows] if len(rows) > max_rows else rows),
-        "requests_truncated": truncated,
-    }
-
-
-def kv_body(k: KVStats) -> dict[str, Any]:
-    return {
-        "num_blocks": k.num_blocks, "block_size": k.block_size, "num_free": k.num_free,
-        "num_used": k.num_used, "num_cached": k.num_cached, "num_shared": k.num_shared,
-        "usage": k.usage, "token_usage": k.token_usage, "fragmentation": k.fragmentation,
-        "prefix_queries": k.prefix_queries, "prefix_hits": k.prefix_hits,
-        "prefix_hit_rate": k.prefix_hit_rate,
-        "block_states": np.asarray(k.block_states, dtype=np.uint8),
-    }
 
 
 class TelemetryPublisher:
@@ -171,8 +68,8 @@ class TelemetryPublisher:
     ``restart_reason`` are what the supervisor told this engine process (`health_body`)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, engine_id: str, rank: int,
-                 config: EngineConfig, *, gpu_probe: _Probe | None = None,
-                 host_probe: _Probe | None = None,
+                 config: EngineConfig, *, gpu_probe: Probe | None = None,
+                 host_probe: Probe | None = None,
                  secure: Callable[[zmq.Socket], None] | None = None,
                  restart_count: int = 0, restart_reason: str | None = None) -> None:
         self._ctx = ctx
@@ -187,7 +84,7 @@ class TelemetryPublisher:
         self._host_probe = host_probe
 
         self._steps: deque[StepStats] = deque(maxlen=MAX_BUFFERED_STEPS)
-        self._steps_recorded = 0      # written by the engine thread only
+        self.steps_recorded = 0      # written by the engine thread only
         # Cumulative since start, every recorded step (none lost to the bounded deque): tokens
         # per step (per bucket, not cumulative) and their sum, phase ns. Guarded by _totals_lock
         # (held for a few additions or one copy), so one step is in all of them or in none.
@@ -195,7 +92,7 @@ class TelemetryPublisher:
         self._iter_buckets = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self._iter_tokens = 0
         self._phase_ns = [0, 0, 0]    # schedule, execute, update
-        self._last_step_t: float | None = None
+        self.last_step_t: float | None = None
         self._next_due = 0.0          # engine thread only (snapshot_due)
         self._lock = threading.Lock()  # guards the hand-off slots below
         self._latest: tuple[SchedulerStats, KVStats, int, float] | None = None
@@ -208,7 +105,7 @@ class TelemetryPublisher:
         self._state = "idle"
         self._pending_config: EngineConfig | None = None
         self._announce: tuple[int, dict[str, Any]] | None = None
-        self._config_msg: tuple[int, dict[str, Any]] = (0, config.to_dict())
+        self.config_msg: tuple[int, dict[str, Any]] = (0, config.to_dict())
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -222,10 +119,10 @@ class TelemetryPublisher:
         self.sent: dict[str, int] = dict.fromkeys(schema.TOPICS, 0)
         self.send_drops = 0
         self.encode_errors = 0
-        self._config_schema = describe_config()
+        self.config_schema = describe_config()
         self._steps_seen = 0          # steps drained from the deque (overflow = recorded - seen)
-        self._t0_wall = time.time()
-        self._t0 = time.monotonic()
+        self.t0_wall = time.time()
+        self.t0 = time.monotonic()
 
     # --- engine thread ----------------------------------------------------------------------
 
@@ -242,8 +139,8 @@ class TelemetryPublisher:
             phase[1] += stats.execute_ns
             phase[2] += stats.update_ns
         self._steps.append(stats)
-        self._steps_recorded += 1
-        self._last_step_t = time.monotonic()
+        self.steps_recorded += 1
+        self.last_step_t = time.monotonic()
 
     def snapshot_due(self) -> bool:
         """True at most ``telemetry_hz`` times a second: time to build and submit a snapshot."""
@@ -351,7 +248,7 @@ class TelemetryPublisher:
 
     # --- publisher thread ----------------------------------------------------------------------
 
-    def _send(self, sock: zmq.Socket, topic: str, body: dict[str, Any]) -> None:
+    def send(self, sock: zmq.Socket, topic: str, body: dict[str, Any]) -> None:
         seq = self._seq[topic]
         self._seq[topic] = seq + 1
         payload = {**schema.make_envelope(self.engine_id, self.rank, seq, time.time()), **body}
@@ -395,11 +292,12 @@ class TelemetryPublisher:
         host = self._host_probe if self._host_probe is not None else HostProbe()
         try:
             if self.restart_count:      # the restart is an event, not only a health state
-                self._send(sock, "alert", restart_event(
+                self.send(sock, "alert", restart_event(
                     self.restart_count, self.restart_reason, back=True).payload())
             while not self._stop.is_set():
                 try:
-                    self._loop(sock, gpu, host)
+                    PublishLoop(self, sock, gpu, host, time.monotonic).run(
+                        self._stop.is_set, self._sleep)
                 except Exception as e:  # start over with fresh state; the engine is untouched
                     self.error = e
                     self.loop_errors += 1
@@ -412,146 +310,35 @@ class TelemetryPublisher:
             if self._gpu_probe is None and isinstance(gpu, GpuProbe):
                 gpu.close()
 
-    def _loop(self, sock: zmq.Socket, gpu: _Probe, host: _Probe) -> None:
-        evaluator = AlertEvaluator(self._config)
-        cfg = self._config
-        now = time.monotonic()
-        next_snap = now            # earliest time step/sched/kv may go out again
-        last_window = now          # start of the current step window
-        last_state_sent = -1e18    # when sched/kv last went out
-        next_health = now
-        next_probe = now
-        next_config = now
-        snapshot: tuple[SchedulerStats, KVStats, int, float] | None = None
-        have_new = False
-        latency_body: dict[str, Any] | None = None
-        next_latency = now
-        dp_body: dict[str, Any] | None = None
-        next_dp = now
-        next_error_alert: dict[str, float] = {}
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
 
-        while not self._stop.is_set():
-            with self._lock:
-                if self._latest is not None:
-                    snapshot, have_new = self._latest, True
-                    self._latest = None
-                new_cfg, self._pending_config = self._pending_config, None
-                latency, self._latency = self._latency, None
-                dp, self._dp = self._dp, None
-                waves, self._waves = self._waves, []
-                announce, self._announce = self._announce, None
-                state = self._state
-                errors, self._error_reports = self._error_reports, {}
-            alerts: list[AlertEvent] = []
-            if new_cfg is not None:
-                cfg = new_cfg
-                alerts += evaluator.update_config(cfg)
-            now = time.monotonic()
-            for part, message in errors.items():   # the others are counted, not alerted
-                if now >= next_error_alert.get(part, 0.0):
-                    alerts.append(telemetry_error_event(part, message, self.telemetry_errors))
-                    next_error_alert[part] = now + ERROR_ALERT_EVERY_S
-            if announce is not None:
-                self._config_msg = announce
-                next_config = now
-            if now >= next_config:
-                version, values = self._config_msg
-                self._send(sock, "config", {"version": version, "values": values,
-                                            "schema": self._config_schema})
-                next_config = now + cfg.config_interval_s
+    def take_handoff(self) -> Handoff:
+        """Everything the engine thread handed over since the last call, at once."""
+        with self._lock:
+            h = Handoff(snapshot=self._latest, config=self._pending_config,
+                        latency=self._latency, dp=self._dp, waves=self._waves,
+                        announce=self._announce, state=self._state,
+                        errors=self._error_reports)
+            self._latest = self._pending_config = self._latency = self._dp = None
+            self._announce = None
+            self._waves, self._error_reports = [], {}
+        return h
 
-            steps_waiting = bool(self._steps)
-            refresh = snapshot is not None and now - last_state_sent >= cfg.heartbeat_interval_s
-            # A fresh snapshot may go out a little early (the engine's `snapshot_due` already
-            # spaces them 1/hz apart): otherwise the two 10 Hz clocks drift apart and each
-            # snapshot waits up to a period here (the console's lag, `bench console`).
-            early = SNAPSHOT_EARLY / cfg.telemetry_hz if have_new else 0.0
-            if now >= next_snap - early and (have_new or steps_waiting or refresh):
-                drained = self._drain_steps()
-                step = aggregate_steps(drained, now - last_window)
-                step.update(self._step_totals())
-                last_window = now
-                self._send(sock, "step", step)
-                if drained:
-                    alerts += evaluator.observe(step_time_s=step["step_time_p50_s"],
-                                                sched_share=step["sched_share"])
-                if snapshot is not None and (have_new or refresh):
-                    sched, kv, _, snap_ts = snapshot
-                    body = sched_body(sched, cfg.telemetry_max_requests)
-                    body["snapshot_ts"] = snap_ts
-                    self._send(sock, "sched", body)
-                    body = kv_body(kv)
-                    body["snapshot_ts"] = snap_ts
-                    self._send(sock, "kv", body)
-                    if have_new:
-                        alerts += evaluator.observe(num_waiting=sched.num_waiting,
-                                                    fragmentation=kv.fragmentation)
-                    last_state_sent = now
-                have_new = False
-                period = 1.0 / cfg.telemetry_hz
-                next_snap = max(next_snap + period, now + period / 2)   # phase-locked
+    def steps_pending(self) -> bool:
+        return bool(self._steps)
 
-            if latency is not None:
-                latency_body = latency
-            if latency_body is not None and (latency is not None or now >= next_latency):
-                # An idle engine submits nothing: repeat the last body, so a late subscriber
-                # (`vconsole top --once`) still hears the topic.
-                self._send(sock, "latency", latency_body)
-                next_latency = now + cfg.heartbeat_interval_s
+    def steps_dropped(self) -> int:
+        """Steps lost to the bounded deque before this thread drained them."""
+        return max(0, self.steps_recorded - self._steps_seen - len(self._steps))
 
-            if state == "idle" and not self._steps:
-                # Nothing to do is not slow. (A running engine with no steps may be stuck
-                # inside one: it keeps its level, and health.last_step_age_s grows.)
-                alerts += evaluator.observe(step_time_s=0.0, sched_share=0.0)
+    def _sleep(self, seconds: float) -> None:
+        """Until ``seconds`` pass or the engine thread wakes this one."""
+        self._wake.wait(seconds)
+        self._wake.clear()
 
-            for wave in waves:
-                self._send(sock, "wave", wave)
-            if dp is not None:
-                dp_body = dp
-            if dp_body is not None and (dp is not None or now >= next_dp):
-                self._send(sock, "dp", dp_body)
-                next_dp = now + cfg.heartbeat_interval_s
-
-            if now >= next_probe:
-                reading = gpu.read()
-                self._send(sock, "gpu", reading)
-                share = memory_share(reading) if reading.get("available") else None
-                alerts += evaluator.observe(gpu_memory_share=share)
-                self._send(sock, "host", host.read())
-                next_probe = now + PROBE_INTERVAL_S
-
-            for ev in alerts:
-                self._send(sock, "alert", ev.payload())
-
-            if now >= next_health:
-                num_steps = max(self._steps_recorded, snapshot[2] if snapshot else 0)
-                last_step = self._last_step_t
-                self._send(sock, "health", health_body(
-                    state, uptime_s=now - self._t0, steps=num_steps,
-                    interval_s=cfg.heartbeat_interval_s, started_ts=self._t0_wall,
-                    send_drops=self.send_drops,
-                    steps_dropped=max(0, self._steps_recorded - self._steps_seen
-                                      - len(self._steps)),
-                    alerts_active=evaluator.active(),
-                    last_step_age_s=None if last_step is None else max(0.0, now - last_step),
-                    restart_count=self.restart_count, restart_reason=self.restart_reason,
-                    telemetry_errors=self.telemetry_errors))
-                next_health = now + cfg.heartbeat_interval_s
-
-            deadlines = [next_health, next_probe, next_config]
-            if latency_body is not None:
-                deadlines.append(next_latency)
-            if dp_body is not None:
-                deadlines.append(next_dp)
-            if have_new or self._steps or snapshot is not None:
-                deadlines.append(next_snap - early if (have_new or self._steps)
-                                 else max(next_snap, last_state_sent + cfg.heartbeat_interval_s))
-            wait = min(deadlines) - time.monotonic()
-            if wait > 0:
-                self._wake.wait(wait)
-            self._wake.clear()
-
-    def _step_totals(self) -> dict[str, Any]:
+    def step_totals(self) -> dict[str, Any]:
         """The ``step`` topic's cumulative fields: ``iteration_tokens`` (a histogram as the
         ``latency`` topic's: bounds with +Inf, cumulative counts, count, sum) and
         ``phase_s_total``."""
@@ -567,7 +354,7 @@ class TelemetryPublisher:
                               "update": update / 1e9},
         }
 
-    def _drain_steps(self) -> list[StepStats]:
+    def drain_steps(self) -> list[StepStats]:
         out = []
         pop = self._steps.popleft
         with contextlib.suppress(IndexError):

@@ -35,13 +35,9 @@ from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
 from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import RULES
+from vconsole.telemetry.bodies import kv_body, sched_body
 from vconsole.telemetry.prometheus import MetricsServer, RanksCollector, TelemetryCollector
-from vconsole.telemetry.publisher import (
-    ITERATION_TOKENS_BUCKETS,
-    TelemetryPublisher,
-    kv_body,
-    sched_body,
-)
+from vconsole.telemetry.publisher import ITERATION_TOKENS_BUCKETS, TelemetryPublisher
 from vconsole.tools.demo import EngineProcess
 
 LABELS = {"model_name": "tiny", "engine": "0"}

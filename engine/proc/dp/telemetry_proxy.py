@@ -31,7 +31,7 @@ import zmq
 
 from vconsole.security.bind_policy import bind_socket, check_endpoints
 from vconsole.telemetry import schema
-from vconsole.telemetry.publisher import health_body
+from vconsole.telemetry.bodies import health_body
 
 if TYPE_CHECKING:
     from vconsole.security.curve import ClientCurve

@@ -1,0 +1,105 @@
+"""The bodies of the engine's state topics, built from the engine's plain stats: ``step`` (one
+window of steps), ``health``, ``sched`` and ``kv``. Pure functions, one place for every sender:
+the publisher, the supervisor's `vconsole.telemetry.beacon.HealthBeacon`, a data-parallel front
+end's telemetry proxy, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+import os
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+
+from vconsole.engine.stats import KVStats, RequestTable, SchedulerStats, StepStats
+from vconsole.telemetry import schema
+
+_ROW_GETTERS = {c: attrgetter(c) for c in schema.REQUEST_COLUMNS}
+
+
+def request_columns(rows: Any) -> RequestTable | dict[str, list[Any]]:
+    """The ``requests`` table to encode: a `RequestTable` (the scheduler's: numpy columns that
+    `schema.encode` sends as raw buffers) goes as it is; RequestRow objects become column
+    lists, without per-row dicts."""
+    if isinstance(rows, RequestTable):
+        return rows
+    return {c: list(map(g, rows)) for c, g in _ROW_GETTERS.items()}
+
+
+def aggregate_steps(steps: list[StepStats], window_s: float) -> dict[str, Any]:
+    """The ``step`` topic body for one window of steps (empty window -> zeros)."""
+    n = len(steps)
+    sched_ns = sum(s.schedule_ns for s in steps)
+    totals = np.fromiter((s.total_ns for s in steps), dtype=np.int64, count=n)
+    total_ns = int(totals.sum()) if n else 0
+    prefill = sum(s.num_prefill_tokens for s in steps)
+    decode = sum(s.num_decode_tokens for s in steps)
+    per_s = 1.0 / window_s if window_s > 0 else 0.0
+    return {
+        "steps": n,
+        "window_s": window_s,
+        "phase_s": {"schedule": sched_ns / 1e9,
+                    "execute": sum(s.execute_ns for s in steps) / 1e9,
+                    "update": sum(s.update_ns for s in steps) / 1e9},
+        "busy_s": total_ns / 1e9,
+        "step_time_p50_s": float(np.median(totals)) / 1e9 if n else 0.0,
+        "step_time_max_s": int(totals.max()) / 1e9 if n else 0.0,
+        "num_prefill_tokens": prefill,
+        "num_decode_tokens": decode,
+        "num_reqs_max": max((s.num_reqs for s in steps), default=0),
+        "num_preempted": sum(s.num_preempted for s in steps),
+        "num_finished": sum(s.num_finished for s in steps),
+        "tokens_per_s": (prefill + decode) * per_s,
+        "steps_per_s": n * per_s,
+        "sched_share": sched_ns / total_ns if total_ns else 0.0,
+    }
+
+
+def health_body(state: str, *, uptime_s: float, steps: int, interval_s: float,
+                started_ts: float, pid: int | None = None, send_drops: int = 0,
+                steps_dropped: int = 0, alerts_active: dict[str, str] | None = None,
+                last_step_age_s: float | None = None, restart_count: int = 0,
+                restart_reason: str | None = None,
+                telemetry_errors: int = 0) -> dict[str, Any]:
+    """The ``health`` topic body: one place, so the engine's publisher and the supervisor's
+    `vconsole.telemetry.beacon.HealthBeacon` send the same fields. ``restart_count`` and
+    ``restart_reason``: how often the supervisor restarted this engine and why it did the last
+    time (0 and None: never restarted, or not supervised). ``telemetry_errors``: telemetry
+    failures this engine process survived (`vconsole.engine.telemetry_guard`, and this
+    publisher's own loop)."""
+    return {
+        "state": state, "uptime_s": uptime_s, "steps": steps, "interval_s": interval_s,
+        "pid": os.getpid() if pid is None else pid, "started_ts": started_ts,
+        "send_drops": send_drops, "steps_dropped": steps_dropped,
+        "alerts_active": {} if alerts_active is None else alerts_active,
+        "last_step_age_s": last_step_age_s,
+        "restart_count": restart_count, "restart_reason": restart_reason,
+        "telemetry_errors": telemetry_errors,
+    }
+
+
+def sched_body(s: SchedulerStats, max_rows: int) -> dict[str, Any]:
+    rows = s.requests
+    truncated = s.requests_truncated or len(rows) > max_rows
+    return {
+        "num_waiting": s.num_waiting, "num_running": s.num_running,
+        "num_preempted": s.num_preempted, "num_preemptions_total": s.num_preemptions_total,
+        "num_finished_total": s.num_finished_total,
+        "num_prompt_tokens_total": s.num_prompt_tokens_total,
+        "num_generation_tokens_total": s.num_generation_tokens_total,
+        "max_num_seqs": s.max_num_seqs,
+        "max_num_batched_tokens": s.max_num_batched_tokens, "policy": s.policy,
+        "requests": request_columns(rows[:max_rows] if len(rows) > max_rows else rows),
+        "requests_truncated": truncated,
+    }
+
+
+def kv_body(k: KVStats) -> dict[str, Any]:
+    return {
+        "num_blocks": k.num_blocks, "block_size": k.block_size, "num_free": k.num_free,
+        "num_used": k.num_used, "num_cached": k.num_cached, "num_shared": k.num_shared,
+        "usage": k.usage, "token_usage": k.token_usage, "fragmentation": k.fragmentation,
+        "prefix_queries": k.prefix_queries, "prefix_hits": k.prefix_hits,
+        "prefix_hit_rate": k.prefix_hit_rate,
+        "block_states": np.asarray(k.block_states, dtype=np.uint8),
+    }

@@ -1,0 +1,244 @@
+"""The publisher thread's loop: what goes out when.
+
+Each pass takes what the engine thread handed over (`Handoff`), then walks one table of
+cadences — a topic, how often it goes out (from the config, so hot changes apply at once) and
+whether it has anything to send — and sends each one that is due; then it sleeps until the
+earliest next one, or until the engine wakes it. Fresh data makes its cadence due at once (a
+config announcement, a latency or dp body); an idle engine's last body is repeated every period
+so a late subscriber still hears the topic.
+
+The one slot outside the table is the snapshot (``step``, ``sched``, ``kv``): it goes out at
+most ``telemetry_hz`` times a second, phase-locked (the next slot is a period after the previous
+*slot*, at least half a period after the send) and a little early for a fresh snapshot
+(`SNAPSHOT_EARLY`), so the engine's and this thread's 10 Hz clocks do not drift apart; with
+nothing new it re-sends the last state every heartbeat.
+
+Alerts raised while a pass runs (a threshold crossed by a step window, a snapshot or a GPU
+reading, a telemetry failure the engine reported) go out right after the cadence that raised
+them, and before the pass's heartbeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from vconsole.engine.config import EngineConfig
+from vconsole.engine.stats import KVStats, SchedulerStats
+from vconsole.telemetry.alerts import AlertEvaluator, AlertEvent, telemetry_error_event
+from vconsole.telemetry.bodies import aggregate_steps, health_body, kv_body, sched_body
+from vconsole.telemetry.gpu import memory_share
+
+if TYPE_CHECKING:
+    import zmq
+
+    from vconsole.telemetry.publisher import TelemetryPublisher
+
+PROBE_INTERVAL_S = 1.0        # gpu and host
+ERROR_ALERT_EVERY_S = 30.0    # at most one telemetry_error alert per part this often
+SNAPSHOT_EARLY = 0.15         # of a period: how early a fresh snapshot may follow the last
+
+Snapshot = tuple[SchedulerStats, KVStats, int, float]   # sched, kv, steps, wall time
+
+
+class Probe(Protocol):
+    def read(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class Handoff:
+    """What the engine thread handed over since the last pass (taken under the publisher's
+    lock, all at once)."""
+
+    snapshot: Snapshot | None = None
+    config: EngineConfig | None = None
+    latency: dict[str, Any] | None = None
+    dp: dict[str, Any] | None = None
+    waves: list[dict[str, Any]] = field(default_factory=list)
+    announce: tuple[int, dict[str, Any]] | None = None
+    state: str = "idle"
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Cadence:
+    """One topic on its own clock: sent when ``due`` and ``ready()``, then due again
+    ``period(config)`` later."""
+
+    topic: str
+    period: Callable[[EngineConfig], float]
+    send: Callable[[float], list[AlertEvent]]
+    ready: Callable[[], bool] = lambda: True
+    due: float = 0.0
+
+
+def _heartbeat(cfg: EngineConfig) -> float:
+    return cfg.heartbeat_interval_s
+
+
+class PublishLoop:
+    """One run of the publisher thread's loop over ``sock`` (`TelemetryPublisher._run` starts a
+    fresh one if a pass raises). ``clock`` is the publisher's monotonic clock."""
+
+    def __init__(self, pub: TelemetryPublisher, sock: zmq.Socket, gpu: Probe, host: Probe,
+                 clock: Callable[[], float]) -> None:
+        self.pub, self.sock, self.gpu, self.host, self.clock = pub, sock, gpu, host, clock
+        self.cfg = pub.config
+        self.evaluator = AlertEvaluator(self.cfg)
+        now = clock()
+        self.state = "idle"
+        # The snapshot slot.
+        self.snapshot: Snapshot | None = None
+        self.have_new = False
+        self.next_snap = now             # earliest time step/sched/kv may go out again
+        self.last_window = now           # start of the current step window
+        self.last_state_sent = -1e18     # when sched/kv last went out
+        # Bodies repeated by their cadence while nothing newer comes.
+        self.latency_body: dict[str, Any] | None = None
+        self.dp_body: dict[str, Any] | None = None
+        self.next_error_alert: dict[str, float] = {}
+        self.cadences = [
+            Cadence("config", lambda c: c.config_interval_s, self._send_config, due=now),
+            Cadence("latency", _heartbeat, self._send_latency,
+                    ready=lambda: self.latency_body is not None, due=now),
+            Cadence("dp", _heartbeat, self._send_dp,
+                    ready=lambda: self.dp_body is not None, due=now),
+            Cadence("gpu+host", lambda c: PROBE_INTERVAL_S, self._send_probes, due=now),
+            Cadence("health", _heartbeat, self._send_health, due=now),
+        ]
+        self._by_topic = {c.topic: c for c in self.cadences}
+
+    def run(self, stopped: Callable[[], bool], wait: Callable[[float], None]) -> None:
+        while not stopped():
+            self.pass_once(self.pub.take_handoff())
+            delay = self.next_deadline() - self.clock()
+            if delay > 0:
+                wait(delay)
+
+    def pass_once(self, handoff: Handoff) -> None:
+        now = self.clock()
+        self._send_alerts(self._absorb(handoff, now))
+        self._send_alerts(self._snapshot_slot(now))
+        if self.state == "idle" and not self.pub.steps_pending():
+            # Nothing to do is not slow. (A running engine with no steps may be stuck inside
+            # one: it keeps its level, and health.last_step_age_s grows.)
+            self._send_alerts(self.evaluator.observe(step_time_s=0.0, sched_share=0.0))
+        for cadence in self.cadences:
+            if cadence.ready() and now >= cadence.due:
+                self._send_alerts(cadence.send(now))
+                cadence.due = now + cadence.period(self.cfg)
+
+    def next_deadline(self) -> float:
+        deadlines = [c.due for c in self.cadences if c.ready()]
+        if self.have_new or self.pub.steps_pending():
+            deadlines.append(self.next_snap - self._early())
+        elif self.snapshot is not None:
+            deadlines.append(max(self.next_snap,
+                                 self.last_state_sent + self.cfg.heartbeat_interval_s))
+        return min(deadlines)
+
+    # --- a pass ---------------------------------------------------------------------------------
+
+    def _absorb(self, h: Handoff, now: float) -> list[AlertEvent]:
+        """Take the hand-off: fresh data makes its cadence due now."""
+        alerts: list[AlertEvent] = []
+        self.state = h.state
+        if h.snapshot is not None:
+            self.snapshot, self.have_new = h.snapshot, True
+        if h.config is not None:
+            self.cfg = h.config
+            alerts += self.evaluator.update_config(h.config)
+        for part, message in h.errors.items():    # the others are counted, not alerted
+            if now >= self.next_error_alert.get(part, 0.0):
+                alerts.append(telemetry_error_event(part, message, self.pub.telemetry_errors))
+                self.next_error_alert[part] = now + ERROR_ALERT_EVERY_S
+        if h.announce is not None:
+            self.pub.config_msg = h.announce
+            self._by_topic["config"].due = now
+        if h.latency is not None:
+            self.latency_body = h.latency
+            self._by_topic["latency"].due = now
+        if h.dp is not None:
+            self.dp_body = h.dp
+            self._by_topic["dp"].due = now
+        for wave in h.waves:
+            self.pub.send(self.sock, "wave", wave)
+        return alerts
+
+    def _early(self) -> float:
+        return SNAPSHOT_EARLY / self.cfg.telemetry_hz if self.have_new else 0.0
+
+    def _snapshot_slot(self, now: float) -> list[AlertEvent]:
+        """``step`` (the window since the last one), then ``sched`` and ``kv`` when there is a
+        new snapshot or the last one is a heartbeat old."""
+        cfg, alerts = self.cfg, []
+        refresh = (self.snapshot is not None
+                   and now - self.last_state_sent >= cfg.heartbeat_interval_s)
+        if now < self.next_snap - self._early() or not (
+                self.have_new or self.pub.steps_pending() or refresh):
+            return alerts
+        drained = self.pub.drain_steps()
+        step = aggregate_steps(drained, now - self.last_window)
+        step.update(self.pub.step_totals())
+        self.last_window = now
+        self.pub.send(self.sock, "step", step)
+        if drained:
+            alerts += self.evaluator.observe(step_time_s=step["step_time_p50_s"],
+                                             sched_share=step["sched_share"])
+        if self.snapshot is not None and (self.have_new or refresh):
+            sched, kv, _, snap_ts = self.snapshot
+            self.pub.send(self.sock, "sched",
+                          {**sched_body(sched, cfg.telemetry_max_requests), "snapshot_ts": snap_ts})
+            self.pub.send(self.sock, "kv", {**kv_body(kv), "snapshot_ts": snap_ts})
+            if self.have_new:
+                alerts += self.evaluator.observe(num_waiting=sched.num_waiting,
+                                                 fragmentation=kv.fragmentation)
+            self.last_state_sent = now
+        self.have_new = False
+        period = 1.0 / cfg.telemetry_hz
+        self.next_snap = max(self.next_snap + period, now + period / 2)   # phase-locked
+        return alerts
+
+    def _send_alerts(self, alerts: list[AlertEvent]) -> None:
+        for ev in alerts:
+            self.pub.send(self.sock, "alert", ev.payload())
+
+    # --- the cadences ---------------------------------------------------------------------------
+
+    def _send_config(self, now: float) -> list[AlertEvent]:
+        version, values = self.pub.config_msg
+        self.pub.send(self.sock, "config", {"version": version, "values": values,
+                                            "schema": self.pub.config_schema})
+        return []
+
+    def _send_latency(self, now: float) -> list[AlertEvent]:
+        assert self.latency_body is not None
+        self.pub.send(self.sock, "latency", self.latency_body)
+        return []
+
+    def _send_dp(self, now: float) -> list[AlertEvent]:
+        assert self.dp_body is not None
+        self.pub.send(self.sock, "dp", self.dp_body)
+        return []
+
+    def _send_probes(self, now: float) -> list[AlertEvent]:
+        reading = self.gpu.read()
+        self.pub.send(self.sock, "gpu", reading)
+        share = memory_share(reading) if reading.get("available") else None
+        self.pub.send(self.sock, "host", self.host.read())
+        return self.evaluator.observe(gpu_memory_share=share)
+
+    def _send_health(self, now: float) -> list[AlertEvent]:
+        pub = self.pub
+        num_steps = max(pub.steps_recorded, self.snapshot[2] if self.snapshot else 0)
+        last_step = pub.last_step_t
+        pub.send(self.sock, "health", health_body(
+            self.state, uptime_s=now - pub.t0, steps=num_steps,
+            interval_s=self.cfg.heartbeat_interval_s, started_ts=pub.t0_wall,
+            send_drops=pub.send_drops, steps_dropped=pub.steps_dropped(),
+            alerts_active=self.evaluator.active(),
+            last_step_age_s=None if last_step is None else max(0.0, now - last_step),
+            restart_count=pub.restart_count, restart_reason=pub.restart_reason,
+            telemetry_errors=pub.telemetry_errors))
+        return []
