@@ -58,9 +58,9 @@ from vconsole.console.changes import (
     show_value,
     validate,
 )
-from vconsole.console.commands import ConsoleCommands
 from vconsole.console.control_link import Control, ControlLink
-from vconsole.console.profiling import ProfileRun, supports_profile
+from vconsole.console.palette import ConsoleCommands
+from vconsole.console.profile_run import ProfileRun, supports_profile
 from vconsole.console.screens.advice import AdviceScreen
 from vconsole.console.screens.alerts import AlertsScreen
 from vconsole.console.screens.base import ConsoleScreen

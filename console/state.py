@@ -7,7 +7,7 @@ replaced wholesale, never edited in place).
 
 Per engine (``engine/rank`` from the envelope, so several endpoints can feed one console) the
 model keeps the latest payload per topic, ring buffers for the sparklines (and a 15-minute
-`vconsole.console.history.History` for the Trends screen), the receive time of the
+`vconsole.console.trend_history.History` for the Trends screen), the receive time of the
 last heartbeat, and a count of messages lost to sequence gaps (``seq`` counts per topic per
 publisher; a ``seq`` that goes backwards means the publisher restarted, not a loss).
 
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from vconsole.console.advisor import Advice, Advisor
-from vconsole.console.history import History, path_getter
 from vconsole.console.ranks import aggregate
+from vconsole.console.trend_history import History, path_getter
 from vconsole.telemetry.alerts import ENGINE_RESTART
 from vconsole.telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
 

@@ -26,7 +26,7 @@ key pair it authorises: `ControlClient` takes them as ``curve``. The control key
 for ``set_config`` then: CURVE says who may connect at all (submit requests, read telemetry), the
 key says who may change the engine.
 
-Profiling on demand (`vconsole.engine.proc.profiles`): ``{"op": "profile_start", "steps": n}``
+Profiling on demand (`vconsole.engine.proc.profile_book`): ``{"op": "profile_start", "steps": n}``
 (the control key required, like ``set_config``; ``1 <= n <= PROFILE_MAX_STEPS``) arms
 ``torch.profiler`` over the engine's next ``n`` steps and answers at once;
 ``{"op": "profile_status", "profile": pid}`` (open, like ``get_config``) and

@@ -1,7 +1,7 @@
 """Profile: run `torch.profiler` over the engine's next N steps and show where the time went.
 
 ``s`` starts a profile after a confirmation (profiling slows every step until it is done, and
-the box says so); the run itself (`vconsole.console.profiling.follow`) is an app worker, so it
+the box says so); the run itself (`vconsole.console.profile_run.follow`) is an app worker, so it
 goes on while the operator looks elsewhere, and this screen draws ``app.profile_run``: progress
 while it runs, then the step phase shares, the time per layer type and the top operators by
 self time, scrollable at 80x24. Read-only hides the actions (and the ``P`` key that leads here).
@@ -21,7 +21,7 @@ from textual.worker import get_current_worker
 
 from vconsole.console import format as fmt
 from vconsole.console.keymap import PROFILE
-from vconsole.console.profiling import (
+from vconsole.console.profile_run import (
     DEFAULT_STEPS,
     STEP_CHOICES,
     ProfileRun,

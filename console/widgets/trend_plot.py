@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from textual_plotext import PlotextPlot
 
-from vconsole.console.history import History
+from vconsole.console.trend_history import History
 
 # Plotext colour names: native ANSI colours, so the 16-colour theme keeps them apart.
 COLOURS = ("cyan+", "orange+", "green+", "magenta+")

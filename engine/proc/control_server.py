@@ -17,7 +17,7 @@ start's key may change the engine.
   it was applied or refused. A call the busy loop has not reached within `CONTROL_WAIT_S` is
   cancelled and answered with an error.
 - ``profile_start`` and ``profile_cancel`` take the same path as ``set_config`` (key, then a
-  `ControlCall` with its ``op``: the busy loop owns the profiler, `vconsole.engine.proc.profiles`);
+  `ControlCall` with its ``op``: the busy loop owns the profiler, `vconsole.engine.proc.profile_book`);
   ``profile_status`` is answered at once from ``profile_view(id)``, like ``get_config``.
 
 Invariants:

@@ -58,7 +58,7 @@ no request, and every ``dp_sync_every`` steps asks the group whether any rank is
 
 Profile on demand: a ``profile_start`` control call arms the core's profiler between two steps
 (`_profile_start`); the core runs it over its next steps while the loop keeps serving, and after
-each step the loop notes its progress in ``profiles`` (`vconsole.engine.proc.profiles`), which
+each step the loop notes its progress in ``profiles`` (`vconsole.engine.proc.profile_book`), which
 the control thread reads for ``profile_status``.
 """
 
@@ -82,7 +82,7 @@ from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, rea
 from vconsole.engine.proc.control_server import ControlCall, ControlServer
 from vconsole.engine.proc.liveness import LivenessStamp
 from vconsole.engine.proc.output_thread import STOP, OutputThread
-from vconsole.engine.proc.profiles import ProfileBook
+from vconsole.engine.proc.profile_book import ProfileBook
 from vconsole.engine.proc.ready_file import ready_record, remove_ready_file, write_ready_file
 from vconsole.engine.proc.request_registry import RequestRegistry
 from vconsole.engine.proc.stats_log import StatsLog

@@ -12,7 +12,7 @@ from textual.widgets import Static
 
 from support.console_testing import FakeControl, replay_app
 from support.synthetic import generate
-from vconsole.console.commands import ConsoleCommands
+from vconsole.console.palette import ConsoleCommands
 from vconsole.console.screens.advice import AdviceScreen
 from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.overview import OverviewScreen

@@ -12,7 +12,7 @@ from textual.widgets import Input, Static
 from support.console_testing import FakeControl, foreign_version_frames, frames, replay_app
 from support.synthetic import generate
 from vconsole.console.changes import APPLIED, INVALID, RESTART
-from vconsole.console.commands import ConsoleCommands
+from vconsole.console.palette import ConsoleCommands
 from vconsole.console.requests_view import sort_rows
 from vconsole.console.screens.config import ConfigScreen
 from vconsole.console.screens.kvmap import KvScreen

@@ -14,7 +14,7 @@ from support.console_testing import frames, replay_app
 from support.synthetic import generate
 from support.synthetic_dp import generate_dp
 from vconsole.console.changes import APPLIED, ERROR, ChangeRecord
-from vconsole.console.commands import ConsoleCommands
+from vconsole.console.palette import ConsoleCommands
 from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.kvmap import KvScreen
 from vconsole.console.screens.overview import OverviewScreen

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from support.console_testing import FakeControl, replay_app
-from vconsole.console.commands import ConsoleCommands
+from vconsole.console.palette import ConsoleCommands
 from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.profile import ProfileScreen
 from vconsole.console.widgets.confirmation import ConfirmScreen

@@ -12,7 +12,7 @@ from textual.widgets import Static
 from support.console_testing import replay_app
 from support.synthetic import generate
 from vconsole.console import format as fmt
-from vconsole.console.commands import ConsoleCommands
+from vconsole.console.palette import ConsoleCommands
 from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.trends import PLOTS, RANGES_S, TrendsScreen
 from vconsole.console.widgets.trend_plot import TrendPlot

@@ -2,7 +2,7 @@
 
 The launcher loads no model. It hosts the rendezvous store (a ``torch.distributed.TCPStore``
 master on ``--dp-master-addr``:``--dp-master-port``, or a free port), starts the front end in
-threads on the PUBLIC endpoints (`vconsole.engine.proc.dp.stack.FrontEndStack`: requests,
+threads on the PUBLIC endpoints (`vconsole.engine.proc.dp.front_end_stack.FrontEndStack`: requests,
 telemetry proxy, control fan-out, Prometheus with ``--metrics-port``) and runs
 each rank as a supervised child (`vconsole.engine.proc.supervisor.EngineSupervisor`, one per
 rank, each in a thread): ``python -m vconsole engine ... --data-parallel-size N --dp-rank r
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vconsole.engine.proc import exit_codes
-from vconsole.engine.proc.dp.stack import FrontEndStack
+from vconsole.engine.proc.dp.front_end_stack import FrontEndStack
 from vconsole.engine.proc.ready_file import ENDPOINT_NAMES
 from vconsole.engine.proc.supervisor import EngineSupervisor, RestartPolicy
 

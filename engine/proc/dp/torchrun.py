@@ -7,7 +7,7 @@ endpoints (see "Several hosts" below) and publishes its ready record in the stor
 0's process also runs this front end, in threads, on the PUBLIC endpoints of the command line:
 it reads every rank's record from the store (`read_rank`, waiting for ranks still loading) and
 then serves exactly as the single-host launcher's front end does
-(`vconsole.engine.proc.dp.stack.FrontEndStack`).
+(`vconsole.engine.proc.dp.front_end_stack.FrontEndStack`).
 
 What differs: nothing restarts one rank (torchrun's ``--max-restarts`` restarts the whole
 group); a rank whose heartbeats stop is taken out of routing and its requests fail with an
@@ -34,8 +34,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vconsole.engine.proc.dp.front_end_stack import FrontEndStack
 from vconsole.engine.proc.dp.rendezvous import DPEnv, connect_store, read_rank
-from vconsole.engine.proc.dp.stack import FrontEndStack
 from vconsole.security.curve import (
     AUTHORIZED_CLIENTS,
     CLIENT,

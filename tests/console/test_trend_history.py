@@ -12,8 +12,8 @@ import math
 from support.console_testing import frames
 from support.synthetic import generate
 from vconsole.console import format as fmt
-from vconsole.console.history import HISTORY_S, MAX, MEAN, History, Trend
 from vconsole.console.state import ConsoleState
+from vconsole.console.trend_history import HISTORY_S, MAX, MEAN, History, Trend
 from vconsole.console.widgets import panels
 from vconsole.console.widgets.panels import DEFAULT_LIMITS
 from vconsole.engine.latency import LatencyStats
