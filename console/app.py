@@ -484,25 +484,39 @@ class VConsoleApp(App[None]):
 
     @work(thread=True, group="config-set")
     def _send(self, rec: ChangeRecord) -> None:
+        self._round_trip([rec])
+        self.call_from_thread(self._reply_arrived, rec)
+
+    def _round_trip(self, recs: list[ChangeRecord]) -> None:
+        """The one send path of every config change (a worker thread): one ``set_config`` for
+        ``recs``, all or nothing; each record takes the engine's answer, and the state the
+        config it reports."""
         assert self.control is not None
         try:
-            reply = self.control.set_config({rec.key: rec.new})
+            reply = self.control.set_config({r.key: r.new for r in recs})
         except TimeoutError as e:
-            rec.status, rec.reason = TIMEOUT, str(e)
+            failed = (TIMEOUT, str(e))
         except NotAuthorised as e:
-            rec.status, rec.reason = ERROR, str(e)
-            where = self.control_key_path or "its control key"
-            self.call_from_thread(self.set_readonly, f"engine refused the control key: {where}")
+            failed = (ERROR, str(e))
+            self.call_from_thread(self.key_refused)
         except Exception as e:
-            rec.status, rec.reason = ERROR, f"{type(e).__name__}: {e}"
+            failed = (ERROR, f"{type(e).__name__}: {e}")
         else:
             self._note_key_status()      # the key may have been read again (engine restart)
-            rec.take_reply(reply)
+            for r in recs:
+                r.take_reply(reply)
             if reply.get("values"):
                 self.state.set_config_reply(reply)
             else:
                 self.state.apply_set_reply(reply)
-        self.call_from_thread(self._reply_arrived, rec)
+            return
+        for r in recs:
+            r.status, r.reason = failed
+
+    def key_refused(self) -> None:
+        """The engine refused this console's control key: read-only from now on."""
+        where = self.control_key_path or "its control key"
+        self.set_readonly(f"engine refused the control key: {where}")
 
     def _reply_arrived(self, rec: ChangeRecord) -> None:
         self.replies_generation += 1
@@ -581,29 +595,7 @@ class VConsoleApp(App[None]):
 
     @work(thread=True, group="config-set")
     def _send_values(self, outcome: AdviceOutcome) -> None:
-        assert self.control is not None
-        recs = outcome.records
-        try:
-            reply = self.control.set_config({r.key: r.new for r in recs})
-        except TimeoutError as e:
-            for r in recs:
-                r.status, r.reason = TIMEOUT, str(e)
-        except NotAuthorised as e:
-            for r in recs:
-                r.status, r.reason = ERROR, str(e)
-            where = self.control_key_path or "its control key"
-            self.call_from_thread(self.set_readonly, f"engine refused the control key: {where}")
-        except Exception as e:
-            for r in recs:
-                r.status, r.reason = ERROR, f"{type(e).__name__}: {e}"
-        else:
-            self._note_key_status()
-            for r in recs:
-                r.take_reply(reply)
-            if reply.get("values"):
-                self.state.set_config_reply(reply)
-            else:
-                self.state.apply_set_reply(reply)
+        self._round_trip(outcome.records)
         self.call_from_thread(self._advice_replied, outcome)
 
     def _advice_replied(self, outcome: AdviceOutcome) -> None:

@@ -56,6 +56,11 @@ class EngineCore:
                     config.model, self.runner.device, self.runner.dtype, self.num_kv_blocks,
                     config.block_size)
 
+    def model_info(self) -> dict[str, Any]:
+        """What a client learns of the model at ``hello`` (and the ready file)."""
+        return {"device": str(self.runner.device), "vocab_size": self.runner.vocab_size,
+                "max_model_len": self.runner.max_model_len, "num_kv_blocks": self.num_kv_blocks}
+
     # --- requests -------------------------------------------------------------------------
     def make_request(self, request_id: str, *, prompt: str | None = None,
                      prompt_token_ids: list[int] | None = None, sampling: SamplingParams,

@@ -222,8 +222,7 @@ def _follow(app: VConsoleApp, run: ProfileRun) -> None:
     try:
         follow(app.control, run, worker.cancelled_event, changed)
     except NotAuthorised:
-        where = app.control_key_path or "its control key"
-        app.call_from_thread(app.set_readonly, f"engine refused the control key: {where}")
+        app.call_from_thread(app.key_refused)
 
 
 def _cancel(app: VConsoleApp, profile_id: str) -> None:

@@ -51,10 +51,11 @@ A step whose model execution raises fails only its own requests (`vconsole.engin
 it (`vconsole.engine.proc.supervisor`).
 
 Data parallel: with ``data_parallel_size > 1`` (or under torchrun) the process is one rank of a
-group (`vconsole.engine.proc.dp`): it joins the rendezvous store before binding anything, and
-its `DPRank` adds a few hooks to the loop — ``regroup`` / ``start_wave`` from the front end are
-applied between steps, and inside a wave the loop never blocks: it runs a dummy step when it has
-no request, and every ``dp_sync_every`` steps asks the group whether any rank is still busy.
+group (`vconsole.engine.proc.dp`): it joins the rendezvous store before binding anything. The
+loop reaches its group only through its role (`vconsole.engine.proc.role`: a `LoneEngine`, or
+the rank's `DPRank`) — ``regroup`` / ``start_wave`` from the front end are applied between
+steps, and inside a wave the loop never blocks: it runs a dummy step when it has no request,
+and every ``dp_sync_every`` steps asks the group whether any rank is still busy.
 
 Profile on demand: a ``profile_start`` control call arms the core's profiler between two steps
 (`_profile_start`); the core runs it over its next steps while the loop keeps serving, and after
@@ -70,23 +71,35 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from vconsole.engine.config import ConfigUpdate, EngineConfig
-from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import exit_codes, protocol
 from vconsole.engine.proc.config_watch import ConfigFileWatcher, apply_file, read_file
 from vconsole.engine.proc.control_server import ControlCall, ControlServer
 from vconsole.engine.proc.liveness import LivenessStamp
+from vconsole.engine.proc.loop_inputs import (
+    Abort,
+    Add,
+    AddReady,
+    ClientGone,
+    Control,
+    FrontEnd,
+    LoopInput,
+    Reject,
+    Reload,
+    Shutdown,
+)
 from vconsole.engine.proc.output_thread import STOP, OutputThread
 from vconsole.engine.proc.profile_book import ProfileBook
 from vconsole.engine.proc.ready_file import ready_record, remove_ready_file, write_ready_file
-from vconsole.engine.proc.request_registry import RequestRegistry
+from vconsole.engine.proc.request_intake import RequestIntake
+from vconsole.engine.proc.role import LoneEngine, ProcessRole
+from vconsole.engine.proc.serving_core import ServingCore
 from vconsole.engine.proc.stats_log import StatsLog
-from vconsole.engine.request import FinishReason, Request
 from vconsole.engine.stats import StepStats
 from vconsole.security.bind_policy import check_endpoints, check_metrics_host, secure_socket
 from vconsole.security.control_key import key_path
@@ -96,7 +109,7 @@ from vconsole.telemetry.prometheus import MetricsServer, TelemetryCollector
 from vconsole.telemetry.publisher import TelemetryPublisher
 
 if TYPE_CHECKING:
-    from vconsole.engine.proc.dp.rank import DPRank, WaveEvent
+    from vconsole.engine.proc.dp.rank import WaveEvent
     from vconsole.security.curve_server import CurveAuthenticator, ServerCurve
 
 log = logging.getLogger("vconsole.engine")
@@ -107,12 +120,7 @@ STALL_WAIT_S = 0.005      # a step that scheduled nothing is followed by this wa
 PUBLISHER_CLOSE_S = 5.0   # at shutdown, how long the telemetry thread gets to stop
 LATENCY_INTERVAL_S = 1.0  # latency percentiles are computed at most this often
 
-INLINE_PROMPT_CHARS = 2048  # longer text prompts are tokenized off the busy loop
-PREPARE_WORKERS = 2         # threads that tokenize and validate long prompts
 
-# Input queue items: (kind, ...). SimpleQueue because signal handlers put on it (reentrant).
-ADD, ADD_READY, REJECT, ABORT, CONTROL, CLIENT_GONE, RELOAD, SHUTDOWN, DP = (
-    "add", "add_ready", "reject", "abort", "control", "client_gone", "reload", "shutdown", "dp")
 
 
 class EngineCoreProc:
@@ -122,8 +130,8 @@ class EngineCoreProc:
     enqueue before the (slow) core exists."""
 
     def __init__(self, config: EngineConfig, endpoints: dict[str, str], *,
-                 config_path: str | None = None, allow_remote: bool = False, core: Any = None,
-                 input_queue: queue.SimpleQueue[tuple[Any, ...]] | None = None,
+                 config_path: str | None = None, allow_remote: bool = False, core: ServingCore | None = None,
+                 input_queue: queue.SimpleQueue[LoopInput] | None = None,
                  control_key_file: str | None = None,
                  ready_file: str | os.PathLike[str] | None = None,
                  curve: ServerCurve | None = None,
@@ -136,18 +144,14 @@ class EngineCoreProc:
             check_metrics_host(metrics_endpoint[0], allow_remote_metrics)
         self.metrics: MetricsServer | None = None
         refuse_if_held(key_path(endpoints["control"], control_key_file))  # before any bind
-        config, self.dp = _dp_rank(config)  # a data-parallel rank: reach the store first
+        config, self.role = _role(config)  # a data-parallel rank: reach the store first
         self.curve = curve
         self._auth: CurveAuthenticator | None = None
         self.config_path = config_path
         self.ready_file = ready_file
-        self.input_queue: queue.SimpleQueue[tuple[Any, ...]] = input_queue or queue.SimpleQueue()
+        self.input_queue: queue.SimpleQueue[LoopInput] = input_queue or queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._io_stop = threading.Event()
-        self._requests = RequestRegistry()      # engine id <-> (client, its id); busy loop only
-        self._preparing: set[str] = set()       # engine ids being tokenized off the busy loop
-        self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS,
-                                                thread_name_prefix="engine-prepare")
         self._stopping: str | None = None       # why the busy loop is leaving
         self._next_latency = 0.0                # when the next latency snapshot is due
         self._dirty = True                      # state changed since the last snapshot
@@ -160,11 +164,12 @@ class EngineCoreProc:
         # Created first: its baseline is the file as loaded, so an edit made while the model
         # loads is noticed at the first poll.
         self._watcher = (ConfigFileWatcher(config_path, lambda: self.input_queue.put(
-            (RELOAD, "file changed"))) if config_path else None)
+            Reload("file changed"))) if config_path else None)
 
         self.ctx = zmq.Context(io_threads=max(1, min(config.zmq_io_threads, os.cpu_count() or 1)))
         self.endpoints = dict(endpoints)
         self._sockets: dict[str, zmq.Socket] = {}
+        undo: list[Callable[[], object]] = []     # what a failed start must take back
         try:
             if curve is not None:   # the ZAP handler runs before the first CURVE socket binds
                 self._auth = curve.start_authenticator(self.ctx)
@@ -175,18 +180,20 @@ class EngineCoreProc:
             self.control_server: ControlServer = ControlServer(
                 self._sockets["control"], self.endpoints["control"], key_file=control_key_file,
                 config_view=lambda: self._config_view,
-                submit=lambda call: self.input_queue.put((CONTROL, call)),
+                submit=lambda call: self.input_queue.put(Control(call)),
                 stop=self._io_stop, poll_ms=IO_POLL_MS, engine_id=config.engine_id,
                 profile_view=self.profiles.view)
+            undo.append(self.control_server.remove_key_file)   # never started: no thread
             out = self._sockets["output"]
             out.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
             if core is None:
                 from vconsole.engine.core import EngineCore  # torch: only once the sockets are ours
                 core = EngineCore(config)
-            self.core = core
-            if self.dp is not None:
-                self.dp.device = getattr(getattr(core, "runner", None), "device", "cpu")
+            self.core: ServingCore = core
+            self.intake = RequestIntake(core, self.input_queue, self.output_queue)
+            model = core.model_info()
+            self.role.device = model["device"]
             self.publisher = TelemetryPublisher(self.ctx, endpoints["telemetry"],
                                                 core.config.engine_id, core.config.dp_rank,
                                                 core.config, secure=lambda sock: secure_socket(
@@ -194,6 +201,7 @@ class EngineCoreProc:
                                                     curve),
                                                 restart_count=restart_count,
                                                 restart_reason=restart_reason)
+            undo.append(lambda: self.publisher.close(PUBLISHER_CLOSE_S))
             self.publisher.start()
             self.endpoints["telemetry"] = self.publisher.endpoint
             self.guard = core.telemetry_guard   # observability never stops serving
@@ -203,10 +211,8 @@ class EngineCoreProc:
                     self.publisher, model_name=core.config.model, engine=core.config.dp_rank),
                     *metrics_endpoint).start()
         except BaseException:
-            if getattr(self, "publisher", None) is not None:
-                self.publisher.close(PUBLISHER_CLOSE_S)
-            if hasattr(self, "control_server"):     # never started: its socket is closed below
-                self.control_server.remove_key_file()
+            for take_back in reversed(undo):
+                take_back()
             for sock in self._sockets.values():
                 sock.close(0)
             if self._auth is not None:
@@ -214,13 +220,10 @@ class EngineCoreProc:
             self.ctx.term()
             raise
         self._config_view = (core.config_version, core.config)  # read by the I/O threads
-        runner = getattr(core, "runner", None)
         self.ready_info = {
             "engine_id": core.config.engine_id, "model": core.config.model,
-            "vocab_size": getattr(runner, "vocab_size", None),
-            "max_model_len": getattr(runner, "max_model_len", None),
-            "block_size": core.config.block_size,
-            "num_kv_blocks": getattr(core, "num_kv_blocks", None),
+            "vocab_size": model["vocab_size"], "max_model_len": model["max_model_len"],
+            "block_size": core.config.block_size, "num_kv_blocks": model["num_kv_blocks"],
             "dp_rank": core.config.dp_rank, "data_parallel_size": core.config.data_parallel_size,
         }
         self._threads = [
@@ -228,7 +231,7 @@ class EngineCoreProc:
             OutputThread(self._sockets["output"], self.output_queue, ready=self._ready,
                          heartbeat_s=lambda: self._config_view[1].client_heartbeat_s,
                          engine_id=core.config.engine_id,
-                         on_client_gone=lambda c: self.input_queue.put((CLIENT_GONE, c))),
+                         on_client_gone=lambda c: self.input_queue.put(ClientGone(c))),
         ]
 
     def _bind(self, kind: int, name: str, config: EngineConfig) -> zmq.Socket:
@@ -261,15 +264,14 @@ class EngineCoreProc:
                               **({"metrics": self.metrics.url} if self.metrics else {}))
         if self.ready_file is not None:
             write_ready_file(self.ready_file, record)
-        if self.dp is not None:     # the front end finds the rank through the store
-            self.dp.publish_ready(record)
+        self.role.publish_ready(record)     # a rank's front end finds it through the store
 
     def request_shutdown(self, reason: str) -> None:
         """Safe from any thread and from signal handlers."""
-        self.input_queue.put((SHUTDOWN, reason))
+        self.input_queue.put(Shutdown(reason))
 
     def request_reload(self, reason: str) -> None:
-        self.input_queue.put((RELOAD, reason))
+        self.input_queue.put(Reload(reason))
 
     def run_busy_loop(self) -> None:
         """The loop: inputs, one step, telemetry — until asked to stop; then drain and close."""
@@ -286,8 +288,7 @@ class EngineCoreProc:
     def _beat(self, busy: bool | None = None) -> None:
         if self._liveness is not None:
             if busy is None:
-                busy = self.core.has_unfinished_requests() or (
-                    self.dp is not None and self.dp.in_wave)
+                busy = self.core.has_unfinished_requests() or self.role.in_wave
             self._liveness.beat(busy)
 
     def _process_input_queue(self) -> None:
@@ -297,7 +298,7 @@ class EngineCoreProc:
         idle = not self.core.has_unfinished_requests()
         if idle:
             self._set_state("idle")
-        if idle and not (self.dp is not None and self.dp.in_wave):
+        if idle and not self.role.in_wave:
             wait = 1.0 / self.core.config.telemetry_hz if self._dirty else None
             stats_wait = self._stats_log.wait_s(self.core.config)
             if stats_wait is not None:
@@ -316,22 +317,21 @@ class EngineCoreProc:
     def _process_engine_step(self) -> None:
         """One step: a real one when there are requests; on a data-parallel rank in a wave
         without requests a dummy one; then the rank's wave bookkeeping (`DPRank`)."""
-        dp = self.dp
+        role = self.role
         if self._stopping is not None:
             return
-        if dp is not None and (ev := dp.maybe_start(self.core.has_unfinished_requests())):
+        if ev := role.maybe_start(self.core.has_unfinished_requests()):
             self._announce_wave(ev)
         dummy = not self.core.has_unfinished_requests()
-        if not dummy or (dp is not None and dp.in_wave):
-            self._beat(True)        # a step is about to run: from here, no pass means hung
+        if dummy and not role.in_wave:
+            return
+        self._beat(True)            # a step is about to run: from here, no pass means hung
         if not dummy:
             self._real_step()
-        elif dp is not None and dp.in_wave:
+        else:
             self.core.dummy_step()
             self._check_step_failures()
-        else:
-            return
-        if dp is not None and (ev := dp.after_step(dummy, self.core.has_unfinished_requests())):
+        if ev := role.after_step(dummy, self.core.has_unfinished_requests()):
             self._announce_wave(ev)
 
     def _announce_wave(self, ev: WaveEvent) -> None:
@@ -342,16 +342,11 @@ class EngineCoreProc:
             self.output_queue.put((protocol.WAVE, b"", ev.event, ev.wave))
         self._dirty = True
 
-    def _dp_message(self, kind: str, value: int) -> None:
+    def _front_end_message(self, kind: str, value: int) -> None:
         """The front end's ``regroup`` or ``start_wave``, between two steps."""
-        dp = self.dp
-        assert dp is not None   # the input thread refuses both on a lone engine
         if self._stopping is not None:
             return              # leaving: never block on a group again
-        if kind == protocol.REGROUP:
-            dp.regroup(value, before_form=lambda: self.publisher.submit_dp(dp.dp_body()))
-            self.publisher.submit_dp(dp.dp_body())
-        elif (ev := dp.on_start_wave(value)) is not None:
+        if ev := self.role.on_front_end(kind, value, self.publisher.submit_dp):
             self._announce_wave(ev)
 
     def _real_step(self) -> None:
@@ -361,7 +356,7 @@ class EngineCoreProc:
             self.guard.run("step", self._record_step, self.core.last_step)
         if self.profiles.active is not None:
             self.profiles.after_step()
-        self._emit(outputs)
+        self.intake.emit(outputs)
         self._dirty = True
         self._check_step_failures()
         if not scheduled:
@@ -377,14 +372,14 @@ class EngineCoreProc:
         failure already failed its own requests, `vconsole.engine.core`): this process cannot
         serve any more, so drain (every request left gets its final output) and exit with
         `exit_codes.STEP_FAILURES`, for the supervisor to start a fresh process."""
-        failures = getattr(self.core, "consecutive_step_failures", 0)
+        failures = self.core.consecutive_step_failures
         if failures < self.core.config.max_consecutive_step_failures \
                 or self.exit_code != exit_codes.OK:
             return
         self.exit_code = exit_codes.STEP_FAILURES
         log.critical("model execution failed on %d steps in a row (last: %s): stopping the "
                      "engine with exit code %d so that it is restarted", failures,
-                     getattr(self.core, "last_step_error", None), exit_codes.STEP_FAILURES)
+                     self.core.last_step_error, exit_codes.STEP_FAILURES)
         self.request_shutdown("model execution keeps failing")
 
     def _maybe_snapshot(self) -> None:
@@ -397,10 +392,9 @@ class EngineCoreProc:
         # more to send the drained state instead of blocking on a stale one.
         self._dirty = not self._submit_snapshot(self.state)
         core, run = self.core, self.guard.run
-        if self.dp is not None:
-            dp_body = run("dp", self.dp.dp_body)
-            if dp_body is not None:
-                self.publisher.submit_dp(dp_body)
+        dp_body = run("dp", self.role.dp_body)
+        if dp_body is not None:
+            self.publisher.submit_dp(dp_body)
         now = time.monotonic()
         # Idle: this is the last snapshot before the loop blocks, so latency goes too.
         if now >= self._next_latency or not core.has_unfinished_requests():
@@ -425,130 +419,29 @@ class EngineCoreProc:
             self.publisher.set_state(state)
             self._dirty = True
 
-    def _emit(self, outputs: dict[bytes, list[RequestOutput]]) -> None:
-        """Send outputs keyed by engine id to their clients, under the clients' own ids."""
-        for client_id, outs in outputs.items():
-            for out in outs:
-                owner = self._requests.owner(out.request_id)
-                if owner is None:
-                    continue  # not a client's request (cannot happen; never mis-deliver)
-                if out.finished:
-                    self._requests.close(out.request_id)
-                out.request_id = owner[1]
-            self.output_queue.put((protocol.OUTPUTS, client_id, outs))
-
-    def _handle_input(self, item: tuple[Any, ...]) -> None:
-        kind = item[0]
-        if kind == ADD:
-            self._add(item[1], item[2])
-        elif kind == ADD_READY:
-            self._add_ready(item[1], item[2], item[3])
-        elif kind == REJECT:
-            self._reject_message(item[1], item[2], item[3])
-        elif kind == ABORT:
-            self._abort(item[1], item[2])
-        elif kind == CONTROL:
-            self._apply_control(item[1])
-        elif kind == CLIENT_GONE:
-            ids = self._requests.of_client(item[1])
-            if ids:
-                log.warning("client %s is gone: aborting its %d request(s)",
-                            item[1].decode(errors="replace"), len(ids))
-                self._abort_engine_ids(ids)
-        elif kind == RELOAD:
-            self._reload_config_file(item[1])
-        elif kind == DP:
-            self._dp_message(item[1], item[2])
-        elif kind == SHUTDOWN and self._stopping is None:
-            log.info("%s: draining", item[1])
-            self._stopping = item[1]
+    def _handle_input(self, item: LoopInput) -> None:
+        match item:
+            case Add(client_id, msg):
+                self.intake.add(client_id, msg, refuse=self._stopping and
+                                "engine is shutting down")
+            case AddReady(engine_id, client_id, result):
+                self.intake.add_ready(engine_id, client_id, result)
+            case Reject(client_id, request_id, reason):
+                self.intake.reject_message(client_id, request_id, reason)
+            case Abort(client_id, request_ids):
+                self.intake.abort(client_id, request_ids)
+            case Control(call):
+                self._apply_control(call)
+            case ClientGone(client_id):
+                self.intake.client_gone(client_id)
+            case Reload(reason):
+                self._reload_config_file(reason)
+            case FrontEnd(kind, value):
+                self._front_end_message(kind, value)
+            case Shutdown(reason) if self._stopping is None:
+                log.info("%s: draining", reason)
+                self._stopping = reason
         self._dirty = True
-
-    # Requests in: every message that names a request gets that request's final output, and
-    # exactly one — unless the request it names is in flight, which goes on (an ``error`` with
-    # ``in_flight`` tells the client so).
-
-    def _reject(self, client_id: bytes, request_id: str, reason: str) -> None:
-        """The final output of a request that never got an engine id."""
-        self.output_queue.put((protocol.OUTPUTS, client_id, [RequestOutput(
-            request_id, finished=True, finish_reason=FinishReason.ERROR.value, error=reason)]))
-
-    def _reject_message(self, client_id: bytes, request_id: str, reason: str) -> None:
-        """A message naming ``request_id`` that could not be read (from the input thread)."""
-        if self._requests.lookup(client_id, request_id) is not None:
-            self.output_queue.put((protocol.ERROR, client_id, reason, request_id, True))
-        else:
-            self._reject(client_id, request_id, reason)
-
-    def _finish_unqueued(self, engine_id: str, reason: FinishReason, error: str | None) -> None:
-        """The final output of a request that has an engine id but never reached the core."""
-        owner = self._requests.owner(engine_id)
-        if owner is not None:
-            self._emit({owner[0]: [RequestOutput(engine_id, finished=True,
-                                                 finish_reason=reason.value, error=error)]})
-
-    def _add(self, client_id: bytes, msg: protocol.AddMessage) -> None:
-        if self._stopping is not None:
-            return self._reject(client_id, msg.request_id, "engine is shutting down")
-        engine_id = self._requests.open(client_id, msg.request_id)
-        if engine_id is None:
-            self.output_queue.put((protocol.ERROR, client_id,
-                                   f"duplicate request id {msg.request_id!r}: one is in flight "
-                                   "(it goes on)", msg.request_id, True))
-            return
-        if msg.prompt is not None and len(msg.prompt) > INLINE_PROMPT_CHARS:
-            self._preparing.add(engine_id)
-            self._prepare_pool.submit(self._prepare_off_loop, engine_id, client_id, msg)
-        else:
-            self._admit(engine_id, client_id, self._make_request(engine_id, client_id, msg))
-
-    def _make_request(self, engine_id: str, client_id: bytes,
-                      msg: protocol.AddMessage) -> Request | str:
-        """Tokenize and validate: the Request, or why it was refused. Thread-safe (the core's
-        tokenizer and limits are only read)."""
-        try:
-            return self.core.make_request(engine_id, prompt=msg.prompt,
-                                          prompt_token_ids=msg.prompt_token_ids,
-                                          sampling=msg.sampling, priority=msg.priority,
-                                          client_id=client_id)
-        except ValueError as e:
-            return str(e)
-        except Exception as e:  # a tokenizer failure must cost this request only
-            return f"could not prepare the request: {type(e).__name__}: {e}"
-
-    def _prepare_off_loop(self, engine_id: str, client_id: bytes,
-                          msg: protocol.AddMessage) -> None:
-        self.input_queue.put((ADD_READY, engine_id, client_id,
-                              self._make_request(engine_id, client_id, msg)))
-
-    def _add_ready(self, engine_id: str, client_id: bytes, result: Request | str) -> None:
-        if engine_id not in self._preparing:
-            return  # aborted, or its client left, while it was prepared: already answered
-        self._preparing.discard(engine_id)
-        self._admit(engine_id, client_id, result)
-
-    def _admit(self, engine_id: str, client_id: bytes, result: Request | str) -> None:
-        if isinstance(result, str):
-            return self._finish_unqueued(engine_id, FinishReason.ERROR, result)
-        rejected = self.core.add_request(result)
-        if rejected is not None:
-            self._emit({client_id: [rejected]})
-
-    def _abort(self, client_id: bytes, request_ids: list[str]) -> None:
-        ids = [eid for rid in request_ids
-               if (eid := self._requests.lookup(client_id, rid)) is not None]
-        self._abort_engine_ids(ids)
-
-    def _abort_engine_ids(self, engine_ids: list[str]) -> None:
-        in_core = []
-        for eid in engine_ids:
-            if eid in self._preparing:
-                self._preparing.discard(eid)
-                self._finish_unqueued(eid, FinishReason.ABORT, None)
-            else:
-                in_core.append(eid)
-        if in_core:
-            self.core.abort_requests(in_core)
 
     def _apply_control(self, call: ControlCall) -> None:
         """The busy loop's half of a ``set_config`` (`vconsole.engine.proc.control_server`):
@@ -616,8 +509,7 @@ class EngineCoreProc:
         """Stop taking requests, abort those in flight and deliver their final outputs, answer
         any queued control call, then join every thread and close every socket."""
         self._set_state("draining")
-        if self.dp is not None:     # peers in a collective with us fail and go uncoordinated
-            self.dp.close()
+        self.role.close()           # a rank's peers in a collective with it go uncoordinated
         self.profiles.cancel(None, "cancelled: the engine is shutting down")
         if self.ready_file is not None:
             remove_ready_file(self.ready_file, os.getpid())
@@ -626,12 +518,11 @@ class EngineCoreProc:
         if self._watcher is not None:
             self._watcher.stop()
         self._drain_queue()
-        self._abort_engine_ids(self._requests.engine_ids())
-        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        self.intake.abort_all()
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while self.core.has_unfinished_requests() and time.monotonic() < deadline:
             outputs, _ = self.core.step()
-            self._emit(outputs)
+            self.intake.emit(outputs)
         self._submit_snapshot("draining")
         while self.control_server.is_alive():        # control: may wait on a queued call
             self._drain_queue()
@@ -658,7 +549,7 @@ class EngineCoreProc:
         not (over plain loopback/ipc the key stays in its 0600 file)."""
         info = {**self.ready_info, "config_version": self._config_view[0],
                 "heartbeat_interval_s": self._config_view[1].client_heartbeat_s}
-        if self.curve is not None and self.dp is not None:
+        if self.curve is not None and self.role.is_rank:
             info["control_key"] = self.control_server.key
         return info
 
@@ -690,18 +581,18 @@ class EngineCoreProc:
                 max_len = self.ready_info.get("max_model_len")
                 msg = protocol.parse_add(header, max_prompt_chars=config.max_prompt_chars,
                                          max_prompt_tokens=max_len - 1 if max_len else None)
-                self.input_queue.put((ADD, client_id, msg))
+                self.input_queue.put(Add(client_id, msg))
             elif kind == protocol.ABORT:
-                self.input_queue.put((ABORT, client_id, protocol.parse_abort(header)))
+                self.input_queue.put(Abort(client_id, protocol.parse_abort(header)))
             elif kind == protocol.HELLO:
                 self.output_queue.put((protocol.HELLO, client_id))
             elif kind in (protocol.START_WAVE, protocol.REGROUP):
-                if self.dp is None:
+                if not self.role.is_rank:
                     raise protocol.ProtocolError(f"{kind}: this engine is not a data-parallel "
                                                  "rank (data_parallel_size 1)")
-                self.input_queue.put((DP, kind, protocol.parse_start_wave(header)
-                                      if kind == protocol.START_WAVE
-                                      else protocol.parse_regroup(header)))
+                self.input_queue.put(FrontEnd(kind, protocol.parse_start_wave(header)
+                                              if kind == protocol.START_WAVE
+                                              else protocol.parse_regroup(header)))
             else:
                 raise protocol.ProtocolError(f"unknown message type {kind!r}",
                                              protocol.request_id_of(header))
@@ -709,20 +600,21 @@ class EngineCoreProc:
             log.warning("rejected a message from client %s: %s",
                         client_id.decode(errors="replace"), e.reason)
             if e.request_id is not None:    # the busy loop knows whether it is in flight
-                self.input_queue.put((REJECT, client_id, e.request_id, e.reason))
+                self.input_queue.put(Reject(client_id, e.request_id, e.reason))
             else:
                 self.output_queue.put((protocol.ERROR, client_id, e.reason, None, False))
 
 
-def _dp_rank(config: EngineConfig) -> tuple[EngineConfig, DPRank | None]:
-    """A data-parallel rank (flags or torchrun's environment, `vconsole.engine.proc.dp`): its
-    config with the rank's values and its `DPRank`, connected to the store; else ``config`` and
-    None. Raises `RendezvousError` (an OSError) when the store cannot be reached."""
+def _role(config: EngineConfig) -> tuple[EngineConfig, ProcessRole]:
+    """The process's role: a data-parallel rank (flags or torchrun's environment,
+    `vconsole.engine.proc.dp`) — its config with the rank's values and its `DPRank`, connected
+    to the store — else ``config`` and a `LoneEngine`. Raises `RendezvousError` (an OSError)
+    when the store cannot be reached."""
     from vconsole.engine.proc.dp.rendezvous import DPEnv
 
     env = DPEnv.from_config(config)
     if not env.is_rank:
-        return config, None
+        return config, LoneEngine()
     from vconsole.engine.proc.dp.rank import DPRank, split_cpu_threads  # torch: ranks only
 
     config = env.apply(config)

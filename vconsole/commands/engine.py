@@ -25,14 +25,15 @@ from typing import Any
 from vconsole.commands.curve_args import server_curve
 from vconsole.engine.config import ConfigError, config_from_args
 from vconsole.engine.proc import exit_codes
-from vconsole.engine.proc.core_proc import RELOAD, SHUTDOWN, EngineCoreProc
+from vconsole.engine.proc.core_proc import EngineCoreProc
+from vconsole.engine.proc.loop_inputs import LoopInput, Reload, Shutdown
 from vconsole.engine.proc.supervisor import EngineSupervisor, RestartPolicy
 from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULTS
 
 
-def _install_signal_handlers(q: queue.SimpleQueue[tuple[Any, ...]], *,
+def _install_signal_handlers(q: queue.SimpleQueue[LoopInput], *,
                              escalate: bool = True) -> None:
     """SIGINT/SIGTERM: drain and exit 0 (a second one: exit now, unless ``escalate`` is off:
     a supervised child hears a group's signal twice, directly and passed on, and leaves
@@ -46,12 +47,12 @@ def _install_signal_handlers(q: queue.SimpleQueue[tuple[Any, ...]], *,
             if escalate:
                 raise KeyboardInterrupt
             return
-        q.put((SHUTDOWN, signal.Signals(signum).name))
+        q.put(Shutdown(signal.Signals(signum).name))
 
     signal.signal(signal.SIGINT, on_stop)
     signal.signal(signal.SIGTERM, on_stop)
     if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, lambda *_: q.put((RELOAD, "SIGHUP")))
+        signal.signal(signal.SIGHUP, lambda *_: q.put(Reload("SIGHUP")))
 
 
 def _fatal(args: argparse.Namespace, message: str) -> None:
@@ -102,7 +103,7 @@ def _serve(args: argparse.Namespace, config: Any, endpoints: dict[str, str], *,
            curve: Any = True, front: Any = None) -> int:
     """Run the engine in this process until it is stopped. ``front``: a torchrun group's
     front end, started once the engine serves and closed after it drained."""
-    q: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+    q: queue.SimpleQueue[LoopInput] = queue.SimpleQueue()
     _install_signal_handlers(q, escalate=escalate)
     try:
         proc = EngineCoreProc(config, endpoints, config_path=getattr(args, "config", None),

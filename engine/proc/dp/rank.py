@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vconsole.engine.config import EngineConfig
+from vconsole.engine.proc import protocol
 from vconsole.engine.proc.dp.group import DPGroup, GroupBroken
 from vconsole.engine.proc.dp.rendezvous import DPEnv, connect_store, publish_rank
 from vconsole.engine.proc.dp.wave import CompletedWave, WaveState
@@ -63,7 +64,10 @@ def wave_body(event: str, wave: int, steps: int = 0, dummy_steps: int = 0,
 
 
 class DPRank:
-    """One rank's coordination; used by the busy loop's thread only."""
+    """One rank's coordination; used by the busy loop's thread only (its
+    `vconsole.engine.proc.role.ProcessRole`)."""
+
+    is_rank = True
 
     def __init__(self, env: DPEnv, config: EngineConfig, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -144,6 +148,16 @@ class DPRank:
         if not (has_work and self.coordinated) or not self.wave.start(self._clock()):
             return None
         return WaveEvent("start", self.wave.wave, wave_body("start", self.wave.wave), True)
+
+    def on_front_end(self, kind: str, value: int,
+                     submit_dp: Callable[[dict[str, Any]], None]) -> WaveEvent | None:
+        """The front end's ``regroup`` (form generation ``value``'s group; the ``dp`` topic
+        says so before and after) or ``start_wave`` (another rank started wave ``value``)."""
+        if kind == protocol.REGROUP:
+            self.regroup(value, before_form=lambda: submit_dp(self.dp_body()))
+            submit_dp(self.dp_body())
+            return None
+        return self.on_start_wave(value)
 
     def on_start_wave(self, wave: int) -> WaveEvent | None:
         """Another rank started ``wave`` (forwarded by the front end)."""

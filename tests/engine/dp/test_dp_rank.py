@@ -96,7 +96,7 @@ def test_a_dummy_step_writes_no_kv_block_and_no_request_state(core):
 def test_a_lone_engine_refuses_dp_messages_and_keeps_serving(core, tmp_path, monkeypatch):
     monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
     proc = EngineCoreProc(core.config, ipc_endpoints(tmp_path), core=core)
-    assert proc.dp is None
+    assert not proc.role.is_rank and not proc.role.in_wave
     proc.start()
     loop = threading.Thread(target=proc.run_busy_loop, daemon=True)
     loop.start()

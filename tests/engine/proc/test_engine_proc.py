@@ -570,7 +570,13 @@ class _IdleCore:
         self.config_version = 1
         self.num_steps = 0
         self.last_step = None
+        self.consecutive_step_failures = 0
+        self.last_step_error = None
         self.telemetry_guard = TelemetryGuard()
+
+    def model_info(self) -> dict:
+        return {"device": "cpu", "vocab_size": None, "max_model_len": None,
+                "num_kv_blocks": None}
 
     def has_unfinished_requests(self) -> bool:
         return False
@@ -590,11 +596,11 @@ class _IdleCore:
 
 def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path, monkeypatch):
     from vconsole.engine.proc import core_proc
-    from vconsole.telemetry.publisher import TelemetryPublisher
+    from vconsole.telemetry.publish_loop import PublishLoop
 
     release = threading.Event()
     monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
-    monkeypatch.setattr(TelemetryPublisher, "_loop", lambda self, *a: release.wait())
+    monkeypatch.setattr(PublishLoop, "run", lambda self, *a: release.wait())
     monkeypatch.setattr(core_proc, "PUBLISHER_CLOSE_S", 0.3, raising=False)
     core = _IdleCore()
     proc = core_proc.EngineCoreProc(core.config, _ipc_endpoints(tmp_path), core=core)
