@@ -31,7 +31,9 @@ class HelpScreen(ModalScreen[None]):
         self.dp = dp    # a data-parallel group is watched: its keys are listed too
 
     def compose(self) -> ComposeResult:
-        lines = ["[b]vconsole[/] — keys"]
+        # At 80x24 most of it is below the fold: the first line says how to get there.
+        lines = ["[b]vconsole[/] — keys  [$text-muted]↑ ↓ pgup pgdn scroll · esc or ? "
+                 "closes[/]"]
         for title, keys in [*HELP_SECTIONS, *([DP_HELP] if self.dp else [])]:
             if self.readonly and title == "Config":
                 keys = [("", "read-only: config changes are disabled")]

@@ -82,6 +82,7 @@ async def test_the_help_names_the_alerts_key_on_its_first_line_and_in_its_own_se
         await pilot.press("question_mark")
         await pilot.pause()
         lines = text_of(app.screen.query_one("#help-text")).splitlines()
+        assert "scroll" in lines[0] and "esc" in lines[0], "how to reach what is below the fold"
         everywhere = next(line for line in lines if line.strip().startswith("1 2 3"))
         assert "!" in everywhere.split()[:8] and "Alerts" in everywhere
         assert any(line.strip() == "Alerts" for line in lines)
