@@ -190,6 +190,7 @@ def main() -> int:
         import tempfile
         import threading
 
+        from vconsole.telemetry.control import ControlClient
         from vconsole.telemetry.record import record_stream
         from vconsole.tools.demo import DemoStack
 
@@ -198,6 +199,10 @@ def main() -> int:
         with DemoStack(engine_args, rate=args.rate) as stack:
             eps = stack.endpoints
             key, key_file = stack.engine.control_key(), stack.engine.control_key_path
+            # Waiting-queue thresholds the demo's bursts cross, so the Alerts screen shows
+            # real alerts of this engine (at the defaults, 50 / 100, a demo raises none).
+            with ControlClient(eps["control"], key=key) as ctl:
+                ctl.set_config({"alert_waiting_warning": 4, "alert_waiting_critical": 12})
             recorder = threading.Thread(target=record_stream, daemon=True, args=(
                 eps["telemetry"], recording, args.warmup + 45.0))
             recorder.start()
