@@ -8,8 +8,10 @@ recorder): nothing in the engine knows about fault injection.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -105,6 +107,25 @@ def test_latency_that_raises_inside_a_step_costs_no_token(monkeypatch):
     assert faulty["errors"][0] > 0 and clean["errors"] == [0]
 
 
+@contextlib.contextmanager
+def busy_loop(core: EngineCore, tmp_path) -> Iterator[tuple[dict[str, str], Telemetry,
+                                                          threading.Thread]]:
+    """``core`` behind a real EngineCoreProc on ipc:// sockets, its busy loop on a thread:
+    (endpoints, a telemetry subscriber, the loop's thread); shut down afterwards."""
+    eps = ipc_endpoints(tmp_path)
+    proc = EngineCoreProc(core.config, eps, core=core)
+    proc.start()
+    telemetry = Telemetry(eps["telemetry"])
+    loop = threading.Thread(target=proc.run_busy_loop, name="busy-loop")
+    loop.start()
+    try:
+        yield eps, telemetry, loop
+    finally:
+        telemetry.close()
+        proc.request_shutdown("test cleanup")
+        loop.join(30)
+
+
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22], [40, 41, 42, 43, 44, 45, 46], [9, 9, 9, 9],
            [11, 12], [30, 31, 32, 33, 34, 35], [2, 3, 4], [60, 61, 62, 63]]
 MAX_TOKENS = 12
@@ -133,13 +154,7 @@ def test_an_injected_snapshot_failure_leaves_serving_untouched(tmp_path, monkeyp
     monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
     core = EngineCore(EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, block_size=4,
                                    max_num_seqs=2, telemetry_hz=50))
-    eps = ipc_endpoints(tmp_path)
-    proc = EngineCoreProc(core.config, eps, core=core)
-    proc.start()
-    telemetry = Telemetry(eps["telemetry"])
-    loop = threading.Thread(target=proc.run_busy_loop, name="busy-loop")
-    loop.start()
-    try:
+    with busy_loop(core, tmp_path) as (eps, telemetry, loop):
         with EngineClient(eps["input"], eps["output"], timeout_s=60) as client:
             ids = [client.submit(prompt_token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS]
             tokens = {rid: [] for rid in ids}
@@ -160,10 +175,6 @@ def test_an_injected_snapshot_failure_leaves_serving_untouched(tmp_path, monkeyp
         assert "serving goes on" in alert["message"]
         telemetry.wait_for("sched", lambda p: p["num_finished_total"] == len(PROMPTS))
         assert loop.is_alive(), "the busy loop survived every fault"
-    finally:
-        telemetry.close()
-        proc.request_shutdown("test cleanup")
-        loop.join(30)
 
 
 @pytest.mark.proc
@@ -185,20 +196,10 @@ def test_a_failed_snapshot_of_the_drained_engine_is_sent_again_not_left_stale(tm
     monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
     core = EngineCore(EngineConfig(model="tiny", device="cpu", num_kv_blocks=32, block_size=4,
                                    max_num_seqs=2, telemetry_hz=20))
-    eps = ipc_endpoints(tmp_path)
-    proc = EngineCoreProc(core.config, eps, core=core)
-    proc.start()
-    telemetry = Telemetry(eps["telemetry"])
-    loop = threading.Thread(target=proc.run_busy_loop, name="busy-loop")
-    loop.start()
-    try:
+    with busy_loop(core, tmp_path) as (eps, telemetry, _):
         with EngineClient(eps["input"], eps["output"], timeout_s=60) as client:
             rid = client.submit(prompt_token_ids=[5, 6, 7], max_tokens=4)
             assert list(client.stream(rid))[-1].finished
         telemetry.wait_for("sched", lambda p: p["num_finished_total"] == 1, timeout_s=15)
         assert failed["idle"] == 1, "the drained snapshot failed once"
         assert core.telemetry_guard.errors["sched"] == 1
-    finally:
-        telemetry.close()
-        proc.request_shutdown("test cleanup")
-        loop.join(30)
