@@ -20,7 +20,7 @@ from textual.widgets import DataTable, Input, Static
 
 from vconsole.console import format as fmt
 from vconsole.console.keymap import ALERTS
-from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.screens.filtered import FilteredScreen
 from vconsole.console.state import ALERT_HISTORY, Alert, ConsoleState
 from vconsole.console.widgets.chrome import Frame
 
@@ -64,13 +64,12 @@ def active_now(state: ConsoleState) -> list[tuple[str, str, str]]:
                   key=lambda t: (rank.get(t[2], 2), t[0], t[1]))
 
 
-class AlertsScreen(ConsoleScreen):
+class AlertsScreen(FilteredScreen):
     MODE = "alerts"
     BINDINGS = ALERTS
 
     def __init__(self) -> None:
         super().__init__()
-        self.filter_text = ""
         self.shown: list[Alert] = []
         self._signature: tuple[Any, ...] | None = None
 
@@ -79,7 +78,8 @@ class AlertsScreen(ConsoleScreen):
         table: DataTable[Any] = DataTable(id="alert-table", cursor_type="row",
                                           zebra_stripes=False)
         yield table
-        yield Input(placeholder="filter alerts (enter keeps, esc clears)", id="alert-filter")
+        yield Input(placeholder="filter alerts (enter keeps, esc clears)", id="alert-filter",
+                    classes="filter-input")
         yield Static(id="alert-detail")
 
     @property
@@ -164,29 +164,3 @@ class AlertsScreen(ConsoleScreen):
     @on(DataTable.RowHighlighted, "#alert-table")
     def _highlighted(self) -> None:
         self._show_detail(self.console.state.clock())
-
-    # --- filter ----------------------------------------------------------------------------
-
-    def action_filter(self) -> None:
-        box = self.query_one("#alert-filter", Input)
-        box.add_class("-shown")
-        box.value = self.filter_text
-        box.focus()
-
-    @on(Input.Changed, "#alert-filter")
-    def _filter_changed(self, event: Input.Changed) -> None:
-        self.filter_text = event.value.strip()
-        self.console.refresh_view(force=True)
-
-    @on(Input.Submitted, "#alert-filter")
-    def _filter_done(self) -> None:
-        self.query_one("#alert-filter", Input).remove_class("-shown")
-        self.table.focus()
-
-    def action_clear_filter(self) -> None:
-        box = self.query_one("#alert-filter", Input)
-        box.value = ""
-        box.remove_class("-shown")
-        self.filter_text = ""
-        self.table.focus()
-        self.console.refresh_view(force=True)

@@ -31,7 +31,7 @@ from vconsole.console.changes import (
     show_value,
 )
 from vconsole.console.keymap import CONFIG
-from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.screens.filtered import FilteredScreen
 from vconsole.console.state import ConfigView, ConsoleState
 from vconsole.console.widgets.chrome import Frame
 from vconsole.security.key_owner import GONE, UNKNOWN, KeyStatus
@@ -75,13 +75,12 @@ def key_holder(status: KeyStatus | None, engine_id: Any = None) -> str:
     return f"[$text-muted]{text}[/]"
 
 
-class ConfigScreen(ConsoleScreen):
+class ConfigScreen(FilteredScreen):
     MODE = "config"
     BINDINGS = CONFIG
 
     def __init__(self) -> None:
         super().__init__()
-        self.filter_text = ""
         self.editing: str | None = None
         self._signature: tuple[Any, ...] | None = None
         self._keys: list[str] = []
@@ -90,7 +89,8 @@ class ConfigScreen(ConsoleScreen):
         yield Static(id="cfg-summary")
         table: DataTable[Any] = DataTable(id="cfg-table", cursor_type="row", zebra_stripes=False)
         yield table
-        yield Input(placeholder="filter keys (enter keeps, esc clears)", id="cfg-filter")
+        yield Input(placeholder="filter keys (enter keeps, esc clears)", id="cfg-filter",
+                    classes="filter-input")
         with Horizontal(id="cfg-edit"):
             yield Label("", id="cfg-edit-label")
             yield Input(id="cfg-input")
@@ -252,32 +252,11 @@ class ConfigScreen(ConsoleScreen):
         self.show_error(None)
         self.table.focus()
 
-    def action_filter(self) -> None:
-        box = self.query_one("#cfg-filter", Input)
-        box.add_class("-shown")
-        box.value = self.filter_text
-        box.focus()
-
-    @on(Input.Changed, "#cfg-filter")
-    def _filter_changed(self, event: Input.Changed) -> None:
-        self.filter_text = event.value.strip()
-        self.console.refresh_view(force=True)
-
-    @on(Input.Submitted, "#cfg-filter")
-    def _filter_done(self) -> None:
-        self.query_one("#cfg-filter", Input).remove_class("-shown")
-        self.table.focus()
-
     def action_clear_filter(self) -> None:
-        if self.editing is not None:
+        if self.editing is not None:    # esc closes the editor first
             self.close_editor()
             return
-        box = self.query_one("#cfg-filter", Input)
-        box.value = ""
-        box.remove_class("-shown")
-        self.filter_text = ""
-        self.table.focus()
-        self.console.refresh_view(force=True)
+        super().action_clear_filter()
 
     def focus_key(self, key: str) -> bool:
         if key not in self._keys:

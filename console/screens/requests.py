@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from textual import on
 from textual.app import ComposeResult
 from textual.content import Content
 from textual.widgets import Input, Static
@@ -12,7 +11,7 @@ from textual.widgets import Input, Static
 from vconsole.console import format as fmt
 from vconsole.console.keymap import REQUESTS
 from vconsole.console.requests_view import SORT_KEYS, TITLES, select
-from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.screens.filtered import FilteredScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
 from vconsole.console.widgets.request_table import RequestTable, header_text
@@ -26,7 +25,7 @@ def _columns(requests: Any) -> RequestColumns:
     return RequestColumns.from_rows(list(requests or []))
 
 
-class RequestsScreen(ConsoleScreen):
+class RequestsScreen(FilteredScreen):
     MODE = "requests"
     BINDINGS = REQUESTS
 
@@ -34,7 +33,7 @@ class RequestsScreen(ConsoleScreen):
         super().__init__()
         self.sort_key = "age_s"
         self.reverse = True
-        self.query_text = ""
+        self.filter_text = ""
         self.total_rows = 0
         self._source: Any = None
         self._view_key: tuple[Any, ...] | None = None
@@ -44,7 +43,7 @@ class RequestsScreen(ConsoleScreen):
         yield Static(id="req-header")
         yield RequestTable(id="req-table")
         yield Input(placeholder="filter: words, state:running, prio>0, age>30 — enter keeps, "
-                                "esc clears", id="req-filter")
+                                "esc clears", id="req-filter", classes="filter-input")
 
     @property
     def table(self) -> RequestTable:
@@ -64,11 +63,11 @@ class RequestsScreen(ConsoleScreen):
         # An idle engine re-sends its last snapshot every heartbeat (same ``snapshot_ts``):
         # the same rows, so 10k rows are not filtered and sorted again for nothing.
         snap = self._source or {}
-        key = (snap.get("snapshot_ts", id(self._source)), len(src), self.query_text,
+        key = (snap.get("snapshot_ts", id(self._source)), len(src), self.filter_text,
                self.sort_key, self.reverse, self.table.scrollable_content_region.width)
         if key != self._view_key:
             self._view_key = key
-            self.table.set_view(src, select(src, self.query_text, self.sort_key,
+            self.table.set_view(src, select(src, self.filter_text, self.sort_key,
                                             self.reverse))
             self.total_rows = len(src)
         self._show_header()
@@ -88,13 +87,13 @@ class RequestsScreen(ConsoleScreen):
             parts = [f"[$warning]{fmt.count(sc.get('num_waiting'))}[/] waiting",
                      f"[$success]{fmt.count(sc.get('num_running'))}[/] running",
                      f"[$error]{fmt.count(sc.get('num_preempted'))}[/] preempted"]
-            view = f"{shown:,} of {self.total_rows:,} shown" if self.query_text else \
+            view = f"{shown:,} of {self.total_rows:,} shown" if self.filter_text else \
                 f"{self.total_rows:,} rows"
             if sc.get("requests_truncated"):
                 view += " [$warning](engine sends the first rows only)[/]"
             parts.append(f"[$text-muted]{view}[/]")
-            if self.query_text:
-                parts.append(f"filter [b]{fmt.escape(self.query_text)}[/]")
+            if self.filter_text:
+                parts.append(f"filter [b]{fmt.escape(self.filter_text)}[/]")
             if frame.paused:
                 parts.append("[$warning b]paused[/]")
             text = " · ".join(parts)
@@ -105,31 +104,9 @@ class RequestsScreen(ConsoleScreen):
 
     # --- actions ---------------------------------------------------------------------------
 
-    def action_filter(self) -> None:
-        box = self.query_one("#req-filter", Input)
-        box.add_class("-shown")
-        box.value = self.query_text
-        box.focus()
-
     def set_filter(self, text: str) -> None:
-        self.query_text = text.strip()
+        self.filter_text = text.strip()
         self._reapply()
-
-    @on(Input.Changed, "#req-filter")
-    def _filter_changed(self, event: Input.Changed) -> None:
-        self.set_filter(event.value)
-
-    @on(Input.Submitted, "#req-filter")
-    def _filter_done(self) -> None:
-        self.query_one("#req-filter", Input).remove_class("-shown")
-        self.table.focus()
-
-    def action_clear_filter(self) -> None:
-        box = self.query_one("#req-filter", Input)
-        box.value = ""
-        box.remove_class("-shown")
-        self.set_filter("")
-        self.table.focus()
 
     def set_sort(self, key: str, reverse: bool | None = None) -> None:
         self.sort_key = key

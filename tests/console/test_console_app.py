@@ -103,7 +103,7 @@ async def test_requests_filter_and_sort():
         ages = [r["age_s"] for r in table.rows]
         assert ages == sorted(ages, reverse=True)          # default: oldest first
         await pilot.press("slash", *"state:running", "enter")
-        assert screen.query_text == "state:running"
+        assert screen.filter_text == "state:running"
         assert {r["state"] for r in table.rows} == {"running"}
         assert len(table.rows) == sc["num_running"]
         assert f"{sc['num_running']} of" in text_of(screen.query_one("#req-summary"))
@@ -113,7 +113,7 @@ async def test_requests_filter_and_sort():
         await pilot.press("r")
         assert [r["id"] for r in table.rows] == sorted(ids, reverse=True)
         await pilot.press("escape")
-        assert screen.query_text == "" and len(table.rows) == len(sc["requests"])
+        assert screen.filter_text == "" and len(table.rows) == len(sc["requests"])
 
 
 async def test_request_cursor_follows_its_request_when_rows_move():
