@@ -23,9 +23,10 @@ SHARED_ENGINE_ARGS = ["--num-kv-blocks", "64", "--block-size", "8", "--max-num-s
 
 @pytest.fixture(scope="session")
 def shared_engine(tmp_path_factory):
+    from support.live_engine import ipc_endpoints
     from vconsole.tools.demo import EngineProcess
 
     d = tmp_path_factory.mktemp("shared-engine")
-    eps = {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}
-    with EngineProcess(SHARED_ENGINE_ARGS, endpoints=eps, log_path=d / "engine.log") as proc:
+    with EngineProcess(SHARED_ENGINE_ARGS, endpoints=ipc_endpoints(d),
+                       log_path=d / "engine.log") as proc:
         yield proc

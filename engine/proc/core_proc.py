@@ -130,7 +130,8 @@ class EngineCoreProc:
     enqueue before the (slow) core exists."""
 
     def __init__(self, config: EngineConfig, endpoints: dict[str, str], *,
-                 config_path: str | None = None, allow_remote: bool = False, core: ServingCore | None = None,
+                 config_path: str | None = None, allow_remote: bool = False,
+                 core: ServingCore | None = None,
                  input_queue: queue.SimpleQueue[LoopInput] | None = None,
                  control_key_file: str | None = None,
                  ready_file: str | os.PathLike[str] | None = None,
