@@ -4,7 +4,7 @@ The engine's side is the control ops ``profile_start`` / ``profile_status`` / ``
 (docs/PROTOCOL.md, *Profiling*). The Profile screen (`vconsole.console.screens.profile`) makes a
 `ProfileRun` after the operator confirmed, and `follow` drives it from one of the app's worker
 threads, so a run goes on while the operator looks at other screens; the screen only draws
-``app.profile_run``.
+``app.steering.profile_run``.
 
 Invariants: only `follow`'s thread writes a run (`take`, `fail`), the UI thread only reads it;
 ``generation`` grows with every change the screen should show; a run is over (``active``

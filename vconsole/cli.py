@@ -402,7 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"vconsole: {e}", file=sys.stderr)
         return 2
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: the supervisor reruns it
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -151,7 +151,7 @@ class AdviceScreen(ConsoleScreen):
 
     def _show_history(self) -> None:
         box = self.query_one("#adv-history", Static)
-        done = self.console.advice_outcomes
+        done = self.console.steering.advice_outcomes
         if not done:
             box.update("")
             return

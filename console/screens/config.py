@@ -126,7 +126,7 @@ class ConfigScreen(FilteredScreen):
         app = self.console
         # Not id(cfg): the engine re-announces the same config every few seconds.
         sig = (cfg.version if cfg else None, repr(sorted(cfg.values.items())) if cfg else "",
-               len(cfg.schema) if cfg else 0, app.replies_generation, self.filter_text)
+               len(cfg.schema) if cfg else 0, app.steering.generation, self.filter_text)
         if sig != self._signature:
             self._signature = sig
             self._rebuild(cfg)
@@ -142,7 +142,7 @@ class ConfigScreen(FilteredScreen):
         if cfg is None:
             return
         q = self.filter_text.lower()
-        replies = self.console.replies
+        replies = self.console.steering.replies
         for row in cfg.schema:
             key = str(row.get("key"))
             desc = str(row.get("description", ""))
@@ -159,10 +159,11 @@ class ConfigScreen(FilteredScreen):
             table.move_cursor(row=self._keys.index(keep), animate=False)
 
     def _show_summary(self, cfg: ConfigView | None, frame: Frame) -> None:
+        steering = self.console.steering
         if cfg is None:
-            how = ("asking the engine's control socket…" if self.console.control is not None
+            how = ("asking the engine's control socket…" if steering.control is not None
                    else "waiting for the engine's config announcement…")
-            err = self.console.control_error
+            err = steering.control_error
             text = f"[$text-muted]no config yet: {how}[/]"
             if err:
                 text += f"\n[$warning]{fmt.escape(err)}[/]"
@@ -174,7 +175,7 @@ class ConfigScreen(FilteredScreen):
                 text += f" · filter [b]{fmt.escape(self.filter_text)}[/]"
             if frame.readonly:
                 text += f" · [$warning]read-only: {fmt.escape(frame.readonly_reason)}[/]"
-        holder = key_holder(self.console.key_status, cfg.values.get("engine_id") if cfg else None)
+        holder = key_holder(steering.key_status, cfg.values.get("engine_id") if cfg else None)
         if holder:
             text += f" · {holder}"
         self.query_one("#cfg-summary", Static).update(Content.from_markup(text))
@@ -193,7 +194,7 @@ class ConfigScreen(FilteredScreen):
             f"[$text-muted]{fmt.escape(describe_range(row))}[/]"))
 
     def _show_history(self) -> None:
-        hist = self.console.history
+        hist = self.console.steering.history
         box = self.query_one("#cfg-history", Static)
         if not hist:
             box.update(Content.from_markup("[$text-muted]no changes sent yet[/]"))

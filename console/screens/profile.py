@@ -2,7 +2,7 @@
 
 ``s`` starts a profile after a confirmation (profiling slows every step until it is done, and
 the box says so); the run itself (`vconsole.console.profile_run.follow`) is an app worker, so it
-goes on while the operator looks elsewhere, and this screen draws ``app.profile_run``: progress
+goes on while the operator looks elsewhere, and this screen draws ``app.steering.profile_run``: progress
 while it runs, then the step phase shares, the time per layer type and the top operators by
 self time, scrollable at 80x24. Read-only hides the actions (and the ``P`` key that leads here).
 """
@@ -94,7 +94,7 @@ class ProfileScreen(ConsoleScreen):
 
     @property
     def run(self) -> ProfileRun | None:
-        return self.console.profile_run
+        return self.console.steering.profile_run
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="prof-summary")
@@ -108,7 +108,7 @@ class ProfileScreen(ConsoleScreen):
         if action not in ("start", "cancel", "steps"):
             return True
         app = self.console
-        if app.readonly or not supports_profile(app.control):
+        if app.readonly or not supports_profile(app.steering.control):
             return False
         running = self.run is not None and self.run.active
         if action == "cancel":
@@ -181,7 +181,7 @@ class ProfileScreen(ConsoleScreen):
 
     def action_start(self) -> None:
         app = self.console
-        if app.readonly or not supports_profile(app.control):
+        if app.readonly or not supports_profile(app.steering.control):
             return
         if self.run is not None and self.run.active:
             self.notify(f"{self.run.id or 'a profile'} is running: c cancels it",
@@ -207,7 +207,7 @@ class ProfileScreen(ConsoleScreen):
 def start_profile(app: VConsoleApp, steps: int) -> ProfileRun:
     """Start following a new profile of ``steps`` steps (the operator confirmed)."""
     run = ProfileRun(steps)
-    app.profile_run = run
+    app.steering.profile_run = run
     app.run_worker(partial(_follow, app, run), thread=True, group="profile", exclusive=True)
     app.refresh_view(force=True)
     return run
@@ -220,14 +220,14 @@ def _follow(app: VConsoleApp, run: ProfileRun) -> None:
         if not worker.is_cancelled:
             app.call_from_thread(app.refresh_view, True)
     try:
-        follow(app.control, run, worker.cancelled_event, changed)
+        follow(app.steering.control, run, worker.cancelled_event, changed)
     except NotAuthorised:
         app.call_from_thread(app.key_refused)
 
 
 def _cancel(app: VConsoleApp, profile_id: str) -> None:
     try:
-        app.control.profile_cancel(profile_id)  # type: ignore[union-attr]
+        app.steering.control.profile_cancel(profile_id)  # type: ignore[union-attr]
     except Exception as e:
         app.call_from_thread(app.notify, f"cancelling {profile_id} failed: {e}",
                              title="Profile", severity="error")

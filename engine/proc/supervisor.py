@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -64,7 +63,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -72,12 +71,13 @@ from typing import IO, TYPE_CHECKING, Any
 import zmq
 
 from vconsole.engine.proc import exit_codes, liveness
+from vconsole.engine.proc.child import ChildProcess, engine_command
 from vconsole.engine.proc.exit_codes import describe_exit
+from vconsole.engine.proc.launch import ChildOfSupervisor
 from vconsole.engine.proc.metrics_relay import MetricsRelay
 from vconsole.engine.proc.ready_file import (
     ENDPOINT_NAMES,
     ReadyFileError,
-    read_ready_file,
     remove_ready_file,
     write_ready_file,
 )
@@ -85,6 +85,7 @@ from vconsole.telemetry.alerts import restart_event
 from vconsole.telemetry.beacon import HealthBeacon
 
 if TYPE_CHECKING:
+    from vconsole.engine.proc.launch import EngineLaunch
     from vconsole.security.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine.supervisor")
@@ -94,20 +95,6 @@ STDERR_TAIL_LINES = 20    # the child's last stderr lines: did it say anything
 STDERR_JOIN_S = 5.0       # after the child exited, how long its stderr may still flow
 RESTARTING = "restarting"
 LIVENESS_POLL_S = 0.5     # how often the supervisor reads a ready child's liveness stamp
-HANG_TIMEOUT_S = 60.0     # default: no busy-loop pass for this long with work pending = hung
-
-
-def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], Any] | None:
-    """A preexec_fn that asks Linux to send ``sig`` to the child when its parent dies; None
-    elsewhere. libc is resolved here, in the parent, so the child makes one system call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-    return lambda: prctl(pr_set_pdeathsig, sig)
 
 
 @dataclass
@@ -146,52 +133,48 @@ class RestartPolicy:
 
 
 class EngineSupervisor:
-    """Runs ``command`` (`vconsole engine` with the user's flags) as a child and restarts it;
-    see the module docstring. `run` blocks until the supervisor is done and returns its exit
-    code; ``failure`` then says why, when it gave up.
+    """Runs the engine ``launch`` describes as a child and restarts it; see the module
+    docstring. `run` blocks until the supervisor is done and returns its exit code; ``failure``
+    then says why, when it gave up.
 
-    ``command`` gets ``--supervised-child``, a private ``--ready-file``, ``--restart-count``,
-    ``--restart-reason`` and, once known, the concrete endpoints appended (argparse: the last
-    value wins). ``curve``: the engine's CURVE keys, so the restarting heartbeats are as secure
-    as the engine's own telemetry. ``beacon=False``: no ``restarting`` heartbeats of its own
-    (a data-parallel rank's: the front end's telemetry proxy publishes them for the rank)."""
+    The child's command line is ``launch`` for a child (`EngineLaunch.for_child`): a private
+    ready file, the restart count and reason, and, once known, the concrete endpoints.
+    ``curve``: the engine's CURVE keys (loaded by the caller), so the restarting heartbeats are
+    as secure as the engine's own telemetry. ``beacon=False``: no ``restarting`` heartbeats of
+    its own (a data-parallel rank's: the front end's telemetry proxy publishes them)."""
 
-    def __init__(self, command: Sequence[str], endpoints: dict[str, str], *, engine_id: str,
-                 rank: int = 0, policy: RestartPolicy | None = None,
-                 ready_file: str | os.PathLike[str] | None = None,
-                 heartbeat_interval_s: float = 1.0, sndhwm: int = 1000,
-                 env: dict[str, str] | None = None, curve: ServerCurve | None = None,
-                 stderr: IO[str] | None = None,
+    def __init__(self, launch: EngineLaunch, *, env: dict[str, str] | None = None,
+                 curve: ServerCurve | None = None, stderr: IO[str] | None = None,
                  on_ready: Callable[[dict[str, Any]], None] | None = None,
                  on_exit: Callable[[int, str], None] | None = None,
-                 beacon: bool = True,
-                 hang_timeout_s: float | None = HANG_TIMEOUT_S,
-                 metrics: tuple[str, int] | None = None) -> None:
-        self.command = list(command)
-        self.endpoints = {n: endpoints[n] for n in ENDPOINT_NAMES}
-        self.engine_id = engine_id
-        self.rank = rank
-        self.policy = policy or RestartPolicy()
-        self.ready_file = ready_file
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.sndhwm = sndhwm
+                 beacon: bool = True) -> None:
+        config, sup = launch.config, launch.supervision
+        self.launch = launch
+        self.endpoints = {n: launch.endpoints[n] for n in ENDPOINT_NAMES}
+        self.engine_id = config.engine_id
+        self.rank = config.dp_rank
+        self.policy = RestartPolicy(max_restarts=sup.max_restarts, window_s=sup.restart_window_s,
+                                    backoff_s=sup.restart_backoff_s)
+        self.ready_file = launch.ready_file
+        self.heartbeat_interval_s = config.heartbeat_interval_s
+        self.sndhwm = config.zmq_sndhwm
         self.env = env
         self.curve = curve
         self._stderr = stderr
         self.on_ready = on_ready              # (the child's ready record) once it serves
         self.on_exit = on_exit                # (exit code, reason) each time a child exits
         self.beacon = beacon                  # publish `restarting` while no child runs
-        self.hang_timeout_s = hang_timeout_s or None
+        self.hang_timeout_s = sup.hang_timeout_s or None
         self._hung: str | None = None         # why the last child was killed as hung
         self.restart_count = 0
         self.restart_reason: str | None = None
         self.failure: str | None = None      # why `run` gave up, for the caller to print
         self.child_pids: list[int] = []      # every child started, in order
         self._ever_ready = False
-        self._child: subprocess.Popen[bytes] | None = None
+        self._child: ChildProcess | None = None
         self._stop_signal: int | None = None  # set by the first SIGTERM/SIGINT
         self._run_dir: Path | None = None     # `run`'s private folder: the child's ready file
-        self.metrics = metrics                # (host, port) of the public /metrics, if any
+        self.metrics = launch.metrics         # (host, port) of the public /metrics, if any
         self._relay: MetricsRelay | None = None
         self._child_metrics: str | None = None  # the serving child's private /metrics URL
         self._last_record: dict[str, Any] | None = None  # the last ready child's record
@@ -289,17 +272,14 @@ class EngineSupervisor:
         return self._run_dir / "child-failure"
 
     def _child_command(self) -> list[str]:
-        cmd = [*self.command, "--supervised-child", "--ready-file", str(self._child_ready_file),
-               "--restart-count", str(self.restart_count),
-               "--liveness-file", str(self._liveness_file),
-               "--failure-file", str(self._failure_file)]
-        if self.restart_reason is not None:
-            cmd.append(f"--restart-reason={self.restart_reason}")
-        for name, ep in self.endpoints.items():
-            cmd.append(f"--{name}={ep}")
-        if self._relay is not None:       # a private port; the public one is the relay's
-            cmd += ["--metrics-port=0", "--metrics-host=127.0.0.1"]
-        return cmd
+        child = ChildOfSupervisor(liveness_file=str(self._liveness_file),
+                                  failure_file=str(self._failure_file),
+                                  restart_count=self.restart_count,
+                                  restart_reason=self.restart_reason)
+        private_metrics = ("127.0.0.1", 0) if self._relay is not None else None
+        return engine_command(self.launch.for_child(
+            child, self.endpoints, ready_file=str(self._child_ready_file),
+            metrics=private_metrics).argv())
 
     def _run_child(self) -> tuple[int, str]:
         """Start a child, announce it once ready, wait for it to exit: its return code and its
@@ -308,27 +288,25 @@ class EngineSupervisor:
         self._hung = None
         liveness.create(self._liveness_file)
         self._failure_file.unlink(missing_ok=True)
-        proc = subprocess.Popen(self._child_command(), stdin=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, env=self.env,
-                                preexec_fn=parent_death_signal())
-        self._child = proc
-        self.child_pids.append(proc.pid)
+        child = ChildProcess(self._child_command(), env=self.env, stderr=subprocess.PIPE)
+        self._child = child
+        self.child_pids.append(child.pid)
         if self._stop_signal is not None:     # a stop that came while the child was forking
-            self._signal_child(self._stop_signal)
-        assert proc.stderr is not None
-        relay = threading.Thread(target=self._relay_stderr, args=(proc.stderr, tail),
+            child.send_signal(self._stop_signal)
+        assert child.proc.stderr is not None
+        relay = threading.Thread(target=self._relay_stderr, args=(child.proc.stderr, tail),
                                  name="supervisor-stderr", daemon=True)
         relay.start()
         try:
-            if self._wait_ready(proc):
-                self._watch(proc)
+            if self._wait_ready(child):
+                self._watch(child)
         finally:
-            if proc.poll() is None:           # an exception here: never leave it running
-                self._kill_child()
+            if child.poll() is None:          # an exception here: never leave it running
+                child.kill()
             relay.join(STDERR_JOIN_S)
             self._child = None
             self._child_metrics = None
-        return proc.returncode, self._last_words(tail)
+        return child.proc.returncode, self._last_words(tail)
 
     def _last_words(self, tail: collections.deque[str]) -> str:
         """For the give-up line: what the child said about its end (its failure file, which
@@ -341,33 +319,28 @@ class EngineSupervisor:
             return f"it said: {said}"
         return "its output is above" if any(line.strip() for line in tail) else ""
 
-    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> bool:
-        """Poll the child's ready file; True once it is ready (announced), False if it
+    def _wait_ready(self, child: ChildProcess) -> bool:
+        """Wait for the child's ready file; True once it is ready (announced), False if it
         exited first."""
         while True:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(POLL_S)
-                return False
             try:
-                record = read_ready_file(self._child_ready_file)
+                record = child.wait_ready(self._child_ready_file)
             except ReadyFileError:
-                continue
-            if record is not None and record["pid"] == proc.pid:
-                self._announce(record)
-                return True
+                continue                      # not a record (yet): keep waiting
+            if record is None:
+                return False
+            self._announce(record)
+            return True
 
-    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+    def _watch(self, child: ChildProcess) -> None:
         """Wait for a ready child to exit; kill it if it hangs (see the module docstring)."""
-        while True:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(LIVENESS_POLL_S)
-                return
+        while child.wait(LIVENESS_POLL_S) is None:
             if self.hang_timeout_s is None or self._stop_signal is not None:
                 continue
             age = liveness.hung_for(self._liveness_file, self.hang_timeout_s)
             if age is not None:
                 self._hung = f"hung: no step for {age:.0f} s"
-                log.error("the engine (pid %d) is %s with work pending: killing it", proc.pid,
+                log.error("the engine (pid %d) is %s with work pending: killing it", child.pid,
                           self._hung)
                 self._kill_child()
 
@@ -480,14 +453,9 @@ class EngineSupervisor:
             self._signal_child(signal.SIGKILL)
 
     def _signal_child(self, sig: int) -> None:
-        proc = self._child
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, sig)
+        if self._child is not None:
+            self._child.send_signal(sig)
 
     def _kill_child(self) -> None:
-        proc = self._child
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait()
+        if self._child is not None:
+            self._child.kill()

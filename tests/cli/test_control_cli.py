@@ -10,8 +10,8 @@ import pytest
 
 from vconsole.cli import build_parser
 from vconsole.commands.control import main_get, main_set, parse_pairs
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.security import control_key, engine_key
-from vconsole.tools.demo import EngineProcess
 
 
 @pytest.fixture(scope="module")

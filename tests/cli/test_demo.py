@@ -61,7 +61,7 @@ def test_stack_serves_load_with_telemetry_and_leaves_no_process_behind():
         assert busy, "the load never reached the engine"
         assert stack.load.is_alive() and stack.load.error is None
     assert not stack.load.is_alive()
-    assert stack.engine.proc.returncode == 0  # SIGTERM: a clean drain
+    assert stack.engine.child.returncode == 0  # SIGTERM: a clean drain
     assert_gone(pid)
     assert children() <= before
 
@@ -108,7 +108,7 @@ def test_temporary_engine_log_is_not_held_open_and_a_clean_stop_removes_it():
     assert log.exists() and str(log) not in open_paths()  # mkstemp's descriptor is closed
     with engine:
         assert "ready" in engine.log_text()
-    assert engine.proc.returncode == 0 and not engine.failed
+    assert engine.child.returncode == 0 and not engine.failed
     assert not log.exists()
 
 

@@ -5,7 +5,6 @@ teardown); the torchrun test starts its own group."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -22,10 +21,11 @@ import zmq
 
 from tests.support.live_engine import Telemetry, ipc_endpoints, reference_outputs
 from vconsole.engine.proc import protocol
+from vconsole.engine.proc.child import ChildProcess
 from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.engine.proc.ready_file import read_ready_file
 from vconsole.telemetry.control import ControlClient
-from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
@@ -300,8 +300,8 @@ def test_torchrun_launches_two_ranks_that_serve_behind_rank_0s_front_end(tmp_pat
            "--ready-file", str(ready), *[f"--{n}={ep}" for n, ep in eps.items()]]
     log = tmp_path / "torchrun.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        proc = ChildProcess(cmd, stdout=out, stderr=subprocess.STDOUT, own_group=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         deadline = time.monotonic() + 120
         while (record := read_ready_file(ready)) is None:
@@ -320,13 +320,10 @@ def test_torchrun_launches_two_ranks_that_serve_behind_rank_0s_front_end(tmp_pat
                                    timeout_s=10)
         finally:
             telemetry.close()
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        proc.stop(60)                                                   # SIGTERM, the group
         assert log.read_text().count("engine stopped (SIGTERM)") == 2   # every rank drained
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.kill()
 
 
 def test_the_launcher_refuses_a_public_endpoint_the_bind_policy_refuses_before_any_rank() -> None:

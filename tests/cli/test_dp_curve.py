@@ -6,7 +6,6 @@ host, a keyless folder, the flags outside torchrun)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -20,6 +19,7 @@ import pytest
 import zmq
 
 from tests.support.live_engine import Telemetry, ipc_endpoints
+from vconsole.engine.proc.child import ChildProcess
 from vconsole.engine.proc.client import EngineClient
 from vconsole.engine.proc.ready_file import read_ready_file
 from vconsole.security.control_key import ENV_RUNTIME_DIR, key_file_name
@@ -101,8 +101,7 @@ def _host_address() -> str:
     return "127.0.0.1" if address.startswith("127.") or address == "0.0.0.0" else address
 
 
-def _nodes(tmp_path: Path, keys: Path, eps: dict[str, str]) -> list[tuple[subprocess.Popen[bytes],
-                                                                           Path]]:
+def _nodes(tmp_path: Path, keys: Path, eps: dict[str, str]) -> list[tuple[ChildProcess, Path]]:
     """``torchrun --nnodes 2`` as two nodes would run it, one rank each: node 1's rank binds
     this machine's non-loopback address, and each node has its own runtime folder, so the front
     end (node 0) cannot read node 1's key file, as on two hosts."""
@@ -119,9 +118,8 @@ def _nodes(tmp_path: Path, keys: Path, eps: dict[str, str]) -> list[tuple[subpro
         log = tmp_path / f"node{node}.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", ENV_RUNTIME_DIR: str(tmp_path / f"run{node}")}
         with open(log, "wb") as out:
-            nodes.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, start_new_session=True,
-                                           env=env), log))
+            nodes.append((ChildProcess(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                       own_group=True), log))
     return nodes
 
 
@@ -190,12 +188,11 @@ def test_torchrun_ranks_on_two_nodes_behind_curve_serve_only_their_front_end(
         finally:
             telemetry.close()
         for proc, _ in nodes:
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)                 # the node's whole group
         for proc, _ in nodes:
             proc.wait(60)
         assert logs().count("engine stopped (SIGTERM)") == 2   # every rank drained
     finally:
         for proc, _ in nodes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
             proc.wait()

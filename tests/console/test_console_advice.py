@@ -46,8 +46,8 @@ async def until(pilot, cond, timeout: float = 5.0) -> None:
 
 
 async def open_advice(pilot, app) -> AdviceScreen:
-    if app.control is not None:
-        await until(pilot, lambda: app.config_fetches)
+    if app.steering.control is not None:
+        await until(pilot, lambda: app.steering.config_fetches)
     await pilot.press("a")
     await pilot.pause()
     assert isinstance(app.screen, AdviceScreen)
@@ -93,11 +93,11 @@ async def test_applying_a_hot_suggestion_is_confirmed_then_reaches_the_engine():
         assert not isinstance(app.screen, ConfirmScreen) and sets(ctl) == []
         await pilot.press("A")                            # the footer's key; enter works too
         await pilot.press("tab", "enter")                 # "Apply advice"
-        await until(pilot, lambda: app.advice_outcomes and app.advice_outcomes[-1].done)
+        await until(pilot, lambda: app.steering.advice_outcomes and app.steering.advice_outcomes[-1].done)
         assert sets(ctl) == [a.change]                    # one all-or-nothing set_config
         assert ctl.config.policy == "hybrid"
         assert ctl.config.max_num_seqs == a.change["max_num_seqs"]
-        assert app.advice_outcomes[-1].ok
+        assert app.steering.advice_outcomes[-1].ok
         assert app.state.config.values["policy"] == "hybrid"
         await pilot.pause()
         assert "applied" in text_of(screen.query_one("#adv-history"))
@@ -129,8 +129,8 @@ async def test_a_rejected_suggestion_shows_the_engines_reason_in_alerts():
         await open_advice(pilot, app)
         (a,) = app.screen.advice
         assert app.apply_advice(a, confirmed=True) is None
-        await until(pilot, lambda: app.advice_outcomes and app.advice_outcomes[-1].done)
-        out = app.advice_outcomes[-1]
+        await until(pilot, lambda: app.steering.advice_outcomes and app.steering.advice_outcomes[-1].done)
+        out = app.steering.advice_outcomes[-1]
         assert not out.ok and "must be >= 28" in out.summary
         assert ctl.config.policy == "fcfs"                # all or nothing: nothing changed
         await pilot.press("1")
@@ -178,7 +178,7 @@ async def test_help_and_palette_list_the_advice():
     ctl = FakeControl()
     app = replay_app(records=list(generate(**SLOW)), control=ctl)
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: app.config_fetches)
+        await until(pilot, lambda: app.steering.config_fetches)
         texts = [t for t, _c, _h in ConsoleCommands(app.screen)._commands()]
         assert "Go to Advice" in texts
         assert [t for t in texts if t.startswith("Apply advice: policy fcfs → hybrid")]

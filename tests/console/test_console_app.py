@@ -180,7 +180,7 @@ async def test_kv_map_summarises_a_pool_larger_than_the_screen():
 
 async def open_editor(pilot, app, key: str) -> ConfigScreen:
     await pilot.press("4")
-    await until(pilot, lambda: app.state.config is not None and app.config_fetches)
+    await until(pilot, lambda: app.state.config is not None and app.steering.config_fetches)
     screen = app.screen
     assert isinstance(screen, ConfigScreen)
     await pilot.pause()
@@ -204,7 +204,7 @@ async def test_config_edit_rejects_a_bad_value_with_the_reason():
         await type_value(pilot, screen, "lots")
         error = text_of(screen.query_one("#cfg-error"))
         assert "expected an integer" in error
-        assert app.replies["max_num_seqs"].status == INVALID
+        assert app.steering.replies["max_num_seqs"].status == INVALID
         assert screen.editing == "max_num_seqs"             # still editing
         assert [c for c in ctl.calls if c[0] == "set_config"] == []
         await pilot.press("escape")
@@ -217,12 +217,12 @@ async def test_config_change_reaches_the_engine_and_its_ack_is_shown():
     async with app.run_test(size=(80, 24)) as pilot:
         screen = await open_editor(pilot, app, "max_num_seqs")
         await type_value(pilot, screen, "48")
-        await until(pilot, lambda: app.replies["max_num_seqs"].done)
-        rec = app.replies["max_num_seqs"]
+        await until(pilot, lambda: app.steering.replies["max_num_seqs"].done)
+        rec = app.steering.replies["max_num_seqs"]
         assert rec.status == APPLIED and rec.version == 2
         assert ctl.config.max_num_seqs == 48
         assert app.state.config.values["max_num_seqs"] == 48
-        assert app.history == [rec]
+        assert app.steering.history == [rec]
         await pilot.pause()
         assert "applied (v2)" in text_of(screen.query_one("#cfg-history"))
         row = screen.table.get_row("max_num_seqs")
@@ -235,8 +235,8 @@ async def test_restart_only_key_is_answered_restart_required():
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await open_editor(pilot, app, "block_size")
         await type_value(pilot, screen, "32")
-        await until(pilot, lambda: app.replies["block_size"].done)
-        assert app.replies["block_size"].status == RESTART
+        await until(pilot, lambda: app.steering.replies["block_size"].done)
+        assert app.steering.replies["block_size"].status == RESTART
         assert ctl.config.block_size == 16
 
 
@@ -246,8 +246,8 @@ async def test_engine_rejection_reason_is_shown():
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await open_editor(pilot, app, "alert_waiting_warning")
         await type_value(pilot, screen, "500")   # above the critical threshold (100)
-        await until(pilot, lambda: app.replies["alert_waiting_warning"].done)
-        rec = app.replies["alert_waiting_warning"]
+        await until(pilot, lambda: app.steering.replies["alert_waiting_warning"].done)
+        rec = app.steering.replies["alert_waiting_warning"]
         assert rec.status == "rejected" and "exceeds critical" in rec.reason
         assert "exceeds critical" in text_of(screen.query_one("#cfg-error"))
 
@@ -266,7 +266,7 @@ async def test_big_cut_of_max_num_seqs_asks_for_confirmation():
         await pilot.press("e")
         await type_value(pilot, screen, "4")
         await pilot.press("tab", "enter")                  # move to "Apply change" and press
-        await until(pilot, lambda: app.replies["max_num_seqs"].done)
+        await until(pilot, lambda: app.steering.replies["max_num_seqs"].done)
         assert ctl.config.max_num_seqs == 4
 
 
@@ -277,8 +277,8 @@ async def test_control_timeout_is_reported_not_raised():
         screen = await open_editor(pilot, app, "policy")
         ctl.down = True
         await type_value(pilot, screen, "hybrid")
-        await until(pilot, lambda: app.replies["policy"].done)
-        assert app.replies["policy"].status == "no answer"
+        await until(pilot, lambda: app.steering.replies["policy"].done)
+        assert app.steering.replies["policy"].status == "no answer"
 
 
 async def test_readonly_hides_every_action():
@@ -304,7 +304,7 @@ async def test_a_console_without_control_is_readonly():
 async def test_palette_has_an_entry_for_every_action():
     app = replay_app(control=FakeControl())
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: app.state.config is not None and app.config_fetches)
+        await until(pilot, lambda: app.state.config is not None and app.steering.config_fetches)
         texts = [t for t, _c, _h in ConsoleCommands(app.screen)._commands()]
         for want in ("Go to Overview", "Go to Requests", "Go to KV map", "Go to Config",
                      "Pause updates", "Start recording the telemetry stream", "Filter requests",
@@ -354,13 +354,13 @@ async def test_engine_down_then_back_refetches_config():
     ctl = FakeControl()
     app = replay_app(records=recs, control=ctl, clock=lambda: now[0])
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: app.config_fetches == 1)
+        await until(pilot, lambda: app.steering.config_fetches == 1)
         now[0] = end + 10
         await until(pilot, lambda: app.state.engine().was_down)
         assert app.state.engine().status(now[0]) == "down"
         app.state.ingest(frames("health", {"state": "running", "uptime_s": 1.0, "steps": 0,
                                            "interval_s": 1.0}, seq=999), now[0])
-        await until(pilot, lambda: app.config_fetches == 2)
+        await until(pilot, lambda: app.steering.config_fetches == 2)
         await pilot.pause(0.2)
         assert "ENGINE DOWN" not in text_of(app.screen.query_one(Banner))
 

@@ -21,8 +21,8 @@ from support.live_engine import Telemetry
 from vconsole.console.app import VConsoleApp
 from vconsole.console.screens.ranks import RankRow, RanksScreen
 from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.tools import top
-from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

@@ -47,11 +47,11 @@ async def test_a_key_left_by_a_killed_engine_is_shown_as_gone(tmp_path):
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("4")
         deadline = time.monotonic() + 10
-        while app.key_status is None:
+        while app.steering.key_status is None:
             assert time.monotonic() < deadline
             await pilot.pause(0.05)
         app.refresh_view(force=True)
         await pilot.pause()
         summary = str(app.screen.query_one("#cfg-summary", Static).render())
-    assert app.key_status.state == GONE
+    assert app.steering.key_status.state == GONE
     assert f"key old-0 pid {dead.pid} gone" in summary

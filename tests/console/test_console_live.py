@@ -29,10 +29,10 @@ from vconsole.console.screens.overview import OverviewScreen
 from vconsole.console.widgets.chrome import Banner, TabBar
 from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.security import engine_key
 from vconsole.telemetry import schema
 from vconsole.telemetry.control import ControlClient
-from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
@@ -199,7 +199,7 @@ def banner_text(app: VConsoleApp) -> str:
 async def open_config_key(pilot, app: VConsoleApp, key: str) -> ConfigScreen:
     """As a person would: 4 for the Config screen, / to filter down to the key, e to edit."""
     await pilot.press("4")
-    await until(pilot, lambda: app.config_fetches and app.state.config is not None,
+    await until(pilot, lambda: app.steering.config_fetches and app.state.config is not None,
                 "the console fetched the config")
     screen = app.screen
     assert isinstance(screen, ConfigScreen)
@@ -269,7 +269,7 @@ async def test_numbers_on_screen_match_the_engine(engine, telemetry, size):
 
         # The Config screen shows the engine's effective config, value for value.
         await pilot.press("4")
-        await until(pilot, lambda: app.config_fetches >= 1, "the config was fetched")
+        await until(pilot, lambda: app.steering.config_fetches >= 1, "the config was fetched")
         app.refresh_view(force=True)
         await pilot.pause()
         screen = app.screen
@@ -293,9 +293,9 @@ async def test_config_change_through_the_ui_reaches_the_engine(engine, telemetry
         modal = app.screen
         assert f"max_num_seqs: {old} → {new}" in modal.title_text
         await pilot.press("tab", "enter")  # to "Apply change", and press it
-        await until(pilot, lambda: "max_num_seqs" in app.replies
-                    and app.replies["max_num_seqs"].done, "the engine's reply")
-        rec = app.replies["max_num_seqs"]
+        await until(pilot, lambda: "max_num_seqs" in app.steering.replies
+                    and app.steering.replies["max_num_seqs"].done, "the engine's reply")
+        rec = app.steering.replies["max_num_seqs"]
         assert rec.status == APPLIED, rec.summary()
 
         # The engine has it: read back through the control socket, and in its telemetry.
@@ -333,9 +333,9 @@ async def test_a_value_the_engine_rejects_shows_the_engines_reason(engine):
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await open_config_key(pilot, app, "alert_waiting_warning")
         await type_over(pilot, bad)
-        await until(pilot, lambda: "alert_waiting_warning" in app.replies
-                    and app.replies["alert_waiting_warning"].done, "the engine's reply")
-        rec = app.replies["alert_waiting_warning"]
+        await until(pilot, lambda: "alert_waiting_warning" in app.steering.replies
+                    and app.steering.replies["alert_waiting_warning"].done, "the engine's reply")
+        rec = app.steering.replies["alert_waiting_warning"]
         assert rec.status == REJECTED
         assert "exceeds critical" in rec.reason and str(crit) in rec.reason
         await pilot.pause()
@@ -354,7 +354,7 @@ async def test_a_console_without_the_key_is_read_only_by_itself(engine, tmp_path
     assert app.readonly and app.readonly_reason == f"no control key: {missing}"
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("4")
-        await until(pilot, lambda: app.config_fetches and app.state.config is not None,
+        await until(pilot, lambda: app.steering.config_fetches and app.state.config is not None,
                     "the config is still read (get_config needs no key)")
         screen = app.screen
         assert isinstance(screen, ConfigScreen)
@@ -368,7 +368,7 @@ async def test_a_console_without_the_key_is_read_only_by_itself(engine, tmp_path
         app.refresh_view(force=True)
         await pilot.pause()
         assert "read-only" in text_of(screen.query_one("#cfg-summary"))
-        assert app.history == []
+        assert app.steering.history == []
     after = wait_for_control(engine.endpoints["control"])
     assert after["version"] == before["version"] and after["values"] == before["values"]
     # The same console with the key (found by the endpoint, as `attach` does) may edit.
@@ -391,7 +391,7 @@ async def test_a_console_started_before_its_engine_takes_the_key_once_it_is_writ
         await until(pilot, lambda: not app.readonly, "the console left read-only mode", 30)
         assert app.readonly_reason == ""
         await open_config_key(pilot, app, "alert_waiting_warning")   # e opens the editor
-    assert app.control_key_path == engine.control_key_path
+    assert app.steering.control_key_path == engine.control_key_path
 
 
 async def test_a_key_the_engine_refuses_makes_the_console_read_only(engine, tmp_path):
@@ -404,9 +404,9 @@ async def test_a_key_the_engine_refuses_makes_the_console_read_only(engine, tmp_
     async with app.run_test(size=(120, 40)) as pilot:
         await open_config_key(pilot, app, key)
         await type_over(pilot, value)
-        await until(pilot, lambda: key in app.replies and app.replies[key].done,
+        await until(pilot, lambda: key in app.steering.replies and app.steering.replies[key].done,
                     "the engine's reply")
-        rec = app.replies[key]
+        rec = app.steering.replies[key]
         assert not rec.ok and "not authorised" in rec.reason and str(
             engine.control_key_path) in rec.reason
         await until(pilot, lambda: app.readonly, "the console turned read-only")
@@ -421,9 +421,9 @@ async def test_a_key_the_engine_refuses_makes_the_console_read_only(engine, tmp_
     async with app.run_test(size=(120, 40)) as pilot:
         await open_config_key(pilot, app, key)
         await type_over(pilot, value)
-        await until(pilot, lambda: key in app.replies and app.replies[key].done,
+        await until(pilot, lambda: key in app.steering.replies and app.steering.replies[key].done,
                     "the engine's reply")
-        assert app.replies[key].status == APPLIED, app.replies[key].summary()
+        assert app.steering.replies[key].status == APPLIED, app.steering.replies[key].summary()
         assert not app.readonly
     with control(engine) as ctl:
         assert ctl.set_config({key: before["values"][key]})["ok"]
@@ -433,7 +433,7 @@ async def test_killed_engine_is_shown_down_then_the_console_recovers(spawn):
     first = spawn(engine_args("live-kill"))
     app = console_for(first)
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: app.config_fetches == 1 and app.state.engine() is not None
+        await until(pilot, lambda: app.steering.config_fetches == 1 and app.state.engine() is not None
                     and "health" in app.state.engine().latest, "the console is connected")
         await until(pilot, lambda: banner_text(app) == "", "no banner while connected")
         # A change first, so the console holds config v2: the restarted engine counts versions
@@ -444,8 +444,8 @@ async def test_killed_engine_is_shown_down_then_the_console_recovers(spawn):
                     and app.state.config.values["max_num_seqs"] == 7,
                     "the console heard config v2")
 
-        os.killpg(first.proc.pid, signal.SIGKILL)
-        first.proc.wait(10)
+        os.killpg(first.child.pid, signal.SIGKILL)
+        first.child.wait(10)
         # Down after 3 heartbeat intervals of 0.2 s plus a refresh tick; 4 s is generous.
         await until(pilot, lambda: "ENGINE DOWN" in banner_text(app), "the down banner",
                     timeout=4)
@@ -458,7 +458,7 @@ async def test_killed_engine_is_shown_down_then_the_console_recovers(spawn):
         assert second.endpoints == first.endpoints
         await until(pilot, lambda: banner_text(app) == "", "the down banner went away",
                     timeout=20)
-        await until(pilot, lambda: app.config_fetches >= 2 and app.state.config is not None
+        await until(pilot, lambda: app.steering.config_fetches >= 2 and app.state.config is not None
                     and app.state.config.values["max_num_seqs"] == 6
                     and app.state.config.version == 1,
                     "the console fetched the new engine's config", timeout=20)

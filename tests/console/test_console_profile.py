@@ -55,10 +55,10 @@ async def test_a_confirmed_profile_shows_progress_then_the_tables(size):
         assert "slower" in app.screen.consequence
         assert app.screen.title_text == "Profile the engine's next 20 steps?"
         await pilot.press("enter")
-        assert app.screen is screen and not starts(ctl) and app.profile_run is None
+        assert app.screen is screen and not starts(ctl) and app.steering.profile_run is None
 
         await pilot.press("s", "tab", "enter")     # move to "Start profile" and press
-        await until(pilot, lambda: app.profile_run is not None and app.profile_run.id)
+        await until(pilot, lambda: app.steering.profile_run is not None and app.steering.profile_run.id)
         assert starts(ctl) == [("profile_start", {"steps": 20})]
         app.refresh_view(force=True)
         summary = text_of(screen, "#prof-summary")
@@ -68,7 +68,7 @@ async def test_a_confirmed_profile_shows_progress_then_the_tables(size):
         assert not isinstance(app.screen, ConfirmScreen)
 
         ctl.profile_hold = False
-        await until(pilot, lambda: app.profile_run.state == "done")
+        await until(pilot, lambda: app.steering.profile_run.state == "done")
         await pilot.pause(0.1)
         app.refresh_view(force=True)
         summary = text_of(screen, "#prof-summary")
@@ -93,9 +93,9 @@ async def test_cancel_stops_a_running_profile():
     app = replay_app(control=ctl)
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("P", "s", "tab", "enter")
-        await until(pilot, lambda: app.profile_run is not None and app.profile_run.id)
+        await until(pilot, lambda: app.steering.profile_run is not None and app.steering.profile_run.id)
         await pilot.press("c")
-        await until(pilot, lambda: app.profile_run.state == "cancelled")
+        await until(pilot, lambda: app.steering.profile_run.state == "cancelled")
         assert ("profile_cancel", {"profile": "p1"}) in ctl.calls
         app.refresh_view(force=True)
         assert "profile p1 cancelled after 0/20 steps" in text_of(app.screen, "#prof-summary")
@@ -105,10 +105,10 @@ async def test_an_engine_that_does_not_answer_is_reported():
     ctl = FakeControl()
     app = replay_app(control=ctl)
     async with app.run_test(size=(80, 24)) as pilot:
-        await until(pilot, lambda: app.config_fetches)
+        await until(pilot, lambda: app.steering.config_fetches)
         ctl.down = True
         await pilot.press("P", "s", "tab", "enter")
-        await until(pilot, lambda: app.profile_run is not None and not app.profile_run.active)
+        await until(pilot, lambda: app.steering.profile_run is not None and not app.steering.profile_run.active)
         app.refresh_view(force=True)
         summary = text_of(app.screen, "#prof-summary")
         assert "profile error" in summary and "no reply" in summary

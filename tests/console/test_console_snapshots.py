@@ -28,7 +28,7 @@ async def settle(pilot) -> None:
     """Wait for the control worker's config fetch (if any) and a fresh apply."""
     app = pilot.app
     deadline = time.monotonic() + 5
-    while app.control is not None and not app.config_fetches and time.monotonic() < deadline:
+    while app.steering.control is not None and not app.steering.config_fetches and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     for box in app.screen.query(Input):
         box.cursor_blink = False

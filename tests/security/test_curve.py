@@ -21,12 +21,12 @@ import pytest
 import zmq
 
 from vconsole.engine.proc.client import AsyncEngineClient, EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.security.bind_policy import RemoteBindRefused, check_endpoints
 from vconsole.security.curve import ClientCurve, CurveKeyError, load_client_curve
 from vconsole.security.curve_server import load_server_curve
 from vconsole.security.key_owner import RUNNING, read_owner
 from vconsole.telemetry.control import ControlClient, NotAuthorised
-from vconsole.tools.demo import EngineProcess
 from vconsole.tools.top import snapshot_once
 
 ENGINE_ID = "curve-0"
@@ -166,7 +166,7 @@ def test_clients_without_an_authorised_key_pair_get_no_reply_and_the_engine_keep
             done = served.generate(prompt_token_ids=[5] * 4, max_tokens=2, ignore_eos=True,
                                    timeout_s=30)
             assert done.finish_reason == "length", why
-    assert engine.proc.poll() is None
+    assert engine.child.poll() is None
     log = engine.log_text()
     assert "CURVE: refused a client whose public key is not authorised" in log
     with ControlClient(eps["control"], curve=good, timeout_s=10) as ctl:
@@ -222,9 +222,9 @@ async def test_the_console_with_keys_shows_the_engine_and_whose_key_it_holds(eng
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("4")
         deadline = time.monotonic() + 20
-        while not (app.state.config is not None and app.key_status is not None
+        while not (app.state.config is not None and app.steering.key_status is not None
                    and app.state.engines):
-            assert time.monotonic() < deadline, app.control_error
+            assert time.monotonic() < deadline, app.steering.control_error
             await pilot.pause(0.05)
         app.refresh_view(force=True)
         await pilot.pause()

@@ -19,11 +19,11 @@ import pytest
 from vconsole.cli import build_parser
 from vconsole.commands.control import main_get
 from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.security import engine_key, key_owner
 from vconsole.security.control_key import read_key_file
 from vconsole.security.key_owner import GONE, RUNNING, KeyOwner
 from vconsole.telemetry.control import ControlClient
-from vconsole.tools.demo import EngineProcess
 
 ENGINE_ARGS = ["--no-supervisor", "--model", "tiny", "--num-kv-blocks", "16",
                "--max-num-seqs", "4"]
@@ -132,7 +132,7 @@ def test_a_killed_engine_leaves_a_stale_key_that_clients_name_and_the_next_engin
         key_path, first_pid = first.control_key_path, first.pid
         stale = first.control_key()
         first.signal(signal.SIGKILL)
-        first.proc.wait(20)
+        first.child.wait(20)
     finally:
         first.stop()
     assert read_key_file(key_path) == stale                  # SIGKILL: nothing cleaned up

@@ -30,6 +30,7 @@ from vconsole.engine.config import EngineConfig
 from vconsole.engine.latency import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, LatencyStats
 from vconsole.engine.proc.client import EngineClient
 from vconsole.engine.proc.core_proc import EngineCoreProc
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.engine.proc.ready_file import read_ready_file
 from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
 from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
@@ -38,7 +39,6 @@ from vconsole.telemetry.alerts import RULES
 from vconsole.telemetry.bodies import kv_body, sched_body
 from vconsole.telemetry.prometheus import MetricsServer, RanksCollector, TelemetryCollector
 from vconsole.telemetry.publisher import ITERATION_TOKENS_BUCKETS, TelemetryPublisher
-from vconsole.tools.demo import EngineProcess
 
 LABELS = {"model_name": "tiny", "engine": "0"}
 VLLM_NAMES = {   # family name (as the parser reports it) -> type

@@ -4,12 +4,8 @@ place, and a `CurveKeyError` with the reason instead of a traceback when a file 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from vconsole.security.curve import ClientCurve, load_client_curve
-
-if TYPE_CHECKING:
-    from vconsole.security.curve_server import ServerCurve
 
 
 def client_curve(args: argparse.Namespace) -> ClientCurve | None:
@@ -17,10 +13,3 @@ def client_curve(args: argparse.Namespace) -> ClientCurve | None:
     return load_client_curve(getattr(args, "curve_server_public", None),
                              getattr(args, "curve_client_key", None))
 
-
-def server_curve(args: argparse.Namespace) -> ServerCurve | None:
-    """``--curve-server-key`` + ``--curve-clients``; None when neither is given."""
-    from vconsole.security.curve_server import load_server_curve
-
-    return load_server_curve(getattr(args, "curve_server_key", None),
-                             getattr(args, "curve_clients", None))

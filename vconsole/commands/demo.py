@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vconsole.tools.demo import DEMO_ENGINE_DEFAULTS, DemoStack, EngineProcess
+from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.tools.demo import DEMO_ENGINE_DEFAULTS, DemoStack
 
 _PASS_THROUGH = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
                  "max_num_batched_tokens", "policy", "config")
@@ -62,7 +63,7 @@ def closing_line(engine: EngineProcess) -> tuple[str, int]:
         return (f"engine restarted {engine.restart_count} times (last: "
                 f"{engine.restart_reason}); log: {engine.log_path}", 1)
     if engine.failed:
-        code = engine.proc.returncode if engine.proc else None
+        code = engine.child.returncode if engine.child else None
         return f"the engine failed (exit code {code}); its log: {engine.log_path}", 1
     if engine.keep_log:
         return f"stopped (engine log: {engine.log_path})", 0

@@ -19,18 +19,22 @@ import os
 import queue
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vconsole.commands.curve_args import server_curve
-from vconsole.engine.config import ConfigError, config_from_args
+from vconsole.engine.config import ConfigError, ConfigSource
 from vconsole.engine.proc import exit_codes
 from vconsole.engine.proc.core_proc import EngineCoreProc
+from vconsole.engine.proc.launch import ChildOfSupervisor, EngineLaunch, Supervision
 from vconsole.engine.proc.loop_inputs import LoopInput, Reload, Shutdown
-from vconsole.engine.proc.supervisor import EngineSupervisor, RestartPolicy
+from vconsole.engine.proc.supervisor import EngineSupervisor
 from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULTS
+
+if TYPE_CHECKING:
+    from vconsole.engine.proc.dp.torchrun import TorchrunFrontEnd
 
 
 def _install_signal_handlers(q: queue.SimpleQueue[LoopInput], *,
@@ -55,17 +59,47 @@ def _install_signal_handlers(q: queue.SimpleQueue[LoopInput], *,
         signal.signal(signal.SIGHUP, lambda *_: q.put(Reload("SIGHUP")))
 
 
-def _fatal(args: argparse.Namespace, message: str) -> None:
+def launch_from_args(args: argparse.Namespace) -> EngineLaunch:
+    """The one read of `vconsole engine`'s flags (`vconsole.cli`); raises what
+    `ConfigSource.build` raises for a config that is wrong."""
+    source = ConfigSource.from_flags(args)
+    child = None
+    if args.supervised_child:
+        child = ChildOfSupervisor(liveness_file=args.liveness_file,
+                                  failure_file=args.failure_file,
+                                  restart_count=args.restart_count or 0,
+                                  restart_reason=args.restart_reason)
+    return EngineLaunch(
+        source=source, config=source.build(),
+        endpoints={name: getattr(args, name) or default for name, default in DEFAULTS.items()},
+        ready_file=args.ready_file, control_key_file=args.control_key_file,
+        allow_remote=args.allow_remote, curve_server_key=args.curve_server_key,
+        curve_clients=args.curve_clients,
+        metrics=None if args.metrics_port is None else (args.metrics_host or "127.0.0.1",
+                                                        args.metrics_port),
+        allow_remote_metrics=args.allow_remote_metrics, dp_rank_host=args.dp_rank_host,
+        dp_curve_dir=args.dp_curve_dir,
+        supervision=Supervision(enabled=not args.no_supervisor, max_restarts=args.max_restarts,
+                                restart_window_s=args.restart_window,
+                                restart_backoff_s=args.restart_backoff,
+                                hang_timeout_s=args.hang_timeout),
+        child=child)
+
+
+def _fatal(failure_file: str | None, message: str) -> None:
     """Say why this engine cannot go on, once. A supervised child leaves the words to its
     supervisor (``--failure-file``), which prints them in its own last line; anyone else prints
     them here."""
-    path = getattr(args, "failure_file", None)
-    if path:
+    if failure_file:
         try:
-            Path(path).write_text(message)
+            Path(failure_file).write_text(message)
             return
         except OSError:
             pass
+    print(f"vconsole engine: {message}", file=sys.stderr)
+
+
+def _say(message: object) -> None:
     print(f"vconsole engine: {message}", file=sys.stderr)
 
 
@@ -73,62 +107,58 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = config_from_args(args)
+        launch = launch_from_args(args)
     except ConfigError as e:
-        _fatal(args, f"invalid config: {e}")
+        _fatal(args.failure_file, f"invalid config: {e}")
         return 2
     except (ValueError, OSError) as e:  # an unreadable --config file
-        _fatal(args, str(e))
+        _fatal(args.failure_file, str(e))
         return 2
-    endpoints = {name: getattr(args, name, None) or default for name, default in DEFAULTS.items()}
-    supervised_child = bool(getattr(args, "supervised_child", False))
-    one_rank = supervised_child or getattr(args, "dp_rank", None) is not None
+    one_rank = launch.one_rank
     if not one_rank and _torchrun_world() > 1:
-        return _torchrun_rank(args, config, endpoints)
-    multi_host = [f for f in ("dp_rank_host", "dp_curve_dir") if getattr(args, f, None)]
+        return _torchrun_rank(launch)
+    multi_host = [f for f, v in (("--dp-rank-host", launch.dp_rank_host),
+                                 ("--dp-curve-dir", launch.dp_curve_dir)) if v]
     if not one_rank and multi_host:
-        print(f"vconsole engine: --{multi_host[0].replace('_', '-')} is for torchrun workers "
-              "(ranks on several hosts); this engine's ranks, if any, use private ipc "
-              "endpoints on this host", file=sys.stderr)
+        _say(f"{multi_host[0]} is for torchrun workers (ranks on several hosts); this "
+             "engine's ranks, if any, use private ipc endpoints on this host")
         return exit_codes.CANNOT_START
-    if not one_rank and config.data_parallel_size > 1:
-        return _launch_ranks(args, config, endpoints)
-    if not supervised_child and not getattr(args, "no_supervisor", False):
-        return _supervise(args, config, endpoints)
-    return _serve(args, config, endpoints, escalate=not supervised_child)
+    if not one_rank and launch.config.data_parallel_size > 1:
+        return _launch_ranks(launch)
+    if not launch.supervised_child and launch.supervision.enabled:
+        return _supervise(launch)
+    return _serve(launch, escalate=not launch.supervised_child)
 
 
-def _serve(args: argparse.Namespace, config: Any, endpoints: dict[str, str], *,
-           escalate: bool = True, ready_file: str | None | bool = True,
-           curve: Any = True, front: Any = None) -> int:
-    """Run the engine in this process until it is stopped. ``front``: a torchrun group's
-    front end, started once the engine serves and closed after it drained."""
+def _serve(launch: EngineLaunch, *, escalate: bool = True, curve: Any = True,
+           front: TorchrunFrontEnd | None = None) -> int:
+    """Run the engine in this process until it is stopped. ``curve`` True: the launch's own
+    keys. ``front``: a torchrun group's front end, started once the engine serves and closed
+    after it drained."""
+    failure_file = launch.child.failure_file if launch.child else None
     q: queue.SimpleQueue[LoopInput] = queue.SimpleQueue()
     _install_signal_handlers(q, escalate=escalate)
     try:
-        proc = EngineCoreProc(config, endpoints, config_path=getattr(args, "config", None),
-                              allow_remote=bool(getattr(args, "allow_remote", False)),
-                              control_key_file=getattr(args, "control_key_file", None),
-                              input_queue=q,
-                              ready_file=(getattr(args, "ready_file", None) if ready_file is True
-                                          else ready_file or None),
-                              curve=server_curve(args) if curve is True else curve,
-                              restart_count=getattr(args, "restart_count", 0) or 0,
-                              restart_reason=getattr(args, "restart_reason", None),
-                              liveness_file=getattr(args, "liveness_file", None),
-                              metrics_endpoint=_metrics_endpoint(args),
-                              allow_remote_metrics=bool(getattr(args, "allow_remote_metrics",
-                                                                False)))
+        proc = EngineCoreProc(
+            launch.config, dict(launch.endpoints), config_path=launch.source.config_file,
+            allow_remote=launch.allow_remote, control_key_file=launch.control_key_file,
+            input_queue=q, ready_file=launch.ready_file,
+            curve=launch.server_curve() if curve is True else curve,
+            restart_count=launch.child.restart_count if launch.child else 0,
+            restart_reason=launch.child.restart_reason if launch.child else None,
+            liveness_file=launch.child.liveness_file if launch.child else None,
+            metrics_endpoint=launch.metrics, allow_remote_metrics=launch.allow_remote_metrics)
     except (RemoteBindRefused, CurveKeyError, OSError) as e:
-        _fatal(args, str(e))
+        _fatal(failure_file, str(e))
         return 2
     except ValueError as e:  # the model or the KV pool: the loader says why
-        _fatal(args, f"cannot start: {e}")
+        _fatal(failure_file, f"cannot start: {e}")
         return 1
     proc.start()
     ep = proc.endpoints
-    print(f"vconsole engine {config.engine_id} ready (pid {os.getpid()}): input={ep['input']} "
-          f"output={ep['output']} telemetry={ep['telemetry']} control={ep['control']}"
+    print(f"vconsole engine {launch.config.engine_id} ready (pid {os.getpid()}): "
+          f"input={ep['input']} output={ep['output']} telemetry={ep['telemetry']} "
+          f"control={ep['control']}"
           + (f" metrics={proc.metrics.url}" if proc.metrics is not None else ""), flush=True)
     if front is not None:
         front.start()
@@ -150,7 +180,7 @@ def _torchrun_world() -> int:
         return 1
 
 
-def _torchrun_rank(args: argparse.Namespace, config: Any, endpoints: dict[str, str]) -> int:
+def _torchrun_rank(launch: EngineLaunch) -> int:
     """A torchrun worker is one rank (no supervisor: torchrun restarts the group) on private
     endpoints, ``tcp://--dp-rank-host:*`` (loopback by default; beyond it only as CURVE servers
     with ``--dp-curve-dir`` keys, refused before anything binds); global rank 0 also runs the
@@ -159,74 +189,55 @@ def _torchrun_rank(args: argparse.Namespace, config: Any, endpoints: dict[str, s
     from vconsole.security.bind_policy import check_endpoints
     front_end = int(os.environ.get("RANK") or 0) == 0
     try:
-        curve = server_curve(args)
-        private = rank_endpoints(endpoints, getattr(args, "dp_rank_host", None))
-        check_endpoints(private, False, curve=bool(getattr(args, "dp_curve_dir", None)))
-        rank_curve, front_curve = rank_curves(getattr(args, "dp_curve_dir", None),
-                                              front_end=front_end)
+        curve = launch.server_curve()
+        private = rank_endpoints(launch.endpoints, launch.dp_rank_host)
+        check_endpoints(private, False, curve=bool(launch.dp_curve_dir))
+        rank_curve, front_curve = rank_curves(launch.dp_curve_dir, front_end=front_end)
     except (ValueError, CurveKeyError) as e:    # RemoteBindRefused is a ValueError
-        print(f"vconsole engine: {e}", file=sys.stderr)
+        _say(e)
         return exit_codes.CANNOT_START
     try:
-        front = (TorchrunFrontEnd(args, config, endpoints, curve=curve, rank_curve=front_curve)
+        front = (TorchrunFrontEnd(launch, curve=curve, rank_curve=front_curve)
                  if front_end else None)
     except (RemoteBindRefused, OSError) as e:
-        print(f"vconsole engine: {e}", file=sys.stderr)
+        _say(e)
         return exit_codes.CANNOT_START
-    args.metrics_port = None        # the front end's: /metrics and the key are the group's
-    args.control_key_file = None
-    args.allow_remote = False       # --allow-remote-telemetry is for the public endpoint
-    return _serve(args, config, private, ready_file=False, curve=rank_curve, front=front)
+    # The group's /metrics, control key and public telemetry are the front end's.
+    rank = replace(launch, endpoints=private, ready_file=None, metrics=None,
+                   control_key_file=None, allow_remote=False)
+    return _serve(rank, curve=rank_curve, front=front)
 
 
-def _launch_ranks(args: argparse.Namespace, config: Any, endpoints: dict[str, str]) -> int:
+def _launch_ranks(launch: EngineLaunch) -> int:
     """N ranks behind one front end on this host: `vconsole.engine.proc.dp.launcher`."""
     try:
-        curve = server_curve(args)
+        curve = launch.server_curve()
     except (ValueError, CurveKeyError) as e:
-        print(f"vconsole engine: {e}", file=sys.stderr)
+        _say(e)
         return exit_codes.CANNOT_START
     from vconsole.engine.proc.dp.launcher import DPLauncher
     try:
-        return DPLauncher(args, config, endpoints, curve=curve).run()
+        return DPLauncher(launch, curve=curve).run()
     except (RemoteBindRefused, OSError) as e:
-        print(f"vconsole engine: {e}", file=sys.stderr)
+        _say(e)
         return exit_codes.CANNOT_START
 
 
-def _metrics_endpoint(args: argparse.Namespace) -> tuple[str, int] | None:
-    """``(host, port)`` for the Prometheus server, None without ``--metrics-port``. Under the
-    supervisor this port is the supervisor's relay and each child serves a private loopback
-    port (`vconsole.engine.proc.metrics_relay`); ``--no-supervisor`` serves it itself."""
-    port = getattr(args, "metrics_port", None)
-    if port is None:
-        return None
-    return getattr(args, "metrics_host", None) or "127.0.0.1", port
-
-
-def _supervise(args: argparse.Namespace, config: Any, endpoints: dict[str, str]) -> int:
-    """Run this very command line as a supervised child; see `EngineSupervisor`."""
-    metrics = _metrics_endpoint(args)
+def _supervise(launch: EngineLaunch) -> int:
+    """Run this engine as a supervised child; see `EngineSupervisor`."""
     try:
-        policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
-                               backoff_s=args.restart_backoff)
-        curve = server_curve(args)
-        if metrics is not None:
-            check_metrics_host(metrics[0], bool(getattr(args, "allow_remote_metrics", False)))
+        curve = launch.server_curve()
+        if launch.metrics is not None:
+            check_metrics_host(launch.metrics[0], launch.allow_remote_metrics)
     except (ValueError, CurveKeyError) as e:
-        print(f"vconsole engine: {e}", file=sys.stderr)
+        _say(e)
         return exit_codes.CANNOT_START
-    argv = getattr(args, "argv", None) or sys.argv[1:]
-    supervisor = EngineSupervisor(
-        [sys.executable, "-m", "vconsole", *argv], endpoints, engine_id=config.engine_id,
-        rank=config.dp_rank, policy=policy, ready_file=getattr(args, "ready_file", None),
-        heartbeat_interval_s=config.heartbeat_interval_s, sndhwm=config.zmq_sndhwm, curve=curve,
-        hang_timeout_s=args.hang_timeout, metrics=metrics)
+    supervisor = EngineSupervisor(launch, curve=curve)
     try:
         code = supervisor.run()
     except OSError as e:    # the metrics port is taken
-        print(f"vconsole engine: cannot serve metrics on {metrics}: {e}", file=sys.stderr)
+        _say(f"cannot serve metrics on {launch.metrics}: {e}")
         return exit_codes.CANNOT_START
     if supervisor.failure:
-        print(f"vconsole engine: {supervisor.failure}", file=sys.stderr)
+        _say(supervisor.failure)
     return code

@@ -40,11 +40,23 @@ from vconsole.security.engine_key import refuse_if_held
 
 if TYPE_CHECKING:
     from vconsole.engine.config import EngineConfig
+    from vconsole.engine.proc.launch import EngineLaunch
     from vconsole.security.curve import ClientCurve
     from vconsole.security.curve_server import ServerCurve
 
 
 class FrontEndStack:
+    @classmethod
+    def for_launch(cls, launch: EngineLaunch, world_size: int, *, curve: ServerCurve | None,
+                   **kwargs: Any) -> FrontEndStack:
+        """The front end of the group ``launch`` starts, on its public endpoints, key file,
+        ready file and metrics port."""
+        return cls(launch.config, dict(launch.endpoints), world_size,
+                   allow_remote=launch.allow_remote, curve=curve,
+                   control_key_file=launch.control_key_file, ready_file=launch.ready_file,
+                   metrics=launch.metrics, allow_remote_metrics=launch.allow_remote_metrics,
+                   **kwargs)
+
     def __init__(self, config: EngineConfig, public: dict[str, str], world_size: int, *,
                  allow_remote: bool = False, curve: ServerCurve | None = None,
                  control_key_file: str | None = None, ready_file: str | None = None,

@@ -27,7 +27,6 @@ Invariant: when `run` returns no rank process is left running and the run folder
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
@@ -36,46 +35,22 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vconsole.engine.proc import exit_codes
 from vconsole.engine.proc.dp.front_end_stack import FrontEndStack
 from vconsole.engine.proc.ready_file import ENDPOINT_NAMES
-from vconsole.engine.proc.supervisor import EngineSupervisor, RestartPolicy
+from vconsole.engine.proc.supervisor import EngineSupervisor
 
 if TYPE_CHECKING:
-    from vconsole.engine.config import EngineConfig
+    from vconsole.engine.proc.launch import EngineLaunch
     from vconsole.security.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine.dp")
 
-# Flags of the launcher's own command line that a rank must not inherit (it gets its own).
-_VALUE_FLAGS = ("--input", "--output", "--telemetry", "--control", "--ready-file",
-                "--metrics-port", "--metrics-host", "--control-key-file", "--curve-server-key",
-                "--curve-clients", "--data-parallel-size", "--dp-rank", "--dp-master-addr",
-                "--dp-master-port", "--max-restarts", "--restart-window", "--restart-backoff",
-                "--hang-timeout")
-_BOOL_FLAGS = ("--allow-remote-telemetry", "--allow-remote-metrics", "--no-supervisor")
 POLL_S = 0.1
-
-
-def rank_argv(argv: list[str]) -> list[str]:
-    """``argv`` without the flags the launcher keeps for itself (both ``--f v`` and ``--f=v``)."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in _BOOL_FLAGS or (name in _VALUE_FLAGS and "=" in arg):
-            continue
-        if name in _VALUE_FLAGS:
-            skip = True
-            continue
-        out.append(arg)
-    return out
 
 
 def gpu_count(device: str) -> int:
@@ -103,28 +78,17 @@ def rank_env(rank: int, world_size: int, device: str) -> dict[str, str]:
 class DPLauncher:
     """See the module docstring; `run` from the main thread (signals)."""
 
-    def __init__(self, args: argparse.Namespace, config: EngineConfig,
-                 endpoints: dict[str, str], *, curve: ServerCurve | None = None) -> None:
-        self.args = args
-        self.config = config
-        self.world_size = config.data_parallel_size
-        self.public = dict(endpoints)
+    def __init__(self, launch: EngineLaunch, *, curve: ServerCurve | None = None) -> None:
+        self.launch = launch
+        self.config = launch.config
+        self.world_size = launch.config.data_parallel_size
         self.curve = curve
         self._stop_signal: int | None = None
         self._failed: int | None = None
         self.supervisors: list[EngineSupervisor] = []
 
     def run(self) -> int:
-        args = self.args
-        port = getattr(args, "metrics_port", None)
-        self.stack = FrontEndStack(
-            self.config, self.public, self.world_size,
-            allow_remote=bool(getattr(args, "allow_remote", False)), curve=self.curve,
-            control_key_file=getattr(args, "control_key_file", None),
-            ready_file=getattr(args, "ready_file", None),
-            metrics=None if port is None else (getattr(args, "metrics_host", None)
-                                               or "127.0.0.1", port),
-            allow_remote_metrics=bool(getattr(args, "allow_remote_metrics", False)))
+        self.stack = FrontEndStack.for_launch(self.launch, self.world_size, curve=self.curve)
         run_dir = Path(tempfile.mkdtemp(prefix="vconsole-dp-"))
         previous = {s: signal.signal(s, self._on_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -142,42 +106,40 @@ class DPLauncher:
             self.stack.close()
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def _hang_timeout(self) -> float | None:
+    def _hang_timeout(self) -> float:
         """``--hang-timeout`` for a rank, but never within a collective's own timeout: a rank
         waiting on a dead peer is not hung until its group gives up (``dp_group_timeout_s``,
         for forming the group and for each collective), which then counts as a failure."""
-        hang = getattr(self.args, "hang_timeout", None)
-        return max(hang, 2 * self.config.dp_group_timeout_s + 10) if hang else None
+        hang = self.launch.supervision.hang_timeout_s
+        return max(hang, 2 * self.config.dp_group_timeout_s + 10) if hang else 0.0
+
+    def _rank_launch(self, rank: int, run_dir: Path, port: int) -> EngineLaunch:
+        """Rank ``rank``'s engine: private ipc endpoints and key file in ``run_dir``,
+        supervised with the group's restart rules."""
+        launch = self.launch.for_rank(
+            rank, self.world_size, self.config.dp_master_addr, port,
+            endpoints={n: f"ipc://{run_dir}/r{rank}-{n}" for n in ENDPOINT_NAMES},
+            control_key_file=str(run_dir / f"r{rank}.key"))
+        return replace(launch, ready_file=str(run_dir / f"r{rank}.ready"),
+                       supervision=replace(launch.supervision,
+                                           hang_timeout_s=self._hang_timeout()))
 
     def _run_ranks(self, run_dir: Path, port: int) -> int:
-        argv = rank_argv(list(getattr(self.args, "argv", None) or sys.argv[1:]))
         gpus = gpu_count(self.config.device)
         if 0 < gpus < self.world_size:
             log.warning("%d ranks share %d CUDA device(s): rank r uses device r mod %d",
                         self.world_size, gpus, gpus)
-        max_restarts, window, backoff = (self.args.max_restarts, self.args.restart_window,
-                                         self.args.restart_backoff)
         codes: dict[int, int] = {}
         threads = []
         for r in range(self.world_size):
-            eps = {n: f"ipc://{run_dir}/r{r}-{n}" for n in ENDPOINT_NAMES}
-            self.stack.watch(r, eps["telemetry"])
-            cmd = [sys.executable, "-m", "vconsole", *argv,
-                   "--data-parallel-size", str(self.world_size), "--dp-rank", str(r),
-                   "--dp-master-addr", self.config.dp_master_addr, "--dp-master-port",
-                   str(port), "--control-key-file", str(run_dir / f"r{r}.key")]
-            ready = str(run_dir / f"r{r}.ready")
+            launch = self._rank_launch(r, run_dir, port)
+            self.stack.watch(r, launch.endpoints["telemetry"])
+            ready = launch.ready_file
             sup = EngineSupervisor(
-                cmd, eps, engine_id=self.config.engine_id, rank=r,
-                policy=RestartPolicy(max_restarts=max_restarts, window_s=window,
-                                     backoff_s=backoff),
-                ready_file=ready, heartbeat_interval_s=self.config.heartbeat_interval_s,
-                sndhwm=self.config.zmq_sndhwm,
-                env=rank_env(r, self.world_size, self.config.device),
+                launch, env=rank_env(r, self.world_size, self.config.device),
                 on_ready=lambda rec, r=r, ready=ready: self.stack.rank_ready(r, rec, ready),
                 on_exit=lambda code, why, r=r: self._rank_exit(r, code, why),
-                beacon=False,   # the front end's proxy says `restarting` for the rank
-                hang_timeout_s=self._hang_timeout())
+                beacon=False)   # the front end's proxy says `restarting` for the rank
             self.supervisors.append(sup)
 
             def target(sup: EngineSupervisor = sup, r: int = r) -> None:

@@ -26,7 +26,6 @@ before anything binds, the public endpoints included.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import threading
@@ -47,7 +46,7 @@ from vconsole.security.curve import (
 )
 
 if TYPE_CHECKING:
-    from vconsole.engine.config import EngineConfig
+    from vconsole.engine.proc.launch import EngineLaunch
     from vconsole.security.curve_server import ServerCurve
 
 log = logging.getLogger("vconsole.engine.dp")
@@ -90,23 +89,14 @@ class TorchrunFrontEnd:
     """Bound at construction (a busy public port fails the rank before it loads its model);
     `start` (once this rank serves) finds the ranks in a thread; `close` undoes it all."""
 
-    def __init__(self, args: argparse.Namespace, config: EngineConfig,
-                 endpoints: dict[str, str], *, curve: ServerCurve | None = None,
+    def __init__(self, launch: EngineLaunch, *, curve: ServerCurve | None = None,
                  rank_curve: ClientCurve | None = None) -> None:
         """``curve``: the public endpoints' server keys; ``rank_curve``: the front end's
         client keys for the ranks (`rank_curves`)."""
-        self.env = DPEnv.from_config(config)
-        self.timeout_s = config.dp_group_timeout_s
-        port = getattr(args, "metrics_port", None)
-        self.stack = FrontEndStack(
-            config, endpoints, self.env.world_size,
-            allow_remote=bool(getattr(args, "allow_remote", False)), curve=curve,
-            control_key_file=getattr(args, "control_key_file", None),
-            ready_file=getattr(args, "ready_file", None),
-            metrics=None if port is None else (getattr(args, "metrics_host", None)
-                                               or "127.0.0.1", port),
-            allow_remote_metrics=bool(getattr(args, "allow_remote_metrics", False)),
-            liveness=True, rank_curve=rank_curve)
+        self.env = DPEnv.from_config(launch.config)
+        self.timeout_s = launch.config.dp_group_timeout_s
+        self.stack = FrontEndStack.for_launch(launch, self.env.world_size, curve=curve,
+                                              liveness=True, rank_curve=rank_curve)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._find_ranks, name="dp-find-ranks",
                                         daemon=True)

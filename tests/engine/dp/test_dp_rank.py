@@ -31,10 +31,10 @@ from vconsole.engine.proc.dp.rendezvous import (
     publish_rank,
     read_rank,
 )
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.engine.request import SamplingParams
 from vconsole.telemetry import schema
 from vconsole.telemetry.publisher import TelemetryPublisher
-from vconsole.tools.demo import EngineProcess
 
 WORK = [([5, 9, 13, 2, 7], 6), ([40, 41, 42], 9), ([100] * 11, 5), ([3, 1, 4, 1, 5, 9, 2], 7)]
 
@@ -390,7 +390,7 @@ def test_a_later_request_starts_the_next_wave(group):
 def test_when_rank_1_dies_rank_0_goes_uncoordinated_and_still_serves(group):
     _, procs, (r0, _), (t0, _) = group
     os.kill(procs[1].pid, signal.SIGKILL)
-    procs[1].proc.wait(10)
+    procs[1].child.wait(10)
     rids = [f"c{i}" for i in range(len(WORK))]
     for rid, (ids, n) in zip(rids, WORK, strict=True):
         r0.add(rid, ids, n)

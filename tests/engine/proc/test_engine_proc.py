@@ -22,9 +22,9 @@ import zmq
 from support.live_engine import Telemetry, reference_outputs
 from vconsole.engine.proc import protocol
 from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.security import control_key, engine_key
 from vconsole.telemetry.control import ControlClient, NotAuthorised
-from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
@@ -627,8 +627,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(engine):
     final = [o for o in stream][-1]
     assert final.finish_reason == "abort"
     c.close()
-    engine.proc.wait(20)
-    assert engine.proc.returncode == 0
+    engine.child.wait(20)
+    assert engine.child.returncode == 0
     log = engine.log_text()
     assert "SIGTERM: draining" in log and "engine stopped (SIGTERM)" in log
     assert not key_file.exists(), "the control key file outlived a clean shutdown"

@@ -42,8 +42,8 @@ from hypothesis import strategies as st
 from support.live_engine import RssSampler, Telemetry, ipc_endpoints, reference_outputs
 from vconsole.engine.proc import protocol
 from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.telemetry import control
-from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
@@ -524,7 +524,7 @@ def test_malformed_messages_never_disturb_real_requests_nor_the_engine(engine):
                 fuzz.send(fuzz.inp if msg.socket == "input" else fuzz.ctl, msg.frames)
                 fuzz.drain()
             fuzz.send_probe()
-            assert engine.proc.poll() is None, engine.log_tail()
+            assert engine.child.poll() is None, engine.log_tail()
 
         t0, sent_before = time.monotonic(), fuzz.sent
         with RealLoad(engine) as load:
@@ -561,7 +561,7 @@ def test_malformed_messages_never_disturb_real_requests_nor_the_engine(engine):
         with EngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
             done = c.generate(prompt_token_ids=WORK[0][0], max_tokens=WORK[0][1], timeout_s=30)
         assert done.output_token_ids == expected[0]
-        assert engine.proc.poll() is None
+        assert engine.child.poll() is None
         after = rss.rss()
         print(f"engine RSS: baseline {baseline / 2**20:.0f} MiB, after {after / 2**20:.0f} MiB")
         assert fuzz.sent_bytes >= 4 * RSS_TOLERANCE  # a leak of the messages could not hide
@@ -583,7 +583,7 @@ def test_an_unknown_type_naming_a_non_string_request_id_is_answered_and_serving_
         fuzz.await_probes()
     finally:
         fuzz.close()
-    assert engine.proc.poll() is None, engine.log_tail()
+    assert engine.child.poll() is None, engine.log_tail()
     with EngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
         done = c.generate(prompt_token_ids=[5, 6, 7], max_tokens=2, ignore_eos=True)
         assert done.finish_reason == "length"

@@ -13,8 +13,8 @@ import zmq
 
 from vconsole.engine.proc import protocol
 from vconsole.engine.proc.client import ENGINE_UNREACHABLE, EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.telemetry import schema
-from vconsole.tools.demo import EngineProcess
 
 pytestmark = pytest.mark.proc
 

@@ -30,7 +30,7 @@ import zmq
 
 from support.live_engine import RssSampler, Telemetry, ipc_endpoints
 from vconsole.engine.proc import protocol
-from vconsole.tools.demo import EngineProcess
+from vconsole.engine.proc.engine_process import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.telemetry import schema
 from vconsole.telemetry.control import (
     PROFILE_MAX_STEPS,
@@ -25,7 +26,6 @@ from vconsole.telemetry.control import (
     ControlError,
     NotAuthorised,
 )
-from vconsole.tools.demo import EngineProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.engine.proc.ready_file import (
     ReadyFileError,
     read_ready_file,
@@ -15,7 +16,6 @@ from vconsole.engine.proc.ready_file import (
     write_ready_file,
 )
 from vconsole.telemetry.control import ControlClient
-from vconsole.tools.demo import EngineProcess
 
 EPS = {"input": "tcp://127.0.0.1:1", "output": "tcp://127.0.0.1:2",
        "telemetry": "tcp://127.0.0.1:3", "control": "tcp://127.0.0.1:4"}
@@ -79,6 +79,6 @@ def test_a_launcher_finds_a_live_engine_by_its_ready_file_alone(tmp_path):
             assert ctl.set_config({"max_num_seqs": 8})["ok"]
         ready_path = engine.ready_path
         engine.proc.terminate()
-        engine.proc.wait(30)
-        assert engine.proc.returncode == 0
+        engine.child.wait(30)
+        assert engine.child.returncode == 0
         assert not ready_path.exists(), "the ready file outlived a clean stop"

@@ -22,11 +22,11 @@ import zmq
 from vconsole.commands.demo import closing_line
 from vconsole.engine.proc import exit_codes
 from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.engine.proc.exit_codes import describe_exit
 from vconsole.engine.proc.ready_file import read_ready_file
 from vconsole.engine.proc.supervisor import RestartPolicy
 from vconsole.telemetry import schema
-from vconsole.tools.demo import EngineProcess
 
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "128", "--block-size", "16",
                "--set", "heartbeat_interval_s=0.1"]
@@ -122,7 +122,7 @@ def wait_for_new_child(engine: EngineProcess, old: int, timeout_s: float = 60.0)
         record = read_ready_file(engine.ready_path)
         if record is not None and record["child_pid"] != old:
             return record
-        assert engine.proc.poll() is None, f"the supervisor exited:\n{engine.log_tail()}"
+        assert engine.child.poll() is None, f"the supervisor exited:\n{engine.log_tail()}"
         time.sleep(0.05)
     raise AssertionError(f"no restarted engine within {timeout_s} s:\n{engine.log_tail()}")
 
@@ -179,7 +179,7 @@ def test_a_killed_engine_is_restarted_on_the_same_endpoints_and_telemetry_says_s
         finally:
             health.close()
         assert_gone(first)
-    assert engine.proc.returncode == 0
+    assert engine.child.returncode == 0
     assert_gone(second)
     # What `vconsole demo` says on exit: the restart, its reason, the log it kept; exit 1.
     assert (engine.restart_count, engine.restart_reason) == (1, "killed by SIGKILL")
@@ -202,7 +202,7 @@ def test_sigterm_to_the_supervisor_drains_the_engine_and_leaves_no_process(tmp_p
             os.kill(engine.pid, signal.SIGTERM)     # the supervisor alone, not its group
             done = client.gather([rid], timeout_s=60)[rid]
         assert done.finish_reason == "abort", "a drain answers the request in flight"
-        assert engine.proc.wait(60) == 0
+        assert engine.child.wait(60) == 0
         assert_gone(child)
         assert not engine.ready_path.exists()
         assert "draining" in engine.log_text() and "died" not in engine.log_text()
@@ -218,7 +218,7 @@ def test_an_engine_that_keeps_dying_is_given_up_after_max_restarts(tmp_path):
         os.kill(first, signal.SIGKILL)
         second = wait_for_new_child(engine, first)["child_pid"]
         os.kill(second, signal.SIGKILL)
-        code = engine.proc.wait(60)
+        code = engine.child.wait(60)
         log = engine.log_text()
     assert code == exit_codes.GAVE_UP
     assert ("giving up: the engine failed 2 times within 300 s, more than --max-restarts 1 "
@@ -259,7 +259,7 @@ def test_no_supervisor_runs_the_engine_in_the_launched_process(tmp_path):
         record = read_ready_file(engine.ready_path)
         assert record is not None and record["pid"] == engine.pid
         assert "supervised" not in record and not psutil.Process(engine.pid).children()
-    assert engine.proc.returncode == 0
+    assert engine.child.returncode == 0
 
 
 @pytest.mark.proc
@@ -314,4 +314,4 @@ def test_a_hung_engine_is_killed_and_restarted_but_an_idle_one_is_left_alone(tmp
             alerts.close()
         assert_gone(first)
         assert "is hung: no step for" in engine.log_text()
-    assert engine.proc.returncode == 0
+    assert engine.child.returncode == 0

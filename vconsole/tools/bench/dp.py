@@ -31,8 +31,8 @@ from typing import Any
 import zmq
 
 from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.telemetry import schema
-from vconsole.tools.demo import EngineProcess
 
 ENGINE_ARGS = ["--num-kv-blocks", "256", "--block-size", "16", "--max-num-seqs", "32"]
 COUNTERS = ("steps_total", "dummy_steps_total", "sync_count_total", "sync_s_total")

@@ -31,8 +31,9 @@ import numpy as np
 import psutil
 import zmq
 
+from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.telemetry import schema
-from vconsole.tools.demo import DEMO_ENGINE_ARGS, EngineProcess, demo_engine_env
+from vconsole.tools.demo import DEMO_ENGINE_ARGS, demo_engine_env
 from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec
 
 WARMUP_SHARE = 0.2         # RSS is taken as the baseline after this share of the run
