@@ -48,6 +48,10 @@ def test_live_source_reads_in_its_thread_and_records_raw_frames(pub, tmp_path):
             sock.send_multipart(frames, copy=False)
             sent += 1
         wait_for(lambda: src.recorded >= sent)
+        # The reader tees a burst's raw frames as it receives them and folds the burst in
+        # after: under load the whole stream is one burst, recorded before it is folded in.
+        wait_for(lambda: (e := state.engine()) is not None and "sched" in e.latest
+                 and e.block_states is not None)
         got_path, n = src.stop_recording()
         assert got_path == str(path) and n >= sent
         assert not src.recording
