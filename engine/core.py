@@ -59,7 +59,8 @@ class EngineCore:
     def model_info(self) -> dict[str, Any]:
         """What a client learns of the model at ``hello`` (and the ready file)."""
         return {"device": str(self.runner.device), "vocab_size": self.runner.vocab_size,
-                "max_model_len": self.runner.max_model_len, "num_kv_blocks": self.num_kv_blocks}
+                "max_model_len": self.runner.max_model_len, "num_kv_blocks": self.num_kv_blocks,
+                "model_path": self.runner.info.path}
 
     # --- requests -------------------------------------------------------------------------
     def make_request(self, request_id: str, *, prompt: str | None = None,

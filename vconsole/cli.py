@@ -156,6 +156,32 @@ def add_supervisor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--restart-reason", help=argparse.SUPPRESS)
 
 
+def add_engine_command_args(p: argparse.ArgumentParser) -> None:
+    """Every flag of `vconsole engine` (`vconsole serve` takes them all too, for the engine it
+    starts); `vconsole.commands.engine.launch_from_args` reads them into an `EngineLaunch`."""
+    add_engine_args(p, serving=True)
+    add_endpoint_args(p)
+    p.add_argument("--allow-remote-telemetry", dest="allow_remote", action="store_true",
+                   help="allow the (read-only) telemetry socket on a non-loopback address "
+                        "without CURVE keys (input, output and control always need keys there)")
+    add_control_key_arg(p, engine=True)
+    add_curve_args(p, engine=True)
+    p.add_argument("--ready-file", metavar="PATH",
+                   help="once serving, write the bound endpoints and the control key path here "
+                        "as JSON (atomically; removed on a clean stop): how launchers find "
+                        "the engine")
+    g = p.add_argument_group("Prometheus (/metrics over HTTP, read-only)")
+    g.add_argument("--metrics-port", type=_port, metavar="PORT",
+                   help="serve Prometheus metrics on this port (0: a free one, named in the "
+                        "ready file); off by default")
+    g.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address for --metrics-port (default 127.0.0.1)")
+    g.add_argument("--allow-remote-metrics", action="store_true",
+                   help="allow a non-loopback --metrics-host (plain HTTP: anyone who can reach "
+                        "the port reads the metrics)")
+    add_supervisor_args(p)
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -219,27 +245,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first of four loopback ports (default: pick free ones)")
 
     p = cmd("engine", "vconsole.commands.engine:main", "run the EngineCore process (restarted if it dies)")
-    add_engine_args(p, serving=True)
-    add_endpoint_args(p)
-    p.add_argument("--allow-remote-telemetry", dest="allow_remote", action="store_true",
-                   help="allow the (read-only) telemetry socket on a non-loopback address "
-                        "without CURVE keys (input, output and control always need keys there)")
-    add_control_key_arg(p, engine=True)
-    add_curve_args(p, engine=True)
-    p.add_argument("--ready-file", metavar="PATH",
-                   help="once serving, write the bound endpoints and the control key path here "
-                        "as JSON (atomically; removed on a clean stop): how launchers find "
-                        "the engine")
-    g = p.add_argument_group("Prometheus (/metrics over HTTP, read-only)")
-    g.add_argument("--metrics-port", type=_port, metavar="PORT",
-                   help="serve Prometheus metrics on this port (0: a free one, named in the "
-                        "ready file); off by default")
-    g.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
-                   help="address for --metrics-port (default 127.0.0.1)")
-    g.add_argument("--allow-remote-metrics", action="store_true",
-                   help="allow a non-loopback --metrics-host (plain HTTP: anyone who can reach "
-                        "the port reads the metrics)")
-    add_supervisor_args(p)
+    add_engine_command_args(p)
+
+    p = cmd("serve", "vconsole.commands.serve:main",
+            "an OpenAI-compatible HTTP server in front of the engine",
+            "Start the engine (supervised, every `vconsole engine` flag applies) and an HTTP "
+            "server in front of it that speaks OpenAI's API as vLLM's server does: "
+            "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, "
+            "/detokenize, /load, /version. With --engine-ready-file it fronts an engine that "
+            "is already running instead. Use it with the openai SDK, curl or `vllm bench serve`.")
+    g = p.add_argument_group("HTTP server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; beyond loopback, set "
+                        "--api-key)")
+    g.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="clients must send `Authorization: Bearer KEY` on /v1/ routes "
+                        "(default: $VCONSOLE_API_KEY; unset: no key)")
+    g.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name clients use (default: --model's value)")
+    g.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template, instead of the tokenizer's own")
+    g.add_argument("--engine-ready-file", metavar="PATH",
+                   help="front the engine that wrote this ready file (`vconsole engine "
+                        "--ready-file PATH`) instead of starting one")
+    add_engine_command_args(p)
 
     p = cmd("attach", "vconsole.commands.attach:main", "attach the console to a running engine")
     add_endpoint_args(p)

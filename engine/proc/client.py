@@ -436,6 +436,11 @@ class AsyncEngineClient(_ClientBase):
             raise _no_engine(self.input_endpoint, self.output_endpoint, self.timeout_s) from None
         return self
 
+    @property
+    def connected(self) -> bool:
+        """The engine answered the handshake and has not gone silent since."""
+        return self._ready.is_set()
+
     def _disconnected(self) -> None:
         super()._disconnected()
         self._ready.clear()

@@ -223,6 +223,7 @@ class EngineCoreProc:
         self._config_view = (core.config_version, core.config)  # read by the I/O threads
         self.ready_info = {
             "engine_id": core.config.engine_id, "model": core.config.model,
+            "model_path": model.get("model_path"),
             "vocab_size": model["vocab_size"], "max_model_len": model["max_model_len"],
             "block_size": core.config.block_size, "num_kv_blocks": model["num_kv_blocks"],
             "dp_rank": core.config.dp_rank, "data_parallel_size": core.config.data_parallel_size,

@@ -50,12 +50,17 @@ class EngineProcess:
 
     def __init__(self, engine_args: Sequence[str] = (), *,
                  endpoints: dict[str, str] | None = None, log_path: str | Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, inherit_output: bool = False) -> None:
+        """``inherit_output``: the engine writes to this process's stdout and stderr (``vconsole
+        serve``) and there is no log file."""
         self.engine_args = list(engine_args)
         self.requested = endpoints or loopback_endpoints()
         self.endpoints: dict[str, str] = {}
-        self.keep_log = log_path is not None
-        if log_path is None:
+        self.inherit_output = inherit_output
+        self.keep_log = log_path is not None or inherit_output
+        if log_path is None and inherit_output:
+            log_path = os.devnull
+        elif log_path is None:
             fd, tmp = tempfile.mkstemp(prefix="vconsole-engine-", suffix=".log")
             os.close(fd)  # only the child writes it, through its own open()
             log_path = tmp
@@ -92,9 +97,12 @@ class EngineProcess:
         argv = [*self.engine_args, "--ready-file", str(self.ready_path)]
         for name, ep in self.requested.items():
             argv += [f"--{name}", ep]
-        with open(self.log_path, "wb") as log:
-            self.child = ChildProcess(engine_command(argv), env=self.env, stdout=log,
-                                      stderr=log, own_group=True)
+        if self.inherit_output:
+            self.child = ChildProcess(engine_command(argv), env=self.env, own_group=True)
+        else:
+            with open(self.log_path, "wb") as log:
+                self.child = ChildProcess(engine_command(argv), env=self.env, stdout=log,
+                                          stderr=log, own_group=True)
         why = ""
         try:
             record = self.child.wait_ready(self.ready_path, timeout_s)

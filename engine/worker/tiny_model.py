@@ -26,9 +26,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2   # 2: the tokenizer has a chat template
 _BUILD_LOCK = threading.Lock()  # weight init uses torch's global RNG: one build per process
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2; the 256 byte symbols follow
+# A small chat template so `vconsole serve`'s /v1/chat/completions works with the built-in
+# models: each message as "<|role|>\ncontent</s>\n", then "<|assistant|>\n" to answer. No BOS:
+# what it renders is exactly the prompt.
+CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n"
+                 "{{ message['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 TINY_LLAMA: dict[str, Any] = {
@@ -75,7 +81,7 @@ def default_cache_dir() -> Path:
 
 def tiny_model_hash(seed: int = 0, name: str = "tiny") -> str:
     recipe = {"config": MODEL_CONFIGS[name], "seed": seed, "special": SPECIAL_TOKENS,
-              "format": _FORMAT_VERSION}
+              "chat_template": CHAT_TEMPLATE, "format": _FORMAT_VERSION}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -145,7 +151,7 @@ def build_byte_tokenizer() -> Any:
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>", model_max_length=TINY_LLAMA[
-                                       "max_position_embeddings"])
+                                       "max_position_embeddings"], chat_template=CHAT_TEMPLATE)
 
 
 def _byte_order(symbol: str) -> int:

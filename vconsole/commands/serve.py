@@ -1,0 +1,115 @@
+"""`vconsole serve`: the engine (supervised) and an OpenAI-compatible HTTP server in front of it.
+
+The engine runs as its own process tree (`EngineProcess`: ``vconsole engine`` with this
+command's engine flags, read once into an `EngineLaunch`), with a private Prometheus port the
+server's ``/metrics`` relays. The HTTP server (`vconsole.entrypoints.openai`) runs here, under
+uvicorn, and talks to the engine over the engine's own protocol, as any client does; with
+``--engine-ready-file`` it fronts an engine that is already running (a lone engine or a
+data-parallel group's front end) and starts none.
+
+Invariant: when this command returns, the engine it started has been stopped (SIGTERM, a drain,
+then SIGKILL), whether uvicorn stopped on Ctrl-C or failed to bind its port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import replace
+
+from vconsole.engine.config import ConfigError
+from vconsole.engine.proc import exit_codes
+from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.proc.ready_file import ReadyFileError, read_ready_file
+
+API_KEY_ENV = "VCONSOLE_API_KEY"
+log = logging.getLogger("vconsole.serve")
+
+
+def _say(message: object) -> None:
+    print(f"vconsole serve: {message}", file=sys.stderr)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        log.warning("serving on %s without --api-key: anyone who reaches port %d can use the "
+                    "engine", args.host, args.port)
+    chat_template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as fh:
+                chat_template = fh.read()
+        except OSError as e:
+            _say(f"--chat-template: {e}")
+            return exit_codes.CANNOT_START
+    engine: EngineProcess | None = None
+    if args.engine_ready_file:
+        try:
+            record = read_ready_file(args.engine_ready_file)
+        except ReadyFileError as e:
+            _say(e)
+            return exit_codes.CANNOT_START
+        if record is None:
+            _say(f"no engine ready file at {args.engine_ready_file}")
+            return exit_codes.CANNOT_START
+        endpoints, metrics_url = record["endpoints"], record.get("metrics")
+    else:
+        try:
+            engine = _start_engine(args)
+        except (ConfigError, ValueError, OSError) as e:
+            _say(e)
+            return exit_codes.CANNOT_START
+        except RuntimeError as e:
+            _say(e)
+            return exit_codes.FAILED
+        endpoints, metrics_url = engine.endpoints, engine.ready.get("metrics")
+    try:
+        return _serve_http(args, endpoints, metrics_url, api_key, chat_template)
+    finally:
+        if engine is not None:
+            code = engine.stop()
+            log.info("engine stopped (exit code %s)", code)
+
+
+def _start_engine(args: argparse.Namespace) -> EngineProcess:
+    from vconsole.commands.engine import launch_from_args
+
+    launch = launch_from_args(args)
+    # The engine's /metrics on a private port unless the user asked for one: the server's own
+    # /metrics relays it. The ready file is the launcher's (EngineProcess writes its own).
+    launch = replace(launch, ready_file=None, metrics=launch.metrics or ("127.0.0.1", 0))
+    log.info("starting the engine (%s) ...", launch.config.model)
+    return EngineProcess(launch.argv(), endpoints=dict(launch.endpoints),
+                         inherit_output=True).start(timeout_s=600)
+
+
+def _serve_http(args: argparse.Namespace, endpoints: dict[str, str], metrics_url: str | None,
+                api_key: str | None, chat_template: str | None) -> int:
+    import uvicorn
+
+    from vconsole.entrypoints.openai.api_server import build_app
+    from vconsole.entrypoints.openai.engine_link import EngineLink
+    from vconsole.entrypoints.openai.serving import OpenAIServing
+
+    serving = OpenAIServing(EngineLink(endpoints["input"], endpoints["output"]),
+                            model_name=args.served_model_name or args.model,
+                            chat_template=chat_template)
+    app = build_app(serving, api_key=api_key, engine_metrics_url=metrics_url,
+                    version=_version())
+    print(f"vconsole serve: http://{args.host}:{args.port}/v1 in front of the engine at "
+          f"input={endpoints['input']}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="info", timeout_graceful_shutdown=5))
+    server.run()
+    return exit_codes.OK if server.started else exit_codes.CANNOT_START
+
+
+def _version() -> str:
+    from vconsole.cli import _version as cli_version
+    return cli_version()
+

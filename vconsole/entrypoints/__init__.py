@@ -1,0 +1,1 @@
+"""Servers that put a standard API in front of the engine process."""

@@ -1,0 +1,2 @@
+"""`vconsole serve`: an OpenAI-compatible HTTP server, a client of the engine process (vLLM's
+``entrypoints/openai/``)."""

@@ -1,0 +1,102 @@
+"""EngineLink: the HTTP server's one connection to the engine process, and its samples.
+
+One `AsyncEngineClient` (the engine's own ZeroMQ protocol) serves every HTTP request; the
+server runs in its own process, never on the engine's busy loop, so it fronts a lone engine or a
+data-parallel group's front end alike. `samples` runs the ``n`` samples of one prompt as ``n``
+engine requests (the engine's prefix cache shares the prompt's KV blocks between them) and
+yields their outputs as they come, merged; leaving the iterator early (a stop string, a client
+that went away) aborts in the engine whatever is still running.
+
+``healthy``: the engine answered its handshake and has not gone silent since (the client's
+heartbeat watch); ``in_flight``: engine requests running for HTTP clients (``GET /load``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.proc.client import AsyncEngineClient
+from vconsole.security.curve import ClientCurve
+
+
+class EngineLink:
+    def __init__(self, input_endpoint: str, output_endpoint: str, *,
+                 timeout_s: float = 10.0, curve: ClientCurve | None = None) -> None:
+        self.client = AsyncEngineClient(input_endpoint, output_endpoint, timeout_s=timeout_s,
+                                        curve=curve)
+        self.in_flight = 0
+        self._ids = itertools.count()
+        self._prefix = f"http-{os.getpid()}-"
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What the engine said at its handshake (vocab_size, max_model_len, model, ...)."""
+        return self.client.engine_info
+
+    @property
+    def healthy(self) -> bool:
+        return self.client.connected
+
+    async def connect(self) -> None:
+        await self.client.connect()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    def new_id(self, kind: str) -> str:
+        return f"{kind}-{self._prefix}{next(self._ids)}"
+
+    async def samples(self, request_id: str, prompt_token_ids: Sequence[int],
+                      sampling: Sequence[dict[str, Any]], priority: int = 0, *,
+                      stopped: set[int] | None = None
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(sample index, output) for each engine output of the ``len(sampling)`` samples of
+        one prompt, in arrival order, until every sample finished. A sample the caller adds to
+        ``stopped`` (a stop string) is aborted in the engine at once and counts as finished."""
+        ids = []
+        try:
+            for i, params in enumerate(sampling):
+                rid = await self.client.submit(prompt_token_ids=prompt_token_ids,
+                                               request_id=f"{request_id}-{i}",
+                                               priority=priority, **params)
+                ids.append(rid)
+                self.in_flight += 1
+            queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+            async def pump(i: int, rid: str) -> None:
+                async for out in self.client.stream(rid):
+                    await queue.put((i, out))
+
+            pumps = [asyncio.create_task(pump(i, rid)) for i, rid in enumerate(ids)]
+            try:
+                running = len(ids)
+                while running:
+                    i, out = await queue.get()
+                    if not ids[i]:
+                        continue                  # stopped here; this is the abort's echo
+                    if out.finished:
+                        running -= 1
+                        self.in_flight -= 1
+                        ids[i] = ""
+                    yield i, out
+                    for j in stopped or ():
+                        if ids[j]:
+                            await self.client.abort([ids[j]])
+                            running -= 1
+                            self.in_flight -= 1
+                            ids[j] = ""
+            finally:
+                for task in pumps:
+                    task.cancel()
+        finally:
+            left = [rid for rid in ids if rid]
+            self.in_flight -= len(left)
+            if left:
+                with contextlib.suppress(Exception):
+                    await self.client.abort(left)

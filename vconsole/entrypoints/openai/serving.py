@@ -1,0 +1,320 @@
+"""OpenAIServing: completions, chat completions, tokenize and detokenize, as vLLM serves them.
+
+Each handler checks the request (`BadRequest` with the field's name), turns it into prompt
+token ids and the engine's sampling arguments, runs every prompt's ``n`` samples through
+`EngineLink.samples` and shapes the answer: one JSON body, or (``stream``) server-sent events,
+``data: {json}\\n\\n`` per chunk and ``data: [DONE]\\n\\n`` at the end, as OpenAI's SDK reads them.
+Text and stop strings come from `TextStream` (a stop string is never sent, not even in part;
+the request is aborted in the engine when one is hit).
+
+Token accounting follows vLLM: ``prompt_tokens`` counts each prompt once however many samples it
+has, ``completion_tokens`` every sample's tokens. ``finish_reason``: ``stop`` (EOS, a stop token
+or a stop string; ``stop_reason`` names the string or token id), ``length``, or ``abort``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vconsole.entrypoints.openai.engine_link import EngineLink
+from vconsole.entrypoints.openai.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+from vconsole.entrypoints.openai.text import TextStream
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class Choice:
+    """One sample's progress: its text stream and how it ended."""
+
+    index: int
+    text: TextStream
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    deltas: list[str] = field(default_factory=list)
+
+
+class OpenAIServing:
+    """`start` (once the event loop runs) does the engine's handshake and loads the tokenizer
+    from the model directory the engine names; the served name defaults to the engine's
+    ``--model`` value, as vLLM's does."""
+
+    def __init__(self, engine: EngineLink, *, model_name: str | None = None,
+                 chat_template: str | None = None, tokenizer: Any = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name or ""
+        self.max_model_len = 0
+        self.chat_template = chat_template
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        """The engine's ``ready`` (`TimeoutError` when none answers), then the tokenizer."""
+        await self.engine.connect()
+        info = self.engine.info
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = await asyncio.to_thread(
+                AutoTokenizer.from_pretrained, info["model_path"], local_files_only=True)
+        self.model_name = self.model_name or str(info.get("model") or info["model_path"])
+        self.max_model_len = int(info["max_model_len"])
+        self.chat_template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+
+    # --- models, tokens ------------------------------------------------------------------------
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "vconsole", "root": self.engine.info.get("model_path", self.model_name),
+            "parent": None, "max_model_len": self.max_model_len}]}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"The model `{model}` does not exist.", param="model", status=404,
+                             kind="NotFoundError")
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequest("give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            ids = self.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt)
+        else:
+            ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len,
+                               "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        vocab = int(self.engine.info.get("vocab_size") or len(self.tokenizer))
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is out of range [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    def chat_prompt(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The chat template's rendering, tokenized as it is: no BOS or other special token
+        that the template does not write itself."""
+        if not self.chat_template:
+            raise BadRequest("this model has no chat template: start the server with "
+                             "--chat-template FILE, or use /v1/completions", param="messages")
+        convo = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                convo, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(kwargs or {}))
+        except Exception as e:  # a template that raises on these messages (jinja errors)
+            raise BadRequest(f"the chat template failed on these messages: {e}",
+                             param="messages") from None
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    # --- completions ---------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        self.check_model(req.model)
+        req.unsupported()
+        prompts = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                prompts.append((p, list(self.tokenizer(p).input_ids)))
+            else:
+                prompts.append((None, self._check_ids(p)))
+        max_tokens = [self._max_tokens(ids, req.max_tokens) for _, ids in prompts]
+        rid = self.engine.new_id("cmpl")
+        if req.stream:
+            return self._stream_completion(req, rid, prompts, max_tokens)
+        choices: list[dict[str, Any]] = []
+        usage = _Usage()
+        for p, ((text, ids), limit) in enumerate(zip(prompts, max_tokens, strict=True)):
+            echo = (text if text is not None else self.tokenizer.decode(ids)) if req.echo else ""
+            done = await self._collect(rid + f"-{p}", ids, req, limit)
+            usage.add(len(ids), done)
+            choices += [{"index": p * req.n + c.index, "text": echo + c.text.text,
+                         "logprobs": None, "finish_reason": c.finish_reason,
+                         "stop_reason": c.stop_reason} for c in done]
+        return {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": usage.body()}
+
+    async def _stream_completion(self, req: CompletionRequest, rid: str,
+                                 prompts: list[tuple[str | None, list[int]]],
+                                 max_tokens: list[int]) -> AsyncIterator[str]:
+        created = int(time.time())
+        usage = _Usage()
+
+        def chunk(index: int, text: str, choice: Choice | None) -> str:
+            return sse({"id": rid, "object": "text_completion", "created": created,
+                        "model": self.model_name, "choices": [{
+                            "index": index, "text": text, "logprobs": None,
+                            "finish_reason": choice.finish_reason if choice else None,
+                            "stop_reason": choice.stop_reason if choice else None}]})
+
+        try:
+            for p, ((text, ids), limit) in enumerate(zip(prompts, max_tokens, strict=True)):
+                if req.echo:
+                    echo = text if text is not None else self.tokenizer.decode(ids)
+                    for i in range(req.n):
+                        yield chunk(p * req.n + i, echo, None)
+                choices: list[Choice] = []
+                async for c, delta in self._run(rid + f"-{p}", ids, req, limit, choices):
+                    if delta or c.finish_reason:
+                        yield chunk(p * req.n + c.index, delta, c if c.finish_reason else None)
+                usage.add(len(ids), choices)
+            if req.include_usage():
+                yield sse({"id": rid, "object": "text_completion", "created": created,
+                           "model": self.model_name, "choices": [], "usage": usage.body()})
+        except BadRequest as e:
+            yield sse(e.body())
+        yield DONE
+
+    # --- chat ----------------------------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        self.check_model(req.model)
+        req.unsupported()
+        ids = self.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               kwargs=req.chat_template_kwargs)
+        limit = self._max_tokens(ids, req.requested_max_tokens())
+        rid = self.engine.new_id("chatcmpl")
+        if req.stream:
+            return self._stream_chat(req, rid, ids, limit)
+        done = await self._collect(rid, ids, req, limit)
+        usage = _Usage()
+        usage.add(len(ids), done)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": c.index,
+                             "message": {"role": "assistant", "content": c.text.text},
+                             "logprobs": None, "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason} for c in done],
+                "usage": usage.body()}
+
+    async def _stream_chat(self, req: ChatCompletionRequest, rid: str, ids: list[int],
+                           limit: int) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(index: int, delta: dict[str, Any], choice: Choice | None) -> str:
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": self.model_name, "choices": [{
+                            "index": index, "delta": delta, "logprobs": None,
+                            "finish_reason": choice.finish_reason if choice else None,
+                            "stop_reason": choice.stop_reason if choice else None}]})
+
+        try:
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""}, None)
+            choices: list[Choice] = []
+            async for c, delta in self._run(rid, ids, req, limit, choices):
+                if delta or c.finish_reason:
+                    yield chunk(c.index, {"content": delta} if delta else {},
+                                c if c.finish_reason else None)
+            if req.include_usage():
+                usage = _Usage()
+                usage.add(len(ids), choices)
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": self.model_name, "choices": [], "usage": usage.body()})
+        except BadRequest as e:
+            yield sse(e.body())
+        yield DONE
+
+    # --- one prompt's samples ------------------------------------------------------------------
+
+    async def _collect(self, rid: str, ids: list[int], req: SamplingFields,
+                       limit: int) -> list[Choice]:
+        choices: list[Choice] = []
+        async for _ in self._run(rid, ids, req, limit, choices):
+            pass
+        return choices
+
+    async def _run(self, rid: str, ids: list[int], req: SamplingFields, limit: int,
+                   choices: list[Choice]) -> AsyncIterator[tuple[Choice, str]]:
+        """(choice, new text) as the ``n`` samples of one prompt progress; ``choices`` fills
+        with them. An engine that refuses the request raises `BadRequest` with its reason."""
+        stops = req.stop_strings()
+        choices[:] = [Choice(i, TextStream(self.tokenizer, stops,
+                                           include_stop_str_in_output=req.include_stop_str_in_output,
+                                           skip_special_tokens=req.skip_special_tokens))
+                      for i in range(req.n)]
+        sampling = [req.engine_sampling(limit, i) for i in range(req.n)]
+        stopped: set[int] = set()            # hit a stop string: `samples` aborts them
+        async for i, out in self.engine.samples(rid, ids, sampling, req.priority,
+                                                stopped=stopped):
+            c = choices[i]
+            delta = c.text.add(out.new_token_ids)
+            c.num_tokens += len(out.new_token_ids)
+            if c.text.stopped is not None:
+                c.finish_reason, c.stop_reason = "stop", c.text.stopped
+                stopped.add(i)
+            elif out.finished:
+                if out.finish_reason == "error":
+                    raise BadRequest(out.error or "the engine refused the request")
+                delta += c.text.finish()
+                c.finish_reason = "abort" if out.finish_reason in ("abort", "timeout") \
+                    else out.finish_reason or "stop"
+                last = c.text.token_ids[-1] if c.text.token_ids else None
+                if c.finish_reason == "stop" and req.stop_token_ids and last in \
+                        req.stop_token_ids:
+                    c.stop_reason = last
+            yield c, delta
+
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        vocab = int(self.engine.info.get("vocab_size") or len(self.tokenizer))
+        if not ids:
+            raise BadRequest("prompt must not be empty", param="prompt")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is out of vocabulary [0, {vocab})",
+                             param="prompt")
+        return list(ids)
+
+    def _max_tokens(self, ids: Sequence[int], requested: int | None) -> int:
+        """``max_tokens`` within the context window (vLLM's checks and message)."""
+        room = self.max_model_len - len(ids)
+        if room <= 0 or (requested is not None and requested > room):
+            want = len(ids) + (requested or 0)
+            raise BadRequest(f"This model's maximum context length is {self.max_model_len} "
+                             f"tokens. However, you requested {want} tokens ({len(ids)} in the "
+                             f"messages, {requested or 0} in the completion). Please reduce the "
+                             "length of the messages or completion.", param="max_tokens")
+        return requested if requested is not None else room
+
+
+class _Usage:
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def add(self, prompt_tokens: int, choices: Sequence[Choice]) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += sum(c.num_tokens for c in choices)
+
+    def body(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
