@@ -16,9 +16,9 @@ import pytest  # noqa: E402
 
 # The tiny model, 64 blocks of 8, 8 seats, priority policy. Modules that only submit requests,
 # profile or read telemetry share it (each engine start costs ~4 s of a 2-core machine); a test
-# that changes the config or kills the engine starts its own.
+# that changes the config or kills the engine starts its own. Its /metrics is on a free port.
 SHARED_ENGINE_ARGS = ["--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8",
-                      "--policy", "priority"]
+                      "--policy", "priority", "--metrics-port", "0"]
 
 
 @pytest.fixture(scope="session")

@@ -122,6 +122,7 @@ class _ClientBase:
         self.request_timeout_s = request_timeout_s
         self.num_unreachable = 0                 # times the engine went silent
         self._last_heard = time.monotonic()
+        self.last_message = time.monotonic()     # when the engine last said anything
         self._deadlines: dict[str, float] = {}   # request id -> processing deadline
         self.input_endpoint = input_endpoint
         self.output_endpoint = output_endpoint
@@ -209,7 +210,7 @@ class _ClientBase:
 
     def _handle(self, frames: list[Any]) -> tuple[list[RequestOutput], list[str]]:
         """One engine message -> (outputs to route, request ids to abort at the engine)."""
-        self._last_heard = time.monotonic()
+        self._last_heard = self.last_message = time.monotonic()
         header = protocol.decode([f.buffer if isinstance(f, zmq.Frame) else f for f in frames])
         kind = header["type"]
         if kind == protocol.OUTPUTS:
@@ -438,8 +439,15 @@ class AsyncEngineClient(_ClientBase):
 
     @property
     def connected(self) -> bool:
-        """The engine answered the handshake and has not gone silent since."""
-        return self._ready.is_set()
+        """The engine answered the handshake, has not gone silent with requests in flight
+        since, and its heartbeats still come (an idle client hears them too)."""
+        return self._ready.is_set() and \
+            time.monotonic() - self.last_message <= self.liveness_s
+
+    async def reconnect(self) -> AsyncEngineClient:
+        """A new handshake (an engine that restarted answers it; `TimeoutError` if none)."""
+        self._disconnected()
+        return await self.connect()
 
     def _disconnected(self) -> None:
         super()._disconnected()

@@ -14,9 +14,13 @@ then SIGKILL), whether uvicorn stopped on Ctrl-C or failed to bind its port.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import replace
 
 from vconsole.engine.config import ConfigError
@@ -93,6 +97,7 @@ def _serve_http(args: argparse.Namespace, endpoints: dict[str, str], metrics_url
     import uvicorn
 
     from vconsole.entrypoints.openai.api_server import build_app
+    _Server = _server_class()
     from vconsole.entrypoints.openai.engine_link import EngineLink
     from vconsole.entrypoints.openai.serving import OpenAIServing
 
@@ -103,10 +108,34 @@ def _serve_http(args: argparse.Namespace, endpoints: dict[str, str], metrics_url
                     version=_version())
     print(f"vconsole serve: http://{args.host}:{args.port}/v1 in front of the engine at "
           f"input={endpoints['input']}", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="info", timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                    timeout_graceful_shutdown=5))
     server.run()
     return exit_codes.OK if server.started else exit_codes.CANNOT_START
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that SIGINT/SIGTERM end `run` and this command goes on to
+        stop its engine (uvicorn would raise the signal again once it stopped, killing this
+        process before its engine is stopped)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def _version() -> str:

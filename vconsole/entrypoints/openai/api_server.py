@@ -197,5 +197,5 @@ async def _keep_connected(serving: OpenAIServing) -> None:
     while True:
         if not serving.engine.healthy:
             with contextlib.suppress(TimeoutError, OSError):
-                await serving.engine.connect()
+                await serving.engine.reconnect()
         await asyncio.sleep(RECONNECT_S)

@@ -46,6 +46,9 @@ class EngineLink:
     async def connect(self) -> None:
         await self.client.connect()
 
+    async def reconnect(self) -> None:
+        await self.client.reconnect()
+
     async def close(self) -> None:
         await self.client.close()
 

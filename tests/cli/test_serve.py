@@ -1,0 +1,108 @@
+"""`vconsole serve` as a user runs it: its own engine, or in front of a running one; /health
+follows the engine through a crash and its restart; Ctrl-C leaves nothing running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+
+from support.live_engine import ipc_endpoints
+from vconsole.engine.proc.child import ChildProcess
+from vconsole.engine.proc.engine_process import EngineProcess
+
+pytestmark = [pytest.mark.proc, pytest.mark.slow]
+ENGINE = ["--num-kv-blocks", "64", "--block-size", "8", "--set", "heartbeat_interval_s=0.2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def status(port: int, path: str = "/health") -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0                                  # not listening (yet)
+
+
+def wait_until(cond: Callable[[], bool], what: str, log: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}; log:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def serve(tmp_path: Path, *args: str) -> tuple[ChildProcess, int, Path]:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        child = ChildProcess([sys.executable, "-m", "vconsole", "serve", "--port", str(port),
+                              *args], stdout=out, stderr=subprocess.STDOUT,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return child, port, log
+
+
+def test_serve_starts_its_engine_answers_the_sdk_and_ctrl_c_stops_both(tmp_path: Path) -> None:
+    eps = ipc_endpoints(tmp_path)
+    child, port, log = serve(tmp_path, *ENGINE, *[f"--{n}={ep}" for n, ep in eps.items()],
+                             "--served-model-name", "my-model")
+    try:
+        wait_until(lambda: status(port) == 200, "the server never became healthy", log)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["my-model"]
+        r = c.chat.completions.create(model="my-model", max_tokens=4, temperature=0,
+                                      messages=[{"role": "user", "content": "hello"}])
+        assert r.choices[0].finish_reason in ("length", "stop")
+        child.send_signal(signal.SIGINT)
+        assert child.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        child.kill()
+    text = log.read_text()
+    assert "engine stopped (SIGTERM)" in text and "engine stopped (exit code 0)" in text
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if any(eps["input"] in arg for arg in p.info["cmdline"] or ())]
+    assert left == []                     # no engine process (supervisor or child) is left
+
+
+def test_serve_in_front_of_a_running_engine_follows_its_crash_and_restart(
+        tmp_path: Path) -> None:
+    with EngineProcess([*ENGINE, "--restart-backoff", "0.5"],
+                       endpoints=ipc_endpoints(tmp_path)) as engine:
+        child, port, log = serve(tmp_path, "--engine-ready-file", str(engine.ready_path))
+        try:
+            wait_until(lambda: status(port) == 200, "the server never became healthy", log)
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                              max_retries=0)
+            assert c.completions.create(model="tiny", prompt="a", max_tokens=2).usage \
+                .completion_tokens >= 1
+            os.kill(engine.ready["child_pid"], signal.SIGKILL)
+            wait_until(lambda: status(port) == 503, "/health stayed 200 with the engine dead",
+                       log, timeout_s=60)
+            wait_until(lambda: status(port) == 200, "/health never came back after the "
+                       "supervisor restarted the engine", log, timeout_s=120)
+            r = c.completions.create(model="tiny", prompt="again", max_tokens=3)
+            assert r.usage.prompt_tokens == len("again")
+            assert engine.read_restarts() == 1
+            load = json.loads(urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/load", timeout=10).read())
+            assert load == {"server_load": 0}
+        finally:
+            child.stop(30, signal.SIGINT)

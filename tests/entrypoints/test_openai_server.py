@@ -1,0 +1,216 @@
+"""The OpenAI-compatible server against a real engine process, driven by the real `openai` SDK
+(and raw HTTP where the SDK hides what is tested). The server runs under uvicorn in a thread of
+this process; the engine is the session's shared one (these tests only submit requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+
+from support.live_engine import reference_outputs
+from vconsole.entrypoints.openai.api_server import build_app
+from vconsole.entrypoints.openai.engine_link import EngineLink
+from vconsole.entrypoints.openai.serving import OpenAIServing
+
+pytestmark = pytest.mark.proc
+API_KEY = "sk-test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, engine: Any, **kw: Any) -> None:
+        self.port = _free_port()
+        serving = OpenAIServing(EngineLink(engine.endpoints["input"],
+                                           engine.endpoints["output"]), model_name="tiny")
+        self.serving = serving
+        app = build_app(serving, engine_metrics_url=engine.ready.get("metrics"),
+                        version="test", **kw)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server not up"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(shared_engine: Any) -> Iterator[Server]:
+    with Server(shared_engine) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def http(server: Server, method: str, path: str, body: Any = None,
+         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(server.url + path, data=data, method=method,
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_models_names_the_served_model_and_its_context(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].model_extra["max_model_len"] == 2048
+
+
+def test_greedy_completions_on_token_ids_match_an_in_process_engine(
+        server: Server, client: openai.OpenAI) -> None:
+    prompts = [[5, 9, 14, 3], [7, 7, 7, 7, 7, 7, 7, 7, 7, 30]]
+    expected = reference_outputs([(p, 6) for p in prompts])
+    for prompt, want in zip(prompts, expected, strict=True):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == server.serving.tokenizer.decode(want,
+                                                                    skip_special_tokens=True)
+        assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 6
+
+
+def test_a_list_of_prompts_with_n_samples_and_echo(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt=["one", "two three"], max_tokens=3,
+                                  n=2, seed=11, temperature=1.0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text[:3] for c in r.choices] == ["one", "one", "two", "two"]
+    assert r.usage.prompt_tokens == len("one") + len("two three")   # each prompt once
+    assert r.usage.completion_tokens == 4 * 3
+    again = client.completions.create(model="tiny", prompt=["one", "two three"], max_tokens=3,
+                                      n=2, seed=11, temperature=1.0, echo=True,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]   # seeded
+
+
+def test_chat_renders_the_template_without_an_added_bos(server: Server,
+                                                        client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    status, body = http(server, "POST", "/tokenize", {"messages": messages})
+    tokens = json.loads(body)["tokens"]
+    text = server.serving.tokenizer.decode(tokens)
+    assert status == 200 and text == "<|system|>\nbe brief</s>\n<|user|>\nhi</s>\n<|assistant|>\n"
+    assert tokens[0] != server.serving.tokenizer.bos_token_id
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tokens)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+        == r.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+def test_a_stop_string_ends_the_text_before_it_and_frees_the_engine(
+        server: Server, client: openai.OpenAI) -> None:
+    full = client.completions.create(model="tiny", prompt=[11, 12, 13], max_tokens=12,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    stop = text[4:6]                      # two characters from the middle of the output
+    assert len(stop) == 2 and stop not in text[:4]
+    r = client.completions.create(model="tiny", prompt=[11, 12, 13], max_tokens=12,
+                                  temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == text[:text.index(stop)]
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] \
+        == stop
+    streamed = client.completions.create(model="tiny", prompt=[11, 12, 13], max_tokens=12,
+                                         temperature=0, stop=stop, stream=True,
+                                         extra_body={"ignore_eos": True})
+    parts = [c.choices[0].text for c in streamed]
+    assert "".join(parts) == r.choices[0].text
+    assert server.serving.engine.in_flight == 0       # aborted in the engine, not left running
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+        client: openai.OpenAI) -> None:
+    cases = [({"model": "other"}, openai.NotFoundError, "does not exist"),
+             ({"max_tokens": 4000}, openai.BadRequestError, "maximum context length is 2048"),
+             ({"temperature": -1}, openai.BadRequestError, "temperature"),
+             ({"prompt": [1, 99999]}, openai.BadRequestError, "out of vocabulary"),
+             ({"extra_body": {"min_p": 0.2}}, openai.BadRequestError, "min_p")]
+    for change, error, words in cases:
+        with pytest.raises(error, match=words):
+            client.completions.create(**{"model": "tiny", "prompt": "x", "max_tokens": 2,
+                                         **change})
+    ok = client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_health_version_load_detokenize_and_metrics(server: Server,
+                                                    client: openai.OpenAI) -> None:
+    assert http(server, "GET", "/health")[0] == 200
+    assert json.loads(http(server, "GET", "/version")[1]) == {"version": "test"}
+    assert json.loads(http(server, "GET", "/load")[1]) == {"server_load": 0}
+    status, body = http(server, "POST", "/detokenize", {"tokens": [3 + ord("h"), 3 + ord("i")]})
+    assert status == 200 and json.loads(body) == {"prompt": "hi"}
+    client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    text = http(server, "GET", "/metrics")[1].decode()
+    assert 'http_requests_total{handler="/v1/completions",method="POST",status="2xx"}' in text
+    assert "vllm:generation_tokens_total" in text       # the engine's own series, relayed
+
+
+def test_load_counts_a_stream_until_it_ends(server: Server) -> None:
+    async def run() -> tuple[int, int]:
+        async_client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused")
+        stream = await async_client.completions.create(
+            model="tiny", prompt="count", max_tokens=40, stream=True,
+            extra_body={"ignore_eos": True})
+        during = None
+        async for _ in stream:
+            if during is None:
+                during = json.loads(await asyncio.to_thread(
+                    lambda: http(server, "GET", "/load")[1]))["server_load"]
+        after = json.loads(http(server, "GET", "/load")[1])["server_load"]
+        await async_client.close()
+        return during, after
+    assert asyncio.run(run()) == (1, 0)
+
+
+def test_an_api_key_guards_the_v1_routes_only(shared_engine: Any) -> None:
+    with Server(shared_engine, api_key=API_KEY) as s:
+        assert http(s, "GET", "/v1/models")[0] == 401
+        assert http(s, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert http(s, "GET", "/health")[0] == 200
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0)
+        assert c.models.list().data[0].id == "tiny"
