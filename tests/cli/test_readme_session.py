@@ -133,3 +133,48 @@ def test_the_readme_first_session_runs_as_written(tmp_path):
     # `generate`: one answer line for the one prompt.
     lines = (work / "out.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0]).get("text") is not None
+
+
+def serve_block() -> str:
+    """The ```sh block under "An OpenAI-compatible server"."""
+    text = README.read_text()
+    section = text[text.index("## An OpenAI-compatible server"):]
+    match = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert match, "the README shows the server"
+    return match.group(1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("curl"), reason="needs curl, as the README's reader does")
+def test_the_readme_serve_block_runs_as_written(tmp_path):
+    """As it stands, except port 8000 (maybe taken on this machine) for a free one."""
+    block = serve_block()
+    assert "vconsole serve" in block and "kill %1" in block and ":8000" in block
+    port = str(free_port())
+    block = block.replace("--port 8000", f"--port {port}").replace(":8000", f":{port}")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "VCONSOLE_BASE_PORT": str(free_base_port()), "HF_HUB_OFFLINE": "1"}
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen(["bash", "-c", PRELUDE + block + EPILOGUE], cwd=tmp_path,
+                                env=env, stdout=o, stderr=e, start_new_session=True)
+        try:
+            code = proc.wait(SESSION_TIMEOUT_S)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    stdout, stderr = out.read_text(), err.read_text()
+    said = f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}"
+    assert code == 0, said
+    body = json.loads(stdout.splitlines()[0])
+    assert body["object"] == "text_completion" and body["model"] == "tiny", said
+    assert body["usage"]["prompt_tokens"] == len("Hello"), said
+    assert "ENGINE EXIT 0" in stdout, said                # `kill %1`: a clean stop
+    assert "engine stopped (exit code 0)" in stderr, said

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from vconsole.engine.proc.dp.launcher import rank_argv
 from vconsole.engine.proc.dp.request_map import RequestMap
 from vconsole.engine.proc.dp.router import choose_rank
 
@@ -77,10 +76,3 @@ def test_a_client_that_left_has_all_its_requests_dropped() -> None:
     assert sorted((e.rank, e.request_id) for e in m.drop_client(b"a")) == [(0, "1"), (1, "2")]
     assert m.load([0, 1]) == {0: 0, 1: 1}
 
-
-def test_a_rank_gets_the_users_engine_flags_but_not_the_launchers_own() -> None:
-    argv = ["engine", "--model", "tiny", "--input", "tcp://127.0.0.1:1", "--ready-file=/r",
-            "--data-parallel-size", "2", "--metrics-port", "0", "--allow-remote-metrics",
-            "--max-num-seqs", "8", "--control-key-file", "/k", "--set", "policy=hybrid"]
-    assert rank_argv(argv) == ["engine", "--model", "tiny", "--max-num-seqs", "8",
-                               "--set", "policy=hybrid"]

@@ -81,7 +81,8 @@ def test_the_child_of_a_supervisor_gets_its_hidden_flags_and_the_users_engine() 
 def test_a_rank_is_the_same_engine_on_private_endpoints_without_public_parts() -> None:
     launch = parse(["--data-parallel-size", "2", "--max-num-seqs", "3", "--metrics-port", "0",
                     "--allow-remote-telemetry", "--control-key-file", "/pub.key",
-                    "--ready-file", "/pub.json"])
+                    "--ready-file", "/pub.json", "--allow-remote-metrics",
+                    "--set", "policy=hybrid"])
     eps = {n: f"ipc:///run/r1-{n}" for n in ("input", "output", "telemetry", "control")}
     rank = launch.for_rank(1, 2, "127.0.0.1", 29600, eps, "/run/r1.key")
     assert (rank.config.dp_rank, rank.config.data_parallel_size,
@@ -91,6 +92,10 @@ def test_a_rank_is_the_same_engine_on_private_endpoints_without_public_parts() -
     assert rank.control_key_file == "/run/r1.key" and dict(rank.endpoints) == eps
     assert round_trip(rank) == rank
     assert not launch.one_rank and rank.one_rank     # the launcher vs one of its ranks
+    assert rank.config.policy == "hybrid"           # the user's --set reaches the rank
+    argv = rank.argv()                              # none of the launcher's own flags
+    assert not {"--metrics-port", "--allow-remote-metrics", "--ready-file",
+                "--allow-remote-telemetry", "/pub.key"} & set(argv)
 
 
 def test_a_bad_config_is_refused_when_the_launch_is_read() -> None:
