@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# One token's logprobs (as `vconsole.engine.request.TokenLogprobs`): (its logprob, top ids,
+# top logprobs).
+Logprobs = tuple[float, list[int], list[float]]
+
 
 @dataclass
 class RequestOutput:
@@ -17,3 +21,4 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None          # why, when finish_reason is "error"
+    logprobs: list[Logprobs] | None = None  # one per new token, when the request asked

@@ -36,6 +36,10 @@ class FinishReason(enum.StrEnum):
 # temperature that small overflows float32 and would turn every row into NaN.
 SAMPLING_EPS = 1e-5
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20      # top logprobs per token, at most (OpenAI's limit)
+
+# One output token's logprobs: (its logprob, the top ids, their logprobs), from the raw logits.
+TokenLogprobs = tuple[float, list[int], list[float]]
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,12 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0               # drop tokens below min_p x the top token's probability
+    min_tokens: int = 0              # no EOS / stop token before this many output tokens
+    presence_penalty: float = 0.0    # OpenAI's: minus this once per token already output
+    frequency_penalty: float = 0.0   # minus this per earlier output of the token
+    repetition_penalty: float = 1.0  # HF's: logits of prompt and output tokens / (or x) this
+    logprobs: int | None = None      # per output token: its logprob and the top N (0: its own)
 
     def validate(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -71,6 +81,29 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got "
+                             f"{self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_number(self.repetition_penalty) or not math.isfinite(
+                self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got "
+                             f"{self.repetition_penalty!r}")
+
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                             f"{self.logprobs!r}")
+
+    @property
+    def penalised(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +131,7 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] | None = None  # beside output_token_ids, if asked
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1      # prompt tokens served from the prefix cache (first schedule)
     num_preemptions: int = 0

@@ -77,14 +77,20 @@ def encode_request(op: str, values: dict[str, Any] | None = None, *,
     return msgpack.packb(req, use_bin_type=True)
 
 
+def _unpack_map(data: bytes | memoryview, what: str) -> dict[str, Any]:
+    """A msgpack map, or ControlError saying why ``what`` (request / reply) is not one."""
+    try:
+        out = msgpack.unpackb(data, raw=False)
+    except Exception as e:
+        raise ControlError(f"{what} is not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(out, dict):
+        raise ControlError(f"{what} must be a map, got {type(out).__name__}")
+    return out
+
+
 def decode_request(data: bytes | memoryview) -> dict[str, Any]:
     """Parse and validate a request; raises ControlError with a reason."""
-    try:
-        req = msgpack.unpackb(data, raw=False)
-    except Exception as e:
-        raise ControlError(f"request is not valid msgpack ({type(e).__name__})") from None
-    if not isinstance(req, dict):
-        raise ControlError(f"request must be a map, got {type(req).__name__}")
+    req = _unpack_map(data, "request")
     op = req.get("op")
     if op not in OPS:
         raise ControlError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
@@ -148,11 +154,8 @@ def encode_reply(reply: dict[str, Any]) -> bytes:
 
 
 def decode_reply(data: bytes | memoryview) -> dict[str, Any]:
-    try:
-        reply = msgpack.unpackb(data, raw=False)
-    except Exception as e:
-        raise ControlError(f"reply is not valid msgpack ({type(e).__name__})") from None
-    if not isinstance(reply, dict) or "ok" not in reply:
+    reply = _unpack_map(data, "reply")
+    if "ok" not in reply:
         raise ControlError("reply must be a map with an 'ok' field")
     return reply
 

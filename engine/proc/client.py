@@ -67,9 +67,12 @@ class Completion:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     finished: bool = False
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None  # one per output token
 
     def add(self, out: RequestOutput) -> None:
         self.output_token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(out.logprobs)
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
         self.num_preemptions = out.num_preemptions

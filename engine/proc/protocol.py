@@ -68,7 +68,8 @@ ENGINE_TYPES = frozenset({READY, OUTPUTS, ERROR, HEARTBEAT, WAVE})
 WAVE_EVENTS = ("start", "complete")
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids",
-                 "ignore_eos")
+                 "ignore_eos", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logprobs")
 
 Frames = list[Any]  # bytes / numpy arrays on send; bytes / memoryviews on receive
 
@@ -256,10 +257,11 @@ def parse_sampling(raw: Any, rid: str | None) -> SamplingParams:
     if unknown:
         raise ProtocolError(f"unknown sampling keys: {', '.join(unknown)}", rid)
     kw: dict[str, Any] = {}
-    for key in ("max_tokens", "top_k"):
+    for key in ("max_tokens", "top_k", "min_tokens"):
         if key in raw:
             kw[key] = _int(raw[key], key, rid)
-    for key in ("temperature", "top_p"):
+    for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty"):
         if key in raw:
             v = raw[key]
             if isinstance(v, bool) or not isinstance(v, int | float):
@@ -267,6 +269,8 @@ def parse_sampling(raw: Any, rid: str | None) -> SamplingParams:
             kw[key] = float(v)
     if raw.get("seed") is not None:
         kw["seed"] = _int(raw["seed"], "seed", rid)
+    if raw.get("logprobs") is not None:
+        kw["logprobs"] = _int(raw["logprobs"], "logprobs", rid)
     if "stop_token_ids" in raw:
         kw["stop_token_ids"] = tuple(_token_ids(raw["stop_token_ids"], "stop_token_ids", rid))
     if "ignore_eos" in raw:
@@ -391,12 +395,26 @@ def _output_to_wire(out: RequestOutput) -> dict[str, Any]:
         "num_output_tokens": out.num_output_tokens,
         "num_preemptions": out.num_preemptions,
         "error": out.error,
+        **({"logprobs": [[lp, list(ids), list(lps)] for lp, ids, lps in out.logprobs]}
+           if out.logprobs is not None else {}),
     }
 
 
 def encode_outputs(outputs: Iterable[RequestOutput]) -> Frames:
     """One step's outputs for one client, as one message."""
     return encode({"type": OUTPUTS, "outputs": [_output_to_wire(o) for o in outputs]})
+
+
+def _logprobs(raw: Any) -> list[tuple[float, list[int], list[float]]] | None:
+    """An output's ``logprobs``: per token [logprob, [top ids], [top logprobs]]."""
+    if raw is None:
+        return None
+    out = []
+    for lp, ids, lps in raw:
+        if len(ids) != len(lps):
+            raise ValueError("logprobs: top ids and top logprobs differ in length")
+        out.append((float(lp), [int(t) for t in ids], [float(x) for x in lps]))
+    return out
 
 
 def parse_outputs(header: dict[str, Any]) -> list[RequestOutput]:
@@ -418,6 +436,7 @@ def parse_outputs(header: dict[str, Any]) -> list[RequestOutput]:
                 num_output_tokens=int(item.get("num_output_tokens", 0)),
                 num_preemptions=int(item.get("num_preemptions", 0)),
                 error=item.get("error"),
+                logprobs=_logprobs(item.get("logprobs")),
             ))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"bad output entry: {e}") from None

@@ -95,3 +95,5 @@ class ModelRunnerOutput:
     """Sampled token per request that reached its last token this step, keyed by request id."""
 
     sampled: dict[str, int] = field(default_factory=dict)
+    # (logprob, top ids, top logprobs) of the sampled token, for requests that asked.
+    logprobs: dict[str, tuple[float, list[int], list[float]]] = field(default_factory=dict)

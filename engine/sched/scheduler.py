@@ -376,6 +376,7 @@ class Scheduler:
         finished_now = False
         starts = so.start_positions()
         requests, sampled, cache_blocks = self._requests, out.sampled, self.kv.cache_blocks
+        logprobs = out.logprobs
         running_status, max_model_len = RequestStatus.RUNNING, self.max_model_len
         reported = self._num_reported
         now = self.clock()
@@ -400,6 +401,10 @@ class Scheduler:
             else:
                 outputs.append(token)
                 num_generated += 1
+                if logprobs and (entry := logprobs.get(rid)) is not None:
+                    if req.output_logprobs is None:
+                        req.output_logprobs = []
+                    req.output_logprobs.append(entry)
                 last = req.last_token_time
                 if last is not None:
                     itl_values.append(now - last)
@@ -421,9 +426,11 @@ class Scheduler:
             sent = reported.get(rid, 0)
             reported[rid] = num_outputs = len(outputs)
             cached = req.num_cached_tokens
+            lps = req.output_logprobs
             results.append((req, RequestOutput(
                 rid, outputs[sent:], False, None, None, len(req.prompt_token_ids),
-                cached if cached > 0 else 0, num_outputs, req.num_preemptions, req.error)))
+                cached if cached > 0 else 0, num_outputs, req.num_preemptions, req.error,
+                lps[sent:] if lps is not None else None)))
         self.num_generation_tokens_total += num_generated
         if itl_values:
             self.telemetry.run("latency", self.latency.observe_many, "itl_s", itl_values,
@@ -485,11 +492,12 @@ class Scheduler:
         else:
             self._num_reported[rid] = len(outputs)
         cached = req.num_cached_tokens
+        lps = req.output_logprobs
         return RequestOutput(
             rid, outputs[sent:], finished,
             str(req.finish_reason) if finished and req.finish_reason else None, None,
             len(req.prompt_token_ids), cached if cached > 0 else 0, len(outputs),
-            req.num_preemptions, req.error)
+            req.num_preemptions, req.error, lps[sent:] if lps is not None else None)
 
     # --- telemetry ----------------------------------------------------------------------------
     def stats(self, max_rows: int) -> SchedulerStats:

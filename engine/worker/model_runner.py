@@ -169,9 +169,22 @@ class ModelRunner:
             states = [s.state for s in step.sample_seqs]
             batch = SamplingBatch.build([st.sampling for st in states],
                                         [st.num_output_tokens for st in states],
-                                        self.vocab_size, self.device)
-            tokens = self.sampler(logits, batch).tolist()
-        return ModelRunnerOutput({st.req_id: t for st, t in zip(states, tokens, strict=True)})
+                                        self.vocab_size, self.device,
+                                        token_ids=[st.token_ids for st in states],
+                                        num_prompt_tokens=[st.num_prompt_tokens
+                                                           for st in states],
+                                        eos_token_ids=self.eos_token_ids)
+            sampled = self.sampler(logits, batch)
+            tokens = sampled.tolist()
+            asked = [(i, st.sampling.logprobs) for i, st in enumerate(states)
+                     if st.sampling.logprobs is not None]
+            logprobs = {}
+            if asked:
+                rows, top = zip(*asked, strict=True)
+                logprobs = {states[i].req_id: entry for i, entry in zip(
+                    rows, self.sampler.logprobs(logits, sampled, rows, top), strict=True)}
+        return ModelRunnerOutput({st.req_id: t for st, t in zip(states, tokens, strict=True)},
+                                 logprobs)
 
     def compute_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Like `execute_model` (K/V are written the same way) but return the float32 logits

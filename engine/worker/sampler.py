@@ -1,4 +1,5 @@
-"""Batched token sampling on the model's device: greedy, temperature, top-k, top-p, seeds.
+"""Batched token sampling on the model's device: greedy, temperature, top-k, top-p, min-p,
+seeds, presence / frequency / repetition penalties and min_tokens.
 
 Each row has its own parameters (as tensors, so one set of kernels serves the whole batch).
 Sampling uses the exponential-race trick: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. is a
@@ -14,7 +15,7 @@ preempted and recomputed in between. Unseeded rows share the runner's generator.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,11 +33,32 @@ def _mix_seed(seed: int, step: int) -> int:
 
 
 @dataclass
+class Penalties:
+    """Per-row penalties of one step (rows without any: presence 0, frequency 0, repetition 1)."""
+
+    presence: torch.Tensor           # (S, 1) float32
+    frequency: torch.Tensor          # (S, 1) float32
+    repetition: torch.Tensor         # (S, 1) float32
+    output_counts: torch.Tensor      # (S, V) float32: times each token was output so far
+    seen: torch.Tensor               # (S, V) bool: in the prompt or the output
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """vLLM's order: repetition (HF's rule: positive logits / r, negative x r) on every
+        token seen, then frequency x count and presence once per output token."""
+        x = logits.float()
+        scaled = torch.where(x > 0, x / self.repetition, x * self.repetition)
+        x = torch.where(self.seen, scaled, x)
+        return x - self.frequency * self.output_counts \
+            - self.presence * (self.output_counts > 0).float()
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling parameters of one step, on the device.
 
     The flags (``all_greedy`` …) are plain bools computed on the host, so the sampler skips
-    whole stages without looking at device tensors.
+    whole stages without looking at device tensors; a step whose requests use none of
+    min_p, min_tokens and the penalties runs exactly the stages it ran before they existed.
     """
 
     temperature: torch.Tensor        # (S,) float32; 1.0 on greedy rows (unused there)
@@ -45,14 +67,27 @@ class SamplingBatch:
     greedy: torch.Tensor | None      # (S,) bool; None when no row is greedy
     all_greedy: bool
     seeded: list[tuple[int, int]]    # (row, generator seed) for rows with their own seed
+    min_p: torch.Tensor | None = None          # (S,) float32, 0 where off
+    banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids)
+    penalties: Penalties | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], num_output_tokens: Sequence[int],
-              vocab_size: int, device: torch.device) -> SamplingBatch:
+              vocab_size: int, device: torch.device, *,
+              token_ids: Sequence[Sequence[int]] = (), num_prompt_tokens: Sequence[int] = (),
+              eos_token_ids: Sequence[int] = ()) -> SamplingBatch:
+        """``token_ids`` (prompt then output, per row) and ``num_prompt_tokens`` are read only
+        when a row has penalties; ``eos_token_ids`` when one has ``min_tokens``."""
+        banned = [(i, [t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab_size])
+                  for i, (p, n) in enumerate(zip(params, num_output_tokens, strict=True))
+                  if n < p.min_tokens]
+        penalties = (_penalties(params, token_ids, num_prompt_tokens, vocab_size, device)
+                     if any(p.penalised for p in params) else None)
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
         if all_greedy:
-            return cls(torch.ones(0), None, None, None, True, [])
+            return cls(torch.ones(0), None, None, None, True, [], banned=banned,
+                       penalties=penalties)
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         use_k = any(0 < p.top_k < vocab_size for p in params)
         use_p = any(p.top_p < 1.0 for p in params)
@@ -69,7 +104,30 @@ class SamplingBatch:
                                dtype=torch.float32, device=device)
             if use_p else None,
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device) if any(greedy) else None,
-            all_greedy=False, seeded=seeded)
+            all_greedy=False, seeded=seeded,
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            if any(p.min_p > 0.0 for p in params) else None,
+            banned=banned, penalties=penalties)
+
+
+def _penalties(params: Sequence[SamplingParams], token_ids: Sequence[Sequence[int]],
+               num_prompt_tokens: Sequence[int], vocab_size: int,
+               device: torch.device) -> Penalties:
+    rows = len(params)
+    counts = torch.zeros(rows, vocab_size, dtype=torch.float32)
+    seen = torch.zeros(rows, vocab_size, dtype=torch.bool)
+    for i, (p, ids, n_prompt) in enumerate(zip(params, token_ids, num_prompt_tokens,
+                                               strict=True)):
+        if not p.penalised:
+            continue
+        out = torch.tensor(ids[n_prompt:], dtype=torch.int64)
+        counts[i].index_add_(0, out, torch.ones(len(out)))
+        seen[i, torch.tensor(ids, dtype=torch.int64)] = True
+    column = [[p.presence_penalty] for p in params], [[p.frequency_penalty] for p in params], \
+        [[p.repetition_penalty] for p in params]
+    presence, frequency, repetition = (torch.tensor(c, dtype=torch.float32, device=device)
+                                       for c in column)
+    return Penalties(presence, frequency, repetition, counts.to(device), seen.to(device))
 
 
 class Sampler:
@@ -79,7 +137,9 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Return one token id per row of ``logits`` (S, V), as an int64 tensor on the device."""
+        """Return one token id per row of ``logits`` (S, V), as an int64 tensor on the device.
+        Penalties and ``min_tokens``' ban apply to greedy rows too (as in vLLM)."""
+        logits = self.processed(logits, batch)
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         probs = self.probabilities(logits, batch)
@@ -88,6 +148,18 @@ class Sampler:
         if batch.greedy is not None:
             sampled = torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
         return sampled
+
+    @staticmethod
+    def processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The logits after the penalties and ``min_tokens``' ban (the same tensor when no row
+        has either)."""
+        if batch.penalties is not None:
+            logits = batch.penalties.apply(logits)
+        if batch.banned:
+            logits = logits.clone() if batch.penalties is None else logits
+            for row, tokens in batch.banned:
+                logits[row, tokens] = float("-inf")
+        return logits
 
     @staticmethod
     def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -110,7 +182,27 @@ class Sampler:
                 drop[:, 0] = False
                 sorted_x.masked_fill_(drop, float("-inf"))
             x = torch.empty_like(x).scatter_(-1, order, sorted_x)
-        return x.softmax(dim=-1)
+        probs = x.softmax(dim=-1)
+        if batch.min_p is not None:
+            # Drop what is less likely than min_p x the top token; the top token always stays.
+            floor = probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None]
+            probs = probs.masked_fill(probs < floor, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[int],
+                 top: Sequence[int]) -> list[tuple[float, list[int], list[float]]]:
+        """For each of ``rows``: the sampled token's logprob and the ``top[i]`` most likely
+        tokens with theirs, from the raw logits (before temperature, penalties or filters, as
+        vLLM's default), in one batched log-softmax and top-k."""
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        lp = logits.index_select(0, index).float().log_softmax(dim=-1)
+        chosen = lp.gather(1, tokens.index_select(0, index)[:, None]).squeeze(1).tolist()
+        k = max(top)
+        top_lp, top_ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+        top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
+        return [(chosen[j], top_id_rows[j][:n], top_lp_rows[j][:n]) for j, n in enumerate(top)]
 
     def _noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         q = torch.empty_like(probs)

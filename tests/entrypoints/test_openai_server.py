@@ -168,7 +168,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
              ({"max_tokens": 4000}, openai.BadRequestError, "maximum context length is 2048"),
              ({"temperature": -1}, openai.BadRequestError, "temperature"),
              ({"prompt": [1, 99999]}, openai.BadRequestError, "out of vocabulary"),
-             ({"extra_body": {"min_p": 0.2}}, openai.BadRequestError, "min_p")]
+             ({"extra_body": {"logit_bias": {"5": 1.0}}}, openai.BadRequestError,
+              "logit_bias"),
+             ({"extra_body": {"min_tokens": 5}}, openai.BadRequestError, "min_tokens")]
     for change, error, words in cases:
         with pytest.raises(error, match=words):
             client.completions.create(**{"model": "tiny", "prompt": "x", "max_tokens": 2,
@@ -214,3 +216,46 @@ def test_an_api_key_guards_the_v1_routes_only(shared_engine: Any) -> None:
         assert http(s, "GET", "/health")[0] == 200
         c = openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0)
         assert c.models.list().data[0].id == "tiny"
+
+
+def test_min_tokens_and_penalties_reach_the_engines_sampler(client: openai.OpenAI) -> None:
+    prompt = [21, 22, 23, 24]
+    t0 = reference_outputs([(prompt, 1)])[0][0]              # the greedy first token
+    stopped = client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                        temperature=0, extra_body={"stop_token_ids": [t0]})
+    assert stopped.usage.completion_tokens == 1
+    assert stopped.choices[0].model_extra["stop_reason"] == t0
+    held = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                     extra_body={"stop_token_ids": [t0], "min_tokens": 3})
+    assert held.usage.completion_tokens >= 3                 # t0 banned until 3 tokens
+    plain = client.completions.create(model="tiny", prompt=[5] * 12, max_tokens=12,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    penalised = client.completions.create(model="tiny", prompt=[5] * 12, max_tokens=12,
+                                          temperature=0,
+                                          extra_body={"ignore_eos": True,
+                                                      "repetition_penalty": 5.0,
+                                                      "frequency_penalty": 2.0})
+    assert penalised.choices[0].text != plain.choices[0].text
+
+
+def test_logprobs_in_both_of_openais_shapes(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt=[31, 32, 33], max_tokens=5,
+                                  temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 5
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # A map by token text: byte tokens that are part of a character all read U+FFFD and
+        # share one key (as in vLLM), so the map holds 1 to 4 entries.
+        assert value <= 0.0 and token in top and 1 <= len(top) <= 4
+        assert value >= max(top.values()) - 1e-4             # greedy: the most likely token
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chat = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob for c in content)
+    assert content[0].bytes == list(content[0].token.encode())
+    plain = client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert plain.choices[0].logprobs is None

@@ -131,6 +131,14 @@ def test_a_message_naming_a_request_keeps_its_id_even_when_its_frames_are_bad():
     ({"seed": 2**63}, "seed"),
     ({"max_tokens": True}, "max_tokens"),
     ({"stop_token_ids": [1, -5]}, "non-negative"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"min_tokens": 1.0}, "min_tokens"),
+    ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
 ])
 def test_sampling_values_that_would_sample_wrongly_are_refused(sampling, reason):
     header = {"type": "add", "request_id": "r", "prompt": "x", "sampling": sampling}
@@ -147,6 +155,15 @@ def test_size_limits_are_checked_before_any_per_token_work():
     with pytest.raises(protocol.ProtocolError, match="5000 tokens cannot fit"):
         protocol.parse_add({"type": "add", "request_id": "r", "prompt_token_ids": ids},
                            max_prompt_tokens=2047)
+
+
+def test_the_new_sampling_keys_travel_and_are_kept():
+    sampling = {"min_p": 0.1, "min_tokens": 3, "presence_penalty": 0.5,
+                "frequency_penalty": -0.5, "repetition_penalty": 1.3, "max_tokens": 8}
+    header = {"type": "add", "request_id": "r", "prompt": "x", "sampling": sampling}
+    got = protocol.parse_add(protocol.decode(wire(protocol.encode(header)))).sampling
+    assert (got.min_p, got.min_tokens, got.presence_penalty, got.frequency_penalty,
+            got.repetition_penalty) == (0.1, 3, 0.5, -0.5, 1.3)
 
 
 def test_completion_accumulates_deltas():
@@ -299,3 +316,17 @@ async def test_async_client_fails_unanswered_requests_on_an_unattributed_error(
         done = await asyncio.wait_for(c.generate(prompt_token_ids=[44], max_tokens=2,
                                                  ignore_eos=True), 30)
         assert done.finish_reason == "length"  # the client keeps working
+
+
+def test_logprobs_travel_with_their_tokens_and_a_bad_entry_is_refused():
+    out = RequestOutput("r", [4, 5], logprobs=[(-0.5, [4, 9], [-0.5, -1.5]), (-2.0, [], [])])
+    back = protocol.parse_outputs(protocol.decode(wire(protocol.encode_outputs([out]))))[0]
+    assert back.logprobs == [(-0.5, [4, 9], [-0.5, -1.5]), (-2.0, [], [])]
+    plain = protocol.parse_outputs(protocol.decode(wire(protocol.encode_outputs(
+        [RequestOutput("r", [4])]))))[0]
+    assert plain.logprobs is None
+    bad = {"type": "outputs", "outputs": [{"request_id": "r", "new_token_ids": [4],
+                                           "finished": False,
+                                           "logprobs": [[-1.0, [1, 2], [-1.0]]]}]}
+    with pytest.raises(protocol.ProtocolError, match="differ in length"):
+        protocol.parse_outputs(bad)

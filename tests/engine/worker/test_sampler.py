@@ -131,3 +131,77 @@ def test_a_temperature_too_small_for_float32_samples_greedily():
     for temperature in (1e-39, 1e-12, 9e-6):
         params = [SamplingParams(temperature=temperature)] * 16
         assert sample(logits, params) == want
+
+
+# --- min_p, min_tokens, penalties -----------------------------------------------------------
+
+
+def processed(logits: torch.Tensor, params: list[SamplingParams], *,
+              token_ids: list[list[int]], num_prompt: list[int],
+              eos: tuple[int, ...] = ()) -> torch.Tensor:
+    batch = SamplingBatch.build(params, [len(t) - n for t, n in zip(token_ids, num_prompt, strict=True)],
+                                logits.shape[-1], CPU, token_ids=token_ids,
+                                num_prompt_tokens=num_prompt, eos_token_ids=eos)
+    return Sampler.processed(logits.clone(), batch)
+
+
+def test_min_p_keeps_only_tokens_near_the_top_one() -> None:
+    logits = torch.full((1, V), -10.0)
+    logits[0, :4] = torch.tensor([3.0, 2.9, 1.0, 0.5])     # p ~ .48 .44 .06 .04 (rest ~0)
+    params = [SamplingParams(temperature=1.0, min_p=0.5)]
+    probs = Sampler.probabilities(logits, SamplingBatch.build(params, [0], V, CPU))
+    assert probs[0, 2:].sum().item() == 0.0 and abs(probs[0].sum().item() - 1.0) < 1e-6
+    seen = {sample(logits, params, sampler=Sampler(CPU, seed=s))[0] for s in range(40)}
+    assert seen == {0, 1}
+    off = Sampler.probabilities(logits, SamplingBatch.build(
+        [SamplingParams(temperature=1.0)], [0], V, CPU))
+    assert off[0, 2].item() > 0.01                            # min_p 0: untouched
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached_even_when_greedy() -> None:
+    logits = torch.zeros(2, V)
+    logits[:, 2] = 9.0                                        # EOS would win
+    logits[:, 7] = 8.0                                        # then the stop token
+    params = [SamplingParams(min_tokens=3, stop_token_ids=(7,)),
+              SamplingParams(min_tokens=3, stop_token_ids=(7,))]
+    batch = SamplingBatch.build(params, [1, 3], V, CPU, eos_token_ids=(2,))
+    tokens = Sampler(CPU)(logits, batch).tolist()
+    assert tokens[0] not in (2, 7)                            # 1 output token < 3: banned
+    assert tokens[1] == 2                                      # 3 reached: EOS allowed again
+
+
+def test_penalties_follow_openai_and_hf_rules_per_row() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5] + [0.0] * (V - 4)] * 3)
+    # prompt [0, 1], output [2, 2, 3]
+    ids = [[0, 1, 2, 2, 3]] * 3
+    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+              SamplingParams(repetition_penalty=2.0),
+              SamplingParams()]
+    out = processed(logits, params, token_ids=ids, num_prompt=[2, 2, 2])
+    # frequency x count + presence once, output tokens only (the prompt's 0 and 1 untouched)
+    assert out[0, :4].tolist() == [2.0, -2.0, 1.0 - 2 * 0.5 - 0.25, 0.5 - 0.5 - 0.25]
+    # repetition: every seen token, prompt included: positive / 2, negative x 2
+    assert out[1, :4].tolist() == [1.0, -4.0, 0.5, 0.25]
+    assert out[1, 4:].eq(0.0).all()
+    assert torch.equal(out[2], logits[2])                     # a row without penalties
+
+
+def test_a_batch_without_the_new_parameters_is_the_batch_it_was() -> None:
+    batch = SamplingBatch.build([SamplingParams(temperature=0.7)] * 2, [0, 5], V, CPU)
+    assert batch.min_p is None and batch.banned == [] and batch.penalties is None
+    logits = random_logits(2)
+    assert Sampler.processed(logits, batch) is logits
+
+
+def test_logprobs_are_the_raw_log_softmax_with_the_top_n_per_row() -> None:
+    logits = random_logits(3)
+    tokens = torch.tensor([5, 7, 9])
+    out = Sampler.logprobs(logits, tokens, rows=[0, 2], top=[3, 0])
+    want = logits.log_softmax(-1)
+    assert len(out) == 2
+    lp, ids, lps = out[0]
+    assert abs(lp - want[0, 5].item()) < 1e-5
+    assert ids == want[0].topk(3).indices.tolist()
+    assert all(abs(a - b) < 1e-5 for a, b in zip(lps, want[0].topk(3).values.tolist(),
+                                                  strict=True))
+    assert out[1][1:] == ([], []) and abs(out[1][0] - want[2, 9].item()) < 1e-5

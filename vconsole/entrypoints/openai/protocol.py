@@ -5,8 +5,9 @@ Fields and defaults follow vLLM's OpenAI server (``vllm/entrypoints/openai/proto
 and chat to what is left of the context; vLLM's extensions (``top_k``, ``min_p``,
 ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``, ``priority``,
 ``include_stop_str_in_output``, ``skip_special_tokens``) are accepted here too. Unknown fields
-are ignored, as vLLM does. A field the engine cannot honour yet is refused with a 400 that names
-it (`unsupported`), never silently dropped.
+are ignored, as vLLM does. A field the engine cannot honour yet (``logit_bias``, ``suffix``,
+``best_of``, ``logprobs`` with ``echo``) is refused with a 400 that names it (`unsupported`),
+never silently dropped.
 
 `BadRequest` is what every handler raises for a request it refuses; the server turns it into the
 OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
@@ -78,16 +79,13 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> None:
         """Refuse what the engine cannot do yet, naming the field."""
-        refused = [name for name, off in (
-            ("min_p", self.min_p in (None, 0.0)),
-            ("min_tokens", self.min_tokens == 0),
-            ("presence_penalty", self.presence_penalty == 0.0),
-            ("frequency_penalty", self.frequency_penalty == 0.0),
-            ("repetition_penalty", self.repetition_penalty == 1.0),
-            ("logit_bias", not self.logit_bias)) if not off]
-        if refused:
-            raise BadRequest(f"{refused[0]} is not supported by this server yet",
-                             param=refused[0])
+        if self.logit_bias:
+            raise BadRequest("logit_bias is not supported by this server yet",
+                             param="logit_bias")
+
+    def engine_logprobs(self) -> int | None:
+        """How many top logprobs per token the engine computes (None: none)."""
+        return None
 
     def engine_sampling(self, max_tokens: int, index: int = 0) -> dict[str, Any]:
         """The engine's sampling arguments (`vconsole.engine.proc.protocol.SAMPLING_KEYS`) for
@@ -98,8 +96,18 @@ class SamplingFields(BaseModel):
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": 0 if self.top_k in (None, -1) else self.top_k,
             "ignore_eos": self.ignore_eos}
+        for key, off in (("min_p", 0.0), ("min_tokens", 0), ("presence_penalty", 0.0),
+                         ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, key)
+            if value is not None and value != off:
+                out[key] = value
+        if self.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                             f"({max_tokens})", param="min_tokens")
         if self.seed is not None:
             out["seed"] = (self.seed + index) % 2**63
+        if self.engine_logprobs() is not None:
+            out["logprobs"] = self.engine_logprobs()
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
         return out
@@ -127,10 +135,14 @@ class CompletionRequest(SamplingFields):
             return [list(p)]                     # type: ignore[arg-type]
         return list(p)                           # type: ignore[arg-type]
 
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> None:
         super().unsupported()
-        if self.logprobs is not None:
-            raise BadRequest("logprobs is not supported by this server yet", param="logprobs")
+        if self.logprobs is not None and self.echo:
+            raise BadRequest("logprobs with echo (the prompt's logprobs) is not supported by "
+                             "this server yet", param="echo")
         if self.suffix:
             raise BadRequest("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -168,10 +180,10 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported(self) -> None:
-        super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise BadRequest("logprobs is not supported by this server yet", param="logprobs")
+    def engine_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

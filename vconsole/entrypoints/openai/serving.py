@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vconsole.entrypoints.openai.engine_link import EngineLink
+from vconsole.entrypoints.openai.logprobs import Entry, chat_logprobs, completion_logprobs
 from vconsole.entrypoints.openai.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -49,8 +50,13 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    error: str | None = None
-    deltas: list[str] = field(default_factory=list)
+    logprobs: list[Entry] = field(default_factory=list)   # one per token, when asked
+    lp_sent: int = 0                                        # of them, streamed so far
+
+    @property
+    def limit(self) -> int | None:
+        """Where a stop string cut the text: tokens from there on are not reported."""
+        return len(self.text.text) if self.text.stopped is not None else None
 
 
 class OpenAIServing:
@@ -156,7 +162,8 @@ class OpenAIServing:
             done = await self._collect(rid + f"-{p}", ids, req, limit)
             usage.add(len(ids), done)
             choices += [{"index": p * req.n + c.index, "text": echo + c.text.text,
-                         "logprobs": None, "finish_reason": c.finish_reason,
+                         "logprobs": self._completion_logprobs(req, c, len(echo)),
+                         "finish_reason": c.finish_reason,
                          "stop_reason": c.stop_reason} for c in done]
         return {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage.body()}
@@ -167,10 +174,11 @@ class OpenAIServing:
         created = int(time.time())
         usage = _Usage()
 
-        def chunk(index: int, text: str, choice: Choice | None) -> str:
+        def chunk(index: int, text: str, choice: Choice | None,
+                  logprobs: dict[str, Any] | None = None) -> str:
             return sse({"id": rid, "object": "text_completion", "created": created,
                         "model": self.model_name, "choices": [{
-                            "index": index, "text": text, "logprobs": None,
+                            "index": index, "text": text, "logprobs": logprobs,
                             "finish_reason": choice.finish_reason if choice else None,
                             "stop_reason": choice.stop_reason if choice else None}]})
 
@@ -183,7 +191,8 @@ class OpenAIServing:
                 choices: list[Choice] = []
                 async for c, delta in self._run(rid + f"-{p}", ids, req, limit, choices):
                     if delta or c.finish_reason:
-                        yield chunk(p * req.n + c.index, delta, c if c.finish_reason else None)
+                        yield chunk(p * req.n + c.index, delta, c if c.finish_reason else None,
+                                    self._completion_logprobs(req, c, 0, stream=True))
                 usage.add(len(ids), choices)
             if req.include_usage():
                 yield sse({"id": rid, "object": "text_completion", "created": created,
@@ -211,7 +220,8 @@ class OpenAIServing:
                 "model": self.model_name,
                 "choices": [{"index": c.index,
                              "message": {"role": "assistant", "content": c.text.text},
-                             "logprobs": None, "finish_reason": c.finish_reason,
+                             "logprobs": self._chat_logprobs(req, c),
+                             "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason} for c in done],
                 "usage": usage.body()}
 
@@ -219,10 +229,11 @@ class OpenAIServing:
                            limit: int) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(index: int, delta: dict[str, Any], choice: Choice | None) -> str:
+        def chunk(index: int, delta: dict[str, Any], choice: Choice | None,
+                  logprobs: dict[str, Any] | None = None) -> str:
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                         "model": self.model_name, "choices": [{
-                            "index": index, "delta": delta, "logprobs": None,
+                            "index": index, "delta": delta, "logprobs": logprobs,
                             "finish_reason": choice.finish_reason if choice else None,
                             "stop_reason": choice.stop_reason if choice else None}]})
 
@@ -233,7 +244,8 @@ class OpenAIServing:
             async for c, delta in self._run(rid, ids, req, limit, choices):
                 if delta or c.finish_reason:
                     yield chunk(c.index, {"content": delta} if delta else {},
-                                c if c.finish_reason else None)
+                                c if c.finish_reason else None,
+                                self._chat_logprobs(req, c, stream=True))
             if req.include_usage():
                 usage = _Usage()
                 usage.add(len(ids), choices)
@@ -268,6 +280,8 @@ class OpenAIServing:
             c = choices[i]
             delta = c.text.add(out.new_token_ids)
             c.num_tokens += len(out.new_token_ids)
+            if out.logprobs:
+                c.logprobs.extend(out.logprobs)
             if c.text.stopped is not None:
                 c.finish_reason, c.stop_reason = "stop", c.text.stopped
                 stopped.add(i)
@@ -282,6 +296,25 @@ class OpenAIServing:
                         req.stop_token_ids:
                     c.stop_reason = last
             yield c, delta
+
+    def _completion_logprobs(self, req: CompletionRequest, c: Choice, base_offset: int, *,
+                             stream: bool = False) -> dict[str, Any] | None:
+        """The legacy logprobs block: the whole output, or (``stream``) the tokens since the
+        last chunk."""
+        if req.logprobs is None:
+            return None
+        start = c.lp_sent if stream else 0
+        c.lp_sent = len(c.logprobs) if stream else c.lp_sent
+        return completion_logprobs(self.tokenizer, c.text.token_ids, c.logprobs, start,
+                                   c.limit, base_offset)
+
+    def _chat_logprobs(self, req: ChatCompletionRequest, c: Choice, *,
+                       stream: bool = False) -> dict[str, Any] | None:
+        if not req.logprobs:
+            return None
+        start = c.lp_sent if stream else 0
+        c.lp_sent = len(c.logprobs) if stream else c.lp_sent
+        return chat_logprobs(self.tokenizer, c.text.token_ids, c.logprobs, start, c.limit)
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
         vocab = int(self.engine.info.get("vocab_size") or len(self.tokenizer))
