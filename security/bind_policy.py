@@ -107,3 +107,16 @@ def secure_socket(sock: zmq.Socket, name: str, endpoint: str,
         curve.secure(sock)
     elif not is_loopback(endpoint):
         log.warning("%s socket on %s is unauthenticated (--allow-remote-telemetry)", name, endpoint)
+
+
+def check_http_host(host: str, api_key: bool, open_without_key: bool) -> None:
+    """`vconsole serve`'s HTTP server submits requests to the engine: beyond loopback it wants
+    an API key (``--api-key``), or the operator's explicit ``--allow-no-api-key`` that says the
+    port is open to anyone who reaches it. Raises `RemoteBindRefused` before anything binds."""
+    endpoint = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+    if not api_key and not open_without_key and not is_loopback(endpoint):
+        raise RemoteBindRefused(
+            f"refusing to serve HTTP on non-loopback host {host!r} without --api-key: anyone "
+            "who can reach the port could run requests on the engine. Set --api-key KEY (or "
+            "$VCONSOLE_API_KEY), bind 127.0.0.1 and use an SSH tunnel (ssh -N -L "
+            "8000:127.0.0.1:8000 HOST), or pass --allow-no-api-key to serve it open.")

@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="clients must send `Authorization: Bearer KEY` on /v1/ routes "
                         "(default: $VCONSOLE_API_KEY; unset: no key)")
+    g.add_argument("--allow-no-api-key", action="store_true",
+                   help="serve a non-loopback --host without --api-key (open to anyone who "
+                        "reaches the port)")
     g.add_argument("--served-model-name", metavar="NAME",
                    help="the model name clients use (default: --model's value)")
     g.add_argument("--chat-template", metavar="FILE",

@@ -22,8 +22,8 @@ import pytest
 from support.live_engine import ipc_endpoints
 from vconsole.engine.proc.child import ChildProcess
 from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.security.bind_policy import RemoteBindRefused, check_http_host
 
-pytestmark = [pytest.mark.proc, pytest.mark.slow]
 ENGINE = ["--num-kv-blocks", "64", "--block-size", "8", "--set", "heartbeat_interval_s=0.2"]
 
 
@@ -60,6 +60,8 @@ def serve(tmp_path: Path, *args: str) -> tuple[ChildProcess, int, Path]:
     return child, port, log
 
 
+@pytest.mark.proc
+@pytest.mark.slow
 def test_serve_starts_its_engine_answers_the_sdk_and_ctrl_c_stops_both(tmp_path: Path) -> None:
     eps = ipc_endpoints(tmp_path)
     child, port, log = serve(tmp_path, *ENGINE, *[f"--{n}={ep}" for n, ep in eps.items()],
@@ -82,6 +84,8 @@ def test_serve_starts_its_engine_answers_the_sdk_and_ctrl_c_stops_both(tmp_path:
     assert left == []                     # no engine process (supervisor or child) is left
 
 
+@pytest.mark.proc
+@pytest.mark.slow
 def test_serve_in_front_of_a_running_engine_follows_its_crash_and_restart(
         tmp_path: Path) -> None:
     with EngineProcess([*ENGINE, "--restart-backoff", "0.5"],
@@ -106,3 +110,22 @@ def test_serve_in_front_of_a_running_engine_follows_its_crash_and_restart(
             assert load == {"server_load": 0}
         finally:
             child.stop(30, signal.SIGINT)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
+def test_loopback_needs_no_key(host: str) -> None:
+    check_http_host(host, api_key=False, open_without_key=False)
+
+
+def test_beyond_loopback_the_server_wants_a_key_or_an_explicit_open_flag(
+        tmp_path: Path) -> None:
+    with pytest.raises(RemoteBindRefused, match="--api-key"):
+        check_http_host("0.0.0.0", api_key=False, open_without_key=False)
+    check_http_host("0.0.0.0", api_key=True, open_without_key=False)
+    check_http_host("0.0.0.0", api_key=False, open_without_key=True)
+    # The command refuses before it starts any engine.
+    done = subprocess.run([sys.executable, "-m", "vconsole", "serve", "--host", "0.0.0.0",
+                           "--port", str(_free_port())], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "VCONSOLE_API_KEY": ""})
+    assert done.returncode == 2 and "--allow-no-api-key" in done.stderr
+    assert "starting the engine" not in done.stderr

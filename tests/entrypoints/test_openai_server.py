@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http.client import HTTPConnection
 from typing import Any
 
 import openai
@@ -259,3 +260,79 @@ def test_logprobs_in_both_of_openais_shapes(client: openai.OpenAI) -> None:
     assert content[0].bytes == list(content[0].token.encode())
     plain = client.completions.create(model="tiny", prompt="x", max_tokens=2)
     assert plain.choices[0].logprobs is None
+
+
+def test_x_request_id_is_echoed_and_names_the_request(server: Server,
+                                                     client: openai.OpenAI) -> None:
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt="x", max_tokens=2, extra_headers={"x-request-id": "app-42"})
+    assert raw.headers["x-request-id"] == "app-42"
+    assert raw.parse().id == "cmpl-app-42"
+    status, body = http(server, "POST", "/v1/completions",
+                        {"model": "tiny", "prompt": "x", "max_tokens": 2},
+                        headers={"x-request-id": "x" * 300})
+    assert status == 400 and "x-request-id" in json.loads(body)["error"]["message"]
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(client: openai.OpenAI) -> None:
+    stream = client.completions.create(model="tiny", prompt="abc", max_tokens=4, stream=True,
+                                       stream_options={"include_usage": True,
+                                                       "continuous_usage_stats": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(c.usage is not None and c.usage.prompt_tokens == 3 for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_request_in_the_engine(
+        server: Server) -> None:
+    conn = HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": "tiny", "prompt": "a long one", "max_tokens": 400, "stream": True,
+        "ignore_eos": True}), {"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.read(6) == b"data: "                      # it runs in the engine
+    assert server.serving.engine.in_flight == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 30
+    while server.serving.engine.in_flight:
+        assert time.monotonic() < deadline, "the request was left running"
+        time.sleep(0.05)
+    # The engine's own count follows (its /metrics, relayed by the server).
+    while "vllm:num_requests_running" not in (text := http(server, "GET", "/metrics")[1]
+                                              .decode()) or \
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0' not in text:
+        assert time.monotonic() < deadline, "the engine still runs the request"
+        time.sleep(0.2)
+
+
+def test_vllm_bench_shaped_load_at_concurrency_16_has_no_failures(server: Server) -> None:
+    """What `vllm bench serve` sends: streaming completions with include_usage and
+    ignore_eos, the model from /v1/models; every request finishes with exact token counts."""
+    async def run() -> list[tuple[int, int, int]]:
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model = (await c.models.list()).data[0].id
+        gate = asyncio.Semaphore(16)
+
+        async def one(i: int) -> tuple[int, int, int]:
+            async with gate:
+                stream = await c.completions.create(
+                    model=model, prompt=[3 + (i * 7 + k) % 250 for k in range(24)],
+                    max_tokens=6, stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True})
+                text_chunks, usage = 0, None
+                async for chunk in stream:
+                    if chunk.choices:
+                        text_chunks += 1
+                    usage = chunk.usage or usage
+                return text_chunks, usage.prompt_tokens, usage.completion_tokens
+        try:
+            return await asyncio.gather(*(one(i) for i in range(160)))
+        finally:
+            await c.close()
+    results = asyncio.run(run())
+    assert len(results) == 160
+    assert all(p == 24 and n == 6 and chunks >= 1 for chunks, p, n in results)

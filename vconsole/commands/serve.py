@@ -27,6 +27,7 @@ from vconsole.engine.config import ConfigError
 from vconsole.engine.proc import exit_codes
 from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.engine.proc.ready_file import ReadyFileError, read_ready_file
+from vconsole.security.bind_policy import RemoteBindRefused, check_http_host
 
 API_KEY_ENV = "VCONSOLE_API_KEY"
 log = logging.getLogger("vconsole.serve")
@@ -40,9 +41,11 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        log.warning("serving on %s without --api-key: anyone who reaches port %d can use the "
-                    "engine", args.host, args.port)
+    try:
+        check_http_host(args.host, api_key is not None, args.allow_no_api_key)
+    except RemoteBindRefused as e:
+        _say(e)
+        return exit_codes.CANNOT_START
     chat_template = None
     if args.chat_template:
         try:

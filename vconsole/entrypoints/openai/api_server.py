@@ -8,7 +8,8 @@ unreachable or restarting), ``GET /version``, ``POST /tokenize``, ``POST /detoke
 (``{"server_load": N}``, generation requests in flight, streams included).
 
 ``api_key``: every ``/v1/`` route wants ``Authorization: Bearer KEY`` (401 otherwise), as vLLM's
-``--api-key``. A request body that does not validate is a 400 with OpenAI's error body, as vLLM
+``--api-key``. An ``x-request-id`` header is echoed back and becomes the request's id in the
+engine (the console's Requests screen shows the ids the application knows). A request body that does not validate is a 400 with OpenAI's error body, as vLLM
 answers, not FastAPI's 422.
 
 Invariant: a client that goes away mid-stream cancels its stream, which aborts its requests in
@@ -40,6 +41,8 @@ from vconsole.entrypoints.openai.protocol import (
 )
 from vconsole.entrypoints.openai.serving import OpenAIServing
 
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID = 200      # the engine takes ids up to 256 characters; room for a suffix
 RECONNECT_S = 1.0           # while the engine is unreachable: try its handshake this often
 ENGINE_METRICS_TIMEOUT_S = 2.0
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -137,16 +140,22 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         return serving.detokenize(req)
 
-    async def generation(run: Awaitable[dict[str, Any] | AsyncIterator[str]]) -> Response:
+    async def generation(request: Request, handler: Callable[..., Awaitable[
+            dict[str, Any] | AsyncIterator[str]]], body: Any) -> Response:
+        given = request.headers.get(REQUEST_ID_HEADER)
+        if given is not None and not _good_request_id(given):
+            raise BadRequest(f"{REQUEST_ID_HEADER} must be 1 to {MAX_REQUEST_ID} printable "
+                             "ASCII characters", param=REQUEST_ID_HEADER)
+        echo = {REQUEST_ID_HEADER: given} if given else None
         load["n"] += 1
         try:
-            result = await run
+            result = await handler(body, given)
         except BaseException:
             load["n"] -= 1
             raise
         if isinstance(result, dict):
             load["n"] -= 1
-            return JSONResponse(result)
+            return JSONResponse(result, headers=echo)
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -154,15 +163,15 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
                     yield event
             finally:
                 load["n"] -= 1
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers=echo)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
-        return await generation(serving.completions(req))
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await generation(request, serving.completions, req)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Response:
-        return await generation(serving.chat(req))
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        return await generation(request, serving.chat, req)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -171,6 +180,10 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _good_request_id(value: str) -> bool:
+    return 0 < len(value) <= MAX_REQUEST_ID and value.isascii() and value.isprintable()
 
 
 def _authorised(request: Request, api_key: str) -> bool:

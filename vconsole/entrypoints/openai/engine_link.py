@@ -31,6 +31,7 @@ class EngineLink:
         self.client = AsyncEngineClient(input_endpoint, output_endpoint, timeout_s=timeout_s,
                                         curve=curve)
         self.in_flight = 0
+        self._live: set[str] = set()      # engine ids of the samples running now
         self._ids = itertools.count()
         self._prefix = f"http-{os.getpid()}-"
 
@@ -52,8 +53,15 @@ class EngineLink:
     async def close(self) -> None:
         await self.client.close()
 
-    def new_id(self, kind: str) -> str:
-        return f"{kind}-{self._prefix}{next(self._ids)}"
+    def new_id(self, kind: str, given: str | None = None) -> str:
+        """An engine request id: the client's ``x-request-id`` (so the console shows the id
+        the application knows), made unique if one with that id is still running; else a
+        fresh one."""
+        if not given:
+            return f"{kind}-{self._prefix}{next(self._ids)}"
+        if given in self._live or any(k.startswith(given + "-") for k in self._live):
+            return f"{given}-{next(self._ids)}"
+        return given
 
     async def samples(self, request_id: str, prompt_token_ids: Sequence[int],
                       sampling: Sequence[dict[str, Any]], priority: int = 0, *,
@@ -62,14 +70,15 @@ class EngineLink:
         """(sample index, output) for each engine output of the ``len(sampling)`` samples of
         one prompt, in arrival order, until every sample finished. A sample the caller adds to
         ``stopped`` (a stop string) is aborted in the engine at once and counts as finished."""
-        ids = []
+        ids: list[str] = []
         try:
             for i, params in enumerate(sampling):
-                rid = await self.client.submit(prompt_token_ids=prompt_token_ids,
-                                               request_id=f"{request_id}-{i}",
-                                               priority=priority, **params)
-                ids.append(rid)
+                sample_id = request_id if len(sampling) == 1 else f"{request_id}-{i}"
+                self._live.add(sample_id)
+                ids.append(sample_id)
                 self.in_flight += 1
+                await self.client.submit(prompt_token_ids=prompt_token_ids,
+                                         request_id=sample_id, priority=priority, **params)
             queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
             async def pump(i: int, rid: str) -> None:
@@ -98,6 +107,8 @@ class EngineLink:
                 for task in pumps:
                     task.cancel()
         finally:
+            self._live.difference_update(f"{request_id}-{i}" if len(sampling) > 1
+                                         else request_id for i in range(len(sampling)))
             left = [rid for rid in ids if rid]
             self.in_flight -= len(left)
             if left:

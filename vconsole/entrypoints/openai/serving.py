@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,7 +142,9 @@ class OpenAIServing:
 
     # --- completions ---------------------------------------------------------------------------
 
-    async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+    async def completions(self, req: CompletionRequest, request_id: str | None = None
+                          ) -> dict[str, Any] | AsyncIterator[str]:
+        """``request_id``: the client's ``x-request-id``, the engine's id for the request."""
         self.check_model(req.model)
         req.unsupported()
         prompts = []
@@ -152,71 +154,71 @@ class OpenAIServing:
             else:
                 prompts.append((None, self._check_ids(p)))
         max_tokens = [self._max_tokens(ids, req.max_tokens) for _, ids in prompts]
-        rid = self.engine.new_id("cmpl")
+        rid = self.engine.new_id("cmpl", request_id)
         if req.stream:
-            return self._stream_completion(req, rid, prompts, max_tokens)
+            return self._stream_completion(req, rid, _response_id("cmpl", rid, request_id),
+                                           prompts, max_tokens)
         choices: list[dict[str, Any]] = []
         usage = _Usage()
         for p, ((text, ids), limit) in enumerate(zip(prompts, max_tokens, strict=True)):
             echo = (text if text is not None else self.tokenizer.decode(ids)) if req.echo else ""
-            done = await self._collect(rid + f"-{p}", ids, req, limit)
+            done = await self._collect(_prompt_id(rid, p, len(prompts)), ids, req, limit)
             usage.add(len(ids), done)
             choices += [{"index": p * req.n + c.index, "text": echo + c.text.text,
                          "logprobs": self._completion_logprobs(req, c, len(echo)),
                          "finish_reason": c.finish_reason,
                          "stop_reason": c.stop_reason} for c in done]
-        return {"id": rid, "object": "text_completion", "created": int(time.time()),
+        return {"id": _response_id("cmpl", rid, request_id), "object": "text_completion",
+                "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage.body()}
 
-    async def _stream_completion(self, req: CompletionRequest, rid: str,
+    async def _stream_completion(self, req: CompletionRequest, rid: str, resp_id: str,
                                  prompts: list[tuple[str | None, list[int]]],
                                  max_tokens: list[int]) -> AsyncIterator[str]:
-        created = int(time.time())
         usage = _Usage()
-
-        def chunk(index: int, text: str, choice: Choice | None,
-                  logprobs: dict[str, Any] | None = None) -> str:
-            return sse({"id": rid, "object": "text_completion", "created": created,
-                        "model": self.model_name, "choices": [{
-                            "index": index, "text": text, "logprobs": logprobs,
-                            "finish_reason": choice.finish_reason if choice else None,
-                            "stop_reason": choice.stop_reason if choice else None}]})
+        choices: list[Choice] = []
+        out = _Chunks(resp_id, "text_completion", self.model_name, req,
+                      lambda: usage.body(choices))
 
         try:
             for p, ((text, ids), limit) in enumerate(zip(prompts, max_tokens, strict=True)):
+                usage.prompt_tokens += len(ids)
                 if req.echo:
                     echo = text if text is not None else self.tokenizer.decode(ids)
                     for i in range(req.n):
-                        yield chunk(p * req.n + i, echo, None)
-                choices: list[Choice] = []
-                async for c, delta in self._run(rid + f"-{p}", ids, req, limit, choices):
+                        yield out.chunk(p * req.n + i, None, text=echo)
+                async for c, delta in self._run(_prompt_id(rid, p, len(prompts)), ids, req,
+                                                limit, choices):
                     if delta or c.finish_reason:
-                        yield chunk(p * req.n + c.index, delta, c if c.finish_reason else None,
-                                    self._completion_logprobs(req, c, 0, stream=True))
-                usage.add(len(ids), choices)
+                        yield out.chunk(p * req.n + c.index, c, text=delta, logprobs=(
+                            self._completion_logprobs(req, c, 0, stream=True)))
+                usage.add(0, choices)
+                choices = []
             if req.include_usage():
-                yield sse({"id": rid, "object": "text_completion", "created": created,
-                           "model": self.model_name, "choices": [], "usage": usage.body()})
+                yield out.usage()
         except BadRequest as e:
             yield sse(e.body())
         yield DONE
 
     # --- chat ----------------------------------------------------------------------------------
 
-    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+    async def chat(self, req: ChatCompletionRequest, request_id: str | None = None
+                   ) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
         req.unsupported()
         ids = self.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                kwargs=req.chat_template_kwargs)
         limit = self._max_tokens(ids, req.requested_max_tokens())
-        rid = self.engine.new_id("chatcmpl")
+        rid = self.engine.new_id("chatcmpl", request_id)
         if req.stream:
-            return self._stream_chat(req, rid, ids, limit)
+            return self._stream_chat(req, rid, _response_id("chatcmpl", rid, request_id), ids,
+                                     limit)
         done = await self._collect(rid, ids, req, limit)
         usage = _Usage()
         usage.add(len(ids), done)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+        return {"id": _response_id("chatcmpl", rid, request_id), "object": "chat.completion",
+                "created": int(time.time()),
                 "model": self.model_name,
                 "choices": [{"index": c.index,
                              "message": {"role": "assistant", "content": c.text.text},
@@ -225,32 +227,22 @@ class OpenAIServing:
                              "stop_reason": c.stop_reason} for c in done],
                 "usage": usage.body()}
 
-    async def _stream_chat(self, req: ChatCompletionRequest, rid: str, ids: list[int],
-                           limit: int) -> AsyncIterator[str]:
-        created = int(time.time())
-
-        def chunk(index: int, delta: dict[str, Any], choice: Choice | None,
-                  logprobs: dict[str, Any] | None = None) -> str:
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": self.model_name, "choices": [{
-                            "index": index, "delta": delta, "logprobs": logprobs,
-                            "finish_reason": choice.finish_reason if choice else None,
-                            "stop_reason": choice.stop_reason if choice else None}]})
-
+    async def _stream_chat(self, req: ChatCompletionRequest, rid: str, resp_id: str,
+                           ids: list[int], limit: int) -> AsyncIterator[str]:
+        usage = _Usage()
+        usage.prompt_tokens = len(ids)
+        choices: list[Choice] = []
+        out = _Chunks(resp_id, "chat.completion.chunk", self.model_name, req,
+                      lambda: usage.body(choices))
         try:
             for i in range(req.n):
-                yield chunk(i, {"role": "assistant", "content": ""}, None)
-            choices: list[Choice] = []
+                yield out.chunk(i, None, delta={"role": "assistant", "content": ""})
             async for c, delta in self._run(rid, ids, req, limit, choices):
                 if delta or c.finish_reason:
-                    yield chunk(c.index, {"content": delta} if delta else {},
-                                c if c.finish_reason else None,
-                                self._chat_logprobs(req, c, stream=True))
+                    yield out.chunk(c.index, c, delta={"content": delta} if delta else {},
+                                    logprobs=self._chat_logprobs(req, c, stream=True))
             if req.include_usage():
-                usage = _Usage()
-                usage.add(len(ids), choices)
-                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                           "model": self.model_name, "choices": [], "usage": usage.body()})
+                yield out.usage()
         except BadRequest as e:
             yield sse(e.body())
         yield DONE
@@ -338,6 +330,16 @@ class OpenAIServing:
         return requested if requested is not None else room
 
 
+def _prompt_id(rid: str, p: int, num_prompts: int) -> str:
+    """The engine id of prompt ``p`` of a completion request (``rid`` itself for one)."""
+    return rid if num_prompts == 1 else f"{rid}-{p}"
+
+
+def _response_id(kind: str, rid: str, given: str | None) -> str:
+    """The response's ``id``: ``cmpl-<x-request-id>`` as vLLM, else the engine id."""
+    return f"{kind}-{rid}" if given else rid
+
+
 class _Usage:
     def __init__(self) -> None:
         self.prompt_tokens = 0
@@ -347,7 +349,33 @@ class _Usage:
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += sum(c.num_tokens for c in choices)
 
-    def body(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+    def body(self, running: Sequence[Choice] = ()) -> dict[str, int]:
+        """The counts, with the tokens of ``running`` choices (not yet added) on top."""
+        completion = self.completion_tokens + sum(c.num_tokens for c in running)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+
+class _Chunks:
+    """One stream's SSE chunks: the envelope both APIs share, ``usage`` in every chunk with
+    vLLM's ``stream_options.continuous_usage_stats``, and the final usage-only chunk."""
+
+    def __init__(self, resp_id: str, kind: str, model: str, req: SamplingFields,
+                 usage: Callable[[], dict[str, int]]) -> None:
+        self.head = {"id": resp_id, "object": kind, "created": int(time.time()), "model": model}
+        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        self._usage = usage
+
+    def chunk(self, index: int, choice: Choice | None, *,
+              logprobs: dict[str, Any] | None = None, **content: Any) -> str:
+        """``content``: ``text=`` (completions) or ``delta=`` (chat)."""
+        body: dict[str, Any] = {**self.head, "choices": [{
+            "index": index, **content, "logprobs": logprobs,
+            "finish_reason": choice.finish_reason if choice else None,
+            "stop_reason": choice.stop_reason if choice else None}]}
+        if self.continuous:
+            body["usage"] = self._usage()
+        return sse(body)
+
+    def usage(self) -> str:
+        return sse({**self.head, "choices": [], "usage": self._usage()})
