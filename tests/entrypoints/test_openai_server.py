@@ -18,6 +18,8 @@ from typing import Any
 import openai
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from support.live_engine import reference_outputs
 from vconsole.entrypoints.openai.api_server import build_app
@@ -336,3 +338,32 @@ def test_vllm_bench_shaped_load_at_concurrency_16_has_no_failures(server: Server
     results = asyncio.run(run())
     assert len(results) == 160
     assert all(p == 24 and n == 6 and chunks >= 1 for chunks, p, n in results)
+
+
+ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 6), st.floats(allow_nan=True),
+                st.text(max_size=4), st.lists(st.integers(-2, 300), max_size=3),
+                st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+COMMON = ["model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
+          "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "priority",
+          "repetition_penalty", "logprobs", "stream", "stream_options", "logit_bias"]
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       body=st.dictionaries(st.sampled_from([*COMMON, "prompt", "messages", "echo", "bogus"]),
+                            ANY, max_size=6),
+       base=st.booleans())
+def test_no_generated_body_gets_a_5xx_and_every_refusal_says_why(
+        server: Server, route: str, body: dict[str, Any], base: bool) -> None:
+    if base:      # often a body that is valid but for the generated fields
+        body = {("prompt" if route == "/v1/completions" else "messages"):
+                "hi" if route == "/v1/completions" else [{"role": "user", "content": "hi"}],
+                "max_tokens": 2, **body}
+    if isinstance(body.get("n"), int) and body["n"] > 2:
+        body["n"] = 2                   # the fuzzer is after validation, not throughput
+    status, raw = http(server, "POST", route, body)
+    assert status < 500, (body, raw[:300])
+    if status >= 400:
+        error = json.loads(raw)["error"]
+        assert error["message"] and error["code"] == status

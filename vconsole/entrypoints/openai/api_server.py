@@ -108,6 +108,16 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
     async def bad_request(_request: Request, e: BadRequest) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(ValueError)
+    async def refused(_request: Request, e: ValueError) -> JSONResponse:
+        """What the engine's client refuses before sending (its own validation)."""
+        return JSONResponse(BadRequest(str(e)).body(), status_code=400)
+
+    @app.exception_handler(TimeoutError)
+    async def unreachable(_request: Request, e: TimeoutError) -> JSONResponse:
+        return JSONResponse(BadRequest(f"the engine is unreachable: {e}", status=503,
+                                       kind="ServiceUnavailableError").body(), status_code=503)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
