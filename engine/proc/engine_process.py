@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,8 +52,8 @@ class EngineProcess:
     def __init__(self, engine_args: Sequence[str] = (), *,
                  endpoints: dict[str, str] | None = None, log_path: str | Path | None = None,
                  env: dict[str, str] | None = None, inherit_output: bool = False) -> None:
-        """``inherit_output``: the engine writes to this process's stdout and stderr (``vconsole
-        serve``) and there is no log file."""
+        """``inherit_output``: the engine writes to this process's stderr (``vconsole serve``)
+        and there is no log file."""
         self.engine_args = list(engine_args)
         self.requested = endpoints or loopback_endpoints()
         self.endpoints: dict[str, str] = {}
@@ -97,8 +98,9 @@ class EngineProcess:
         argv = [*self.engine_args, "--ready-file", str(self.ready_path)]
         for name, ep in self.requested.items():
             argv += [f"--{name}", ep]
-        if self.inherit_output:
-            self.child = ChildProcess(engine_command(argv), env=self.env, own_group=True)
+        if self.inherit_output:     # all of it on stderr: stdout is the caller's own
+            self.child = ChildProcess(engine_command(argv), env=self.env, own_group=True,
+                                      stdout=sys.stderr.fileno())
         else:
             with open(self.log_path, "wb") as log:
                 self.child = ChildProcess(engine_command(argv), env=self.env, stdout=log,

@@ -374,7 +374,7 @@ async def test_a_console_without_the_key_is_read_only_by_itself(engine, tmp_path
     # The same console with the key (found by the endpoint, as `attach` does) may edit.
     writable = console_for(engine)
     assert not writable.readonly and writable.readonly_reason == ""
-    assert writable.control_key_path == engine.control_key_path
+    assert writable.steering.control_key_path == engine.control_key_path
 
 
 async def test_a_console_started_before_its_engine_takes_the_key_once_it_is_written(spawn,

@@ -111,8 +111,10 @@ def _serve_http(args: argparse.Namespace, endpoints: dict[str, str], metrics_url
                     version=_version())
     print(f"vconsole serve: http://{args.host}:{args.port}/v1 in front of the engine at "
           f"input={endpoints['input']}", file=sys.stderr, flush=True)
+    # log_config None: uvicorn's loggers (access lines too) go to this command's stderr
+    # handler, so stdout stays free for whoever pipes it.
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                    timeout_graceful_shutdown=5))
+                                    log_config=None, timeout_graceful_shutdown=5))
     server.run()
     return exit_codes.OK if server.started else exit_codes.CANNOT_START
 

@@ -3,6 +3,7 @@ it; a launcher finds a live engine through it (not through its log)."""
 
 import json
 import os
+import signal
 
 import pytest
 
@@ -78,7 +79,7 @@ def test_a_launcher_finds_a_live_engine_by_its_ready_file_alone(tmp_path):
         with ControlClient(engine.endpoints["control"], key=key) as ctl:
             assert ctl.set_config({"max_num_seqs": 8})["ok"]
         ready_path = engine.ready_path
-        engine.proc.terminate()
+        engine.signal(signal.SIGTERM)
         engine.child.wait(30)
         assert engine.child.returncode == 0
         assert not ready_path.exists(), "the ready file outlived a clean stop"
