@@ -117,6 +117,7 @@ def test_loopback_needs_no_key(host: str) -> None:
     check_http_host(host, api_key=False, open_without_key=False)
 
 
+@pytest.mark.proc
 def test_beyond_loopback_the_server_wants_a_key_or_an_explicit_open_flag(
         tmp_path: Path) -> None:
     with pytest.raises(RemoteBindRefused, match="--api-key"):
