@@ -299,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("load", "vconsole.commands.load:main", "a load generator client against a running engine")
     add_endpoint_args(p)
     add_curve_args(p)
+    g = p.add_argument_group("HTTP (an OpenAI-compatible server instead of the engine's socket)")
+    g.add_argument("--api-url", metavar="URL",
+                   help="send streaming /v1/completions to this server, e.g. "
+                        "http://127.0.0.1:8000/v1 (`vconsole serve`, or vLLM)")
+    g.add_argument("--api-key", metavar="KEY", help="the server's API key, if it has one")
+    g.add_argument("--model", metavar="NAME", help="the served model (default: its first)")
     p.add_argument("--num", type=int, default=100, help="requests to send (default 100)")
     p.add_argument("--rate", type=float,
                    help="Poisson arrival rate, req/s (default: none, all sent at once)")
@@ -354,12 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
     p.add_argument("name", choices=["throughput", "scheduler", "kvmap", "telemetry", "console",
-                                    "dp", "soak"],
+                                    "dp", "soak", "serve"],
                    help="which benchmark: model throughput against transformers, the "
                         "scheduler's per-step cost, the KV map's engine-to-console round trip, "
                         "telemetry's cost to throughput, the console's lag and CPU, 2 "
-                        "data-parallel ranks against 1 engine, or a soak of the demo's load "
-                        "(exit 1 unless it passes)")
+                        "data-parallel ranks against 1 engine, a soak of the demo's load "
+                        "(exit 1 unless it passes), or the HTTP server against the native "
+                        "client")
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
     p.add_argument("--num-requests", type=int,
                    help="throughput: override the workload size; telemetry, console: requests "
@@ -372,12 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvmap: blocks in the pool (default 1000000)")
     p.add_argument("--rounds", type=int, default=None,
                    help="kvmap: measured round trips (default 30); telemetry: rounds per mode "
-                        "(default 10)")
+                        "(default 10); serve: rounds per level and client (default 2)")
     p.add_argument("--seconds", type=float, default=None,
                    help="telemetry: seconds per round (default 1); console: seconds per "
                         "measurement (default 4)")
     p.add_argument("--model-config", default="tiny", choices=sorted(MODEL_CONFIGS),
-                   help="throughput: the built-in model to run (default tiny)")
+                   help="throughput, serve: the built-in model to run (default tiny)")
+    p.add_argument("--concurrency", type=_int_list, default=None, metavar="N,N,...",
+                   help="serve: concurrency levels (default 1,8,32)")
     p.add_argument("--minutes", type=float, default=10.0,
                    help="soak: how long the load runs (default 10)")
     p.add_argument("--data-parallel-size", type=int, default=None, metavar="N",

@@ -122,3 +122,15 @@ def test_throughput_bench_reports_every_run_and_the_median_and_worst_ratios():
     assert (goal["median_vs_static"], goal["median_vs_generate_batch"],
             goal["worst_vs_static"]) == (3.0, 8.0, 2.0)
     assert goal["all_met"] == all(goal["met"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.proc
+def test_serve_bench_runs_both_clients_with_exact_token_counts_and_the_ratios():
+    out = bench("serve", "--concurrency", "2", "--rounds", "1")
+    level = out["concurrency"]["2"]
+    assert level["native"]["output_tokens"] == level["http"]["output_tokens"] == 16 * 64
+    assert level["http_over_native"] == pytest.approx(
+        level["http"]["tok_per_s"] / level["native"]["tok_per_s"], rel=1e-2)
+    assert out["http_over_native_at_top"] == level["http_over_native"]
+    assert out["goals"] and "transformers_serve" in out

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -367,3 +369,21 @@ def test_no_generated_body_gets_a_5xx_and_every_refusal_says_why(
     if status >= 400:
         error = json.loads(raw)["error"]
         assert error["message"] and error["code"] == status
+
+
+def test_vconsole_load_over_http_sends_the_same_workload_as_over_the_socket(
+        server: Server, shared_engine: Any) -> None:
+    common = ["--num", "30", "--concurrency", "6", "--prompt-len", "4:16", "--output-len",
+              "2:6", "--priority-mix", "0:1,3:2", "--seed", "5", "--json"]
+    runs = {}
+    for how, where in (("http", ["--api-url", server.url + "/v1"]),
+                       ("socket", ["--input", shared_engine.endpoints["input"],
+                                   "--output", shared_engine.endpoints["output"]])):
+        r = subprocess.run([sys.executable, "-m", "vconsole", "load", *where, *common],
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr
+        runs[how] = json.loads(r.stdout)
+    for s in runs.values():
+        assert s["requests"] == 30 and s["completed"] == 30 and s["errors"] == {}
+        assert s["ttft_s"]["p50"] > 0 and s["itl_s"]["p50"] > 0
+    assert runs["http"]["output_tokens"] == runs["socket"]["output_tokens"]   # exact counts

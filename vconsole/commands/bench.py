@@ -33,6 +33,11 @@ def main(args: argparse.Namespace) -> int:
                          rate=args.rate, log=log)
         print(json.dumps(out, indent=None if args.json else 2))
         return 0 if out["passed"] else 1
+    elif args.name == "serve":
+        from vconsole.tools.bench.serve import serve_bench
+
+        out = serve_bench(args.concurrency, args.rounds or 2, model=args.model_config,
+                          log=log)
     elif args.name == "dp":
         from vconsole.tools.bench.dp import dp_bench
 

@@ -54,14 +54,25 @@ def main(args: argparse.Namespace) -> int:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             import signal
             loop.add_signal_handler(signal.SIGINT, stop.set)
-        async with AsyncEngineClient(args.input, args.output, curve=curve,
-                                     timeout_s=getattr(args, "timeout", None) or 10.0) as client:
+        client: Any
+        if args.api_url:            # an OpenAI-compatible server (vconsole serve, vLLM)
+            from vconsole.tools.http_load import HttpLoadClient
+            client = HttpLoadClient(args.api_url, api_key=args.api_key, model=args.model)
+        else:
+            client = AsyncEngineClient(args.input, args.output, curve=curve,
+                                       timeout_s=getattr(args, "timeout", None) or 10.0)
+        async with client:
             return await run_load(client, spec, stop=stop, on_progress=show if tty else None)
 
     try:
         run = asyncio.run(go())
-    except TimeoutError as e:
+    except (TimeoutError, OSError, ValueError) as e:
         print(f"vconsole load: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:           # the SDK's connection errors (no server at --api-url)
+        if type(e).__module__.split(".")[0] != "openai":
+            raise
+        print(f"vconsole load: {args.api_url}: {e}", file=sys.stderr)
         return 1
     if tty:
         sys.stderr.write("\n")

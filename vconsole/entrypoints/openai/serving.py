@@ -92,7 +92,8 @@ class OpenAIServing:
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "vconsole", "root": self.engine.info.get("model_path", self.model_name),
-            "parent": None, "max_model_len": self.max_model_len}]}
+            "parent": None, "max_model_len": self.max_model_len,
+            "vocab_size": self.engine.info.get("vocab_size")}]}
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -1,0 +1,149 @@
+"""`vconsole bench serve`: what the HTTP layer costs — `vconsole serve` against the same engine
+through its native client, at several concurrencies, in one run.
+
+One engine (tiny model unless ``--model-config``) and one ``vconsole serve --engine-ready-file``
+process in front of it. For each concurrency (1, 8, 32 by default) the same workload — random
+prompts of ``prompt_len`` token ids, ``output_len`` tokens with ``ignore_eos``, greedy — runs
+through the native `AsyncEngineClient` and through the server (`HttpLoadClient`: streaming
+``/v1/completions`` as `vllm bench serve` sends them), alternating which goes first, ``rounds``
+times. Each run's figures come from `vconsole.tools.loadgen` (the client's own clock): output
+tokens/s, TTFT and ITL p50/p99. Reported per concurrency: the medians of both, and the ratios
+``http_over_native`` (throughput: goal ≥ 0.9 at the highest concurrency) and
+``itl_p99_http_over_native`` (goal ≤ 1.2). ``transformers serve`` is compared only where it is
+installed; it is not a dependency, and the JSON says when it was not there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vconsole.engine.proc.child import ChildProcess
+from vconsole.engine.proc.client import AsyncEngineClient
+from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.tools.http_load import HttpLoadClient
+from vconsole.tools.loadgen import LoadRun, LoadSpec, run_load
+
+ENGINE_ARGS = ["--max-num-seqs", "64"]
+SERVER_START_S = 120.0
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(url: str, server: ChildProcess, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"vconsole serve exited: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("vconsole serve did not become healthy")
+
+
+async def _run(client: Any, spec: LoadSpec) -> dict[str, Any]:
+    async with client:
+        run: LoadRun = await run_load(client, spec)
+    s = run.summary()
+    if s["completed"] != spec.num or s["errors"]:
+        raise RuntimeError(f"benchmark requests failed: {s['errors']}")
+    return s
+
+
+def _figures(s: dict[str, Any]) -> dict[str, float]:
+    return {"tok_per_s": s["tok_per_s"], "ttft_p50_s": s["ttft_s"]["p50"],
+            "ttft_p99_s": s["ttft_s"]["p99"], "itl_p50_s": s["itl_s"]["p50"],
+            "itl_p99_s": s["itl_s"]["p99"], "output_tokens": s["output_tokens"]}
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(r[k] for r in runs), 6) for k in runs[0]}
+
+
+def serve_bench(concurrencies: list[int] | None = None, rounds: int = 2, prompt_len: int = 128,
+                output_len: int = 64, model: str = "tiny",
+                log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = log or (lambda _m: None)
+    levels = concurrencies or [1, 8, 32]
+    work = Path(tempfile.mkdtemp(prefix="vconsole-bench-serve-"))
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    say(f"starting an engine ({model}) and vconsole serve in front of it ...")
+    try:
+        with EngineProcess(["--model", model, *ENGINE_ARGS]) as engine:
+            server_log = work / "serve.log"
+            with open(server_log, "wb") as out:
+                server = ChildProcess([sys.executable, "-m", "vconsole", "serve", "--port",
+                                       str(port), "--engine-ready-file", str(engine.ready_path)],
+                                      stdout=out, stderr=subprocess.STDOUT,
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            try:
+                _wait_healthy(url, server, server_log)
+                results = asyncio.run(_measure(engine.endpoints, url + "/v1", levels, rounds,
+                                               prompt_len, output_len, say))
+            finally:
+                server.stop(30)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    top = str(levels[-1])
+    by_level = results
+    return {
+        "model": model, "prompt_len": prompt_len, "output_len": output_len, "rounds": rounds,
+        "concurrency": by_level,
+        "http_over_native_at_top": by_level[top]["http_over_native"],
+        "itl_p99_http_over_native_at_top": by_level[top]["itl_p99_http_over_native"],
+        "goals": {"http_over_native_at_top": ">= 0.9", "itl_p99_http_over_native_at_top":
+                  "<= 1.2"},
+        "transformers_serve": "not installed: not compared"
+        if shutil.which("transformers") is None else "installed, not compared by this run",
+    }
+
+
+async def _measure(endpoints: dict[str, str], api_url: str, levels: list[int], rounds: int,
+                   prompt_len: int, output_len: int,
+                   say: Callable[[str], None]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    warm = LoadSpec(num=4, concurrency=4, prompt_len=(prompt_len, prompt_len),
+                    output_len=(4, 4), seed=99)
+    await _run(AsyncEngineClient(endpoints["input"], endpoints["output"]), warm)
+    await _run(HttpLoadClient(api_url), warm)
+    for c in levels:
+        spec = LoadSpec(num=max(2 * c, 16), concurrency=c, prompt_len=(prompt_len, prompt_len),
+                        output_len=(output_len, output_len), seed=c)
+        runs: dict[str, list[dict[str, float]]] = {"native": [], "http": []}
+        for r in range(rounds):
+            order = ("native", "http") if r % 2 == 0 else ("http", "native")
+            for how in order:
+                client = (AsyncEngineClient(endpoints["input"], endpoints["output"])
+                          if how == "native" else HttpLoadClient(api_url))
+                runs[how].append(_figures(await _run(client, spec)))
+                say(f"concurrency {c} round {r + 1} {how}: "
+                    f"{runs[how][-1]['tok_per_s']:.0f} tok/s")
+        native, http = _median(runs["native"]), _median(runs["http"])
+        out[str(c)] = {
+            "native": native, "http": http,
+            "http_over_native": round(http["tok_per_s"] / native["tok_per_s"], 3),
+            "itl_p99_http_over_native": round(http["itl_p99_s"] / native["itl_p99_s"], 3)
+            if native["itl_p99_s"] else None,
+            "num_requests": spec.num}
+    return out

@@ -1,0 +1,113 @@
+"""HttpLoadClient: `vconsole load --api-url URL` sends its workload to an OpenAI-compatible
+server instead of the engine's own socket.
+
+It has the three calls `vconsole.tools.loadgen.run_load` makes of an engine client (``submit``,
+``stream``, ``abort``) and ``engine_info``, so the same workload, rate, concurrency and summary
+serve both. Each request is what `vllm bench serve` sends: a streaming ``/v1/completions`` with the
+prompt as token ids, ``ignore_eos``, and ``stream_options`` ``include_usage`` plus vLLM's
+``continuous_usage_stats``, whose running ``completion_tokens`` count the tokens of each chunk
+(text chunks do not map to tokens one to one). Works against `vconsole serve` and vLLM alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+from vconsole.engine.outputs import RequestOutput
+
+DEFAULT_VOCAB = 1000      # prompts' token ids stay below this unless the server says more
+
+
+class HttpLoadClient:
+    def __init__(self, api_url: str, *, api_key: str | None = None, model: str | None = None,
+                 timeout_s: float = 600.0) -> None:
+        import openai
+
+        self.client = openai.AsyncOpenAI(base_url=api_url.rstrip("/"), api_key=api_key or "none",
+                                         max_retries=0, timeout=timeout_s)
+        self.model = model
+        self.engine_info: dict[str, Any] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._ids = itertools.count()
+
+    async def __aenter__(self) -> HttpLoadClient:
+        models = (await self.client.models.list()).data
+        if not models:
+            raise ValueError("the server lists no model")
+        chosen = next((m for m in models if m.id == self.model), None) if self.model \
+            else models[0]
+        if chosen is None:
+            raise ValueError(f"the server has no model {self.model!r}: "
+                             f"{', '.join(m.id for m in models)}")
+        extra = chosen.model_extra or {}
+        self.model = chosen.id
+        self.engine_info = {"vocab_size": int(extra.get("vocab_size") or DEFAULT_VOCAB),
+                            "max_model_len": int(extra.get("max_model_len") or 2048)}
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.abort(list(self._tasks))
+        await self.client.close()
+
+    async def submit(self, *, prompt_token_ids: Sequence[int], max_tokens: int,
+                     ignore_eos: bool = True, priority: int = 0) -> str:
+        rid = f"load-{next(self._ids)}"
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[rid] = queue
+        self._tasks[rid] = asyncio.create_task(self._run(rid, list(prompt_token_ids),
+                                                         max_tokens, ignore_eos, priority))
+        return rid
+
+    async def _run(self, rid: str, ids: list[int], max_tokens: int, ignore_eos: bool,
+                   priority: int) -> None:
+        queue = self._queues[rid]
+        seen = 0
+        try:
+            stream = await self.client.completions.create(
+                model=self.model, prompt=ids, max_tokens=max_tokens, stream=True,
+                temperature=0.0, extra_headers={"x-request-id": rid},
+                extra_body={"ignore_eos": ignore_eos, "priority": priority,
+                            "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}})
+            reason = None
+            async for chunk in stream:
+                total = chunk.usage.completion_tokens if chunk.usage else seen
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    reason = chunk.choices[0].finish_reason
+                if total > seen:
+                    queue.put_nowait(RequestOutput(rid, [0] * (total - seen),
+                                                   num_output_tokens=total))
+                    seen = total
+            queue.put_nowait(RequestOutput(rid, [], True, reason or "stop",
+                                           num_output_tokens=seen))
+        except asyncio.CancelledError:
+            queue.put_nowait(RequestOutput(rid, [], True, "abort", num_output_tokens=seen))
+            raise
+        except Exception as e:       # an HTTP or connection error: this request failed
+            queue.put_nowait(RequestOutput(rid, [], True, "error", num_output_tokens=seen,
+                                           error=f"{type(e).__name__}: {e}"))
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        queue = self._queues[request_id]
+        try:
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            self._tasks.pop(request_id, None)
+
+    async def abort(self, request_ids: Iterable[str]) -> None:
+        tasks = [t for rid in request_ids if (t := self._tasks.get(rid)) is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
