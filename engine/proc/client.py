@@ -409,6 +409,15 @@ class EngineClient(_ClientBase):
         return done
 
 
+async def until_finished(queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its queue, up to and including its final one."""
+    while True:
+        out = await queue.get()
+        yield out
+        if out.finished:
+            return
+
+
 class AsyncEngineClient(_ClientBase):
     """asyncio client: one reader task routes outputs into a queue per request, so any number
     of tasks can each await their own request's stream."""
@@ -521,13 +530,9 @@ class AsyncEngineClient(_ClientBase):
         return self._queues.keys()
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        queue = self._queues[request_id]
         try:
-            while True:
-                out = await queue.get()
+            async for out in until_finished(self._queues[request_id]):
                 yield out
-                if out.finished:
-                    return
         finally:
             self._queues.pop(request_id, None)
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.proc.client import until_finished
 
 DEFAULT_VOCAB = 1000      # prompts' token ids stay below this unless the server says more
 
@@ -93,13 +94,9 @@ class HttpLoadClient:
                                            error=f"{type(e).__name__}: {e}"))
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        queue = self._queues[request_id]
         try:
-            while True:
-                out = await queue.get()
+            async for out in until_finished(self._queues[request_id]):
                 yield out
-                if out.finished:
-                    return
         finally:
             self._queues.pop(request_id, None)
             self._tasks.pop(request_id, None)
