@@ -52,11 +52,16 @@ KV = [
     Binding("right_square_bracket", "rank(1)", "Next rank", key_display="]"),
 ]
 
-RANKS = [
+# Moving a table's cursor (the Requests table, the Ranks list); pages only where rows scroll.
+CURSOR = [
     Binding("up,k", "cursor(-1)", "Up", show=False),
     Binding("down,j", "cursor(1)", "Down", show=False),
     Binding("home", "jump(0)", "First", show=False),
     Binding("end", "jump(-1)", "Last", show=False),
+]
+
+RANKS = [
+    *CURSOR,
     Binding("enter", "open_kv", "KV of rank"),
 ]
 
@@ -96,12 +101,9 @@ PROFILE = [
 ]
 
 TABLE = [
-    Binding("up,k", "cursor(-1)", "Up", show=False),
-    Binding("down,j", "cursor(1)", "Down", show=False),
+    *CURSOR,
     Binding("pageup", "page(-1)", "Page up", show=False),
     Binding("pagedown", "page(1)", "Page down", show=False),
-    Binding("home", "jump(0)", "First", show=False),
-    Binding("end", "jump(-1)", "Last", show=False),
 ]
 
 HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [

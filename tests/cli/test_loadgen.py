@@ -11,7 +11,7 @@ import zmq
 
 from vconsole.cli import build_parser
 from vconsole.commands.load import main as loadgen_main
-from vconsole.engine.proc.client import AsyncEngineClient
+from vconsole.engine.proc.async_client import AsyncEngineClient
 from vconsole.tools.loadgen import (
     LoadRun,
     LoadSpec,

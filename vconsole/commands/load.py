@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from vconsole.commands.curve_args import client_curve
-from vconsole.engine.proc.client import AsyncEngineClient
+from vconsole.engine.proc.async_client import AsyncEngineClient
 from vconsole.tools.loadgen import (
     LoadRun,
     LoadSpec,

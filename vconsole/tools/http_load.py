@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.proc.client import until_finished
+from vconsole.engine.proc.async_client import drain_request
 
 DEFAULT_VOCAB = 1000      # prompts' token ids stay below this unless the server says more
 
@@ -95,10 +95,9 @@ class HttpLoadClient:
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         try:
-            async for out in until_finished(self._queues[request_id]):
+            async for out in drain_request(self._queues, request_id):
                 yield out
         finally:
-            self._queues.pop(request_id, None)
             self._tasks.pop(request_id, None)
 
     async def abort(self, request_ids: Iterable[str]) -> None:

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from vconsole.engine.proc.client import ENGINE_UNREACHABLE, AsyncEngineClient
+from vconsole.engine.proc.async_client import AsyncEngineClient
+from vconsole.engine.proc.client import ENGINE_UNREACHABLE
 
 RateFn = Callable[[float], float]   # seconds since the start -> requests per second
 ProgressFn = Callable[[dict[str, Any]], None]

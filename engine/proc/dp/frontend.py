@@ -49,6 +49,7 @@ import zmq
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
+from vconsole.engine.proc.dp.command_channel import CommandChannel
 from vconsole.engine.proc.dp.rank_link import RankLink, drain
 from vconsole.engine.proc.dp.request_map import RequestMap, Routed
 from vconsole.engine.proc.dp.router import choose_rank
@@ -102,12 +103,7 @@ class DPFrontEnd:
             self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._sockets[name] = sock
         self._sockets["output"].setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._cmd_addr = f"inproc://dpfe-cmd-{id(self)}"
-        self._cmd_in = self.ctx.socket(zmq.PULL)
-        self._cmd_in.bind(self._cmd_addr)
-        self._cmd_lock = threading.Lock()
-        self._cmd_out = self.ctx.socket(zmq.PUSH)
-        self._cmd_out.connect(self._cmd_addr)
+        self._commands = CommandChannel(self.ctx, "dp-frontend")
         self.requests = RequestMap()
         self.links: dict[int, RankLink] = {}
         self.generation = -1
@@ -115,7 +111,6 @@ class DPFrontEnd:
         self._clients: set[bytes] = set()            # handshaken: they get heartbeats
         self._hellos: dict[bytes, float] = {}        # client -> give-up time, ready not sent yet
         self.heartbeat_s = 1.0
-        self._closed = False
         self._thread = threading.Thread(target=self._run, name="dp-frontend", daemon=True)
 
     # --- other threads ---------------------------------------------------------------------
@@ -126,37 +121,32 @@ class DPFrontEnd:
 
     def rank_up(self, rank: int, endpoints: dict[str, str]) -> None:
         """Rank ``rank`` serves on ``endpoints`` (again): connect to it and say hello."""
-        self._command(("up", rank, dict(endpoints)))
+        self._commands.send("up", rank, dict(endpoints))
 
     def rank_down(self, rank: int, reason: str) -> None:
         """Rank ``rank`` died (``reason``: "killed by SIGKILL"): fail its requests."""
-        self._command(("down", rank, reason))
+        self._commands.send("down", rank, reason)
 
     def close(self) -> None:
         """Fail what is in flight ("front end stopped"), close every socket, join the thread."""
         if self._thread.is_alive():
-            self._command(("close",))
+            self._commands.send("close")
             self._thread.join()
         else:
             self._close_sockets()
-
-    def _command(self, cmd: tuple[Any, ...]) -> None:
-        with self._cmd_lock:
-            if not self._closed:       # a late rank_down after close: nothing left to fail
-                self._cmd_out.send_pyobj(cmd)
 
     # --- the dp-frontend thread --------------------------------------------------------------
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._cmd_in, zmq.POLLIN)
+        poller.register(self._commands.inbox, zmq.POLLIN)
         poller.register(self._sockets["input"], zmq.POLLIN)
         next_beat = time.monotonic()
         try:
             while True:
                 for sock, _ in poller.poll(POLL_MS):
-                    if sock is self._cmd_in:
-                        cmd = self._cmd_in.recv_pyobj()
+                    if sock is self._commands.inbox:
+                        cmd = self._commands.recv()
                         if cmd[0] == "close":
                             self._fail_all("the data-parallel front end stopped")
                             return
@@ -184,11 +174,10 @@ class DPFrontEnd:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
-        with self._cmd_lock:
-            self._closed = True
+        self._commands.close()
         for link in self.links.values():
             link.close()
-        for sock in (*self._sockets.values(), self._cmd_in, self._cmd_out):
+        for sock in self._sockets.values():
             sock.close(0)
 
     # ranks ------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from vconsole.engine.proc.dp.command_channel import CommandChannel
 from vconsole.security.bind_policy import bind_socket, check_endpoints
 from vconsole.telemetry import schema
 from vconsole.telemetry.bodies import health_body
@@ -58,12 +59,7 @@ class TelemetryProxy:
         self.ctx = ctx or zmq.Context.instance()
         self._pub = bind_socket(self.ctx, zmq.PUB, "telemetry", endpoint, curve, sndhwm=sndhwm)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._cmd_addr = f"inproc://dp-telemetry-{id(self)}"
-        self._cmd_in = self.ctx.socket(zmq.PULL)
-        self._cmd_in.bind(self._cmd_addr)
-        self._cmd_out: zmq.Socket | None = self.ctx.socket(zmq.PUSH)
-        self._cmd_out.connect(self._cmd_addr)
-        self._cmd_lock = threading.Lock()
+        self._commands = CommandChannel(self.ctx, "dp-telemetry")
         self._lock = threading.Lock()
         self._bodies: dict[int, dict[str, dict[str, Any]]] = {}
         self.kv_usage: dict[int, float] = {}      # rank -> usage; read by the front end
@@ -76,31 +72,22 @@ class TelemetryProxy:
 
     def connect(self, rank: int, endpoint: str) -> None:
         """Listen to ``rank`` at ``endpoint`` (a no-op when already connected there)."""
-        self._command(("connect", rank, endpoint))
+        self._commands.send("connect", rank, endpoint)
 
     def rank_down(self, rank: int, reason: str, restart_count: int) -> None:
         """Publish ``restarting`` for ``rank`` until `rank_up`."""
-        self._command(("down", rank, reason, restart_count))
+        self._commands.send("down", rank, reason, restart_count)
 
     def rank_up(self, rank: int) -> None:
-        self._command(("up", rank))
-
-    def _command(self, cmd: tuple[Any, ...]) -> None:
-        with self._cmd_lock:
-            if self._cmd_out is not None:     # after close: ignored
-                self._cmd_out.send_pyobj(cmd)
+        self._commands.send("up", rank)
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._command(("close",))
+            self._commands.send("close")
             self._thread.join()
         else:
             self._pub.close(0)
-            self._cmd_in.close(0)
-        with self._cmd_lock:
-            if self._cmd_out is not None:
-                self._cmd_out.close(0)
-                self._cmd_out = None
+            self._commands.close()
 
     def bodies_by_rank(self) -> dict[int, dict[str, dict[str, Any]]]:
         """``{rank: {topic: last payload}}``: a consistent copy, for one scrape."""
@@ -112,13 +99,13 @@ class TelemetryProxy:
     def _run(self) -> None:
         subs: dict[int, tuple[str, zmq.Socket]] = {}
         poller = zmq.Poller()
-        poller.register(self._cmd_in, zmq.POLLIN)
+        poller.register(self._commands.inbox, zmq.POLLIN)
         next_beat = 0.0
         try:
             while True:
                 for sock, _ in poller.poll(POLL_MS):
-                    if sock is self._cmd_in:
-                        cmd = self._cmd_in.recv_pyobj()
+                    if sock is self._commands.inbox:
+                        cmd = self._commands.recv()
                         if cmd[0] == "close":
                             return
                         if cmd[0] == "connect":
@@ -143,7 +130,7 @@ class TelemetryProxy:
             for _, sock in subs.values():
                 sock.close(0)
             self._pub.close(0)
-            self._cmd_in.close(0)
+            self._commands.close()
 
     def _connect(self, poller: zmq.Poller, subs: dict[int, tuple[str, zmq.Socket]], rank: int,
                  endpoint: str) -> None:

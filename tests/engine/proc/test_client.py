@@ -10,7 +10,8 @@ import pytest
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
-from vconsole.engine.proc.client import AsyncEngineClient, Completion, EngineClient
+from vconsole.engine.proc.async_client import AsyncEngineClient
+from vconsole.engine.proc.client import Completion, EngineClient
 from vconsole.engine.request import SamplingParams
 
 

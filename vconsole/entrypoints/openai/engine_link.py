@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.proc.client import AsyncEngineClient
+from vconsole.engine.proc.async_client import AsyncEngineClient
 from vconsole.security.curve import ClientCurve
 
 

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vconsole.engine.proc.async_client import AsyncEngineClient
 from vconsole.engine.proc.child import ChildProcess
-from vconsole.engine.proc.client import AsyncEngineClient
 from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.tools.http_load import HttpLoadClient
 from vconsole.tools.loadgen import LoadRun, LoadSpec, run_load

@@ -1,0 +1,46 @@
+"""`CommandChannel`: other threads' commands to a thread that owns ZeroMQ sockets.
+
+ZeroMQ sockets are not thread-safe, so the data-parallel front end and the telemetry proxy each
+keep theirs on one thread; the launcher's threads reach it through an inproc PUSH/PULL pair. The
+owning thread polls `inbox` with its other sockets and reads each command with `recv` (a tuple
+whose first item names it). Sending after `close_sender` is a no-op: a late ``rank_down`` after
+shutdown has nothing left to tell.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import zmq
+
+
+class CommandChannel:
+    def __init__(self, ctx: zmq.Context, name: str) -> None:
+        addr = f"inproc://{name}-{id(self)}"
+        self.inbox = ctx.socket(zmq.PULL)
+        self.inbox.bind(addr)
+        self._out: zmq.Socket | None = ctx.socket(zmq.PUSH)
+        self._out.connect(addr)
+        self._lock = threading.Lock()
+
+    def send(self, *cmd: Any) -> None:
+        """Any thread: queue ``cmd`` for the owning thread (ignored once closed)."""
+        with self._lock:
+            if self._out is not None:
+                self._out.send_pyobj(cmd)
+
+    def recv(self) -> tuple[Any, ...]:
+        """The owning thread: the next command (call when `inbox` polled readable)."""
+        return self.inbox.recv_pyobj()
+
+    def close_sender(self) -> None:
+        with self._lock:
+            if self._out is not None:
+                self._out.close(0)
+                self._out = None
+
+    def close(self) -> None:
+        """The owning thread, or any once it has stopped: both ends."""
+        self.close_sender()
+        self.inbox.close(0)
