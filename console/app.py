@@ -109,7 +109,8 @@ class VConsoleApp(App[None]):
         self.endpoints = endpoints
         self.steering = Steering.connect(
             self.state, control_endpoint=control_endpoint, control=control, readonly=readonly,
-            replay=source.readonly, control_key=control_key,
+            source_readonly=source.readonly_reason if source.readonly else "",
+            control_key=control_key,
             control_key_file=control_key_file, timeout_s=control_timeout_s, curve=curve)
         self._clock = clock
         self.refresh_interval = 1.0 / refresh_hz

@@ -50,6 +50,7 @@ class Source:
 
     kind = "source"
     readonly = False
+    readonly_reason = ""   # why a read-only source cannot steer (shown by the console)
 
     def __init__(self) -> None:
         self._stop = threading.Event()
@@ -220,6 +221,7 @@ class ReplaySource(Source):
 
     kind = "replay"
     readonly = True
+    readonly_reason = "replay"
 
     def __init__(self, path: str | Path, speed: float = 1.0,
                  records: Callable[[], Iterator[tuple[float, Sequence[Any]]]] | None = None,

@@ -95,14 +95,15 @@ class Steering:
     @classmethod
     def connect(cls, state: ConsoleState, *, control_endpoint: str | None,
                 control: Control | None = None, readonly: bool = False,
-                replay: bool = False, control_key: str | None = None,
+                source_readonly: str = "", control_key: str | None = None,
                 control_key_file: str | Path | None = None, timeout_s: float = 3.0,
                 curve: ClientCurve | None = None) -> Steering:
         """The console's steering for its command line: a `ControlLink` to
-        ``control_endpoint`` (unless ``control`` is given, or a replay), the key from
-        ``control_key`` or its file, and the read-only reason if any."""
+        ``control_endpoint`` (unless ``control`` is given, or the source is read-only: a replay,
+        a vLLM server — ``source_readonly`` says why), the key from ``control_key`` or its file,
+        and the read-only reason if any."""
         path = None
-        if control is None and control_endpoint and not replay:
+        if control is None and control_endpoint and not source_readonly:
             path = key_path(control_endpoint, control_key_file)
             if control_key is None:
                 control_key = load_control_key(control_endpoint, path)
@@ -110,8 +111,8 @@ class Steering:
                                   key_path=path, curve=curve)
         if readonly:
             reason = "--readonly"
-        elif replay:
-            reason = "replay"
+        elif source_readonly:
+            reason = source_readonly
         elif control is None:
             reason = "no control endpoint"
         elif path is not None and control_key is None:

@@ -79,6 +79,21 @@ class EngineConfig:
     zmq_maxmsgsize: int = _f(100 * 1024 * 1024, "Largest accepted ZeroMQ message (bytes).",
                              hot=False, lo=-1, hi=1 << 40)
 
+    # --- fixed at start: KV events in vLLM's format (`vconsole.telemetry.kv_events`) ---------
+    kv_events_endpoint: str | None = _f(None, "Publish KV cache events (BlockStored, "
+                                        "BlockRemoved, AllBlocksCleared) in vLLM's format on "
+                                        "this ZeroMQ PUB endpoint, e.g. tcp://127.0.0.1:5557; "
+                                        "unset = off. Rank r of a data-parallel group uses "
+                                        "the port + r, as vLLM.", hot=False, nullable=True)
+    kv_events_replay_endpoint: str | None = _f(None, "ROUTER endpoint that replays past KV "
+                                               "event batches from a sequence number (vLLM's "
+                                               "replay protocol); unset = no replay.",
+                                               hot=False, nullable=True)
+    kv_events_topic: str = _f("", "Topic frame of every KV event message (vLLM's default: "
+                              "empty).", hot=False)
+    kv_events_buffer_steps: int = _f(10_000, "KV event batches kept for replay.", hot=False,
+                                     lo=1, hi=10_000_000)
+
     # --- hot: scheduling -----------------------------------------------------------------------
     max_num_seqs: int = _f(64, "Most requests running at once.", hot=True, lo=1, hi=1 << 20)
     max_num_batched_tokens: int = _f(512, "Token budget of one step (prefill chunks + decodes).",
@@ -359,7 +374,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 # Config keys that have a flag of their own (``--max-num-seqs``); the rest go through --set.
 FLAG_KEYS = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
              "max_num_batched_tokens", "policy", "data_parallel_size", "dp_rank",
-             "dp_master_addr", "dp_master_port")
+             "dp_master_addr", "dp_master_port", "kv_events_endpoint",
+             "kv_events_replay_endpoint")
 
 
 def _flag(key: str) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from vconsole.engine.config import ConfigUpdate, EngineConfig, apply_update
+from vconsole.engine.kv_events import KVEvent
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -45,6 +46,8 @@ class EngineCore:
         self.runner.allocate_kv_cache(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.num_kv_blocks, config.block_size,
                                    self.runner.max_model_len)
+        if config.kv_events_endpoint:   # `vconsole.telemetry.kv_events` publishes them
+            self.scheduler.kv.enable_events()
         # Every telemetry call of the busy loop goes through it (`vconsole.engine.telemetry_guard`).
         self.telemetry_guard = self.scheduler.telemetry
         self.num_steps = 0
@@ -199,6 +202,11 @@ class EngineCore:
 
     def kv_stats(self) -> KVStats:
         return self.scheduler.kv_stats()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """What entered and left the prefix cache since the last call (empty when KV events
+        are off)."""
+        return self.scheduler.kv.take_events()
 
     # --- profiling ------------------------------------------------------------------------
     def start_profile(self, num_steps: int,

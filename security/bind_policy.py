@@ -35,7 +35,7 @@ class RemoteBindRefused(ValueError):
 
 # Sockets that only publish (nothing sent to them changes the engine) may be exposed without
 # authentication when the operator opts in; input, output and control never are.
-READ_ONLY_SOCKETS = frozenset({"telemetry"})
+READ_ONLY_SOCKETS = frozenset({"telemetry", "kv_events", "kv_events_replay"})
 
 OPTIONS = (
     "Either give the engine CURVE keys (`vconsole keys DIR`, then `vconsole engine "

@@ -42,6 +42,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
                    help="any other config key (repeatable)")
     if serving:
         add_data_parallel_args(p)
+        g = p.add_argument_group("KV cache events (vLLM's format, for KV-aware routers)")
+        g.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
+                       help="publish BlockStored / BlockRemoved / AllBlocksCleared batches on "
+                            "this ZeroMQ PUB endpoint (e.g. tcp://127.0.0.1:5557; loopback "
+                            "unless --allow-remote-telemetry or CURVE keys); off by default")
+        g.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
+                       help="ROUTER endpoint replaying past batches from a sequence number")
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -85,6 +92,14 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
                    help="the four sockets on 127.0.0.1 ports PORT..PORT+3 (input, output, "
                         "telemetry, control), as `vconsole demo --base-port`; an endpoint "
                         f"given by its own flag wins (default: ${BASE_PORT_ENV} when set)")
+
+
+def add_vllm_arg(p: argparse.ArgumentParser) -> None:
+    """``--vllm URL``: watch a vLLM server through its Prometheus ``/metrics`` instead."""
+    p.add_argument("--vllm", metavar="URL",
+                   help="watch a vLLM server (or any server with vLLM's metric names, such as "
+                        "`vconsole serve`) by scraping URL/metrics about once a second, e.g. "
+                        "http://127.0.0.1:8000; the endpoint flags are then not used")
 
 
 def apply_base_port(args: argparse.Namespace) -> None:
@@ -281,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--readonly", action="store_true", help="watch only: hide every action")
     add_control_key_arg(p)
     add_curve_args(p)
+    add_vllm_arg(p)
 
     p = cmd("generate", "vconsole.commands.generate:main", "offline batch inference from a JSONL file",
             "Run every line of FILE.jsonl as one request and write one result line per input "
@@ -353,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("top", "vconsole.commands.top:main", "a telemetry snapshot for scripts")
     add_endpoint_args(p)
     add_curve_args(p)
+    add_vllm_arg(p)
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=10.0,
@@ -400,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("record", "vconsole.commands.record:main", "save the telemetry stream to a file")
     add_endpoint_args(p)
     add_curve_args(p)
+    add_vllm_arg(p)
     p.add_argument("file", metavar="FILE")
     p.add_argument("--duration", type=float,
                    help="stop after this many seconds (default: until Ctrl-C)")

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from vconsole.engine.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 
 _ROOT_HASH = 0x5EED  # parent of a sequence's first block
@@ -70,6 +71,8 @@ class BlockPool:
         self._num_cached_free = 0    # free blocks that still hold a hash
         self._num_shared = 0
         self._tokens_stored = 0
+        # Evictions and resets as events (`vconsole.engine.kv_events`); None: not recorded.
+        self.events: list[KVEvent] | None = None
 
     # --- counts, all O(1) ---------------------------------------------------------------------
     @property
@@ -138,6 +141,8 @@ class BlockPool:
             if h is not None:
                 del self._cached[h]
                 self._num_cached_free -= 1
+                if self.events is not None:
+                    self.events.append(BlockRemoved([h]))
             self._ref[b] = 1
             self._fill[b] = 0
             states[b] = BLOCK_USED
@@ -219,6 +224,8 @@ class BlockPool:
         self._num_cached_free = 0
         self._cached.clear()
         self._hash_of.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
 
     def recount(self) -> None:
         """Rebuild what only telemetry reads — the shared/cached/stored counters and

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vconsole.engine.kv.block_pool import BlockPool, hash_block_tokens
+from vconsole.engine.kv_events import BlockStored, KVEvent
 from vconsole.engine.request import Request
 from vconsole.engine.stats import KVStats
 
@@ -179,9 +180,41 @@ class KVCacheManager:
         start = self._num_registered[rid]
         if full > start:
             hashes = self._hashes(request, full)
-            for i in range(start, full):
-                pool.cache_full_block(table[i], hashes[i])
+            if pool.events is None:
+                for i in range(start, full):
+                    pool.cache_full_block(table[i], hashes[i])
+            else:
+                self._cache_with_events(request, table, hashes, start, full)
             self._num_registered[rid] = full
+
+    def _cache_with_events(self, request: Request, table: list[int], hashes: list[int],
+                           start: int, full: int) -> None:
+        """`cache_full_block` for blocks ``start:full``, with a `BlockStored` per run of blocks
+        it registered (a block another request registered first breaks the run)."""
+        B, pool, events = self.block_size, self.pool, self.pool.events
+        assert events is not None
+        run = -1                                   # first block of the current run
+        for i in range(start, full + 1):
+            stored = i < full and pool.cache_full_block(table[i], hashes[i])
+            if stored and run < 0:
+                run = i
+            elif not stored and run >= 0:
+                events.append(BlockStored(hashes[run:i], hashes[run - 1] if run else None,
+                                          token_slice(request, run * B, i * B), B))
+                run = -1
+
+    def enable_events(self) -> None:
+        """Record `vconsole.engine.kv_events` from now on (`take_events` collects them)."""
+        if self.pool.events is None:
+            self.pool.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call (empty when events are off)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first: freed blocks join the LRU tail in that

@@ -105,6 +105,7 @@ from vconsole.security.bind_policy import check_endpoints, check_metrics_host, s
 from vconsole.security.control_key import key_path
 from vconsole.security.engine_key import refuse_if_held
 from vconsole.telemetry import control
+from vconsole.telemetry.kv_events import KVEventPublisher, offset_endpoint
 from vconsole.telemetry.prometheus import MetricsServer, TelemetryCollector
 from vconsole.telemetry.publisher import TelemetryPublisher
 
@@ -140,7 +141,8 @@ class EngineCoreProc:
                  metrics_endpoint: tuple[str, int] | None = None,
                  allow_remote_metrics: bool = False,
                  liveness_file: str | os.PathLike[str] | None = None) -> None:
-        check_endpoints(endpoints, allow_remote, curve=curve is not None)
+        check_endpoints({**endpoints, **_kv_event_endpoints(config)}, allow_remote,
+                        curve=curve is not None)
         if metrics_endpoint is not None:   # (host, port): Prometheus /metrics, port 0 = any
             check_metrics_host(metrics_endpoint[0], allow_remote_metrics)
         self.metrics: MetricsServer | None = None
@@ -205,6 +207,12 @@ class EngineCoreProc:
             undo.append(lambda: self.publisher.close(PUBLISHER_CLOSE_S))
             self.publisher.start()
             self.endpoints["telemetry"] = self.publisher.endpoint
+            self.kv_events = _start_kv_events(self.ctx, core.config, model["device"], curve)
+            if self.kv_events is not None:
+                undo.append(self.kv_events.close)
+                self.endpoints["kv_events"] = self.kv_events.endpoint
+                if self.kv_events.replay_endpoint:
+                    self.endpoints["kv_events_replay"] = self.kv_events.replay_endpoint
             self.guard = core.telemetry_guard   # observability never stops serving
             self.guard.on_failure = self.publisher.report_error
             if metrics_endpoint is not None:  # figures = what the publisher last sent
@@ -263,7 +271,10 @@ class EngineCoreProc:
         self._set_state("idle")
         record = ready_record(pid=os.getpid(), endpoints=self.endpoints,
                               control_key_file=self.control_server.key_path, **self.ready_info,
-                              **({"metrics": self.metrics.url} if self.metrics else {}))
+                              **({"metrics": self.metrics.url} if self.metrics else {}),
+                              **({"kv_events": {"endpoint": self.kv_events.endpoint,
+                                                "replay_endpoint": self.kv_events.replay_endpoint}}
+                                 if self.kv_events else {}))
         if self.ready_file is not None:
             write_ready_file(self.ready_file, record)
         self.role.publish_ready(record)     # a rank's front end finds it through the store
@@ -359,11 +370,17 @@ class EngineCoreProc:
         if self.profiles.active is not None:
             self.profiles.after_step()
         self.intake.emit(outputs)
+        if self.kv_events is not None:
+            self.guard.run("kv_events", self._publish_kv_events)
         self._dirty = True
         self._check_step_failures()
         if not scheduled:
             with contextlib.suppress(queue.Empty):
                 self._handle_input(self.input_queue.get(timeout=STALL_WAIT_S))
+
+    def _publish_kv_events(self) -> None:
+        assert self.kv_events is not None
+        self.kv_events.publish(self.core.take_kv_events())
 
     def _record_step(self, step: StepStats) -> None:
         self.publisher.record_step(step)
@@ -503,6 +520,8 @@ class EngineCoreProc:
         self._config_view = (self.core.config_version, self.core.config)
         self.publisher.update_config(self.core.config)
         self._publish_config()
+        if self.kv_events is not None:   # prefix caching switched off: AllBlocksCleared now
+            self.guard.run("kv_events", self._publish_kv_events)
 
     def _publish_config(self) -> None:
         self.publisher.publish_config(self.core.config_version, self.core.config.to_dict())
@@ -533,6 +552,8 @@ class EngineCoreProc:
         self._threads[1].join()                      # output: flushes everything queued first
         if self.metrics is not None:
             self.metrics.close()
+        if self.kv_events is not None:
+            self.kv_events.close(PUBLISHER_CLOSE_S)
         self.publisher.close(PUBLISHER_CLOSE_S)
         if self.publisher.is_alive():
             log.warning("the telemetry thread did not stop within %g s; closing its socket",
@@ -605,6 +626,31 @@ class EngineCoreProc:
                 self.input_queue.put(Reject(client_id, e.request_id, e.reason))
             else:
                 self.output_queue.put((protocol.ERROR, client_id, e.reason, None, False))
+
+
+def _kv_event_endpoints(config: EngineConfig) -> dict[str, str]:
+    """The KV event sockets this engine will bind (its rank's ports), for the bind policy."""
+    out = {}
+    for name, ep in (("kv_events", config.kv_events_endpoint),
+                     ("kv_events_replay", config.kv_events_replay_endpoint)):
+        if ep:
+            out[name] = offset_endpoint(ep, config.dp_rank)
+    return out
+
+
+def _start_kv_events(ctx: zmq.Context, config: EngineConfig, device: str,
+                     curve: ServerCurve | None) -> KVEventPublisher | None:
+    """The KV event publisher `--kv-events-endpoint` asks for (None when off)."""
+    if not config.kv_events_endpoint:
+        return None
+    publisher = KVEventPublisher(
+        ctx, config.kv_events_endpoint, config.kv_events_replay_endpoint,
+        topic=config.kv_events_topic, buffer_steps=config.kv_events_buffer_steps,
+        dp_rank=config.dp_rank, medium="GPU" if device.startswith("cuda") else "CPU",
+        hwm=config.zmq_sndhwm,
+        secure=lambda sock: secure_socket(sock, "kv_events", config.kv_events_endpoint or "",
+                                          curve))
+    return publisher.start()
 
 
 def _role(config: EngineConfig) -> tuple[EngineConfig, ProcessRole]:

@@ -206,8 +206,11 @@ class Scheduler:
 
     # --- config -------------------------------------------------------------------------------
     def update_config(self, config: EngineConfig) -> None:
-        """Adopt new hot settings; they take effect from the next `schedule()`."""
+        """Adopt new hot settings; they take effect from the next `schedule()`, except prefix
+        caching switched off, which forgets the cached blocks at once (called between two
+        steps), so the KV telemetry and the KV event stream say so while the engine idles."""
         self.config = config
+        self.kv.set_prefix_caching(config.enable_prefix_caching)
 
     def _apply_config(self) -> None:
         cfg = self.config

@@ -25,7 +25,7 @@ def test_read_only_reasons_in_their_order(tmp_path: Path) -> None:
     state = ConsoleState()
     assert Steering.connect(state, control_endpoint=ep, readonly=True).readonly_reason \
         == "--readonly"
-    assert Steering.connect(state, control_endpoint=ep, replay=True).readonly_reason == "replay"
+    assert Steering.connect(state, control_endpoint=ep, source_readonly="replay").readonly_reason == "replay"
     assert Steering.connect(state, control_endpoint=None).readonly_reason \
         == "no control endpoint"
     no_key = Steering.connect(state, control_endpoint=ep,

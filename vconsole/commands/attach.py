@@ -15,6 +15,8 @@ def main(args: argparse.Namespace) -> int:
     """Attach to a running engine (plus any extra telemetry endpoints, e.g. DP ranks)."""
     from vconsole.console.app import VConsoleApp
 
+    if getattr(args, "vllm", None):
+        return _attach_vllm(args)
     try:
         curve = client_curve(args)
     except CurveKeyError as e:
@@ -28,6 +30,19 @@ def main(args: argparse.Namespace) -> int:
                       readonly=bool(getattr(args, "readonly", False)),
                       control_key_file=getattr(args, "control_key_file", None), curve=curve)
     app.run()
+    return 0
+
+
+def _attach_vllm(args: argparse.Namespace) -> int:
+    from vconsole.console.app import VConsoleApp
+    from vconsole.console.sources.vllm import VllmSource
+
+    try:
+        source = VllmSource(args.vllm)
+    except ValueError as e:
+        print(f"vconsole attach: --vllm: {e}", file=sys.stderr)
+        return 2
+    VConsoleApp(source=source, readonly=bool(getattr(args, "readonly", False))).run()
     return 0
 
 

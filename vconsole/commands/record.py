@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from vconsole.commands.curve_args import client_curve
 from vconsole.security.curve import CurveKeyError
@@ -12,7 +13,9 @@ from vconsole.telemetry.record import record_stream
 
 
 def main(args: argparse.Namespace) -> int:
-    """`vconsole record FILE [--telemetry EP] [--duration S]`."""
+    """`vconsole record FILE [--telemetry EP | --vllm URL] [--duration S]`."""
+    if getattr(args, "vllm", None):
+        return _record_vllm(args)
     endpoint = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY
     duration = getattr(args, "duration", None)
     try:
@@ -29,3 +32,36 @@ def main(args: argparse.Namespace) -> int:
     if not total:
         print(f"note: nothing arrived from {endpoint}; is the engine running?", file=sys.stderr)
     return 0
+
+
+def _record_vllm(args: argparse.Namespace) -> int:
+    from vconsole.console.sources.vllm import ScrapeError, VllmScraper
+    from vconsole.telemetry.record import Recorder
+
+    try:
+        scraper = VllmScraper(args.vllm)
+    except ValueError as e:
+        print(f"vconsole record: --vllm: {e}", file=sys.stderr)
+        return 2
+    duration = getattr(args, "duration", None)
+    print(f"recording {scraper.url} to {args.file}"
+          + (f" for {duration:g} s" if duration else " until Ctrl-C"), file=sys.stderr)
+    deadline = None if duration is None else time.monotonic() + duration
+    total = 0
+    try:
+        with Recorder(args.file) as rec:
+            while deadline is None or time.monotonic() < deadline:
+                try:
+                    for frames in scraper.scrape():
+                        rec.write(frames)
+                        total += 1
+                    rec.flush()
+                except ScrapeError as e:
+                    print(f"vconsole record: {e}", file=sys.stderr)
+                left = scraper.translator.interval_s if deadline is None else \
+                    min(scraper.translator.interval_s, deadline - time.monotonic())
+                time.sleep(max(0.0, left))
+    except KeyboardInterrupt:
+        pass
+    print(f"recorded {total} messages from {scraper.scrapes} scrapes to {args.file}")
+    return 0 if total else 1

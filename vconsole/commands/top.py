@@ -5,16 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from typing import Any
 
 import zmq
 
 from vconsole.commands.curve_args import client_curve
+from vconsole.console.sources.vllm import ScrapeError
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
-from vconsole.tools.top import Watcher, format_line, format_ranks_line, snapshot_once
+from vconsole.tools.top import (
+    VllmWatcher,
+    Watcher,
+    format_line,
+    format_ranks_line,
+    snapshot_once,
+    snapshot_vllm,
+)
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "vllm", None):
+        return _main_vllm(args)
     telemetry = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY
     control = getattr(args, "control", None) or DEFAULT_CONTROL
     timeout = float(getattr(args, "timeout", 10.0) or 10.0)
@@ -30,13 +42,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"vconsole top: no complete telemetry from {telemetry} within {timeout:g} s "
                   f"(never saw: {', '.join(missing)}); is the engine running?", file=sys.stderr)
             return 1
-        if as_json:
-            print(json.dumps(snap, default=str))
-        elif "ranks" in snap:       # a data-parallel group: one line per rank
-            for rank, bodies in sorted(snap["ranks"].items(), key=lambda kv: int(kv[0])):
-                print(f"rank {rank}  {format_line(bodies)}")
-        else:
-            print(format_line(snap))
+        _print_snapshot(snap, as_json)
         return 0
     w = Watcher(telemetry, zmq.Context.instance(), curve)
     try:
@@ -52,3 +58,36 @@ def main(args: argparse.Namespace) -> int:
         return 0
     finally:
         w.close()
+
+
+def _main_vllm(args: argparse.Namespace) -> int:
+    """``top --vllm URL``: the same output from a vLLM server's ``/metrics``."""
+    as_json = bool(getattr(args, "json", False))
+    try:
+        if getattr(args, "once", False):
+            snap = snapshot_vllm(args.vllm)
+            _print_snapshot(snap, as_json)
+            return 0
+        w = VllmWatcher(args.vllm)
+        while True:
+            w.pump()
+            _print_snapshot(w.snapshot(), as_json, flush=True)
+            time.sleep(w.scraper.translator.interval_s)
+    except ScrapeError as e:
+        print(f"vconsole top: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"vconsole top: --vllm: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+def _print_snapshot(snap: dict[str, Any], as_json: bool, flush: bool = False) -> None:
+    if as_json:
+        print(json.dumps(snap, default=str), flush=flush)
+    elif "ranks" in snap:       # several engines: one line per rank
+        for rank, bodies in sorted(snap["ranks"].items(), key=lambda kv: int(kv[0])):
+            print(f"rank {rank}  {format_line(bodies)}", flush=flush)
+    else:
+        print(format_line(snap), flush=flush)

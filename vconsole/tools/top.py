@@ -23,6 +23,7 @@ import numpy as np
 import zmq
 
 from vconsole.console.ranks import aggregate
+from vconsole.console.sources.vllm import ScrapeError, VllmScraper
 from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from vconsole.security.curve import ClientCurve
 from vconsole.telemetry.control import ControlClient, ControlError
@@ -73,17 +74,48 @@ def to_json_payload(msg: TelemetryMessage) -> dict[str, Any]:
     return body
 
 
-class Watcher:
+class Seen:
+    """The last message per topic, overall and per rank, of whatever was fed in."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, TelemetryMessage] = {}    # last per topic, any rank
+        self.by_rank: dict[int, dict[str, TelemetryMessage]] = {}
+        self.bad = 0
+
+    def add(self, msg: TelemetryMessage) -> None:
+        self.latest[msg.topic] = msg
+        self.by_rank.setdefault(msg.rank, {})[msg.topic] = msg
+
+    def world_size(self) -> int:
+        """The data-parallel group's size: the largest ``world_size`` a ``dp`` message named,
+        at least the ranks seen (1 for a lone engine)."""
+        sizes = [m.payload.get("world_size") for r in self.by_rank.values()
+                 if (m := r.get("dp")) is not None]
+        return max([len(self.by_rank), *(s for s in sizes if isinstance(s, int))])
+
+    def ranks_expected(self) -> list[int]:
+        return sorted(set(range(self.world_size())) | set(self.by_rank))
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``top --json`` prints for what was seen: ``{topic: payload}`` for one rank,
+        ``{"ranks": {...}, "aggregate": {...}}`` for a group."""
+        if self.world_size() <= 1:
+            return {t: to_json_payload(m) for t, m in self.latest.items()}
+        return ranks_snapshot({r: {t: to_json_payload(m) for t, m in msgs.items()}
+                               for r, msgs in self.by_rank.items()})
+
+
+class Watcher(Seen):
+    """`Seen` fed from a SUB socket on a telemetry endpoint."""
+
     def __init__(self, endpoint: str, ctx: zmq.Context, curve: ClientCurve | None = None) -> None:
+        super().__init__()
         self.sock = ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             curve.apply(self.sock)
         self.sock.subscribe(b"")
         self.sock.connect(endpoint)
-        self.latest: dict[str, TelemetryMessage] = {}    # last per topic, any rank
-        self.by_rank: dict[int, dict[str, TelemetryMessage]] = {}
-        self.bad = 0
 
     def pump(self, timeout_s: float) -> None:
         """Receive whatever arrives within ``timeout_s``, keeping the latest per topic."""
@@ -104,31 +136,41 @@ class Watcher:
                     if self.bad == 1:
                         print(f"vconsole top: skipping a bad message: {e}", file=sys.stderr)
                     continue
-                self.latest[msg.topic] = msg
-                self.by_rank.setdefault(msg.rank, {})[msg.topic] = msg
+                self.add(msg)
             if time.monotonic() >= deadline:
                 return
 
-    def world_size(self) -> int:
-        """The data-parallel group's size: the largest ``world_size`` a ``dp`` message named,
-        at least the ranks seen (1 for a lone engine)."""
-        sizes = [m.payload.get("world_size") for r in self.by_rank.values()
-                 if (m := r.get("dp")) is not None]
-        return max([len(self.by_rank), *(s for s in sizes if isinstance(s, int))])
-
-    def ranks_expected(self) -> list[int]:
-        return sorted(set(range(self.world_size())) | set(self.by_rank))
-
-    def snapshot(self) -> dict[str, Any]:
-        """What ``top --json`` prints for what was seen: ``{topic: payload}`` for one rank,
-        ``{"ranks": {...}, "aggregate": {...}}`` for a group."""
-        if self.world_size() <= 1:
-            return {t: to_json_payload(m) for t, m in self.latest.items()}
-        return ranks_snapshot({r: {t: to_json_payload(m) for t, m in msgs.items()}
-                               for r, msgs in self.by_rank.items()})
-
     def close(self) -> None:
         self.sock.close(0)
+
+
+class VllmWatcher(Seen):
+    """`Seen` fed by scraping a vLLM server's ``/metrics`` (`vconsole.console.sources.vllm`)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.scraper = VllmScraper(url)
+
+    def pump(self) -> None:
+        """One scrape; `ScrapeError` when it failed or found no ``vllm:*`` series."""
+        frames = self.scraper.scrape()
+        if not frames:
+            raise ScrapeError(f"{self.scraper.url}: no vllm:* series (is this a vLLM server?)")
+        for f in frames:
+            self.add(decode(f))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"source": {"kind": "vllm", "url": self.scraper.url}, **super().snapshot()}
+
+
+def snapshot_vllm(url: str, interval_s: float = 1.0) -> dict[str, Any]:
+    """``top --once --json --vllm URL``: two scrapes ``interval_s`` apart (the rates need a
+    window), then the same topics and keys as for our own engine. `ScrapeError` on failure."""
+    w = VllmWatcher(url)
+    w.pump()
+    time.sleep(interval_s)
+    w.pump()
+    return w.snapshot()
 
 
 def _control_config(endpoint: str, timeout_s: float,
@@ -202,6 +244,11 @@ def _missing(w: Watcher, have_config: bool) -> list[str]:
             if t not in w.by_rank.get(r, {}) and not (t == "config" and have_config)]
 
 
+def _n(v: Any, spec: str, scale: float = 1.0) -> str:
+    """``v * scale`` formatted, or ``-`` when the source does not have it (None)."""
+    return format(v * scale, spec) if isinstance(v, int | float) else "-"
+
+
 def format_line(latest: dict[str, dict[str, Any]]) -> str:
     """One status line from the last payload of each topic (``{topic: payload}``)."""
     parts = [time.strftime("%H:%M:%S")]
@@ -210,12 +257,13 @@ def format_line(latest: dict[str, dict[str, Any]]) -> str:
         if p.get("alerts_active"):
             parts.append("alerts=" + ",".join(f"{k}:{v}" for k, v in p["alerts_active"].items()))
     if p := latest.get("step"):
-        parts.append(f"{p['steps_per_s']:.1f} steps/s {p['tokens_per_s']:.0f} tok/s "
-                     f"p50={p['step_time_p50_s'] * 1000:.1f}ms")
+        parts.append(f"{_n(p.get('steps_per_s'), '.1f')} steps/s "
+                     f"{_n(p.get('tokens_per_s'), '.0f')} tok/s "
+                     f"p50={_n(p.get('step_time_p50_s'), '.1f', 1000)}ms")
     if p := latest.get("sched"):
         parts.append(f"run={p['num_running']} wait={p['num_waiting']}")
     if p := latest.get("kv"):
-        parts.append(f"kv={p['usage']:.0%} hit={p['prefix_hit_rate']:.0%}")
+        parts.append(f"kv={_n(p.get('usage'), '.0%')} hit={_n(p.get('prefix_hit_rate'), '.0%')}")
     if p := latest.get("gpu"):
         if p["available"] and p["devices"]:
             d = p["devices"][0]

@@ -593,6 +593,9 @@ class _IdleCore:
     def latency_snapshot(self):
         return None
 
+    def take_kv_events(self):
+        return []
+
 
 def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path, monkeypatch):
     from vconsole.engine.proc import core_proc

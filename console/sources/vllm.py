@@ -1,0 +1,106 @@
+"""Watching a vLLM server: its ``/metrics`` scraped about once a second, as telemetry messages.
+
+`VllmScraper.scrape` fetches the text and hands it to `VllmTranslator`; `VllmSource` is the
+console's data source around it (a thread, as `ZmqSource`): every scrape's messages go through
+`ConsoleState.ingest` exactly as our own engine's would, and into a recording when one runs. A
+scrape that fails (connection refused, timeout, an HTTP error, text that is not Prometheus's)
+ingests nothing: the heartbeat goes stale and the console shows the engine down, as for ours,
+and the reason is shown as the console's recent error.
+
+Read-only by nature: vLLM has no runtime config API, so the console's config changes are refused
+with that reason (`READONLY_REASON`).
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from vconsole.console.source import Source
+from vconsole.console.sources.vllm_metrics import VllmTranslator
+from vconsole.console.state import ConsoleState
+
+SCRAPE_INTERVAL_S = 1.0
+SCRAPE_TIMEOUT_S = 5.0
+READONLY_REASON = "a vLLM server: vLLM has no runtime config API"
+
+
+class ScrapeError(RuntimeError):
+    """One scrape failed; the message says how."""
+
+
+def metrics_url(url: str) -> str:
+    """``http://host:8000`` or ``host:8000`` → ``http://host:8000/metrics`` (a path is kept)."""
+    if "://" not in url:
+        url = "http://" + url
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    path = parts.path if parts.path not in ("", "/") else "/metrics"
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+class VllmScraper:
+    def __init__(self, url: str, *, interval_s: float = SCRAPE_INTERVAL_S,
+                 timeout_s: float = SCRAPE_TIMEOUT_S) -> None:
+        self.url = metrics_url(url)
+        self.timeout_s = timeout_s
+        netloc = urllib.parse.urlsplit(self.url).netloc
+        self.translator = VllmTranslator(f"vllm@{netloc}", interval_s=interval_s)
+        self.scrapes = 0
+        self.failures = 0
+
+    def fetch(self) -> str:
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout_s) as resp:  # noqa: S310
+                return resp.read().decode("utf-8", "replace")
+        except urllib.error.HTTPError as e:
+            raise ScrapeError(f"{self.url}: HTTP {e.code} {e.reason}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ScrapeError(f"{self.url}: {reason}") from None
+
+    def scrape(self, now: float | None = None) -> list[list[Any]]:
+        """One scrape's messages (encoded frames); `ScrapeError` when it failed."""
+        try:
+            text = self.fetch()
+            try:
+                frames = self.translator.translate(text, now)
+            except ValueError as e:
+                raise ScrapeError(f"{self.url}: not Prometheus text ({e})") from None
+        except ScrapeError:
+            self.failures += 1
+            raise
+        self.scrapes += 1
+        return frames
+
+
+class VllmSource(Source):
+    kind = "vllm"
+    readonly = True
+    readonly_reason = READONLY_REASON
+
+    def __init__(self, url: str, *, interval_s: float = SCRAPE_INTERVAL_S) -> None:
+        super().__init__()
+        self.scraper = VllmScraper(url, interval_s=interval_s)
+        self.interval_s = interval_s
+
+    def describe(self) -> str:
+        return self.scraper.url
+
+    def _run(self, state: ConsoleState) -> None:
+        while not self._stop.is_set():
+            now = self.now()
+            try:
+                batch: Sequence[Any] = self.scraper.scrape(now)
+            except ScrapeError as e:
+                state.note_error(f"scrape failed: {e}")
+                batch = ()
+            if batch:
+                for frames in batch:
+                    self._tee(now, frames)
+                self._ingest_batch(state, [(now, frames) for frames in batch])
+            self._stop.wait(self.interval_s)
