@@ -169,3 +169,8 @@ def nbytes_pair(used: float | None, total: float | None) -> str:
         v /= 1024
         t /= 1024
     return f"{v:.1f}/{t:.1f}TiB"
+
+
+def source_name(source: object) -> str:
+    """How a payload's ``source`` (who produced the figures) is named on screen."""
+    return {"vllm": "vLLM", "local": "this machine"}.get(str(source), str(source))

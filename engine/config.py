@@ -89,8 +89,8 @@ class EngineConfig:
                                                "event batches from a sequence number (vLLM's "
                                                "replay protocol); unset = no replay.",
                                                hot=False, nullable=True)
-    kv_events_topic: str = _f("", "Topic frame of every KV event message (vLLM's default: "
-                              "empty).", hot=False)
+    kv_events_topic: str | None = _f(None, "Topic frame of every KV event message; unset = "
+                                     "empty, vLLM's default.", hot=False, nullable=True)
     kv_events_buffer_steps: int = _f(10_000, "KV event batches kept for replay.", hot=False,
                                      lo=1, hi=10_000_000)
 

@@ -152,6 +152,7 @@ class RanksCollector(Collector):
                 body = bodies.get(topic)
                 if body is not None:
                     families(r, body)
+            _cache_config_info(out, str(rank), bodies)
         yield from out.by_name.values()
 
 
@@ -251,6 +252,24 @@ def _health(r: _Rank, b: dict[str, Any]) -> None:
 def _config(r: _Rank, b: dict[str, Any]) -> None:
     r.gauge("vconsole:config_version",
             "Version of the config in force (increases with every change).", b["version"])
+
+
+def _cache_config_info(out: _Families, engine: str, bodies: Mapping[str, dict[str, Any]]
+                       ) -> None:
+    """vLLM's ``vllm:cache_config_info``: value 1, the cache config as labels (``engine``, no
+    ``model_name``, as vLLM), so a scraper that reads vLLM (`vconsole attach --vllm`) finds the
+    pool's size and block size here too."""
+    kv, cfg = bodies.get("kv"), bodies.get("config")
+    if kv is None or cfg is None:
+        return
+    values = cfg.get("values") or {}
+    labels = {"block_size": kv.get("block_size"), "num_gpu_blocks": kv.get("num_blocks"),
+              "enable_prefix_caching": values.get("enable_prefix_caching"),
+              "gpu_memory_utilization": values.get("gpu_memory_utilization"),
+              "cache_dtype": values.get("dtype", "auto")}
+    fam = out._family(GaugeMetricFamily, "vllm:cache_config_info",
+                      "Information of the LLMEngine CacheConfig", ["engine", *labels])
+    fam.add_metric([engine, *(str(v) for v in labels.values())], 1.0)
 
 
 def _dp(r: _Rank, b: dict[str, Any]) -> None:

@@ -60,6 +60,13 @@ class KvScreen(ConsoleScreen):
         if states is not None and not frozen and states is not grid.states:
             grid.set_states(states)
         legend = self.query_one("#kv-legend", Static)
+        if k is not None and "block_states" in (k.get("not_exposed") or ()):
+            legend.update(Content.from_markup(
+                f"[$text-muted]no block map: {fmt.escape(fmt.source_name(k.get('source')))} does "
+                f"not expose one[/]\nusage {fmt.pct(k.get('usage'))} of {fmt.count(k.get('num_blocks'))} "
+                f"blocks · prefix hit {fmt.pct(k.get('prefix_hit_rate'))}"))
+            self.query_one("#kv-zoom", Static).update("")
+            return
         if k is None or states is None:
             legend.update(Content.from_markup("[$text-muted]no KV snapshot yet[/]"))
             self.query_one("#kv-zoom", Static).update("")

@@ -91,6 +91,8 @@ class RequestsScreen(FilteredScreen):
                 f"{self.total_rows:,} rows"
             if sc.get("requests_truncated"):
                 view += " [$warning](engine sends the first rows only)[/]"
+            if "requests" in (sc.get("not_exposed") or ()):
+                view = f"rows: not exposed by {fmt.escape(fmt.source_name(sc.get('source')))}"
             parts.append(f"[$text-muted]{view}[/]")
             if self.filter_text:
                 parts.append(f"filter [b]{fmt.escape(self.filter_text)}[/]")

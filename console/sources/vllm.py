@@ -16,7 +16,6 @@ from __future__ import annotations
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
 from typing import Any
 
 from vconsole.console.source import Source
@@ -78,27 +77,46 @@ class VllmScraper:
         return frames
 
 
+def is_local(url: str) -> bool:
+    """The server's host is this machine (loopback): its GPUs are the ones NVML sees here."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 class VllmSource(Source):
+    """See the module docstring. With the server on this machine (a loopback URL, as over an
+    SSH tunnel it is not: the tunnel's far end is another box) the GPU panel gets this
+    machine's NVML reading (`GpuProbe`), which vLLM's metrics do not carry."""
+
     kind = "vllm"
     readonly = True
     readonly_reason = READONLY_REASON
 
-    def __init__(self, url: str, *, interval_s: float = SCRAPE_INTERVAL_S) -> None:
+    def __init__(self, url: str, *, interval_s: float = SCRAPE_INTERVAL_S,
+                 local_gpu: bool | None = None) -> None:
         super().__init__()
         self.scraper = VllmScraper(url, interval_s=interval_s)
         self.interval_s = interval_s
+        self.local_gpu = is_local(self.scraper.url) if local_gpu is None else local_gpu
 
     def describe(self) -> str:
         return self.scraper.url
 
     def _run(self, state: ConsoleState) -> None:
+        probe = None
+        if self.local_gpu:
+            from vconsole.telemetry.gpu import GpuProbe
+
+            probe = GpuProbe()     # no NVIDIA driver: an "unavailable" reading, shown as such
         while not self._stop.is_set():
             now = self.now()
             try:
-                batch: Sequence[Any] = self.scraper.scrape(now)
+                batch: list[Any] = self.scraper.scrape(now)
             except ScrapeError as e:
                 state.note_error(f"scrape failed: {e}")
-                batch = ()
+                batch = []
+            if batch and probe is not None:
+                batch += self.scraper.translator.local("gpu", probe.read(), now)
             if batch:
                 for frames in batch:
                     self._tee(now, frames)

@@ -222,6 +222,16 @@ class VllmTranslator:
             frames.extend(self._engine_messages(label, sample, now))
         return frames
 
+    def local(self, topic: str, body: dict[str, Any], now: float | None = None
+              ) -> list[list[schema.Buffer]]:
+        """``topic`` messages with ``body`` for every engine seen so far: readings taken on
+        this machine (the GPU panel's NVML reading when the server runs here too)."""
+        now = time.time() if now is None else now
+        return [schema.encode(topic, {**schema.make_envelope(self.name, _rank_of(label),
+                                                             e.next_seq(topic), now),
+                                      "source": "local", **body})
+                for label, e in sorted(self._engines.items(), key=lambda kv: _rank_of(kv[0]))]
+
     def _engine_messages(self, label: str, s: EngineSample, now: float
                          ) -> Iterable[list[schema.Buffer]]:
         e = self._engines.setdefault(label, _Engine(first_ts=now))

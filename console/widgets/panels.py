@@ -128,7 +128,7 @@ def queues(eng: EngineState, now: float, width: int, limits: Mapping[str, float]
              for label, value, name, hi in rows]
     lines.append(_muted(fmt.fit([f"finished {fmt.count(_num(sc, 'num_finished_total'))}",
                                  f"preemptions {fmt.count(_num(sc, 'num_preemptions_total'))}",
-                                 str(sc.get("policy", "?"))], width)))
+                                 *([str(sc["policy"])] if sc.get("policy") else [])], width)))
     return "\n".join(lines)
 
 
@@ -137,6 +137,15 @@ def phases(eng: EngineState, now: float, width: int, limits: Mapping[str, float]
     if not st:
         return _waiting("no step window yet")
     steps = int(_num(st, "steps") or 0)
+    if "phase_s" in (st.get("not_exposed") or ()):
+        return "\n".join([
+            _muted(f"{fmt.source_name(st.get('source'))} does not expose step phases"),
+            fmt.fit([f"{_muted('steps/s')} {fmt.num(_num(st, 'steps_per_s'))}",
+                     f"{_muted('tok/s')} {fmt.num(_num(st, 'tokens_per_s'), 0)}"], width, "  "),
+            fmt.fit([f"{_muted('window')} {fmt.count(_num(st, 'num_prefill_tokens'))}p+"
+                     f"{fmt.count(_num(st, 'num_decode_tokens'))}d",
+                     f"{_muted('finished')} {fmt.count(_num(st, 'num_finished'))}"],
+                    width, "  ")])
     ph = st.get("phase_s") or {}
     total = sum(float(ph.get(k) or 0) for k in ("schedule", "execute", "update"))
     share = _num(st, "sched_share")
@@ -227,7 +236,9 @@ def gpu(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -
 def host(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:
     h = eng.latest.get("host")
     if not h:
-        return _waiting("no host reading yet")
+        source = eng.latest.get("health", {}).get("source")
+        return _waiting(f"{fmt.source_name(source)} does not expose host readings" if source
+                        else "no host reading yet")
     pcpu, scpu = _num(h, "proc_cpu_percent"), _num(h, "sys_cpu_percent")
     used, total = _num(h, "sys_mem_used"), _num(h, "sys_mem_total")
     share = used / total if used is not None and total else None

@@ -645,7 +645,7 @@ def _start_kv_events(ctx: zmq.Context, config: EngineConfig, device: str,
         return None
     publisher = KVEventPublisher(
         ctx, config.kv_events_endpoint, config.kv_events_replay_endpoint,
-        topic=config.kv_events_topic, buffer_steps=config.kv_events_buffer_steps,
+        topic=config.kv_events_topic or "", buffer_steps=config.kv_events_buffer_steps,
         dp_rank=config.dp_rank, medium="GPU" if device.startswith("cuda") else "CPU",
         hwm=config.zmq_sndhwm,
         secure=lambda sock: secure_socket(sock, "kv_events", config.kv_events_endpoint or "",

@@ -164,7 +164,14 @@ def test_every_metric_has_its_vllm_or_vconsole_name_type_and_both_labels():
         assert fam is not None, f"{name} missing"
         assert fam.type == kind, name
         assert fam.samples and all(s.labels.items() >= LABELS.items() for s in fam.samples), name
-    assert set(scrape.families) == {*VLLM_NAMES, *VCONSOLE_NAMES}
+    # vLLM's config info gauge: engine label, no model_name (as vLLM), the cache config as labels
+    info = scrape.families["vllm:cache_config_info"]
+    assert info.type == "gauge" and [s.value for s in info.samples] == [1.0]
+    labels = info.samples[0].labels
+    assert labels["engine"] == "0" and "model_name" not in labels
+    assert labels["num_gpu_blocks"] == str(hand_made_bodies()["kv"]["num_blocks"])
+    assert labels["block_size"] == str(hand_made_bodies()["kv"]["block_size"])
+    assert set(scrape.families) == {*VLLM_NAMES, *VCONSOLE_NAMES, "vllm:cache_config_info"}
     assert "vllm:prompt_tokens_total" in scrape.text      # counters carry _total
     assert "vllm:iteration_tokens_total_bucket" in scrape.text
 
@@ -296,7 +303,7 @@ def test_a_data_parallel_scrape_labels_every_rank_and_adds_the_dp_series():
             for st in ("none", "forming", "ok", "broken")} == {
         "none": 0, "forming": 0, "ok": 0, "broken": 1}
     assert all(smp.labels["model_name"] == "tiny" for f in s.families.values()
-               for smp in f.samples)
+               for smp in f.samples if f.name != "vllm:cache_config_info")   # vLLM's: no name
 
 
 def test_the_single_engine_collector_is_the_one_rank_case():

@@ -23,12 +23,22 @@ from vconsole.engine.proc.async_client import drain_request
 DEFAULT_VOCAB = 1000      # prompts' token ids stay below this unless the server says more
 
 
+def api_base(url: str) -> str:
+    """The OpenAI base URL: ``http://host:8000`` and ``http://host:8000/v1`` both mean
+    ``http://host:8000/v1`` (the server's root is what people paste; the SDK wants ``/v1``)."""
+    url = url.rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    path = url.split("://", 1)[1].partition("/")[2]
+    return url if path else url + "/v1"
+
+
 class HttpLoadClient:
     def __init__(self, api_url: str, *, api_key: str | None = None, model: str | None = None,
                  timeout_s: float = 600.0) -> None:
         import openai
 
-        self.client = openai.AsyncOpenAI(base_url=api_url.rstrip("/"), api_key=api_key or "none",
+        self.client = openai.AsyncOpenAI(base_url=api_base(api_url), api_key=api_key or "none",
                                          max_retries=0, timeout=timeout_s)
         self.model = model
         self.engine_info: dict[str, Any] = {}
