@@ -457,6 +457,41 @@ class VConsoleApp(App[None]):
                     severity="information" if outcome.ok else "error")
         self.refresh_view(force=True)
 
+    # --- actions of the source (a vLLM server's routes) -----------------------------------------
+
+    def source_actions_allowed(self) -> bool:
+        """The source has actions of its own (a vLLM server) and the console is not --readonly."""
+        return self.source.kind == "vllm" and self.steering.readonly_reason != "--readonly"
+
+    def run_source_action(self, key: str, *, confirmed: bool = False) -> None:
+        """Ask the vLLM server to do ``key`` (`vconsole.console.sources.vllm_actions`), after
+        the confirmation box; the server's answer is a notification."""
+        from vconsole.console.sources.vllm_actions import BY_KEY
+
+        if not self.source_actions_allowed():
+            self.notify("read-only console: no actions", title="vLLM", severity="warning")
+            return
+        action = BY_KEY[key]
+        if confirmed:
+            self._source_action(key)
+            return
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self._source_action(key)
+        self.push_screen(ConfirmScreen(f"{action.title}?", action.consequence, action.title),
+                         done)
+
+    @work(thread=True, group="source-action")
+    def _source_action(self, key: str) -> None:
+        from vconsole.console.sources.vllm_actions import ActionError, run_action, server_root
+
+        try:
+            text, severity = run_action(server_root(self.source.describe()), key), "information"
+        except ActionError as e:
+            text, severity = str(e), "error"
+        self.call_from_thread(self.notify, text, title="vLLM", severity=severity)
+
     def edit_key(self, key: str) -> None:
         """Palette entry: go to Config with ``key`` selected and its editor open."""
         def open_editor() -> None:

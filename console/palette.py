@@ -39,6 +39,12 @@ class ConsoleCommands(Provider):
                 if a.hot:
                     yield (f"Apply advice: {a.change_text()}", partial(self._apply_advice, a),
                            a.title)
+        if app.source_actions_allowed():
+            from vconsole.console.sources.vllm_actions import ACTIONS
+
+            for action in ACTIONS:
+                yield (f"vLLM: {action.title}", partial(app.run_source_action, action.key),
+                       f"POST {action.path} (asks for confirmation)")
         if len(app.state.engines) > 1:
             yield "Next engine", app.action_next_engine, "n"
         if app.is_dp():

@@ -297,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_key_arg(p)
     add_curve_args(p)
     add_vllm_arg(p)
+    p.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="with --vllm: follow the server's KV events (its --kv-events-config "
+                        "endpoint, e.g. tcp://127.0.0.1:5557; rank r on port + r) and show the "
+                        "prefix cache's contents")
+    p.add_argument("--kv-events-replay", metavar="ENDPOINT",
+                   help="with --kv-events: the server's replay endpoint, to catch up a gap")
 
     p = cmd("generate", "vconsole.commands.generate:main", "offline batch inference from a JSONL file",
             "Run every line of FILE.jsonl as one request and write one result line per input "
@@ -404,6 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="throughput, serve: the built-in model to run (default tiny)")
     p.add_argument("--concurrency", type=_int_list, default=None, metavar="N,N,...",
                    help="serve: concurrency levels (default 1,8,32)")
+    p.add_argument("--no-transformers", action="store_true",
+                   help="serve: skip the comparison with `transformers serve "
+                        "--continuous-batching` (run where transformers' CLI and accelerate "
+                        "are installed)")
     p.add_argument("--minutes", type=float, default=10.0,
                    help="soak: how long the load runs (default 10)")
     p.add_argument("--data-parallel-size", type=int, default=None, metavar="N",

@@ -61,10 +61,7 @@ class KvScreen(ConsoleScreen):
             grid.set_states(states)
         legend = self.query_one("#kv-legend", Static)
         if k is not None and "block_states" in (k.get("not_exposed") or ()):
-            legend.update(Content.from_markup(
-                f"[$text-muted]no block map: {fmt.escape(fmt.source_name(k.get('source')))} does "
-                f"not expose one[/]\nusage {fmt.pct(k.get('usage'))} of {fmt.count(k.get('num_blocks'))} "
-                f"blocks · prefix hit {fmt.pct(k.get('prefix_hit_rate'))}"))
+            legend.update(Content.from_markup(_no_block_map(k)))
             self.query_one("#kv-zoom", Static).update("")
             return
         if k is None or states is None:
@@ -118,3 +115,28 @@ class KvScreen(ConsoleScreen):
     def action_zoom_fit(self) -> None:
         self.grid.zoom_fit()
         self.console.refresh_view(force=True)
+
+
+def _no_block_map(k: dict) -> str:
+    """The KV screen of a source without a block map (a vLLM server): what it does say, and the
+    prefix cache as its KV event stream tells (``attach --vllm URL --kv-events EP``)."""
+    lines = [f"[$text-muted]no block map: {fmt.escape(fmt.source_name(k.get('source')))} does "
+             f"not expose one[/]",
+             f"usage {fmt.pct(k.get('usage'))} of {fmt.count(k.get('num_blocks'))} blocks · "
+             f"prefix hit {fmt.pct(k.get('prefix_hit_rate'))}"]
+    pc = k.get("prefix_cache")
+    if not pc:
+        lines.append("[$text-muted]prefix cache contents: follow the KV events with "
+                     "--kv-events[/]")
+        return "\n".join(lines)
+    bs = pc.get("block_size") or k.get("block_size")
+    longest = ", ".join(f"{n} blocks" + (f" ({n * bs:,} tok)" if bs else "")
+                        for n in pc.get("longest_prefixes_blocks") or []) or "–"
+    lines += [f"[b]prefix cache[/] (KV events) cached {fmt.count(pc.get('cached_blocks'))} "
+              f"blocks · stored {pc.get('stored_per_s', 0):.1f}/s · removed "
+              f"{pc.get('removed_per_s', 0):.1f}/s · churn {fmt.pct(pc.get('churn'))}/s",
+              f"longest cached prefixes: {longest}",
+              f"[$text-muted]since start: stored {fmt.count(pc.get('stored_total'))} · removed "
+              f"{fmt.count(pc.get('removed_total'))} · cleared {pc.get('cleared_total', 0)} · "
+              f"gaps {pc.get('gaps', 0)} (replayed {pc.get('replayed', 0)})[/]"]
+    return "\n".join(lines)

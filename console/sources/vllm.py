@@ -19,8 +19,10 @@ import urllib.request
 from typing import Any
 
 from vconsole.console.source import Source
+from vconsole.console.sources.kv_events import KVEventFeed
 from vconsole.console.sources.vllm_metrics import VllmTranslator
 from vconsole.console.state import ConsoleState
+from vconsole.telemetry.schema import decode
 
 SCRAPE_INTERVAL_S = 1.0
 SCRAPE_TIMEOUT_S = 5.0
@@ -93,11 +95,27 @@ class VllmSource(Source):
     readonly_reason = READONLY_REASON
 
     def __init__(self, url: str, *, interval_s: float = SCRAPE_INTERVAL_S,
-                 local_gpu: bool | None = None) -> None:
+                 local_gpu: bool | None = None, kv_events: str | None = None,
+                 kv_events_replay: str | None = None) -> None:
         super().__init__()
         self.scraper = VllmScraper(url, interval_s=interval_s)
         self.interval_s = interval_s
         self.local_gpu = is_local(self.scraper.url) if local_gpu is None else local_gpu
+        self.kv_events = kv_events
+        self.kv_events_replay = kv_events_replay
+        self.feed: KVEventFeed | None = None
+
+    def _follow_kv_events(self, batch: list[Any]) -> None:
+        """Once the first scrape named the ranks: subscribe to each one's KV events."""
+        ranks = sorted({decode(f).rank for f in batch})
+        self.feed = KVEventFeed(self.kv_events or "", ranks,
+                                replay_endpoint=self.kv_events_replay).start()
+        self.scraper.translator.prefix_cache = self.feed.summary
+
+    def stop(self, timeout: float = 2.0) -> None:
+        super().stop(timeout)
+        if self.feed is not None:
+            self.feed.stop()
 
     def describe(self) -> str:
         return self.scraper.url
@@ -115,6 +133,8 @@ class VllmSource(Source):
             except ScrapeError as e:
                 state.note_error(f"scrape failed: {e}")
                 batch = []
+            if batch and self.kv_events and self.feed is None:
+                self._follow_kv_events(batch)
             if batch and probe is not None:
                 batch += self.scraper.translator.local("gpu", probe.read(), now)
             if batch:

@@ -35,7 +35,7 @@ import math
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,6 +211,8 @@ class VllmTranslator:
 
     def __init__(self, name: str, *, interval_s: float = 1.0, window_s: float = WINDOW_S) -> None:
         self.name = name
+        # rank -> the prefix cache as the KV event stream says (`console.sources.kv_events`)
+        self.prefix_cache: Callable[[int], dict[str, Any] | None] | None = None
         self.interval_s = interval_s
         self.window_s = window_s
         self._engines: dict[str, _Engine] = {}
@@ -248,7 +250,7 @@ class VllmTranslator:
             "health": self._health(s, e, now),
             "step": self._step(s, prev, now),
             "sched": self._sched(s),
-            "kv": self._kv(s),
+            "kv": self._kv(s, rank),
             "latency": self._latency(s, oldest),
             "config": self._config(s),
         }
@@ -319,8 +321,9 @@ class VllmTranslator:
             "requests": [], "requests_truncated": False, "not_exposed": NOT_EXPOSED["sched"],
         }
 
-    def _kv(self, s: EngineSample) -> dict[str, Any]:
+    def _kv(self, s: EngineSample, rank: int) -> dict[str, Any]:
         cache = _cache_info(s)
+        events = self.prefix_cache(rank) if self.prefix_cache is not None else None
         blocks = _int(_num(cache.get("num_gpu_blocks")))
         usage = s.get("vllm:kv_cache_usage_perc")
         used = round(usage * blocks) if usage is not None and blocks else None
@@ -328,11 +331,13 @@ class VllmTranslator:
         return {
             "num_blocks": blocks, "block_size": _int(_num(cache.get("block_size"))),
             "num_free": blocks - used if used is not None and blocks else None,
-            "num_used": used, "num_cached": None, "num_shared": None, "usage": usage,
+            "num_used": used, "num_cached": events["cached_blocks"] if events else None,
+            "num_shared": None, "usage": usage,
             "token_usage": None, "fragmentation": None,
             "prefix_queries": _int(queries), "prefix_hits": _int(hits),
             "prefix_hit_rate": hits / queries if queries and hits is not None else 0.0,
             "not_exposed": NOT_EXPOSED["kv"],
+            **({"prefix_cache": events} if events else {}),
         }
 
     def _latency(self, s: EngineSample, oldest: EngineSample | None) -> dict[str, Any]:

@@ -127,10 +127,26 @@ def test_throughput_bench_reports_every_run_and_the_median_and_worst_ratios():
 @pytest.mark.slow
 @pytest.mark.proc
 def test_serve_bench_runs_both_clients_with_exact_token_counts_and_the_ratios():
-    out = bench("serve", "--concurrency", "2", "--rounds", "1")
+    out = bench("serve", "--concurrency", "2", "--rounds", "1", "--no-transformers")
     level = out["concurrency"]["2"]
     assert level["native"]["output_tokens"] == level["http"]["output_tokens"] == 16 * 64
     assert level["http_over_native"] == pytest.approx(
         level["http"]["tok_per_s"] / level["native"]["tok_per_s"], rel=1e-2)
     assert out["http_over_native_at_top"] == level["http_over_native"]
-    assert out["goals"] and "transformers_serve" in out
+    assert out["goals"] and out["transformers_serve"].startswith("not compared")
+
+
+@pytest.mark.slow
+@pytest.mark.proc
+def test_serve_bench_against_transformers_serve_on_the_same_model_directory():
+    from vconsole.tools.bench.serve import transformers_serve_missing
+
+    if (why := transformers_serve_missing()) is not None:
+        pytest.skip(f"transformers serve cannot run here: {why}")
+    out = bench("serve", "--concurrency", "2", "--rounds", "1")
+    peer = out["transformers_serve"]
+    level = peer["concurrency"]["2"]
+    assert level["vconsole"]["output_tokens"] > 0 and level["transformers"]["output_tokens"] > 0
+    assert level["vconsole_over_transformers"] == pytest.approx(
+        level["vconsole"]["tok_per_s"] / level["transformers"]["tok_per_s"], rel=1e-2)
+    assert peer["vconsole_over_transformers_at_top"] == level["vconsole_over_transformers"]

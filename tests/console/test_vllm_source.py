@@ -170,3 +170,53 @@ def _text(app, selector: str) -> str:
     from textual.widgets import Static
 
     return str(app.screen.query_one(selector, Static).render())
+
+
+async def test_vllm_actions_are_confirmed_posted_and_a_missing_route_is_explained(server):
+    from vconsole.console.app import VConsoleApp
+    from vconsole.console.palette import ConsoleCommands
+    from vconsole.console.widgets.confirmation import ConfirmScreen
+
+    metrics, url = server
+    metrics.dev_mode = True
+    app = VConsoleApp(source=VllmSource(url, interval_s=0.2, local_gpu=False))
+    async with app.run_test(size=(100, 30)) as pilot:
+        titles = [t for t, _, _ in ConsoleCommands(app.screen)._commands()]
+        assert "vLLM: Reset the prefix cache" in titles and "vLLM: Wake the engine up" in titles
+        assert not any(t.startswith("Edit config") for t in titles)   # no config API
+        app.run_source_action("reset_prefix_cache")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, ConfirmScreen) and metrics.posts == []
+        await pilot.press("escape")                   # cancelled: nothing sent
+        await pilot.pause(0.2)
+        assert metrics.posts == []
+        app.run_source_action("reset_prefix_cache")
+        await pilot.pause(0.2)
+        await pilot.press("tab", "enter")             # the deliberate confirm
+        for _ in range(50):
+            await pilot.pause(0.1)
+            if metrics.posts:
+                break
+        assert metrics.posts == ["/reset_prefix_cache"]
+        app.run_source_action("start_profile", confirmed=True)   # no profiler route: a 404
+        for _ in range(50):
+            await pilot.pause(0.1)
+            if any("profiler-config" in n.message for n in app._notifications):
+                break
+        assert any("does not answer POST /start_profile" in n.message
+                   for n in app._notifications)
+
+
+async def test_a_readonly_console_offers_no_vllm_action(server):
+    from vconsole.console.app import VConsoleApp
+    from vconsole.console.palette import ConsoleCommands
+
+    metrics, url = server
+    metrics.dev_mode = True
+    app = VConsoleApp(source=VllmSource(url, interval_s=0.2, local_gpu=False), readonly=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        titles = [t for t, _, _ in ConsoleCommands(app.screen)._commands()]
+        assert not any(t.startswith("vLLM:") for t in titles)
+        app.run_source_action("reset_prefix_cache", confirmed=True)
+        await pilot.pause(0.5)
+        assert metrics.posts == []

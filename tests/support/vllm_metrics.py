@@ -5,7 +5,9 @@
 types, help strings, the ``model_name``/``engine`` labels, ``reason``/``sleep_state``/
 ``finished_reason`` labels, ``vllm:cache_config_info`` labelled by ``engine`` without
 ``model_name``, and the histogram buckets), one labelled child per engine, and serves
-``generate_latest`` over HTTP on 127.0.0.1. ``legacy=True`` uses the older names a scraper
+``generate_latest`` over HTTP on 127.0.0.1 (with ``dev_mode``, also the dev routes
+``POST /reset_prefix_cache``, ``/sleep``, ``/wake_up``, as ``VLLM_SERVER_DEV_MODE=1``; no profiler
+routes). ``legacy=True`` uses the older names a scraper
 still meets (``vllm:gpu_cache_usage_perc``, ``vllm:gpu_prefix_cache_*``,
 ``vllm:time_per_output_token_seconds``) and leaves out the newer series.
 """
@@ -96,6 +98,8 @@ class VllmMetrics:
                 self.sleep.labels(model, e, "weights_offloaded").set(0)
                 self.sleep.labels(model, e, "discard_all").set(0)
         self._server: ThreadingHTTPServer | None = None
+        self.dev_mode = False        # answer vLLM's dev routes (VLLM_SERVER_DEV_MODE=1)
+        self.posts: list[str] = []   # the POSTs the server answered
 
     def step(self, engine: str, *, running: int, waiting: int, usage: float,
              prompt: int = 0, generation: int = 0, finished: int = 0, steps: int = 0,
@@ -141,6 +145,17 @@ class VllmMetrics:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def do_POST(self) -> None:  # noqa: N802
+                route = self.path.split("?")[0]
+                if not metrics.dev_mode or route not in (
+                        "/reset_prefix_cache", "/sleep", "/wake_up"):
+                    self.send_error(404)
+                    return
+                metrics.posts.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def log_message(self, *args: object) -> None:
                 pass

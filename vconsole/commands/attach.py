@@ -38,7 +38,8 @@ def _attach_vllm(args: argparse.Namespace) -> int:
     from vconsole.console.sources.vllm import VllmSource
 
     try:
-        source = VllmSource(args.vllm)
+        source = VllmSource(args.vllm, kv_events=getattr(args, "kv_events", None),
+                            kv_events_replay=getattr(args, "kv_events_replay", None))
     except ValueError as e:
         print(f"vconsole attach: --vllm: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
         from vconsole.tools.bench.serve import serve_bench
 
         out = serve_bench(args.concurrency, args.rounds or 2, model=args.model_config,
-                          log=log)
+                          compare_transformers=not args.no_transformers, log=log)
     elif args.name == "dp":
         from vconsole.tools.bench.dp import dp_bench
 

@@ -7,6 +7,12 @@ serve both. Each request is what `vllm bench serve` sends: a streaming ``/v1/com
 prompt as token ids, ``ignore_eos``, and ``stream_options`` ``include_usage`` plus vLLM's
 ``continuous_usage_stats``, whose running ``completion_tokens`` count the tokens of each chunk
 (text chunks do not map to tokens one to one). Works against `vconsole serve` and vLLM alike.
+
+``portable=True`` sends only what every OpenAI-compatible server takes (``transformers serve``
+refuses ``ignore_eos`` and token-id prompts): the prompt as text, one letter per token id
+(`text_prompt`: each is one token for the built-in byte-level tokenizers), no ``ignore_eos``,
+no vLLM extensions; a server without running usage counts one token per text chunk until its
+final usage says how many there were.
 """
 
 from __future__ import annotations
@@ -33,14 +39,20 @@ def api_base(url: str) -> str:
     return url if path else url + "/v1"
 
 
+def text_prompt(ids: Sequence[int]) -> str:
+    """A text prompt standing for ``ids``: one lowercase letter per id."""
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
 class HttpLoadClient:
     def __init__(self, api_url: str, *, api_key: str | None = None, model: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, portable: bool = False) -> None:
         import openai
 
         self.client = openai.AsyncOpenAI(base_url=api_base(api_url), api_key=api_key or "none",
                                          max_retries=0, timeout=timeout_s)
         self.model = model
+        self.portable = portable
         self.engine_info: dict[str, Any] = {}
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -79,15 +91,23 @@ class HttpLoadClient:
         queue = self._queues[rid]
         seen = 0
         try:
-            stream = await self.client.completions.create(
-                model=self.model, prompt=ids, max_tokens=max_tokens, stream=True,
-                temperature=0.0, extra_headers={"x-request-id": rid},
-                extra_body={"ignore_eos": ignore_eos, "priority": priority,
-                            "stream_options": {"include_usage": True,
-                                               "continuous_usage_stats": True}})
+            if self.portable:
+                stream = await self.client.completions.create(
+                    model=self.model, prompt=text_prompt(ids), max_tokens=max_tokens,
+                    stream=True, temperature=0.0, stream_options={"include_usage": True})
+            else:
+                stream = await self.client.completions.create(
+                    model=self.model, prompt=ids, max_tokens=max_tokens, stream=True,
+                    temperature=0.0, extra_headers={"x-request-id": rid},
+                    extra_body={"ignore_eos": ignore_eos, "priority": priority,
+                                "stream_options": {"include_usage": True,
+                                                   "continuous_usage_stats": True}})
             reason = None
             async for chunk in stream:
-                total = chunk.usage.completion_tokens if chunk.usage else seen
+                if chunk.usage:
+                    total = chunk.usage.completion_tokens
+                else:       # no running count: a chunk with text is a token
+                    total = seen + bool(chunk.choices and chunk.choices[0].text)
                 if chunk.choices and chunk.choices[0].finish_reason:
                     reason = chunk.choices[0].finish_reason
                 if total > seen:

@@ -9,8 +9,15 @@ through the native `AsyncEngineClient` and through the server (`HttpLoadClient`:
 times. Each run's figures come from `vconsole.tools.loadgen` (the client's own clock): output
 tokens/s, TTFT and ITL p50/p99. Reported per concurrency: the medians of both, and the ratios
 ``http_over_native`` (throughput: goal ≥ 0.9 at the highest concurrency) and
-``itl_p99_http_over_native`` (goal ≤ 1.2). ``transformers serve`` is compared only where it is
-installed; it is not a dependency, and the JSON says when it was not there.
+``itl_p99_http_over_native`` (goal ≤ 1.2).
+
+``transformers serve --continuous-batching`` on the same model directory is the peer server
+where it can run (the ``transformers`` CLI and ``accelerate``: ``pip install -e '.[compare]'``;
+the JSON says when it could not). It takes only plain OpenAI requests (a text prompt, no
+``ignore_eos``), so both servers get the same portable workload (`HttpLoadClient` with
+``portable=True``), alternating, and the ratios are ``vconsole_over_transformers`` (output
+tokens/s; goal ≥ 3 at the highest concurrency) and ``ttft_p99_vconsole_over_transformers``
+(goal < 1).
 """
 
 from __future__ import annotations
@@ -80,8 +87,25 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r[k] for r in runs), 6) for k in runs[0]}
 
 
+def transformers_serve_missing() -> str | None:
+    """Why ``transformers serve`` cannot run here (None when it can)."""
+    if shutil.which("transformers") is None and not (
+            Path(sys.executable).parent / "transformers").exists():
+        return "the transformers CLI is not installed"
+    try:
+        import accelerate  # noqa: F401  (transformers serve needs it to place the model)
+    except ImportError:
+        return "accelerate is not installed (pip install -e '.[compare]')"
+    return None
+
+
+def _transformers_cli() -> str:
+    local = Path(sys.executable).parent / "transformers"
+    return str(local) if local.exists() else "transformers"
+
+
 def serve_bench(concurrencies: list[int] | None = None, rounds: int = 2, prompt_len: int = 128,
-                output_len: int = 64, model: str = "tiny",
+                output_len: int = 64, model: str = "tiny", compare_transformers: bool = True,
                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
     say = log or (lambda _m: None)
     levels = concurrencies or [1, 8, 32]
@@ -101,6 +125,11 @@ def serve_bench(concurrencies: list[int] | None = None, rounds: int = 2, prompt_
                 _wait_healthy(url, server, server_log)
                 results = asyncio.run(_measure(engine.endpoints, url + "/v1", levels, rounds,
                                                prompt_len, output_len, say))
+                missing = (transformers_serve_missing() if compare_transformers
+                           else "not asked for (--no-transformers)")
+                peer: dict[str, Any] | str = f"not compared: {missing}" if missing else \
+                    _against_transformers(url, engine.ready["model_path"], work, levels,
+                                          rounds, prompt_len, output_len, say)
             finally:
                 server.stop(30)
     finally:
@@ -114,9 +143,66 @@ def serve_bench(concurrencies: list[int] | None = None, rounds: int = 2, prompt_
         "itl_p99_http_over_native_at_top": by_level[top]["itl_p99_http_over_native"],
         "goals": {"http_over_native_at_top": ">= 0.9", "itl_p99_http_over_native_at_top":
                   "<= 1.2"},
-        "transformers_serve": "not installed: not compared"
-        if shutil.which("transformers") is None else "installed, not compared by this run",
+        "transformers_serve": peer,
     }
+
+
+def _against_transformers(url: str, model_dir: str, work: Path, levels: list[int], rounds: int,
+                          prompt_len: int, output_len: int,
+                          say: Callable[[str], None]) -> dict[str, Any]:
+    """The portable workload against `vconsole serve` (``url``) and ``transformers serve
+    --continuous-batching`` on ``model_dir``, alternating; the medians and the ratios."""
+    port = _free_port()
+    peer_url = f"http://127.0.0.1:{port}"
+    log_path = work / "transformers-serve.log"
+    say(f"starting transformers serve --continuous-batching on {model_dir} ...")
+    with open(log_path, "wb") as out:
+        peer = ChildProcess([_transformers_cli(), "serve", "--continuous-batching", "--host",
+                             "127.0.0.1", "--port", str(port), model_dir],
+                            stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        _wait_healthy(peer_url, peer, log_path)
+        return asyncio.run(_measure_peers({"vconsole": url + "/v1",
+                                           "transformers": peer_url + "/v1"},
+                                          levels, rounds, prompt_len, output_len, say))
+    finally:
+        peer.stop(30)
+
+
+async def _measure_peers(urls: dict[str, str], levels: list[int], rounds: int,
+                         prompt_len: int, output_len: int,
+                         say: Callable[[str], None]) -> dict[str, Any]:
+    warm = LoadSpec(num=4, concurrency=4, prompt_len=(prompt_len, prompt_len),
+                    output_len=(4, 4), seed=99)
+    for u in urls.values():
+        await _run(HttpLoadClient(u, portable=True), warm)
+    out: dict[str, Any] = {}
+    for c in levels:
+        spec = LoadSpec(num=max(2 * c, 16), concurrency=c, prompt_len=(prompt_len, prompt_len),
+                        output_len=(output_len, output_len), seed=c)
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
+        for r in range(rounds):
+            names = list(urls) if r % 2 == 0 else list(reversed(urls))
+            for name in names:
+                runs[name].append(_figures(await _run(HttpLoadClient(urls[name],
+                                                                     portable=True), spec)))
+                say(f"concurrency {c} round {r + 1} {name} (portable): "
+                    f"{runs[name][-1]['tok_per_s']:.0f} tok/s")
+        ours, theirs = _median(runs["vconsole"]), _median(runs["transformers"])
+        out[str(c)] = {
+            "vconsole": ours, "transformers": theirs,
+            "vconsole_over_transformers": round(ours["tok_per_s"] / theirs["tok_per_s"], 3),
+            "ttft_p99_vconsole_over_transformers":
+                round(ours["ttft_p99_s"] / theirs["ttft_p99_s"], 3)
+                if theirs["ttft_p99_s"] else None,
+            "num_requests": spec.num}
+    top = str(levels[-1])
+    return {"workload": "text prompts, no ignore_eos (what transformers serve accepts)",
+            "concurrency": out,
+            "vconsole_over_transformers_at_top": out[top]["vconsole_over_transformers"],
+            "goals": {"vconsole_over_transformers_at_top": ">= 3",
+                      "ttft_p99_vconsole_over_transformers": "< 1"}}
 
 
 async def _measure(endpoints: dict[str, str], api_url: str, levels: list[int], rounds: int,
