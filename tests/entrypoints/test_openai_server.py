@@ -387,3 +387,66 @@ def test_vconsole_load_over_http_sends_the_same_workload_as_over_the_socket(
         assert s["requests"] == 30 and s["completed"] == 30 and s["errors"] == {}
         assert s["ttft_s"]["p50"] > 0 and s["itl_s"]["p50"] > 0
     assert runs["http"]["output_tokens"] == runs["socket"]["output_tokens"]   # exact counts
+
+
+async def _sse_request(port: int, body: dict[str, Any], *, read_after: asyncio.Event | None = None
+                       ) -> tuple[int, int]:
+    """One streaming POST over a raw connection: (data frames, completion tokens). With
+    ``read_after``, the client sends its request and then reads nothing until the event is set
+    (a slow reader)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nConnection: close\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    await writer.drain()
+    if read_after is not None:
+        await read_after.wait()
+    frames = tokens = 0
+    try:
+        while line := await reader.readline():
+            if line.startswith(b"data: "):
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                frames += 1
+                usage = json.loads(data).get("usage")
+                if usage:
+                    tokens = usage["completion_tokens"]
+    finally:
+        writer.close()
+    return frames, tokens
+
+
+@pytest.mark.slow
+def test_a_thousand_concurrent_streams_all_finish_slow_readers_stall_nobody(server: Server
+                                                                            ) -> None:
+    """1,000 clients stream at once over loopback while 10 others send their request and read
+    nothing: every one of the 1,000 finishes with its exact token count while the slow readers
+    still hold their streams, then those finish too; a second wave of 1,000 leaves the
+    process's memory where the first left it (nothing kept per request)."""
+    import psutil
+
+    proc = psutil.Process()
+
+    async def wave(n: int) -> None:
+        release = asyncio.Event()
+        slow = [asyncio.create_task(_sse_request(server.port, {
+            "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 64, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}},
+            read_after=release)) for _ in range(10)]
+        fast = await asyncio.wait_for(asyncio.gather(*(_sse_request(server.port, {
+            "model": "tiny", "prompt": [3 + i % 200, 9, 10], "max_tokens": 3, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}})
+            for i in range(n))), timeout=600)
+        # Every fast stream finished while ten streams had not been read at all.
+        assert all(tokens == 3 and frames >= 2 for frames, tokens in fast), fast[:5]
+        release.set()
+        done = await asyncio.wait_for(asyncio.gather(*slow), timeout=300)
+        assert all(tokens == 64 for _, tokens in done)
+
+    asyncio.run(wave(1000))
+    baseline = proc.memory_info().rss
+    asyncio.run(wave(1000))
+    grown = proc.memory_info().rss - baseline
+    assert grown < 0.1 * baseline, (grown, baseline)
