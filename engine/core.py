@@ -46,8 +46,6 @@ class EngineCore:
         self.runner.allocate_kv_cache(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.num_kv_blocks, config.block_size,
                                    self.runner.max_model_len)
-        if config.kv_events_endpoint:   # `vconsole.telemetry.kv_events` publishes them
-            self.scheduler.kv.enable_events()
         # Every telemetry call of the busy loop goes through it (`vconsole.engine.telemetry_guard`).
         self.telemetry_guard = self.scheduler.telemetry
         self.num_steps = 0
@@ -202,6 +200,11 @@ class EngineCore:
 
     def kv_stats(self) -> KVStats:
         return self.scheduler.kv_stats()
+
+    def enable_kv_events(self) -> None:
+        """Record what enters and leaves the prefix cache from now on (the engine process
+        does, once its KV event publisher runs; nothing else drains them)."""
+        self.scheduler.kv.enable_events()
 
     def take_kv_events(self) -> list[KVEvent]:
         """What entered and left the prefix cache since the last call (empty when KV events

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # One token's logprobs (as `vconsole.engine.request.TokenLogprobs`): (its logprob, top ids,
 # top logprobs).
@@ -22,3 +22,14 @@ class RequestOutput:
     num_preemptions: int = 0
     error: str | None = None          # why, when finish_reason is "error"
     logprobs: list[Logprobs] | None = None  # one per new token, when the request asked
+
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by ``later``'s as one output (a consumer that fell behind reads
+        what queued up at once, as vLLM's output collector merges deltas)."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = [*(self.logprobs or ()), *(later.logprobs or ())]
+        return replace(later, new_token_ids=[*self.new_token_ids, *later.new_token_ids],
+                       logprobs=logprobs,
+                       num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
+                       num_cached_tokens=later.num_cached_tokens or self.num_cached_tokens)

@@ -105,7 +105,13 @@ def secure_socket(sock: zmq.Socket, name: str, endpoint: str,
     (only telemetry gets this far, with ``--allow-remote-telemetry``)."""
     if curve is not None:
         curve.secure(sock)
-    elif not is_loopback(endpoint):
+    else:
+        secure_socket_warning(name, endpoint)
+
+
+def secure_socket_warning(name: str, endpoint: str) -> None:
+    """Warn about a read-only socket bound beyond loopback without keys."""
+    if not is_loopback(endpoint):
         log.warning("%s socket on %s is unauthenticated (--allow-remote-telemetry)", name, endpoint)
 
 

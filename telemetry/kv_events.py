@@ -26,9 +26,13 @@ A data-parallel rank ``r`` publishes on the endpoint's port + ``r`` (`offset_end
 vLLM. Where the sockets may bind is `vconsole.security.bind_policy`'s call: both are read-only.
 
 The busy loop pays one ``put_nowait``; if the thread cannot keep up and ``max_queue`` batches
-wait, a batch is dropped and counted (``dropped``) and the next one sent starts with
+wait, a batch is dropped and counted (``dropped``) and the next one queued starts with
 ``AllBlocksCleared``: a subscriber forgets what it knew rather than trusting a stream with a
-hole in it (blocks cached before the hole stay unknown to it until they are stored again).
+hole in it (blocks cached before the hole stay unknown to it until they are stored again). If
+the thread dies, `publish` stops queueing (nothing would drain it) and the engine serves on.
+
+Keys: vLLM-format subscribers (routers) speak no CURVE, so these sockets never use it; beyond
+loopback they need ``--allow-remote-telemetry`` like the telemetry socket.
 """
 
 from __future__ import annotations
@@ -110,7 +114,8 @@ class KVEventPublisher:
         self._lock = threading.Lock()              # the replay buffer: thread vs. `replayed`
         self.seq = 0                               # the next message's sequence number
         self.dropped = 0
-        self._lost = False
+        self._lost = False          # a batch was dropped: the next one starts with a clear
+        self._dead = False          # the thread stopped: publish does nothing
         self._pub = ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
         try:
@@ -124,6 +129,8 @@ class KVEventPublisher:
             if replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A whole replay must fit: a ROUTER at its high-water mark drops silently.
+                self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)
                 if secure is not None:
                     secure(self._replay)
                 self._replay.bind(offset_endpoint(replay_endpoint, dp_rank))
@@ -141,12 +148,18 @@ class KVEventPublisher:
 
     def publish(self, events: list[KVEvent], ts: float | None = None) -> None:
         """Queue one step's events (never blocks; a full queue drops and counts)."""
-        if not events:
+        if not events or self._dead:
             return
+        if self._lost:          # a batch was dropped before this one: the cache is unknown
+            events = [AllBlocksCleared(), *events]
         try:
             self._queue.put_nowait((time.time() if ts is None else ts, events))
+            self._lost = False
         except queue.Full:
             self.dropped += 1
+            if not self._lost:
+                log.warning("KV event queue full (%d batches): dropping; the next batch "
+                            "clears the cache for subscribers", self._queue.maxsize)
             self._lost = True
 
     def close(self, timeout_s: float = 1.0) -> None:
@@ -171,22 +184,20 @@ class KVEventPublisher:
                 if item is None:
                     return
                 ts, events = item
-                if self._lost:          # a dropped batch: say the cache is unknown from here
-                    self._lost = False
-                    events = [AllBlocksCleared(), *events]
                 self._send(ts, events)
         except Exception:   # the engine serves on without events; say why once
             log.exception("KV event publisher stopped")
         finally:
+            self._dead = True   # `publish` stops queueing: nothing would ever drain it
             self._close_sockets()
 
     def _send(self, ts: float, events: list[KVEvent]) -> None:
         payload = encode_batch(ts, events, self.dp_rank, self.medium)
         seq = self.seq
         self.seq += 1
-        with contextlib.suppress(zmq.Again):   # PUB at its high-water mark: a gap in seq
-            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload),
-                                     flags=zmq.NOBLOCK)
+        # A PUB never blocks: at a subscriber's high-water mark it drops, and that subscriber
+        # sees the gap in ``seq`` (and may replay it).
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
         with self._lock:
             self._buffer.append((seq, payload))
 

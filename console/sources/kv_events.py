@@ -169,6 +169,8 @@ class KVEventFeed:
         self.last_seq: dict[int, int] = {}
         self.gaps = 0
         self.replayed = 0
+        self.unrecovered = 0        # gaps replay could not fill: the mirror started over
+        self.restarts = 0           # the publisher's sequence started over
         self.bad = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -188,39 +190,57 @@ class KVEventFeed:
             mirror = self.mirrors.get(rank)
             if mirror is None or not mirror.batches:
                 return None
-            return {**mirror.summary(), "gaps": self.gaps, "replayed": self.replayed}
+            return {**mirror.summary(), "gaps": self.gaps, "replayed": self.replayed,
+                    "unrecovered": self.unrecovered, "restarts": self.restarts}
 
     # --- the feed's thread ---------------------------------------------------------------------
 
     def handle(self, rank: int, seq: int, payload: bytes,
                replay: zmq.Socket | None = None) -> None:
-        """One published message: catch up a gap first (through ``replay``), then apply."""
+        """One published message: a gap is caught up first (through ``replay``), then it is
+        applied. A sequence number at or below the last one means the publisher started over
+        (the server restarted): what the mirror held is gone with it."""
         last = self.last_seq.get(rank)
         if last is not None and seq <= last:
-            return                              # already applied (a replayed one)
+            self.restarts += 1
+            self._apply_events(rank, [Cleared()])
+            last = None
         if last is not None and seq > last + 1:
             self.gaps += 1
-            if replay is not None:
-                for r_seq, r_payload in self._replay(replay, last + 1):
-                    if r_seq < seq and r_seq > self.last_seq.get(rank, -1):
-                        self._apply(rank, r_seq, r_payload)
-                        self.replayed += 1
+            got = self._replay(replay, last + 1) if replay is not None else []
+            wanted = [(s, p) for s, p in got if last < s < seq]
+            if not wanted or wanted[0][0] != last + 1:
+                # Not all of the gap is to be had (no replay socket, or its buffer rolled
+                # over): the mirror cannot be trusted; start again from what comes now.
+                self.unrecovered += 1
+                self._apply_events(rank, [Cleared()])
+            else:
+                for r_seq, r_payload in wanted:
+                    self._apply(rank, r_seq, r_payload)
+                    self.replayed += 1
         self._apply(rank, seq, payload)
 
     def _apply(self, rank: int, seq: int, payload: bytes) -> None:
+        self.last_seq[rank] = seq       # even when it does not decode: no false gap after it
         try:
             _, events, _ = decode_batch(payload)
         except ValueError:
             self.bad += 1
             return
+        self._apply_events(rank, events)
+
+    def _apply_events(self, rank: int, events: list[Event]) -> None:
         with self._lock:
             self.mirrors.setdefault(rank, PrefixCacheMirror()).apply(events)
-        self.last_seq[rank] = seq
 
     @staticmethod
     def _replay(sock: zmq.Socket, start: int) -> list[tuple[int, bytes]]:
         """vLLM's replay: ``start`` in, ``(seq, payload)`` frames out until the empty payload.
-        Accepts replies with the topic frame (vLLM 0.33, ours) and without (older vLLM)."""
+        Accepts replies with the topic frame (vLLM 0.33, ours) and without (older vLLM); what
+        an earlier, timed-out request left queued is drained first and never taken for this
+        one's."""
+        while sock.poll(0):
+            sock.recv_multipart()
         sock.send_multipart([b"", start.to_bytes(8, "big")])
         out: list[tuple[int, bytes]] = []
         while sock.poll(REPLAY_TIMEOUT_MS):
@@ -228,7 +248,9 @@ class KVEventFeed:
             seq_frame, payload = frames[-2], frames[-1]
             if not payload:
                 break
-            out.append((int.from_bytes(seq_frame, "big"), payload))
+            seq = int.from_bytes(seq_frame, "big")
+            if seq >= start:
+                out.append((seq, payload))
         return out
 
     def _run(self) -> None:
@@ -247,6 +269,7 @@ class KVEventFeed:
             for rank, ep in self.replay_endpoints.items():
                 dealer = ctx.socket(zmq.DEALER)
                 dealer.setsockopt(zmq.LINGER, 0)
+                dealer.setsockopt(zmq.IMMEDIATE, 1)   # no peer: a request is not kept queued
                 dealer.connect(ep)
                 replays[rank] = dealer
             while not self._stop.is_set():

@@ -134,7 +134,11 @@ class VllmSource(Source):
                 state.note_error(f"scrape failed: {e}")
                 batch = []
             if batch and self.kv_events and self.feed is None:
-                self._follow_kv_events(batch)
+                try:
+                    self._follow_kv_events(batch)
+                except (ValueError, OSError) as e:   # an endpoint it cannot use: say so
+                    state.note_error(f"KV events not followed: {e}")
+                    self.kv_events = None
             if batch and probe is not None:
                 batch += self.scraper.translator.local("gpu", probe.read(), now)
             if batch:

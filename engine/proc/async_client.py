@@ -31,13 +31,18 @@ from vconsole.security.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
 
 
 async def drain_request(queues: dict[str, asyncio.Queue[RequestOutput]],
-                        request_id: str) -> AsyncIterator[RequestOutput]:
+                        request_id: str, *, merge: bool = False
+                        ) -> AsyncIterator[RequestOutput]:
     """One request's outputs from its queue, up to and including its final one; the queue is
-    forgotten after (finished, or the caller stopped reading)."""
+    forgotten after (finished, or the caller stopped reading). ``merge``: outputs that queued
+    up while the caller was busy come as one (`RequestOutput.merged`), so a slow consumer
+    does one round of work per wake-up, not one per token."""
     queue = queues[request_id]
     try:
         while True:
             out = await queue.get()
+            while merge and not out.finished and not queue.empty():
+                out = out.merged(queue.get_nowait())
             yield out
             if out.finished:
                 return
@@ -156,8 +161,9 @@ class AsyncEngineClient(ClientBase):
     def _in_flight_ids(self) -> Iterable[str]:
         return self._queues.keys()
 
-    def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        return drain_request(self._queues, request_id)
+    def stream(self, request_id: str, *, merge: bool = False) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until its final one (``merge``: see `drain_request`)."""
+        return drain_request(self._queues, request_id, merge=merge)
 
     async def generate_stream(self, prompt: str | None = None, *,
                               prompt_token_ids: Sequence[int] | None = None, priority: int = 0,

@@ -101,7 +101,12 @@ from vconsole.engine.proc.role import LoneEngine, ProcessRole
 from vconsole.engine.proc.serving_core import ServingCore
 from vconsole.engine.proc.stats_log import StatsLog
 from vconsole.engine.stats import StepStats
-from vconsole.security.bind_policy import check_endpoints, check_metrics_host, secure_socket
+from vconsole.security.bind_policy import (
+    check_endpoints,
+    check_metrics_host,
+    secure_socket,
+    secure_socket_warning,
+)
 from vconsole.security.control_key import key_path
 from vconsole.security.engine_key import refuse_if_held
 from vconsole.telemetry import control
@@ -141,8 +146,8 @@ class EngineCoreProc:
                  metrics_endpoint: tuple[str, int] | None = None,
                  allow_remote_metrics: bool = False,
                  liveness_file: str | os.PathLike[str] | None = None) -> None:
-        check_endpoints({**endpoints, **_kv_event_endpoints(config)}, allow_remote,
-                        curve=curve is not None)
+        check_endpoints(endpoints, allow_remote, curve=curve is not None)
+        check_endpoints(_kv_event_endpoints(config), allow_remote)   # never CURVE: see there
         if metrics_endpoint is not None:   # (host, port): Prometheus /metrics, port 0 = any
             check_metrics_host(metrics_endpoint[0], allow_remote_metrics)
         self.metrics: MetricsServer | None = None
@@ -207,8 +212,9 @@ class EngineCoreProc:
             undo.append(lambda: self.publisher.close(PUBLISHER_CLOSE_S))
             self.publisher.start()
             self.endpoints["telemetry"] = self.publisher.endpoint
-            self.kv_events = _start_kv_events(self.ctx, core.config, model["device"], curve)
+            self.kv_events = _start_kv_events(self.ctx, core.config, model["device"])
             if self.kv_events is not None:
+                core.enable_kv_events()
                 undo.append(self.kv_events.close)
                 self.endpoints["kv_events"] = self.kv_events.endpoint
                 if self.kv_events.replay_endpoint:
@@ -638,18 +644,20 @@ def _kv_event_endpoints(config: EngineConfig) -> dict[str, str]:
     return out
 
 
-def _start_kv_events(ctx: zmq.Context, config: EngineConfig, device: str,
-                     curve: ServerCurve | None) -> KVEventPublisher | None:
-    """The KV event publisher `--kv-events-endpoint` asks for (None when off)."""
+def _start_kv_events(ctx: zmq.Context, config: EngineConfig, device: str
+                     ) -> KVEventPublisher | None:
+    """The KV event publisher `--kv-events-endpoint` asks for (None when off). Never CURVE:
+    the routers that read vLLM's format cannot; `check_endpoints` kept it on loopback unless
+    ``--allow-remote-telemetry``."""
     if not config.kv_events_endpoint:
         return None
     publisher = KVEventPublisher(
         ctx, config.kv_events_endpoint, config.kv_events_replay_endpoint,
         topic=config.kv_events_topic or "", buffer_steps=config.kv_events_buffer_steps,
         dp_rank=config.dp_rank, medium="GPU" if device.startswith("cuda") else "CPU",
-        hwm=config.zmq_sndhwm,
-        secure=lambda sock: secure_socket(sock, "kv_events", config.kv_events_endpoint or "",
-                                          curve))
+        hwm=config.zmq_sndhwm)
+    for name, ep in _kv_event_endpoints(config).items():
+        secure_socket_warning(name, ep)
     return publisher.start()
 
 

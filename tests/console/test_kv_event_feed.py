@@ -102,8 +102,14 @@ def test_a_gap_is_caught_up_through_the_replay_socket_before_the_newer_batch():
         mirror = feed.mirrors[0]
         assert set(mirror.depth) == {u64(10 * i + 1) for i in range(6)}
         assert max(mirror.depth.values()) == 6          # the chain links across the gap
-        feed.handle(0, 3, payloads[3])                 # a late duplicate: ignored
         assert feed.summary(0)["stored_total"] == 6
+        # The publisher starts over (the server restarted): what the mirror held is gone.
+        feed.handle(0, 0, payloads[0])
+        assert feed.restarts == 1 and set(mirror.depth) == {u64(1)}
+        # A gap with no replay socket cannot be filled: the mirror starts again from now.
+        feed.handle(0, 3, payloads[3])
+        assert feed.unrecovered == 1 and set(mirror.depth) == {u64(31)}
+        assert feed.summary(0)["unrecovered"] == 1
     finally:
         pub.close()
         ctx.term()

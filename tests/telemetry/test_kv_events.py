@@ -143,6 +143,54 @@ def test_random_churn_the_stream_always_equals_the_pools_cached_blocks():
     assert kinds[BlockStored] > 50 and kinds[BlockRemoved] > 20 and kinds[AllBlocksCleared] == 2
 
 
+def test_chunked_prefill_decode_and_a_prefix_registered_first_by_another_request():
+    """Blocks registered over several steps chain to the block before them; a block whose
+    prefix another request registered first is not announced again, and the next block of
+    that request chains to the other's hash; the stream still equals the pool."""
+    kv = KVCacheManager(32, B)
+    kv.enable_events()
+    mirror, ever = Mirror(), set()
+
+    def drain() -> list:
+        batch = DECODER.decode(encode_batch(0.0, kv.take_events(), 0, "CPU"))
+        for ev in batch.events:
+            if isinstance(ev, VBlockStored):
+                assert ev.parent_block_hash is None or ev.parent_block_hash in ever
+                ever.update(ev.block_hashes)
+        mirror.apply(batch)
+        assert mirror.stored == pool_hashes(kv)
+        return batch.events
+
+    prefix = list(range(100, 100 + 3 * B))
+    a = Request("a", prefix + [1, 2], SamplingParams(max_tokens=8))
+    b = Request("b", prefix + [5, 6, 7, 8, 9], SamplingParams(max_tokens=8))
+    for r in (a, b):                                # both admitted before either computed
+        assert kv.allocate_slots(r, r.num_tokens)
+    a.num_computed_tokens = B                       # a's prefill in chunks: 1 block ...
+    kv.cache_blocks(a)
+    first = drain()
+    assert [len(e.block_hashes) for e in first] == [1] and first[0].parent_block_hash is None
+    a.num_computed_tokens = a.num_tokens            # ... then the other two
+    kv.cache_blocks(a)
+    second = drain()
+    assert [len(e.block_hashes) for e in second] == [2]
+    assert second[0].parent_block_hash == first[0].block_hashes[0]
+    b.num_computed_tokens = b.num_tokens            # b: three blocks already known, one new
+    kv.cache_blocks(b)
+    third = drain()
+    assert [len(e.block_hashes) for e in third] == [1]
+    assert third[0].parent_block_hash == second[0].block_hashes[-1]
+    for t in range(2 * B):                          # b decodes: its fifth block fills
+        b.output_token_ids.append(40 + t)
+        b.num_computed_tokens += 1
+        kv.cache_blocks(b)
+        drain()
+    assert len(ever) == 5
+    kv.free(a)
+    kv.free(b)
+    drain()
+
+
 def test_the_encoding_is_msgspecs_encoding_of_vllms_structs_byte_for_byte():
     events = [BlockStored([-5, 7], None, list(range(2 * B)), B), BlockRemoved([3]),
               AllBlocksCleared()]
@@ -194,7 +242,7 @@ def _replay(ctx: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]:
 def test_publisher_sequence_topic_and_replay_framing():
     ctx = zmq.Context()
     pub = KVEventPublisher(ctx, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv-events",
-                           buffer_steps=3).start()
+                           buffer_steps=10).start()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.subscribe(b"kv-events")
@@ -221,8 +269,8 @@ def test_publisher_sequence_topic_and_replay_framing():
         assert [int.from_bytes(f[2], "big") for f in body][:2] == [last - 1, last]
         assert all(f[0] == b"" and f[1] == b"kv-events" for f in body)
         assert body[1][3] == got[-1][2]                   # the very bytes published
-        old = _replay(ctx, pub.replay_endpoint, 0)        # only buffer_steps (3) are kept
-        assert len(old) - 1 <= 3
+        old = _replay(ctx, pub.replay_endpoint, 0)        # only buffer_steps (10) are kept
+        assert len(old) - 1 <= 10
     finally:
         sub.close(0)
         pub.close()
@@ -261,6 +309,7 @@ def test_a_live_engine_publishes_events_a_vllm_subscriber_decodes_and_replays(tm
             assert control.set_config({"enable_prefix_caching": False})["ok"]
         got: list[list[bytes]] = []
         mirror = Mirror()
+        ever_stored: set[int] = set()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if sub.poll(200):
@@ -268,8 +317,10 @@ def test_a_live_engine_publishes_events_a_vllm_subscriber_decodes_and_replays(tm
                 got.append(frames)
                 batch = DECODER.decode(frames[2])
                 for ev in batch.events:
-                    if isinstance(ev, VBlockStored) and ev.parent_block_hash is not None:
-                        assert ev.parent_block_hash in mirror.stored   # the chain links
+                    if isinstance(ev, VBlockStored):
+                        if ev.parent_block_hash is not None:     # the chain links
+                            assert ev.parent_block_hash in ever_stored
+                        ever_stored.update(ev.block_hashes)
                 mirror.apply(batch)
                 if isinstance(batch.events[-1], VAllBlocksCleared):
                     break

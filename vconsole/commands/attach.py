@@ -36,8 +36,12 @@ def main(args: argparse.Namespace) -> int:
 def _attach_vllm(args: argparse.Namespace) -> int:
     from vconsole.console.app import VConsoleApp
     from vconsole.console.sources.vllm import VllmSource
+    from vconsole.telemetry.kv_events import offset_endpoint
 
     try:
+        for ep in (getattr(args, "kv_events", None), getattr(args, "kv_events_replay", None)):
+            if ep:
+                offset_endpoint(ep, 1)   # rank r listens on port + r: it needs a port
         source = VllmSource(args.vllm, kv_events=getattr(args, "kv_events", None),
                             kv_events_replay=getattr(args, "kv_events_replay", None))
     except ValueError as e:

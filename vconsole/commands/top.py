@@ -70,8 +70,11 @@ def _main_vllm(args: argparse.Namespace) -> int:
             return 0
         w = VllmWatcher(args.vllm)
         while True:
-            w.pump()
-            _print_snapshot(w.snapshot(), as_json, flush=True)
+            try:
+                w.pump()
+                _print_snapshot(w.snapshot(), as_json, flush=True)
+            except ScrapeError as e:     # a restart or a slow scrape: say so, keep watching
+                print(f"vconsole top: {e}", file=sys.stderr, flush=True)
             time.sleep(w.scraper.translator.interval_s)
     except ScrapeError as e:
         print(f"vconsole top: {e}", file=sys.stderr)

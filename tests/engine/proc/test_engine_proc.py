@@ -593,6 +593,9 @@ class _IdleCore:
     def latency_snapshot(self):
         return None
 
+    def enable_kv_events(self) -> None:
+        pass
+
     def take_kv_events(self):
         return []
 

@@ -79,10 +79,22 @@ class EngineLink:
                 self.in_flight += 1
                 await self.client.submit(prompt_token_ids=prompt_token_ids,
                                          request_id=sample_id, priority=priority, **params)
+            if len(ids) == 1:                # one sample: no fan-in needed
+                async for out in self.client.stream(ids[0], merge=True):
+                    if out.finished:
+                        self.in_flight -= 1
+                        ids[0] = ""
+                    yield 0, out
+                    if ids[0] and stopped:       # a stop string: abort it in the engine now
+                        await self.client.abort([ids[0]])
+                        self.in_flight -= 1
+                        ids[0] = ""
+                        return
+                return
             queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
             async def pump(i: int, rid: str) -> None:
-                async for out in self.client.stream(rid):
+                async for out in self.client.stream(rid, merge=True):
                     await queue.put((i, out))
 
             pumps = [asyncio.create_task(pump(i, rid)) for i, rid in enumerate(ids)]

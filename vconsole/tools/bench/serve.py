@@ -127,9 +127,14 @@ def serve_bench(concurrencies: list[int] | None = None, rounds: int = 2, prompt_
                                                prompt_len, output_len, say))
                 missing = (transformers_serve_missing() if compare_transformers
                            else "not asked for (--no-transformers)")
-                peer: dict[str, Any] | str = f"not compared: {missing}" if missing else \
-                    _against_transformers(url, engine.ready["model_path"], work, levels,
-                                          rounds, prompt_len, output_len, say)
+                peer: dict[str, Any] | str = f"not compared: {missing}"
+                if not missing:
+                    try:
+                        peer = _against_transformers(url, engine.ready["model_path"], work,
+                                                     levels, rounds, prompt_len, output_len,
+                                                     say)
+                    except Exception as e:   # keep vconsole's own figures; say what failed
+                        peer = f"not compared: {type(e).__name__}: {e}"
             finally:
                 server.stop(30)
     finally:
@@ -192,7 +197,8 @@ async def _measure_peers(urls: dict[str, str], levels: list[int], rounds: int,
         ours, theirs = _median(runs["vconsole"]), _median(runs["transformers"])
         out[str(c)] = {
             "vconsole": ours, "transformers": theirs,
-            "vconsole_over_transformers": round(ours["tok_per_s"] / theirs["tok_per_s"], 3),
+            "vconsole_over_transformers": round(ours["tok_per_s"] / theirs["tok_per_s"], 3)
+            if theirs["tok_per_s"] else None,
             "ttft_p99_vconsole_over_transformers":
                 round(ours["ttft_p99_s"] / theirs["ttft_p99_s"], 3)
                 if theirs["ttft_p99_s"] else None,
