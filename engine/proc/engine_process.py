@@ -41,6 +41,22 @@ def loopback_endpoints(base_port: int = 0) -> dict[str, str]:
     return dict.fromkeys(ENDPOINT_NAMES, "tcp://127.0.0.1:*")
 
 
+def engine_env_beside_clients(data_parallel_size: int = 1) -> dict[str, str]:
+    """The environment of an engine that shares a CPU-only machine with its clients by design
+    (the demo's console and load, `vconsole serve`'s HTTP server, a benchmark's client): one
+    core is left to them. torch's OpenMP threads, one per core, spin-wait for each other;
+    when another busy process takes a core they slow down many times over (measured on 2
+    cores: native output tokens/s 327 alone, 50 beside two busy processes). A data-parallel
+    group splits the cores itself; ``OMP_NUM_THREADS`` set by the user wins; a GPU engine's
+    host threads hardly matter."""
+    cores = os.cpu_count() or 1
+    if data_parallel_size > 1 or "OMP_NUM_THREADS" in os.environ or cores < 2:
+        return {}
+    if os.path.exists("/dev/nvidia0"):   # a GPU machine (no torch import here: it is slow)
+        return {}
+    return {"OMP_NUM_THREADS": str(cores - 1)}
+
+
 class EngineProcess:
     """``vconsole engine`` as a child process; its stdout and stderr go to ``log_path``.
 

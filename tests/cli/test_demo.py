@@ -130,15 +130,17 @@ def test_an_asked_for_log_path_is_kept(tmp_path):
     assert log.exists()
 
 
-def test_the_demo_engine_leaves_a_core_to_the_console_unless_told_otherwise(monkeypatch):
-    from vconsole.tools import demo
+def test_an_engine_beside_its_clients_leaves_them_a_core_unless_told_otherwise(monkeypatch):
+    """The demo's, serve's and the benchmarks' engines (`engine_env_beside_clients`)."""
+    from vconsole.engine.proc import engine_process as ep
 
+    env = ep.engine_env_beside_clients
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
-    assert demo.demo_engine_env() == {"OMP_NUM_THREADS": "1"}
-    assert demo.demo_engine_env(data_parallel_size=2) == {}    # the launcher splits the cores
-    monkeypatch.setattr(demo.os, "cpu_count", lambda: 1)
-    assert demo.demo_engine_env() == {}
-    monkeypatch.setattr(demo.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(ep.os, "cpu_count", lambda: 2)
+    assert env() == {"OMP_NUM_THREADS": "1"}
+    assert env(data_parallel_size=2) == {}    # the launcher splits the cores
+    monkeypatch.setattr(ep.os, "cpu_count", lambda: 1)
+    assert env() == {}
+    monkeypatch.setattr(ep.os, "cpu_count", lambda: 8)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert demo.demo_engine_env() == {}                          # the user's setting wins
+    assert env() == {}                          # the user's setting wins

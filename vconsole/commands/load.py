@@ -66,13 +66,9 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         run = asyncio.run(go())
-    except (TimeoutError, OSError, ValueError) as e:
-        print(f"vconsole load: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:           # the SDK's connection errors (no server at --api-url)
-        if type(e).__module__.split(".")[0] != "openai":
-            raise
-        print(f"vconsole load: {args.api_url}: {e}", file=sys.stderr)
+    except (TimeoutError, OSError, ValueError) as e:   # OSError: HttpError, no server there
+        where = f"{args.api_url}: " if args.api_url else ""
+        print(f"vconsole load: {where}{e}", file=sys.stderr)
         return 1
     if tty:
         sys.stderr.write("\n")

@@ -85,14 +85,17 @@ def main(args: argparse.Namespace) -> int:
 
 def _start_engine(args: argparse.Namespace) -> EngineProcess:
     from vconsole.commands.engine import launch_from_args
+    from vconsole.engine.proc.engine_process import engine_env_beside_clients
 
     launch = launch_from_args(args)
     # The engine's /metrics on a private port unless the user asked for one: the server's own
     # /metrics relays it. The ready file is the launcher's (EngineProcess writes its own).
     launch = replace(launch, ready_file=None, metrics=launch.metrics or ("127.0.0.1", 0))
     log.info("starting the engine (%s) ...", launch.config.model)
-    return EngineProcess(launch.argv(), endpoints=dict(launch.endpoints),
-                         inherit_output=True).start(timeout_s=600)
+    # The HTTP server shares the machine with the engine: on a CPU, leave it a core.
+    return EngineProcess(launch.argv(), endpoints=dict(launch.endpoints), inherit_output=True,
+                         env=engine_env_beside_clients(launch.config.data_parallel_size)
+                         ).start(timeout_s=600)
 
 
 def _serve_http(args: argparse.Namespace, endpoints: dict[str, str], metrics_url: str | None,

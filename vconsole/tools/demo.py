@@ -14,11 +14,14 @@ time).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from vconsole.engine.proc.engine_process import EngineProcess, loopback_endpoints
+from vconsole.engine.proc.engine_process import (
+    EngineProcess,
+    engine_env_beside_clients,
+    loopback_endpoints,
+)
 from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec
 
 # The demo's engine: small enough that bursts fill the KV pool and preempt, with priorities to
@@ -28,18 +31,6 @@ DEMO_ENGINE_ARGS = [arg for key, value in DEMO_ENGINE_DEFAULTS.items()
                     for arg in (f"--{key.replace('_', '-')}", str(value))]
 
 
-def demo_engine_env(data_parallel_size: int = 1) -> dict[str, str]:
-    """The demo engine's environment: on a CPU, one core is left to the console and the load
-    generator, which share the machine with it by design (torch's OpenMP threads, one per
-    core, slow down many times over when another process takes a core: the step-time alert
-    then flaps). A data-parallel group splits the cores itself; ``OMP_NUM_THREADS`` set by
-    the user wins."""
-    cores = os.cpu_count() or 1
-    if data_parallel_size > 1 or "OMP_NUM_THREADS" in os.environ or cores < 2:
-        return {}
-    return {"OMP_NUM_THREADS": str(cores - 1)}
-
-
 class DemoStack:
     """Engine process + load thread. Use as a context manager; see the module invariant."""
 
@@ -47,7 +38,7 @@ class DemoStack:
                  base_port: int = 0, load: bool = True, log_path: str | Path | None = None,
                  seed: int = 0) -> None:
         self.engine = EngineProcess(engine_args, endpoints=loopback_endpoints(base_port),
-                                    env=demo_engine_env(),
+                                    env=engine_env_beside_clients(),
                                     log_path=log_path)
         self.rate = rate
         self.load_enabled = load

@@ -3,7 +3,8 @@ server instead of the engine's own socket.
 
 It has the three calls `vconsole.tools.loadgen.run_load` makes of an engine client (``submit``,
 ``stream``, ``abort``) and ``engine_info``, so the same workload, rate, concurrency and summary
-serve both. Each request is what `vllm bench serve` sends: a streaming ``/v1/completions`` with the
+serve both. Each request is what `vllm bench serve` sends (over `vconsole.tools.sse_client`, plain
+asyncio HTTP as its aiohttp: no SDK parsing in the measurement): a streaming ``/v1/completions`` with the
 prompt as token ids, ``ignore_eos``, and ``stream_options`` ``include_usage`` plus vLLM's
 ``continuous_usage_stats``, whose running ``completion_tokens`` count the tokens of each chunk
 (text chunks do not map to tokens one to one). Works against `vconsole serve` and vLLM alike.
@@ -25,6 +26,7 @@ from typing import Any
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc.async_client import drain_request
+from vconsole.tools.sse_client import get_json, post_sse
 
 DEFAULT_VOCAB = 1000      # prompts' token ids stay below this unless the server says more
 
@@ -47,10 +49,9 @@ def text_prompt(ids: Sequence[int]) -> str:
 class HttpLoadClient:
     def __init__(self, api_url: str, *, api_key: str | None = None, model: str | None = None,
                  timeout_s: float = 600.0, portable: bool = False) -> None:
-        import openai
-
-        self.client = openai.AsyncOpenAI(base_url=api_base(api_url), api_key=api_key or "none",
-                                         max_retries=0, timeout=timeout_s)
+        self.base = api_base(api_url)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout_s = timeout_s
         self.model = model
         self.portable = portable
         self.engine_info: dict[str, Any] = {}
@@ -59,23 +60,23 @@ class HttpLoadClient:
         self._ids = itertools.count()
 
     async def __aenter__(self) -> HttpLoadClient:
-        models = (await self.client.models.list()).data
+        listing = await asyncio.wait_for(get_json(self.base + "/models", self.headers),
+                                         self.timeout_s)
+        models = listing.get("data") or [] if isinstance(listing, dict) else []
         if not models:
             raise ValueError("the server lists no model")
-        chosen = next((m for m in models if m.id == self.model), None) if self.model \
+        chosen = next((m for m in models if m.get("id") == self.model), None) if self.model \
             else models[0]
         if chosen is None:
             raise ValueError(f"the server has no model {self.model!r}: "
-                             f"{', '.join(m.id for m in models)}")
-        extra = chosen.model_extra or {}
-        self.model = chosen.id
-        self.engine_info = {"vocab_size": int(extra.get("vocab_size") or DEFAULT_VOCAB),
-                            "max_model_len": int(extra.get("max_model_len") or 2048)}
+                             f"{', '.join(str(m.get('id')) for m in models)}")
+        self.model = chosen["id"]
+        self.engine_info = {"vocab_size": int(chosen.get("vocab_size") or DEFAULT_VOCAB),
+                            "max_model_len": int(chosen.get("max_model_len") or 2048)}
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.abort(list(self._tasks))
-        await self.client.close()
 
     async def submit(self, *, prompt_token_ids: Sequence[int], max_tokens: int,
                      ignore_eos: bool = True, priority: int = 0) -> str:
@@ -86,34 +87,38 @@ class HttpLoadClient:
                                                          max_tokens, ignore_eos, priority))
         return rid
 
+    def _body(self, ids: list[int], max_tokens: int, ignore_eos: bool,
+              priority: int) -> dict[str, Any]:
+        if self.portable:
+            return {"model": self.model, "prompt": text_prompt(ids), "max_tokens": max_tokens,
+                    "stream": True, "temperature": 0.0,
+                    "stream_options": {"include_usage": True}}
+        return {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "stream": True,
+                "temperature": 0.0, "ignore_eos": ignore_eos, "priority": priority,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
     async def _run(self, rid: str, ids: list[int], max_tokens: int, ignore_eos: bool,
                    priority: int) -> None:
         queue = self._queues[rid]
         seen = 0
+        headers = self.headers if self.portable else {**self.headers, "x-request-id": rid}
         try:
-            if self.portable:
-                stream = await self.client.completions.create(
-                    model=self.model, prompt=text_prompt(ids), max_tokens=max_tokens,
-                    stream=True, temperature=0.0, stream_options={"include_usage": True})
-            else:
-                stream = await self.client.completions.create(
-                    model=self.model, prompt=ids, max_tokens=max_tokens, stream=True,
-                    temperature=0.0, extra_headers={"x-request-id": rid},
-                    extra_body={"ignore_eos": ignore_eos, "priority": priority,
-                                "stream_options": {"include_usage": True,
-                                                   "continuous_usage_stats": True}})
             reason = None
-            async for chunk in stream:
-                if chunk.usage:
-                    total = chunk.usage.completion_tokens
-                else:       # no running count: a chunk with text is a token
-                    total = seen + bool(chunk.choices and chunk.choices[0].text)
-                if chunk.choices and chunk.choices[0].finish_reason:
-                    reason = chunk.choices[0].finish_reason
-                if total > seen:
-                    queue.put_nowait(RequestOutput(rid, [0] * (total - seen),
-                                                   num_output_tokens=total))
-                    seen = total
+            async with asyncio.timeout(self.timeout_s):
+                async for chunk in post_sse(self.base + "/completions",
+                                            self._body(ids, max_tokens, ignore_eos, priority),
+                                            headers):
+                    usage, choices = chunk.get("usage"), chunk.get("choices") or []
+                    if usage:
+                        total = int(usage.get("completion_tokens") or 0)
+                    else:       # no running count: a chunk with text is a token
+                        total = seen + bool(choices and choices[0].get("text"))
+                    if choices and choices[0].get("finish_reason"):
+                        reason = choices[0]["finish_reason"]
+                    if total > seen:
+                        queue.put_nowait(RequestOutput(rid, [0] * (total - seen),
+                                                       num_output_tokens=total))
+                        seen = total
             queue.put_nowait(RequestOutput(rid, [], True, reason or "stop",
                                            num_output_tokens=seen))
         except asyncio.CancelledError:

@@ -38,7 +38,7 @@ from typing import Any
 
 from vconsole.engine.proc.async_client import AsyncEngineClient
 from vconsole.engine.proc.child import ChildProcess
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.proc.engine_process import EngineProcess, engine_env_beside_clients
 from vconsole.tools.http_load import HttpLoadClient
 from vconsole.tools.loadgen import LoadRun, LoadSpec, run_load
 
@@ -114,7 +114,9 @@ def serve_bench(concurrencies: list[int] | None = None, rounds: int = 2, prompt_
     url = f"http://127.0.0.1:{port}"
     say(f"starting an engine ({model}) and vconsole serve in front of it ...")
     try:
-        with EngineProcess(["--model", model, *ENGINE_ARGS]) as engine:
+        # The engine as `vconsole serve` starts it: beside its HTTP server (and this client).
+        with EngineProcess(["--model", model, *ENGINE_ARGS],
+                           env=engine_env_beside_clients()) as engine:
             server_log = work / "serve.log"
             with open(server_log, "wb") as out:
                 server = ChildProcess([sys.executable, "-m", "vconsole", "serve", "--port",

@@ -31,9 +31,9 @@ import numpy as np
 import psutil
 import zmq
 
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.proc.engine_process import EngineProcess, engine_env_beside_clients
 from vconsole.telemetry import schema
-from vconsole.tools.demo import DEMO_ENGINE_ARGS, demo_engine_env
+from vconsole.tools.demo import DEMO_ENGINE_ARGS
 from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec
 
 WARMUP_SHARE = 0.2         # RSS is taken as the baseline after this share of the run
@@ -124,7 +124,7 @@ def soak_bench(minutes: float, *, data_parallel_size: int = 1, rate: float = 8.0
     engine_args = list(DEMO_ENGINE_ARGS)
     if data_parallel_size > 1:
         engine_args += ["--data-parallel-size", str(data_parallel_size)]
-    engine = EngineProcess(engine_args, env=demo_engine_env(data_parallel_size))
+    engine = EngineProcess(engine_args, env=engine_env_beside_clients(data_parallel_size))
     say(f"soak: starting the engine ({' '.join(engine_args)})")
     engine.start(timeout_s=300)
     watcher = _Watcher(engine.endpoints["telemetry"])
