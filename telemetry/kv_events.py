@@ -49,7 +49,9 @@ from typing import Any
 import msgpack
 import zmq
 
+from vconsole.engine.config import EngineConfig
 from vconsole.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from vconsole.security.bind_policy import secure_socket_warning
 
 log = logging.getLogger(__name__)
 
@@ -220,3 +222,32 @@ class KVEventPublisher:
         self._pub.close(0)
         if self._replay is not None:
             self._replay.close(0)
+
+
+# --- the engine process's use -------------------------------------------------------------
+
+def kv_event_endpoints(config: EngineConfig) -> dict[str, str]:
+    """The KV event sockets this engine will bind (its rank's ports), for the bind policy."""
+    out = {}
+    for name, ep in (("kv_events", config.kv_events_endpoint),
+                     ("kv_events_replay", config.kv_events_replay_endpoint)):
+        if ep:
+            out[name] = offset_endpoint(ep, config.dp_rank)
+    return out
+
+
+def start_kv_events(ctx: zmq.Context, config: EngineConfig, device: str
+                     ) -> KVEventPublisher | None:
+    """The KV event publisher `--kv-events-endpoint` asks for (None when off). Never CURVE:
+    the routers that read vLLM's format cannot; `check_endpoints` kept it on loopback unless
+    ``--allow-remote-telemetry``."""
+    if not config.kv_events_endpoint:
+        return None
+    publisher = KVEventPublisher(
+        ctx, config.kv_events_endpoint, config.kv_events_replay_endpoint,
+        topic=config.kv_events_topic or "", buffer_steps=config.kv_events_buffer_steps,
+        dp_rank=config.dp_rank, medium="GPU" if device.startswith("cuda") else "CPU",
+        hwm=config.zmq_sndhwm)
+    for name, ep in kv_event_endpoints(config).items():
+        secure_socket_warning(name, ep)
+    return publisher.start()

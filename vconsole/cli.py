@@ -46,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
         g.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
                        help="publish BlockStored / BlockRemoved / AllBlocksCleared batches on "
                             "this ZeroMQ PUB endpoint (e.g. tcp://127.0.0.1:5557; loopback "
-                            "unless --allow-remote-telemetry or CURVE keys); off by default")
+                            "unless --allow-remote-telemetry; never CURVE, which vLLM-format "
+                            "routers cannot speak); off by default")
         g.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
                        help="ROUTER endpoint replaying past batches from a sequence number")
 

@@ -105,12 +105,11 @@ from vconsole.security.bind_policy import (
     check_endpoints,
     check_metrics_host,
     secure_socket,
-    secure_socket_warning,
 )
 from vconsole.security.control_key import key_path
 from vconsole.security.engine_key import refuse_if_held
 from vconsole.telemetry import control
-from vconsole.telemetry.kv_events import KVEventPublisher, offset_endpoint
+from vconsole.telemetry.kv_events import kv_event_endpoints, start_kv_events
 from vconsole.telemetry.prometheus import MetricsServer, TelemetryCollector
 from vconsole.telemetry.publisher import TelemetryPublisher
 
@@ -147,7 +146,7 @@ class EngineCoreProc:
                  allow_remote_metrics: bool = False,
                  liveness_file: str | os.PathLike[str] | None = None) -> None:
         check_endpoints(endpoints, allow_remote, curve=curve is not None)
-        check_endpoints(_kv_event_endpoints(config), allow_remote)   # never CURVE: see there
+        check_endpoints(kv_event_endpoints(config), allow_remote)   # never CURVE: see there
         if metrics_endpoint is not None:   # (host, port): Prometheus /metrics, port 0 = any
             check_metrics_host(metrics_endpoint[0], allow_remote_metrics)
         self.metrics: MetricsServer | None = None
@@ -212,7 +211,7 @@ class EngineCoreProc:
             undo.append(lambda: self.publisher.close(PUBLISHER_CLOSE_S))
             self.publisher.start()
             self.endpoints["telemetry"] = self.publisher.endpoint
-            self.kv_events = _start_kv_events(self.ctx, core.config, model["device"])
+            self.kv_events = start_kv_events(self.ctx, core.config, model["device"])
             if self.kv_events is not None:
                 core.enable_kv_events()
                 undo.append(self.kv_events.close)
@@ -632,33 +631,6 @@ class EngineCoreProc:
                 self.input_queue.put(Reject(client_id, e.request_id, e.reason))
             else:
                 self.output_queue.put((protocol.ERROR, client_id, e.reason, None, False))
-
-
-def _kv_event_endpoints(config: EngineConfig) -> dict[str, str]:
-    """The KV event sockets this engine will bind (its rank's ports), for the bind policy."""
-    out = {}
-    for name, ep in (("kv_events", config.kv_events_endpoint),
-                     ("kv_events_replay", config.kv_events_replay_endpoint)):
-        if ep:
-            out[name] = offset_endpoint(ep, config.dp_rank)
-    return out
-
-
-def _start_kv_events(ctx: zmq.Context, config: EngineConfig, device: str
-                     ) -> KVEventPublisher | None:
-    """The KV event publisher `--kv-events-endpoint` asks for (None when off). Never CURVE:
-    the routers that read vLLM's format cannot; `check_endpoints` kept it on loopback unless
-    ``--allow-remote-telemetry``."""
-    if not config.kv_events_endpoint:
-        return None
-    publisher = KVEventPublisher(
-        ctx, config.kv_events_endpoint, config.kv_events_replay_endpoint,
-        topic=config.kv_events_topic or "", buffer_steps=config.kv_events_buffer_steps,
-        dp_rank=config.dp_rank, medium="GPU" if device.startswith("cuda") else "CPU",
-        hwm=config.zmq_sndhwm)
-    for name, ep in _kv_event_endpoints(config).items():
-        secure_socket_warning(name, ep)
-    return publisher.start()
 
 
 def _role(config: EngineConfig) -> tuple[EngineConfig, ProcessRole]:
