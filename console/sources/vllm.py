@@ -20,7 +20,7 @@ from typing import Any
 
 from vconsole.console.source import Source
 from vconsole.console.sources.kv_events import KVEventFeed
-from vconsole.console.sources.vllm_metrics import VllmTranslator
+from vconsole.console.sources.vllm_metrics import WINDOW_S, VllmTranslator
 from vconsole.console.state import ConsoleState
 from vconsole.telemetry.schema import decode
 
@@ -46,11 +46,12 @@ def metrics_url(url: str) -> str:
 
 class VllmScraper:
     def __init__(self, url: str, *, interval_s: float = SCRAPE_INTERVAL_S,
-                 timeout_s: float = SCRAPE_TIMEOUT_S) -> None:
+                 timeout_s: float = SCRAPE_TIMEOUT_S, window_s: float = WINDOW_S) -> None:
         self.url = metrics_url(url)
         self.timeout_s = timeout_s
         netloc = urllib.parse.urlsplit(self.url).netloc
-        self.translator = VllmTranslator(f"vllm@{netloc}", interval_s=interval_s)
+        self.translator = VllmTranslator(f"vllm@{netloc}", interval_s=interval_s,
+                                         window_s=window_s)
         self.scrapes = 0
         self.failures = 0
 

@@ -18,7 +18,8 @@ a scraper still meets — see `ALIASES`):
 - ``step``: rates between two scrapes (tokens/s, steps/s from ``vllm:iteration_tokens_total``'s
   count, preemptions and finishes in the window) and that histogram, cumulative.
 - ``latency``: the cumulative histograms as scraped, and p50/p90/p99 over the last
-  ``window_s`` estimated from the bucket deltas (as Prometheus's ``histogram_quantile``).
+  ``window_s`` estimated from the bucket deltas (as Prometheus's ``histogram_quantile``);
+  with ``window_s`` 0 (``top --once``), from one scrape's cumulative histograms (since start).
 - ``config``: ``vllm:cache_config_info``'s labels, read-only (vLLM has no runtime config API).
 - ``health``: ``running`` or ``idle`` from the queues (``sleeping`` from
   ``vllm:engine_sleep_state``), steps from the iteration histogram's count.
@@ -348,7 +349,8 @@ class VllmTranslator:
             if h is None:
                 continue
             hists[series] = h.wire()
-            window[series] = window_stats(h, oldest.hist(name) if oldest else None)
+            then = oldest.hist(name) if oldest is not None and self.window_s > 0 else None
+            window[series] = window_stats(h, then)
         fin = s.labelled.get("vllm:request_success", {})
         return {"window_s": self.window_s, "overall": {"histograms": hists, "window": window},
                 "priority": {}, "finished": {k: int(v) for k, v in fin.items()}}

@@ -136,6 +136,8 @@ def test_top_once_json_vllm_prints_each_engine_and_the_aggregate(server):
     assert snap["ranks"]["1"]["sched"]["num_waiting"] == 0
     assert snap["ranks"]["0"]["kv"]["usage"] == pytest.approx(0.4)
     assert snap["aggregate"]["num_running"] == 6 and snap["aggregate"]["num_waiting"] == 3
+    ttft = snap["ranks"]["0"]["latency"]["overall"]["window"]["ttft_s"]    # since start
+    assert ttft["count"] == 10 and 0.04 < ttft["p50"] <= 0.06
     down = subprocess.run([sys.executable, "-m", "vconsole", "top", "--once", "--json",
                            "--vllm", "http://127.0.0.1:9"], capture_output=True, text=True,
                           timeout=120)

@@ -147,9 +147,9 @@ class Watcher(Seen):
 class VllmWatcher(Seen):
     """`Seen` fed by scraping a vLLM server's ``/metrics`` (`vconsole.console.sources.vllm`)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, window_s: float = 60.0) -> None:
         super().__init__()
-        self.scraper = VllmScraper(url)
+        self.scraper = VllmScraper(url, window_s=window_s)
 
     def pump(self) -> None:
         """One scrape; `ScrapeError` when it failed or found no ``vllm:*`` series."""
@@ -165,8 +165,9 @@ class VllmWatcher(Seen):
 
 def snapshot_vllm(url: str, interval_s: float = 1.0) -> dict[str, Any]:
     """``top --once --json --vllm URL``: two scrapes ``interval_s`` apart (the rates need a
-    window), then the same topics and keys as for our own engine. `ScrapeError` on failure."""
-    w = VllmWatcher(url)
+    window), then the same topics and keys as for our own engine; the latency percentiles are
+    over each histogram since the server started (``window_s`` 0). `ScrapeError` on failure."""
+    w = VllmWatcher(url, window_s=0.0)
     w.pump()
     time.sleep(interval_s)
     w.pump()
