@@ -85,18 +85,19 @@ class EngineSample:
     info: dict[str, dict[str, str]] = field(default_factory=dict)         # *_info labels
 
     def get(self, name: str) -> float | None:
-        for alias in ALIASES.get(name, (name,)):
-            v = self.values.get(alias)
-            if v is not None:
-                return v
-        return None
+        return _aliased(self.values, name)
 
     def hist(self, name: str) -> Histogram | None:
-        for alias in ALIASES.get(name, (name,)):
-            h = self.histograms.get(alias)
-            if h is not None:
-                return h
-        return None
+        return _aliased(self.histograms, name)
+
+
+def _aliased(table: dict[str, Any], name: str) -> Any:
+    """``table[name]``, or under the first of its other names (`ALIASES`) that is there."""
+    for alias in ALIASES.get(name, (name,)):
+        found = table.get(alias)
+        if found is not None:
+            return found
+    return None
 
 
 def _finite(v: float) -> float | None:

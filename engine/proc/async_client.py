@@ -136,11 +136,9 @@ class AsyncEngineClient(ClientBase):
     async def _read_loop(self) -> None:
         while True:
             frames = await self._out.recv_multipart(copy=False)
-            try:
-                outs, to_abort = self._handle(frames)
-            except protocol.ProtocolError as e:
-                self.protocol_errors.append(str(e))
+            if (handled := self._handle_or_note(frames)) is None:
                 continue
+            outs, to_abort = handled
             if to_abort:
                 await self.abort(to_abort)
             if self.engine_info:

@@ -238,6 +238,16 @@ class ClientBase:
             self.engine_info = _ready_info(header)
         return [], []
 
+    def _handle_or_note(self, frames: list[Any]
+                        ) -> tuple[list[RequestOutput], list[str]] | None:
+        """`_handle`, or None for frames that break the protocol (kept in ``protocol_errors``;
+        the client reads on)."""
+        try:
+            return self._handle(frames)
+        except protocol.ProtocolError as e:
+            self.protocol_errors.append(str(e))
+            return None
+
     def _fail_unanswered(self, reason: str) -> tuple[list[RequestOutput], list[str]]:
         """The engine dropped one of our messages without naming its request: fail every
         request that could be that one (no output yet), and abort them in case it was not."""
@@ -324,11 +334,9 @@ class EngineClient(ClientBase):
                 self._pending[out.request_id].append(out)
 
     def _route(self, frames: list[Any]) -> None:
-        try:
-            outs, to_abort = self._handle(frames)
-        except protocol.ProtocolError as e:
-            self.protocol_errors.append(str(e))
+        if (handled := self._handle_or_note(frames)) is None:
             return
+        outs, to_abort = handled
         if to_abort:
             self.abort(to_abort)
         self._deliver(outs)
