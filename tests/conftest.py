@@ -1,5 +1,11 @@
 """Shared test set-up: no hub access, ever; control key files in a private temporary folder
-(inherited by every engine process a test starts), never in the user's runtime dir."""
+(inherited by every engine process a test starts), never in the user's runtime dir; and with
+several pytest-xdist workers, the cores split between them.
+
+Why the split: torch's OpenMP threads (one per core by default) spin-wait for each other, and
+beside another busy process they slow down many times over (an engine's 10,000-request test:
+13 s alone, 97 s and more beside the other worker's tests). Each worker, and every engine process
+it starts, gets ``cores // workers`` threads unless ``OMP_NUM_THREADS`` is already set."""
 
 import os
 import tempfile
@@ -8,6 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["VCONSOLE_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="vconsole-test-run-")
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
 
 # --- one engine process for the modules whose tests only read from it ----------------------
