@@ -40,9 +40,7 @@ class ConsoleCommands(Provider):
                     yield (f"Apply advice: {a.change_text()}", partial(self._apply_advice, a),
                            a.title)
         if app.source_actions_allowed():
-            from vconsole.console.sources.vllm_actions import ACTIONS
-
-            for action in ACTIONS:
+            for action in getattr(app.source, "actions", ()):
                 yield (f"vLLM: {action.title}", partial(app.run_source_action, action.key),
                        f"POST {action.path} (asks for confirmation)")
         if len(app.state.engines) > 1:

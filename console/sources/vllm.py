@@ -20,6 +20,8 @@ from typing import Any
 
 from vconsole.console.source import Source
 from vconsole.console.sources.kv_events import KVEventFeed
+from vconsole.console.sources.vllm_actions import probe as probe_actions
+from vconsole.console.sources.vllm_actions import server_root
 from vconsole.console.sources.vllm_metrics import WINDOW_S, VllmTranslator
 from vconsole.console.state import ConsoleState
 from vconsole.telemetry.schema import decode
@@ -105,6 +107,7 @@ class VllmSource(Source):
         self.kv_events = kv_events
         self.kv_events_replay = kv_events_replay
         self.feed: KVEventFeed | None = None
+        self.actions: tuple[Any, ...] = ()   # the routes the server answers (`vllm_actions`)
 
     def _follow_kv_events(self, batch: list[Any]) -> None:
         """Once the first scrape named the ranks: subscribe to each one's KV events."""
@@ -122,11 +125,12 @@ class VllmSource(Source):
         return self.scraper.url
 
     def _run(self, state: ConsoleState) -> None:
-        probe = None
+        gpu = None
         if self.local_gpu:
             from vconsole.telemetry.gpu import GpuProbe
 
-            probe = GpuProbe()     # no NVIDIA driver: an "unavailable" reading, shown as such
+            gpu = GpuProbe()     # no NVIDIA driver: an "unavailable" reading, shown as such
+        self.actions = probe_actions(server_root(self.scraper.url))
         while not self._stop.is_set():
             now = self.now()
             try:
@@ -140,8 +144,8 @@ class VllmSource(Source):
                 except (ValueError, OSError) as e:   # an endpoint it cannot use: say so
                     state.note_error(f"KV events not followed: {e}")
                     self.kv_events = None
-            if batch and probe is not None:
-                batch += self.scraper.translator.local("gpu", probe.read(), now)
+            if batch and gpu is not None:
+                batch += self.scraper.translator.local("gpu", gpu.read(), now)
             if batch:
                 for frames in batch:
                     self._tee(now, frames)

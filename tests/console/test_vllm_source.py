@@ -183,6 +183,10 @@ async def test_vllm_actions_are_confirmed_posted_and_a_missing_route_is_explaine
     metrics.dev_mode = True
     app = VConsoleApp(source=VllmSource(url, interval_s=0.2, local_gpu=False))
     async with app.run_test(size=(100, 30)) as pilot:
+        for _ in range(100):                          # the source probed the routes, scraped
+            await pilot.pause(0.1)
+            if app.state.engine_list():
+                break
         titles = [t for t, _, _ in ConsoleCommands(app.screen)._commands()]
         assert "vLLM: Reset the prefix cache" in titles and "vLLM: Wake the engine up" in titles
         assert not any(t.startswith("Edit config") for t in titles)   # no config API
@@ -222,3 +226,19 @@ async def test_a_readonly_console_offers_no_vllm_action(server):
         app.run_source_action("reset_prefix_cache", confirmed=True)
         await pilot.pause(0.5)
         assert metrics.posts == []
+
+
+async def test_without_dev_mode_only_the_profiler_actions_are_offered(server):
+    from vconsole.console.app import VConsoleApp
+    from vconsole.console.palette import ConsoleCommands
+
+    metrics, url = server                              # dev_mode off: /is_sleeping is a 404
+    app = VConsoleApp(source=VllmSource(url, interval_s=0.2, local_gpu=False))
+    async with app.run_test(size=(80, 24)) as pilot:
+        for _ in range(100):
+            await pilot.pause(0.1)
+            if app.state.engine_list():
+                break
+        titles = {t for t, _, _ in ConsoleCommands(app.screen)._commands()
+                  if t.startswith("vLLM:")}
+        assert titles == {"vLLM: Start the profiler", "vLLM: Stop the profiler"}

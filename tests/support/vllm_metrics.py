@@ -6,8 +6,8 @@ types, help strings, the ``model_name``/``engine`` labels, ``reason``/``sleep_st
 ``finished_reason`` labels, ``vllm:cache_config_info`` labelled by ``engine`` without
 ``model_name``, and the histogram buckets), one labelled child per engine, and serves
 ``generate_latest`` over HTTP on 127.0.0.1 (with ``dev_mode``, also the dev routes
-``POST /reset_prefix_cache``, ``/sleep``, ``/wake_up``, as ``VLLM_SERVER_DEV_MODE=1``; no profiler
-routes). ``legacy=True`` uses the older names a scraper
+``POST /reset_prefix_cache``, ``/sleep``, ``/wake_up`` and ``GET /is_sleeping``, as
+``VLLM_SERVER_DEV_MODE=1``; no profiler routes). ``legacy=True`` uses the older names a scraper
 still meets (``vllm:gpu_cache_usage_perc``, ``vllm:gpu_prefix_cache_*``,
 ``vllm:time_per_output_token_seconds``) and leaves out the newer series.
 """
@@ -136,10 +136,14 @@ class VllmMetrics:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                if self.path.split("?")[0] != "/metrics":
+                route = self.path.split("?")[0]
+                if route == "/is_sleeping" and metrics.dev_mode:
+                    body = b'{"is_sleeping": false}'
+                elif route == "/metrics":
+                    body = metrics.text().encode()
+                else:
                     self.send_error(404)
                     return
-                body = metrics.text().encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
