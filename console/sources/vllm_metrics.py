@@ -333,8 +333,9 @@ class VllmTranslator:
         return {
             "num_blocks": blocks, "block_size": _int(_num(cache.get("block_size"))),
             "num_free": blocks - used if used is not None and blocks else None,
-            "num_used": used, "num_cached": events["cached_blocks"] if events else None,
-            "num_shared": None, "usage": usage,
+            # num_cached stays unknown: ours counts free blocks holding a prefix, the KV events'
+            # set (``prefix_cache``) holds every block with a hash, in use or not.
+            "num_used": used, "num_cached": None, "num_shared": None, "usage": usage,
             "token_usage": None, "fragmentation": None,
             "prefix_queries": _int(queries), "prefix_hits": _int(hits),
             "prefix_hit_rate": hits / queries if queries and hits is not None else 0.0,
