@@ -76,6 +76,7 @@ class _Engine:
         self.pub.start()
         self.endpoint = self.pub.endpoint
         self.steps = 0
+        self.sent_rows: list[int] = []     # rows of each request table submitted, in order
 
     def step(self) -> None:
         t0 = time.monotonic_ns()
@@ -89,8 +90,9 @@ class _Engine:
                                        num_decode_tokens=256, num_reqs=256))
         if self.pub.snapshot_due():
             sched = self.bench.sched
-            self.pub.submit_snapshot(sched.stats(self.max_rows), sched.kv_stats(), "running",
-                                     self.steps)
+            stats = sched.stats(self.max_rows)
+            self.sent_rows.append(len(stats.requests))
+            self.pub.submit_snapshot(stats, sched.kv_stats(), "running", self.steps)
 
     def run(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -167,6 +169,10 @@ def console_bench(num_requests: int = 10_000, seconds: float = 4.0,
     sort_ms = report["sort_filter_ms"]
     return {
         "benchmark": "console", "num_requests": num_requests, "rows": report["rows"],
+        # The tables the engine side sent last: the console's ``rows`` is one of them (the
+        # scheduler's cached waiting rows lag admissions by up to a second, so fewer than
+        # ``num_requests`` is the engine's table, not rows the console lost).
+        "engine_rows_last": eng.sent_rows[-5:],
         "snapshots": len(screen), "refresh_hz": REFRESH_HZ,
         "p50_ms": _round(_percentile(screen, 50)), "p99_ms": _round(p99),
         "model_p50_ms": _round(_percentile(model, 50)),

@@ -81,7 +81,8 @@ def _load_hf(model_dir: str):
     return model
 
 
-def run_static_generate(model: Any, wl: Workload, batch_size: int = 16) -> dict[str, Any]:
+def run_static_generate(model: Any, wl: Workload, batch_size: int = 16,
+                        device: str = "cpu") -> dict[str, Any]:
     pad = model.generation_config.pad_token_id or 0
     t0 = time.perf_counter()
     computed = 0
@@ -90,8 +91,9 @@ def run_static_generate(model: Any, wl: Workload, batch_size: int = 16) -> dict[
             batch = wl.prompts[start:start + batch_size]
             lens = wl.output_lens[start:start + batch_size]
             width = max(len(p) for p in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                                device=device)
             n = max(lens)
             model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
                            min_new_tokens=n, pad_token_id=pad)
