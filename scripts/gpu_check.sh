@@ -3,6 +3,7 @@
 #
 #   here:  bash scripts/gpu_check.sh --fetch   # wheels the GPU image lacks, into .whl/ (once)
 #   there: bash scripts/gpu_check.sh           # with .whl carried; writes $OUT/gpu_check.json
+#          (the device tool: run(carry=[".whl"], command="bash scripts/gpu_check.sh"))
 #
 # The GPU image's python3 has torch (CUDA), transformers, prometheus-client, psutil, msgpack,
 # jinja2 and nvidia-ml-py; the wheels add what vconsole needs beside them. The project installs
@@ -11,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="pyzmq textual fastapi starlette uvicorn pydantic pydantic-core annotated-types
 typing-inspection openai distro jiter sniffio anyio h11 httpx httpcore platformdirs
-textual-plotext plotext"
+textual-plotext plotext mdit-py-plugins linkify-it-py uc-micro-py"
 if [[ "${1:-}" == "--fetch" ]]; then
     mkdir -p .whl
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
