@@ -16,7 +16,8 @@ need any of it, so every such call goes through `TelemetryGuard.run`:
 
 What is guarded is named by *part*: ``sched`` (request rows and queue figures), ``kv`` (fill
 counters, block map), ``latency`` (observations and snapshots), ``step`` (step records, the
-stats line), ``dp`` (a data-parallel rank's figures). Only `Exception` is caught: a
+stats line), ``dp`` (a data-parallel rank's figures), ``kv_events`` (handing the KV cache events
+to their publisher; nothing to rebuild). Only `Exception` is caught: a
 KeyboardInterrupt or SystemExit still ends the process.
 
 Invariant: `run` never raises an `Exception` (a failing ``rebuild`` or ``on_failure`` is
