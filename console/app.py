@@ -484,10 +484,10 @@ class VConsoleApp(App[None]):
 
     @work(thread=True, group="source-action")
     def _source_action(self, key: str) -> None:
-        from vconsole.console.sources.vllm_actions import ActionError, run_action, server_root
+        from vconsole.console.sources.vllm_actions import ActionError
 
         try:
-            text, severity = run_action(server_root(self.source.describe()), key), "information"
+            text, severity = self.source.run_action(key), "information"  # type: ignore[attr-defined]
         except ActionError as e:
             text, severity = str(e), "error"
         self.call_from_thread(self.notify, text, title="vLLM", severity=severity)

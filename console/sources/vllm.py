@@ -21,7 +21,7 @@ from typing import Any
 from vconsole.console.source import Source
 from vconsole.console.sources.kv_events import KVEventFeed
 from vconsole.console.sources.vllm_actions import probe as probe_actions
-from vconsole.console.sources.vllm_actions import server_root
+from vconsole.console.sources.vllm_actions import run_action
 from vconsole.console.sources.vllm_metrics import WINDOW_S, VllmTranslator
 from vconsole.console.state import ConsoleState
 from vconsole.telemetry.schema import decode
@@ -51,7 +51,9 @@ class VllmScraper:
                  timeout_s: float = SCRAPE_TIMEOUT_S, window_s: float = WINDOW_S) -> None:
         self.url = metrics_url(url)
         self.timeout_s = timeout_s
-        netloc = urllib.parse.urlsplit(self.url).netloc
+        parts = urllib.parse.urlsplit(self.url)
+        self.root = f"{parts.scheme}://{parts.netloc}"     # where vLLM's action routes are
+        netloc = parts.netloc
         self.translator = VllmTranslator(f"vllm@{netloc}", interval_s=interval_s,
                                          window_s=window_s)
         self.scrapes = 0
@@ -116,6 +118,10 @@ class VllmSource(Source):
                                 replay_endpoint=self.kv_events_replay).start()
         self.scraper.translator.prefix_cache = self.feed.summary
 
+    def run_action(self, key: str) -> str:
+        """POST one of the server's action routes (`vllm_actions.run_action`); blocking."""
+        return run_action(self.scraper.root, key)
+
     def stop(self, timeout: float = 2.0) -> None:
         super().stop(timeout)
         if self.feed is not None:
@@ -130,7 +136,7 @@ class VllmSource(Source):
             from vconsole.telemetry.gpu import GpuProbe
 
             gpu = GpuProbe()     # no NVIDIA driver: an "unavailable" reading, shown as such
-        self.actions = probe_actions(server_root(self.scraper.url))
+        self.actions = probe_actions(self.scraper.root)
         while not self._stop.is_set():
             now = self.now()
             try:

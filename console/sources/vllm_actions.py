@@ -13,7 +13,6 @@ confirmation box, never on ``--readonly``.
 from __future__ import annotations
 
 import urllib.error
-import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
@@ -55,12 +54,6 @@ BY_KEY = {a.key: a for a in ACTIONS}
 
 class ActionError(RuntimeError):
     """The server refused or did not answer; the message says what and how to enable it."""
-
-
-def server_root(url: str) -> str:
-    """``http://host:8000/metrics`` → ``http://host:8000``."""
-    parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
 
 
 def probe(root: str, timeout_s: float = 5.0) -> tuple[VllmAction, ...]:

@@ -215,9 +215,6 @@ class EngineCoreProc:
             if self.kv_events is not None:
                 core.enable_kv_events()
                 undo.append(self.kv_events.close)
-                self.endpoints["kv_events"] = self.kv_events.endpoint
-                if self.kv_events.replay_endpoint:
-                    self.endpoints["kv_events_replay"] = self.kv_events.replay_endpoint
             self.guard = core.telemetry_guard   # observability never stops serving
             self.guard.on_failure = self.publisher.report_error
             if metrics_endpoint is not None:  # figures = what the publisher last sent
