@@ -6,6 +6,7 @@ Three ways to feed the console:
     .venv/bin/python scripts/screenshots.py --attach --telemetry EP --control EP
     .venv/bin/python scripts/screenshots.py --replay tests/data/synthetic.vrec
     .venv/bin/python scripts/screenshots.py --dp             # data parallel, synthetic only
+    .venv/bin/python scripts/screenshots.py --vllm           # watching a vLLM server
 
 The first starts what `vconsole demo` starts (`vconsole.tools.demo.DemoStack`: an engine process with
 the tiny model on free loopback ports and a bursty load), waits until every panel has data,
@@ -18,6 +19,10 @@ console for ``overview-replay.svg`` and ``trends-replay.svg``: the same screens 
 ranks on one endpoint (tests/support/synthetic_dp.py `showcase`: light load, waves, then a burst
 on rank 0 alone; of the 8, rank 5 dies halfway): ``ranks-2-80x24.svg``, ``ranks-8-80x24.svg`` (the Ranks screen) and
 ``overview-dp-80x24.svg`` (the Overview of the 2 ranks). The other pictures are left as they are.
+
+``--vllm`` takes the pictures of a console watching a vLLM server with two engines: a server on
+loopback whose ``/metrics`` are built as vLLM builds them (tests/support/vllm_metrics.py), under
+steady load: ``overview-vllm-80x24.svg``, ``kv-vllm-80x24.svg``, ``ranks-vllm-80x24.svg``.
 """
 
 from __future__ import annotations
@@ -160,6 +165,49 @@ async def shoot_dp(out: Path) -> list[str]:
     return saved
 
 
+async def shoot_vllm(out: Path) -> list[str]:
+    """A console on a vLLM-shaped /metrics of two engines, after ten seconds of load."""
+    import random
+    import threading
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.vllm_metrics import VllmMetrics
+    from vconsole.console.sources.vllm import VllmSource
+
+    metrics = VllmMetrics(engines=2)
+    url = metrics.serve()
+    stop = threading.Event()
+
+    def load() -> None:
+        rng = random.Random(1)
+        while not stop.wait(0.25):
+            for e, scale in (("0", 1.0), ("1", 0.6)):
+                metrics.step(e, running=int(24 * scale) + rng.randrange(4),
+                             waiting=rng.randrange(int(12 * scale) + 1),
+                             usage=0.55 * scale + rng.random() * 0.1,
+                             prompt=int(900 * scale), generation=int(300 * scale),
+                             finished=rng.randrange(3, 6), steps=30,
+                             ttft=0.04 + rng.random() * 0.2, itl=0.015 + rng.random() * 0.02)
+    feeder = threading.Thread(target=load, daemon=True)
+    feeder.start()
+    saved = []
+    try:
+        app = VConsoleApp(source=VllmSource(url, interval_s=0.5, local_gpu=False))
+        async with app.run_test(size=SIZES[1]) as pilot:
+            await pilot.pause(10.0)
+            for mode, name in (("overview", "overview-vllm"), ("kv", "kv-vllm"),
+                               ("dp", "ranks-vllm")):
+                app.action_show(mode)
+                await pilot.pause(0.5)
+                app.refresh_view(force=True)
+                await pilot.pause()
+                saved.append(app.save_screenshot(f"{name}-80x24.svg", str(out)))
+    finally:
+        stop.set()
+        metrics.close()
+    return saved
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group()
@@ -168,6 +216,8 @@ def main() -> int:
     g.add_argument("--attach", action="store_true", help="attach to a running engine")
     g.add_argument("--dp", action="store_true",
                    help="only the data-parallel pictures, from synthetic 2- and 8-rank streams")
+    g.add_argument("--vllm", action="store_true",
+                   help="only the pictures of a console watching a vLLM server")
     p.add_argument("--telemetry", default="tcp://127.0.0.1:5572")
     p.add_argument("--control", default="tcp://127.0.0.1:5573")
     p.add_argument("--rate", type=float, default=10.0, help="load: mean requests per second")
@@ -180,6 +230,8 @@ def main() -> int:
 
     if args.dp:
         saved = asyncio.run(shoot_dp(out))
+    elif args.vllm:
+        saved = asyncio.run(shoot_vllm(out))
     elif args.replay:
         saved = asyncio.run(shoot(lambda: VConsoleApp(source=ReplaySource(args.replay, speed=0)),
                                   out, 0.0, 5.0))
