@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
@@ -20,8 +20,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         curve = client_curve(args)
     except CurveKeyError as e:
-        print(f"vconsole attach: {e}", file=sys.stderr)
-        return 2
+        return fail("attach", e, 2)
     endpoints = [getattr(args, "telemetry", None) or DEFAULT_TELEMETRY,
                  *(getattr(args, "extra_telemetry", None) or [])]
     control = getattr(args, "control", None) or DEFAULT_CONTROL
@@ -45,8 +44,7 @@ def _attach_vllm(args: argparse.Namespace) -> int:
         source = VllmSource(args.vllm, kv_events=getattr(args, "kv_events", None),
                             kv_events_replay=getattr(args, "kv_events_replay", None))
     except ValueError as e:
-        print(f"vconsole attach: --vllm: {e}", file=sys.stderr)
-        return 2
+        return fail("attach", f"--vllm: {e}", 2)
     VConsoleApp(source=source, readonly=bool(getattr(args, "readonly", False))).run()
     return 0
 
@@ -62,8 +60,7 @@ def main_replay(args: argparse.Namespace) -> int:
         with open(path, "rb") as fh:
             read_header(fh)
     except (OSError, RecordFormatError) as e:
-        print(f"vconsole replay: {e}", file=sys.stderr)
-        return 2
+        return fail("replay", e, 2)
     speed = float(getattr(args, "speed", 1.0) or 1.0)
     app = VConsoleApp(source=ReplaySource(path, speed=speed))
     app.run()

@@ -15,6 +15,7 @@ import json
 import sys
 from typing import Any
 
+from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
 from vconsole.security import control_key, key_owner
 from vconsole.security.curve import CurveKeyError
@@ -118,11 +119,6 @@ def _print_ranks(reply: dict[str, Any]) -> None:
         print(f"rank {rank}  {state} (config version {ack.get('version')})")
 
 
-def _fail(cmd: str, e: Exception | str) -> int:
-    print(f"vconsole {cmd}: {e}", file=sys.stderr)
-    return 1
-
-
 def _show(value: Any) -> str:
     if value is None:
         return "(unset)"
@@ -133,17 +129,15 @@ def main_set(args: argparse.Namespace) -> int:
     try:
         values = parse_pairs(args.pairs)
     except ValueError as e:
-        print(f"vconsole set: {e}", file=sys.stderr)
-        return 2
+        return fail("set", e, 2)
     try:
         key = _read_key(args)
         with _client(args, key) as client:
             reply = _request(client, "set_config", values, getattr(args, "rank", None))
     except CurveKeyError as e:
-        print(f"vconsole set: {e}", file=sys.stderr)
-        return 2
+        return fail("set", e, 2)
     except (TimeoutError, ControlError) as e:
-        return _fail("set", e)
+        return fail("set", e)
     applied, rejected = reply.get("applied", {}), reply.get("rejected", {})
     restart = reply.get("restart_required", [])
     for key, value in applied.items():
@@ -171,22 +165,20 @@ def main_get(args: argparse.Namespace) -> int:
         with _client(args, key) as client:
             reply = _request(client, "get_config", None, getattr(args, "rank", None))
     except CurveKeyError as e:
-        print(f"vconsole get: {e}", file=sys.stderr)
-        return 2
+        return fail("get", e, 2)
     except TimeoutError as e:
         found = key_owner.status(path, key) if key else None
         gone = (f"; the control key file {path} was left by {found.describe()}"
                 if found is not None and found.state == key_owner.GONE else "")
-        return _fail("get", f"{e}{gone}")
+        return fail("get", f"{e}{gone}")
     except ControlError as e:
-        return _fail("get", e)
+        return fail("get", e)
     values: dict[str, Any] = reply.get("values", {})
     hot = {row["key"]: row["hot"] for row in reply.get("schema", [])}
     keys = [k.replace("-", "_") for k in (args.keys or [])] or list(values)
     unknown = [k for k in keys if k not in values]
     if unknown:
-        print(f"vconsole get: unknown key(s): {', '.join(unknown)}", file=sys.stderr)
-        return 1
+        return fail("get", f"unknown key(s): {', '.join(unknown)}")
     if args.json:
         print(json.dumps({"version": reply.get("version"),
                           "values": {k: values[k] for k in keys}}, indent=2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vconsole.commands import fail
 from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.tools.demo import DEMO_ENGINE_DEFAULTS, DemoStack
 
@@ -35,8 +36,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         stack.start()
     except RuntimeError as e:
-        print(f"vconsole demo: {e}", file=sys.stderr)
-        return 1
+        return fail("demo", e)
     try:
         from vconsole.console.app import VConsoleApp
         app = VConsoleApp(telemetry_endpoints=[stack.endpoints["telemetry"]],

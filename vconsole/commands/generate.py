@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from vconsole.commands import fail
 from vconsole.engine.config import ConfigError, config_from_args
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import run_batch
@@ -37,21 +38,18 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ConfigError as e:
-        print(f"vconsole generate: bad config: {e}", file=sys.stderr)
-        return 2
+        return fail("generate", f"bad config: {e}", 2)
     try:
         with open(args.input, encoding="utf-8") as fh:
             lines = fh.read().splitlines()
         while lines and not lines[-1].strip():
             lines.pop()  # trailing blank lines are not requests; inner ones keep their index
     except OSError as e:
-        print(f"vconsole generate: cannot read {args.input}: {e.strerror}", file=sys.stderr)
-        return 2
+        return fail("generate", f"cannot read {args.input}: {e.strerror}", 2)
     try:
         core = EngineCore(config)
     except (ValueError, OSError) as e:  # the model or the KV pool: the loader says why
-        print(f"vconsole generate: cannot start: {e}", file=sys.stderr)
-        return 1
+        return fail("generate", f"cannot start: {e}")
     requests = [parse_line(core, i, ln) for i, ln in enumerate(lines)]
     result = run_batch(core, requests, on_progress=_Progress(not args.no_progress))
     with open(args.output, "w", encoding="utf-8") as fh:

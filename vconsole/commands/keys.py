@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
+from vconsole.commands import fail
 from vconsole.security.curve import CurveKeyError, make_keys
 
 
@@ -12,8 +12,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         keys = make_keys(args.dir, getattr(args, "client", None) or "client")
     except (CurveKeyError, OSError) as e:
-        print(f"vconsole keys: {e}", file=sys.stderr)
-        return 2
+        return fail("keys", e, 2)
     made = "made" if keys.server_created else "kept"
     print(f"server key pair ({made}): {keys.server_secret} (secret, 0600), "
           f"{keys.server_public} (public)")

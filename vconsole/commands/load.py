@@ -10,6 +10,7 @@ import sys
 import threading
 from typing import Any
 
+from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
 from vconsole.engine.proc.async_client import AsyncEngineClient
 from vconsole.tools.loadgen import (
@@ -39,8 +40,7 @@ def main(args: argparse.Namespace) -> int:
         spec = spec_from_args(args)
         curve = client_curve(args)
     except ValueError as e:     # CurveKeyError too
-        print(f"vconsole load: {e}", file=sys.stderr)
-        return 2
+        return fail("load", e, 2)
     tty = sys.stderr.isatty() and not args.json
     stop = threading.Event()
 
@@ -68,8 +68,7 @@ def main(args: argparse.Namespace) -> int:
         run = asyncio.run(go())
     except (TimeoutError, OSError, ValueError) as e:   # OSError: HttpError, no server there
         where = f"{args.api_url}: " if args.api_url else ""
-        print(f"vconsole load: {where}{e}", file=sys.stderr)
-        return 1
+        return fail("load", f"{where}{e}")
     if tty:
         sys.stderr.write("\n")
     summary = run.summary()

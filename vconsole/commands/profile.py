@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from vconsole.commands import fail
 from vconsole.commands.control import _endpoint, _read_key
 from vconsole.commands.curve_args import client_curve
 from vconsole.security.curve import CurveKeyError
@@ -27,11 +28,6 @@ from vconsole.telemetry.control import PROFILE_MAX_STEPS, ControlClient, Control
 REQUEST_TIMEOUT_S = 10.0   # one control round trip (profile_start waits for a step boundary)
 POLL_S = 0.2
 IDLE_HINT_S = 3.0          # no step for this long: say why the profile does not move
-
-
-def _fail(e: Exception | str) -> int:
-    print(f"vconsole profile: {e}", file=sys.stderr)
-    return 1
 
 
 def main(args: argparse.Namespace) -> int:
@@ -44,24 +40,23 @@ def main(args: argparse.Namespace) -> int:
         client = ControlClient(_endpoint(args), timeout_s=REQUEST_TIMEOUT_S, key=key,
                                curve=client_curve(args))
     except CurveKeyError as e:
-        print(f"vconsole profile: {e}", file=sys.stderr)
-        return 2
+        return fail("profile", e, 2)
     except ControlError as e:
-        return _fail(e)
+        return fail("profile", e)
     with client:
         try:
             status = client.profile_start(args.steps)
         except (TimeoutError, ControlError) as e:
-            return _fail(e)
+            return fail("profile", e)
         try:
             status = _wait(client, status, args.timeout, sys.stderr)
         except KeyboardInterrupt:
             _cancel(client, status["id"], "interrupted")
             raise
         except (TimeoutError, ControlError) as e:
-            return _fail(e)
+            return fail("profile", e)
     if status["state"] != "done":
-        return _fail(f"profile {status['id']} {status['state']}: {status.get('error')}")
+        return fail("profile", f"profile {status['id']} {status['state']}: {status.get('error')}")
     result = status["result"]
     if args.json:
         print(json.dumps(result, indent=2))

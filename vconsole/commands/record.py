@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULT_TELEMETRY
@@ -21,8 +22,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         curve = client_curve(args)
     except CurveKeyError as e:
-        print(f"vconsole record: {e}", file=sys.stderr)
-        return 2
+        return fail("record", e, 2)
     print(f"recording {endpoint} to {args.file}"
           + (f" for {duration:g} s" if duration else " until Ctrl-C"), file=sys.stderr)
     counts = record_stream(endpoint, args.file, duration, curve=curve)
@@ -41,8 +41,7 @@ def _record_vllm(args: argparse.Namespace) -> int:
     try:
         scraper = VllmScraper(args.vllm)
     except ValueError as e:
-        print(f"vconsole record: --vllm: {e}", file=sys.stderr)
-        return 2
+        return fail("record", f"--vllm: {e}", 2)
     duration = getattr(args, "duration", None)
     print(f"recording {scraper.url} to {args.file}"
           + (f" for {duration:g} s" if duration else " until Ctrl-C"), file=sys.stderr)

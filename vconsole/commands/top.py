@@ -10,6 +10,7 @@ from typing import Any
 
 import zmq
 
+from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
 from vconsole.console.sources.vllm import ScrapeError
 from vconsole.security.curve import CurveKeyError
@@ -34,8 +35,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         curve = client_curve(args)
     except CurveKeyError as e:
-        print(f"vconsole top: {e}", file=sys.stderr)
-        return 2
+        return fail("top", e, 2)
     if getattr(args, "once", False):
         snap, missing = snapshot_once(telemetry, control, timeout, curve=curve)
         if missing:
@@ -77,11 +77,9 @@ def _main_vllm(args: argparse.Namespace) -> int:
                 print(f"vconsole top: {e}", file=sys.stderr, flush=True)
             time.sleep(w.scraper.translator.interval_s)
     except ScrapeError as e:
-        print(f"vconsole top: {e}", file=sys.stderr)
-        return 1
+        return fail("top", e)
     except ValueError as e:
-        print(f"vconsole top: --vllm: {e}", file=sys.stderr)
-        return 2
+        return fail("top", f"--vllm: {e}", 2)
     except KeyboardInterrupt:
         return 0
 

@@ -2,8 +2,8 @@
 
 ZeroMQ sockets are not thread-safe, so the data-parallel front end and the telemetry proxy each
 keep theirs on one thread; the launcher's threads reach it through an inproc PUSH/PULL pair. The
-owning thread polls `inbox` with its other sockets and reads each command with `recv` (a tuple
-whose first item names it). Sending after `close_sender` is a no-op: a late ``rank_down`` after
+owning thread waits with `poll`, which returns the commands that arrived (tuples whose first
+item names the command) and its other sockets that are readable. Sending after `close_sender` is a no-op: a late ``rank_down`` after
 shutdown has nothing left to tell.
 """
 
@@ -23,6 +23,8 @@ class CommandChannel:
         self._out: zmq.Socket | None = ctx.socket(zmq.PUSH)
         self._out.connect(addr)
         self._lock = threading.Lock()
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
 
     def send(self, *cmd: Any) -> None:
         """Any thread: queue ``cmd`` for the owning thread (ignored once closed)."""
@@ -30,9 +32,22 @@ class CommandChannel:
             if self._out is not None:
                 self._out.send_pyobj(cmd)
 
-    def recv(self) -> tuple[Any, ...]:
-        """The owning thread: the next command (call when `inbox` polled readable)."""
-        return self.inbox.recv_pyobj()
+    def poll(self, timeout_ms: int) -> tuple[list[tuple[Any, ...]], list[zmq.Socket]]:
+        """The owning thread: wait up to ``timeout_ms`` on `poller` (the inbox and whatever
+        sockets the owner registered there); the commands queued, in order, and the owner's
+        sockets that are readable."""
+        commands: list[tuple[Any, ...]] = []
+        ready: list[zmq.Socket] = []
+        for sock, _ in self.poller.poll(timeout_ms):
+            if sock is not self.inbox:
+                ready.append(sock)
+                continue
+            while True:
+                try:
+                    commands.append(self.inbox.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        return commands, ready
 
     def close_sender(self) -> None:
         with self._lock:

@@ -138,27 +138,29 @@ class DPFrontEnd:
     # --- the dp-frontend thread --------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._commands.inbox, zmq.POLLIN)
+        poller = self._commands.poller
         poller.register(self._sockets["input"], zmq.POLLIN)
         next_beat = time.monotonic()
         try:
             while True:
-                for sock, _ in poller.poll(POLL_MS):
-                    if sock is self._commands.inbox:
-                        cmd = self._commands.recv()
-                        if cmd[0] == "close":
-                            self._fail_all("the data-parallel front end stopped")
-                            return
-                        if cmd[0] == "up":
-                            self._connect(poller, cmd[1], cmd[2])
-                        else:
-                            self._on_rank_down(poller, cmd[1], cmd[2])
-                    elif sock is self._sockets["input"]:
+                commands, ready = self._commands.poll(POLL_MS)
+                for cmd in commands:
+                    if cmd[0] == "close":
+                        self._fail_all("the data-parallel front end stopped")
+                        return
+                    if cmd[0] == "up":
+                        self._connect(poller, cmd[1], cmd[2])
+                    else:
+                        self._on_rank_down(poller, cmd[1], cmd[2])
+                for sock in ready:
+                    if sock is self._sockets["input"]:
                         for frames in drain(sock):
                             self._on_client(frames)
                     else:
-                        link = next(lk for lk in self.links.values() if lk.output is sock)
+                        # None: a command just above dropped this rank's link.
+                        link = next((lk for lk in self.links.values() if lk.output is sock), None)
+                        if link is None:
+                            continue
                         for frames in drain(sock):
                             self._on_rank(link, frames)
                 now = time.monotonic()

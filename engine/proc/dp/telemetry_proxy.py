@@ -98,23 +98,23 @@ class TelemetryProxy:
 
     def _run(self) -> None:
         subs: dict[int, tuple[str, zmq.Socket]] = {}
-        poller = zmq.Poller()
-        poller.register(self._commands.inbox, zmq.POLLIN)
+        poller = self._commands.poller
         next_beat = 0.0
         try:
             while True:
-                for sock, _ in poller.poll(POLL_MS):
-                    if sock is self._commands.inbox:
-                        cmd = self._commands.recv()
-                        if cmd[0] == "close":
-                            return
-                        if cmd[0] == "connect":
-                            self._connect(poller, subs, cmd[1], cmd[2])
-                        elif cmd[0] == "down":
-                            self._down[cmd[1]] = (cmd[2], cmd[3])
-                            next_beat = 0.0
-                        else:
-                            self._down.pop(cmd[1], None)
+                commands, ready = self._commands.poll(POLL_MS)
+                for cmd in commands:
+                    if cmd[0] == "close":
+                        return
+                    if cmd[0] == "connect":
+                        self._connect(poller, subs, cmd[1], cmd[2])
+                    elif cmd[0] == "down":
+                        self._down[cmd[1]] = (cmd[2], cmd[3])
+                        next_beat = 0.0
+                    else:
+                        self._down.pop(cmd[1], None)
+                for sock in ready:
+                    if sock.closed:  # replaced by a "connect" command just above
                         continue
                     frames = sock.recv_multipart()
                     self._record(frames)
