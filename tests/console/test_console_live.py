@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import zmq
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
@@ -33,6 +32,7 @@ from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.security import engine_key
 from vconsole.telemetry import schema
 from vconsole.telemetry.control import ControlClient
+from vconsole.telemetry.listener import TelemetryListener
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
@@ -99,32 +99,19 @@ class Telemetry:
     def __init__(self, endpoint: str) -> None:
         self.latest: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(endpoint,), daemon=True)
-        self._thread.start()
+        self._listener = TelemetryListener(endpoint, self._on_message)
 
-    def _run(self, endpoint: str) -> None:
-        sock = zmq.Context.instance().socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        try:
-            while not self._stop.is_set():
-                if sock.poll(50):
-                    msg = schema.decode(sock.recv_multipart(copy=False))
-                    payload = {k: v for k, v in msg.payload.items() if k != "block_states"}
-                    with self.lock:
-                        self.latest[msg.topic] = payload
-        finally:
-            sock.close(0)
+    def _on_message(self, msg: schema.TelemetryMessage) -> None:
+        payload = {k: v for k, v in msg.payload.items() if k != "block_states"}
+        with self.lock:
+            self.latest[msg.topic] = payload
 
     def get(self, topic: str) -> dict[str, Any]:
         with self.lock:
             return dict(self.latest.get(topic) or {})
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+        self._listener.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import zmq
 
 from vconsole.telemetry import schema
+from vconsole.telemetry.listener import TelemetryListener
 
 ENDPOINT_NAMES = ("input", "output", "telemetry", "control")
 
@@ -32,24 +32,14 @@ class Telemetry:
     def __init__(self, endpoint: str) -> None:
         self.messages: list[tuple[float, str, dict[str, Any]]] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(endpoint,), daemon=True)
-        self._thread.start()
+        self._listener = TelemetryListener(endpoint, self._on_message)
 
-    def _run(self, endpoint: str) -> None:
-        sock = zmq.Context.instance().socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(endpoint)
-        while not self._stop.is_set():
-            if sock.poll(50):
-                msg = schema.decode(sock.recv_multipart())
-                payload = dict(msg.payload)
-                if msg.topic == "kv":
-                    payload["block_states"] = msg.block_states().copy()
-                with self._lock:
-                    self.messages.append((time.monotonic(), msg.topic, payload))
-        sock.close(0)
+    def _on_message(self, msg: schema.TelemetryMessage) -> None:
+        payload = dict(msg.payload)
+        if msg.topic == "kv":
+            payload["block_states"] = msg.block_states().copy()
+        with self._lock:
+            self.messages.append((time.monotonic(), msg.topic, payload))
 
     def topic(self, name: str, since: float = 0.0) -> list[dict[str, Any]]:
         with self._lock:
@@ -66,8 +56,7 @@ class Telemetry:
         raise AssertionError(f"no {name} message matched within {timeout_s} s")
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._listener.close(None)
 
 
 class RssSampler:

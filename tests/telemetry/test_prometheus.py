@@ -37,6 +37,7 @@ from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import RULES
 from vconsole.telemetry.bodies import kv_body, sched_body
+from vconsole.telemetry.listener import TelemetryListener
 from vconsole.telemetry.prometheus import MetricsServer, RanksCollector, TelemetryCollector
 from vconsole.telemetry.publisher import ITERATION_TOKENS_BUCKETS, TelemetryPublisher
 
@@ -349,21 +350,11 @@ class Subscriber:
     def __init__(self, endpoint: str) -> None:
         self.messages: list[tuple[str, dict[str, Any]]] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(endpoint,), daemon=True)
-        self._thread.start()
+        self._listener = TelemetryListener(endpoint, self._on_message)
 
-    def _run(self, endpoint: str) -> None:
-        sock = zmq.Context.instance().socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(endpoint)
-        while not self._stop.is_set():
-            if sock.poll(50):
-                msg = schema.decode(sock.recv_multipart())
-                with self._lock:
-                    self.messages.append((msg.topic, msg.payload))
-        sock.close(0)
+    def _on_message(self, msg: schema.TelemetryMessage) -> None:
+        with self._lock:
+            self.messages.append((msg.topic, msg.payload))
 
     def last(self, topic: str) -> dict[str, Any] | None:
         with self._lock:
@@ -381,8 +372,7 @@ class Subscriber:
                              f"(last: {self.last(topic)})")
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._listener.close(None)
 
 
 def without_envelope(body: dict[str, Any]) -> dict[str, Any]:

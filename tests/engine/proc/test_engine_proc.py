@@ -536,7 +536,10 @@ def test_a_client_that_stops_reading_holds_back_no_other_clients_output(tmp_path
                     if gone_at_tokens is None and o.num_output_tokens % 10 == 0 \
                             and "not reading its outputs" in proc.log_text():
                         gone_at_tokens = o.num_output_tokens
-                    if gone_at_tokens is not None and o.num_output_tokens > gone_at_tokens + 100:
+                    # Enough clock for the lags below: 100 tokens past the drop and 40
+                    # heartbeats (with fast steps, 100 tokens take well under a second).
+                    if gone_at_tokens is not None and o.num_output_tokens > gone_at_tokens + 100 \
+                            and len(tel.topic("health", since=arrivals[0][0])) > 40:
                         c.abort([rid])
                         list(stream)
                         break

@@ -28,11 +28,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from vconsole.engine.proc.client import EngineClient
 from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.telemetry import schema
+from vconsole.telemetry.listener import TelemetryListener
 
 ENGINE_ARGS = ["--num-kv-blocks", "256", "--block-size", "16", "--max-num-seqs", "32"]
 COUNTERS = ("steps_total", "dummy_steps_total", "sync_count_total", "sync_s_total")
@@ -59,34 +58,19 @@ class DPCounters:
     def __init__(self, endpoint: str) -> None:
         self.latest: dict[int, dict[str, float]] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(endpoint,), daemon=True)
-        self._thread.start()
+        self._listener = TelemetryListener(endpoint, self._on_message, topics=("dp",))
 
-    def _run(self, endpoint: str) -> None:
-        sock = zmq.Context.instance().socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"dp")
-        sock.connect(endpoint)
-        try:
-            while not self._stop.is_set():
-                if not sock.poll(100):
-                    continue
-                msg = schema.decode(sock.recv_multipart())
-                if msg.topic == "dp":
-                    with self._lock:
-                        self.latest[msg.rank] = {k: float(msg.payload.get(k) or 0.0)
-                                                 for k in COUNTERS}
-        finally:
-            sock.close(0)
+    def _on_message(self, msg: schema.TelemetryMessage) -> None:
+        if msg.topic == "dp":
+            with self._lock:
+                self.latest[msg.rank] = {k: float(msg.payload.get(k) or 0.0) for k in COUNTERS}
 
     def snapshot(self) -> dict[int, dict[str, float]]:
         with self._lock:
             return {r: dict(c) for r, c in self.latest.items()}
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._listener.close(None)
 
 
 def dp_bench(num_requests: int = 32, rounds: int = 3, max_tokens: int = 32,
