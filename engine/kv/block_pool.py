@@ -199,6 +199,19 @@ class BlockPool:
             if self._ref[block_id] > 0:
                 self._tokens_stored += delta
 
+    def set_fills(self, block_ids: Sequence[int], fills: Sequence[int]) -> None:
+        """`set_fill` for each ``(block_ids[i], fills[i])``, in order, in one call (a step's
+        decode writes: one block per request)."""
+        fill, ref = self._fill, self._ref
+        stored = 0
+        for b, num_tokens in zip(block_ids, fills, strict=True):
+            delta = num_tokens - fill[b]
+            if delta:
+                fill[b] = num_tokens
+                if ref[b] > 0:
+                    stored += delta
+        self._tokens_stored += stored
+
     def get_cached_block(self, block_hash: int) -> int | None:
         return self._cached.get(block_hash)
 

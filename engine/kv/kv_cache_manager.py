@@ -17,7 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from vconsole.engine.kv.block_pool import BlockPool, hash_block_tokens
 from vconsole.engine.kv_events import BlockStored, KVEvent
@@ -186,6 +186,33 @@ class KVCacheManager:
             else:
                 self._cache_with_events(request, table, hashes, start, full)
             self._num_registered[rid] = full
+
+    def cache_step(self, requests: Iterable[Request]) -> None:
+        """`cache_blocks` for each of a step's requests, in order (so KV events come out in
+        that order), in one call. The common case — the KV written stays inside one block that
+        does not fill up — only collects (block, fill) for one `BlockPool.set_fills` at the end
+        (no other request of the step can write that block: it is partial, so it is in no other
+        table). Every other request (a block fills, a prefill spans blocks, registration lags
+        after prefix caching came back on) goes through `cache_blocks` at its turn."""
+        tables, written_of, registered = self._tables, self._num_written, self._num_registered
+        B, caching, slow = self.block_size, self.enable_prefix_caching, self.cache_blocks
+        blocks: list[int] = []
+        fills: list[int] = []
+        for req in requests:
+            rid = req.request_id
+            table = tables.get(rid)
+            if table is None:
+                continue
+            computed, written = req.num_computed_tokens, written_of[rid]
+            first = written // B
+            if (written < computed < (first + 1) * B and first < len(table)
+                    and (not caching or registered[rid] >= first)):
+                blocks.append(table[first])
+                fills.append(computed - first * B)
+                written_of[rid] = computed
+            else:
+                slow(req)
+        self.pool.set_fills(blocks, fills)
 
     def _cache_with_events(self, request: Request, table: list[int], hashes: list[int],
                            start: int, full: int) -> None:

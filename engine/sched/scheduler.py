@@ -86,6 +86,10 @@ class Scheduler:
         self._finished: dict[str, Request] = {}       # finished, not yet reported
         self._num_reported: dict[str, int] = {}       # output tokens already sent
         self._runner_view: dict[str, tuple[int, int]] = {}  # id -> (tokens, blocks) it holds
+        # The latest `schedule()`'s output and its (request, start, tokens), in order, until
+        # `update_from_output` reads them.
+        self._last_output: SchedulerOutput | None = None
+        self._last_scheduled: list[tuple[Request, int, int]] = []
         self.latency = LatencyStats(config.latency_window_s)
         self._waiting_rows = WaitingRows()    # telemetry's request table (request_rows.py)
         # Every telemetry call on the busy loop goes through it (`vconsole.engine.telemetry_guard`)
@@ -325,7 +329,8 @@ class Scheduler:
         c_blocks, c_computed = cached.new_block_ids.append, cached.num_computed_tokens.append
         num_scheduled = out.num_scheduled_tokens
         num_prefill_total = num_decode_total = 0
-        for req, start, n in step.scheduled.values():
+        scheduled = list(step.scheduled.values())
+        for req, start, n in scheduled:
             rid = req.request_id
             num_prompt = len(req.prompt_token_ids)
             outputs = req.output_token_ids
@@ -355,7 +360,17 @@ class Scheduler:
             num_decode_total += n - num_prefill
         out.num_prefill_tokens = num_prefill_total
         out.num_decode_tokens = num_decode_total
+        self._last_output, self._last_scheduled = out, scheduled
         return out
+
+    def _scheduled_in(self, so: SchedulerOutput) -> list[tuple[Request, int, int]]:
+        """(request, start, tokens) of each request ``so`` scheduled that is still known, in
+        order: the step's own record when ``so`` is the latest output, else read from ``so``."""
+        if so is self._last_output:
+            return self._last_scheduled
+        starts, requests = so.start_positions(), self._requests
+        return [(req, starts[rid], n) for rid, n in so.num_scheduled_tokens.items()
+                if (req := requests.get(rid)) is not None]
 
     # --- after the model ran ------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput,
@@ -363,6 +378,13 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, apply stop rules, release finished
         requests. Returns an output for every request that got a token or finished (including
         those aborted or timed out since the last call).
+
+        In two passes over the step: the first advances every request's computed tokens and
+        hands them to the KV cache manager at once (`KVCacheManager.cache_step`, which records
+        the written KV and registers full blocks, in the step's order); the second appends the
+        sampled tokens. Nothing in the second pass touches the prefix cache (finishing frees
+        blocks but neither stores nor evicts a hash), so the KV events and the pool's state are
+        those of doing both per request.
 
         The token counters count as vLLM's ``vllm:generation_tokens`` / ``vllm:prompt_tokens``
         do (its output processor, per engine output): ``num_generation_tokens_total`` +1 for
@@ -376,26 +398,30 @@ class Scheduler:
             results.append((req, self._make_output(req)))
         self._finished.clear()
 
+        running_status = RequestStatus.RUNNING
+        advanced: list[Request] = []    # aborted or preempted since the step was scheduled: out
+        add = advanced.append
+        for req, start, n in self._scheduled_in(so):
+            if req.status is running_status and req.num_computed_tokens == start:
+                req.num_computed_tokens = start + n
+                add(req)
+        self._last_output, self._last_scheduled = None, []
+        self.kv.cache_step(advanced)
+
         finished_now = False
-        starts = so.start_positions()
-        requests, sampled, cache_blocks = self._requests, out.sampled, self.kv.cache_blocks
-        logprobs = out.logprobs
-        running_status, max_model_len = RequestStatus.RUNNING, self.max_model_len
+        sampled, logprobs = out.sampled, out.logprobs
+        max_model_len = self.max_model_len
         reported = self._num_reported
         now = self.clock()
         itl_values: list[float] = []    # this step's inter-token gaps, recorded in one call
         itl_priorities: list[int] = []
         num_generated = 0
-        for rid, n in so.num_scheduled_tokens.items():
-            req = requests.get(rid)
-            if req is None or req.status is not running_status \
-                    or req.num_computed_tokens != starts[rid]:
-                continue  # aborted or preempted after it was scheduled
-            computed = req.num_computed_tokens = req.num_computed_tokens + n
-            cache_blocks(req)
+        for req in advanced:
             outputs = req.output_token_ids
+            computed = req.num_computed_tokens
             if computed != len(req.prompt_token_ids) + len(outputs):
                 continue  # a prefill chunk short of the last token: nothing sampled
+            rid = req.request_id
             token = sampled.get(rid)
             reason: FinishReason | None = None
             if token is None:

@@ -262,3 +262,65 @@ def test_a_resumed_request_does_not_count_as_a_prefix_query_again():
     req.num_computed_tokens, req.num_preemptions = 0, 1
     assert admit_and_compute(kv, req) == 3 * B  # finds its own blocks again...
     assert (kv.prefix_queries, kv.prefix_hits) == (queries, hits)  # ...which is not a hit
+
+
+def _twin_managers_step(seed: int, caching_flips: tuple[int, ...] = ()) -> None:
+    """Two managers driven alike; each step one records the KV written per request
+    (`cache_blocks`), the other for the whole step at once (`cache_step`)."""
+    rng = random.Random(seed)
+    per_req, per_step = KVCacheManager(48, B), KVCacheManager(48, B)
+    for kv in (per_req, per_step):
+        kv.enable_events()
+    shared = [rng.randrange(50) for _ in range(3 * B)]
+    reqs: list[tuple[Request, Request]] = []
+    for i in range(6):
+        prompt = shared[:rng.randint(0, 3 * B)] + [rng.randrange(50) for _ in range(rng.randint(1, 9))]
+        reqs.append((make(f"r{i}", prompt), make(f"r{i}", prompt)))
+    for step in range(40):
+        if step in caching_flips:
+            for kv in (per_req, per_step):
+                kv.set_prefix_caching(not kv.enable_prefix_caching)
+        batch: list[tuple[Request, Request]] = []
+        for a, b in reqs:
+            if a.num_tokens >= 40:
+                continue
+            n = min(a.num_tokens - a.num_computed_tokens, rng.choice((1, 1, 1, 3, 7)))
+            if n <= 0:
+                a.output_token_ids.append(rng.randrange(50))
+                b.output_token_ids.append(a.output_token_ids[-1])
+                n = 1
+            if a.num_computed_tokens == 0 and not per_req.get_block_ids(a.request_id):
+                blocks_a, cached_a = per_req.get_computed_blocks(a)
+                blocks_b, cached_b = per_step.get_computed_blocks(b)
+                assert (blocks_a, cached_a) == (blocks_b, cached_b)
+                a.num_computed_tokens = b.num_computed_tokens = cached_a
+                n = min(n, a.num_tokens - cached_a)
+                ok = per_req.allocate_slots(a, n, blocks_a)
+                assert ok == per_step.allocate_slots(b, n, blocks_b)
+            else:
+                ok = per_req.allocate_slots(a, n)
+                assert ok == per_step.allocate_slots(b, n)
+            if ok:
+                a.num_computed_tokens += n
+                b.num_computed_tokens += n
+                batch.append((a, b))
+        for a, _ in batch:
+            per_req.cache_blocks(a)
+        per_step.cache_step([b for _, b in batch])
+        assert per_req.take_events() == per_step.take_events()
+        assert per_req.kv_stats().token_usage == per_step.kv_stats().token_usage
+        for a, b in reqs:
+            assert per_req.get_block_ids(a.request_id) == per_step.get_block_ids(b.request_id)
+        for kv in (per_req, per_step):
+            kv.pool.check_invariants()
+        assert per_req.pool.free_list() == per_step.pool.free_list()
+        assert per_req.pool.block_states.tolist() == per_step.pool.block_states.tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cache_step_records_a_step_as_cache_blocks_does_request_by_request(seed):
+    _twin_managers_step(seed)
+
+
+def test_cache_step_registers_blocks_that_lagged_while_prefix_caching_was_off():
+    _twin_managers_step(7, caching_flips=(5, 12))

@@ -11,6 +11,7 @@ recomputed must produce the same output as one that never was.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import dataclass
@@ -616,3 +617,38 @@ def test_any_of_several_eos_ids_stops_a_request():
     results = sched.update_from_output(so, ModelRunnerOutput({"multi-eos": 9}))
     (_, out), = results
     assert out.finished and out.finish_reason == "stop" and req.output_token_ids == [9]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "hybrid"])
+def test_update_reads_a_copy_of_the_step_as_the_step_itself(policy):
+    """`update_from_output` walks its own record of the latest step; handed any other
+    `SchedulerOutput` (here a copy) it reads the step from that output instead. Both ways give
+    the same outputs, preemptions and block tables, step after step."""
+    rng = random.Random(3)
+    twins = [make_sched(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=24, policy=policy)
+             for _ in range(2)]
+    models = [PagedEcho(16), PagedEcho(16)]
+    shared = [rng.randint(1, 9) for _ in range(2 * B)]
+    for i in range(24):
+        prompt = (shared if rng.random() < 0.5 else []) + \
+            [rng.randint(1, 9) for _ in range(rng.randint(1, 14))]
+        max_tokens, priority = rng.randint(1, 10), rng.randint(0, 3)
+        for s in twins:
+            s.add_request(req(f"r{i}", prompt, max_tokens=max_tokens, priority=priority))
+    preempted = 0
+    for _ in range(500):
+        if not twins[0].has_requests():
+            break
+        outs = []
+        for s, model, as_copy in zip(twins, models, (False, True), strict=True):
+            so = s.schedule()
+            result = s.update_from_output(copy.copy(so) if as_copy else so, model(so))
+            outs.append([vars(o) for _, o in result])
+            preempted += len(so.preempted_req_ids)
+        assert outs[0] == outs[1]
+        assert [r.request_id for r in twins[0].running] == [r.request_id for r in twins[1].running]
+        for r in twins[0].running:
+            assert twins[0].kv.get_block_ids(r.request_id) == \
+                twins[1].kv.get_block_ids(r.request_id)
+    assert not twins[0].has_requests() and not twins[1].has_requests()
+    assert preempted > 0, "the workload should preempt"
