@@ -43,9 +43,14 @@ REQUESTS = [
     Binding("escape", "clear_filter", "Clear filter", show=False),
 ]
 
+def _plus_minus(plus: str, plus_label: str, minus: str, minus_label: str) -> list[Binding]:
+    """A +/- pair; + is also "=", its unshifted key on most layouts."""
+    return [Binding("plus,equals_sign", plus, plus_label, key_display="+"),
+            Binding("minus", minus, minus_label, key_display="-")]
+
+
 KV = [
-    Binding("plus,equals_sign", "zoom(-1)", "Zoom in", key_display="+"),
-    Binding("minus", "zoom(1)", "Zoom out", key_display="-"),
+    *_plus_minus("zoom(-1)", "Zoom in", "zoom(1)", "Zoom out"),
     Binding("0", "zoom_fit", "Fit"),
     # Data parallel only (hidden otherwise): which rank's pool the map shows.
     Binding("left_square_bracket", "rank(-1)", "Prev rank", key_display="["),
@@ -96,8 +101,7 @@ ADVICE = [
 PROFILE = [
     Binding("s,enter", "start", "Start", key_display="s"),
     Binding("c", "cancel", "Cancel"),
-    Binding("plus,equals_sign", "steps(1)", "More steps", key_display="+"),
-    Binding("minus", "steps(-1)", "Fewer steps", key_display="-"),
+    *_plus_minus("steps(1)", "More steps", "steps(-1)", "Fewer steps"),
 ]
 
 TABLE = [

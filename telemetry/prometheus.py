@@ -79,6 +79,11 @@ BodiesByRank = Mapping[int | str, Mapping[str, dict[str, Any]]]
 DP_GROUP_STATES = ("none", "forming", "ok", "broken")
 
 
+def metrics_url(host: str, port: int) -> str:
+    """The scrape URL of a ``/metrics`` served on ``host:port`` (an IPv6 host in brackets)."""
+    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
+
+
 def histogram_buckets(h: dict[str, Any]) -> list[tuple[str, float]]:
     """A wire histogram (``bounds``, cumulative ``counts``, the last bound +Inf) as
     prometheus_client's ``(le, cumulative count)`` pairs, ending with ``+Inf`` = ``count``."""
@@ -312,8 +317,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return metrics_url(self.host, self.port)
 
     def start(self) -> MetricsServer:
         """Bind and serve; raises OSError here (e.g. the port is in use)."""

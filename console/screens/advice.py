@@ -20,7 +20,7 @@ from textual.widgets import DataTable, Static
 from vconsole.console import format as fmt
 from vconsole.console.advisor import WINDOW_S, Advice
 from vconsole.console.keymap import ADVICE
-from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.screens.base import ConsoleScreen, row_table
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
 
@@ -50,6 +50,8 @@ def why_not_applied(advice: Advice) -> str:
 
 class AdviceScreen(ConsoleScreen):
     MODE = "advice"
+    TABLE = "adv-table"
+    COLUMNS = [("rule", "rule"), ("suggests", "change"), ("applies", "mode")]
     BINDINGS = ADVICE
 
     def __init__(self) -> None:
@@ -59,20 +61,9 @@ class AdviceScreen(ConsoleScreen):
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="adv-summary")
-        table: DataTable[Any] = DataTable(id="adv-table", cursor_type="row", zebra_stripes=False)
-        yield table
+        yield row_table("adv-table")
         yield Static(id="adv-detail")
         yield Static(id="adv-history")
-
-    @property
-    def table(self) -> DataTable[Any]:
-        return self.query_one("#adv-table", DataTable)
-
-    def on_mount(self) -> None:
-        self.table.add_column("rule", key="rule")
-        self.table.add_column("suggests", key="change")
-        self.table.add_column("applies", key="mode")
-        self.table.focus()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action != "apply":

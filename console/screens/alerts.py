@@ -20,6 +20,7 @@ from textual.widgets import DataTable, Input, Static
 
 from vconsole.console import format as fmt
 from vconsole.console.keymap import ALERTS
+from vconsole.console.screens.base import row_table
 from vconsole.console.screens.filtered import FilteredScreen
 from vconsole.console.state import ALERT_HISTORY, Alert, ConsoleState
 from vconsole.console.widgets.chrome import Frame
@@ -66,6 +67,9 @@ def active_now(state: ConsoleState) -> list[tuple[str, str, str]]:
 
 class AlertsScreen(FilteredScreen):
     MODE = "alerts"
+    TABLE = "alert-table"
+    COLUMNS = [("when", "when"), ("level", "level"), ("alert", "name"), ("engine", "engine"),
+               ("value", "value"), ("message", "message")]
     BINDINGS = ALERTS
 
     def __init__(self) -> None:
@@ -75,25 +79,10 @@ class AlertsScreen(FilteredScreen):
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="alert-summary")
-        table: DataTable[Any] = DataTable(id="alert-table", cursor_type="row",
-                                          zebra_stripes=False)
-        yield table
+        yield row_table("alert-table")
         yield Input(placeholder="filter alerts (enter keeps, esc clears)", id="alert-filter",
                     classes="filter-input")
         yield Static(id="alert-detail")
-
-    @property
-    def table(self) -> DataTable[Any]:
-        return self.query_one("#alert-table", DataTable)
-
-    def on_mount(self) -> None:
-        self.table.add_column("when", key="when")
-        self.table.add_column("level", key="level")
-        self.table.add_column("alert", key="name")
-        self.table.add_column("engine", key="engine")
-        self.table.add_column("value", key="value")
-        self.table.add_column("message", key="message")
-        self.table.focus()
 
     def selected(self) -> Alert | None:
         row = self.table.cursor_row

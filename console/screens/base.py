@@ -7,13 +7,14 @@ screen never reads the socket or the clock itself.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from textual.app import ComposeResult
 from textual.containers import Container
 from textual.css.query import NoMatches
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.widgets import DataTable, Footer
 
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Banner, Frame, TabBar, TooSmall
@@ -24,6 +25,20 @@ if TYPE_CHECKING:
 
 class ConsoleScreen(Screen[None]):
     MODE = ""
+    # A list screen: the id of its DataTable (made with `row_table`) and its (label, key)
+    # columns, added and focused on mount.
+    TABLE = ""
+    COLUMNS: Sequence[tuple[str, str]] = ()
+
+    @property
+    def table(self) -> Any:
+        """The list screen's table, where focus returns after a filter or an edit."""
+        return self.query_one(f"#{self.TABLE}", DataTable)
+
+    def on_mount(self) -> None:
+        if self.TABLE:
+            add_columns(self.table, self.COLUMNS)
+            self.table.focus()
 
     @property
     def console(self) -> VConsoleApp:
@@ -64,3 +79,14 @@ class ConsoleScreen(Screen[None]):
         # The app swallows its own Resize event; every screen gets one, so size is checked here.
         self.console.note_size()
         self.console.refresh_view(force=True)
+
+
+def row_table(table_id: str) -> DataTable[Any]:
+    """A list screen's table: a row cursor, no zebra stripes."""
+    return DataTable(id=table_id, cursor_type="row", zebra_stripes=False)
+
+
+def add_columns(table: DataTable[Any], columns: Sequence[tuple[str, str]]) -> None:
+    """``(label, key)`` columns in order; rows are later addressed by those keys."""
+    for label, key in columns:
+        table.add_column(label, key=key)

@@ -31,6 +31,7 @@ from vconsole.console.changes import (
     show_value,
 )
 from vconsole.console.keymap import CONFIG
+from vconsole.console.screens.base import row_table
 from vconsole.console.screens.filtered import FilteredScreen
 from vconsole.console.state import ConfigView, ConsoleState
 from vconsole.console.widgets.chrome import Frame
@@ -77,6 +78,9 @@ def key_holder(status: KeyStatus | None, engine_id: Any = None) -> str:
 
 class ConfigScreen(FilteredScreen):
     MODE = "config"
+    TABLE = "cfg-table"
+    COLUMNS = [("key", "key"), ("value", "value"), ("applies", "mode"),
+               ("engine reply", "reply"), ("description", "description")]
     BINDINGS = CONFIG
 
     def __init__(self) -> None:
@@ -87,8 +91,7 @@ class ConfigScreen(FilteredScreen):
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="cfg-summary")
-        table: DataTable[Any] = DataTable(id="cfg-table", cursor_type="row", zebra_stripes=False)
-        yield table
+        yield row_table("cfg-table")
         yield Input(placeholder="filter keys (enter keeps, esc clears)", id="cfg-filter",
                     classes="filter-input")
         with Horizontal(id="cfg-edit"):
@@ -99,18 +102,6 @@ class ConfigScreen(FilteredScreen):
         yield Static(id="cfg-error")
         yield Static(id="cfg-detail")
         yield Static(id="cfg-history")
-
-    @property
-    def table(self) -> DataTable[Any]:
-        return self.query_one("#cfg-table", DataTable)
-
-    def on_mount(self) -> None:
-        self.table.add_column("key", key="key")
-        self.table.add_column("value", key="value")
-        self.table.add_column("applies", key="mode")
-        self.table.add_column("engine reply", key="reply")
-        self.table.add_column("description", key="description")
-        self.table.focus()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         return not (action == "edit" and self.console.readonly)

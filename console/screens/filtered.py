@@ -7,8 +7,6 @@ table. A screen says what filtering means by overriding `set_filter`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from textual import on
 from textual.widgets import Input
 
@@ -17,11 +15,6 @@ from vconsole.console.screens.base import ConsoleScreen
 
 class FilteredScreen(ConsoleScreen):
     filter_text = ""
-
-    @property
-    def table(self) -> Any:
-        """The widget focus returns to (each screen's table)."""
-        raise NotImplementedError
 
     def set_filter(self, text: str) -> None:
         self.filter_text = text.strip()

@@ -363,19 +363,26 @@ class EngineClient(ClientBase):
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError("no output from the engine before the deadline")
 
+    def _take_buffered(self, request_id: str) -> Iterator[RequestOutput]:
+        """Yield the outputs of ``request_id`` received so far; at its final one the request
+        leaves ``_pending``."""
+        queue = self._pending[request_id]
+        while queue:
+            out = queue.popleft()
+            if out.finished:
+                del self._pending[request_id]
+            yield out
+            if out.finished:
+                return
+
     def stream(self, request_id: str, timeout_s: float | None = None) -> Iterator[RequestOutput]:
         """Yield one request's outputs (token deltas, then the final one) as they arrive,
         buffering other requests' outputs meanwhile."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        queue = self._pending[request_id]
         while True:
-            while queue:
-                out = queue.popleft()
-                if out.finished:
-                    del self._pending[request_id]
-                yield out
-                if out.finished:
-                    return
+            yield from self._take_buffered(request_id)
+            if request_id not in self._pending:
+                return
             self._receive(deadline)
 
     def outputs(self, timeout_s: float | None = None) -> Iterator[RequestOutput]:
@@ -383,14 +390,7 @@ class EngineClient(ClientBase):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self._pending:
             for rid in list(self._pending):
-                queue = self._pending[rid]
-                while queue:
-                    out = queue.popleft()
-                    if out.finished:
-                        del self._pending[rid]
-                    yield out
-                    if out.finished:
-                        break
+                yield from self._take_buffered(rid)
             if self._pending and not any(self._pending.values()):
                 self._receive(deadline)
 

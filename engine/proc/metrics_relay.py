@@ -24,6 +24,8 @@ import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from vconsole.telemetry.prometheus import metrics_url
+
 UPSTREAM_TIMEOUT_S = 2.0
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _UP = re.compile(r"^(vconsole:engine_up(?:\{[^}]*\})?) \S+$", re.M)
@@ -58,8 +60,7 @@ class MetricsRelay:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return metrics_url(self.host, self.port)
 
     def scrape(self) -> str:
         """What a scrape answers now (see the module docstring)."""
