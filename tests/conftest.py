@@ -39,3 +39,13 @@ def shared_engine(tmp_path_factory):
     with EngineProcess(SHARED_ENGINE_ARGS, endpoints=ipc_endpoints(d),
                        log_path=d / "engine.log") as proc:
         yield proc
+
+
+@pytest.fixture
+def ctx():
+    """A ZeroMQ context of the test's own, destroyed (sockets closed, no linger) after it."""
+    import zmq
+
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)

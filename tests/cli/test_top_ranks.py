@@ -100,12 +100,6 @@ class Publisher:
         self.thread.join(2)
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
 
 def test_top_once_json_gives_each_rank_and_the_aggregate(ctx, capsys):
     # Rank 1 starts late: top must not stop at rank 0's complete set, since dp names 2 ranks.

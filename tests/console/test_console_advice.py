@@ -4,13 +4,12 @@ in the Alerts panel."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 from textual.widgets import Static
 
-from support.console_testing import FakeControl, replay_app
+from support.console_testing import FakeControl, replay_app, until
 from support.synthetic import generate
 from vconsole.console.palette import ConsoleCommands
 from vconsole.console.screens.advice import AdviceScreen
@@ -35,14 +34,6 @@ def text_of(widget: Static) -> str:
 
 def sets(ctl: FakeControl) -> list[dict[str, Any]]:
     return [values for op, values in ctl.calls if op == "set_config"]
-
-
-async def until(pilot, cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await pilot.pause(0.02)
 
 
 async def open_advice(pilot, app) -> AdviceScreen:

@@ -9,7 +9,14 @@ import time
 import pytest
 from textual.widgets import Input, Static
 
-from support.console_testing import FakeControl, foreign_version_frames, frames, replay_app
+from support.console_testing import (
+    FakeControl,
+    big_sched,
+    foreign_version_frames,
+    frames,
+    replay_app,
+    until,
+)
 from support.synthetic import generate
 from vconsole.console.changes import APPLIED, INVALID, RESTART
 from vconsole.console.palette import ConsoleCommands
@@ -39,15 +46,6 @@ def text_of(widget: Static) -> str:
 def last_ts(path=None) -> float:
     from support.console_testing import RECORDING
     return max(ts for ts, _ in read_records(path or RECORDING))
-
-
-async def until(pilot, cond, timeout: float = 5.0) -> None:
-    """Pause the pilot until ``cond()`` holds (worker threads answer asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await pilot.pause(0.02)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -387,16 +385,6 @@ async def test_pause_freezes_the_request_table():
         assert [r["id"] for r in table.rows] == ["new-1"]
 
 
-def big_sched(n: int) -> dict[str, object]:
-    states = ("running", "waiting", "preempted")
-    rows = [{"id": f"req-{i:06d}", "state": states[i % 3], "priority": i % 7,
-             "num_prompt_tokens": 100 + i % 900, "num_output_tokens": i % 300,
-             "num_blocks": i % 40, "age_s": (i % 1000) / 10} for i in range(n)]
-    return {"num_waiting": n // 3, "num_running": n // 3, "num_preempted": n // 3,
-            "num_preemptions_total": 0, "num_finished_total": 0, "max_num_seqs": n,
-            "max_num_batched_tokens": 8192, "policy": "priority", "requests": rows,
-            "requests_truncated": False}
-
 
 async def test_ten_thousand_requests_stay_responsive(monkeypatch):
     """A new 10k-row snapshot is shown in one apply, in sort order, building only the lines on
@@ -413,7 +401,7 @@ async def test_ten_thousand_requests_stay_responsive(monkeypatch):
         row = RequestColumns.row
         monkeypatch.setattr(RequestColumns, "row",
                             lambda self, i: (built.append(i), row(self, i))[1])
-        newer = big_sched(10_000)
+        newer = big_sched(10_000, snapshot_ts=t0 + 0.1)
         newer["requests"] = newer["requests"][::-1]          # same rows, arriving reversed
         app.state.ingest(frames("sched", newer, seq=1, ts=t0 + 0.1), t0 + 0.1)
         app.refresh_view(force=True)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from support.console_testing import FakeControl, replay_app
+from support.console_testing import FakeControl, replay_app, until
 from vconsole.console.palette import ConsoleCommands
 from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.profile import ProfileScreen
@@ -19,14 +17,6 @@ PALETTE_ENTRY = "Profile the engine's next steps"
 
 def text_of(screen, selector: str) -> str:
     return str(screen.query_one(selector).render())
-
-
-async def until(pilot, cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await pilot.pause(0.02)
 
 
 def starts(ctl: FakeControl) -> list:

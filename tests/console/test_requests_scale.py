@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.console_testing import frames, replay_app
+from support.console_testing import big_sched, frames, replay_app
 from vconsole.console.requests_view import SORT_KEYS, filter_rows, select, sort_rows
 from vconsole.console.widgets.request_table import RequestTable
 from vconsole.telemetry.schema import RequestColumns
@@ -15,16 +15,6 @@ from vconsole.telemetry.schema import RequestColumns
 T0 = 1_700_000_000.0
 N = 10_000
 
-
-def big_sched(n: int, snapshot_ts: float = T0) -> dict[str, object]:
-    states = ("running", "waiting", "preempted")
-    rows = [{"id": f"req-{i:06d}", "state": states[i % 3], "priority": i % 7,
-             "num_prompt_tokens": 100 + i % 900, "num_output_tokens": i % 300,
-             "num_blocks": i % 40, "age_s": (i % 1000) / 10} for i in range(n)]
-    return {"num_waiting": n // 3, "num_running": n // 3, "num_preempted": n // 3,
-            "num_preemptions_total": 0, "num_finished_total": 0, "max_num_seqs": n,
-            "max_num_batched_tokens": 8192, "policy": "priority", "requests": rows,
-            "requests_truncated": False, "snapshot_ts": snapshot_ts}
 
 
 def test_filtering_10k_rows_keeps_exactly_the_matching_ones_in_order():

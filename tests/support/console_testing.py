@@ -11,7 +11,8 @@ engine's status and result shapes (`fake_profile_result`); a profile advances
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,24 @@ def replay_app(path: str | Path = RECORDING, *, control: Any = None, readonly: b
     src = ReplaySource(path, speed=0, records=(lambda: iter(records)) if records is not None
                        else None, readonly=control is None)
     return VConsoleApp(source=src, control=control, readonly=readonly, clock=clock, **kw)
+
+
+async def until(pilot: Any, cond: Callable[[], Any], timeout: float = 5.0) -> None:
+    """Pause the pilot until ``cond()`` holds (worker threads answer asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await pilot.pause(0.02)
+
+
+def big_sched(n: int, snapshot_ts: float = 1_700_000_000.0) -> dict[str, object]:
+    """A sched payload of ``n`` request rows, a third in each state."""
+    states = ("running", "waiting", "preempted")
+    rows = [{"id": f"req-{i:06d}", "state": states[i % 3], "priority": i % 7,
+             "num_prompt_tokens": 100 + i % 900, "num_output_tokens": i % 300,
+             "num_blocks": i % 40, "age_s": (i % 1000) / 10} for i in range(n)]
+    return {"num_waiting": n // 3, "num_running": n // 3, "num_preempted": n // 3,
+            "num_preemptions_total": 0, "num_finished_total": 0, "max_num_seqs": n,
+            "max_num_batched_tokens": 8192, "policy": "priority", "requests": rows,
+            "requests_truncated": False, "snapshot_ts": snapshot_ts}

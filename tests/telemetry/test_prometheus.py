@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 import numpy as np
 import psutil
 import pytest
-import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -327,12 +326,6 @@ def test_a_rank_not_heard_yet_contributes_nothing_and_ranks_come_in_order():
 
 FAST = dict(telemetry_hz=20.0, heartbeat_interval_s=0.1, config_interval_s=0.3)
 
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 @pytest.fixture

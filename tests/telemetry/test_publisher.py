@@ -16,12 +16,6 @@ from vconsole.telemetry.schema import DP_TOPICS, TOPICS, decode, missing_fields
 FAST = dict(telemetry_hz=20.0, heartbeat_interval_s=0.1, config_interval_s=0.3)
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
 
 @pytest.fixture
 def make_pub(ctx):

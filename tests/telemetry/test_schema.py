@@ -260,12 +260,6 @@ class FakeEngineControl:
         self.thread.join(2)
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
-
 
 def test_control_client_against_a_router(ctx):
     eng = FakeEngineControl(ctx)

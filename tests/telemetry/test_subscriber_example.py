@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import zmq
 
 import vconsole.telemetry.subscriber as example
@@ -20,13 +19,6 @@ from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
 from vconsole.telemetry import control
 from vconsole.telemetry.publisher import TelemetryPublisher
 from vconsole.tools import top
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def start_engine_side(ctx, **cfg):
