@@ -37,8 +37,14 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	$(PIP) install -q -e '.[test]'
 	@touch $@ $(VENV)/.installed
 
-install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test
+# The CPU decode-attention kernel, compiled once for this machine (engine/worker/
+# attention_kernel.py); without a compiler it says so and the engine uses its torch path.
+$(VENV)/.kernel: engine/worker/csrc/paged_attention.cpp engine/worker/attention_kernel.py $(VENV)/.installed
+	$(PY) -m vconsole.engine.worker.attention_kernel
+	@touch $@
+
+install: $(VENV)/.installed $(VENV)/.kernel
+install-test: $(VENV)/.installed-test $(VENV)/.kernel
 
 demo: install
 	$(VENV)/bin/vconsole demo

@@ -17,6 +17,7 @@ is reading the sampled tokens back.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,13 +25,17 @@ import torch
 
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from vconsole.engine.worker import paged_attention
+from vconsole.engine.worker import attention_kernel, paged_attention
+from vconsole.engine.worker.fused_decoder import FusedDecoder
 from vconsole.engine.worker.model_loader import load_model
 from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
 from vconsole.engine.worker.sampler import Sampler, SamplingBatch
 
 _GIB = 1 << 30
+# "transformers": run transformers' own decoder forward instead of `FusedDecoder` (the
+# benchmarks' before/after, and a way out should a model misbehave on the fused path).
+FORWARD_ENV = "VCONSOLE_FORWARD"
 
 
 @dataclass
@@ -101,6 +106,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
+        self._decode_kernel = (attention_kernel.load()
+                               if self.device.type == "cpu" and self.dtype == torch.float32
+                               else None)
+        self.fused_decoder = (None if os.environ.get(FORWARD_ENV) == "transformers"
+                       else FusedDecoder.build(self.model))
         self.requests = RequestStates()
 
     # --- memory ------------------------------------------------------------------------------
@@ -280,17 +290,29 @@ class ModelRunner:
         meta = PagedAttentionMetadata(
             kv_caches=self.kv_caches, block_size=bs, slot_mapping=t_slots,
             num_decodes=len(decodes), decode_groups=decode_groups, prefills=prefills,
-            workspace=self._workspace)
+            workspace=self._workspace, decode_kernel=self._decode_kernel)
         return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs)
+
+    @property
+    def forward_path(self) -> str:
+        """Which decoder forward runs: ``fused`` (`FusedDecoder`) or ``transformers``."""
+        return "fused" if self.fused_decoder is not None else "transformers"
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: PagedAttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (R, hidden) of packed rows ``rows``."""
+        if self.fused_decoder is not None:
+            return self.fused_decoder.forward(input_ids, positions, meta, rows)
+        out = self._decoder(input_ids=input_ids[None], position_ids=positions[None],
+                            use_cache=False, **{paged_attention.METADATA_KWARG: meta})
+        return out.last_hidden_state[0].index_select(0, rows)
 
     def _forward(self, step: PreparedStep) -> torch.Tensor | None:
         """One forward over the packed batch; logits (S, V) of the sample rows only."""
-        out = self._decoder(input_ids=step.input_ids, position_ids=step.positions,
-                            use_cache=False,
-                            **{paged_attention.METADATA_KWARG: step.metadata})
+        hidden = self._hidden(step.input_ids[0], step.positions[0], step.metadata,
+                              step.sample_rows)
         if not step.sample_seqs:
             return None
-        hidden = out.last_hidden_state[0].index_select(0, step.sample_rows)
         return self._lm_head(hidden)
 
     # --- data parallel -----------------------------------------------------------------------
@@ -311,6 +333,4 @@ class ModelRunner:
             zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
             meta = PagedAttentionMetadata(kv_caches=scratch, block_size=1, slot_mapping=zeros,
                                           prefills=[PrefillChunk(0, 1, 0, None)])
-            out = self._decoder(input_ids=zeros[None], position_ids=zeros[None],
-                                use_cache=False, **{paged_attention.METADATA_KWARG: meta})
-            self._lm_head(out.last_hidden_state[0])
+            self._lm_head(self._hidden(zeros, zeros, meta, zeros))

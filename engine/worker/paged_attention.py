@@ -9,8 +9,10 @@ cache object exists anywhere: the pool *is* the cache.
 
 The function (per layer):
 1. writes the step's new K/V into ``pool[slot_mapping]`` (slot = block_id * block_size + offset);
-2. decode rows (sequences with one new token, placed first in the packed batch) attend in one
-   padded SDPA call over their blocks gathered from the pool, with a length mask;
+2. decode rows (sequences with one new token, placed first in the packed batch) attend over
+   their context: on the CPU in float32 through the compiled kernel of `attention_kernel`,
+   which reads K/V in place through the block table; otherwise in one padded SDPA call per
+   group over their blocks gathered from the pool, with a length mask;
 3. each prefill chunk attends causally over its whole context read back from the pool (or, for
    a chunk that starts at position 0, directly over its fresh K/V, which are bit-identical).
 
@@ -27,6 +29,7 @@ drops; uninitialised memory could hold NaN, and ``0 * NaN`` would leak through t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +130,8 @@ class PagedAttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     workspace: Workspace | None = None
+    # The compiled CPU decode kernel (`attention_kernel`), or None: gather + SDPA in torch.
+    decode_kernel: Any = None
     _prefill_masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     def gather_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +202,16 @@ def paged_attention_forward(
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     for g in meta.decode_groups:
         n = g.hi - g.lo
+        if meta.decode_kernel is not None:
+            # K/V read in place through the block table: no gather, no padding.
+            q = query[0, :, g.lo:g.hi].transpose(0, 1).reshape(n, num_kv_heads, group, head_dim)
+            o = torch.empty((n, num_kv_heads, group, head_dim), dtype=query.dtype)
+            meta.decode_kernel.paged_decode_attention(
+                q.contiguous(), k_pool, v_pool, g.block_tables.view(n, g.max_blocks),
+                g.context_lens, scaling if scaling is not None else head_dim ** -0.5,
+                sliding_window or 0, o)
+            out[0, g.lo:g.hi] = o.view(n, num_heads, head_dim)
+            continue
         length = g.max_blocks * meta.block_size
         # Gather whole blocks: (n * MB, B, KVH, hd) -> (n, KVH, MB * B, hd).
         ks, vs = meta.gather_buffers(g.block_tables.shape[0], k_pool)

@@ -104,7 +104,7 @@ class StepProfiler:
         self._prof: torch.profiler.profile | None = None
         self._hooks: list[Any] = []
         self._open: list[record_function] = []
-        self._wrapped: list[str] = []
+        self._wrapped: list[tuple[Any, str]] = []
         self._phase_ns = dict.fromkeys(PHASES, 0)
         self._t0 = 0.0
 
@@ -202,11 +202,16 @@ class StepProfiler:
             labelled.append(name)
             self._hooks.append(module.register_forward_pre_hook(self._enter(LABEL + kind)))
             self._hooks.append(module.register_forward_hook(self._exit))
-        for attr, kind in (("sampler", "sampler"), ("prepare", "prepare")):
-            inner = getattr(self.runner, attr, None)
+        targets = [(self.runner, "sampler", "sampler"), (self.runner, "prepare", "prepare")]
+        fused = getattr(self.runner, "fused_decoder", None)
+        if fused is not None:  # our own forward calls no attention / mlp / norm module
+            targets += [(fused, "attention", "attention"), (fused, "mlp", "mlp"),
+                        (fused, "norm", "norm")]
+        for obj, attr, kind in targets:
+            inner = getattr(obj, attr, None)
             if inner is not None:
-                setattr(self.runner, attr, _Labelled(inner, LABEL + kind))
-                self._wrapped.append(attr)
+                setattr(obj, attr, _Labelled(inner, LABEL + kind))
+                self._wrapped.append((obj, attr))
 
     def _enter(self, label: str) -> Callable[..., None]:
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
@@ -228,13 +233,13 @@ class StepProfiler:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        for attr in self._wrapped:
-            wrapper = self.runner.__dict__.get(attr)
+        for obj, attr in self._wrapped:
+            wrapper = obj.__dict__.get(attr)
             if isinstance(wrapper, _Labelled):
-                if attr in type(self.runner).__dict__:     # a method: drop the instance shadow
-                    del self.runner.__dict__[attr]
+                if attr in type(obj).__dict__:     # a method: drop the instance shadow
+                    del obj.__dict__[attr]
                 else:
-                    setattr(self.runner, attr, wrapper.inner)
+                    setattr(obj, attr, wrapper.inner)
         self._wrapped.clear()
 
     def _stop_quietly(self) -> None:

@@ -1,0 +1,120 @@
+"""The CPU decode-attention kernel (`csrc/paged_attention.cpp`): built, cached and loaded here.
+
+The kernel reads each decode row's K/V through its block table where they lie in the pool,
+instead of gathering the blocks into a copy and reading the copy again in SDPA (the pure-torch
+path in `paged_attention`, which stays the fallback and the reference). It is built with
+``torch.utils.cpp_extension`` (a C++ compiler and ninja) for this machine's CPU, once: ``make
+install`` runs ``python -m vconsole.engine.worker.attention_kernel`` after installing the
+package, and the engine builds it on first use if that did not happen. The build lands in
+``$VCONSOLE_CACHE/ops/<tag>`` (default ``~/.cache/vconsole``), the tag a hash of the source, the
+torch version and the CPU, so a new torch or another machine builds afresh.
+
+``VCONSOLE_ATTENTION_KERNEL=torch`` keeps the pure-torch path (the benchmarks' before/after);
+a build that fails (no compiler) is logged once and the engine runs the torch path.
+
+Used for float32 pools on the CPU only; CUDA and other dtypes take the torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vconsole.engine.worker.tiny_model import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+KERNEL_ENV = "VCONSOLE_ATTENTION_KERNEL"
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}   # "module" (or None) and "reason", once tried
+
+
+def _cpu_tag() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+def build_tag() -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode(),
+                 _cpu_tag().encode(), sys.version.encode()):
+        h.update(part)
+    return h.hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    return default_cache_dir() / "ops" / f"paged_attention-{build_tag()}"
+
+
+def wanted() -> bool:
+    return os.environ.get(KERNEL_ENV, "auto") != "torch"
+
+
+def load() -> Any | None:
+    """The compiled module (``paged_decode_attention``), or None when it is not wanted or
+    cannot be built (``reason()`` says why). Builds on the first call if need be; thread-safe,
+    tried once per process."""
+    with _lock:
+        if "reason" in _state:
+            return _state["module"]
+        module, reason = None, "not wanted (VCONSOLE_ATTENTION_KERNEL=torch)"
+        if wanted():
+            try:
+                module, reason = _build(), "built"
+            except Exception as e:  # no compiler, no ninja, a header mismatch: use torch
+                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"
+                log.warning("the CPU attention kernel is unavailable (%s); using the torch "
+                            "path", reason)
+        _state.update(module=module, reason=reason)
+        return module
+
+
+def reason() -> str:
+    return _state.get("reason", "not tried")
+
+
+def _build() -> Any:
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the ninja wheel's binary, when the venv is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=f"vconsole_paged_attention_{build_tag()}",
+                              sources=[str(SOURCE)], build_directory=str(out),
+                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def main() -> int:
+    """Build (or find) the kernel and print one JSON line; exit 0 either way (the engine
+    falls back to torch), so an install never fails for want of a compiler."""
+    module = load()
+    print(json.dumps({"attention_kernel": "ready" if module is not None else "unavailable",
+                      "reason": reason(), "dir": str(build_dir())}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

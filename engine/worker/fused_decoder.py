@@ -1,0 +1,166 @@
+"""Our own decoder forward for the Llama family (llama, qwen2, mistral), over transformers' weights.
+
+transformers' decoder is written for every use (caches, masks, kwargs plumbing, an attention
+interface lookup per layer); one packed engine step needs none of that, and on a small model the
+Python around the ops costs as much as the ops. `FusedDecoder` runs the same math as
+`LlamaDecoderLayer` with fewer, larger ops, as vLLM's model files do:
+
+- q/k/v are one matmul (``qkv_proj``) and gate/up one matmul (``gate_up_proj``): the weights are
+  concatenated once at load, and transformers' ``q_proj`` / ``k_proj`` / ... weights become views
+  into the fused tensors (no second copy; transformers' own forward still works on them);
+- RoPE is applied to q and k in one pass, with the cos/sin of transformers' own rotary module
+  (so every rope scaling it knows applies);
+- the attention is `paged_attention.paged_attention_forward`, called directly.
+
+The elementwise math (RMSNorm in float32, ``q * cos + rotate_half(q) * sin``, ``act(gate) * up``)
+is written as transformers writes it, so greedy outputs stay token-for-token equal to theirs
+(`tests/engine/worker/test_fused_decoder.py` checks logits and tokens against transformers' own
+forward). `build` returns None for anything it does not know (another architecture, an activation
+other than SiLU, linears replaced by `cpu_linear`), and the runner keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vconsole.engine.worker.paged_attention import PagedAttentionMetadata, paged_attention_forward
+
+FUSABLE_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass
+class _Layer:
+    attn: torch.nn.Module           # transformers' attention module: layer_idx for the pool
+    ln1: torch.Tensor
+    ln1_eps: float
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    ln2_eps: float
+    gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+    sliding_window: int | None
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) along the output axis and point each
+    linear's parameters at its slice of the result."""
+    weight = torch.cat([lin.weight.data for lin in linears], dim=0)
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = None
+    if any(has_bias):
+        bias = torch.cat([lin.bias.data if lin.bias is not None
+                          else lin.weight.new_zeros(lin.out_features) for lin in linears])
+    at = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight.data = weight[at:at + n]
+        if lin.bias is not None and bias is not None:
+            lin.bias.data = bias[at:at + n]
+        at += n
+    return weight, bias
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FusedDecoder:
+    """``forward(input_ids (T,), positions (T,), metadata, rows) -> hidden states (R, hidden)``
+    of the packed batch's rows ``rows`` after the final norm (only the rows the runner samples
+    are normed); the runner applies the LM head."""
+
+    def __init__(self, model: Any, layers: list[_Layer]) -> None:
+        decoder = model.get_decoder()
+        cfg = model.config
+        self.embed = decoder.embed_tokens
+        self.rotary = decoder.rotary_emb
+        self.norm_w = decoder.norm.weight
+        self.norm_eps = float(decoder.norm.variance_epsilon)
+        self.layers = layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.scaling = float(layers[0].attn.scaling) if layers else self.head_dim ** -0.5
+
+    @classmethod
+    def build(cls, model: Any) -> FusedDecoder | None:
+        cfg = model.config
+        if getattr(cfg, "model_type", None) not in FUSABLE_MODEL_TYPES \
+                or getattr(cfg, "hidden_act", "silu") != "silu":
+            return None
+        decoder = model.get_decoder()
+        layers: list[_Layer] = []
+        for layer in decoder.layers[:cfg.num_hidden_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                     mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            if any(type(p) is not torch.nn.Linear for p in parts):
+                return None  # packed by cpu_linear, quantized, ...: keep transformers' path
+        for layer in decoder.layers[:cfg.num_hidden_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj])
+            window = (attn.sliding_window if hasattr(attn, "sliding_window")
+                      else getattr(cfg, "sliding_window", None))
+            layers.append(_Layer(
+                attn=attn, ln1=layer.input_layernorm.weight,
+                ln1_eps=float(layer.input_layernorm.variance_epsilon),
+                qkv_w=qkv_w, qkv_b=qkv_b, o_w=attn.o_proj.weight, o_b=attn.o_proj.bias,
+                ln2=layer.post_attention_layernorm.weight,
+                ln2_eps=float(layer.post_attention_layernorm.variance_epsilon),
+                gate_up_w=gate_up_w, gate_up_b=gate_up_b,
+                down_w=mlp.down_proj.weight, down_b=mlp.down_proj.bias,
+                sliding_window=window))
+        return cls(model, layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: PagedAttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)                                    # (T, hidden)
+        cos, sin = self.rotary(h[None], positions[None])             # (1, T, hd) each
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]            # (T, 1, hd)
+        for layer in self.layers:
+            h = h + self.attention(layer, self.norm(h, layer.ln1, layer.ln1_eps), cos, sin, meta)
+            h = h + self.mlp(layer, self.norm(h, layer.ln2, layer.ln2_eps))
+        return self.norm(h.index_select(0, rows), self.norm_w, self.norm_eps)
+
+    # The pieces are methods so that the profiler can label them (`StepProfiler` wraps them on
+    # the instance while it runs, as it hooks transformers' modules).
+
+    @staticmethod
+    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """transformers' LlamaRMSNorm, op for op (float32 statistics)."""
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    def attention(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  meta: PagedAttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        k_end = (nh + nkv) * hd
+        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)                  # (T, (H + 2 KVH) hd)
+        qk = qkv[:, :k_end].view(t, nh + nkv, hd)
+        qk = qk * cos + _rotate_half(qk) * sin                       # RoPE on q and k at once
+        q = qk[:, :nh].transpose(0, 1)[None]                         # (1, H, T, hd)
+        k = qk[:, nh:].transpose(0, 1)[None]                         # (1, KVH, T, hd)
+        v = qkv[:, k_end:].view(t, nkv, hd).transpose(0, 1)[None]
+        out, _ = paged_attention_forward(layer.attn, q, k, v, None, scaling=self.scaling,
+                                         sliding_window=layer.sliding_window,
+                                         paged_metadata=meta)
+        return F.linear(out.view(t, nh * hd), layer.o_w, layer.o_b)
+
+    @staticmethod
+    def mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
