@@ -10,9 +10,9 @@ request's context back through its block table. Only the rows that must be sampl
 LM head.
 
 Per step the host builds every index (token ids, positions, slots, block tables, context
-lengths, context slots, sample rows) into one flat Python list and moves it to the device with a
-single ``torch.tensor`` call; the pieces are views into that tensor. The only device -> host sync
-is reading the sampled tokens back.
+lengths, context slots, sample rows) into one flat Python list and moves it to the device in one
+copy (on CUDA from pinned memory, non-blocking); the pieces are views into that tensor. The only
+device -> host sync is reading the sampled tokens back.
 """
 
 from __future__ import annotations
@@ -269,7 +269,10 @@ class ModelRunner:
                 sample_seqs.append(s)
 
         flat = ids + pos + slots + tables + ctx_lens + ctx_slots + sample_rows
-        buf = torch.tensor(flat, dtype=torch.int64, device=self.device)
+        buf = torch.tensor(flat, dtype=torch.int64)
+        if self.device.type == "cuda":
+            # From pinned memory the copy is queued on the stream without waiting for it.
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
         sizes = [num_tokens, num_tokens, num_tokens, len(tables), len(ctx_lens), len(ctx_slots),
                  len(sample_rows)]
         t_ids, t_pos, t_slots, t_tables, t_lens, t_ctx, t_rows = torch.split(buf, sizes)
