@@ -22,6 +22,12 @@ Removal (abort, timeout) is lazy: ``_live`` maps request id -> its current heap 
 entry popped from a heap counts only if it is still that request's live entry. Heaps are rebuilt
 when stale entries outnumber live ones, so memory stays O(live).
 
+Telemetry reads the queue as rows (`vconsole.engine.sched.request_rows`) from `_StayColumns`:
+each stay in the queue (an ``add``, until the request leaves) holds a slot in flat arrays with
+its sort key and what its row shows, written once at ``add``; `row_order` sorts the live slots
+with numpy and `rows` gathers columns, so reading 10,000 rows in queue order costs no Python
+per row.
+
 A second heap, keyed by enqueue time, finds requests waiting longer than ``max_holding_seconds``
 in O(expired * log n). Only requests that never ran time out; a preempted request is exempt (the
 scheduler, not the client's patience, put it back in the queue).
@@ -31,12 +37,60 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
 
 from vconsole.engine.request import Request, RequestStatus
 
 _Key = tuple[float, ...]
 MAX_REMOVED_LOG = 1 << 16
 _Entry = tuple[_Key, int, Request]  # (policy key, insertion counter, request)
+
+
+class _StayColumns:
+    """One slot per stay in the queue, in flat arrays (grown by doubling; freed slots reused).
+
+    Invariant: slot ``i`` is live iff ``counter[i] != 0``, and then it holds the stay whose
+    heap entry is ``(key, counter[i], req)`` with ``key == (key[i], started[i], seq[i])``; the
+    row columns are the request's at ``add`` (they do not change while it waits)."""
+
+    _COLUMNS = {"counter": np.int64, "key": np.float64, "started": np.uint8, "seq": np.int64,
+                "state": np.uint8, "priority": np.int32, "num_prompt_tokens": np.int32,
+                "num_output_tokens": np.int32, "arrival": np.float64, "id": object}
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.cols: dict[str, np.ndarray] = {c: np.zeros(capacity, dt)
+                                            for c, dt in self._COLUMNS.items()}
+        self.high = 0                 # slots ever used: live ones are below
+        self.free: list[int] = []
+
+    def put(self, entry: tuple[tuple[float, ...], int, Request]) -> int:
+        if self.free:
+            slot = self.free.pop()
+        else:
+            slot = self.high
+            if slot == len(self.cols["counter"]):
+                self.cols = {c: np.concatenate((v, np.zeros_like(v))) for c, v in self.cols.items()}
+            self.high += 1
+        (key, started, seq), counter, req = entry
+        c = self.cols
+        c["counter"][slot], c["key"][slot], c["started"][slot], c["seq"][slot] = (
+            counter, key, started, seq)
+        c["state"][slot], c["priority"][slot], c["arrival"][slot] = (
+            req.status, req.priority, req.arrival_time)
+        c["num_prompt_tokens"][slot] = len(req.prompt_token_ids)
+        c["num_output_tokens"][slot] = len(req.output_token_ids)
+        c["id"][slot] = req.request_id
+        return slot
+
+    def rekey(self, slot: int, key: tuple[float, ...]) -> None:
+        self.cols["key"][slot], self.cols["started"][slot], self.cols["seq"][slot] = key
+
+    def clear(self, slot: int) -> None:
+        self.cols["counter"][slot] = 0
+        self.cols["id"][slot] = None
+        self.free.append(slot)
 
 
 class WaitingQueue:
@@ -49,6 +103,8 @@ class WaitingQueue:
         self._enqueued_at: dict[str, float] = {}
         self._counter = 0  # makes heap entries unique, so requests are never compared
         self._removed: list[str] = []   # ids that left, in order (`removed_since`)
+        self._stays = _StayColumns()
+        self._slot: dict[str, int] = {}  # id -> its slot in `_stays`
         self._removed_base = 0          # how many were dropped from the front of that log
 
     # --- keys ---------------------------------------------------------------------------------
@@ -86,6 +142,7 @@ class WaitingQueue:
         self._counter += 1
         entry = (self._key(req), self._counter, req)
         self._live[req.request_id] = entry
+        self._slot[req.request_id] = self._stays.put(entry)
         heapq.heappush(self._heap, entry)
         if req.status == RequestStatus.WAITING:
             self._enqueued_at[req.request_id] = now
@@ -118,6 +175,7 @@ class WaitingQueue:
 
     def _forget(self, request_id: str) -> None:
         del self._live[request_id]
+        self._stays.clear(self._slot.pop(request_id))
         self._removed.append(request_id)
         if len(self._removed) > MAX_REMOVED_LOG:
             self._removed_base += len(self._removed)
@@ -138,7 +196,13 @@ class WaitingQueue:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        self._live = {rid: (self._key(req), n, req) for rid, (_, n, req) in self._live.items()}
+        live: dict[str, _Entry] = {}
+        for rid, (old, n, req) in self._live.items():
+            key = self._key(req)
+            if key != old:
+                self._stays.rekey(self._slot[rid], key)
+            live[rid] = (key, n, req)
+        self._live = live
         self._heap = list(self._live.values())
         heapq.heapify(self._heap)
         self._timeouts = [(self._enqueued_at[rid], n, req)
@@ -192,6 +256,27 @@ class WaitingQueue:
                 append(req)
                 if len(out) >= limit:
                     break
+        return out
+
+    def row_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every stay now in the queue, in scheduling order, as (slots, counters): the order
+        `ordered` gives (heap key, then insertion), sorted by numpy over the slot arrays."""
+        cols = self._stays.cols
+        counter = cols["counter"][:self._stays.high]
+        live = np.flatnonzero(counter)
+        order = np.lexsort((counter[live], cols["seq"][live], cols["started"][live],
+                            cols["key"][live]))
+        slots = live[order]
+        return slots, counter[slots]
+
+    def rows(self, slots: np.ndarray, counters: np.ndarray) -> dict[str, Any]:
+        """The rows of those stays (from `row_order`) still in the queue, in the given order:
+        ``id`` a list, the other columns arrays (``arrival`` the arrival times)."""
+        cols = self._stays.cols
+        slots = slots[cols["counter"][slots] == counters]
+        out = {c: cols[c][slots] for c in ("state", "priority", "num_prompt_tokens",
+                                           "num_output_tokens", "arrival")}
+        out["id"] = cols["id"][slots].tolist()
         return out
 
     def removed_since(self, mark: int) -> tuple[list[str] | None, int]:

@@ -102,3 +102,75 @@ def test_a_request_leaving_the_queue_twice_between_rebuilds_keeps_ids_and_column
     assert all(len(v) == 3 for v in t.columns.values())
     q.remove("r2")
     assert rows.table([], {}, q, 10, 3.0).columns["id"] == ["r1", "r3"]
+
+
+def test_the_queue_rows_read_from_its_arrays_equal_reading_each_request_in_order():
+    """`WaitingQueue.row_order` + `rows` (numpy over the per-stay arrays) list the requests
+    `ordered` lists, with their rows, through adds, pops, removals, preemptions and policy
+    changes (which re-key every stay)."""
+    import random
+
+    from vconsole.engine.request import RequestStatus
+    from vconsole.engine.sched.request_queue import WaitingQueue
+
+    rng = random.Random(1)
+    for policy in ("fcfs", "priority", "hybrid"):
+        q, n = WaitingQueue(policy, 0.7), 0
+        for step in range(1500):
+            x = rng.random()
+            if x < 0.5:
+                n += 1
+                r = make_request(f"r{n}", rng.randint(1, 9), priority=rng.randint(0, 3),
+                                 arrival=rng.random() * 10)
+                r.seq_no = n
+                if rng.random() < 0.2:
+                    r.status = RequestStatus.PREEMPTED
+                    r.output_token_ids = [5] * rng.randint(0, 4)
+                q.add(r, 0.0)
+            elif x < 0.7 and q:
+                q.pop()
+            elif x < 0.9 and q:
+                q.remove(rng.choice(sorted(q._live)))
+            elif x < 0.91:
+                q.set_policy(rng.choice(("fcfs", "priority", "hybrid")), rng.choice((0.7, 2.0)))
+            if step % 50 == 0:
+                rows = q.rows(*q.row_order())
+                want = q.ordered()
+                assert rows["id"] == [r.request_id for r in want]
+                assert rows["state"].tolist() == [int(r.status) for r in want]
+                assert rows["priority"].tolist() == [r.priority for r in want]
+                assert rows["num_prompt_tokens"].tolist() == [r.num_prompt_tokens for r in want]
+                assert rows["num_output_tokens"].tolist() == [len(r.output_token_ids)
+                                                              for r in want]
+                assert rows["arrival"].tolist() == [r.arrival_time for r in want]
+
+
+def test_a_timed_refresh_is_spread_over_snapshots_and_the_old_rows_serve_meanwhile(monkeypatch):
+    """A refresh that is due reads `REFRESH_CHUNK` positions of the queue order per snapshot;
+    until it completes, snapshots show the previous rows (minus those that left). Complete, the
+    rows are the queue's order at its start minus every request that left since."""
+    from vconsole.engine.sched import request_rows
+    from vconsole.engine.sched.request_queue import WaitingQueue
+    from vconsole.engine.sched.request_rows import WaitingRows
+
+    monkeypatch.setattr(request_rows, "REFRESH_CHUNK", 4)
+    q, rows = WaitingQueue("fcfs"), WaitingRows(refresh_s=3600)
+    for i in range(10):
+        q.add(make_request(f"a{i}", 4, arrival=float(i)), 0.0)
+    first = rows.table([], {}, q, 10, 1.0).columns["id"]      # at once: nothing cached yet
+    assert first == [f"a{i}" for i in range(10)] and rows.rebuilds == 1
+    for i in range(4):
+        q.add(make_request(f"b{i}", 4, arrival=10.0 + i), 0.0)
+    rows._next_rebuild = 0.0                                   # a timed refresh is due
+    at_start = [r.request_id for r in q.ordered()]
+    tables, waiting = [], []
+    while rows.rebuilds == 1:
+        q.pop()                                                # one admitted per step
+        tables.append(rows.table([], {}, q, 10, 2.0).columns["id"])
+        waiting.append([r.request_id for r in q.ordered()])
+        assert len(tables) < 10, "the refresh never completed"
+    assert len(tables) > 1, "the refresh took several snapshots"
+    for ids, now_waiting in zip(tables[:-1], waiting, strict=False):   # the old rows, shrinking
+        assert ids == [rid for rid in first if rid in now_waiting]
+    assert tables[-1] == [rid for rid in at_start if rid in waiting[-1]][:10]
+    assert "b0" in tables[-1], "requests queued before the refresh now show"
