@@ -235,23 +235,28 @@ class Scheduler:
         self._expire(step.now)
 
         allocate, running_status = self.kv.allocate_slots, RequestStatus.RUNNING
+        tables, B = self.kv.tables, self.block_size
         for req in list(self.running):
             if step.budget <= 0:
                 break
             if req.status is not running_status:
                 continue  # preempted earlier in this step
-            n = min(len(req.prompt_token_ids) + len(req.output_token_ids)
-                    - req.num_computed_tokens, step.budget)
+            computed = req.num_computed_tokens
+            n = min(len(req.prompt_token_ids) + len(req.output_token_ids) - computed,
+                    step.budget)
             if n <= 0:
                 continue
-            while not allocate(req, n):
-                victim = self._worst_running()
-                assert victim is not None
-                self._preempt(victim, step)
-                if victim is req:
+            table = tables.get(req.request_id)
+            # A table covers len(table) * B positions: most decode steps need no new block.
+            if table is None or len(table) * B < computed + n:
+                while not allocate(req, n):
+                    victim = self._worst_running()
+                    assert victim is not None
+                    self._preempt(victim, step)
+                    if victim is req:
+                        break
+                if req.status is not running_status:
                     break
-            if req.status is not running_status:
-                break
             step.scheduled[req.request_id] = (req, req.num_computed_tokens, n)
             step.budget -= n
 

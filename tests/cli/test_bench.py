@@ -37,8 +37,10 @@ def test_scheduler_bench_reports_every_policy_and_size_with_the_goal():
     for g in goal["policies"].values():
         assert g["max_waiting"] == 1000 and g["ratio_of"] == "t(1000)/t(100)"
         assert g["ratio"] > 0 and g["step_us_at_max"] > 0
+        assert g["us_per_running_request"] == round(g["step_us_at_max"] / 256, 2)
         assert isinstance(g["step_met"], bool) and isinstance(g["ratio_met"], bool)
     assert isinstance(goal["met"], bool)
+    assert goal["vllm_us_per_running_request"] == 12.7   # vLLM's figure, beside ours
 
 
 def test_scheduler_bench_rejects_a_bad_size_list():
