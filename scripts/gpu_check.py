@@ -91,6 +91,7 @@ def _parity(dtype: str) -> dict[str, Any]:
     # As the suite's parity tests: greedy, stopping at EOS on both sides (transformers'
     # min_new_tokens would mask EOS, which ignore_eos does not).
     ours = run_batch(core, greedy_requests(core, prompts, n)).output_token_ids
+    forward = core.runner.forward_path  # "fused" unless VCONSOLE_FORWARD=transformers
     del core
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
@@ -107,7 +108,8 @@ def _parity(dtype: str) -> dict[str, Any]:
                   for x, y in zip(ours, theirs, strict=True)]
     equal = sum(1 for d in first_diff if d is None)
     return {"ok": equal == len(prompts) if dtype == "float32" else True,
-            "equal_sequences": equal, "of": len(prompts), "first_divergence": first_diff}
+            "equal_sequences": equal, "of": len(prompts), "first_divergence": first_diff,
+            "forward": forward}
 
 
 def check_parity_fp32(_left: float) -> dict[str, Any]:

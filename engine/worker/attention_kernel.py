@@ -5,9 +5,10 @@ instead of gathering the blocks into a copy and reading the copy again in SDPA (
 path in `paged_attention`, which stays the fallback and the reference). It is built with
 ``torch.utils.cpp_extension`` (a C++ compiler and ninja) for this machine's CPU, once: ``make
 install`` runs ``python -m vconsole.engine.worker.attention_kernel`` after installing the
-package, and the engine builds it on first use if that did not happen. The build lands in
-``$VCONSOLE_CACHE/ops/<tag>`` (default ``~/.cache/vconsole``), the tag a hash of the source, the
-torch version and the CPU, so a new torch or another machine builds afresh.
+package, and the engine builds it on first use if that did not happen (~20 s). The build lands
+where torch keeps JIT extensions (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
+under a name tagged with a hash of the source, the torch and Python versions and the CPU, so a new
+torch or another machine builds afresh.
 
 ``VCONSOLE_ATTENTION_KERNEL=torch`` keeps the pure-torch path (the benchmarks' before/after);
 a build that fails (no compiler) is logged once and the engine runs the torch path.
@@ -29,8 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from vconsole.engine.worker.tiny_model import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +61,21 @@ def build_tag() -> str:
     return h.hexdigest()[:12]
 
 
+def module_name() -> str:
+    return f"vconsole_paged_attention_{build_tag()}"
+
+
 def build_dir() -> Path:
-    return default_cache_dir() / "ops" / f"paged_attention-{build_tag()}"
+    """torch's own folder for JIT extensions (``$TORCH_EXTENSIONS_DIR``, default
+    ``~/.cache/torch_extensions``), one subfolder per build tag."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(module_name(), verbose=False))
+
+
+def is_built() -> bool:
+    """Whether a build for this source, torch and CPU is in the cache (loading it is quick)."""
+    return any(build_dir().glob("*.so"))
 
 
 def wanted() -> bool:
@@ -100,11 +112,8 @@ def _build() -> Any:
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=f"vconsole_paged_attention_{build_tag()}",
-                              sources=[str(SOURCE)], build_directory=str(out),
-                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    return cpp_extension.load(name=module_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                              extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def main() -> int:

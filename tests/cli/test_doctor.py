@@ -69,3 +69,17 @@ def test_a_control_key_left_by_a_killed_engine_is_named_stale(tmp_path, monkeypa
     engine_key.write_key_file(path, key)
     check = doctor.check_control_key()
     assert check.status == doctor.WARN and "stale" in check.detail
+
+
+def test_the_attention_kernel_check_says_where_it_is_or_why_not(monkeypatch):
+    from vconsole.engine.worker import attention_kernel
+
+    attention_kernel.load()  # built by make install; built here otherwise
+    found = doctor.check_attention_kernel()
+    if attention_kernel.reason() == "built":
+        assert found.status == doctor.OK and str(attention_kernel.build_dir()) in found.detail
+    else:
+        assert found.status == doctor.WARN and "torch path" in found.detail
+    monkeypatch.setenv(attention_kernel.KERNEL_ENV, "torch")
+    off = doctor.check_attention_kernel()
+    assert off.status == doctor.WARN and "switched off" in off.detail

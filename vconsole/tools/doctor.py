@@ -13,6 +13,7 @@ as configured (the command exits 1), ``warn`` that something deserves a look.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import sys
@@ -177,9 +178,25 @@ def check_control_key(control: str | None = None) -> Check:
     return Check("control key", OK, f"{path}: {found.describe()}")
 
 
+def check_attention_kernel() -> Check:
+    """The compiled CPU decode-attention kernel: built for this machine, or why not."""
+    from vconsole.engine.worker import attention_kernel
+
+    if not attention_kernel.wanted():
+        return Check("attn kernel", WARN, f"switched off ({attention_kernel.KERNEL_ENV}"
+                     "=torch): CPU decodes take the slower torch path")
+    if attention_kernel.is_built():
+        return Check("attn kernel", OK, f"built in {attention_kernel.build_dir()}")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return Check("attn kernel", WARN, "no C++ compiler: CPU decodes take the slower "
+                     "torch path (install g++ and run `make install` to build it)")
+    return Check("attn kernel", WARN, "not built yet: the engine builds it on its first "
+                 "start on a CPU (~20 s), or run `make install`")
+
+
 CHECKS: tuple[Callable[[], Check], ...] = (
-    check_python, check_packages, check_torch, check_nvml, check_ports, check_cache,
-    check_run_dir, check_control_key)
+    check_python, check_packages, check_torch, check_attention_kernel, check_nvml,
+    check_ports, check_cache, check_run_dir, check_control_key)
 
 
 def run_checks() -> list[Check]:
