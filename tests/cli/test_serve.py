@@ -130,3 +130,35 @@ def test_beyond_loopback_the_server_wants_a_key_or_an_explicit_open_flag(
                           timeout=60, env={**os.environ, "VCONSOLE_API_KEY": ""})
     assert done.returncode == 2 and "--allow-no-api-key" in done.stderr
     assert "starting the engine" not in done.stderr
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+def test_serve_on_a_local_qwen2_directory_streams_what_it_answers(tmp_path: Path) -> None:
+    """A Qwen2 directory (random weights, saved and loaded by path like a downloaded one): the
+    SDK's completions and chat calls work, and a greedy stream's text is the plain answer's."""
+    from support.local_models import qwen2_config, save_random_model
+
+    model_dir = save_random_model(tmp_path / "qwen2-local", qwen2_config(24))
+    child, port, log = serve(tmp_path, "--model", str(model_dir), *ENGINE)
+    try:
+        wait_until(lambda: status(port) == 200, "the server never became healthy", log)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == [str(model_dir)]  # as vLLM: --model
+        ask = dict(model=str(model_dir), max_tokens=24, temperature=0)
+        prompt = "The quick brown fox " * 4           # longer than the 24-token window
+        plain = c.completions.create(prompt=prompt, **ask).choices[0].text
+        streamed = "".join(ch.choices[0].text for ch in
+                           c.completions.create(prompt=prompt, stream=True, **ask)
+                           if ch.choices)
+        assert plain and streamed == plain
+        msgs = [{"role": "user", "content": "hello there"}]
+        answer = c.chat.completions.create(messages=msgs, **ask).choices[0].message.content
+        chunks = "".join(ch.choices[0].delta.content or "" for ch in
+                         c.chat.completions.create(messages=msgs, stream=True, **ask)
+                         if ch.choices)
+        assert answer and chunks == answer
+        child.send_signal(signal.SIGINT)
+        assert child.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        child.kill()

@@ -17,60 +17,27 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.local_models import mistral_config, qwen2_config, save_random_model
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import greedy_requests, run_batch
 from vconsole.engine.worker.model_runner import FORWARD_ENV
-from vconsole.engine.worker.tiny_model import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    TINY_LLAMA,
-    build_byte_tokenizer,
-    ensure_tiny_model,
-)
+from vconsole.engine.worker.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 8
 WINDOW = 24
-COMMON = {k: TINY_LLAMA[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                      "num_attention_heads", "num_key_value_heads",
-                                      "max_position_embeddings", "rms_norm_eps", "rope_theta",
-                                      "initializer_range", "tie_word_embeddings")}
-
-
-def _save(out: Path, config) -> Path:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config)
-    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                                               pad_token_id=PAD_ID)
-    model.save_pretrained(out)
-    build_byte_tokenizer().save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory) -> Path:
-    from transformers import Qwen2Config
-
-    # Layers 0-1 full attention, 2-3 a sliding window (max_window_layers=2).
-    cfg = Qwen2Config(**COMMON, num_hidden_layers=4, use_sliding_window=True,
-                      sliding_window=WINDOW, max_window_layers=2, bos_token_id=BOS_ID,
-                      eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    cfg = qwen2_config(WINDOW)
     assert cfg.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
-    return _save(tmp_path_factory.mktemp("qwen2"), cfg)
+    return save_random_model(tmp_path_factory.mktemp("qwen2"), cfg)
 
 
 @pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory) -> Path:
-    from transformers import MistralConfig
-
-    cfg = MistralConfig(**COMMON, num_hidden_layers=3, sliding_window=WINDOW,
-                        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-    return _save(tmp_path_factory.mktemp("mistral"), cfg)
+    return save_random_model(tmp_path_factory.mktemp("mistral"), mistral_config(WINDOW))
 
 
 def _prompts(seed: int) -> list[list[int]]:
