@@ -341,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="priority:weight pairs, e.g. 0:1,5:3 (default 0:1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--wait", type=float, default=60.0, metavar="S",
+                   help="seconds to wait for the engine to answer, e.g. one started just "
+                        "before that is still loading its model (default 60)")
 
     p = cmd("set", "vconsole.commands.control:main_set", "change engine config (hot reload)")
     add_endpoint_args(p)

@@ -112,7 +112,18 @@ def _build() -> Any:
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(name=module_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
+    # Built from a copy inside the build folder: ninja rebuilds when a source's *path* changes,
+    # and two checkouts of the project (a clone for CI beside a work tree) would otherwise take
+    # turns rebuilding the same tag, 20 s each, while engines wait for the lock.
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / SOURCE.name
+    code = SOURCE.read_bytes()
+    if not source.is_file() or source.read_bytes() != code:
+        tmp = source.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(code)
+        os.replace(tmp, source)
+    return cpp_extension.load(name=module_name(), sources=[str(source)], extra_cflags=CFLAGS,
                               extra_ldflags=["-fopenmp"], verbose=False)
 
 
