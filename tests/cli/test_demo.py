@@ -34,7 +34,7 @@ def test_engine_args_pass_flags_through_with_demo_defaults():
     args = build_parser().parse_args(["demo", "--max-num-seqs", "4", "--set", "log_stats=true"])
     out = engine_args_from(args)
     assert out[out.index("--max-num-seqs") + 1] == "4"
-    assert out[out.index("--num-kv-blocks") + 1] == "128"
+    assert out[out.index("--num-kv-blocks") + 1] == "80"
     assert out[-2:] == ["--set", "log_stats=true"]
     args = build_parser().parse_args(["demo", "--config", "e.toml"])
     assert engine_args_from(args) == ["--config", "e.toml"]  # the file decides

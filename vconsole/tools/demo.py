@@ -24,9 +24,10 @@ from vconsole.engine.proc.engine_process import (
 )
 from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec
 
-# The demo's engine: small enough that bursts fill the KV pool and preempt, with priorities to
+# The demo's engine: small enough that bursts fill the KV pool and preempt (80 blocks: with the
+# engine's own forward, 128 drained too fast to ever preempt), with priorities to
 # show (`vconsole bench soak` runs the same).
-DEMO_ENGINE_DEFAULTS = {"num_kv_blocks": 128, "max_num_seqs": 16, "policy": "hybrid"}
+DEMO_ENGINE_DEFAULTS = {"num_kv_blocks": 80, "max_num_seqs": 16, "policy": "hybrid"}
 DEMO_ENGINE_ARGS = [arg for key, value in DEMO_ENGINE_DEFAULTS.items()
                     for arg in (f"--{key.replace('_', '-')}", str(value))]
 
