@@ -559,7 +559,11 @@ def test_a_client_that_stops_reading_holds_back_no_other_clients_output(tmp_path
                 received = max(n for when, n in arrivals if when <= p["ts"])
                 lags.append(p["steps"] - received)
         assert len(lags) > 20
-        assert max(lags) - min(lags) <= 40, f"outputs fell behind the engine's steps: {lags}"
+        # A held output shows as steps running ahead over many heartbeats; one late heartbeat
+        # (this process not scheduled for a moment on a loaded machine) is a lone spike.
+        behind = [lag for lag in lags if lag - min(lags) > 40]
+        assert len(behind) <= len(lags) // 10, f"outputs fell behind the engine's steps: {lags}"
+        assert sorted(lags)[len(lags) // 2] - min(lags) <= 5, lags
         log = proc.log_text()
         assert "client stuck-client: not reading its outputs (send queue full)" in log
         assert "client stuck-client is gone: aborting its 16 request(s)" in log
