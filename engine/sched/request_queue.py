@@ -236,8 +236,8 @@ class WaitingQueue:
 
     # --- views --------------------------------------------------------------------------------
     def ordered(self, limit: int | None = None) -> list[Request]:
-        """Waiting requests in scheduling order, the first ``limit`` of them: for telemetry
-        (10 Hz), not for the per-step path.
+        """Waiting requests in scheduling order, the first ``limit`` of them: for iteration,
+        tests and tools, not for the per-step path (telemetry reads `row_order` / `rows`).
 
         Sorts the heap list in place (a sorted list is a valid heap) and reads it front to
         back, skipping stale entries. Between two calls only a few entries moved, and Timsort

@@ -204,13 +204,12 @@ def paged_attention_forward(
         n = g.hi - g.lo
         if meta.decode_kernel is not None:
             # K/V read in place through the block table: no gather, no padding.
+            # It writes straight into `out`: rows lo..hi of it are contiguous (n, H, hd).
             q = query[0, :, g.lo:g.hi].transpose(0, 1).reshape(n, num_kv_heads, group, head_dim)
-            o = torch.empty((n, num_kv_heads, group, head_dim), dtype=query.dtype)
             meta.decode_kernel.paged_decode_attention(
                 q.contiguous(), k_pool, v_pool, g.block_tables.view(n, g.max_blocks),
                 g.context_lens, scaling if scaling is not None else head_dim ** -0.5,
-                sliding_window or 0, o)
-            out[0, g.lo:g.hi] = o.view(n, num_heads, head_dim)
+                sliding_window or 0, out[0, g.lo:g.hi].view(n, num_kv_heads, group, head_dim))
             continue
         length = g.max_blocks * meta.block_size
         # Gather whole blocks: (n * MB, B, KVH, hd) -> (n, KVH, MB * B, hd).
