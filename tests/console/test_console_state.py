@@ -59,6 +59,25 @@ def test_seq_gaps_count_drops_and_a_reset_counts_a_restart():
     assert eng.restarts == 1
 
 
+def test_a_restart_heard_first_at_a_higher_seq_is_still_a_restart():
+    # A subscriber that reconnects late may first hear the new engine at a seq above the old
+    # engine's last: its uptime going back says it is another process, so a config it
+    # announces at version 1 replaces the old engine's version 2.
+    s = ConsoleState(clock=lambda: T)
+    for seq in (0, 1, 2):
+        s.ingest(health(seq, T + seq), T + seq)
+    s.ingest(frames("config", {"values": {"max_num_seqs": 7}, "version": 2, "schema": []},
+                    seq=0, ts=T + 2), T + 2)
+    eng = s.engine()
+    s.ingest(health(9, T + 9, uptime_s=0.5), T + 9)
+    assert eng.restarts == 1 and eng.dropped == 0
+    s.ingest(frames("config", {"values": {"max_num_seqs": 6}, "version": 1, "schema": []},
+                    seq=4, ts=T + 9), T + 9)
+    assert (s.config.version, s.config.values["max_num_seqs"]) == (1, 6)
+    s.ingest(health(10, T + 10, uptime_s=1.5), T + 10)   # the same new process: no restart
+    assert eng.restarts == 1
+
+
 def test_heartbeat_stale_after_three_intervals():
     now = [T]
     s = ConsoleState(clock=lambda: now[0])

@@ -385,7 +385,10 @@ def test_vconsole_load_over_http_sends_the_same_workload_as_over_the_socket(
         runs[how] = json.loads(r.stdout)
     for s in runs.values():
         assert s["requests"] == 30 and s["completed"] == 30 and s["errors"] == {}
-        assert s["ttft_s"]["p50"] > 0 and s["itl_s"]["p50"] > 0
+        assert s["ttft_s"]["p50"] > 0
+        # ITL needs a request whose tokens came in two chunks or more; on a loaded machine the
+        # server (and the native client) may merge each short output into one chunk.
+        assert s["itl_s"]["p50"] is None or s["itl_s"]["p50"] > 0
     assert runs["http"]["output_tokens"] == runs["socket"]["output_tokens"]   # exact counts
 
 
