@@ -177,6 +177,7 @@ class EngineState:
         self.dropped = 0
         self.skipped = 0           # snapshots the reader conflated away (`note_skipped`)
         self.restarts = 0
+        self.process: tuple[Any, Any] | None = None   # (pid, started_ts) of the last health
         self.first_seen: float | None = None
         self.last_heartbeat: float | None = None
         self.was_down = False
@@ -212,16 +213,16 @@ class EngineState:
             return "connecting"
         return str(self.latest["health"].get("state", "running"))
 
-    def _track_seq(self, topic: str, seq: int, uptime: object = None) -> bool:
+    def _track_seq(self, topic: str, seq: int, process: tuple[Any, Any] | None = None) -> bool:
         """Count messages lost to gaps; True when this is a new publisher process: ``seq`` went
-        backwards, or (health) the engine's uptime did. The uptime catches a restart the seq
-        misses: a subscriber that reconnects late may first hear the new engine at a seq above
-        the last one the old engine reached."""
+        backwards, or (health) another process (pid, start time) speaks. The second catches
+        what the first misses: a subscriber that reconnects late may first hear the new
+        engine at a seq above the last one the old engine reached."""
         last = self.last_seq.get(topic)
         restarted = last is not None and seq <= last
-        if not restarted and isinstance(uptime, int | float):
-            before = self.latest.get("health", {}).get("uptime_s")
-            restarted = isinstance(before, int | float) and uptime < before
+        if process is not None:
+            restarted = restarted or (self.process is not None and process != self.process)
+            self.process = process
         if restarted:
             self.restarts += 1
             self.last_seq.clear()
@@ -237,8 +238,8 @@ class EngineState:
         p = msg.payload
         if self.first_seen is None:
             self.first_seen = recv_ts
-        restarted = self._track_seq(msg.topic, msg.seq,
-                                    p.get("uptime_s") if msg.topic == "health" else None)
+        restarted = self._track_seq(msg.topic, msg.seq, (p.get("pid"), p.get("started_ts"))
+                                    if msg.topic == "health" else None)
         self.received += 1
         self.latest[msg.topic] = p
         self.recv_ts[msg.topic] = recv_ts

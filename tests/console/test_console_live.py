@@ -169,12 +169,15 @@ def text_of(widget: Static) -> str:
     return str(widget.render())
 
 
-async def until(pilot, cond: Callable[[], Any], what: str, timeout: float = 15.0) -> None:
-    """Poll ``cond`` between short pilot pauses; fail with ``what`` after ``timeout``."""
+async def until(pilot, cond: Callable[[], Any], what: str, timeout: float = 15.0,
+                why: Callable[[], Any] | None = None) -> None:
+    """Poll ``cond`` between short pilot pauses; fail with ``what`` (and ``why()``, the state
+    that explains it) after ``timeout``."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what}")
+            raise AssertionError(f"not within {timeout:g} s: {what}"
+                                 + (f" ({why()!r})" if why else ""))
         await pilot.pause(0.1)
 
 
@@ -448,7 +451,13 @@ async def test_killed_engine_is_shown_down_then_the_console_recovers(spawn):
         await until(pilot, lambda: app.steering.config_fetches >= 2 and app.state.config is not None
                     and app.state.config.values["max_num_seqs"] == 6
                     and app.state.config.version == 1,
-                    "the console fetched the new engine's config", timeout=20)
+                    "the console fetched the new engine's config", timeout=20,
+                    why=lambda: (app.steering.config_fetches, app.steering.control_error,
+                                 app.state.config and (app.state.config.version,
+                                                       app.state.config.origin,
+                                                       app.state.config.values["max_num_seqs"]),
+                                 [(e.key, e.reconnects, e.restarts, e.process)
+                                  for e in app.state.engine_list()]))
         eng = app.state.engine()
         assert eng.reconnects >= 1
         assert eng.status(app.state.now()) in ("running", "idle")

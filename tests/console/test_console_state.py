@@ -61,20 +61,20 @@ def test_seq_gaps_count_drops_and_a_reset_counts_a_restart():
 
 def test_a_restart_heard_first_at_a_higher_seq_is_still_a_restart():
     # A subscriber that reconnects late may first hear the new engine at a seq above the old
-    # engine's last: its uptime going back says it is another process, so a config it
-    # announces at version 1 replaces the old engine's version 2.
+    # engine's last (and at an uptime above it): another pid and start time say it is another
+    # process, so a config it announces at version 1 replaces the old engine's version 2.
     s = ConsoleState(clock=lambda: T)
     for seq in (0, 1, 2):
-        s.ingest(health(seq, T + seq), T + seq)
+        s.ingest(health(seq, T + seq, pid=100, started_ts=T - 5), T + seq)
     s.ingest(frames("config", {"values": {"max_num_seqs": 7}, "version": 2, "schema": []},
                     seq=0, ts=T + 2), T + 2)
     eng = s.engine()
-    s.ingest(health(9, T + 9, uptime_s=0.5), T + 9)
+    s.ingest(health(9, T + 9, pid=200, started_ts=T + 1), T + 9)   # uptime 19 s > 12 s
     assert eng.restarts == 1 and eng.dropped == 0
     s.ingest(frames("config", {"values": {"max_num_seqs": 6}, "version": 1, "schema": []},
                     seq=4, ts=T + 9), T + 9)
     assert (s.config.version, s.config.values["max_num_seqs"]) == (1, 6)
-    s.ingest(health(10, T + 10, uptime_s=1.5), T + 10)   # the same new process: no restart
+    s.ingest(health(10, T + 10, pid=200, started_ts=T + 1), T + 10)   # the same process
     assert eng.restarts == 1
 
 
