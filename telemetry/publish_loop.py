@@ -98,6 +98,7 @@ class PublishLoop:
         self.latency_body: dict[str, Any] | None = None
         self.dp_body: dict[str, Any] | None = None
         self.next_error_alert: dict[str, float] = {}
+        self.health_steps = 0            # steps the last health message counted
         self.cadences = [
             Cadence("config", lambda c: c.config_interval_s, self._send_config, due=now),
             Cadence("latency", _heartbeat, self._send_latency,
@@ -233,8 +234,13 @@ class PublishLoop:
         pub = self.pub
         num_steps = max(pub.steps_recorded, self.snapshot[2] if self.snapshot else 0)
         last_step = pub.last_step_t
+        # An engine that stepped since the last heartbeat is running, even if this instant
+        # finds it between two requests (under light load it is idle most instants).
+        state = "running" if self.state == "idle" and num_steps > self.health_steps \
+            else self.state
+        self.health_steps = num_steps
         pub.send(self.sock, "health", health_body(
-            self.state, uptime_s=now - pub.t0, steps=num_steps,
+            state, uptime_s=now - pub.t0, steps=num_steps,
             interval_s=self.cfg.heartbeat_interval_s, started_ts=pub.t0_wall,
             send_drops=pub.send_drops, steps_dropped=pub.steps_dropped(),
             alerts_active=self.evaluator.active(),

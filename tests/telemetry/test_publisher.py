@@ -178,6 +178,37 @@ def test_health_keeps_coming_while_nothing_is_submitted(ctx, make_pub):
     sub.close()
 
 
+def test_an_engine_that_stepped_since_the_last_heartbeat_is_running_though_idle_now(
+        ctx, make_pub):
+    # Light load: each heartbeat finds the engine between two requests ("idle" at that
+    # instant), yet it stepped in between; health says running until it stops stepping.
+    pub = make_pub()
+    sub = subscribe(ctx, pub, topics=(b"health",))
+    wait_connected(sub)
+    stop = threading.Event()
+
+    def engine_loop() -> None:
+        while not stop.is_set():
+            pub.set_state("running")
+            pub.record_step(StepStats(1_000, 500_000, 1_000, 502_000, 4, 0, 1))
+            pub.set_state("idle")
+            time.sleep(0.01)
+
+    t = threading.Thread(target=engine_loop)
+    t.start()
+    try:
+        time.sleep(0.15)            # the health in flight when the steps began
+        busy = [m.payload["state"] for m in collect(sub, 0.5)]
+    finally:
+        stop.set()
+        t.join()
+    quiet = [m.payload["state"] for m in collect(sub, 0.5)]
+    assert len(busy) >= 3 and set(busy) == {"running"}, busy
+    # The first heartbeat after the last step still counts it; from the next one, idle.
+    assert quiet[-3:] == ["idle"] * 3 and quiet.count("running") <= 1, quiet
+    sub.close()
+
+
 def test_last_state_is_refreshed_for_a_late_subscriber(ctx, make_pub):
     pub = make_pub()
     sched, kv = snapshot(num_waiting=7)
