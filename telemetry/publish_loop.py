@@ -98,7 +98,7 @@ class PublishLoop:
         self.latency_body: dict[str, Any] | None = None
         self.dp_body: dict[str, Any] | None = None
         self.next_error_alert: dict[str, float] = {}
-        self.health_steps = 0            # steps the last health message counted
+        self.health_steps = pub.steps_recorded   # steps the last health message counted
         self.cadences = [
             Cadence("config", lambda c: c.config_interval_s, self._send_config, due=now),
             Cadence("latency", _heartbeat, self._send_latency,
