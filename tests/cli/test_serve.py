@@ -112,6 +112,42 @@ def test_serve_in_front_of_a_running_engine_follows_its_crash_and_restart(
             child.stop(30, signal.SIGINT)
 
 
+@pytest.mark.proc
+def test_a_frozen_engine_turns_health_503_without_failing_the_stream_it_resumes(
+        tmp_path: Path) -> None:
+    # /health follows the console's ENGINE DOWN rule (three silent heartbeats), not the
+    # client's ten after which requests in flight fail: an engine stopped for five seconds
+    # is reported down, and the stream it was writing still finishes whole when it resumes.
+    with EngineProcess(["--num-kv-blocks", "300", "--block-size", "8"],
+                       endpoints=ipc_endpoints(tmp_path)) as engine:
+        child, port, log = serve(tmp_path, "--engine-ready-file", str(engine.ready_path))
+        try:
+            wait_until(lambda: status(port) == 200, "the server never became healthy", log)
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                              max_retries=0, timeout=60)
+            stream = c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2000,
+                                          extra_body={"ignore_eos": True}, stream=True,
+                                          stream_options={"include_usage": True})
+            chunks = iter(stream)
+            next(chunks)                                  # the engine is writing it
+            pid = engine.ready["child_pid"]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                frozen = time.monotonic()
+                seen = []
+                while time.monotonic() - frozen < 5.0:
+                    seen.append(status(port))
+                    time.sleep(0.1)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert seen[0] == 200 and 503 in seen, seen
+            rest = list(chunks)
+            assert rest[-1].usage.completion_tokens == 2000     # nothing lost, nothing failed
+            wait_until(lambda: status(port) == 200, "/health never came back", log, 30)
+        finally:
+            child.stop(30, signal.SIGINT)
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
 def test_loopback_needs_no_key(host: str) -> None:
     check_http_host(host, api_key=False, open_without_key=False)

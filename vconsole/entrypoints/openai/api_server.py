@@ -218,7 +218,7 @@ async def _keep_connected(serving: OpenAIServing) -> None:
     """Redo the engine handshake while the engine is unreachable (a restart), so ``/health``
     turns 200 again without waiting for a request."""
     while True:
-        if not serving.engine.healthy:
+        if not serving.engine.connected:
             with contextlib.suppress(TimeoutError, OSError):
                 await serving.engine.reconnect()
         await asyncio.sleep(RECONNECT_S)

@@ -7,8 +7,12 @@ engine requests (the engine's prefix cache shares the prompt's KV blocks between
 yields their outputs as they come, merged; leaving the iterator early (a stop string, a client
 that went away) aborts in the engine whatever is still running.
 
-``healthy``: the engine answered its handshake and has not gone silent since (the client's
-heartbeat watch); ``in_flight``: engine requests running for HTTP clients (``GET /load``).
+``connected``: the engine answered its handshake and has not gone silent since (the client's
+heartbeat watch, ten heartbeats: past it, requests in flight fail and the server shakes hands
+again). ``healthy`` (``GET /health``) is stricter: also heard within the last three heartbeats,
+the rule by which the console shows ENGINE DOWN, so a killed engine turns ``/health`` to 503 in
+about three seconds while its supervisor restarts it. ``in_flight``: engine requests running
+for HTTP clients (``GET /load``).
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ import asyncio
 import contextlib
 import itertools
 import os
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc.async_client import AsyncEngineClient
 from vconsole.security.curve import ClientCurve
+
+HEALTH_INTERVALS = 3   # heartbeats of silence after which /health says 503 (the console's rule)
 
 
 class EngineLink:
@@ -41,8 +48,13 @@ class EngineLink:
         return self.client.engine_info
 
     @property
-    def healthy(self) -> bool:
+    def connected(self) -> bool:
         return self.client.connected
+
+    @property
+    def healthy(self) -> bool:
+        c = self.client
+        return c.connected and time.monotonic() - c.last_message <= HEALTH_INTERVALS * c.heartbeat_s
 
     async def connect(self) -> None:
         await self.client.connect()
