@@ -93,7 +93,9 @@ def _start_engine(args: argparse.Namespace) -> EngineProcess:
     launch = replace(launch, ready_file=None, metrics=launch.metrics or ("127.0.0.1", 0))
     log.info("starting the engine (%s) ...", launch.config.model)
     # The HTTP server shares the machine with the engine: on a CPU, leave it a core.
-    return EngineProcess(launch.argv(), endpoints=dict(launch.endpoints), inherit_output=True,
+    # EngineProcess names the endpoints on the command line itself.
+    return EngineProcess(replace(launch, endpoints={}).argv(), endpoints=dict(launch.endpoints),
+                         inherit_output=True,
                          env=engine_env_beside_clients(launch.config.data_parallel_size)
                          ).start(timeout_s=600)
 
