@@ -444,7 +444,7 @@ class EngineCoreProc:
         match item:
             case Add(client_id, msg):
                 self.intake.add(client_id, msg, refuse=self._stopping and
-                                "engine is shutting down")
+                                protocol.SHUTTING_DOWN)
             case AddReady(engine_id, client_id, result):
                 self.intake.add_ready(engine_id, client_id, result)
             case Reject(client_id, request_id, reason):
@@ -476,7 +476,7 @@ class EngineCoreProc:
 
     def _profile_start(self, fields: dict[str, Any], request_id: int | None) -> dict[str, Any]:
         if self._stopping is not None:
-            return control.error_reply("engine is shutting down", request_id)
+            return control.error_reply(protocol.SHUTTING_DOWN, request_id)
         try:
             return control.profile_reply(self.profiles.start(self.core, fields["steps"]),
                                          request_id)
@@ -491,7 +491,7 @@ class EngineCoreProc:
 
     def _set_config(self, values: dict[str, Any], request_id: int | None) -> dict[str, Any]:
         if self._stopping is not None:
-            return control.error_reply("engine is shutting down", request_id)
+            return control.error_reply(protocol.SHUTTING_DOWN, request_id)
         update = self.core.apply_config(values)
         self._after_config_change(update, "set_config")
         return control.config_reply(self.core.config_version, self.core.config.to_dict(),

@@ -58,6 +58,7 @@ INLINE_MAX = 16
 EXT_ARRAY = 1
 MAX_FRAMES = 8
 MAX_REQUEST_ID_LEN = 256
+SHUTTING_DOWN = "engine is shutting down"   # why an ``add`` or a control request is refused
 TOKEN_DTYPE = np.dtype("<i4")
 
 HELLO, READY, ADD, ABORT, OUTPUTS, ERROR, HEARTBEAT = (

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from http.client import HTTPConnection
 from pathlib import Path
 
 import openai
@@ -144,6 +145,33 @@ def test_a_frozen_engine_turns_health_503_without_failing_the_stream_it_resumes(
             rest = list(chunks)
             assert rest[-1].usage.completion_tokens == 2000     # nothing lost, nothing failed
             wait_until(lambda: status(port) == 200, "/health never came back", log, 30)
+        finally:
+            child.stop(30, signal.SIGINT)
+
+
+@pytest.mark.proc
+def test_a_stream_whose_engine_was_killed_ends_with_a_503_error_event(tmp_path: Path) -> None:
+    # The engine's failure is not the client's bad request: the stream's error event says 503
+    # (ServiceUnavailableError), as a plain request to a dead engine does, then [DONE].
+    with EngineProcess([*ENGINE, "--num-kv-blocks", "300"],
+                       endpoints=ipc_endpoints(tmp_path)) as engine:
+        child, port, log = serve(tmp_path, "--engine-ready-file", str(engine.ready_path))
+        try:
+            wait_until(lambda: status(port) == 200, "the server never became healthy", log)
+            conn = HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps(
+                {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True,
+                 "stream": True}), {"content-type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            assert resp.readline().startswith(b"data: {")       # the engine is writing it
+            os.kill(engine.ready["child_pid"], signal.SIGKILL)
+            events = [line[6:].strip() for line in resp.read().decode().splitlines()
+                      if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert (error["code"], error["type"]) == (503, "ServiceUnavailableError"), error
+            assert error["message"].startswith("engine unreachable")
         finally:
             child.stop(30, signal.SIGINT)
 

@@ -27,9 +27,21 @@ from typing import Any
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc.async_client import AsyncEngineClient
+from vconsole.engine.proc.client import ENGINE_UNREACHABLE
+from vconsole.engine.proc.protocol import SHUTTING_DOWN
+from vconsole.entrypoints.openai.protocol import BadRequest
 from vconsole.security.curve import ClientCurve
 
 HEALTH_INTERVALS = 3   # heartbeats of silence after which /health says 503 (the console's rule)
+
+
+def engine_refusal(reason: str) -> BadRequest:
+    """The HTTP error for a request the engine ended with an error: 503 when the engine is
+    gone or leaving (the client may retry elsewhere or later), else 400 (the engine's own
+    validation refused what the client sent)."""
+    if reason.startswith((ENGINE_UNREACHABLE, SHUTTING_DOWN)):
+        return BadRequest(reason, status=503, kind="ServiceUnavailableError")
+    return BadRequest(reason)
 
 
 class EngineLink:

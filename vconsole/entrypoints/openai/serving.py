@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vconsole.entrypoints.openai.engine_link import EngineLink
+from vconsole.entrypoints.openai.engine_link import EngineLink, engine_refusal
 from vconsole.entrypoints.openai.logprobs import Entry, chat_logprobs, completion_logprobs
 from vconsole.entrypoints.openai.protocol import (
     BadRequest,
@@ -280,7 +280,7 @@ class OpenAIServing:
                 stopped.add(i)
             elif out.finished:
                 if out.finish_reason == "error":
-                    raise BadRequest(out.error or "the engine refused the request")
+                    raise engine_refusal(out.error or "the engine refused the request")
                 delta += c.text.finish()
                 c.finish_reason = "abort" if out.finish_reason in ("abort", "timeout") \
                     else out.finish_reason or "stop"
