@@ -330,7 +330,11 @@ def test_torchrun_launches_two_ranks_that_serve_behind_rank_0s_front_end(tmp_pat
                                    timeout_s=10)
         finally:
             telemetry.close()
-        proc.stop(60)                                                   # SIGTERM, the group
+        # Ctrl-C or a killpg reaches each rank twice, directly and passed on by torchrun's
+        # agent; here a third, sent first, makes sure the repeats land before the drain ends.
+        for r in record["ranks"]:
+            os.kill(r["pid"], signal.SIGTERM)
+        proc.stop(60)              # SIGTERM, the group (torchrun itself exits 1 on a signal)
         assert log.read_text().count("engine stopped (SIGTERM)") == 2   # every rank drained
     finally:
         proc.kill()

@@ -205,7 +205,10 @@ def _torchrun_rank(launch: EngineLaunch) -> int:
     # The group's /metrics, control key and public telemetry are the front end's.
     rank = replace(launch, endpoints=private, ready_file=None, metrics=None,
                    control_key_file=None, allow_remote=False)
-    return _serve(rank, curve=rank_curve, front=front)
+    # A stop reaches a rank twice (the terminal's or a killpg's signal to the whole group, and
+    # torchrun's agent passing it on): the rank drains on the first and ignores the rest;
+    # torchrun escalates (SIGKILL after its grace period).
+    return _serve(rank, curve=rank_curve, front=front, escalate=False)
 
 
 def _launch_ranks(launch: EngineLaunch) -> int:
