@@ -399,15 +399,25 @@ def test_a_long_text_prompt_does_not_hold_back_other_clients_outputs(engine):
         assert len(during) >= 10, f"only {len(during)} outputs while the prompt was prepared"
 
 
-def test_a_vanished_client_has_its_requests_aborted(engine, telemetry):
-    c = client(engine)
-    rid = c.submit(prompt_token_ids=[13] * 4, max_tokens=250, ignore_eos=True)
-    next(c.stream(rid))
-    c.close()
-    t = time.monotonic()
-    telemetry.wait_for("sched", lambda s: s["num_running"] == 0 and s["num_waiting"] == 0,
-                       since=t, timeout_s=15)
-    assert "is gone: aborting its 1 request(s)" in engine.log_text()
+def test_a_vanished_client_has_its_requests_aborted(tmp_path):
+    # A request long enough (2,000 tokens) that it cannot finish on its own before a client
+    # starved of CPU gets to close: the engine has to notice the client left.
+    with EngineProcess(["--model", "tiny", "--num-kv-blocks", "300", "--block-size", "8"],
+                       endpoints=_ipc_endpoints(tmp_path),
+                       log_path=tmp_path / "engine.log") as engine:
+        tel = Telemetry(engine.endpoints["telemetry"])
+        try:
+            c = client(engine)
+            rid = c.submit(prompt_token_ids=[13] * 4, max_tokens=2000, ignore_eos=True)
+            next(c.stream(rid))
+            c.close()
+            t = time.monotonic()
+            tel.wait_for("sched", lambda s: s["num_running"] == 0 and s["num_waiting"] == 0,
+                         since=t, timeout_s=15)
+            assert "is gone: aborting its 1 request(s)" in engine.log_text()
+            assert tel.topic("sched", t)[-1]["num_generation_tokens_total"] < 2000
+        finally:
+            tel.close()
 
 
 def test_non_loopback_endpoints_are_refused_without_opt_in():
