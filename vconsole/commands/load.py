@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
             client = HttpLoadClient(args.api_url, api_key=args.api_key, model=args.model)
         else:
             client = AsyncEngineClient(args.input, args.output, curve=curve,
-                                       timeout_s=getattr(args, "wait", 60.0))
+                                       timeout_s=args.wait)
         async with client:
             return await run_load(client, spec, stop=stop, on_progress=show if tty else None)
 
