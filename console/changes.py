@@ -46,6 +46,9 @@ class ChangeRecord:
     id: int = field(default_factory=lambda: next(_ids))
     # A data-parallel front end acknowledges per rank: rank -> applied there (empty otherwise).
     ranks: dict[str, bool] = field(default_factory=dict)
+    # False when the console's own check stopped the value (invalid, or already in force): the
+    # engine never saw it, so its summary must not read as the engine's answer.
+    sent: bool = True
 
     @property
     def done(self) -> bool:
@@ -56,7 +59,12 @@ class ChangeRecord:
         return self.status in (APPLIED, UNCHANGED)
 
     def summary(self) -> str:
-        """What the console shows next to the key."""
+        """What the console shows next to the key: ``not sent: …`` for a value the console's
+        own check stopped, else the engine's answer."""
+        if not self.sent:
+            what = self.reason or self.status
+            return f"not sent: {self.status}: {what}" if self.status == INVALID else \
+                f"not sent: {what}"
         if self.status == PENDING:
             return "sending…"
         acks = ""

@@ -207,7 +207,7 @@ class Steering:
             return ChangePlan(key, old, refused=reason)
         if value == old:
             self.note(ChangeRecord(key, old, value, status=UNCHANGED,
-                                   reason="same as the current value; not sent"), sent=False)
+                                   reason="same as the current value"), sent=False)
             return ChangePlan(key, old, value)
         sc, kvp = _latest(engine)
         risk = consequence(key, old, value, num_running=sc.get("num_running"),
@@ -286,6 +286,7 @@ class Steering:
 
     def note(self, rec: ChangeRecord, *, sent: bool) -> None:
         """Keep ``rec`` as the last answer for its key (and in ``history`` if it was sent)."""
+        rec.sent = sent
         self.replies[rec.key] = rec
         if sent:
             self.history.append(rec)

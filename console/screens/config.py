@@ -228,8 +228,8 @@ class ConfigScreen(FilteredScreen):
         if self.editing is None:
             return
         reason = self.console.request_change(self.editing, event.value)
-        if reason is not None:
-            self.show_error(reason)
+        if reason is not None:      # the console's own check: nothing went to the engine
+            self.show_error(f"not sent: {reason}")
             return
         self.close_editor()
 

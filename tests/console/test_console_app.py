@@ -581,3 +581,25 @@ async def test_a_replay_shows_where_it_is_and_when_it_has_ended():
         await pilot.pause()
         bar = text_of(app.screen.query_one(TabBar))
         assert "■ END " in bar and ".vrec" in bar
+
+
+async def test_a_value_the_console_refuses_reads_not_sent_not_as_the_engines_reply():
+    """Issue 27 item 9: 0 for max_num_seqs is stopped by the console's own check, so the
+    "engine reply" column must not show it as the engine's answer."""
+    ctl = FakeControl()
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_editor(pilot, app, "max_num_seqs")
+        await type_value(pilot, screen, "0")
+        await pilot.press("escape")
+        await pilot.pause()
+        reply = str(screen.table.get_row("max_num_seqs")[3])
+        assert reply.startswith("not sent: invalid:") and ">= 1" in reply
+        assert "no changes sent yet" in text_of(screen.query_one("#cfg-history"))
+        assert [c for c in ctl.calls if c[0] == "set_config"] == []
+        await open_editor(pilot, app, "max_num_seqs")
+        current = str(app.state.config.values["max_num_seqs"])
+        await type_value(pilot, screen, current)             # the value in force: not sent either
+        await pilot.pause()
+        assert str(screen.table.get_row("max_num_seqs")[3]) == \
+            "not sent: same as the current value"
