@@ -275,8 +275,6 @@ class VConsoleApp(App[None]):
             return len(self.state.engines) > 1
         if action == "show" and parameters == ("profile",):
             return not self.readonly and supports_profile(self.steering.control)
-        if action == "show" and parameters == ("dp",):
-            return self.is_dp()
         return True
 
     def is_dp(self) -> bool:
@@ -300,6 +298,10 @@ class VConsoleApp(App[None]):
         self.refresh_view(force=True)
 
     def action_show(self, mode: str) -> None:
+        if mode == "dp" and not self.is_dp():
+            # The key is always bound so that pressing it says why nothing opens.
+            self.notify(keymap.RANKS_ONLY_DP, title="Ranks", severity="warning")
+            return
         if mode in self.MODES and mode != self.current_mode:
             self.switch_mode(mode)
 

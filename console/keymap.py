@@ -140,6 +140,15 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
                 ("v / → ←", "next / previous plots, when not all fit")]),
 ]
 
+# What ``6`` says on a lone engine (the key stays bound so that it never silently does nothing),
+# and the help's line for it there.
+RANKS_ONLY_DP = ("Ranks (6) is for a data-parallel group: start the engine with "
+                 "--data-parallel-size N, or watch a vLLM server with several engines. "
+                 "This is one engine.")
+LONE_ENGINE_HELP: tuple[str, list[tuple[str, str]]] = (
+    "Ranks", [("6", "every rank of a data-parallel group: only while one is watched (vconsole "
+                    "engine --data-parallel-size N); this is one engine")])
+
 # Shown in the help only while a data-parallel group is watched.
 DP_HELP: tuple[str, list[tuple[str, str]]] = (
     "Ranks (data parallel)", [

@@ -12,8 +12,10 @@ Filter syntax (every word must match, case-insensitive):
 - ``state:running`` / ``id:req-12`` — a substring of that column;
 - ``prio>0``, ``age>=30``, ``blocks<4``, ``output=0`` — a numeric comparison on a column.
 
-A word that does not parse as a comparison falls back to substring matching, so typing never
-raises. Sorting is stable (ties keep their input order in either direction, as Python's
+A word without ``< > = !`` is a substring search. A word with one that is not a comparison
+of a numeric column with a number (``prio>>x``, ``age>soon``, ``state>3``, ``foo>1``) is not
+understood: `not_understood` names it, the screen says so, and it filters nothing (it is
+ignored rather than silently searched for as text), so typing never raises. Sorting is stable (ties keep their input order in either direction, as Python's
 ``sort(reverse=True)``) and puts missing values last.
 """
 
@@ -63,6 +65,37 @@ _CMP = re.compile(r"^([a-z_]+)(>=|<=|!=|>|<|=|:)(.*)$")
 _DIGITS = re.compile(r"(\d+)")
 
 
+_OP_CHARS = frozenset("<>=!")
+NUMERIC_KEYS = frozenset(c.key for c in COLUMNS if c.numeric)
+
+
+def _understood(word: str) -> bool:
+    """A plain word, ``column:text``, or ``numeric-column OP number``."""
+    if not _OP_CHARS & set(word):
+        return True
+    m = _CMP.match(word)
+    if not m or m.group(1) not in ALIASES:
+        return False
+    key, op, value = ALIASES[m.group(1)], m.group(2), m.group(3)
+    if op == ":":
+        return True
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return key in NUMERIC_KEYS
+
+
+def not_understood(query: str) -> list[str]:
+    """The words of ``query`` that look like a comparison but are not one (they are ignored)."""
+    return [w for w in query.lower().split() if not _understood(w)]
+
+
+def _words(query: str) -> list[str]:
+    """The words that filter: every word but the ones `not_understood` names."""
+    return [w for w in query.lower().split() if _understood(w)]
+
+
 def _predicate(word: str) -> Callable[[Row], bool]:
     m = _CMP.match(word)
     if m and m.group(1) in ALIASES:
@@ -84,7 +117,7 @@ def _predicate(word: str) -> Callable[[Row], bool]:
 
 
 def filter_rows(rows: Sequence[Row], query: str) -> list[Row]:
-    words = query.lower().split()
+    words = _words(query)
     if not words:
         return list(rows)
     preds = [_predicate(w) for w in words]
@@ -171,7 +204,7 @@ def select(cols: RequestColumns, query: str, key: str, reverse: bool = False) ->
     """Row indices of ``cols`` matching ``query``, in ``key`` order (stable, missing last):
     the same rows in the same order as ``sort_rows(filter_rows(rows, query), key, reverse)``."""
     idx = np.arange(len(cols))
-    words = query.lower().split()
+    words = _words(query)
     if words:
         mask = np.ones(len(cols), bool)
         for w in words:

@@ -10,7 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
-from vconsole.console.keymap import DP_HELP, HELP_SECTIONS
+from vconsole.console.keymap import DP_HELP, HELP_SECTIONS, LONE_ENGINE_HELP
 
 LEGEND = [
     ("[$success]●[/] [$warning]●[/] [$error]●[/]", "ok / warning / critical (engine's alert "
@@ -34,7 +34,7 @@ class HelpScreen(ModalScreen[None]):
         # At 80x24 most of it is below the fold: the first line says how to get there.
         lines = ["[b]vconsole[/] — keys  [$text-muted]↑ ↓ pgup pgdn scroll · esc or ? "
                  "closes[/]"]
-        for title, keys in [*HELP_SECTIONS, *([DP_HELP] if self.dp else [])]:
+        for title, keys in [*HELP_SECTIONS, DP_HELP if self.dp else LONE_ENGINE_HELP]:
             if self.readonly and title == "Config":
                 keys = [("", "read-only: config changes are disabled")]
             if self.readonly and title == "Profile":

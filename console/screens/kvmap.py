@@ -106,7 +106,9 @@ class KvScreen(ConsoleScreen):
                                                                           - 2))))
 
     def action_zoom(self, steps: int) -> None:
-        self.grid.zoom_by(steps)
+        why = self.grid.zoom_by(steps)
+        if why is not None:         # at the end of the zoom: say so rather than do nothing
+            self.notify(why, title="KV map")
         self.console.refresh_view(force=True)
 
     def action_rank(self, step: int) -> None:

@@ -10,7 +10,7 @@ from textual.widgets import Input, Static
 
 from vconsole.console import format as fmt
 from vconsole.console.keymap import REQUESTS
-from vconsole.console.requests_view import SORT_KEYS, TITLES, select
+from vconsole.console.requests_view import SORT_KEYS, TITLES, not_understood, select
 from vconsole.console.screens.filtered import FilteredScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
@@ -96,6 +96,11 @@ class RequestsScreen(FilteredScreen):
             parts.append(f"[$text-muted]{view}[/]")
             if self.filter_text:
                 parts.append(f"filter [b]{fmt.escape(self.filter_text)}[/]")
+                bad = not_understood(self.filter_text)
+                if bad:
+                    parts.append(f"[$warning]not understood, ignored: "
+                                 f"{fmt.escape(' '.join(bad))} (compare a number column: "
+                                 f"prio>0, age>=30, output=0)[/]")
             if frame.paused:
                 parts.append("[$warning b]paused[/]")
             text = " · ".join(parts)

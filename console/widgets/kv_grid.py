@@ -116,11 +116,26 @@ class KvGrid(ScrollView, can_focus=True):
     def rows(self) -> int:
         return math.ceil(len(self._glyph) / self.columns) if len(self._glyph) else 0
 
-    def zoom_by(self, steps: int) -> None:
-        """+1 zooms out (twice the blocks per cell), -1 zooms in."""
+    def zoom_by(self, steps: int) -> str | None:
+        """+1 zooms out (twice the blocks per cell), -1 zooms in. Returns why nothing changed
+        (the zoom is at its end), else None."""
         top = max(0, math.ceil(math.log2(max(1, len(self.states)))))
-        self.zoom = max(MIN_LEVEL, min(top, self.level + (1 if steps > 0 else -1)))
+        level = max(MIN_LEVEL, min(top, self.level + (1 if steps > 0 else -1)))
+        if level == self.level:
+            return self._zoom_end(steps)
+        self.zoom = level
         self._rebuild()
+        return None
+
+    def _zoom_end(self, steps: int) -> str:
+        """Why a zoom key did nothing: the cells are already as wide, or as full, as they go."""
+        n = len(self.states)
+        if n == 0:
+            return "no block map to zoom"
+        if steps < 0:
+            return (f"already zoomed in as far as it goes: 1 block per cell, {self.cell_width} "
+                    f"characters wide ({n:,} blocks)")
+        return f"already zoomed out as far as it goes: all {n:,} blocks in one cell"
 
     def zoom_fit(self) -> None:
         self.zoom = None

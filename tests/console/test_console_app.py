@@ -603,3 +603,59 @@ async def test_a_value_the_console_refuses_reads_not_sent_not_as_the_engines_rep
         await pilot.pause()
         assert str(screen.table.get_row("max_num_seqs")[3]) == \
             "not sent: same as the current value"
+
+
+def notices(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+async def test_six_on_a_lone_engine_says_why_there_is_no_ranks_screen():
+    """Issue 27 item 13: ``6`` (Ranks) used to do nothing at all on one engine."""
+    app = replay_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("6")
+        await pilot.pause()
+        assert isinstance(app.screen, OverviewScreen)
+        assert any("data-parallel" in m and "one engine" in m for m in notices(app))
+        await pilot.press("question_mark")
+        await pilot.pause()
+        help_text = str(app.screen.query_one("#help-text").render())
+        assert "6" in help_text and "only while one is watched" in help_text
+
+
+async def test_zoom_in_at_the_largest_cells_says_why_nothing_changes():
+    """Issue 27 item 13: ``+`` on a small pool at fit size (already 4-wide cells) did nothing."""
+    import numpy as np
+    states = np.zeros(64, dtype=np.uint8)
+    states[:20] = 1
+    body = {"num_blocks": len(states), "block_size": 16, "num_free": 44, "num_used": 20,
+            "num_cached": 0, "num_shared": 0, "usage": 0.3, "token_usage": 0.3,
+            "fragmentation": 0.0, "prefix_queries": 0, "prefix_hits": 0, "prefix_hit_rate": 0.0,
+            "block_states": states}
+    t0 = 1_700_000_000.0
+    app = replay_app(records=[(t0, frames("kv", body, ts=t0))])
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("3")
+        grid = app.screen.query_one(KvGrid)
+        assert grid.cell_width == 4
+        await pilot.press("plus")
+        await pilot.pause()
+        assert grid.cell_width == 4
+        assert any("zoomed in as far as it goes" in m and "4 characters wide" in m
+                   for m in notices(app))
+        await pilot.press("minus")
+        assert grid.cell_width == 2                       # the other way still works
+
+
+async def test_a_filter_word_that_is_not_a_comparison_is_named_not_searched():
+    """Issue 27 item 13: ``prio>>x`` was silently a word search (and matched nothing)."""
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("2")
+        screen = app.screen
+        await until(pilot, lambda: screen.total_rows > 0)
+        await pilot.press("slash", *"prio>>x", "enter")
+        await pilot.pause()
+        summary = text_of(screen.query_one("#req-summary"))
+        assert "not understood, ignored: prio>>x" in summary
+        assert len(screen.table.rows) == screen.total_rows

@@ -16,7 +16,7 @@ from vconsole.console.changes import (
     consequence,
     validate,
 )
-from vconsole.console.requests_view import filter_rows, sort_rows
+from vconsole.console.requests_view import filter_rows, not_understood, sort_rows
 from vconsole.console.state import ConsoleState, Series
 from vconsole.console.widgets.kv_grid import fit_blocks_per_cell, summarise
 
@@ -212,10 +212,20 @@ ROWS = [{"id": "req-1", "state": "running", "priority": 0, "num_prompt_tokens": 
 @pytest.mark.parametrize("query, ids", [
     ("", ["req-1", "req-2", "req-3"]), ("running", ["req-1"]), ("prio>0", ["req-2", "req-3"]),
     ("state:wait", ["req-2"]), ("age>=3 prio<5", ["req-1"]), ("REQ-3", ["req-3"]),
-    ("prio>abc", []),
+    # A comparison that is not one is ignored (and named by not_understood), not searched for.
+    ("prio>abc", ["req-1", "req-2", "req-3"]), ("prio>>x running", ["req-1"]),
 ])
 def test_filter_rows(query, ids):
     assert [r["id"] for r in filter_rows(ROWS, query)] == ids
+
+
+@pytest.mark.parametrize("query, bad", [
+    ("prio>>x", ["prio>>x"]), ("age>soon running", ["age>soon"]), ("state>3", ["state>3"]),
+    ("foo>1", ["foo>1"]), ("prio>0 age>=3 output=0 blocks!=1", []), ("state:run req-1", []),
+    ("id:a>b", []),
+])
+def test_not_understood_names_the_comparisons_that_are_not_one(query, bad):
+    assert not_understood(query) == bad
 
 
 def test_sort_rows_numeric_and_text():
