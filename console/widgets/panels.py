@@ -142,8 +142,7 @@ def phases(eng: EngineState, now: float, width: int, limits: Mapping[str, float]
             _muted(f"{fmt.source_name(st.get('source'))} does not expose step phases"),
             fmt.fit([f"{_muted('steps/s')} {fmt.num(_num(st, 'steps_per_s'))}",
                      f"{_muted('tok/s')} {fmt.num(_num(st, 'tokens_per_s'), 0)}"], width, "  "),
-            fmt.fit([f"{_muted('window')} {fmt.count(_num(st, 'num_prefill_tokens'))}p+"
-                     f"{fmt.count(_num(st, 'num_decode_tokens'))}d",
+            fmt.fit([_window_tokens(st),
                      f"{_muted('finished')} {fmt.count(_num(st, 'num_finished'))}"],
                     width, "  ")])
     ph = st.get("phase_s") or {}
@@ -165,12 +164,21 @@ def phases(eng: EngineState, now: float, width: int, limits: Mapping[str, float]
                         limits["alert_step_time_critical_s"])
     lines.append(fmt.fit([f"{_muted('step p50')} {fmt.styled(fmt.ms(p50), p50_lvl)}",
                           f"{_muted('max')} {fmt.ms(_num(st, 'step_time_max_s'))}",
-                          f"{_muted('batch')} {fmt.count(_num(st, 'num_prefill_tokens'))}p+"
-                          f"{fmt.count(_num(st, 'num_decode_tokens'))}d"], width, "  "))
+                          _window_tokens(st)], width, "  "))
     if share is not None and share >= thr:
         lines.append(fmt.styled(f"⚠ scheduler is {fmt.pct(share, 0)} of step time "
                                 f"(≥ {fmt.pct(thr, 0)})", fmt.WARN))
     return "\n".join(lines)
+
+
+def _window_tokens(st: Mapping[str, Any]) -> str:
+    """``tokens/1s 0p+79d``: the prefill and decode tokens of the whole step window (the
+    ``step`` topic carries window totals, not one step's batch), named by the window's length
+    so it never reads as a batch beside ``running 2/4``."""
+    window = _num(st, "window_s")
+    span = f"{window:.1f}".removesuffix(".0") + "s" if window else "window"
+    return (f"{_muted(f'tokens/{span}')} {fmt.count(_num(st, 'num_prefill_tokens'))}p+"
+            f"{fmt.count(_num(st, 'num_decode_tokens'))}d")
 
 
 def kv(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:

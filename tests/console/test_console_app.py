@@ -659,3 +659,17 @@ async def test_a_filter_word_that_is_not_a_comparison_is_named_not_searched():
         summary = text_of(screen.query_one("#req-summary"))
         assert "not understood, ignored: prio>>x" in summary
         assert len(screen.table.rows) == screen.total_rows
+
+
+async def test_the_step_panel_names_its_token_window_not_a_batch():
+    """Issue 27 item 10: ``batch 0p+79d`` beside ``running 2/4`` was the token total of the
+    telemetry window, not one step's batch: it is now named by its window."""
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:     # 80x24 drops it when too long
+        await pilot.pause()
+        st = app.state.engine().latest["step"]
+        span = f"{st['window_s']:.1f}".removesuffix(".0")
+        text = text_of(app.screen.query_one("#phases"))
+        assert f"tokens/{span}s {st['num_prefill_tokens']:,}p+{st['num_decode_tokens']:,}d" \
+            in text
+        assert "batch" not in text
