@@ -27,6 +27,10 @@ are then answered ``restart_required``, which is what ``hot=False`` says). Rules
 - ``ttft`` -- TTFT p99 climbing while decodes fill the steps: a larger ``max_num_batched_tokens``
   when the step's token budget is what runs out (hot), and a ``hybrid`` policy under ``fcfs``
   when requests of several priorities wait (hot).
+- ``seats`` -- requests wait while every seat is taken (running at ``max_num_seqs``) and the KV
+  pool has room for more (no preemptions, the scheduler's share of step time under its
+  warning): a higher ``max_num_seqs``, as many more requests as the pool's usage per running
+  request says fit below ``KV_FULL`` (at most twice the cap). Hot.
 - ``step_time`` -- the median step above ``alert_step_time_warning_s`` with prefill chunks
   filling the steps: a smaller ``max_num_batched_tokens`` (never below ``max_num_seqs``), so
   long prompts are cut into shorter steps and running requests are not held up. Hot.
@@ -65,6 +69,7 @@ PREFILL_SHARE = 0.5           # prefill tokens / step tokens for "prefill fills 
 BUDGET_BOUND = 0.8            # tokens per step / max_num_batched_tokens: the budget runs out
 CONCURRENCY_CUT = 0.75        # a lower max_num_seqs: 3/4 of what actually runs
 CAP_BINDING = 0.9             # running >= 0.9 x max_num_seqs: the cap sets the batch size
+SEATS_GROWTH = 2              # a higher max_num_seqs: at most twice the cap at a time
 
 # Keys the rules read or suggest: a change to one drops the evidence gathered before it.
 TUNING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "policy", "hybrid_aging_s",
@@ -278,7 +283,7 @@ class Advisor:
             return list(self._cached[1])
         out: list[Advice] = []
         for rule in (self._sched_share, self._fragmentation, self._kv_pressure, self._ttft,
-                     self._step_time):
+                     self._seats, self._step_time):
             out.extend(a for a in rule() if a is not None)
         self._cached = (self._version, out)
         return list(out)
@@ -434,6 +439,51 @@ class Advisor:
                 lambda keep, cur: (f"{why}, with requests of {classes} priorities waiting in "
                                    f"arrival order. policy fcfs → hybrid admits urgent ones "
                                    f"first, and aging still lets the others through."))
+
+    def _seats(self) -> Iterable[Advice | None]:
+        """Requests queue because every seat is taken, not because the pool is full: raise
+        ``max_num_seqs`` to what the pool's usage per running request says still fits."""
+        cap = self._value("max_num_seqs")
+        if not isinstance(cap, int) or cap < 1:
+            return
+        full_seats = self._held("sched", lambda s: s["waiting"] > 0
+                                and s["running"] >= CAP_BINDING * cap)
+        room = self._held("kv", lambda s: s["usage"] < KV_FULL)
+        if full_seats is None or room is None:
+            return
+        sched = self._window("sched")
+        preemptions = sched[-1]["preemptions_total"] - sched[0]["preemptions_total"]
+        steps = [s for s in self._window("step") if s["steps"] > 0]
+        share = statistics.fmean(s["sched_share"] for s in steps) if steps else 0.0
+        if preemptions >= MIN_PREEMPTIONS or share > self._threshold("alert_sched_share_warning"):
+            return                          # the pool or the scheduler is the limit, not seats
+        usage = statistics.fmean(s["usage"] for s in self._window("kv"))
+        running = statistics.fmean(s["running"] for s in sched)
+        per_request = usage / running if running > 0 else 0.0
+        fits = int(KV_FULL / per_request) if per_request > 0 else SEATS_GROWTH * cap
+        target = min(SEATS_GROWTH * cap, fits, int(FIELDS["max_num_seqs"].metadata["max"]))
+        if target <= cap:
+            return
+        waiting = [s["waiting"] for s in sched]
+        lat = [s["ttft_p99"] for s in self._window("latency") if s["ttft_p99"] is not None]
+        ttft = lat[-1] if lat else None
+        evidence = self._common(full_seats, max_num_seqs=cap, running_mean=round(running, 1),
+                                waiting_min=int(min(waiting)), waiting_max=int(max(waiting)),
+                                kv_usage=round(usage, 3), preemptions=int(preemptions),
+                                ttft_p99=round(ttft, 3) if ttft is not None else None)
+        ttft_text = f"; TTFT p99 {_secs(ttft)}" if ttft is not None else ""
+
+        def message(keep: dict[str, Any], cur: dict[str, Any]) -> str:
+            return (f"Every seat was taken ({running:.1f} running of max_num_seqs {cap}) while "
+                    f"{min(waiting):.0f}–{max(waiting):.0f} requests waited, in "
+                    f"{full_seats.hits} of {full_seats.samples} snapshots, and the KV pool was "
+                    f"only {_pct(usage)} used with {preemptions:.0f} preemptions{ttft_text}. "
+                    f"The queue waits for seats, not memory: max_num_seqs {cur['max_num_seqs']} "
+                    f"→ {keep['max_num_seqs']} admits more of it (at {_pct(per_request)} of the "
+                    f"pool per running request, {keep['max_num_seqs']} stay under "
+                    f"{_pct(KV_FULL)}).")
+        yield self._advice("seats", "Queue waits for seats: more concurrency", evidence,
+                           {"max_num_seqs": target}, message)
 
     def _step_time(self) -> Iterable[Advice | None]:
         thr = self._threshold("alert_step_time_warning_s")

@@ -33,7 +33,8 @@ def evidence_text(evidence: dict[str, Any]) -> str:
     for key, value in evidence.items():
         if key in ("held_in", "snapshots", "window_s"):
             continue
-        shown = f"{value:.3g}" if isinstance(value, float) else fmt.escape(str(value))
+        shown = f"{value:.3g}" if isinstance(value, float) else \
+            "–" if value is None else fmt.escape(str(value))
         parts.append(f"{key} {shown}")
     if "held_in" in evidence:
         parts.append(f"held in {evidence['held_in']} of {evidence.get('snapshots', '?')} "

@@ -218,3 +218,58 @@ def test_idle_windows_clear_the_advice():
     for i in range(100):                      # 10 s of an idle engine's empty step windows
         adv.observe_payload("step", {"ts": t + i * 0.1, "steps": 0, "sched_share": 0.0})
     assert adv.current() == []
+
+
+# --- seats: the queue waits while every seat is taken and the pool has room --------------------
+
+def seats_stream(adv: Advisor, *, usage: tuple[float, float], preemptions_per_s: float = 0.0,
+                 seconds: float = 10.0) -> None:
+    """Issue 27 item 12's session: max_num_seqs=4, all 4 running, 29-50 waiting, TTFT p99
+    5.3 s, a snapshot every half second; ``usage`` is the KV pool's range over the run."""
+    adv.observe_payload("config", {"values": {**in_force(max_num_seqs=4).to_dict()}})
+    n = int(seconds * 2)
+    for i in range(n):
+        ts, frac = 1_700_000_000.0 + i / 2, i / max(1, n - 1)
+        adv.observe_payload("sched", {
+            "ts": ts, "num_waiting": 29 + round(21 * frac), "num_running": 4,
+            "num_preemptions_total": int(i / 2 * preemptions_per_s), "max_num_seqs": 4,
+            "max_num_batched_tokens": 2048, "policy": "fcfs"})
+        adv.observe_payload("kv", {"ts": ts, "usage": usage[0] + (usage[1] - usage[0]) * frac,
+                                   "fragmentation": 0.1, "num_used": 200,
+                                   "num_blocks": 1024, "block_size": 16})
+        adv.observe_payload("step", {"ts": ts, "steps": 30, "sched_share": 0.02,
+                                     "step_time_p50_s": 0.016, "num_prefill_tokens": 40,
+                                     "num_decode_tokens": 120})
+        adv.observe_payload("latency", {"ts": ts, "overall": {"window": {"ttft_s": {
+            "p99": 5.3}}}, "priority": {"0": {}}})
+
+
+def test_a_queue_waiting_for_seats_with_room_in_the_pool_suggests_more_seats():
+    adv = Advisor()
+    seats_stream(adv, usage=(0.20, 0.30))
+    (a,) = adv.current()
+    assert a.rule == "seats" and a.hot
+    assert a.current == {"max_num_seqs": 4} and a.change == {"max_num_seqs": 8}
+    ev = a.evidence
+    assert ev["max_num_seqs"] == 4 and ev["running_mean"] == 4.0
+    assert (ev["waiting_min"], ev["waiting_max"]) == (29, 50)
+    assert 0.2 <= ev["kv_usage"] <= 0.3 and ev["preemptions"] == 0 and ev["ttft_p99"] == 5.3
+    assert ev["held_in"] >= 0.8 * ev["snapshots"]
+    assert "29–50 requests waited" in a.message and "TTFT p99 5.30 s" in a.message
+    assert "max_num_seqs 4 → 8" in a.message
+    assert_engine_takes(a, in_force(max_num_seqs=4))
+
+
+def test_a_nearly_full_pool_is_not_a_reason_for_more_seats():
+    adv = Advisor()
+    seats_stream(adv, usage=(0.80, 0.84))     # below KV_FULL, but 4 more would not fit
+    assert "seats" not in {a.rule for a in adv.current()}
+    adv = Advisor()
+    seats_stream(adv, usage=(0.90, 0.95))     # full: the pool is the limit
+    assert "seats" not in {a.rule for a in adv.current()}
+
+
+def test_preemptions_mean_the_pool_not_the_seats_is_the_limit():
+    adv = Advisor()
+    seats_stream(adv, usage=(0.20, 0.30), preemptions_per_s=1.0)
+    assert "seats" not in {a.rule for a in adv.current()}
