@@ -88,6 +88,33 @@ def ms(seconds: float | None) -> str:
     return f"{v:.2f}ms" if v < 10 else f"{v:.1f}ms"
 
 
+def _edge(seconds: float, unit: str | None = None) -> tuple[str, str]:
+    """A histogram bucket's edge as (number, unit): ``(300, ms)``, ``(2.5, s)``."""
+    unit = unit or ("ms" if seconds < 1 else "s")
+    v = seconds * 1000 if unit == "ms" else seconds
+    return f"{v:.3g}", unit
+
+
+def bounded_ms(value: float | None, bound: object = None) -> str:
+    """A latency percentile as `ms` does, or, when it is known only as a bound (a histogram's
+    ``pNN_bound`` ``{"lo", "hi"}``), as the bound: ``< 300ms``, ``> 10s``, ``100–250ms``,
+    ``500ms–1s`` — never an interpolated number that would read as measured."""
+    if not isinstance(bound, dict):
+        return ms(value)
+    lo, hi = bound.get("lo"), bound.get("hi")
+    if not isinstance(hi, int | float):
+        if not isinstance(lo, int | float):
+            return ms(value)
+        return "> " + "".join(_edge(float(lo)))
+    if not isinstance(lo, int | float) or lo <= 0:
+        return "< " + "".join(_edge(float(hi)))
+    hi_n, hi_u = _edge(float(hi))
+    lo_n, lo_u = _edge(float(lo))
+    if lo_u == hi_u:
+        return f"{lo_n}–{hi_n}{hi_u}"
+    return f"{lo_n}{lo_u}–{hi_n}{hi_u}"
+
+
 def nbytes(n: float | None) -> str:
     if n is None:
         return "–"

@@ -138,8 +138,12 @@ class TrendsScreen(ConsoleScreen):
             parts.append(f"plots {self.page + 1}/{self.pages}: {fmt.escape(names)}")
         lat = frame.engine.latest.get("latency") if frame.engine is not None else None
         if lat and isinstance(lat.get("window_s"), int | float):
-            parts.append(f"[$text-muted]latency over the engine's {lat['window_s']:g}s "
-                         f"window[/]")
+            # A histogram's percentiles (vLLM's /metrics) are interpolated within buckets: the
+            # Overview shows the ones known only as bounds as such; the plots draw estimates.
+            what = (f"latency: {fmt.source_name(lat.get('source'))} histogram estimates over "
+                    f"{lat['window_s']:g}s" if lat.get("source") == "vllm" else
+                    f"latency over the engine's {lat['window_s']:g}s window")
+            parts.append(f"[$text-muted]{what}[/]")
         parts.append("[$text-muted]1 point/s[/]")
         width = max(10, self.app.size.width - 2)
         self.query_one("#trends-bar", Static).update(

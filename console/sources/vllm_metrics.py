@@ -20,6 +20,10 @@ a scraper still meets — see `ALIASES`):
 - ``latency``: the cumulative histograms as scraped, and p50/p90/p99 over the last
   ``window_s`` estimated from the bucket deltas (as Prometheus's ``histogram_quantile``);
   with ``window_s`` 0 (``top --once``), from one scrape's cumulative histograms (since start).
+  A quantile that falls in the first bucket, the +Inf bucket, or a bucket more than twice as
+  wide as its lower edge is known only as a bound, so it also carries ``pNN_bound``:
+  ``{"lo", "hi"}`` (``hi`` null for +Inf) — the screens show ``< 300ms`` / ``> 10s`` /
+  ``100–250ms`` for it, never the interpolated number as if it were measured.
 - ``config``: ``vllm:cache_config_info``'s labels, read-only (vLLM has no runtime config API).
 - ``health``: ``running`` or ``idle`` from the queues (``sleeping`` from
   ``vllm:engine_sleep_state``), steps from the iteration histogram's count.
@@ -146,14 +150,38 @@ def parse(text: str) -> dict[str, EngineSample]:
     return out
 
 
+def _bucket_of(q: float, counts: list[float]) -> int | None:
+    """The index of the bucket the ``q`` quantile of cumulative ``counts`` falls in."""
+    if not counts or counts[-1] <= 0:
+        return None
+    return min(bisect.bisect_left(counts, q * counts[-1]), len(counts) - 1)
+
+
+def quantile_bound(q: float, bounds: list[float], counts: list[float]
+                   ) -> dict[str, float | None] | None:
+    """``{"lo", "hi"}`` when the ``q`` quantile is known only as a bound, else None: it falls in
+    the first bucket (``< hi``), in +Inf (``> lo``, ``hi`` None), or in a bucket wider than the
+    figure's own scale (``hi > 2 * lo``), where an interpolated number would read as measured
+    to digits the histogram does not have."""
+    i = _bucket_of(q, counts)
+    if i is None:
+        return None
+    lo = bounds[i - 1] if i > 0 else 0.0
+    hi = bounds[i]
+    if hi == math.inf:
+        return {"lo": lo, "hi": None}
+    if i == 0 or lo <= 0 or hi > 2 * lo:
+        return {"lo": lo if i > 0 else 0.0, "hi": hi}
+    return None
+
+
 def quantile(q: float, bounds: list[float], counts: list[float]) -> float | None:
     """Prometheus's ``histogram_quantile``: the ``q`` quantile of cumulative bucket counts,
     linear within the bucket it falls in (the last finite bound when it falls in +Inf)."""
-    if not counts or counts[-1] <= 0:
+    i = _bucket_of(q, counts)
+    if i is None:
         return None
     rank = q * counts[-1]
-    i = bisect.bisect_left(counts, rank)
-    i = min(i, len(counts) - 1)
     if bounds[i] == math.inf:
         finite = [b for b in bounds if b != math.inf]
         return finite[-1] if finite else None
@@ -166,14 +194,21 @@ def quantile(q: float, bounds: list[float], counts: list[float]) -> float | None
 
 
 def window_stats(now_h: Histogram, then_h: Histogram | None) -> dict[str, Any]:
-    """``{"count", "p50", "p90", "p99"}`` of the observations between two scrapes."""
+    """``{"count", "p50", "p90", "p99"}`` of the observations between two scrapes, and
+    ``pNN_bound`` beside each quantile known only as a bound (`quantile_bound`)."""
     if then_h is not None and then_h.bounds == now_h.bounds:
         counts = [a - b for a, b in zip(now_h.counts, then_h.counts, strict=True)]
     else:
         counts = list(now_h.counts)
     n = counts[-1] if counts else 0
-    return {"count": int(n), **{f"p{int(q * 100)}": quantile(q, now_h.bounds, counts)
-                                for q in (0.5, 0.9, 0.99)}}
+    out: dict[str, Any] = {"count": int(n)}
+    for q in (0.5, 0.9, 0.99):
+        name = f"p{int(q * 100)}"
+        out[name] = quantile(q, now_h.bounds, counts)
+        bound = quantile_bound(q, now_h.bounds, counts)
+        if bound is not None:
+            out[f"{name}_bound"] = bound
+    return out
 
 
 # Counter families (prometheus_client strips ``_total`` from a counter family's name).

@@ -300,18 +300,21 @@ def latency_title(eng: EngineState | None) -> str:
 
 def latency(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:
     """TTFT, inter-token latency, end-to-end and queue time: p50 and p99 over the engine's
-    sliding window (overall, every priority), and a sparkline of the p99."""
+    sliding window (overall, every priority), and a sparkline of the p99. A percentile read
+    from a histogram's first, last or a too-wide bucket shows as its bound (``< 300ms``)."""
     got = _latency_window(eng)
     if got is None:
         return _waiting("no latency data")
     window, _ = got
-    spark_w = width - 6 - 9 - 9 - 1
+    spark_w = width - 6 - 9 - 10 - 1
     lines = []
     for label, key, spark in LATENCY_ROWS:
         w = window.get(key)
         w = w if isinstance(w, dict) else {}
-        p50, p99 = fmt.ms(_num(w, "p50")), fmt.ms(_num(w, "p99"))
-        lines.append(f"{_muted(f'{label:<6}')}{p50:>9}[b]{p99:>9}[/] "
+        # A histogram's percentile (a vLLM server) may be known only as a bound: shown as one.
+        p50 = fmt.bounded_ms(_num(w, "p50"), w.get("p50_bound"))
+        p99 = fmt.bounded_ms(_num(w, "p99"), w.get("p99_bound"))
+        lines.append(f"{_muted(f'{label:<6}')}{p50:>9} [b]{p99:>9}[/] "
                      f"{_spark(eng.series[spark], now, spark_w, 0)}")
     return "\n".join(lines)
 

@@ -12,8 +12,14 @@ import sys
 import pytest
 
 from support.vllm_metrics import VllmMetrics
+from vconsole.console import format as fmt
 from vconsole.console.sources.vllm import ScrapeError, VllmScraper, VllmSource, metrics_url
-from vconsole.console.sources.vllm_metrics import VllmTranslator, parse, quantile
+from vconsole.console.sources.vllm_metrics import (
+    VllmTranslator,
+    parse,
+    quantile,
+    quantile_bound,
+)
 from vconsole.telemetry.schema import decode
 
 
@@ -113,6 +119,49 @@ def test_quantile_is_prometheus_histogram_quantile():
     assert quantile(0.5, bounds, [0, 0, 0]) is None
 
 
+def test_a_quantile_in_the_first_last_or_a_wide_bucket_is_only_a_bound():
+    """Issue 27 item 4: every queue-time sample in vLLM's first bucket (le=0.3) became
+    "p50 150 ms, p99 297 ms"; Prometheus users read that as "< 300 ms"."""
+    bounds = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, math.inf]
+    first = [20] * len(bounds)
+    assert quantile(0.99, bounds, first) == pytest.approx(0.297)   # histogram_quantile's
+    assert quantile_bound(0.5, bounds, first) == {"lo": 0.0, "hi": 0.3}
+    assert quantile_bound(0.99, bounds, first) == {"lo": 0.0, "hi": 0.3}
+    last = [0] * (len(bounds) - 1) + [20]
+    assert quantile_bound(0.5, bounds, last) == {"lo": 10.0, "hi": None}
+    wide = [0] * 7 + [20] * 3                         # all in (2.5, 5]: 2x, a number
+    assert quantile_bound(0.5, bounds, wide) is None
+    wider = [0] * 8 + [20] * 2                        # all in (5, 10]: 2x, still a number
+    assert quantile_bound(0.5, bounds, wider) is None
+    ttft = [0.04, 0.06, 0.08, 0.1, 0.25, 0.5, math.inf]
+    in_wide = [0, 0, 0, 0, 20, 20, 20]                # (0.1, 0.25]: 2.5x its lower edge
+    assert quantile_bound(0.5, ttft, in_wide) == {"lo": 0.1, "hi": 0.25}
+    assert quantile_bound(0.5, ttft, [0, 20, 20, 20, 20, 20, 20]) is None   # (0.04, 0.06]
+    assert quantile_bound(0.5, ttft, [0] * 7) is None                     # no samples
+
+
+def test_a_bound_is_shown_as_a_bound():
+    assert fmt.bounded_ms(0.297, {"lo": 0.0, "hi": 0.3}) == "< 300ms"
+    assert fmt.bounded_ms(10.0, {"lo": 10.0, "hi": None}) == "> 10s"
+    assert fmt.bounded_ms(0.2, {"lo": 0.1, "hi": 0.25}) == "100–250ms"
+    assert fmt.bounded_ms(0.8, {"lo": 0.5, "hi": 1.0}) == "500ms–1s"
+    assert fmt.bounded_ms(0.297, None) == "297.0ms"               # measured: a number
+
+
+def test_the_translated_window_carries_the_bound_beside_the_estimate():
+    metrics = VllmMetrics(engines=1)
+    tr = VllmTranslator("vllm@test")
+    tr.translate(metrics.text(), now=100.0)
+    for _ in range(20):                                # queue times 0.4 ms to 1.4 ms
+        metrics.step("0", running=2, waiting=0, usage=0.1, prompt=10, generation=10,
+                     finished=1, steps=5, ttft=0.0008 + 0.0001 * _, itl=0.02)
+    window = bodies(tr.translate(metrics.text(), now=101.0))[(0, "latency")]["overall"][
+        "window"]
+    queue = window["queue_s"]
+    assert queue["count"] == 20 and 0.1 < queue["p50"] < 0.3          # the estimate, kept
+    assert queue["p50_bound"] == queue["p99_bound"] == {"lo": 0.0, "hi": 0.3}
+
+
 @pytest.fixture
 def server():
     metrics = VllmMetrics(engines=2)
@@ -138,6 +187,9 @@ def test_top_once_json_vllm_prints_each_engine_and_the_aggregate(server):
     assert snap["aggregate"]["num_running"] == 6 and snap["aggregate"]["num_waiting"] == 3
     ttft = snap["ranks"]["0"]["latency"]["overall"]["window"]["ttft_s"]    # since start
     assert ttft["count"] == 10 and 0.04 < ttft["p50"] <= 0.06
+    assert "p50_bound" not in ttft                   # a narrow bucket: a number
+    queue = snap["ranks"]["0"]["latency"]["overall"]["window"]["queue_s"]
+    assert queue["p99_bound"] == {"lo": 0.0, "hi": 0.3}   # all in le=0.3: only "< 300 ms"
     down = subprocess.run([sys.executable, "-m", "vconsole", "top", "--once", "--json",
                            "--vllm", "http://127.0.0.1:9"], capture_output=True, text=True,
                           timeout=120)
@@ -159,6 +211,15 @@ async def test_the_console_attached_to_vllm_shows_both_engines(server, size):
         assert app.steering.readonly and "vLLM" in app.steering.readonly_reason
         await pilot.pause(0.5)
         assert "vLLM does not expose step phases" in _text(app, "#phases")
+        if size == (80, 24):      # queue times all in vLLM's first bucket: a bound, not 150 ms
+            busy(metrics)         # requests finish within the console's window
+            for _ in range(100):
+                await pilot.pause(0.1)
+                queue = [ln.split() for ln in _text(app, "#latency").splitlines()
+                         if ln.startswith("queue")]
+                if queue and queue[0][1] != "–":
+                    break
+            assert queue[0][1:3] == ["<", "300ms"] and queue[0][3:5] == ["<", "300ms"]
         assert "2 ranks" in _text(app, "#summary")          # the engines as a group's ranks
         await pilot.press("3")
         await pilot.pause(0.3)
