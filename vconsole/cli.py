@@ -8,10 +8,12 @@ parsed ``argparse.Namespace`` and returns an exit code.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from vconsole.engine.config import DEVICES, DTYPES, POLICIES
 from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
@@ -33,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
     g.add_argument("--max-num-seqs", type=int, help="most requests running at once (default 64)")
     g.add_argument("--max-num-batched-tokens", type=int,
                    help="token budget per step (default 512)")
+    g.add_argument("--max-model-len", type=int, metavar="N", action=_ConfigKeyFlag,
+                   help="longest prompt + output in tokens, as vLLM's flag (default: the "
+                        "model's max_position_embeddings)")
     g.add_argument("--policy", choices=POLICIES, help="waiting-queue order (default fcfs)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--config", metavar="FILE",
@@ -50,6 +55,23 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
                             "routers cannot speak); off by default")
         g.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
                        help="ROUTER endpoint replaying past batches from a sequence number")
+
+
+class _ConfigKeyFlag(argparse.Action):
+    """A flag for a config key that `vconsole.engine.config.FLAG_KEYS` does not list: stored
+    under its own name, and handed to the config as the first ``--set KEY=VALUE`` (so an
+    explicit ``--set`` still wins, as it does over every flag). The config validates it as it
+    validates every key; the pair travels to supervised children and demo engines with the
+    other ``--set`` pairs."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        pairs = list(getattr(namespace, "overrides", None) or [])
+        previous = getattr(namespace, self.dest, None)
+        if previous is not None and f"{self.dest}={previous}" in pairs:   # given twice
+            pairs.remove(f"{self.dest}={previous}")
+        setattr(namespace, self.dest, values)
+        namespace.overrides = [f"{self.dest}={values}", *pairs]
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -236,6 +258,34 @@ def _handler(target: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+class _Subcommands(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """Subcommands that own their errors. argparse's own action lets a subcommand collect the
+    arguments it does not know and hands them to the top-level parser, which then prints
+    `vconsole`'s usage (``vconsole engine --modle tiny`` showed ``usage: vconsole [-h]
+    [--version] SUBCOMMAND``); here the subcommand's parser reports them, with its own usage
+    and the nearest flag it does have."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        extras = vars(namespace).pop(argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        if extras:
+            sub = self._name_parser_map[values[0]]
+            sub.error(f"unrecognized arguments: {' '.join(extras)}{_suggestion(sub, extras)}")
+
+
+def _suggestion(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """`` (did you mean --model?)`` for the first unknown flag close to one of ``parser``'s."""
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")
+             and a.help is not argparse.SUPPRESS]
+    for arg in extras:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vconsole",
@@ -245,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                "`vconsole demo`.",
     )
     parser.add_argument("--version", action="version", version=f"vconsole {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", action=_Subcommands)
 
     def cmd(name: str, target: str, help_: str, desc: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=desc or help_)
@@ -447,8 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("doctor", "vconsole.commands.doctor:main", "check this machine for vconsole",
             "One line per check: Python and package versions, the torch build (CPU or CUDA), "
-            "GPUs seen by torch and NVML, the default ports, the cache and run folders, a stale "
-            "control key. Exits 1 when a check fails.")
+            "GPUs seen by torch and NVML, the engine's ports (the defaults, or --base-port / "
+            f"${BASE_PORT_ENV} / the endpoint flags, as for every client command), the cache and "
+            "run folders, the control key of those endpoints. Exits 1 when a check fails.")
+    add_endpoint_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = cmd("replay", "vconsole.commands.attach:main_replay", "play a recorded stream in the console")

@@ -99,3 +99,54 @@ def test_vconsole_base_port_moves_a_whole_shell_and_the_flag_wins(monkeypatch):
                          text=True, env={**os.environ})
     assert bad.returncode == 2
     assert "VCONSOLE_BASE_PORT must be a port from 1 to 65532, not 'http'" in bad.stderr
+
+
+def test_a_subcommand_reports_an_unknown_flag_with_its_own_usage():
+    """``vconsole engine --modle tiny`` printed the top-level usage (argparse hands a
+    subcommand's leftovers to the top parser); the engine's own usage and the nearest flag."""
+    typo = subprocess.run([sys.executable, "-m", "vconsole", "engine", "--modle", "tiny"],
+                          capture_output=True, text=True, timeout=60)
+    assert typo.returncode == 2 and typo.stdout == ""
+    assert typo.stderr.startswith("usage: vconsole engine ")
+    assert "vconsole engine: error: unrecognized arguments: --modle tiny (did you mean --model?)" \
+        in typo.stderr
+    stray = subprocess.run([sys.executable, "-m", "vconsole", "load", "--nmu", "3"],
+                           capture_output=True, text=True, timeout=60)
+    assert stray.stderr.startswith("usage: vconsole load ") and "--num?" in stray.stderr
+    top = subprocess.run([sys.executable, "-m", "vconsole", "--bogus", "engine"],
+                         capture_output=True, text=True, timeout=60)
+    assert top.stderr.startswith("usage: vconsole [-h]")   # before the subcommand: the top's
+
+
+@pytest.mark.parametrize("cmd", [["engine"], ["serve"], ["demo"],
+                                 ["generate", "--input", "i", "--output", "o"]])
+def test_max_model_len_is_a_flag_of_every_engine_command(cmd):
+    from vconsole.engine.config import config_from_args
+
+    args = build_parser().parse_args([*cmd, "--max-model-len", "96"])
+    assert config_from_args(args).max_model_len == 96
+    given_later = build_parser().parse_args([*cmd, "--max-model-len", "96",
+                                             "--set", "max_model_len=80"])
+    assert config_from_args(given_later).max_model_len == 80    # --set wins, as over any flag
+
+
+def test_max_model_len_travels_to_a_supervised_child_and_a_demo_engine():
+    from vconsole.commands.demo import engine_args_from
+    from vconsole.commands.engine import launch_from_args
+
+    launch = launch_from_args(build_parser().parse_args(["engine", "--max-model-len", "96"]))
+    child = launch_from_args(build_parser().parse_args(["engine", *launch.argv()]))
+    assert launch.config.max_model_len == child.config.max_model_len == 96
+    demo_argv = engine_args_from(build_parser().parse_args(["demo", "--max-model-len", "64"]))
+    assert launch_from_args(build_parser().parse_args(
+        ["engine", *demo_argv])).config.max_model_len == 64
+
+
+def test_a_bad_max_model_len_is_refused_before_the_engine_loads():
+    zero = subprocess.run([sys.executable, "-m", "vconsole", "engine", "--max-model-len", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert zero.returncode == 2
+    assert "invalid config: max_model_len: must be >= 1; got 0" in zero.stderr
+    word = subprocess.run([sys.executable, "-m", "vconsole", "engine", "--max-model-len", "x"],
+                          capture_output=True, text=True, timeout=60)
+    assert word.returncode == 2 and "--max-model-len: invalid int value: 'x'" in word.stderr
