@@ -76,10 +76,69 @@ def test_the_attention_kernel_check_says_where_it_is_or_why_not(monkeypatch):
 
     attention_kernel.load()  # built by make install; built here otherwise
     found = doctor.check_attention_kernel()
-    if attention_kernel.reason() == "built":
+    if attention_kernel.reason() in ("built", "loaded"):
         assert found.status == doctor.OK and str(attention_kernel.build_dir()) in found.detail
     else:
         assert found.status == doctor.WARN and "torch path" in found.detail
     monkeypatch.setenv(attention_kernel.KERNEL_ENV, "torch")
     off = doctor.check_attention_kernel()
     assert off.status == doctor.WARN and "switched off" in off.detail
+
+
+def _hold_four_ports() -> tuple[int, list[socket.socket]]:
+    """Four consecutive loopback ports held by this process (another program, to doctor)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base > 65530:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + 4):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+                s.listen()
+            return base, held
+        except OSError:
+            for s in held:
+                s.close()
+    raise RuntimeError("no four consecutive free loopback ports")
+
+
+def test_doctor_checks_the_ports_of_vconsole_base_port_and_of_base_port(tmp_path):
+    """Every client command honours ``$VCONSOLE_BASE_PORT`` and ``--base-port``; doctor checked
+    the defaults whatever they said, and called them free while an engine's ports were busy."""
+    base, held = _hold_four_ports()
+    env = {**os.environ, "VCONSOLE_RUNTIME_DIR": str(tmp_path / "run"),
+           "VCONSOLE_CACHE": str(tmp_path / "cache")}
+    env.pop("VCONSOLE_BASE_PORT", None)
+    try:
+        runs = {"$VCONSOLE_BASE_PORT": ([], {**env, "VCONSOLE_BASE_PORT": str(base)}),
+                "--base-port": (["--base-port", str(base)], env)}
+        for source, (flags, run_env) in runs.items():
+            out = subprocess.run([sys.executable, "-m", "vconsole", "doctor", "--json", *flags],
+                                 capture_output=True, text=True, env=run_env, timeout=120)
+            checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+            ports = checks["ports"]
+            assert ports["status"] == "fail" and out.returncode == 1, (source, ports)
+            assert f"on base port {base} ({source})" in ports["detail"]
+            assert f"input {base}, output {base + 1}, telemetry {base + 2}, control " \
+                   f"{base + 3}" in ports["detail"]
+            control = f"tcp://127.0.0.1:{base + 3}"
+            with_env = {**os.environ, "VCONSOLE_RUNTIME_DIR": str(tmp_path / "run")}
+            key = subprocess.run([sys.executable, "-c", "from vconsole.security.control_key "
+                                  f"import key_path; print(key_path({control!r}))"],
+                                 capture_output=True, text=True, env=with_env, check=True)
+            assert checks["control key"]["detail"] == (f"none at {key.stdout.strip()} "
+                                                       f"(no engine on {control})")
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_the_ports_line_names_what_it_checked_when_free():
+    check = doctor.check_ports(where="the defaults")
+    if check.status == doctor.OK:
+        assert check.detail.startswith("free on the defaults: input 5570, output 5571")

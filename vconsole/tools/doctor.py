@@ -2,9 +2,11 @@
 
 For a GPU box reached over SSH, before the first `vconsole engine`: the Python and package
 versions, which torch build is installed (CPU, or CUDA and which), the GPUs torch and NVML see
-(NVML's failures as reasons a person can act on, `vconsole.telemetry.gpu`), whether the default
-endpoints' ports are free or already an engine's, whether the model cache and the run folder
-(control keys) are writable with private modes, and a control key left by a killed engine.
+(NVML's failures as reasons a person can act on, `vconsole.telemetry.gpu`), whether the engine's
+endpoints' ports are free or already an engine's (the defaults, or where ``--base-port`` /
+``$VCONSOLE_BASE_PORT`` / the endpoint flags put them, as for every client command), whether the
+model cache and the run folder (control keys) are writable with private modes, and the control
+key of those endpoints (an engine's, or one left by a killed engine).
 
 Each check is a function returning `Check`; none raises. ``fail`` means vconsole will not work
 as configured (the command exits 1), ``warn`` that something deserves a look.
@@ -113,7 +115,14 @@ def _engine_answers(control: str) -> bool:
     return True
 
 
-def check_ports(endpoints: dict[str, str] | None = None) -> Check:
+def _ports(endpoints: dict[str, str]) -> str:
+    return ", ".join(f"{n} {urlsplit(e.replace('tcp://', 'http://', 1)).port}"
+                     for n, e in endpoints.items())
+
+
+def check_ports(endpoints: dict[str, str] | None = None, where: str = "the defaults") -> Check:
+    """Whether ``endpoints`` (by default the defaults) are free; ``where`` says whose they are
+    (``base port 7500 ($VCONSOLE_BASE_PORT)``), so the line names what was checked."""
     from vconsole.security.endpoints import DEFAULTS
 
     endpoints = endpoints or DEFAULTS
@@ -123,15 +132,15 @@ def check_ports(endpoints: dict[str, str] | None = None) -> Check:
         if ep.startswith("tcp://") and parts.port and not _port_free(parts.hostname or "", parts.port):
             busy.append(f"{name} {parts.port}")
     if not busy:
-        return Check("ports", OK, "the default endpoints are free: " + ", ".join(
-            f"{n} {urlsplit(e.replace('tcp://', 'http://', 1)).port}"
-            for n, e in endpoints.items()))
+        return Check("ports", OK, f"free on {where}: {_ports(endpoints)}")
     if _engine_answers(endpoints["control"]):
-        return Check("ports", WARN, f"an engine already answers on the defaults ({', '.join(busy)}"
+        return Check("ports", WARN, f"an engine already answers on {where} ({', '.join(busy)}"
                                     " in use): attach to it, or start another with "
-                                    "--input/--output/--telemetry/--control elsewhere")
-    return Check("ports", FAIL, f"in use by another program: {', '.join(busy)}; start the engine "
-                                "with other --input/--output/--telemetry/--control ports")
+                                    "--base-port or --input/--output/--telemetry/--control "
+                                    "elsewhere")
+    return Check("ports", FAIL, f"in use by another program on {where}: {', '.join(busy)}; "
+                                "start the engine with another --base-port (or "
+                                "--input/--output/--telemetry/--control ports)")
 
 
 def _private_dir(name: str, path: Path, *, strict: bool) -> Check:
@@ -164,11 +173,12 @@ def check_control_key(control: str | None = None) -> Check:
     from vconsole.security import control_key, key_owner
     from vconsole.security.endpoints import DEFAULT_CONTROL
 
-    path = control_key.key_path(control or DEFAULT_CONTROL)
+    control = control or DEFAULT_CONTROL
+    path = control_key.key_path(control)
     try:
         key = control_key.read_key_file(path)
     except FileNotFoundError:
-        return Check("control key", OK, f"none at {path} (no engine on the default endpoint)")
+        return Check("control key", OK, f"none at {path} (no engine on {control})")
     except (OSError, ValueError) as e:
         return Check("control key", WARN, f"{path} unreadable: {e}")
     found = key_owner.status(path, key)
@@ -187,11 +197,16 @@ def check_attention_kernel() -> Check:
                      "=torch): CPU decodes take the slower torch path")
     if attention_kernel.is_built():
         return Check("attn kernel", OK, f"built in {attention_kernel.build_dir()}")
+    building = attention_kernel.build_in_progress()
+    if building is not None:
+        return Check("attn kernel", WARN, f"{attention_kernel.COMPILING}: pid "
+                     f"{building['pid']} is compiling it into {building['entry']}")
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return Check("attn kernel", WARN, "no C++ compiler: CPU decodes take the slower "
                      "torch path (install g++ and run `make install` to build it)")
     return Check("attn kernel", WARN, "not built yet: the engine builds it on its first "
-                 "start on a CPU (~20 s), or run `make install`")
+                 f"start on a CPU (20-40 s) into {attention_kernel.cache_root()}, or run "
+                 "`make install`")
 
 
 CHECKS: tuple[Callable[[], Check], ...] = (
@@ -199,11 +214,20 @@ CHECKS: tuple[Callable[[], Check], ...] = (
     check_ports, check_cache, check_run_dir, check_control_key)
 
 
-def run_checks() -> list[Check]:
+def run_checks(endpoints: dict[str, str] | None = None, where: str = "the defaults"
+               ) -> list[Check]:
+    """Every check, the endpoint ones on ``endpoints`` (default: the defaults)."""
+    from vconsole.security.endpoints import DEFAULTS
+
+    eps = dict(endpoints or DEFAULTS)
+    on_endpoints: dict[Callable[..., Check], Callable[[], Check]] = {
+        check_ports: lambda: check_ports(eps, where),
+        check_control_key: lambda: check_control_key(eps["control"]),
+    }
     out = []
     for check in CHECKS:
         try:
-            out.append(check())
+            out.append(on_endpoints.get(check, check)())
         except Exception as e:  # a check that breaks is a finding, not a traceback
             out.append(Check(check.__name__.removeprefix("check_"), FAIL,
                              f"the check itself failed: {type(e).__name__}: {e}"))
