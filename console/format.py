@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from vconsole.telemetry.printable import printable
+
 SPARK = "▁▂▃▄▅▆▇█"
 BAR_FULL = "█"
 BAR_EMPTY = "░"
@@ -35,7 +37,10 @@ def styled(text: str, lvl: str) -> str:
 
 
 def escape(text: str) -> str:
-    return text.replace("[", "\\[")
+    """Markup-safe and terminal-safe: ``[`` escaped for Content markup, and control characters
+    (ESC, NUL, form feeds … from generated text, ids or names) written as visible escapes
+    (`vconsole.telemetry.printable`); line breaks stay."""
+    return printable(text, keep_newlines=True).replace("[", "\\[")
 
 
 def num(value: float | None, digits: int = 1) -> str:
@@ -158,9 +163,11 @@ def sparkline(values: Sequence[float | None], lo: float | None = 0.0,
 
 
 def clip(text: str, width: int) -> str:
-    """Cut to ``width`` cells with an ellipsis (our texts are single-width)."""
+    """One line of at most ``width`` cells, cut with an ellipsis (our texts are single-width);
+    control characters, line breaks included, become visible escapes first."""
     if width <= 0:
         return ""
+    text = printable(text)
     return text if len(text) <= width else text[: max(0, width - 1)] + "…"
 
 

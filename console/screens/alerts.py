@@ -24,6 +24,7 @@ from vconsole.console.screens.base import row_table
 from vconsole.console.screens.filtered import FilteredScreen
 from vconsole.console.state import ALERT_HISTORY, Alert, ConsoleState
 from vconsole.console.widgets.chrome import Frame
+from vconsole.telemetry.printable import printable
 
 LEVEL_STYLE = {"critical": "bold red", "warning": "yellow", "ok": "green"}
 LEVEL_MARKUP = {"critical": "$error", "warning": "$warning", "ok": "$success"}
@@ -112,7 +113,8 @@ class AlertsScreen(FilteredScreen):
         for i, a in enumerate(self.shown):
             where = f"{a.engine}/{a.rank}" if several else a.engine
             table.add_row(fmt.duration(max(0.0, now - a.recv_ts)) + " ago",
-                          Text(a.level, style=LEVEL_STYLE.get(a.level, "")), a.name,
+                          Text(printable(a.level), style=LEVEL_STYLE.get(a.level, "")),
+                          printable(a.name),
                           fmt.clip(where, 16), figure(a), fmt.clip(a.message, 60), key=str(i))
         if keep is not None and keep in self.shown:
             table.move_cursor(row=self.shown.index(keep), animate=False)

@@ -36,6 +36,7 @@ from vconsole.console.screens.filtered import FilteredScreen
 from vconsole.console.state import ConfigView, ConsoleState
 from vconsole.console.widgets.chrome import Frame
 from vconsole.security.key_owner import GONE, UNKNOWN, KeyStatus
+from vconsole.telemetry.printable import printable
 
 REPLY_STYLE = {APPLIED: "green", UNCHANGED: "green", REJECTED: "red", INVALID: "red",
                ERROR: "red", TIMEOUT: "red", RESTART: "yellow", PENDING: "dim"}
@@ -140,10 +141,11 @@ class ConfigScreen(FilteredScreen):
             if q and q not in key.lower() and q not in desc.lower():
                 continue
             rec = replies.get(key)
-            reply = Text(rec.summary(), style=REPLY_STYLE.get(rec.status, "")) if rec else ""
+            reply = Text(printable(rec.summary()), style=REPLY_STYLE.get(rec.status, "")) \
+                if rec else ""
             mode = Text("hot", style="green") if row.get("hot") else Text("restart",
                                                                           style="yellow")
-            table.add_row(key, show_value(cfg.values.get(key)), mode, reply,
+            table.add_row(printable(key), printable(show_value(cfg.values.get(key))), mode, reply,
                           Text(fmt.clip(desc, 60), style="dim"), key=key)
             self._keys.append(key)
         if keep in self._keys:

@@ -10,6 +10,7 @@ from vconsole.commands import fail
 from vconsole.engine.config import ConfigError, config_from_args
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import run_batch
+from vconsole.telemetry.printable import printable
 from vconsole.tools.generate import parse_line, result_line
 
 MAX_ERROR_LINES = 20    # bad lines named on stderr (all of them get an error line in OUTPUT)
@@ -55,10 +56,13 @@ def main(args: argparse.Namespace) -> int:
     with open(args.output, "w", encoding="utf-8") as fh:
         for i, (out, toks) in enumerate(zip(result.outputs, result.output_token_ids,
                                             strict=True)):
+            # json.dumps's default ensure_ascii writes every control character the model made
+            # (ESC, NUL, ...) as a \u escape: the file is safe to cat.
             fh.write(json.dumps(result_line(i, out, toks)) + "\n")
     errors = [(i, o) for i, o in enumerate(result.outputs) if o.finish_reason == "error"]
     for i, out in errors[:MAX_ERROR_LINES]:
-        print(f"{args.input}:{i + 1}: {out.error}", file=sys.stderr)
+        # The reason may quote the line (or text the model made): escaped for the terminal.
+        print(printable(f"{args.input}:{i + 1}: {out.error}"), file=sys.stderr)
     if len(errors) > MAX_ERROR_LINES:
         print(f"... and {len(errors) - MAX_ERROR_LINES} more (each has an error line in "
               f"{args.output})", file=sys.stderr)

@@ -15,6 +15,7 @@ from vconsole.commands.curve_args import client_curve
 from vconsole.console.sources.vllm import ScrapeError
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
+from vconsole.telemetry.printable import printable
 from vconsole.tools.top import (
     VllmWatcher,
     Watcher,
@@ -74,7 +75,7 @@ def _main_vllm(args: argparse.Namespace) -> int:
                 w.pump()
                 _print_snapshot(w.snapshot(), as_json, flush=True)
             except ScrapeError as e:     # a restart or a slow scrape: say so, keep watching
-                print(f"vconsole top: {e}", file=sys.stderr, flush=True)
+                print(printable(f"vconsole top: {e}"), file=sys.stderr, flush=True)
             time.sleep(w.scraper.translator.interval_s)
     except ScrapeError as e:
         return fail("top", e)

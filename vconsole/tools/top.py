@@ -27,6 +27,7 @@ from vconsole.console.sources.vllm import ScrapeError, VllmScraper
 from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from vconsole.security.curve import ClientCurve
 from vconsole.telemetry.control import ControlClient, ControlError
+from vconsole.telemetry.printable import printable
 from vconsole.telemetry.schema import (
     DP_TOPICS,
     TOPICS,
@@ -134,7 +135,7 @@ class Watcher(Seen):
                 except SchemaError as e:
                     self.bad += 1
                     if self.bad == 1:
-                        print(f"vconsole top: skipping a bad message: {e}", file=sys.stderr)
+                        print(printable(f"vconsole top: skipping a bad message: {e}"), file=sys.stderr)
                     continue
                 self.add(msg)
             if time.monotonic() >= deadline:
@@ -251,7 +252,13 @@ def _n(v: Any, spec: str, scale: float = 1.0) -> str:
 
 
 def format_line(latest: dict[str, dict[str, Any]]) -> str:
-    """One status line from the last payload of each topic (``{topic: payload}``)."""
+    """One status line from the last payload of each topic (``{topic: payload}``); what came
+    over the wire as text (engine name, state, alert names) has its control characters
+    escaped (`printable`), so a name cannot drive the terminal."""
+    return printable(_format_line(latest))
+
+
+def _format_line(latest: dict[str, dict[str, Any]]) -> str:
     parts = [time.strftime("%H:%M:%S")]
     if p := latest.get("health"):
         parts.append(f"{p['engine']}/{p['rank']} {p['state']} steps={p['steps']}")
@@ -278,7 +285,12 @@ def format_line(latest: dict[str, dict[str, Any]]) -> str:
 
 
 def format_ranks_line(w: Watcher) -> str:
-    """The status line of a group: the aggregate, then each rank's queues."""
+    """The status line of a group: the aggregate, then each rank's queues (escaped as
+    `format_line`)."""
+    return printable(_format_ranks_line(w))
+
+
+def _format_ranks_line(w: Watcher) -> str:
     bodies = {r: {t: m.payload for t, m in msgs.items()} for r, msgs in w.by_rank.items()}
     agg = aggregate(bodies)
     parts = [time.strftime("%H:%M:%S"), f"{w.world_size()} ranks"]
