@@ -20,7 +20,8 @@ never reaches the event loop.
 
 Data parallel: one telemetry endpoint carries every rank of a group; ``selected_engine`` is then
 a rank (``n``, the Ranks screen's cursor, the KV map's ``[`` ``]``), and the Ranks screen
-(``6``), its tab and keys exist only while a group is watched (`is_dp`).
+(``6``), its tab and keys exist only while a group is watched (`is_dp`); on one engine ``6``
+says so in a notice.
 
 Test hooks: ``state`` and ``steering`` (the models), ``refreshes`` (how many batched applies
 ran), ``refresh_view(force=True)`` (apply now).
