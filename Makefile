@@ -37,7 +37,8 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	$(PIP) install -q -e '.[test]'
 	@touch $@ $(VENV)/.installed
 
-# The CPU decode-attention kernel, compiled once for this machine (engine/worker/
+# The CPU decode-attention kernel, compiled once per source, flags, torch, Python and CPU into
+# $VCONSOLE_CACHE/kernels and imported from there whichever ninja is on PATH (engine/worker/
 # attention_kernel.py); without a compiler it says so and the engine uses its torch path.
 $(VENV)/.kernel: engine/worker/csrc/paged_attention.cpp engine/worker/attention_kernel.py $(VENV)/.installed
 	$(PY) -m vconsole.engine.worker.attention_kernel

@@ -20,7 +20,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,10 @@ from vconsole.engine.proc.ready_file import (
     ReadyFileError,
     read_ready_file,
 )
+from vconsole.engine.worker import attention_kernel
 
 STOP_GRACE_S = 10.0
+PHASE_POLL_S = 0.5
 
 
 def loopback_endpoints(base_port: int = 0) -> dict[str, str]:
@@ -67,9 +70,12 @@ class EngineProcess:
 
     def __init__(self, engine_args: Sequence[str] = (), *,
                  endpoints: dict[str, str] | None = None, log_path: str | Path | None = None,
-                 env: dict[str, str] | None = None, inherit_output: bool = False) -> None:
+                 env: dict[str, str] | None = None, inherit_output: bool = False,
+                 on_phase: Callable[[str], None] | None = None) -> None:
         """``inherit_output``: the engine writes to this process's stderr (``vconsole serve``)
-        and there is no log file."""
+        and there is no log file. ``on_phase(text)``: told once, while `start` waits, that the
+        engine is compiling the CPU attention kernel (its first start on this machine, 20-40 s
+        of otherwise silent waiting); the demo prints it."""
         self.engine_args = list(engine_args)
         self.requested = endpoints or loopback_endpoints()
         self.endpoints: dict[str, str] = {}
@@ -91,6 +97,9 @@ class EngineProcess:
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                     **(env or {})}
         self.child: ChildProcess | None = None
+        self.on_phase = on_phase
+        self.phase: str | None = None        # what the engine was found doing while starting
+        self._next_phase_poll = 0.0
 
     @property
     def pid(self) -> int | None:
@@ -123,7 +132,8 @@ class EngineProcess:
                                           stderr=log, own_group=True)
         why = ""
         try:
-            record = self.child.wait_ready(self.ready_path, timeout_s)
+            record = self.child.wait_ready(self.ready_path, timeout_s,
+                                           stop_waiting=self._watch_phase)
         except ReadyFileError as e:
             record, why = None, str(e)
         if record is not None:
@@ -136,6 +146,19 @@ class EngineProcess:
         why = why or (f"exited with code {code}" if code is not None
                       else f"not ready in {timeout_s:g} s")
         raise RuntimeError(f"the engine {why}; log {self.log_path}:\n{self.log_tail()}")
+
+    def _watch_phase(self) -> bool:
+        """Polled while waiting for the ready file (never stops the wait): a kernel build in
+        the engine's cache (`attention_kernel.build_in_progress`: a file read, no torch) is
+        the one long silent phase of a start, so it is named once."""
+        now = time.monotonic()
+        if self.on_phase is None or self.phase is not None or now < self._next_phase_poll:
+            return False
+        self._next_phase_poll = now + PHASE_POLL_S
+        if attention_kernel.build_in_progress(attention_kernel.cache_root(self.env)):
+            self.phase = attention_kernel.COMPILING
+            self.on_phase(self.phase)
+        return False
 
     def read_restarts(self) -> int:
         """How often the supervisor restarted the engine so far (also kept in

@@ -2,13 +2,25 @@
 
 The kernel reads each decode row's K/V through its block table where they lie in the pool,
 instead of gathering the blocks into a copy and reading the copy again in SDPA (the pure-torch
-path in `paged_attention`, which stays the fallback and the reference). It is built with
-``torch.utils.cpp_extension`` (a C++ compiler and ninja) for this machine's CPU, once: ``make
-install`` runs ``python -m vconsole.engine.worker.attention_kernel`` after installing the
-package, and the engine builds it on first use if that did not happen (~20 s). The build lands
-where torch keeps JIT extensions (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
-under a name tagged with a hash of the source, the torch and Python versions and the CPU, so a new
-torch or another machine builds afresh.
+path in `paged_attention`, which stays the fallback and the reference). ``make install`` runs
+``python -m vconsole.engine.worker.attention_kernel`` after installing the package; the engine
+builds it on its first start if that did not happen (20-40 s).
+
+**One build per source.** The build lands in the project's own cache,
+``$VCONSOLE_CACHE/kernels/paged_attention-<tag>/`` (default ``~/.cache/vconsole``), where the
+tag hashes what decides the machine code: the source, the compiler flags, the compiler named by
+``$CXX``, the torch version, the Python ABI and the CPU. An entry is complete once its
+``manifest.json`` names the shared object beside it; a later start imports that file directly
+and never asks torch's JIT loader (which lets ``ninja`` decide whether to rebuild: two ninja
+versions on PATH, the venv's and the system's, write different command hashes, and every
+switch between them cost a 30-40 s rebuild). ninja and a compiler are needed only to build.
+
+**Concurrent starts.** Builders of one tag take an exclusive ``flock`` on the entry's ``lock``
+file (the kernel drops it when a builder dies, so a killed build never wedges the next), compile
+in a private temporary folder, and publish with ``os.replace``: first the ``.so``, then the
+manifest. A second engine starting meanwhile waits on the lock, then finds the manifest and
+loads. While a build runs, ``building.json`` in the entry names its pid; `build_in_progress`
+reads it without importing torch, so a launcher waiting for its engine can say why it waits.
 
 ``VCONSOLE_ATTENTION_KERNEL=torch`` keeps the pure-torch path (the benchmarks' before/after);
 a build that fails (no compiler) is logged once and the engine runs the torch path.
@@ -18,24 +30,37 @@ Used for float32 pools on the CPU only; CUDA and other dtypes take the torch pat
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 import platform
 import shutil
 import sys
+import sysconfig
+import tempfile
 import threading
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
-
-import torch
 
 log = logging.getLogger(__name__)
 
 KERNEL_ENV = "VCONSOLE_ATTENTION_KERNEL"
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+ENTRY_PREFIX = "paged_attention-"
+MANIFEST = "manifest.json"
+BUILDING = "building.json"
+LOCK = "lock"
+# What a waiting client is told (the engine's log, `vconsole demo`, doctor).
+COMPILING = "compiling the attention kernel (first start only)"
+_FORMAT = 1   # bump when the cache entry's layout changes
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}   # "module" (or None) and "reason", once tried
@@ -53,29 +78,82 @@ def _cpu_tag() -> str:
     return f"{platform.machine()} {flags}"
 
 
+def build_inputs() -> dict[str, str]:
+    """Everything the built code depends on, by name (hashed into the tag; kept in the
+    manifest so a person can see why two entries differ). Never which ninja runs."""
+    import torch
+
+    return {"source": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+            "cflags": " ".join(CFLAGS), "ldflags": " ".join(LDFLAGS),
+            "cxx": os.environ.get("CXX", "c++"), "torch": torch.__version__,
+            "python": f"{sys.implementation.cache_tag} {sysconfig.get_config_var('EXT_SUFFIX')}",
+            "cpu": hashlib.sha256(_cpu_tag().encode()).hexdigest()[:16],
+            "format": str(_FORMAT)}
+
+
 def build_tag() -> str:
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode(),
-                 _cpu_tag().encode(), sys.version.encode()):
-        h.update(part)
-    return h.hexdigest()[:12]
+    return hashlib.sha256(json.dumps(build_inputs(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def module_name() -> str:
     return f"vconsole_paged_attention_{build_tag()}"
 
 
-def build_dir() -> Path:
-    """torch's own folder for JIT extensions (``$TORCH_EXTENSIONS_DIR``, default
-    ``~/.cache/torch_extensions``), one subfolder per build tag."""
-    from torch.utils import cpp_extension
+def cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    """``$VCONSOLE_CACHE/kernels`` (default ``~/.cache/vconsole/kernels``), read at each call so
+    a test or a second checkout can point it elsewhere; ``environ``: another process's
+    environment (a launcher asking where its engine builds)."""
+    env = (os.environ if environ is None else environ).get("VCONSOLE_CACHE")
+    base = Path(env).expanduser() if env else Path.home() / ".cache" / "vconsole"
+    return base / "kernels"
 
-    return Path(cpp_extension._get_build_directory(module_name(), verbose=False))
+
+def build_dir() -> Path:
+    """This source's cache entry (it may not exist yet)."""
+    return cache_root() / f"{ENTRY_PREFIX}{build_tag()}"
+
+
+def _manifest(entry: Path) -> dict[str, Any] | None:
+    """The entry's manifest when the entry is complete (its shared object is there)."""
+    try:
+        record = json.loads((entry / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("module"), str) \
+            or not isinstance(record.get("library"), str):
+        return None
+    return record if (entry / record["library"]).is_file() else None
 
 
 def is_built() -> bool:
-    """Whether a build for this source, torch and CPU is in the cache (loading it is quick)."""
-    return any(build_dir().glob("*.so"))
+    """Whether a complete build for this source, torch and CPU is in the cache."""
+    return _manifest(build_dir()) is not None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def build_in_progress(root: Path | None = None) -> dict[str, Any] | None:
+    """A kernel build running now on this machine (``{"pid", "since", "entry"}``), else None.
+    Reads only the cache folder, never imports torch: cheap enough to poll while waiting for
+    an engine. A marker left by a builder that died is ignored."""
+    root = root if root is not None else cache_root()
+    for marker in sorted(root.glob(f"{ENTRY_PREFIX}*/{BUILDING}")):
+        try:
+            record = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("pid"), int) \
+                and _pid_alive(record["pid"]):
+            return {**record, "entry": str(marker.parent)}
+    return None
 
 
 def wanted() -> bool:
@@ -84,15 +162,15 @@ def wanted() -> bool:
 
 def load() -> Any | None:
     """The compiled module (``paged_decode_attention``), or None when it is not wanted or
-    cannot be built (``reason()`` says why). Builds on the first call if need be; thread-safe,
-    tried once per process."""
+    cannot be built (``reason()`` says why). Loads the cached build, or builds it first;
+    thread-safe, tried once per process."""
     with _lock:
         if "reason" in _state:
             return _state["module"]
         module, reason = None, "not wanted (VCONSOLE_ATTENTION_KERNEL=torch)"
         if wanted():
             try:
-                module, reason = _build(), "built"
+                module, reason = _load_or_build()
             except Exception as e:  # no compiler, no ninja, a header mismatch: use torch
                 reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"
                 log.warning("the CPU attention kernel is unavailable (%s); using the torch "
@@ -102,34 +180,109 @@ def load() -> Any | None:
 
 
 def reason() -> str:
+    """How `load` ended: ``loaded`` (from the cache), ``built`` (compiled by this process),
+    why not, or ``not tried``."""
     return _state.get("reason", "not tried")
 
 
-def _build() -> Any:
+def _load_or_build() -> tuple[Any, str]:
+    entry = build_dir()
+    found = _manifest(entry)
+    if found is not None:
+        return _import(entry, found), "loaded"
+    entry.mkdir(parents=True, exist_ok=True)
+    with _entry_lock(entry):
+        found = _manifest(entry)          # built by another process while this one waited
+        if found is not None:
+            log.info("the attention kernel was compiled by another process; loaded from %s",
+                     entry)
+            return _import(entry, found), "loaded"
+        return _build_into(entry), "built"
+
+
+@contextlib.contextmanager
+def _entry_lock(entry: Path) -> Iterator[None]:
+    """The entry's exclusive build lock; says so in the log when another builder has it."""
+    with open(entry / LOCK, "a+b") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = build_in_progress(entry.parent)
+            who = f"pid {other['pid']}" if other else "another process"
+            log.warning("%s: waiting for %s, which is compiling it into %s", COMPILING, who,
+                        entry)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _import(entry: Path, manifest: dict[str, Any]) -> Any:
+    """Import the cached shared object as the module it was built as (its ``PyInit_`` name)."""
+    import torch  # noqa: F401  (the extension links against libtorch: load it first)
+
+    name = manifest["module"]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, entry / manifest["library"])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {entry / manifest['library']}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def _build_into(entry: Path) -> Any:
+    """Compile in a private folder under the entry (the lock is held), then publish the
+    shared object and, last, the manifest, each with one rename."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:  # the ninja wheel's binary, when the venv is not on PATH
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    # Built from a copy inside the build folder: ninja rebuilds when a source's *path* changes,
-    # and two checkouts of the project (a clone for CI beside a work tree) would otherwise take
-    # turns rebuilding the same tag, 20 s each, while engines wait for the lock.
-    folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    source = folder / SOURCE.name
-    code = SOURCE.read_bytes()
-    if not source.is_file() or source.read_bytes() != code:
-        tmp = source.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(code)
-        os.replace(tmp, source)
-    return cpp_extension.load(name=module_name(), sources=[str(source)], extra_cflags=CFLAGS,
-                              extra_ldflags=["-fopenmp"], verbose=False)
+    inputs = build_inputs()
+    started = time.time()
+    marker = entry / BUILDING
+    _write_json(marker, {"pid": os.getpid(), "since": started})
+    log.warning("%s, about 20-40 s: into %s", COMPILING, entry)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=entry))
+    try:
+        source = work / SOURCE.name
+        shutil.copyfile(SOURCE, source)
+        # Copies of the flags: torch appends its own link flags to the list it is given.
+        module = cpp_extension.load(name=module_name(), sources=[str(source)],
+                                    extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                                    build_directory=str(work), verbose=False)
+        built = Path(module.__file__)
+        library = f"{module.__name__}{built.suffix}"   # the name torch chose (``_v1`` in-process)
+        tmp = entry / f".{library}.{os.getpid()}"
+        shutil.copyfile(built, tmp)
+        os.replace(tmp, entry / library)
+        _write_json(entry / MANIFEST, {"module": module.__name__, "library": library,
+                                       "built": started, "seconds": round(time.time() - started, 1),
+                                       "inputs": inputs})
+        log.warning("the attention kernel compiled in %.1f s: %s", time.time() - started,
+                    entry / library)
+        return module
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            marker.unlink()
 
 
 def main() -> int:
     """Build (or find) the kernel and print one JSON line; exit 0 either way (the engine
     falls back to torch), so an install never fails for want of a compiler."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     module = load()
     print(json.dumps({"attention_kernel": "ready" if module is not None else "unavailable",
                       "reason": reason(), "dir": str(build_dir())}))

@@ -1,0 +1,109 @@
+"""The CPU attention kernel is compiled once per source into vconsole's own cache and loaded from
+there whichever ``ninja`` is on PATH (the venv's and the system's write different command
+hashes: torch's JIT loader rebuilt at every switch, 30-40 s of a silent engine start); two
+builders at once leave one complete entry; a build under way is visible to whoever waits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vconsole.engine.worker import attention_kernel
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                    reason="no C++ compiler: the engine runs the torch path")
+
+
+def _kernel_cmd(cache: Path, path_prefix: Path | None = None) -> tuple[list[str], dict[str, str]]:
+    env = {**os.environ, "VCONSOLE_CACHE": str(cache)}
+    env.pop(attention_kernel.KERNEL_ENV, None)
+    if path_prefix is not None:
+        env["PATH"] = f"{path_prefix}{os.pathsep}{env.get('PATH', '')}"
+    return [sys.executable, "-m", "vconsole.engine.worker.attention_kernel"], env
+
+
+def _fake_ninja(folder: Path) -> Path:
+    """A ``ninja`` that records each call and fails: any use of it is a rebuild attempt."""
+    folder.mkdir()
+    calls = folder / "calls"
+    script = folder / "ninja"
+    script.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 1\n")
+    script.chmod(0o755)
+    return calls
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_two_builders_leave_one_build_which_loads_with_another_ninja_first_on_path(tmp_path):
+    cache = tmp_path / "cache"
+    cmd, env = _kernel_cmd(cache)
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    seen_building: set[int] = set()
+    while any(p.poll() is None for p in procs):       # the build takes 20-40 s
+        found = attention_kernel.build_in_progress(cache / "kernels")
+        if found is not None:
+            seen_building.add(found["pid"])
+        time.sleep(0.2)
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0, err
+        results.append((json.loads(out.splitlines()[-1]), err))
+    assert sorted(r["reason"] for r, _ in results) == ["built", "loaded"], results
+    assert all(r["attention_kernel"] == "ready" for r, _ in results)
+    builder = next(p.pid for p, (r, _) in zip(procs, results, strict=True) if r["reason"] == "built")
+    assert seen_building == {builder}      # the marker named the builder while it ran
+    assert any(attention_kernel.COMPILING in err for _, err in results)
+    entries = list((cache / "kernels").iterdir())
+    assert len(entries) == 1 and (entries[0] / attention_kernel.MANIFEST).is_file()
+    assert not list(entries[0].glob(".build-*"))               # the work folder is gone
+    assert attention_kernel.build_in_progress(cache / "kernels") is None
+
+    calls = _fake_ninja(tmp_path / "other-ninja")
+    cmd, env = _kernel_cmd(cache, path_prefix=tmp_path / "other-ninja")
+    assert shutil.which("ninja", path=env["PATH"]) == str(tmp_path / "other-ninja" / "ninja")
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    record = json.loads(again.stdout.splitlines()[-1])
+    assert record == {"attention_kernel": "ready", "reason": "loaded", "dir": str(entries[0])}
+    assert not calls.exists(), f"ninja was run: {calls.read_text()}"
+    assert attention_kernel.COMPILING not in again.stderr
+
+
+def test_a_marker_left_by_a_dead_builder_is_not_a_build_in_progress(tmp_path):
+    entry = tmp_path / f"{attention_kernel.ENTRY_PREFIX}0123"
+    entry.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (entry / attention_kernel.BUILDING).write_text(json.dumps({"pid": dead.pid, "since": 1.0}))
+    assert attention_kernel.build_in_progress(tmp_path) is None
+    (entry / attention_kernel.BUILDING).write_text(json.dumps({"pid": os.getpid(), "since": 1.0}))
+    found = attention_kernel.build_in_progress(tmp_path)
+    assert found is not None and found["pid"] == os.getpid() and found["entry"] == str(entry)
+
+
+def test_an_entry_is_complete_only_once_its_manifest_names_a_library_that_is_there(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("VCONSOLE_CACHE", str(tmp_path))
+    entry = attention_kernel.build_dir()
+    assert entry.parent == tmp_path / "kernels" and not attention_kernel.is_built()
+    entry.mkdir(parents=True)
+    (entry / attention_kernel.MANIFEST).write_text(json.dumps({"module": "m", "library": "m.so"}))
+    assert not attention_kernel.is_built()      # a manifest without its library: not built
+    (entry / "m.so").write_bytes(b"")
+    assert attention_kernel.is_built()
+
+
+def test_the_tag_changes_with_what_decides_the_code_and_not_with_ninja(monkeypatch):
+    tag = attention_kernel.build_tag()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert attention_kernel.build_tag() == tag
+    monkeypatch.setattr(attention_kernel, "CFLAGS", [*attention_kernel.CFLAGS, "-DX"])
+    assert attention_kernel.build_tag() != tag
