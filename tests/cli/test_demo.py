@@ -1,6 +1,9 @@
 """`vconsole demo`'s process management: the stack comes up, serves, and leaves nothing behind —
 on a normal exit and when the console crashes. No terminal needed: the console is faked."""
 
+import json
+import os
+import shutil
 import sys
 import time
 import types
@@ -144,3 +147,112 @@ def test_an_engine_beside_its_clients_leaves_them_a_core_unless_told_otherwise(m
     monkeypatch.setattr(ep.os, "cpu_count", lambda: 8)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert env() == {}                          # the user's setting wins
+
+
+def _sched(seq: int, preemptions: int) -> schema.TelemetryMessage:
+    return schema.TelemetryMessage("sched", {"seq": seq, "num_preemptions_total": preemptions})
+
+
+def test_the_preemption_tally_adds_up_engine_processes_across_restarts():
+    tally = demo.PreemptionTally()
+    for seq, total in [(0, 0), (1, 3), (2, 7), (0, 0), (1, 2), (5, 4)]:  # restart after 7
+        tally.on_message(_sched(seq, total))
+    tally.on_message(schema.TelemetryMessage("health", {"seq": 9}))         # not sched: ignored
+    assert tally.total == 11 and tally.samples == 6
+
+
+def test_the_summary_line_says_how_every_request_ended():
+    line = demo.DemoSummary(seconds=20.4, requests=130, completed=120, cut_at_quit=9, failed=1,
+                            output_tokens=12345, preemptions=17, restarts=1).line()
+    assert line == ("20 s: 130 requests (120 completed, 9 cut short at quit, 1 failed), "
+                    "12,345 output tokens, 17 preemptions, 1 engine restart")
+    quiet = demo.DemoSummary(seconds=3, requests=0, completed=0, cut_at_quit=0, failed=0,
+                             output_tokens=0, preemptions=None, restarts=0).line()
+    assert "0 requests (0 completed)" in quiet and "? preemptions" in quiet
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+def test_the_demo_prints_what_it_did_when_the_console_quits(monkeypatch, capsys):
+    """`vconsole demo` ended with no figures; now one line: requests and how they ended, tokens,
+    preemptions, restarts, from the load generator's records and the engine's telemetry."""
+    started: list[DemoStack] = []
+    real_start = DemoStack.start
+
+    def spy_start(self):
+        started.append(self)
+        return real_start(self)
+
+    class QuitLaterApp:
+        def __init__(self, telemetry_endpoints, control_endpoint, **kw):
+            self.state = types.SimpleNamespace(note_error=lambda message: None)
+
+        def run(self):
+            (stack,) = started
+            deadline = time.monotonic() + 60    # until the load has finished some requests
+            while time.monotonic() < deadline and (
+                    stack.load.run_state.done < 3 or not stack.preemptions.samples):
+                time.sleep(0.2)
+
+    monkeypatch.setitem(sys.modules, "vconsole.console.app",
+                        types.SimpleNamespace(VConsoleApp=QuitLaterApp))
+    monkeypatch.setattr(DemoStack, "start", spy_start)
+    code = demo_cmd.main(build_parser().parse_args(["demo", *ENGINE_ARGS, "--rate", "10"]))
+    err = capsys.readouterr().err
+    (stack,) = started
+    run = stack.load.run_state
+    summary = stack.summary()
+    assert code == 0 and summary.restarts == 0
+    assert summary.requests == len(run.records) >= 3
+    assert summary.output_tokens == sum(r.num_tokens for r in run.records.values()) > 0
+    assert summary.completed + summary.cut_at_quit + summary.failed == summary.requests
+    assert summary.preemptions is not None
+    assert f"vconsole demo: {summary.line()}\n" in err
+    assert f"{summary.requests:,} requests (" in err and " engine restarts" in err
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+def test_a_start_that_waits_on_the_kernel_compile_says_so(tmp_path, monkeypatch):
+    """The engine's first start compiles the CPU attention kernel (20-40 s of silence before);
+    here another builder holds the entry's lock, as a second engine starting at once sees it,
+    and publishes the build once the demo has named the wait."""
+    import fcntl
+    import threading
+
+    from vconsole.engine.worker import attention_kernel
+
+    if attention_kernel.load() is None:
+        pytest.skip(f"no kernel on this machine: {attention_kernel.reason()}")
+    built = attention_kernel.build_dir()                 # the build, from the usual cache
+    monkeypatch.setenv("VCONSOLE_CACHE", str(tmp_path / "cache"))
+    entry = attention_kernel.build_dir()
+    entry.mkdir(parents=True)
+    phases: list[str] = []
+    stack = DemoStack(ENGINE_ARGS, load=False, on_phase=phases.append)
+    with open(entry / attention_kernel.LOCK, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (entry / attention_kernel.BUILDING).write_text(json.dumps({"pid": os.getpid(),
+                                                                   "since": time.time()}))
+        starting = threading.Thread(target=stack.start)
+        starting.start()
+        deadline = time.monotonic() + 120
+        while not phases and starting.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert phases == [attention_kernel.COMPILING]
+        waiting = f"{attention_kernel.COMPILING}: waiting for pid {os.getpid()}"
+        while waiting not in stack.engine.log_text() and starting.is_alive() \
+                and time.monotonic() < deadline:          # the engine is at the lock
+            time.sleep(0.1)
+        for name in (json.loads((built / attention_kernel.MANIFEST).read_text())["library"],
+                     attention_kernel.MANIFEST):
+            shutil.copyfile(built / name, entry / name)
+        (entry / attention_kernel.BUILDING).unlink()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    starting.join(120)
+    try:
+        assert stack.engine.endpoints, "the engine never became ready"
+        log = stack.engine.log_text()
+        assert waiting in log and "compiled by another process; loaded" in log
+    finally:
+        stack.close()

@@ -31,7 +31,10 @@ def engine_args_from(args: argparse.Namespace) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    stack = DemoStack(engine_args_from(args), rate=args.rate, base_port=args.base_port)
+    stack = DemoStack(engine_args_from(args), rate=args.rate, base_port=args.base_port,
+                      on_phase=lambda phase: print(f"vconsole demo: the engine is {phase}, "
+                                                   "about 20-40 s ...", file=sys.stderr,
+                                                   flush=True))
     print("vconsole demo: starting the engine (tiny model) ...", file=sys.stderr, flush=True)
     try:
         stack.start()
@@ -49,6 +52,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         stack.close()
         line, code = closing_line(stack.engine)
+        print(f"vconsole demo: {stack.summary().line()}", file=sys.stderr)
         print(f"vconsole demo: {line}", file=sys.stderr)
     if stack.load is not None and stack.load.error is not None:
         print(f"vconsole demo: the load generator failed {stack.load.errors} time(s), last: "

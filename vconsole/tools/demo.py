@@ -6,6 +6,11 @@ generator (a thread in this process). It is what `main`, the tests and
 ``scripts/screenshots.py`` use; the console itself is imported only in `main`, so the process
 management is testable without a terminal.
 
+When it closes, `summary` gives what the run did, in true figures: the requests the load
+generator sent and how each ended, the output tokens it received (its own run record), and
+the engine's preemptions and restarts (the engine's ``sched`` telemetry, summed over every engine
+process a restart started, and the supervisor's restart count from the ready file).
+
 Invariant: when `DemoStack` exits — normally, on Ctrl-C, or because the console crashed —
 nothing it started is left running: the load thread is stopped and the engine stopped
 (`EngineProcess.stop`: SIGTERM to its group, a clean drain, then SIGKILL if it has not exited in
@@ -14,14 +19,20 @@ time).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vconsole.engine.proc.engine_process import (
     EngineProcess,
     engine_env_beside_clients,
     loopback_endpoints,
 )
+from vconsole.telemetry.listener import TelemetryListener
+from vconsole.telemetry.schema import TelemetryMessage
 from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec
 
 # The demo's engine: small enough that bursts fill the KV pool and preempt (80 blocks: with the
@@ -32,15 +43,78 @@ DEMO_ENGINE_ARGS = [arg for key, value in DEMO_ENGINE_DEFAULTS.items()
                     for arg in (f"--{key.replace('_', '-')}", str(value))]
 
 
+class PreemptionTally:
+    """The engine's ``num_preemptions_total`` summed over engine processes: a restarted engine
+    counts from 0 again (its telemetry ``seq`` starts over), so the last figure of each
+    process is kept. Fed on the listener's thread, read from another."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._earlier = 0        # the final totals of engine processes that were replaced
+        self._current = 0
+        self._last_seq = -1
+        self.samples = 0
+
+    def on_message(self, msg: TelemetryMessage) -> None:
+        if msg.topic != "sched":
+            return
+        total = msg.payload.get("num_preemptions_total")
+        if not isinstance(total, int):
+            return
+        with self._lock:
+            if msg.seq <= self._last_seq:          # a new engine process: its own count
+                self._earlier += self._current
+                self._current = 0
+            self._last_seq = msg.seq
+            self._current = max(self._current, total)
+            self.samples += 1
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self._earlier + self._current
+
+
+@dataclass(frozen=True)
+class DemoSummary:
+    """What one demo run did (`DemoStack.summary`)."""
+
+    seconds: float
+    requests: int
+    completed: int
+    cut_at_quit: int          # in flight when the demo quit: aborted, as asked
+    failed: int
+    output_tokens: int
+    preemptions: int | None   # None: no scheduler telemetry arrived
+    restarts: int
+
+    def line(self) -> str:
+        pre = "?" if self.preemptions is None else f"{self.preemptions:,}"
+        ended = [f"{self.completed:,} completed"]
+        if self.cut_at_quit:
+            ended.append(f"{self.cut_at_quit:,} cut short at quit")
+        if self.failed:
+            ended.append(f"{self.failed:,} failed")
+        return (f"{self.seconds:.0f} s: {self.requests:,} requests ({', '.join(ended)}), "
+                f"{self.output_tokens:,} output tokens, {pre} preemptions, "
+                f"{self.restarts} engine restart{'s' if self.restarts != 1 else ''}")
+
+
 class DemoStack:
     """Engine process + load thread. Use as a context manager; see the module invariant."""
 
     def __init__(self, engine_args: Sequence[str] = (), *, rate: float = 4.0,
                  base_port: int = 0, load: bool = True, log_path: str | Path | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, on_phase: Callable[[str], None] | None = None) -> None:
+        """``on_phase``: told while the engine starts that it compiles the attention kernel
+        (`EngineProcess`)."""
         self.engine = EngineProcess(engine_args, endpoints=loopback_endpoints(base_port),
                                     env=engine_env_beside_clients(),
-                                    log_path=log_path)
+                                    log_path=log_path, on_phase=on_phase)
+        self.preemptions = PreemptionTally()
+        self._listener: TelemetryListener | None = None
+        self._started: float | None = None
+        self._closed: float | None = None
         self.rate = rate
         self.load_enabled = load
         self.seed = seed
@@ -53,6 +127,9 @@ class DemoStack:
     def start(self) -> DemoStack:
         try:
             self.engine.start()
+            self._started = time.monotonic()
+            self._listener = TelemetryListener(self.endpoints["telemetry"],
+                                               self.preemptions.on_message, topics=("sched",))
             if self.load_enabled:
                 self.load = LoadThread(self.endpoints["input"], self.endpoints["output"],
                                        demo_spec(self.seed), rate_fn=demo_rate(self.rate))
@@ -66,8 +143,24 @@ class DemoStack:
         try:
             if self.load is not None:
                 self.load.stop()
+            if self._listener is not None:
+                self._listener.close()
         finally:
+            if self._closed is None and self._started is not None:
+                self._closed = time.monotonic()
             self.engine.stop()
+
+    def summary(self) -> DemoSummary:
+        """The run's figures (after `close`, final; before, so far)."""
+        run: dict[str, Any] = self.load.run_state.summary() if self.load is not None else {}
+        end = self._closed or time.monotonic()
+        return DemoSummary(
+            seconds=end - self._started if self._started is not None else 0.0,
+            requests=run.get("requests", 0), completed=run.get("completed", 0),
+            cut_at_quit=run.get("aborted", 0) + run.get("in_flight", 0),
+            failed=run.get("failed", 0), output_tokens=run.get("output_tokens", 0),
+            preemptions=self.preemptions.total if self.preemptions.samples else None,
+            restarts=self.engine.read_restarts())
 
     def __enter__(self) -> DemoStack:
         return self.start()
