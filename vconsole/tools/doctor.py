@@ -134,8 +134,8 @@ def check_ports(endpoints: dict[str, str] | None = None, where: str = "the defau
     if not busy:
         return Check("ports", OK, f"free on {where}: {_ports(endpoints)}")
     if _engine_answers(endpoints["control"]):
-        return Check("ports", WARN, f"an engine already answers on {where} ({', '.join(busy)}"
-                                    " in use): attach to it, or start another with "
+        return Check("ports", WARN, f"an engine already answers on {where}: {', '.join(busy)}"
+                                    " in use; attach to it, or start another with "
                                     "--base-port or --input/--output/--telemetry/--control "
                                     "elsewhere")
     return Check("ports", FAIL, f"in use by another program on {where}: {', '.join(busy)}; "
