@@ -270,7 +270,7 @@ def _build_into(entry: Path) -> Any:
         _write_json(entry / MANIFEST, {"module": module.__name__, "library": library,
                                        "built": started, "seconds": round(time.time() - started, 1),
                                        "inputs": inputs})
-        log.warning("the attention kernel compiled in %.1f s: %s", time.time() - started,
+        log.info("the attention kernel compiled in %.1f s: %s", time.time() - started,
                     entry / library)
         return module
     finally:
