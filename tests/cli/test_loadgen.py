@@ -2,6 +2,9 @@
 against a real engine."""
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -63,23 +66,47 @@ def test_demo_rate_has_bursts_and_quiet_spells():
     assert rate(5) == rate(45)
 
 
-def test_summary_percentiles_and_errors_by_reason():
+def test_summary_percentiles_and_errors_by_kind():
     run = LoadRun()
     run.started = 0.0
     run.finished_at = 2.0
+    run.planned = 16
+    done = {"ended": True}
     for i in range(10):
         run.records[str(i)] = RequestRecord(0, 5, sent=0.0, first_token=0.1 * (i + 1),
-                                            itl=[0.01], num_tokens=4, finish_reason="length")
-    run.records["x"] = RequestRecord(0, 5, finish_reason="error", error="too long")
-    run.records["y"] = RequestRecord(0, 5, finish_reason="abort")
-    run.tokens, run.done = 40, 12
+                                            itl=[0.01], num_tokens=4, finish_reason="length",
+                                            **done)
+    run.records["x"] = RequestRecord(0, 5, finish_reason="error", error="too long", **done)
+    run.records["y"] = RequestRecord(0, 5, finish_reason="abort", **done)
+    run.records["z"] = RequestRecord(0, 5, finish_reason="error", error="engine unreachable: "
+                                     "nothing heard", **done)
+    run.records["h"] = RequestRecord(0, 5, finish_reason="error", error="error_event: 503 "
+                                     "ServiceUnavailableError: engine unreachable", **done)
+    run.records["s"] = RequestRecord(0, 5, finish_reason="abort", stopped=True, **done)
+    run.records["n"] = RequestRecord(0, 5, **done)                  # no final output came
+    run.tokens, run.done = 40, 16
     s = run.summary()
-    assert s["requests"] == 12 and s["completed"] == 10
-    assert s["errors"] == {"error: too long": 1, "abort": 1}
+    assert s["requests"] == 16 and s["completed"] == 10 and s["aborted"] == 1
+    assert s["errors"] == {"engine_error": 1, "abort": 1, "engine_unreachable": 1,
+                           "error_event": 1, "no_final_output": 1}
+    assert s["failed"] == 5 and s["completed"] + s["failed"] + s["aborted"] == s["requests"]
+    assert s["error_examples"]["engine_error"] == "too long"
     assert s["ttft_s"]["p50"] == pytest.approx(0.55) and s["itl_s"]["p99"] == pytest.approx(0.01)
-    assert s["tok_per_s"] == 20.0
+    assert s["tok_per_s"] == 20.0 and s["req_per_s"] == 5.0     # completed requests per second
     text = format_summary(s)
-    assert "TTFT" in text and "error: too long: 1" in text
+    assert "requests     16 (10 completed, 5 failed, 1 aborted on stop) in 2.00 s" in text
+    assert "errors       engine_error 1, abort 1, engine_unreachable 1, error_event 1, " \
+           "no_final_output 1" in text and "  engine_error: too long" in text
+
+
+def test_a_run_stopped_early_says_how_many_of_how_many_were_sent():
+    run = LoadRun()
+    run.planned = 12
+    for i in range(4):
+        run.records[str(i)] = RequestRecord(0, 5, finish_reason="error", ended=True,
+                                            error="engine unreachable: nothing heard")
+    text = format_summary(run.summary())
+    assert "requests     4 of 12 (0 completed, 4 failed)" in text
 
 
 async def test_a_failing_submit_raises_its_own_error_not_an_unbound_rid():
@@ -143,5 +170,57 @@ def test_load_thread_with_a_varying_rate_stops_promptly_and_aborts_what_is_in_fl
     # Promptly = without waiting for the in-flight requests (200 tokens each) to finish: they
     # were aborted (not all finished), and stop returned with the thread gone.
     s = t.run_state.summary()
-    assert s["errors"].get("abort", 0) >= 1 and s["requests"] >= p["sent"]
-    assert s["completed"] < s["requests"]
+    assert s["aborted"] >= 1 and s["requests"] >= p["sent"]
+    assert s["errors"] == {}, "the load's own aborts are not failures"
+    assert s["completed"] + s["aborted"] == s["requests"]
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+def test_a_load_whose_engine_dies_says_the_same_count_in_its_summary_and_its_last_line(
+        tmp_path):
+    """The summary's request count is the one the stop line gives ("stopped after N of 12"),
+    and every one of them is either completed or failed, by kind."""
+    from support.live_engine import ipc_endpoints
+    from vconsole.engine.proc.engine_process import EngineProcess
+
+    eps = ipc_endpoints(tmp_path)
+    args = ["--num-kv-blocks", "1200", "--block-size", "8", "--set", "client_heartbeat_s=0.2",
+            "--no-supervisor"]
+    with EngineProcess(args, endpoints=eps) as engine:
+        load = subprocess.Popen(
+            [sys.executable, "-m", "vconsole", "load", "--input", eps["input"], "--output",
+             eps["output"], "--num", "12", "--concurrency", "4", "--prompt-len", "4:8",
+             "--output-len", "1500:2000", "--wait", "5", "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_for_tokens(engine.endpoints["telemetry"])
+            os.kill(engine.pid, signal.SIGKILL)
+            out, err = load.communicate(timeout=120)
+        finally:
+            if load.poll() is None:
+                load.kill()
+    assert load.returncode == 1, (out, err)
+    s = json.loads(out)
+    stopped = re.search(r"stopped after (\d+) of 12 requests: engine unreachable", err)
+    assert stopped, err
+    assert s["requests"] == int(stopped.group(1)) and s["planned"] == 12, (s, err)
+    assert s["completed"] + s["failed"] == s["requests"] and s["failed"] >= 1, s
+    assert set(s["errors"]) <= {"engine_unreachable", "abort"}, s
+    assert s["errors"].get("engine_unreachable", 0) >= 1, s
+
+
+def _wait_for_tokens(endpoint: str, timeout_ms: int = 60_000) -> None:
+    """Until the engine's telemetry shows it has generated some tokens."""
+    from vconsole.telemetry import schema
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"health")
+    sub.connect(endpoint)
+    try:
+        while sub.poll(timeout_ms):
+            if schema.decode(sub.recv_multipart()).payload["steps"] > 20:
+                return
+        raise AssertionError("the engine never stepped")
+    finally:
+        sub.close(0)

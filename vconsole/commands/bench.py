@@ -34,10 +34,14 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=None if args.json else 2))
         return 0 if out["passed"] else 1
     elif args.name == "serve":
-        from vconsole.tools.bench.serve import serve_bench
+        from vconsole.tools.bench.serve import RequestsFailed, serve_bench
 
-        out = serve_bench(args.concurrency, args.rounds or 2, model=args.model_config,
-                          compare_transformers=not args.no_transformers, log=log)
+        try:
+            out = serve_bench(args.concurrency, args.rounds or 2, model=args.model_config,
+                              compare_transformers=not args.no_transformers, log=log)
+        except RequestsFailed as e:     # no figures from a run whose requests failed
+            print(f"vconsole bench serve: {e}", file=sys.stderr)
+            return 1
     elif args.name == "dp":
         from vconsole.tools.bench.dp import dp_bench
 

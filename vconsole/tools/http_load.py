@@ -14,6 +14,12 @@ refuses ``ignore_eos`` and token-id prompts): the prompt as text, one letter per
 (`text_prompt`: each is one token for the built-in byte-level tokenizers), no ``ignore_eos``,
 no vLLM extensions; a server without running usage counts one token per text chunk until its
 final usage says how many there were.
+
+A request counts as completed only when its stream ended whole: ``[DONE]`` after a finish
+reason, no ``data: {"error": ...}`` event, and, with ``ignore_eos``, every token asked for.
+Anything else is a failure of its kind (`ERROR_KINDS`), which `vconsole load` counts, prints
+and exits 1 on. Portable mode accepts a stream without ``[DONE]`` once it said its finish
+reason (``transformers serve`` never sends it) and cannot ask for ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -21,14 +27,93 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc.async_client import drain_request
-from vconsole.tools.sse_client import get_json, post_sse
+from vconsole.tools.sse_client import HttpError, NoDone, StreamCut, get_json, post_sse
 
 DEFAULT_VOCAB = 1000      # prompts' token ids stay below this unless the server says more
+
+# How a request over HTTP can fail, each counted apart in the load's summary (a final
+# RequestOutput with finish_reason "error" whose ``error`` starts with "KIND: "; `kind_of`):
+ERROR_KINDS = {
+    "error_event": "the stream carried a data: {\"error\": ...} event",
+    "no_done": "the stream ended without data: [DONE]",
+    "short_output": "fewer tokens than max_tokens though ignore_eos was set",
+    "http_NNN": "the server answered with status NNN",
+    "connection": "no connection, or it closed before the response ended",
+    "bad_event": "an event that is not JSON",
+    "timeout": "no end within the client's timeout",
+}
+
+
+def classify_exception(e: BaseException, timeout_s: float) -> str:
+    """``"KIND: detail"`` for an exception that ended a request."""
+    if isinstance(e, HttpError):
+        return f"http_{e.status}: {e}"
+    if isinstance(e, TimeoutError):
+        return f"timeout: no end within {timeout_s:g} s"
+    if isinstance(e, StreamCut | OSError | EOFError):
+        return f"connection: {type(e).__name__}: {e}"
+    if isinstance(e, ValueError):       # json.JSONDecodeError
+        return f"bad_event: {e}"
+    return f"error: {type(e).__name__}: {e}"
+
+
+def _error_text(err: Any) -> str:
+    """An error event's body as one line: ``code type: message``."""
+    if isinstance(err, dict):
+        head = " ".join(str(err[k]) for k in ("code", "type") if err.get(k) is not None)
+        msg = str(err.get("message") or "")
+        return f"{head}: {msg}" if head else msg or json.dumps(err)
+    return str(err)
+
+
+class _Stream:
+    """What one streamed response said so far, and the verdict on it at its end."""
+
+    def __init__(self, max_tokens: int, *, expect_full: bool, need_done: bool) -> None:
+        self.max_tokens = max_tokens
+        self.expect_full = expect_full       # ignore_eos was sent: max_tokens must come
+        self.need_done = need_done           # a server that never sends [DONE] is portable's
+        self.seen = 0
+        self.reason: str | None = None
+        self.error: str | None = None
+        self.done_missing = False
+
+    def take(self, event: dict[str, Any]) -> int:
+        """Count one event; the number of new tokens it brought."""
+        if event.get("error"):
+            self.error = _error_text(event["error"])
+            return 0
+        usage, choices = event.get("usage"), event.get("choices") or []
+        if usage:
+            total = int(usage.get("completion_tokens") or 0)
+        else:       # no running count: a chunk with text is a token
+            total = self.seen + bool(choices and choices[0].get("text"))
+        if choices and choices[0].get("finish_reason"):
+            self.reason = choices[0]["finish_reason"]
+        new = max(0, total - self.seen)
+        self.seen = max(self.seen, total)
+        return new
+
+    def verdict(self) -> tuple[str, str | None]:
+        """(finish_reason, error) of the finished stream: an error event, a missing [DONE] or
+        finish reason, or a short output under ignore_eos make it an ``error``."""
+        if self.error is not None:
+            return "error", f"error_event: {self.error}"
+        if self.done_missing and (self.need_done or self.reason is None):
+            return "error", (f"no_done: the stream ended without [DONE] after {self.seen} "
+                             "tokens")
+        if self.reason not in (None, "length", "stop"):
+            return self.reason, f"the server ended it: {self.reason}"
+        if self.expect_full and self.seen < self.max_tokens:
+            return "error", (f"short_output: {self.seen} of {self.max_tokens} tokens with "
+                             f"ignore_eos (finish_reason {self.reason})")
+        return self.reason or "stop", None
 
 
 def api_base(url: str) -> str:
@@ -99,34 +184,42 @@ class HttpLoadClient:
 
     async def _run(self, rid: str, ids: list[int], max_tokens: int, ignore_eos: bool,
                    priority: int) -> None:
+        """Stream one request into its queue; its final output says how it ended: the
+        server's finish reason, or ``error`` with `ERROR_KINDS`' kind first in ``error``."""
         queue = self._queues[rid]
-        seen = 0
+        stream = _Stream(max_tokens, expect_full=ignore_eos and not self.portable,
+                         need_done=not self.portable)
         headers = self.headers if self.portable else {**self.headers, "x-request-id": rid}
         try:
-            reason = None
             async with asyncio.timeout(self.timeout_s):
-                async for chunk in post_sse(self.base + "/completions",
-                                            self._body(ids, max_tokens, ignore_eos, priority),
-                                            headers):
-                    usage, choices = chunk.get("usage"), chunk.get("choices") or []
-                    if usage:
-                        total = int(usage.get("completion_tokens") or 0)
-                    else:       # no running count: a chunk with text is a token
-                        total = seen + bool(choices and choices[0].get("text"))
-                    if choices and choices[0].get("finish_reason"):
-                        reason = choices[0]["finish_reason"]
-                    if total > seen:
-                        queue.put_nowait(RequestOutput(rid, [0] * (total - seen),
-                                                       num_output_tokens=total))
-                        seen = total
-            queue.put_nowait(RequestOutput(rid, [], True, reason or "stop",
-                                           num_output_tokens=seen))
+                await self._read(rid, ids, max_tokens, ignore_eos, priority, headers, stream,
+                                 queue)
+            reason, error = stream.verdict()
         except asyncio.CancelledError:
-            queue.put_nowait(RequestOutput(rid, [], True, "abort", num_output_tokens=seen))
+            queue.put_nowait(RequestOutput(rid, [], True, "abort",
+                                           num_output_tokens=stream.seen))
             raise
-        except Exception as e:       # an HTTP or connection error: this request failed
-            queue.put_nowait(RequestOutput(rid, [], True, "error", num_output_tokens=seen,
-                                           error=f"{type(e).__name__}: {e}"))
+        except Exception as e:       # the request failed: say how, by kind
+            reason, error = "error", classify_exception(e, self.timeout_s)
+        queue.put_nowait(RequestOutput(rid, [], True, reason, num_output_tokens=stream.seen,
+                                       error=error))
+
+    async def _read(self, rid: str, ids: list[int], max_tokens: int, ignore_eos: bool,
+                    priority: int, headers: dict[str, str], stream: _Stream,
+                    queue: asyncio.Queue[RequestOutput]) -> None:
+        events = post_sse(self.base + "/completions",
+                          self._body(ids, max_tokens, ignore_eos, priority), headers)
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    new = stream.take(event)
+                    if new:
+                        queue.put_nowait(RequestOutput(rid, [0] * new,
+                                                       num_output_tokens=stream.seen))
+                    if stream.error is not None:
+                        return            # an error event ends the request: read no further
+        except NoDone:
+            stream.done_missing = True
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         try:
@@ -142,3 +235,13 @@ class HttpLoadClient:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+def kind_of(error: str | None) -> str | None:
+    """The kind an ``error`` written by this client starts with (`ERROR_KINDS`), else None."""
+    head, sep, _ = (error or "").partition(": ")
+    if not sep:
+        return None
+    if head in ERROR_KINDS or (head.startswith("http_") and head[5:].isdigit()):
+        return head
+    return None

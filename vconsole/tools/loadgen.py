@@ -8,6 +8,12 @@ long prompts and a share of prompts that start with one shared prefix (for the p
 
 Measured per request on the client's clock: TTFT (send -> first token) and inter-token latency
 (the gap between two output messages divided by the tokens the later one carried).
+
+Every request sent ends as exactly one of: completed (finish reason ``length`` or ``stop``),
+aborted by the load's own stop (Ctrl-C, the end of a soak), or failed — counted by kind
+(`error_kind`: the engine unreachable, a timeout, an abort nobody asked for, no final output,
+and over HTTP an error event, a missing ``[DONE]``, a short output, a status, a connection).
+The summary's figures add up: ``requests == completed + failed + aborted`` once it ends.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ import numpy as np
 
 from vconsole.engine.proc.async_client import AsyncEngineClient
 from vconsole.engine.proc.client import ENGINE_UNREACHABLE
+from vconsole.tools.http_load import kind_of
 
 RateFn = Callable[[float], float]   # seconds since the start -> requests per second
 ProgressFn = Callable[[dict[str, Any]], None]
 PROGRESS_INTERVAL_S = 0.25
 FIRST_TOKEN_ID = 3                   # skip the usual pad/bos/eos ids at the bottom
+COMPLETED = ("length", "stop")
 
 
 @dataclass
@@ -59,6 +67,24 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    ended: bool = False               # its task is over (with or without a final output)
+    stopped: bool = False             # aborted because the load was told to stop
+
+
+def error_kind(rec: RequestRecord) -> str | None:
+    """None for a request that completed or was stopped on purpose, else why it failed, as a
+    short kind the summary counts: ``engine_unreachable``, ``timeout``, ``abort`` (an abort
+    the load did not ask for), ``no_final_output``, an HTTP kind
+    (`vconsole.tools.http_load.ERROR_KINDS`), or ``engine_error`` (the engine refused it)."""
+    if rec.stopped or (rec.finish_reason in COMPLETED and rec.error is None):
+        return None
+    if rec.finish_reason is None:
+        return "no_final_output"
+    if rec.finish_reason in ("abort", "timeout"):
+        return rec.finish_reason
+    if (rec.error or "").startswith(ENGINE_UNREACHABLE):
+        return "engine_unreachable"
+    return kind_of(rec.error) or "engine_error"
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -125,11 +151,13 @@ class LoadRun:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.finished_at: float | None = None
-        self.records: dict[str, RequestRecord] = {}
+        self.records: dict[str, RequestRecord] = {}   # every request sent, in order
+        self.planned: int | None = None        # the spec's count (None: until stopped)
         self.sent = 0
         self.done = 0
         self.tokens = 0
         self.engine_lost: str | None = None   # why the engine stopped answering, if it did
+        self.stopping = False                  # told to stop: its own aborts are not failures
 
     @property
     def in_flight(self) -> int:
@@ -141,24 +169,43 @@ class LoadRun:
                 "tokens": self.tokens, "elapsed_s": elapsed, "tok_per_s": self.tokens / elapsed}
 
     def summary(self) -> dict[str, Any]:
+        """The run's figures; ``errors`` maps each failure kind to its count (empty when none
+        failed) and ``error_examples`` each kind to its first message."""
         end = self.finished_at or time.monotonic()
         duration = max(1e-9, end - self.started)
         recs = list(self.records.values())
         reasons = Counter(r.finish_reason for r in recs if r.finish_reason)
         errors: Counter[str] = Counter()
+        examples: dict[str, str] = {}
+        completed = aborted = in_flight = 0
         for r in recs:
-            if r.finish_reason not in ("length", "stop"):
-                errors[r.finish_reason if r.finish_reason != "error" else f"error: {r.error}"] += 1
+            kind = error_kind(r) if r.ended else None
+            if not r.ended:
+                in_flight += 1
+            elif r.stopped:
+                aborted += 1
+            elif kind is None:
+                completed += 1
+            else:
+                errors[kind] += 1
+                examples.setdefault(kind, _example(kind, r))
         ttft = [r.first_token - r.sent for r in recs if r.first_token is not None]
         itl = [g for r in recs for g in r.itl]
         return {
-            "requests": len(recs), "completed": reasons["length"] + reasons["stop"],
-            "errors": dict(errors), "finish_reasons": dict(reasons),
+            "requests": len(recs), "planned": self.planned, "completed": completed,
+            "failed": sum(errors.values()), "aborted": aborted, "in_flight": in_flight,
+            "errors": dict(errors), "error_examples": examples, "finish_reasons": dict(reasons),
             "ttft_s": _percentiles(ttft), "itl_s": _percentiles(itl),
             "output_tokens": self.tokens, "duration_s": duration,
-            "tok_per_s": self.tokens / duration, "req_per_s": self.done / duration,
+            "tok_per_s": self.tokens / duration, "req_per_s": completed / duration,
             "engine_lost": self.engine_lost,
         }
+
+
+def _example(kind: str, rec: RequestRecord) -> str:
+    """A failure's message without the kind it starts with (the summary names the kind)."""
+    text = rec.error or f"finish_reason {rec.finish_reason}"
+    return text.removeprefix(f"{kind}: ")
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
@@ -172,6 +219,7 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_tokens: int,
                priority: int, in_flight: dict[str, None]) -> None:
     rec = RequestRecord(priority, len(ids), sent=time.monotonic())
+    run.records[str(run.sent)] = rec      # counted from the moment it is sent, whatever follows
     run.sent += 1
     rid: str | None = None  # submit may fail: then there is nothing to forget in `finally`
     try:
@@ -182,7 +230,9 @@ async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_toke
             rec.finish_reason, rec.error = "error", f"{ENGINE_UNREACHABLE}: {e}"
             run.engine_lost = rec.error
             return
-        run.records[rid] = rec
+        except Exception as e:
+            rec.finish_reason, rec.error = "error", f"not sent: {type(e).__name__}: {e}"
+            raise
         in_flight[rid] = None
         async for out in client.stream(rid):
             now = time.monotonic()
@@ -197,11 +247,13 @@ async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_toke
                 run.tokens += n
             if out.finished:
                 rec.finish_reason, rec.error = out.finish_reason, out.error
+                rec.stopped = run.stopping and out.finish_reason == "abort"
                 if out.error and out.error.startswith(ENGINE_UNREACHABLE):
                     run.engine_lost = out.error
     finally:
         if rid is not None:
             in_flight.pop(rid, None)
+        rec.ended = True
         run.done += 1
 
 
@@ -218,6 +270,7 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
     if rate_fn is None and spec.rate is not None:
         rate_fn = _constant(spec.rate)
     run = run or LoadRun()
+    run.planned = spec.num
     rng = random.Random(spec.seed + 1)
     cap = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
     in_flight: dict[str, None] = {}
@@ -240,6 +293,10 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
                 break
             except TimeoutError:
                 continue
+        if stop.is_set() or run.engine_lost is not None:    # while it waited for a seat
+            if cap is not None:
+                cap.release()
+            return False
         task = asyncio.create_task(_one(client, run, ids, max_tokens, priority, in_flight))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -262,6 +319,7 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
         while tasks and not stop.is_set() and run.engine_lost is None:
             await asyncio.wait(set(tasks), timeout=0.1)
         if tasks:
+            run.stopping = stop.is_set()     # an abort after the engine was lost is a failure
             await client.abort(list(in_flight))
             await asyncio.wait(set(tasks), timeout=abort_wait_s)
             for t in tasks:
@@ -370,20 +428,33 @@ class LoadThread(threading.Thread):
 # --- `vconsole load` -------------------------------------------------------------------------
 
 def format_summary(s: dict[str, Any]) -> str:
+    """The summary as `vconsole load` prints it: the request counts add up (sent = completed
+    + failed + aborted), and each failure kind is named with its first message."""
     def ms(d: dict[str, float | None], k: str) -> str:
         return "-" if d[k] is None else f"{d[k] * 1000:.1f} ms"
 
-    lines = [f"requests     {s['requests']} ({s['completed']} completed) in {s['duration_s']:.2f} s",
+    sent = str(s["requests"])
+    if s.get("planned") is not None and s["requests"] < s["planned"]:
+        sent += f" of {s['planned']}"
+    parts = [f"{s['completed']} completed"]
+    for key, word in (("failed", "failed"), ("aborted", "aborted on stop"),
+                      ("in_flight", "in flight")):
+        if s.get(key):
+            parts.append(f"{s[key]} {word}")
+    lines = [f"requests     {sent} ({', '.join(parts)}) in {s['duration_s']:.2f} s",
              f"throughput   {s['tok_per_s']:.1f} output tok/s, {s['req_per_s']:.2f} req/s "
              f"({s['output_tokens']} tokens)",
              f"TTFT         p50 {ms(s['ttft_s'], 'p50')}   p99 {ms(s['ttft_s'], 'p99')}",
              f"inter-token  p50 {ms(s['itl_s'], 'p50')}   p99 {ms(s['itl_s'], 'p99')}"]
     if s["errors"]:
-        lines.append("errors       " + ", ".join(f"{k}: {v}" for k, v in s["errors"].items()))
+        lines.append("errors       " + ", ".join(f"{k} {v}" for k, v in s["errors"].items()))
+        examples = s.get("error_examples") or {}
+        lines += [f"  {k}: {_clip(examples[k])}" for k in s["errors"] if k in examples]
     else:
         lines.append("errors       none")
     return "\n".join(lines)
 
 
-
-
+def _clip(text: str, width: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."

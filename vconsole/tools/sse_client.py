@@ -5,7 +5,9 @@ model objects: the load generator measures the server, not its own parsing. `get
 ``/v1/models``; `post_sse` yields each ``data:`` frame's JSON until ``[DONE]``. Both speak
 plain HTTP or HTTPS (``ssl``), one connection per request (``Connection: close``), and read
 chunked or length-delimited bodies. A status other than 200 raises `HttpError` with the
-server's message.
+server's message. A body cut short (the connection closed inside a chunk or before the last
+chunk or byte) raises `StreamCut`, and a stream whose body ends without ``[DONE]`` raises
+`NoDone`: a measurement must never take a broken stream for a finished one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ class HttpError(OSError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+
+
+class StreamCut(ConnectionError):
+    """The connection closed before the body's end (inside or between chunks)."""
+
+
+class NoDone(ValueError):
+    """The body ended cleanly but the event stream had no ``data: [DONE]``."""
 
 
 def _error_message(body: bytes) -> str:
@@ -44,6 +54,8 @@ class _Response:
 
     async def read_head(self) -> None:
         line = await self.reader.readline()
+        if not line:
+            raise StreamCut("the connection closed before the response's status line")
         parts = line.split(None, 2)
         if len(parts) < 2 or not parts[1].isdigit():
             raise HttpError(0, f"not an HTTP response: {line[:80]!r}")
@@ -58,19 +70,25 @@ class _Response:
 
     async def pieces(self) -> AsyncIterator[bytes]:
         """The body as it arrives, de-chunked."""
-        if self.chunked:
-            while True:
-                size_line = await self.reader.readline()
-                size = int(size_line.split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    return
-                yield await self.reader.readexactly(size)
-                await self.reader.readline()          # the CRLF after each chunk
-        elif self.length is not None:
-            yield await self.reader.readexactly(self.length)
-        else:
-            while piece := await self.reader.read(65536):
-                yield piece
+        try:
+            if self.chunked:
+                while True:
+                    size_line = await self.reader.readline()
+                    if not size_line.endswith(b"\n"):    # EOF where a chunk size belongs
+                        raise StreamCut("the connection closed before the body's last chunk")
+                    size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                    if size == 0:
+                        return
+                    yield await self.reader.readexactly(size)
+                    await self.reader.readline()          # the CRLF after each chunk
+            elif self.length is not None:
+                yield await self.reader.readexactly(self.length)
+            else:
+                while piece := await self.reader.read(65536):
+                    yield piece
+        except asyncio.IncompleteReadError as e:
+            raise StreamCut(f"the connection closed {len(e.partial)} bytes into a piece of "
+                            f"{e.expected} bytes") from None
 
     async def body(self) -> bytes:
         return b"".join([p async for p in self.pieces()])
@@ -116,6 +134,8 @@ async def get_json(url: str, headers: dict[str, str]) -> Any:
 
 async def post_sse(url: str, payload: dict[str, Any],
                    headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+    """Each ``data:`` event's JSON, until ``[DONE]``; `NoDone` if the body ends without it
+    (the caller decides whether a server that never sends it is acceptable)."""
     resp = await _request(url, "POST", json.dumps(payload).encode(), headers)
     try:
         if resp.status != 200:
@@ -131,5 +151,6 @@ async def post_sse(url: str, payload: dict[str, Any],
                 if data == b"[DONE]":
                     return
                 yield json.loads(data)
+        raise NoDone("the event stream ended without data: [DONE]")
     finally:
         resp.close()

@@ -68,12 +68,21 @@ def _wait_healthy(url: str, server: ChildProcess, log: Path) -> None:
     raise RuntimeError("vconsole serve did not become healthy")
 
 
+class RequestsFailed(RuntimeError):
+    """A measured run had requests that did not complete: its figures are not reported."""
+
+
 async def _run(client: Any, spec: LoadSpec) -> dict[str, Any]:
+    """One run's summary; `RequestsFailed` unless every request completed (the same count as
+    `vconsole load`'s: an error event, a cut stream or a short output is a failure)."""
     async with client:
         run: LoadRun = await run_load(client, spec)
     s = run.summary()
     if s["completed"] != spec.num or s["errors"]:
-        raise RuntimeError(f"benchmark requests failed: {s['errors']}")
+        kinds = ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "none"
+        first = "; ".join(f"{k}: {m}" for k, m in s["error_examples"].items())
+        raise RequestsFailed(f"{s['completed']} of {spec.num} benchmark requests completed "
+                             f"(errors: {kinds}){'; ' + first if first else ''}")
     return s
 
 

@@ -175,12 +175,10 @@ def soak_bench(minutes: float, *, data_parallel_size: int = 1, rate: float = 8.0
         watcher.close()
 
     summary = load.run_state.summary()
-    reasons = [r.finish_reason for r in load.run_state.records.values()]
-    aborted = reasons.count("abort")
-    errors = {k: v for k, v in summary["errors"].items() if k not in ("abort", None)}
-    lost = reasons.count(None)
-    if lost:
-        errors["no final output"] = lost
+    # Failures by kind, as `vconsole load` counts them: the aborts of the load's own stop are
+    # not among them; a request without its final output is (``no_final_output``).
+    errors = dict(summary["errors"])
+    aborted = summary["aborted"]
     request_errors = sum(errors.values()) + len(load_errors)
     tokens_engine = watcher.total("num_generation_tokens_total")
     telemetry_errors = watcher.total("telemetry_errors", body="health")
@@ -209,6 +207,7 @@ def soak_bench(minutes: float, *, data_parallel_size: int = 1, rate: float = 8.0
         "restart_reason": engine.restart_reason,
         "request_errors": request_errors,
         "errors": errors,
+        "error_examples": summary["error_examples"],
         "load_errors": load_errors[-5:],
         "telemetry_errors": telemetry_errors,
         "requests": summary["requests"],
