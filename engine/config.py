@@ -373,7 +373,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 # Config keys that have a flag of their own (``--max-num-seqs``); the rest go through --set.
 FLAG_KEYS = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
-             "max_num_batched_tokens", "policy", "data_parallel_size", "dp_rank",
+             "max_num_batched_tokens", "max_model_len", "policy", "data_parallel_size", "dp_rank",
              "dp_master_addr", "dp_master_port", "kv_events_endpoint",
              "kv_events_replay_endpoint")
 

@@ -35,7 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
     g.add_argument("--max-num-seqs", type=int, help="most requests running at once (default 64)")
     g.add_argument("--max-num-batched-tokens", type=int,
                    help="token budget per step (default 512)")
-    g.add_argument("--max-model-len", type=int, metavar="N", action=_ConfigKeyFlag,
+    g.add_argument("--max-model-len", type=int, metavar="N",
                    help="longest prompt + output in tokens, as vLLM's flag (default: the "
                         "model's max_position_embeddings)")
     g.add_argument("--policy", choices=POLICIES, help="waiting-queue order (default fcfs)")
@@ -55,23 +55,6 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
                             "routers cannot speak); off by default")
         g.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
                        help="ROUTER endpoint replaying past batches from a sequence number")
-
-
-class _ConfigKeyFlag(argparse.Action):
-    """A flag for a config key that `vconsole.engine.config.FLAG_KEYS` does not list: stored
-    under its own name, and handed to the config as the first ``--set KEY=VALUE`` (so an
-    explicit ``--set`` still wins, as it does over every flag). The config validates it as it
-    validates every key; the pair travels to supervised children and demo engines with the
-    other ``--set`` pairs."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        pairs = list(getattr(namespace, "overrides", None) or [])
-        previous = getattr(namespace, self.dest, None)
-        if previous is not None and f"{self.dest}={previous}" in pairs:   # given twice
-            pairs.remove(f"{self.dest}={previous}")
-        setattr(namespace, self.dest, values)
-        namespace.overrides = [f"{self.dest}={values}", *pairs]
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:

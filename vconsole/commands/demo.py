@@ -10,7 +10,7 @@ from vconsole.engine.proc.engine_process import EngineProcess
 from vconsole.tools.demo import DEMO_ENGINE_DEFAULTS, DemoStack
 
 _PASS_THROUGH = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
-                 "max_num_batched_tokens", "policy", "config")
+                 "max_num_batched_tokens", "max_model_len", "policy", "config")
 
 
 def engine_args_from(args: argparse.Namespace) -> list[str]:
