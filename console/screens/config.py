@@ -182,9 +182,13 @@ class ConfigScreen(FilteredScreen):
             return
         mode = ("[$success]hot[/]: applied between two steps" if row.get("hot") else
                 "[$warning]restart-only[/]: the engine answers 'restart required'")
+        # The last answer for this key, whole (the table's column cuts it at 80 columns).
+        rec = self.console.steering.replies.get(key)
+        last = (f"\n[{HISTORY_STYLE.get(rec.status, '')}]{fmt.escape(rec.summary())}[/]"
+                if rec else "")
         box.update(Content.from_markup(
             f"[b]{fmt.escape(key)}[/]  {mode}\n{fmt.escape(str(row.get('description', '')))}\n"
-            f"[$text-muted]{fmt.escape(describe_range(row))}[/]"))
+            f"[$text-muted]{fmt.escape(describe_range(row))}[/]{last}"))
 
     def _show_history(self) -> None:
         hist = self.console.steering.history

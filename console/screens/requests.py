@@ -94,13 +94,15 @@ class RequestsScreen(FilteredScreen):
             if "requests" in (sc.get("not_exposed") or ()):
                 view = f"rows: not exposed by {fmt.escape(fmt.source_name(sc.get('source')))}"
             parts.append(f"[$text-muted]{view}[/]")
+            bad = not_understood(self.filter_text)
+            if bad:     # first, so that a narrow terminal still shows it
+                parts.insert(0, f"[$warning b]not understood, ignored: "
+                                f"{fmt.escape(' '.join(bad))}[/]")
             if self.filter_text:
                 parts.append(f"filter [b]{fmt.escape(self.filter_text)}[/]")
-                bad = not_understood(self.filter_text)
-                if bad:
-                    parts.append(f"[$warning]not understood, ignored: "
-                                 f"{fmt.escape(' '.join(bad))} (compare a number column: "
-                                 f"prio>0, age>=30, output=0)[/]")
+            if bad:
+                parts.append("[$text-muted]compare a number column: prio>0, age>=30, "
+                             "output=0[/]")
             if frame.paused:
                 parts.append("[$warning b]paused[/]")
             text = " · ".join(parts)

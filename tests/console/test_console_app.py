@@ -595,6 +595,7 @@ async def test_a_value_the_console_refuses_reads_not_sent_not_as_the_engines_rep
         await pilot.pause()
         reply = str(screen.table.get_row("max_num_seqs")[3])
         assert reply.startswith("not sent: invalid:") and ">= 1" in reply
+        assert reply in text_of(screen.query_one("#cfg-detail"))   # whole, below the table
         assert "no changes sent yet" in text_of(screen.query_one("#cfg-history"))
         assert [c for c in ctl.calls if c[0] == "set_config"] == []
         await open_editor(pilot, app, "max_num_seqs")
