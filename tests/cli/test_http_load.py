@@ -35,12 +35,14 @@ MODEL = {"id": "fake", "object": "model", "vocab_size": 300, "max_model_len": 40
 class ScriptedServer:
     """An OpenAI-shaped streaming server whose n-th completion follows ``script[n]`` (the last
     entry repeats): ``ok``, ``error_event``, ``no_done``, ``cut``, ``short``, ``status_500``,
-    ``status_503``, ``close`` (the connection closed before any response)."""
+    ``status_503``, ``close`` (the connection closed before any response), ``hang`` (half the
+    tokens, then nothing)."""
 
     def __init__(self, script: list[str]) -> None:
         self.script = script
         self.served = 0
         self.server: asyncio.Server | None = None
+        self.handlers: set[asyncio.Task[Any]] = set()
 
     @property
     def url(self) -> str:
@@ -54,9 +56,16 @@ class ScriptedServer:
     async def __aexit__(self, *exc: object) -> None:
         assert self.server is not None
         self.server.close()
+        for task in self.handlers:                  # a hanging stream's handler, say
+            task.cancel()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
         await self.server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        task.add_done_callback(self.handlers.discard)
         try:
             method, path, headers = await _read_head(reader)
             body = await reader.readexactly(int(headers.get("content-length", "0")))
@@ -83,7 +92,7 @@ class ScriptedServer:
         n = int(req["max_tokens"])
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                      b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
-        tokens = n // 2 if how in ("short", "error_event", "cut") else n
+        tokens = n // 2 if how in ("short", "error_event", "cut", "hang") else n
         for i in range(1, tokens + 1):
             last = i == tokens and how in ("ok", "no_done", "short")
             reason = ("stop" if how == "short" else "length") if last else None
@@ -93,6 +102,8 @@ class ScriptedServer:
         if how == "cut":
             await writer.drain()
             return                                  # no last chunk: the connection just ends
+        if how == "hang":
+            await asyncio.sleep(3600)               # until the client goes away
         if how == "error_event":
             await _event(writer, {"error": {"message": "engine unreachable: scripted",
                                             "type": "ServiceUnavailableError", "code": 503}})
@@ -203,6 +214,25 @@ async def test_the_command_exits_0_when_every_request_completed() -> None:
     code, out, err = await CliLoad.run(["ok"], 5)
     assert code == 0, err
     assert "requests     5 (5 completed) in" in out and "errors       none" in out
+
+
+async def test_ctrl_c_aborts_what_is_in_flight_without_calling_it_a_failure() -> None:
+    async with ScriptedServer(["ok", "hang"]) as server:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "vconsole", "load", "--api-url", server.url, "--num", "5",
+            "--concurrency", "1", "--prompt-len", "3", "--output-len", "8",
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while server.served < 2:                    # the second request is hanging
+            assert time.monotonic() < deadline, "the load never sent its second request"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err
+    assert "requests     2 of 5 (1 completed, 1 aborted on stop)" in out.decode()
+    assert "errors       none" in out.decode()
+    assert "stopped by Ctrl-C after 2 of 5 requests (1 in flight aborted)" in err.decode()
 
 
 # --- a real server whose engine is killed mid-stream -------------------------------------------

@@ -74,14 +74,19 @@ class Progress:
             self.stream.write("\n")
 
 
-def outcome(run: LoadRun, summary: dict[str, Any], num: int) -> tuple[int, str | None]:
+def outcome(run: LoadRun, summary: dict[str, Any], num: int,
+            interrupted: bool = False) -> tuple[int, str | None]:
     """The exit status and the line for stderr: 1 when the engine was lost or any request
-    failed, over the socket and over HTTP alike."""
+    failed, over the socket and over HTTP alike; a Ctrl-C with nothing failed is 0 and says
+    where it stopped."""
     if run.engine_lost is not None:
         return 1, f"stopped after {run.sent} of {num} requests: {run.engine_lost}"
     if summary["failed"]:
         kinds = ", ".join(f"{k} {v}" for k, v in summary["errors"].items())
         return 1, f"{summary['failed']} of {summary['requests']} requests failed ({kinds})"
+    if interrupted:
+        return 0, (f"stopped by Ctrl-C after {run.sent} of {num} requests "
+                   f"({summary['aborted']} in flight aborted)")
     return 0, None
 
 
@@ -119,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
         progress.end()
     summary = run.summary()
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-    code, why = outcome(run, summary, spec.num)
+    code, why = outcome(run, summary, spec.num, interrupted=stop.is_set())
     if why:
         print(f"vconsole load: {why}", file=sys.stderr)
     return code
