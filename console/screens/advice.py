@@ -24,7 +24,8 @@ from vconsole.console.screens.base import ConsoleScreen, row_table
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
 
-RULES_WATCHED = "scheduler share, KV fragmentation, KV pressure, TTFT, step time"
+RULES_WATCHED = ("scheduler share, KV fragmentation, KV pressure, TTFT, queue waiting for seats, "
+                 "step time")
 
 
 def evidence_text(evidence: dict[str, Any]) -> str:
