@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -182,6 +183,108 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
                                          **change})
     ok = client.completions.create(model="tiny", prompt="x", max_tokens=2)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+HI = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+# (field, value) the server cannot honour: each must be a 400 naming the field, never ignored.
+REFUSED_CHAT = [
+    ("tools", [TOOL]), ("tool_choice", "required"), ("tool_choice", "auto"),
+    ("parallel_tool_calls", True), ("functions", [TOOL["function"]]), ("function_call", "auto"),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}),
+    ("guided_json", SCHEMA), ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]),
+    ("guided_grammar", "root ::= \"a\""), ("guided_decoding_backend", "xgrammar"),
+    ("structured_outputs", {"json": SCHEMA}), ("reasoning_effort", "low"),
+    ("prompt_logprobs", 1), ("no_such_field", 1), ("echo", True),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), REFUSED_CHAT)
+def test_a_chat_field_the_server_does_not_honour_is_a_400_naming_it(
+        client: openai.OpenAI, field: str, value: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match=field) as e:
+        client.chat.completions.create(model="tiny", messages=HI, max_tokens=2,
+                                       extra_body={field: value})
+    assert e.value.body["param"] == field and e.value.body["code"] == 400   # type: ignore
+
+
+def test_completions_and_tokenize_refuse_what_they_do_not_honour_too(
+        server: Server, client: openai.OpenAI) -> None:
+    for field, value in (("response_format", {"type": "json_object"}), ("guided_json", SCHEMA),
+                         ("tools", [TOOL]), ("no_such_field", "x")):
+        with pytest.raises(openai.BadRequestError, match=field) as e:
+            client.completions.create(model="tiny", prompt="x", max_tokens=2,
+                                      extra_body={field: value})
+        assert e.value.body["param"] == field                        # type: ignore
+    with pytest.raises(openai.BadRequestError, match="stream_options") as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2,
+                                  stream_options={"include_usage": True})
+    for path, body, param in (
+            ("/v1/chat/completions", {"messages": [{**HI[0], "tool_call_id": "t1"}]},
+             "messages.0.tool_call_id"),
+            ("/v1/completions", {"prompt": "x", "stream": True,
+                                 "stream_options": {"include_usage": True, "other": 1}},
+             "stream_options.other"),
+            ("/tokenize", {"prompt": "x", "chat_template": "{{ x }}"}, "chat_template"),
+            ("/detokenize", {"tokens": [5], "what": 1}, "what")):
+        status, raw = http(server, "POST", path, body)
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
+
+
+def test_fields_sent_with_values_that_ask_for_nothing_are_served(client: openai.OpenAI
+                                                                  ) -> None:
+    r = client.chat.completions.create(
+        model="tiny", max_tokens=2, response_format={"type": "text"}, tool_choice="none",
+        user="someone", messages=[{"role": "user", "content": "hi", "name": "ann"}],
+        extra_body={"guided_json": None, "tools": None})
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def _raw(server: Server, method: str, path: str, data: bytes | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(server.url + path, data=data, method=method,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_every_route_error_has_openais_shape_and_a_message_the_sdk_shows(
+        server: Server, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="POST /v1/embeddings: no such route"):
+        client.embeddings.create(model="tiny", input="x")
+    with pytest.raises(openai.NotFoundError, match="/v1/responses: no such route"):
+        client.responses.create(model="tiny", input="x")
+    cases = [("GET", "/v1/completions", None, 405, "method not allowed; this route takes POST",
+              None),
+             ("GET", "/docs", None, 404, "no such route", None),
+             ("GET", "/openapi.json", None, 404, "no such route", None),
+             ("POST", "/v1/completions", b'{"prompt": "x", "max_tokens": }', 400,
+              "not valid JSON: Expecting value at character", None),
+             ("POST", "/v1/completions", b"", 400, "body is empty", None),
+             ("POST", "/v1/completions", b"[1, 2]", 400, "must be a JSON object", None),
+             ("POST", "/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', 400,
+              "messages.0.role: Field required", "messages.0.role"),
+             ("POST", "/v1/completions", b'{"prompt": 5}', 400, "prompt: ", "prompt")]
+    for method, path, data, code, words, param in cases:
+        status, body = _raw(server, method, path, data)
+        error = body["error"]
+        assert status == code and set(error) == {"message", "type", "param", "code"}, body
+        assert words in error["message"] and error["param"] == param and error["code"] == code
+
+
+def test_response_ids_are_random_as_vllms(client: openai.OpenAI) -> None:
+    ids = [client.completions.create(model="tiny", prompt="x", max_tokens=1).id
+           for _ in range(2)]
+    chat = client.chat.completions.create(model="tiny", messages=HI, max_tokens=1).id
+    streamed = {c.id for c in client.completions.create(model="tiny", prompt="x", max_tokens=3,
+                                                        stream=True)}
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids) and ids[0] != ids[1], ids
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", chat), chat
+    assert len(streamed) == 1 and re.fullmatch(r"cmpl-[0-9a-f]{32}", streamed.pop())
 
 
 def test_health_version_load_detokenize_and_metrics(server: Server,

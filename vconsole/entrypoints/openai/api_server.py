@@ -9,8 +9,15 @@ unreachable or restarting), ``GET /version``, ``POST /tokenize``, ``POST /detoke
 
 ``api_key``: every ``/v1/`` route wants ``Authorization: Bearer KEY`` (401 otherwise), as vLLM's
 ``--api-key``. An ``x-request-id`` header is echoed back and becomes the request's id in the
-engine (the console's Requests screen shows the ids the application knows). A request body that does not validate is a 400 with OpenAI's error body, as vLLM
-answers, not FastAPI's 422.
+engine (the console's Requests screen shows the ids the application knows).
+
+Every error of every route has OpenAI's body ``{"error": {"message", "type", "param", "code"}}``
+(the SDK raises with its message): a body that does not validate is a 400 whose ``param`` is the
+field's path (``messages.0.role``), not FastAPI's 422; a body that is not JSON a 400 saying so
+(``param`` null); an unknown route a 404 naming the routes there are; a wrong method a 405; a
+missing API key a 401; ``/health`` a 503 while the engine is down; anything unexpected a 500.
+There is no ``/docs`` nor ``/openapi.json``: the API is OpenAI's (docs/serve.md lists what this
+server takes), and FastAPI's docs page would fetch its scripts from a CDN.
 
 Invariant: a client that goes away mid-stream cancels its stream, which aborts its requests in
 the engine (`EngineLink.samples`); nothing is left running for nobody.
@@ -30,7 +37,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.exceptions import HTTPException
 
 from vconsole.entrypoints.openai.protocol import (
     BadRequest,
@@ -38,6 +47,7 @@ from vconsole.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    refusal,
 )
 from vconsole.entrypoints.openai.serving import OpenAIServing
 
@@ -46,6 +56,11 @@ MAX_REQUEST_ID = 200      # the engine takes ids up to 256 characters; room for 
 RECONNECT_S = 1.0           # while the engine is unreachable: try its handshake this often
 ENGINE_METRICS_TIMEOUT_S = 2.0
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+# pydantic's tags for the member of a union a value was tried against: not part of a field path
+UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
+HTTP_ERROR_KINDS = {401: "AuthenticationError", 404: "NotFoundError",
+                    405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                    415: "UnsupportedMediaTypeError", 503: "ServiceUnavailableError"}
 
 
 class HttpMetrics:
@@ -86,7 +101,7 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
             await serving.engine.close()
 
     app = FastAPI(title="vconsole OpenAI-compatible server", version=version, lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
     async def measure(request: Request, call_next: Callable[[Request], Awaitable[Response]]
@@ -94,7 +109,9 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
         path = request.url.path
         if api_key is not None and path.startswith("/v1/") and not _authorised(request,
                                                                                api_key):
-            response: Response = JSONResponse({"error": "Unauthorized"}, status_code=401)
+            response: Response = _error(401, "a valid API key is needed: send the header "
+                                        "Authorization: Bearer KEY", {"WWW-Authenticate":
+                                                                      "Bearer"})
         else:
             start = time.perf_counter()
             response = await call_next(request)
@@ -120,15 +137,33 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        bad = BadRequest(f"{where}: {first.get('msg', 'invalid request')}" if where
-                         else str(first.get("msg", "invalid request")), param=where or None)
-        return JSONResponse(bad.body(), status_code=400)
+        bad = validation_error(list(e.errors()))
+        return JSONResponse(bad.body(), status_code=bad.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 404:
+            message = f"{where}: no such route; this server serves {_routes(app)}"
+        elif e.status_code == 405:
+            allow = {k.lower(): v for k, v in (e.headers or {}).items()}.get("allow")
+            message = f"{where}: method not allowed; this route takes {allow or 'another'}"
+        else:
+            message = f"{where}: {e.detail}"
+        return _error(e.status_code, message, e.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        """A bug, not the client's fault: OpenAI's shape still (uvicorn logs the trace)."""
+        return _error(500, f"{request.method} {request.url.path}: internal error: "
+                           f"{type(e).__name__}: {e}")
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if serving.engine.healthy else 503)
+        if serving.engine.healthy:
+            return Response(status_code=200)
+        return _error(503, "the engine is unreachable (stopped, or restarting)")
 
     @app.get("/version")
     async def show_version() -> dict[str, str]:
@@ -190,6 +225,44 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _error(status: int, message: str, headers: Any = None) -> JSONResponse:
+    kind = HTTP_ERROR_KINDS.get(status, "InternalServerError" if status >= 500
+                                else "BadRequestError")
+    return JSONResponse(BadRequest(message, status=status, kind=kind).body(),
+                        status_code=status, headers=headers)
+
+
+def _routes(app: FastAPI) -> str:
+    """``GET /v1/models, POST /v1/completions, ...``: what a 404 lists."""
+    return ", ".join(f"{'/'.join(sorted(r.methods))} {r.path}" for r in app.routes
+                     if isinstance(r, APIRoute))
+
+
+def validation_error(errors: list[Any]) -> BadRequest:
+    """pydantic's first complaint about a body as OpenAI's 400: ``param`` is the field's
+    path (``messages.0.role``, pydantic's union tags left out), null for the body as a
+    whole; a body that is not JSON says so, not ``25: JSON decode error``."""
+    first = errors[0] if errors else {}
+    kind, msg = first.get("type"), str(first.get("msg", "invalid request"))
+    loc = list(first.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    if kind == "json_invalid":
+        why = (first.get("ctx") or {}).get("error") or msg
+        at = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        return BadRequest(f"the request body is not valid JSON: {why}{at}")
+    path = ".".join(str(x) for x in loc if isinstance(x, int) or not (
+        "[" in x or x in UNION_TAGS))
+    if not path:
+        if kind == "missing":
+            return BadRequest("the request body is empty: send a JSON object")
+        return BadRequest("the request body must be a JSON object, sent with Content-Type: "
+                          f"application/json ({msg})")
+    if kind == "extra_forbidden":
+        return BadRequest(refusal(path), param=path)
+    return BadRequest(f"{path}: {msg}", param=path)
 
 
 def _good_request_id(value: str) -> bool:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -52,7 +52,6 @@ class EngineLink:
         self.in_flight = 0
         self._live: set[str] = set()      # engine ids of the samples running now
         self._ids = itertools.count()
-        self._prefix = f"http-{os.getpid()}-"
 
     @property
     def info(self) -> dict[str, Any]:
@@ -80,9 +79,10 @@ class EngineLink:
     def new_id(self, kind: str, given: str | None = None) -> str:
         """An engine request id: the client's ``x-request-id`` (so the console shows the id
         the application knows), made unique if one with that id is still running; else a
-        fresh one."""
+        random one, ``cmpl-<uuid hex>`` as vLLM's (the response's ``id`` too: nobody can
+        guess another client's ids)."""
         if not given:
-            return f"{kind}-{self._prefix}{next(self._ids)}"
+            return f"{kind}-{uuid.uuid4().hex}"
         if given in self._live or any(k.startswith(given + "-") for k in self._live):
             return f"{given}-{next(self._ids)}"
         return given

@@ -4,10 +4,16 @@ Fields and defaults follow vLLM's OpenAI server (``vllm/entrypoints/openai/proto
 ``temperature`` defaults to 1.0, ``top_k`` -1 or 0 means off, completions default to 16 tokens
 and chat to what is left of the context; vLLM's extensions (``top_k``, ``min_p``,
 ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``, ``priority``,
-``include_stop_str_in_output``, ``skip_special_tokens``) are accepted here too. Unknown fields
-are ignored, as vLLM does. A field the engine cannot honour yet (``logit_bias``, ``suffix``,
-``best_of``, ``logprobs`` with ``echo``) is refused with a 400 that names it (`unsupported`),
-never silently dropped.
+``include_stop_str_in_output``, ``skip_special_tokens``) are accepted here too.
+
+Rule: a field the server does not honour is refused with a 400 that names it (``param``), never
+silently dropped. vLLM ignores unknown fields with a warning; here a field no model declares is
+refused too (`StrictBody.refuse_unknown`), with the reason for the known ones this server
+cannot do yet (`NOT_SUPPORTED`: tools, structured output, guided decoding, ...). A field sent
+as ``null``, ``tool_choice: "none"`` and ``response_format: {"type": "text"}`` ask for nothing
+and pass. Fields declared but not honoured in every combination (``logit_bias``, ``suffix``,
+``best_of`` other than ``n``, ``logprobs`` with ``echo``, ``stream_options`` without
+``stream``) are refused by each request's `unsupported`.
 
 `BadRequest` is what every handler raises for a request it refuses; the server turns it into the
 OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
@@ -37,15 +43,62 @@ class BadRequest(ValueError):
                           "code": self.status}}
 
 
+# Fields the server knows it cannot do yet: what each asks for (the 400's message says it).
+_TOOLS = "tool calling"
+_STRUCTURED = "structured output (guided decoding)"
+NOT_SUPPORTED: dict[str, str] = {
+    "tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS,
+    "functions": _TOOLS, "function_call": _TOOLS,
+    "response_format": _STRUCTURED, "structured_outputs": _STRUCTURED,
+    "guided_json": _STRUCTURED, "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED, "guided_decoding_backend": _STRUCTURED,
+    "guided_whitespace_pattern": _STRUCTURED,
+    "prompt_logprobs": "prompt logprobs", "use_beam_search": "beam search",
+    "length_penalty": "beam search", "logits_processors": "logits processors",
+    "allowed_token_ids": "restricting the vocabulary", "bad_words": "banned words",
+    "audio": "audio", "modalities": "audio output", "prediction": "predicted outputs",
+    "reasoning_effort": "reasoning models", "web_search_options": "web search",
+    "lora_request": "LoRA adapters",
+}
+# Values of those fields that ask for nothing this server lacks (OpenAI's defaults).
+ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
+    "tool_choice": ("none",), "response_format": ({"type": "text"},),
+}
+
+
+def refusal(name: str) -> str:
+    """The 400's message for a field this server does not honour."""
+    if name in NOT_SUPPORTED:
+        return (f"{name}: {NOT_SUPPORTED[name]} is not supported by this server; it refuses "
+                "the request rather than ignore the field")
+    return (f"{name}: unknown field; this server refuses a field it does not honour rather "
+            "than ignore it (docs/serve.md lists the fields it takes)")
+
+
+class StrictBody(BaseModel):
+    """A request body that keeps the fields no model declares, to refuse them by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def refuse_unknown(self, where: str = "") -> None:
+        """`BadRequest` naming the first undeclared field that asks for something (``where``:
+        the body's path, ``messages.0.`` for a message)."""
+        for name, value in (self.model_extra or {}).items():
+            if value is None or value in ASKS_NOTHING.get(name, ()):
+                continue
+            raise BadRequest(refusal(where + name), param=where + name)
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
-    """What completions and chat share: sampling, stopping, and vLLM's extensions."""
-
-    model_config = ConfigDict(extra="allow")
+class SamplingFields(StrictBody):
+    """What completions and chat share: sampling, stopping, and vLLM's extensions. ``user``
+    is OpenAI's end-user tag: accepted, and it changes nothing in the output (as OpenAI)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -78,7 +131,11 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def unsupported(self) -> None:
-        """Refuse what the engine cannot do yet, naming the field."""
+        """Refuse what the server cannot do yet, naming the field."""
+        self.refuse_unknown()
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is only allowed with stream: true",
+                             param="stream_options")
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported by this server yet",
                              param="logit_bias")
@@ -149,11 +206,20 @@ class CompletionRequest(SamplingFields):
             raise BadRequest("best_of is not supported", param="best_of")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(StrictBody):
+    """One message: ``role``, ``content`` and ``name`` (passed to the chat template, as vLLM
+    does); other fields (``tool_calls``, ``tool_call_id``, ...) are refused unless null."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """What the chat template sees of this message."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         """The content as text (a list of parts: its text parts, joined)."""
@@ -180,6 +246,11 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def unsupported(self) -> None:
+        super().unsupported()
+        for i, message in enumerate(self.messages):
+            message.refuse_unknown(f"messages.{i}.")
+
     def engine_logprobs(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -189,9 +260,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -200,9 +269,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[int]
 

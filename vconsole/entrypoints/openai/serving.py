@@ -102,6 +102,9 @@ class OpenAIServing:
 
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
+        req.refuse_unknown()
+        for i, message in enumerate(req.messages or ()):
+            message.refuse_unknown(f"messages.{i}.")
         if (req.prompt is None) == (req.messages is None):
             raise BadRequest("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
@@ -116,6 +119,7 @@ class OpenAIServing:
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
+        req.refuse_unknown()
         vocab = int(self.engine.info.get("vocab_size") or len(self.tokenizer))
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
@@ -130,7 +134,7 @@ class OpenAIServing:
         if not self.chat_template:
             raise BadRequest("this model has no chat template: start the server with "
                              "--chat-template FILE, or use /v1/completions", param="messages")
-        convo = [{"role": m.role, "content": m.text()} for m in messages]
+        convo = [m.template_dict() for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 convo, chat_template=self.chat_template, tokenize=False,
