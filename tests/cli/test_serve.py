@@ -176,6 +176,30 @@ def test_a_stream_whose_engine_was_killed_ends_with_a_503_error_event(tmp_path: 
             child.stop(30, signal.SIGINT)
 
 
+@pytest.mark.proc
+def test_a_taken_port_is_one_line_and_exit_2_before_any_engine_starts(tmp_path: Path) -> None:
+    # Before: the model loaded (11-42 s), the server said it served, uvicorn logged errno 98,
+    # the engine was stopped and the command exited 3. Now the port is bound first.
+    eps = ipc_endpoints(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "vconsole", "serve", "--port", str(port),
+                               *[f"--{n}={ep}" for n, ep in eps.items()]],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        took = time.monotonic() - started
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"vconsole serve: port {port} on 127.0.0.1 is in use (Address already in use): stop "
+        "what listens there or choose another --port"]
+    assert done.stdout == "" and took < 30                      # no model was loaded
+    assert not any(eps["input"] in arg for p in psutil.process_iter(["cmdline"])
+                   for arg in p.info["cmdline"] or ())         # no engine was started
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
 def test_loopback_needs_no_key(host: str) -> None:
     check_http_host(host, api_key=False, open_without_key=False)

@@ -7,17 +7,24 @@ uvicorn, and talks to the engine over the engine's own protocol, as any client d
 ``--engine-ready-file`` it fronts an engine that is already running (a lone engine or a
 data-parallel group's front end) and starts none.
 
+The HTTP port is bound first, before any engine starts or any model loads: a port in use is
+one line (``vconsole serve: port 8000 on 127.0.0.1 is in use ...``) and exit code
+`exit_codes.CANNOT_START`, as every other start-up error of this command, within a second; the
+bound socket is handed to uvicorn, so nothing can take the port in between.
+
 Invariant: when this command returns, the engine it started has been stopped (SIGTERM, a drain,
-then SIGKILL), whether uvicorn stopped on Ctrl-C or failed to bind its port.
+then SIGKILL), whether uvicorn stopped on Ctrl-C or failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -54,6 +61,40 @@ def main(args: argparse.Namespace) -> int:
         except OSError as e:
             _say(f"--chat-template: {e}")
             return exit_codes.CANNOT_START
+    try:
+        sock = bind_http(args.host, args.port)
+    except OSError as e:
+        _say(e)
+        return exit_codes.CANNOT_START
+    with sock:
+        return _run(args, sock, api_key, chat_template)
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP server's listening socket, bound now (before the engine starts), as uvicorn
+    binds it (``SO_REUSEADDR``); `OSError` with one readable sentence when it cannot be."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host}:{port}: unknown host ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(f"port {port} on {host} is in use ({e.strerror}): stop what listens "
+                          "there or choose another --port") from None
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _run(args: argparse.Namespace, sock: socket.socket, api_key: str | None,
+         chat_template: str | None) -> int:
+    """Start (or find) the engine and serve HTTP on ``sock`` until stopped."""
     engine: EngineProcess | None = None
     if args.engine_ready_file:
         try:
@@ -76,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
             return exit_codes.FAILED
         endpoints, metrics_url = engine.endpoints, engine.ready.get("metrics")
     try:
-        return _serve_http(args, endpoints, metrics_url, api_key, chat_template)
+        return _serve_http(args, sock, endpoints, metrics_url, api_key, chat_template)
     finally:
         if engine is not None:
             code = engine.stop()
@@ -100,8 +141,9 @@ def _start_engine(args: argparse.Namespace) -> EngineProcess:
                          ).start(timeout_s=600)
 
 
-def _serve_http(args: argparse.Namespace, endpoints: dict[str, str], metrics_url: str | None,
-                api_key: str | None, chat_template: str | None) -> int:
+def _serve_http(args: argparse.Namespace, sock: socket.socket, endpoints: dict[str, str],
+                metrics_url: str | None, api_key: str | None, chat_template: str | None
+                ) -> int:
     import uvicorn
 
     from vconsole.entrypoints.openai.api_server import build_app
@@ -120,7 +162,7 @@ def _serve_http(args: argparse.Namespace, endpoints: dict[str, str], metrics_url
     # handler, so stdout stays free for whoever pipes it.
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                     log_config=None, timeout_graceful_shutdown=5))
-    server.run()
+    server.run(sockets=[sock])
     return exit_codes.OK if server.started else exit_codes.CANNOT_START
 
 
