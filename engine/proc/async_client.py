@@ -1,7 +1,12 @@
 """`AsyncEngineClient`: the asyncio client of the engine process.
 
 One reader task routes outputs into a queue per request, so any number of tasks can each await
-their own request's stream; a watchdog task applies the liveness and processing timeouts. The
+their own request's stream; a watchdog task applies the liveness and processing timeouts; a
+monitor task watches the output socket's connection (ZeroMQ's socket monitor): when the engine's
+process ends, its connection closes and every request in flight fails at once (``engine
+unreachable: the connection ... closed``), not after ``liveness_intervals`` silent heartbeats
+(ten seconds by default), and ``connected`` turns False so the caller shakes hands again with
+the engine its supervisor restarts. What the engine sent before it closed is routed first. The
 handshake, frames and timeouts are `ClientBase`'s (`vconsole.engine.proc.client`), shared with
 the blocking `EngineClient`.
 """
@@ -16,11 +21,13 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.proc import protocol
 from vconsole.engine.proc.client import (
     DEFAULT_TIMEOUT_S,
+    ENGINE_UNREACHABLE,
     LIVENESS_INTERVALS,
     ClientBase,
     Completion,
@@ -28,6 +35,9 @@ from vconsole.engine.proc.client import (
 )
 from vconsole.security.curve import ClientCurve
 from vconsole.security.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
+
+SETTLE_S = 0.02          # after a disconnect: how often to look whether the reader has caught up
+SETTLE_ROUNDS = 25       # ... and at most how often (0.5 s) before failing what is left
 
 
 async def drain_request(queues: dict[str, asyncio.Queue[RequestOutput]],
@@ -64,9 +74,11 @@ class AsyncEngineClient(ClientBase):
         self._in = self._ctx.socket(zmq.DEALER)
         self._out = self._ctx.socket(zmq.DEALER)
         self._configure(self._in, self._out)
+        self._monitor = self._out.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
 
     async def connect(self) -> AsyncEngineClient:
@@ -74,6 +86,7 @@ class AsyncEngineClient(ClientBase):
         if self._reader is None:
             self._reader = asyncio.create_task(self._read_loop())
             self._watchdog = asyncio.create_task(self._watch_loop())
+            self._watcher = asyncio.create_task(self._connection_loop())
         await self._in.send_multipart(protocol.encode_hello(), copy=False)
         try:
             await asyncio.wait_for(self._ready.wait(), self.timeout_s)
@@ -106,6 +119,26 @@ class AsyncEngineClient(ClientBase):
                 await self.abort(to_abort)
             self._put(outs)
 
+    async def _connection_loop(self) -> None:
+        """Fail every request in flight as soon as the engine's connection closes (its
+        process ended: killed, crashed or stopped), not after the silent heartbeats."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            await self._settle()
+            self._put(self._engine_gone(list(self._queues), (
+                f"{ENGINE_UNREACHABLE}: the connection to {self.output_endpoint} closed (the "
+                "engine process stopped or died)")))
+
+    async def _settle(self) -> None:
+        """Let the reader route what the engine sent before its connection closed (it is
+        already in this process), so that only requests it never finished fail."""
+        for _ in range(SETTLE_ROUNDS):
+            await asyncio.sleep(SETTLE_S)
+            if not self._out.get(zmq.EVENTS) & zmq.POLLIN:
+                return
+
     def _put(self, outs: list[RequestOutput]) -> None:
         for out in outs:
             queue = self._queues.get(out.request_id)
@@ -123,12 +156,14 @@ class AsyncEngineClient(ClientBase):
         await self.close()
 
     async def close(self) -> None:
-        for task in (self._reader, self._watchdog):
+        for task in (self._reader, self._watchdog, self._watcher):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._reader = self._watchdog = None
+        self._reader = self._watchdog = self._watcher = None
+        self._out.disable_monitor()
+        self._monitor.close(0)
         self._in.close(0)
         self._out.close(0)
         self._ctx.term()

@@ -28,6 +28,11 @@ Two timeouts keep a caller from waiting forever (the seed's double timeout):
   ``liveness_intervals`` intervals while requests are in flight fails every one of them with
   finish_reason ``error`` and ``engine unreachable: ...``, and handshakes again (``hello``) before
   its next request, so it reconnects to an engine that was restarted on the same endpoints.
+- **a closed connection** (`AsyncEngineClient`): when the engine's process ends (``kill -9``,
+  a crash, a stop) its sockets close and ZeroMQ reports the disconnect at once; every request in
+  flight then fails the same way (``engine unreachable: the connection ... closed``) without
+  waiting for the silent heartbeats. An engine that is alive but silent (stopped, swapping)
+  keeps its connection and is judged by the liveness rule above.
 - **processing**: with ``request_timeout_s`` a request without its final output after that long
   is aborted at the engine and finished locally with finish_reason ``timeout``.
 """
@@ -189,12 +194,9 @@ class ClientBase:
         now = time.monotonic()
         silent = now - self._last_heard
         if silent > self.liveness_s:
-            reason = (f"{ENGINE_UNREACHABLE}: nothing heard from {self.output_endpoint} for "
-                      f"{silent:.1f} s (heartbeats every {self.heartbeat_s:g} s)")
-            self.num_unreachable += 1
-            self._disconnected()
-            return [RequestOutput(rid, finished=True, finish_reason="error", error=reason)
-                    for rid in ids], []
+            return self._engine_gone(ids, (
+                f"{ENGINE_UNREACHABLE}: nothing heard from {self.output_endpoint} for "
+                f"{silent:.1f} s (heartbeats every {self.heartbeat_s:g} s)")), []
         expired = [rid for rid in ids if self._deadlines.get(rid, now + 1) <= now]
         for rid in expired:
             self._unanswered.discard(rid)
@@ -203,6 +205,14 @@ class ClientBase:
                               error=f"no final output within request_timeout_s "
                                     f"{self.request_timeout_s:g} s; aborted")
                 for rid in expired], expired
+
+    def _engine_gone(self, in_flight: Iterable[str], reason: str) -> list[RequestOutput]:
+        """The engine will answer none of ``in_flight``: their final outputs (finish_reason
+        ``error``, ``reason``); the next request shakes hands again."""
+        self.num_unreachable += 1
+        self._disconnected()
+        return [RequestOutput(rid, finished=True, finish_reason="error", error=reason)
+                for rid in in_flight]
 
     def _disconnected(self) -> None:
         """Forget the engine: the next request starts with a new handshake."""

@@ -177,6 +177,44 @@ def test_a_stream_whose_engine_was_killed_ends_with_a_503_error_event(tmp_path: 
 
 
 @pytest.mark.proc
+def test_a_stream_fails_as_soon_as_its_engine_dies_not_after_ten_heartbeats(
+        tmp_path: Path) -> None:
+    # The default heartbeat (1 s): ten silent heartbeats are 10 s, which is how long the
+    # stream's error took before (10.1 s measured); the engine's closed connection says at once
+    # that it died (under 0.1 s measured). The server serves again once the supervisor restarted it.
+    with EngineProcess(["--num-kv-blocks", "300", "--block-size", "8", "--restart-backoff",
+                        "0.5"], endpoints=ipc_endpoints(tmp_path)) as engine:
+        child, port, log = serve(tmp_path, "--engine-ready-file", str(engine.ready_path))
+        try:
+            wait_until(lambda: status(port) == 200, "the server never became healthy", log)
+            conn = HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps(
+                {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True,
+                 "stream": True}), {"content-type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            assert resp.readline().startswith(b"data: {")       # the engine is writing it
+            os.kill(engine.ready["child_pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            events = [line[6:].strip() for line in resp.read().decode().splitlines()
+                      if line.startswith("data: ")]
+            took = time.monotonic() - killed
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert (error["code"], error["type"]) == (503, "ServiceUnavailableError"), error
+            assert took < 5.0, f"the stream's error came {took:.1f} s after the engine died"
+            wait_until(lambda: status(port) == 200, "/health never came back after the "
+                       "supervisor restarted the engine", log, timeout_s=120)
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                              max_retries=0)
+            assert c.completions.create(model="tiny", prompt="again", max_tokens=3).usage \
+                .completion_tokens >= 1
+            assert engine.read_restarts() == 1
+        finally:
+            child.stop(30, signal.SIGINT)
+
+
+@pytest.mark.proc
 def test_a_taken_port_is_one_line_and_exit_2_before_any_engine_starts(tmp_path: Path) -> None:
     # Before: the model loaded (11-42 s), the server said it served, uvicorn logged errno 98,
     # the engine was stopped and the command exited 3. Now the port is bound first.

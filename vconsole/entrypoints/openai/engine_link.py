@@ -7,11 +7,12 @@ engine requests (the engine's prefix cache shares the prompt's KV blocks between
 yields their outputs as they come, merged; leaving the iterator early (a stop string, a client
 that went away) aborts in the engine whatever is still running.
 
-``connected``: the engine answered its handshake and has not gone silent since (the client's
-heartbeat watch, ten heartbeats: past it, requests in flight fail and the server shakes hands
-again). ``healthy`` (``GET /health``) is stricter: also heard within the last three heartbeats,
-the rule by which the console shows ENGINE DOWN, so a killed engine turns ``/health`` to 503 in
-about three seconds while its supervisor restarts it. ``in_flight``: engine requests running
+``connected``: the engine answered its handshake, its connection has not closed since (a killed
+engine's does at once: requests in flight fail that moment, see `AsyncEngineClient`) and it has
+not gone silent (ten heartbeats: an engine alive but stopped). Once not connected, the server
+shakes hands again (``_keep_connected``) with the engine the supervisor restarts. ``healthy``
+(``GET /health``) is stricter: also heard within the last three heartbeats, the rule by which
+the console shows ENGINE DOWN. ``in_flight``: engine requests running
 for HTTP clients (``GET /load``).
 """
 
