@@ -193,3 +193,18 @@ def test_top_once_without_json_prints_a_status_line(engine):
     lines = r.stdout.splitlines()
     assert len(lines) == 1 and not lines[0].startswith("{")
     assert "run=" in lines[0] and "kv=" in lines[0] and "steps=" in lines[0]
+
+
+@pytest.mark.proc
+def test_top_once_json_is_strict_json_with_inf_as_a_string(engine):
+    """Latency histograms end in a +Inf bucket: Python would print ``Infinity``, which is not
+    JSON (a browser's or Go's parser refuses it); top writes it as Prometheus does, "+Inf"."""
+    r = vconsole("top", "--once", "--json", "--telemetry", engine.endpoints["telemetry"],
+                 "--control", engine.endpoints["control"])
+    assert r.returncode == 0, r.stderr
+
+    def not_json(name: str) -> None:
+        raise AssertionError(f"{name} in top's JSON")
+    snap = json.loads(r.stdout, parse_constant=not_json)
+    bounds = next(iter(snap["latency"]["overall"]["histograms"].values()))["bounds"]
+    assert bounds[-1] == "+Inf" and all(isinstance(b, float) for b in bounds[:-1])

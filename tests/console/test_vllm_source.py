@@ -178,7 +178,9 @@ def test_top_once_json_vllm_prints_each_engine_and_the_aggregate(server):
     out = subprocess.run([sys.executable, "-m", "vconsole", "top", "--once", "--json",
                           "--vllm", url], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    snap = json.loads(out.stdout.replace("Infinity", "1e999"))
+    def not_json(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+    snap = json.loads(out.stdout, parse_constant=not_json)   # strict: no Infinity / NaN
     assert snap["source"] == {"kind": "vllm", "url": f"{url}/metrics"}
     assert set(snap["ranks"]) == {"0", "1"}
     assert snap["ranks"]["0"]["sched"]["num_running"] == 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -50,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
         while True:
             w.pump(1.0)
             if as_json:
-                print(json.dumps(w.snapshot(), default=str), flush=True)
+                print(strict_json(w.snapshot()), flush=True)
             elif w.world_size() > 1:
                 print(format_ranks_line(w), flush=True)
             else:
@@ -85,9 +86,24 @@ def _main_vllm(args: argparse.Namespace) -> int:
         return 0
 
 
+def strict_json(value: Any) -> str:
+    """JSON that every parser reads: a histogram's ``+Inf`` bound (and any other non-finite
+    float) is written as the string ``"+Inf"`` / ``"-Inf"`` / ``"NaN"``, as Prometheus's own JSON
+    API writes ``le``; Python's ``Infinity`` is not JSON."""
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return "NaN" if math.isnan(v) else ("+Inf" if v > 0 else "-Inf")
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(value), default=str, allow_nan=False)
+
+
 def _print_snapshot(snap: dict[str, Any], as_json: bool, flush: bool = False) -> None:
     if as_json:
-        print(json.dumps(snap, default=str), flush=flush)
+        print(strict_json(snap), flush=flush)
     elif "ranks" in snap:       # several engines: one line per rank
         for rank, bodies in sorted(snap["ranks"].items(), key=lambda kv: int(kv[0])):
             print(f"rank {rank}  {format_line(bodies)}", flush=flush)
