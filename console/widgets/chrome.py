@@ -14,6 +14,7 @@ from textual.widgets import Static
 from vconsole.console import format as fmt
 from vconsole.console.keymap import DP_SCREEN, LETTER_SCREENS, SCREENS
 from vconsole.console.state import STALE_INTERVALS, EngineState
+from vconsole.engine.kernel_cache import COMPILING, build_in_progress
 
 
 @dataclass
@@ -133,8 +134,11 @@ class Banner(Static):
             return (f"ENGINE DOWN — no heartbeat for {since} (> {STALE_INTERVALS:g} × "
                     f"{eng.heartbeat_interval:g}s); {again}.", "error")
         if eng is None and frame.live:
-            return (f"Waiting for telemetry from {frame.endpoints or 'the engine'} … "
-                    f"(is the engine running?)", "warning")
+            where = frame.endpoints or "the engine"
+            if build_in_progress() is not None:     # a local engine's first start: 20-40 s
+                return (f"Waiting for telemetry from {where} … the engine is {COMPILING}, "
+                        f"about 20-40 s.", "warning")
+            return f"Waiting for telemetry from {where} … (is the engine running?)", "warning"
         if frame.last_error:
             return frame.last_error, "warning"
         return "", ""

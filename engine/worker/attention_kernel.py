@@ -44,9 +44,18 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from vconsole.engine.kernel_cache import (  # noqa: F401  (re-exported: one place to ask)
+    BUILDING,
+    COMPILING,
+    ENTRY_PREFIX,
+    build_in_progress,
+    cache_root,
+    pid_alive,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +63,8 @@ KERNEL_ENV = "VCONSOLE_ATTENTION_KERNEL"
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
-ENTRY_PREFIX = "paged_attention-"
 MANIFEST = "manifest.json"
-BUILDING = "building.json"
 LOCK = "lock"
-# What a waiting client is told (the engine's log, `vconsole demo`, doctor).
-COMPILING = "compiling the attention kernel (first start only)"
 _FORMAT = 1   # bump when the cache entry's layout changes
 
 _lock = threading.Lock()
@@ -99,15 +104,6 @@ def module_name() -> str:
     return f"vconsole_paged_attention_{build_tag()}"
 
 
-def cache_root(environ: Mapping[str, str] | None = None) -> Path:
-    """``$VCONSOLE_CACHE/kernels`` (default ``~/.cache/vconsole/kernels``), read at each call so
-    a test or a second checkout can point it elsewhere; ``environ``: another process's
-    environment (a launcher asking where its engine builds)."""
-    env = (os.environ if environ is None else environ).get("VCONSOLE_CACHE")
-    base = Path(env).expanduser() if env else Path.home() / ".cache" / "vconsole"
-    return base / "kernels"
-
-
 def build_dir() -> Path:
     """This source's cache entry (it may not exist yet)."""
     return cache_root() / f"{ENTRY_PREFIX}{build_tag()}"
@@ -128,32 +124,6 @@ def _manifest(entry: Path) -> dict[str, Any] | None:
 def is_built() -> bool:
     """Whether a complete build for this source, torch and CPU is in the cache."""
     return _manifest(build_dir()) is not None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def build_in_progress(root: Path | None = None) -> dict[str, Any] | None:
-    """A kernel build running now on this machine (``{"pid", "since", "entry"}``), else None.
-    Reads only the cache folder, never imports torch: cheap enough to poll while waiting for
-    an engine. A marker left by a builder that died is ignored."""
-    root = root if root is not None else cache_root()
-    for marker in sorted(root.glob(f"{ENTRY_PREFIX}*/{BUILDING}")):
-        try:
-            record = json.loads(marker.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and isinstance(record.get("pid"), int) \
-                and _pid_alive(record["pid"]):
-            return {**record, "entry": str(marker.parent)}
-    return None
 
 
 def wanted() -> bool:
