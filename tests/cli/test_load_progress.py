@@ -56,9 +56,11 @@ def test_a_backgrounded_load_draws_nothing_over_the_foreground_program(
     (tmp_path / "fg.py").write_text(FOREGROUND)
     session = "\n".join([
         "set -m",                                          # job control, as interactively
-        f"{_load(shared_engine, 24)} > bg.txt &",           # the README's backgrounded load
+        # the README's backgrounded load; its exit status kept in a file, as a job that ends
+        # before `wait` is reaped and reported by the shell ("wait: %1: no such job")
+        f"({_load(shared_engine, 24)} > bg.txt; echo $? > bg.rc) &",
         f"{shlex.quote(sys.executable)} fg.py",            # the console's stand-in
-        "wait %1; echo \"BACKGROUND EXIT $?\"",
+        "until [ -s bg.rc ]; do sleep 0.1; done; echo \"BACKGROUND EXIT $(cat bg.rc)\"",
         f"{_load(shared_engine, 8)} > fg.txt",              # the same load in the foreground
         "echo \"FOREGROUND EXIT $?\"",
     ])

@@ -155,6 +155,10 @@ def test_an_injected_snapshot_failure_leaves_serving_untouched(tmp_path, monkeyp
     core = EngineCore(EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, block_size=4,
                                    max_num_seqs=2, telemetry_hz=50))
     with busy_loop(core, tmp_path) as (eps, telemetry, loop):
+        # Subscribed before the first request: the latency part's telemetry_error alert is an
+        # event sent once per 30 s, and a subscriber that joins late (a starved machine: PUB/SUB
+        # drops what is sent before the subscription arrives) would never hear it.
+        telemetry.wait_for("health", lambda p: True, timeout_s=30)
         with EngineClient(eps["input"], eps["output"], timeout_s=60) as client:
             ids = [client.submit(prompt_token_ids=p, max_tokens=MAX_TOKENS) for p in PROMPTS]
             tokens = {rid: [] for rid in ids}
