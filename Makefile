@@ -38,9 +38,9 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	@touch $@ $(VENV)/.installed
 
 # The CPU decode-attention kernel, compiled once per source, flags, torch, Python and CPU into
-# $VCONSOLE_CACHE/kernels and imported from there whichever ninja is on PATH (engine/worker/
+# $VCONSOLE_CACHE/kernels and imported from there whichever ninja is on PATH (vconsole/engine/worker/
 # attention_kernel.py); without a compiler it says so and the engine uses its torch path.
-$(VENV)/.kernel: engine/worker/csrc/paged_attention.cpp engine/worker/attention_kernel.py $(VENV)/.installed
+$(VENV)/.kernel: vconsole/engine/worker/csrc/paged_attention.cpp vconsole/engine/worker/attention_kernel.py $(VENV)/.installed
 	$(PY) -m vconsole.engine.worker.attention_kernel
 	@touch $@
 
@@ -63,7 +63,7 @@ test-fast: lint
 
 lint: install-test
 	$(VENV)/bin/ruff check .
-	$(PY) scripts/lint_imports.py
+	$(VENV)/bin/lint-imports
 
 screenshots: install-test
 	$(PY) scripts/screenshots.py

@@ -33,7 +33,7 @@ SHARED_ENGINE_ARGS = ["--num-kv-blocks", "64", "--block-size", "8", "--max-num-s
 @pytest.fixture(scope="session")
 def shared_engine(tmp_path_factory):
     from support.live_engine import ipc_endpoints
-    from vconsole.engine.proc.engine_process import EngineProcess
+    from vconsole.engine.launch.engine_process import EngineProcess
 
     d = tmp_path_factory.mktemp("shared-engine")
     with EngineProcess(SHARED_ENGINE_ARGS, endpoints=ipc_endpoints(d),

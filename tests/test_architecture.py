@@ -1,8 +1,9 @@
 """The architecture holds: import contracts (import-linter, ``[tool.importlinter]`` in pyproject)
-are kept, a planted bad import fails naming its contract, and the install is one package.
+are kept, a planted bad import fails naming its contract, and the install is one package whose
+folders are its import names (``vconsole/engine/`` is ``vconsole.engine``).
 
-The contracts run through ``scripts/lint_imports.py``, which stages ``engine/``, ``telemetry/`` and
-``console/`` as ``vconsole/engine/...`` (the package-dir mapping) before import-linter looks.
+The contracts run as `make lint` runs them (``lint-imports``); a planted import goes into a copy
+of the tree, which `lint_copy` puts first on the path (ahead of the editable install's finder).
 """
 
 from __future__ import annotations
@@ -20,24 +21,43 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-LINT = REPO / "scripts" / "lint_imports.py"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 CONTRACTS = {c["id"]: c["name"] for c in PYPROJECT["tool"]["importlinter"]["contracts"]}
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
-PACKAGE_DIR: dict[str, str] = SETUPTOOLS["package-dir"]
-SOURCE_ROOTS = tuple(PACKAGE_DIR.values())
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+WIDE = {**os.environ, "COLUMNS": "400"}     # one contract, one line: its name is found whole
+
+# Runs import-linter on the tree at ROOT (argv[1]), not on the installed one: the editable
+# install's import hook would otherwise answer `import vconsole` from the checkout.
+LINT_COPY = """
+import sys
+root = sys.argv[1]
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in getattr(h, "__module__", "")]
+sys.path_importer_cache.clear()
+sys.path.insert(0, root)
+import vconsole
+assert vconsole.__file__.startswith(root), vconsole.__file__
+from importlinter.cli import lint_imports
+sys.exit(lint_imports(config_filename=root + "/pyproject.toml", no_cache=True, no_logo=True))
+"""
 
 
-def lint(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(LINT), *args], capture_output=True, text=True,
-                          timeout=120)
+def lint() -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` on the checkout, exactly as `make lint` runs it."""
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=REPO,
+                          env=WIDE, capture_output=True, text=True, timeout=120)
+
+
+def lint_copy(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", LINT_COPY, str(root)], cwd=root, env=WIDE,
+                          capture_output=True, text=True, timeout=120)
 
 
 def copy_checkout(dest: Path) -> Path:
     """The parts of the checkout the contracts and the build read, without caches."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in SOURCE_ROOTS:
-        shutil.copytree(REPO / folder, dest / folder, ignore=ignore)
+    shutil.copytree(REPO / "vconsole", dest / "vconsole",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, dest / name)
     return dest
@@ -87,9 +107,9 @@ PLANTED = [
 @pytest.mark.parametrize("path,line,contract,chain", PLANTED)
 def test_a_planted_bad_import_breaks_its_contract_by_name(tmp_path, path, line, contract, chain):
     root = copy_checkout(tmp_path)
-    with (root / path).open("a") as f:
+    with (root / "vconsole" / path).open("a") as f:
         f.write(f"\n{line}  # planted by test_architecture\n")
-    result = lint("--root", str(root))
+    result = lint_copy(root)
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     name = CONTRACTS[contract]
@@ -97,37 +117,19 @@ def test_a_planted_bad_import_breaks_its_contract_by_name(tmp_path, path, line, 
     assert chain in out, out
 
 
-# --- packaging: one top-level package, vconsole ------------------------------------------------
+# --- packaging: one top-level package, vconsole; the folders are the import names ------------
 
-def installed_name(folder: Path) -> str:
-    """``engine/kv`` -> ``vconsole.engine.kv``, through the package-dir mapping."""
-    rel = folder.relative_to(REPO).as_posix()
-    for package, source in sorted(PACKAGE_DIR.items(), key=lambda kv: -len(kv[1])):
-        if rel == source or rel.startswith(source + "/"):
-            return ".".join([package, *Path(rel).relative_to(source).parts])
-    raise AssertionError(f"{rel} is not under any package-dir source folder")
-
-
-def source_folder(package: str) -> Path:
-    for prefix, source in sorted(PACKAGE_DIR.items(), key=lambda kv: -len(kv[0])):
-        if package == prefix or package.startswith(prefix + "."):
-            return REPO / source / Path(*package[len(prefix):].split(".")[1:])
-    raise AssertionError(f"{package} has no package-dir entry")
-
-
-def test_every_source_package_is_listed_under_its_installed_name():
-    listed = set(SETUPTOOLS["packages"])
-    found = {installed_name(init.parent) for root in SOURCE_ROOTS
-             for init in (REPO / root).rglob("__init__.py") if "__pycache__" not in init.parts}
-    assert found - listed == set(), "packages with an __init__.py missing from pyproject"
-    assert listed - found == set(), "pyproject lists packages with no folder"
-    for package in listed:
-        assert package == "vconsole" or package.startswith("vconsole.")
-        assert (source_folder(package) / "__init__.py").is_file(), package
+def test_every_product_folder_is_a_package_under_vconsole():
+    """No source folder outside vconsole/ and no mapping: what people import is the tree."""
+    assert "package-dir" not in SETUPTOOLS
+    assert SETUPTOOLS["packages"]["find"]["include"] == ["vconsole*"]
+    for name in ("engine", "telemetry", "security", "console"):
+        assert not (REPO / name).exists(), f"{name}/ at the root again"
+        assert (REPO / "vconsole" / name / "__init__.py").is_file(), name
 
 
 def test_console_styles_are_package_data():
-    assert (REPO / "console" / "app.tcss").is_file()
+    assert (REPO / "vconsole" / "console" / "app.tcss").is_file()
     assert "*.tcss" in SETUPTOOLS["package-data"]["vconsole.console"]
 
 
@@ -144,7 +146,7 @@ print(json.dumps(result))
 """
 OUTSIDE = ["engine", "telemetry", "security", "console", "support"]
 INSIDE = ["vconsole", "vconsole.cli", "vconsole.commands", "vconsole.engine.core",
-          "vconsole.engine.proc.core_proc", "vconsole.telemetry.publisher",
+          "vconsole.engine.process.core_proc", "vconsole.telemetry.publisher",
           "vconsole.security.curve",
           "vconsole.console.app"]
 

@@ -155,7 +155,7 @@ def add_curve_args(p: argparse.ArgumentParser, *, engine: bool = False) -> None:
 
 
 def add_supervisor_args(p: argparse.ArgumentParser) -> None:
-    """`vconsole engine`'s supervisor (`vconsole.engine.proc.supervisor`): how it restarts the
+    """`vconsole engine`'s supervisor (`vconsole.engine.launch.supervisor`): how it restarts the
     engine process, or ``--no-supervisor``. The hidden flags are how it starts its child."""
     g = p.add_argument_group("supervisor (restarts the engine process when it dies)")
     g.add_argument("--no-supervisor", action="store_true",

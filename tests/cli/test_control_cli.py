@@ -10,7 +10,7 @@ import pytest
 
 from vconsole.cli import build_parser
 from vconsole.commands.control import main_get, main_set, parse_pairs
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security import control_key, engine_key
 
 

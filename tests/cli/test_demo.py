@@ -135,7 +135,7 @@ def test_an_asked_for_log_path_is_kept(tmp_path):
 
 def test_an_engine_beside_its_clients_leaves_them_a_core_unless_told_otherwise(monkeypatch):
     """The demo's, serve's and the benchmarks' engines (`engine_env_beside_clients`)."""
-    from vconsole.engine.proc import engine_process as ep
+    from vconsole.engine.launch import engine_process as ep
 
     env = ep.engine_env_beside_clients
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -20,11 +20,11 @@ import pytest
 import zmq
 
 from tests.support.live_engine import Telemetry, ipc_endpoints, reference_outputs
-from vconsole.engine.proc import protocol
-from vconsole.engine.proc.child import ChildProcess
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
-from vconsole.engine.proc.ready_file import read_ready_file
+from vconsole.engine.client import protocol
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch.child import ChildProcess
+from vconsole.engine.launch.engine_process import EngineProcess
+from vconsole.engine.launch.ready_file import read_ready_file
 from vconsole.telemetry.control import ControlClient
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]

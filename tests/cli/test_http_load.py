@@ -25,7 +25,7 @@ import pytest
 from test_serve import ENGINE, serve, status, wait_until  # the server as test_serve starts it
 
 from support.live_engine import ipc_endpoints
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.tools.http_load import HttpLoadClient
 from vconsole.tools.loadgen import LoadSpec, format_summary, run_load
 

@@ -14,7 +14,7 @@ import zmq
 
 from vconsole.cli import build_parser
 from vconsole.commands.load import main as loadgen_main
-from vconsole.engine.proc.async_client import AsyncEngineClient
+from vconsole.engine.client.async_client import AsyncEngineClient
 from vconsole.tools.loadgen import (
     LoadRun,
     LoadSpec,
@@ -182,7 +182,7 @@ def test_a_load_whose_engine_dies_says_the_same_count_in_its_summary_and_its_las
     """The summary's request count is the one the stop line gives ("stopped after N of 12"),
     and every one of them is either completed or failed, by kind."""
     from support.live_engine import ipc_endpoints
-    from vconsole.engine.proc.engine_process import EngineProcess
+    from vconsole.engine.launch.engine_process import EngineProcess
 
     eps = ipc_endpoints(tmp_path)
     args = ["--num-kv-blocks", "1200", "--block-size", "8", "--set", "client_heartbeat_s=0.2",

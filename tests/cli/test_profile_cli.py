@@ -12,7 +12,7 @@ import pytest
 
 from vconsole.cli import build_parser
 from vconsole.commands.profile import main as main_profile
-from vconsole.engine.proc.client import EngineClient
+from vconsole.engine.client.client import EngineClient
 
 
 @pytest.fixture(scope="module")

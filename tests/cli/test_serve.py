@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from support.live_engine import ipc_endpoints
-from vconsole.engine.proc.child import ChildProcess
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.launch.child import ChildProcess
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security.bind_policy import RemoteBindRefused, check_http_host
 
 ENGINE = ["--num-kv-blocks", "64", "--block-size", "8", "--set", "heartbeat_interval_s=0.2"]

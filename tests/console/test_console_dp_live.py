@@ -20,8 +20,8 @@ from textual.widgets import Static
 from support.live_engine import Telemetry
 from vconsole.console.app import VConsoleApp
 from vconsole.console.screens.ranks import RankRow, RanksScreen
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.tools import top
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]

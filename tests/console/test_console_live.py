@@ -27,8 +27,8 @@ from vconsole.console.screens.config import ConfigScreen
 from vconsole.console.screens.overview import OverviewScreen
 from vconsole.console.widgets.chrome import Banner, TabBar
 from vconsole.console.widgets.confirmation import ConfirmScreen
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security import engine_key
 from vconsole.telemetry import schema
 from vconsole.telemetry.control import ControlClient

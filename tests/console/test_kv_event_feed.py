@@ -122,8 +122,8 @@ def test_the_vllm_source_follows_a_live_engines_metrics_and_kv_events(tmp_path):
     and its KV events vLLM's format, so the source shows the prefix cache's contents."""
     from vconsole.console.sources.vllm import VllmSource
     from vconsole.console.state import ConsoleState
-    from vconsole.engine.proc.client import EngineClient
-    from vconsole.engine.proc.engine_process import EngineProcess
+    from vconsole.engine.client.client import EngineClient
+    from vconsole.engine.launch.engine_process import EngineProcess
 
     eng = EngineProcess(["--model", "tiny", "--num-kv-blocks", "64", "--block-size", "8",
                          "--metrics-port", "0", "--kv-events-endpoint", "tcp://127.0.0.1:*"],

@@ -20,9 +20,9 @@ import time
 import pytest
 import zmq
 
-from vconsole.engine.proc.async_client import AsyncEngineClient
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.client.async_client import AsyncEngineClient
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security.bind_policy import RemoteBindRefused, check_endpoints
 from vconsole.security.curve import ClientCurve, CurveKeyError, load_client_curve
 from vconsole.security.curve_server import load_server_curve

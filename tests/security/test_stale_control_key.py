@@ -18,8 +18,8 @@ import pytest
 
 from vconsole.cli import build_parser
 from vconsole.commands.control import main_get
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security import engine_key, key_owner
 from vconsole.security.control_key import read_key_file
 from vconsole.security.key_owner import GONE, RUNNING, KeyOwner

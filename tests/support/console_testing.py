@@ -77,7 +77,7 @@ class FakeControl:
             return self._reply(update)
 
 
-    # --- profile ops (the engine's shapes; see engine/proc/profile_book.py) -----------------------
+    # --- profile ops (the engine's shapes; see vconsole/engine/process/profile_book.py) -----------------------
 
     def _profile_call(self, op: str, fields: dict[str, Any]) -> None:
         self.calls.append((op, fields))

@@ -283,8 +283,8 @@ def test_a_live_engine_publishes_events_a_vllm_subscriber_decodes_and_replays(tm
     """A real engine process with ``--kv-events-endpoint``: requests sharing a prefix store
     blocks whose parent chains link; sequence numbers grow by one; switching prefix caching off
     clears the cache in the stream; replay returns the very batches published."""
-    from vconsole.engine.proc.client import EngineClient
-    from vconsole.engine.proc.engine_process import EngineProcess
+    from vconsole.engine.client.client import EngineClient
+    from vconsole.engine.launch.engine_process import EngineProcess
     from vconsole.telemetry.control import ControlClient
 
     eng = EngineProcess(["--model", "tiny", "--num-kv-blocks", "24", "--block-size", "8",

@@ -25,12 +25,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from vconsole.engine.client.client import EngineClient
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.latency import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, LatencyStats
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.core_proc import EngineCoreProc
-from vconsole.engine.proc.engine_process import EngineProcess
-from vconsole.engine.proc.ready_file import read_ready_file
+from vconsole.engine.launch.engine_process import EngineProcess
+from vconsole.engine.launch.ready_file import read_ready_file
+from vconsole.engine.process.core_proc import EngineCoreProc
 from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
 from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.telemetry import schema
@@ -628,7 +628,7 @@ def test_a_restarted_engine_serves_metrics_on_the_same_port(engine, served):
 
 
 def test_a_scrape_while_no_engine_answers_keeps_the_last_values_and_says_down():
-    from vconsole.engine.proc.metrics_relay import mark_down
+    from vconsole.engine.launch.metrics_relay import mark_down
 
     last = ('vllm:generation_tokens_total{engine="0",model_name="tiny"} 42.0\n'
             'vconsole:engine_restarts_total{engine="0",model_name="tiny"} 0.0\n'

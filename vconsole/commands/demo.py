@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from vconsole.commands import fail
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.tools.demo import DEMO_ENGINE_DEFAULTS, DemoStack
 
 _PASS_THROUGH = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",

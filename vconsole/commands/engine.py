@@ -1,14 +1,14 @@
 """`vconsole engine`: run EngineCoreProc until SIGINT/SIGTERM, under a supervisor by default.
 
 With ``--data-parallel-size N`` (N > 1) and no ``--dp-rank``, this process is the
-data-parallel launcher (`vconsole.engine.proc.dp.launcher`); as a torchrun worker it is one
+data-parallel launcher (`vconsole.engine.dp.launcher`); as a torchrun worker it is one
 rank (plus the front end on global rank 0); with ``--dp-rank`` it is that one rank. N == 1 is
 the path below.
 Without ``--no-supervisor`` this process is the `EngineSupervisor`
-(`vconsole.engine.proc.supervisor`), which runs the same command line with
+(`vconsole.engine.launch.supervisor`), which runs the same command line with
 ``--supervised-child`` as its child and restarts it when it dies; the child (or
 ``--no-supervisor``) runs the engine in this process. Exit codes:
-`vconsole.engine.proc.exit_codes`.
+`vconsole.engine.launch.exit_codes`.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vconsole.engine.config import ConfigError, ConfigSource
-from vconsole.engine.proc import exit_codes
-from vconsole.engine.proc.core_proc import EngineCoreProc
-from vconsole.engine.proc.launch import ChildOfSupervisor, EngineLaunch, Supervision
-from vconsole.engine.proc.loop_inputs import LoopInput, Reload, Shutdown
-from vconsole.engine.proc.supervisor import EngineSupervisor
+from vconsole.engine.launch import exit_codes
+from vconsole.engine.launch.launch import ChildOfSupervisor, EngineLaunch, Supervision
+from vconsole.engine.launch.supervisor import EngineSupervisor
+from vconsole.engine.process.core_proc import EngineCoreProc
+from vconsole.engine.process.loop_inputs import LoopInput, Reload, Shutdown
 from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULTS
 
 if TYPE_CHECKING:
-    from vconsole.engine.proc.dp.torchrun import TorchrunFrontEnd
+    from vconsole.engine.dp.front.torchrun import TorchrunFrontEnd
 
 
 def _install_signal_handlers(q: queue.SimpleQueue[LoopInput], *,
@@ -184,8 +184,8 @@ def _torchrun_rank(launch: EngineLaunch) -> int:
     """A torchrun worker is one rank (no supervisor: torchrun restarts the group) on private
     endpoints, ``tcp://--dp-rank-host:*`` (loopback by default; beyond it only as CURVE servers
     with ``--dp-curve-dir`` keys, refused before anything binds); global rank 0 also runs the
-    front end on the public ones (`vconsole.engine.proc.dp.torchrun`)."""
-    from vconsole.engine.proc.dp.torchrun import TorchrunFrontEnd, rank_curves, rank_endpoints
+    front end on the public ones (`vconsole.engine.dp.front.torchrun`)."""
+    from vconsole.engine.dp.front.torchrun import TorchrunFrontEnd, rank_curves, rank_endpoints
     from vconsole.security.bind_policy import check_endpoints
     front_end = int(os.environ.get("RANK") or 0) == 0
     try:
@@ -212,13 +212,13 @@ def _torchrun_rank(launch: EngineLaunch) -> int:
 
 
 def _launch_ranks(launch: EngineLaunch) -> int:
-    """N ranks behind one front end on this host: `vconsole.engine.proc.dp.launcher`."""
+    """N ranks behind one front end on this host: `vconsole.engine.dp.launcher`."""
     try:
         curve = launch.server_curve()
     except (ValueError, CurveKeyError) as e:
         _say(e)
         return exit_codes.CANNOT_START
-    from vconsole.engine.proc.dp.launcher import DPLauncher
+    from vconsole.engine.dp.launcher import DPLauncher
     try:
         return DPLauncher(launch, curve=curve).run()
     except (RemoteBindRefused, OSError) as e:

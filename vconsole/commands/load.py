@@ -16,7 +16,7 @@ from typing import Any
 
 from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
-from vconsole.engine.proc.async_client import AsyncEngineClient
+from vconsole.engine.client.async_client import AsyncEngineClient
 from vconsole.tools.loadgen import (
     LoadRun,
     LoadSpec,

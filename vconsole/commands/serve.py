@@ -31,9 +31,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from vconsole.engine.config import ConfigError
-from vconsole.engine.proc import exit_codes
-from vconsole.engine.proc.engine_process import EngineProcess
-from vconsole.engine.proc.ready_file import ReadyFileError, read_ready_file
+from vconsole.engine.launch import exit_codes
+from vconsole.engine.launch.engine_process import EngineProcess
+from vconsole.engine.launch.ready_file import ReadyFileError, read_ready_file
 from vconsole.security.bind_policy import RemoteBindRefused, check_http_host
 
 API_KEY_ENV = "VCONSOLE_API_KEY"
@@ -126,7 +126,7 @@ def _run(args: argparse.Namespace, sock: socket.socket, api_key: str | None,
 
 def _start_engine(args: argparse.Namespace) -> EngineProcess:
     from vconsole.commands.engine import launch_from_args
-    from vconsole.engine.proc.engine_process import engine_env_beside_clients
+    from vconsole.engine.launch.engine_process import engine_env_beside_clients
 
     launch = launch_from_args(args)
     # The engine's /metrics on a private port unless the user asked for one: the server's own

@@ -1,6 +1,6 @@
 """`vconsole demo`: an engine process, a varying load and the console, started and stopped as one.
 
-`DemoStack` runs the engine as a child (`vconsole.engine.proc.engine_process.EngineProcess`: its
+`DemoStack` runs the engine as a child (`vconsole.engine.launch.engine_process.EngineProcess`: its
 own process group, endpoints and control key learned from its ready file) and adds the load
 generator (a thread in this process). It is what `main`, the tests and
 ``scripts/screenshots.py`` use; the console itself is imported only in `main`, so the process
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vconsole.engine.proc.engine_process import (
+from vconsole.engine.launch.engine_process import (
     EngineProcess,
     engine_env_beside_clients,
     loopback_endpoints,

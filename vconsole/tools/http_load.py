@@ -31,8 +31,8 @@ import json
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
+from vconsole.engine.client.async_client import drain_request
 from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.proc.async_client import drain_request
 from vconsole.tools.sse_client import HttpError, NoDone, StreamCut, get_json, post_sse
 
 DEFAULT_VOCAB = 1000      # prompts' token ids stay below this unless the server says more

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from vconsole.engine.proc.async_client import AsyncEngineClient
-from vconsole.engine.proc.client import ENGINE_UNREACHABLE
+from vconsole.engine.client.async_client import AsyncEngineClient
+from vconsole.engine.client.client import ENGINE_UNREACHABLE
 from vconsole.tools.http_load import kind_of
 
 RateFn = Callable[[float], float]   # seconds since the start -> requests per second

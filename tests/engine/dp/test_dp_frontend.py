@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from vconsole.engine.proc.dp.request_map import RequestMap
-from vconsole.engine.proc.dp.router import choose_rank
+from vconsole.engine.dp.front.request_map import RequestMap
+from vconsole.engine.dp.front.router import choose_rank
 
 
 def test_the_least_loaded_live_rank_gets_the_request() -> None:

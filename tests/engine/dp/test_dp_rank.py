@@ -19,19 +19,19 @@ import torch.distributed as dist
 import zmq
 
 from support.live_engine import Telemetry, ipc_endpoints, reference_outputs
+from vconsole.engine.client import protocol
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
-from vconsole.engine.proc import protocol
-from vconsole.engine.proc.core_proc import EngineCoreProc
-from vconsole.engine.proc.dp.rank import DPRank, split_cpu_threads
-from vconsole.engine.proc.dp.rendezvous import (
+from vconsole.engine.dp.rank.rendezvous import (
     DPEnv,
     RendezvousError,
     connect_store,
     publish_rank,
     read_rank,
 )
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.dp.rank.role import DPRank, split_cpu_threads
+from vconsole.engine.launch.engine_process import EngineProcess
+from vconsole.engine.process.core_proc import EngineCoreProc
 from vconsole.engine.request import SamplingParams
 from vconsole.telemetry import schema
 from vconsole.telemetry.publisher import TelemetryPublisher

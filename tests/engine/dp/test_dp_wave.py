@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vconsole.engine.client import protocol
 from vconsole.engine.config import EngineConfig
-from vconsole.engine.proc import protocol
-from vconsole.engine.proc.dp.rendezvous import DPEnv, rank_key
-from vconsole.engine.proc.dp.wave import CompletedWave, WaveState
+from vconsole.engine.dp.rank.rendezvous import DPEnv, rank_key
+from vconsole.engine.dp.rank.wave import CompletedWave, WaveState
 
 # --- WaveState -------------------------------------------------------------------------------
 

@@ -8,10 +8,10 @@ import msgpack
 import numpy as np
 import pytest
 
+from vconsole.engine.client import protocol
+from vconsole.engine.client.async_client import AsyncEngineClient
+from vconsole.engine.client.client import Completion, EngineClient
 from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.proc import protocol
-from vconsole.engine.proc.async_client import AsyncEngineClient
-from vconsole.engine.proc.client import Completion, EngineClient
 from vconsole.engine.request import SamplingParams
 
 

@@ -9,8 +9,8 @@ import pytest
 import zmq
 
 from vconsole.engine.config import EngineConfig, apply_update
-from vconsole.engine.proc import control_server
-from vconsole.engine.proc.control_server import ControlCall, ControlServer
+from vconsole.engine.process import control_server
+from vconsole.engine.process.control_server import ControlCall, ControlServer
 from vconsole.security import engine_key
 from vconsole.security.control_key import load_control_key
 from vconsole.telemetry import control

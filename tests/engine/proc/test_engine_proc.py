@@ -20,9 +20,9 @@ import pytest
 import zmq
 
 from support.live_engine import Telemetry, reference_outputs
-from vconsole.engine.proc import protocol
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.client import protocol
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security import control_key, engine_key
 from vconsole.telemetry.control import ControlClient, NotAuthorised
 
@@ -623,7 +623,7 @@ class _IdleCore:
 
 
 def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path, monkeypatch):
-    from vconsole.engine.proc import core_proc
+    from vconsole.engine.process import core_proc
     from vconsole.telemetry.publish_loop import PublishLoop
 
     release = threading.Event()

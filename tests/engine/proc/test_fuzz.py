@@ -40,9 +40,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from support.live_engine import RssSampler, Telemetry, ipc_endpoints, reference_outputs
-from vconsole.engine.proc import protocol
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.client import protocol
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.telemetry import control
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]

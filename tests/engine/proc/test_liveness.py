@@ -11,9 +11,9 @@ import threading
 import pytest
 import zmq
 
-from vconsole.engine.proc import protocol
-from vconsole.engine.proc.client import ENGINE_UNREACHABLE, EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.client import protocol
+from vconsole.engine.client.client import ENGINE_UNREACHABLE, EngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.telemetry import schema
 
 pytestmark = pytest.mark.proc

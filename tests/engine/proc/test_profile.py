@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import zmq
 
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.telemetry import schema
 from vconsole.telemetry.control import (
     PROFILE_MAX_STEPS,

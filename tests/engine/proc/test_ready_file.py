@@ -7,9 +7,9 @@ import signal
 
 import pytest
 
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
-from vconsole.engine.proc.ready_file import (
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
+from vconsole.engine.launch.ready_file import (
     ReadyFileError,
     read_ready_file,
     ready_record,

@@ -1,6 +1,6 @@
 """Request ids scoped per client: unique engine ids, owners found back, numbers released."""
 
-from vconsole.engine.proc.request_registry import RequestRegistry
+from vconsole.engine.process.request_registry import RequestRegistry
 
 
 def test_two_clients_may_use_the_same_id_and_get_distinct_engine_ids():

@@ -13,12 +13,12 @@ import threading
 import pytest
 
 from support.scheduling import make_request, make_scheduler
+from vconsole.engine.client.client import EngineClient
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
+from vconsole.engine.launch import exit_codes
 from vconsole.engine.offline import greedy_requests, run_batch
-from vconsole.engine.proc import exit_codes
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.core_proc import EngineCoreProc
+from vconsole.engine.process.core_proc import EngineCoreProc
 from vconsole.engine.request import SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput
 

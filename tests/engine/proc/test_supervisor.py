@@ -20,12 +20,12 @@ import pytest
 import zmq
 
 from vconsole.commands.demo import closing_line
-from vconsole.engine.proc import exit_codes
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
-from vconsole.engine.proc.exit_codes import describe_exit
-from vconsole.engine.proc.ready_file import read_ready_file
-from vconsole.engine.proc.supervisor import RestartPolicy
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch import exit_codes
+from vconsole.engine.launch.engine_process import EngineProcess
+from vconsole.engine.launch.exit_codes import describe_exit
+from vconsole.engine.launch.ready_file import read_ready_file
+from vconsole.engine.launch.supervisor import RestartPolicy
 from vconsole.telemetry import schema
 
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "128", "--block-size", "16",

@@ -1,5 +1,5 @@
 """The step profiler in process (`vconsole.engine.worker.profiler`, `EngineCore.start_profile`,
-`vconsole.engine.proc.profile_book.ProfileBook`): labels exist only while a profile runs, the report
+`vconsole.engine.process.profile_book.ProfileBook`): labels exist only while a profile runs, the report
 names every layer type, and a profiler that fails never fails a step."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
-from vconsole.engine.proc.profile_book import ProfileBook
+from vconsole.engine.process.profile_book import ProfileBook
 from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker import profiler as profiler_mod
 from vconsole.engine.worker.profiler import layer_type

@@ -26,10 +26,10 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from vconsole.engine.client.async_client import AsyncEngineClient
+from vconsole.engine.client.client import ENGINE_UNREACHABLE
+from vconsole.engine.client.protocol import SHUTTING_DOWN
 from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.proc.async_client import AsyncEngineClient
-from vconsole.engine.proc.client import ENGINE_UNREACHABLE
-from vconsole.engine.proc.protocol import SHUTTING_DOWN
 from vconsole.entrypoints.openai.protocol import BadRequest
 from vconsole.security.curve import ClientCurve
 

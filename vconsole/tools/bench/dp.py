@@ -4,7 +4,7 @@ overhead per step.
 Three real engines run side by side for the whole benchmark, all with the tiny model and the
 same flags: a lone engine (every core for its intra-op threads), the same with one thread
 (``OMP_NUM_THREADS=1``) and a 2-rank group (``--data-parallel-size 2``: launcher, front end, two
-ranks with ``cores / 2`` threads each, `vconsole.engine.proc.dp.launcher.rank_env`). Each round
+ranks with ``cores / 2`` threads each, `vconsole.engine.dp.launcher.rank_env`). Each round
 sends the same burst (fixed prompts, greedy, ``ignore_eos``) to each in turn, rotating which goes
 first, through one `EngineClient`; a round's figure is output tokens / seconds from the first
 submit to the last final output. Reported: the medians, ``ratio`` = 2 ranks / lone engine,
@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vconsole.engine.proc.client import EngineClient
-from vconsole.engine.proc.engine_process import EngineProcess
+from vconsole.engine.client.client import EngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.telemetry import schema
 from vconsole.telemetry.listener import TelemetryListener
 

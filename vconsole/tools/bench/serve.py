@@ -36,9 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vconsole.engine.proc.async_client import AsyncEngineClient
-from vconsole.engine.proc.child import ChildProcess
-from vconsole.engine.proc.engine_process import EngineProcess, engine_env_beside_clients
+from vconsole.engine.client.async_client import AsyncEngineClient
+from vconsole.engine.launch.child import ChildProcess
+from vconsole.engine.launch.engine_process import EngineProcess, engine_env_beside_clients
 from vconsole.tools.http_load import HttpLoadClient
 from vconsole.tools.loadgen import LoadRun, LoadSpec, run_load
 

@@ -31,7 +31,7 @@ import numpy as np
 import psutil
 import zmq
 
-from vconsole.engine.proc.engine_process import EngineProcess, engine_env_beside_clients
+from vconsole.engine.launch.engine_process import EngineProcess, engine_env_beside_clients
 from vconsole.telemetry import schema
 from vconsole.tools.demo import DEMO_ENGINE_ARGS
 from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec

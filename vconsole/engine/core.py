@@ -1,0 +1,224 @@
+"""EngineCore: the inner loop of the engine — schedule → execute_model → update_from_output.
+
+`step()` reads top to bottom as its three phases and records what each cost; nothing here knows
+about sockets or telemetry (`vconsole.engine.process.core_proc` wraps the core with I/O threads and queues, and
+hands `last_step` and the stats snapshots to the publisher).
+
+A model execution that raises fails that step's requests only (finish reason ``error``, the
+exception in ``error``) and `step()` returns normally; `consecutive_step_failures` tells the
+caller when the failures no longer stop (see `_execute_model`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from vconsole.engine.config import ConfigUpdate, EngineConfig, apply_update
+from vconsole.engine.kv_events import KVEvent
+from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.request import FinishReason, Request, SamplingParams
+from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from vconsole.engine.sched.scheduler import Scheduler
+from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
+from vconsole.engine.worker.model_runner import ModelRunner
+from vconsole.engine.worker.profiler import StepProfiler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """One model, one KV block pool, one scheduler.
+
+    Invariant: `config` is always a validated `EngineConfig`; hot changes reach the scheduler
+    only through `apply_config`, which runs between two steps (the caller's loop guarantees it).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.config_version = 1
+        self.runner = ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.num_kv_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(self.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.num_kv_blocks, config.block_size,
+                                   self.runner.max_model_len)
+        # Every telemetry call of the busy loop goes through it (`vconsole.engine.telemetry_guard`).
+        self.telemetry_guard = self.scheduler.telemetry
+        self.num_steps = 0
+        self.last_step: StepStats | None = None
+        self.consecutive_step_failures = 0          # model executions that raised, in a row
+        self.last_step_error: str | None = None     # the latest one's "Type: message"
+        self.profiler: StepProfiler | None = None   # armed by start_profile; see profiling
+        logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens",
+                    config.model, self.runner.device, self.runner.dtype, self.num_kv_blocks,
+                    config.block_size)
+
+    def model_info(self) -> dict[str, Any]:
+        """What a client learns of the model at ``hello`` (and the ready file)."""
+        return {"device": str(self.runner.device), "vocab_size": self.runner.vocab_size,
+                "max_model_len": self.runner.max_model_len, "num_kv_blocks": self.num_kv_blocks,
+                "model_path": self.runner.info.path}
+
+    # --- requests -------------------------------------------------------------------------
+    def make_request(self, request_id: str, *, prompt: str | None = None,
+                     prompt_token_ids: list[int] | None = None, sampling: SamplingParams,
+                     priority: int = 0, client_id: bytes = b"") -> Request:
+        """Build a Request from text or token ids. Raises ValueError with the reason.
+
+        Only reads the tokenizer and the model's limits, so `EngineCoreProc` calls it off the
+        busy loop for long prompts."""
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError("prompt must be a string")
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        else:
+            ids = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
+            vocab = self.runner.vocab_size
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise ValueError(f"token id {bad} outside the vocabulary (0..{vocab - 1})")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        sampling.validate()
+        return Request(request_id=str(request_id), prompt_token_ids=ids, sampling=sampling,
+                       priority=priority, client_id=client_id,
+                       eos_token_id=self.runner.eos_token_id,
+                       eos_token_ids=self.runner.eos_token_ids)
+
+    def add_request(self, req: Request) -> RequestOutput | None:
+        """Queue a request. Returns None when accepted, or its final error output when it can
+        never run (the engine keeps serving everyone else)."""
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            req.finish_reason = FinishReason.ERROR
+            return RequestOutput(request_id=req.request_id, finished=True,
+                                 finish_reason=FinishReason.ERROR.value, error=str(e), text="",
+                                 num_prompt_tokens=req.num_prompt_tokens)
+        return None
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.abort_requests(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    # --- the loop -------------------------------------------------------------------------
+    def step(self) -> tuple[dict[bytes, list[RequestOutput]], bool]:
+        """One engine iteration. Returns outputs per client and whether any token ran."""
+        if not self.scheduler.has_requests():
+            return {}, False
+        profiler = self.profiler if self.profiler is not None and not self.profiler.done else None
+        if profiler is not None:
+            profiler.begin_step(self.num_steps)
+        t0 = time.monotonic_ns()
+        scheduler_output = self.scheduler.schedule()
+        t1 = time.monotonic_ns()
+        if scheduler_output.has_work():
+            model_output = self._execute_model(scheduler_output)
+        else:
+            model_output = ModelRunnerOutput()
+        t2 = time.monotonic_ns()
+        results = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        num_finished = 0
+        for req, out in results:
+            if out.finished:
+                num_finished += 1
+                out.text = self.detokenize(req.output_token_ids)
+            outputs[req.client_id].append(out)
+        t3 = time.monotonic_ns()
+
+        self.num_steps += 1
+        self.last_step = StepStats(
+            schedule_ns=t1 - t0, execute_ns=t2 - t1, update_ns=t3 - t2, total_ns=t3 - t0,
+            num_prefill_tokens=scheduler_output.num_prefill_tokens,
+            num_decode_tokens=scheduler_output.num_decode_tokens,
+            num_reqs=scheduler_output.num_scheduled_reqs,
+            num_preempted=len(scheduler_output.preempted_req_ids), num_finished=num_finished)
+        if profiler is not None:
+            profiler.end_step(self.last_step, self.num_steps)
+        return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0
+
+    def dummy_step(self) -> None:
+        """A data-parallel rank's step with nothing to do: one minimal forward that touches no
+        request and no KV block (`ModelRunner.execute_dummy_batch`), so the rank keeps pace
+        with busy ranks. Not counted in ``num_steps``, no `StepStats`; the caller counts it.
+        A failure counts in `consecutive_step_failures` like a failed model execution."""
+        try:
+            self.runner.execute_dummy_batch()
+        except Exception as e:
+            self.consecutive_step_failures += 1
+            self.last_step_error = f"{type(e).__name__}: {e}"
+            logger.exception("dummy step failed (%d in a row)", self.consecutive_step_failures)
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the model; if it raises, fail this step's requests and keep serving the rest.
+
+        The requests the step scheduled finish with ``error`` (the exception's type and
+        message) and nothing of the step is kept (no token, no prefix-cache entry); waiting
+        requests and running ones outside the step are untouched. `consecutive_step_failures`
+        counts failed executions in a row (a success resets it): the process wrapper gives up
+        at ``max_consecutive_step_failures``, since a device that fails every step (a lost
+        CUDA context) never recovers in this process."""
+        try:
+            out = self.runner.execute_model(so)
+        except Exception as e:
+            self.consecutive_step_failures += 1
+            self.last_step_error = f"{type(e).__name__}: {e}"
+            logger.exception("model execution failed (%d in a row): failing the step's %d "
+                             "request(s)", self.consecutive_step_failures, so.num_scheduled_reqs)
+            self.scheduler.fail_step(so, self.last_step_error)
+            return ModelRunnerOutput()
+        self.consecutive_step_failures = 0
+        return out
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # --- config and figures ---------------------------------------------------------------
+    def apply_config(self, values: dict) -> ConfigUpdate:
+        """Validate and apply a change as a whole; call only between two steps."""
+        update = apply_update(self.config, values)
+        if update.applied:
+            self.config = update.config
+            self.config_version += 1
+            self.scheduler.update_config(self.config)
+        return update
+
+    def scheduler_stats(self, max_rows: int) -> SchedulerStats:
+        return self.scheduler.stats(max_rows)
+
+    def latency_snapshot(self) -> dict[str, Any]:
+        return self.scheduler.latency_snapshot()
+
+    def kv_stats(self) -> KVStats:
+        return self.scheduler.kv_stats()
+
+    def enable_kv_events(self) -> None:
+        """Record what enters and leaves the prefix cache from now on (the engine process
+        does, once its KV event publisher runs; nothing else drains them)."""
+        self.scheduler.kv.enable_events()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """What entered and left the prefix cache since the last call (empty when KV events
+        are off)."""
+        return self.scheduler.kv.take_events()
+
+    # --- profiling ------------------------------------------------------------------------
+    def start_profile(self, num_steps: int,
+                      on_done: Callable[[], None] | None = None) -> StepProfiler:
+        """Profile the next ``num_steps`` steps that run (`vconsole.engine.worker.profiler`):
+        `step` drives it, outside its phase timers; ``on_done`` is called once it is over.
+        Call only between two steps. Raises ValueError while another profile runs."""
+        if self.profiler is not None and not self.profiler.done:
+            raise ValueError(f"a profile is already running ({self.profiler.steps_done}/"
+                             f"{self.profiler.num_steps} steps done)")
+        self.profiler = StepProfiler(self.runner, num_steps, on_done)
+        return self.profiler
