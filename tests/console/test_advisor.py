@@ -9,7 +9,7 @@ import pytest
 
 from support.synthetic import generate
 from vconsole.console.advisor import Advice, Advisor
-from vconsole.engine.config import EngineConfig, apply_update
+from vconsole.shared.config import EngineConfig, apply_update
 from vconsole.telemetry.schema import decode
 
 QUIET = {"slow_window": (0, 0), "burst_window": (0, 0)}      # no slow scheduler, no burst

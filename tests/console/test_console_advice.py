@@ -17,7 +17,7 @@ from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.overview import OverviewScreen
 from vconsole.console.widgets.chrome import TabBar
 from vconsole.console.widgets.confirmation import ConfirmScreen
-from vconsole.engine.config import ConfigUpdate, EngineConfig
+from vconsole.shared.config import ConfigUpdate, EngineConfig
 from vconsole.telemetry.control import config_reply
 
 pytestmark = pytest.mark.slow

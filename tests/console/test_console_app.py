@@ -220,7 +220,7 @@ async def test_config_change_reaches_the_engine_and_its_ack_is_shown():
         assert rec.status == APPLIED and rec.version == 2
         assert ctl.config.max_num_seqs == 48
         assert app.state.config.values["max_num_seqs"] == 48
-        assert app.steering.history == [rec]
+        assert app.steering.change_log == [rec]
         await pilot.pause()
         assert "applied (v2)" in text_of(screen.query_one("#cfg-history"))
         row = screen.table.get_row("max_num_seqs")

@@ -358,7 +358,7 @@ async def test_a_console_without_the_key_is_read_only_by_itself(engine, tmp_path
         app.refresh_view(force=True)
         await pilot.pause()
         assert "read-only" in text_of(screen.query_one("#cfg-summary"))
-        assert app.steering.history == []
+        assert app.steering.change_log == []
     after = wait_for_control(engine.endpoints["control"])
     assert after["version"] == before["version"] and after["values"] == before["values"]
     # The same console with the key (found by the endpoint, as `attach` does) may edit.

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from support.synthetic import generate, write_recording
-from vconsole.console.source import ReplaySource, ZmqSource
+from vconsole.console.sources.stream import ReplaySource, ZmqSource
 from vconsole.console.state import ConsoleState
 from vconsole.telemetry.record import read_records
 

@@ -39,7 +39,7 @@ def plots(app) -> dict[str, TrendPlot]:
 
 
 def shown(app) -> list[str]:
-    return [p.spec.key for p in app.screen.visible()]
+    return [p.spec.key for p in app.screen.visible_plots()]
 
 
 async def open_trends(pilot) -> TrendsScreen:

@@ -24,8 +24,9 @@ from vconsole.console.sources.kv_events import (
     Stored,
     decode_batch,
 )
-from vconsole.engine.kv_events import BlockRemoved, BlockStored
-from vconsole.telemetry.kv_events import KVEventPublisher, encode_batch, u64
+from vconsole.engine.publish.kv_events import KVEventPublisher
+from vconsole.shared.kv_events import BlockRemoved, BlockStored
+from vconsole.telemetry.kv_wire import encode_batch, u64
 
 
 def test_positional_tagged_map_and_map_batches_all_decode_to_the_same_events():

@@ -13,7 +13,7 @@ from support.console_testing import frames
 from support.synthetic import generate
 from vconsole.console import format as fmt
 from vconsole.console.state import ConsoleState
-from vconsole.console.trend_history import HISTORY_S, MAX, MEAN, History, Trend
+from vconsole.console.trend_history import HISTORY_S, MAX, MEAN, Trend, TrendHistory
 from vconsole.console.widgets import panels
 from vconsole.console.widgets.panels import DEFAULT_LIMITS
 from vconsole.engine.latency import LatencyStats
@@ -68,12 +68,12 @@ def test_latency_percentiles_are_ingested_into_history_and_sparklines():
     lat = eng.latest["latency"]
     window = lat["overall"]["window"]
     assert lat["window_s"] == 60.0 and set(lat["priority"]) <= {"0", "1", "5"}
-    assert eng.history["ttft_p99_s"].last == window["ttft_s"]["p99"]
-    assert eng.history["itl_p50_s"].last == window["itl_s"]["p50"]
+    assert eng.trends["ttft_p99_s"].last == window["ttft_s"]["p99"]
+    assert eng.trends["itl_p50_s"].last == window["itl_s"]["p50"]
     assert eng.series["queue_p99"].last == window["queue_s"]["p99"]
     n_latency = sum(topic_of(r) == "latency" for r in recs)
-    assert len(eng.history["ttft_p99_s"]) == n_latency    # about one a second, one point each
-    assert len(eng.history["tokens_per_s"]) == 11          # 10 s at 5 Hz: 11 seconds touched
+    assert len(eng.trends["ttft_p99_s"]) == n_latency    # about one a second, one point each
+    assert len(eng.trends["tokens_per_s"]) == 11          # 10 s at 5 Hz: 11 seconds touched
 
 
 def test_a_stream_without_latency_leaves_the_latency_history_empty():
@@ -82,7 +82,7 @@ def test_a_stream_without_latency_leaves_the_latency_history_empty():
     s.feed(recs)
     eng = s.engine()
     assert "latency" not in eng.latest and s.malformed == 0
-    assert len(eng.history["ttft_p99_s"]) == 0 and len(eng.history["kv_usage"]) > 0
+    assert len(eng.trends["ttft_p99_s"]) == 0 and len(eng.trends["kv_usage"]) > 0
 
 
 def test_empty_windows_and_odd_shapes_add_no_points():
@@ -94,7 +94,7 @@ def test_empty_windows_and_odd_shapes_add_no_points():
     s.ingest(frames("latency", {"window_s": 60.0, "overall": "?", "priority": {},
                                 "finished": {}}, seq=1, ts=T + 1), T + 1)
     eng = s.engine()
-    assert len(eng.history["ttft_p99_s"]) == 0 and len(eng.series["ttft_p99"]) == 0
+    assert len(eng.trends["ttft_p99_s"]) == 0 and len(eng.series["ttft_p99"]) == 0
     text = panels.latency(eng, T + 1, 36, DEFAULT_LIMITS)
     assert "TTFT" in text and "–" in text                    # rows, with no numbers to show
 
@@ -124,7 +124,7 @@ def test_latency_panel_shows_window_percentiles():
 
 
 def test_history_only_listens_to_its_topics():
-    h = History()
+    h = TrendHistory()
     h.add("alert", {"tokens_per_s": 5.0}, T)
     h.add("step", {"tokens_per_s": 5.0, "step_time_max_s": 0.2}, T)
     assert h["tokens_per_s"].last == 5.0 and h["step_max_s"].last == 0.2

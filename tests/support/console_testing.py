@@ -1,11 +1,14 @@
 """Helpers for testing the console without an engine: payload frames, a fake control channel,
 and an app driven by a recording (used by tests/test_console*.py and scripts/screenshots.py).
 
-`FakeControl` answers exactly as the engine does — it runs `vconsole.engine.config.apply_update` and
+`FakeControl` answers exactly as the engine does — it runs `vconsole.shared.config.apply_update` and
 builds the reply with `vconsole.telemetry.control.config_reply` — so the console's handling of applied /
 rejected / restart-required is tested against the real rules. Its profile ops answer with the
 engine's status and result shapes (`fake_profile_result`); a profile advances
-``profile_steps_per_poll`` steps per ``profile_status`` unless ``profile_hold`` is set.
+``profile_steps_per_poll`` steps per ``profile_status`` unless ``profile_hold`` is set. It is a
+complete `vconsole.console.control_link.Control` (the type checker verifies it below).
+`InlineHost` runs `Steering`'s blocking calls at once, on the calling thread, and keeps the
+`Update` each reply brings, so Steering is tested without Textual.
 """
 
 from __future__ import annotations
@@ -14,12 +17,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from vconsole.engine.config import EngineConfig, apply_update
+from vconsole.shared.config import EngineConfig, apply_update
 from vconsole.telemetry.schema import encode, make_envelope
+
+if TYPE_CHECKING:
+    from vconsole.console.control_link import Control
+    from vconsole.console.steering_host import SteeringHost, Update
+    from vconsole.security.key_owner import KeyStatus
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 RECORDING = DATA / "synthetic.vrec"
@@ -58,6 +66,10 @@ class FakeControl:
 
         return config_reply(self.version, self.config.to_dict(), update)
 
+    def key_status(self) -> KeyStatus | None:
+        """No key file: nothing to say whose key this is (as a link without a key)."""
+        return None
+
     def get_config(self) -> dict[str, Any]:
         with self._lock:
             self.calls.append(("get_config", None))
@@ -75,7 +87,6 @@ class FakeControl:
                 self.config = update.config
                 self.version += 1
             return self._reply(update)
-
 
     # --- profile ops (the engine's shapes; see vconsole/engine/process/profile_book.py) -----------------------
 
@@ -122,6 +133,28 @@ class FakeControl:
             return dict(p or {})
 
 
+class InlineHost:
+    """A `SteeringHost` without threads: work runs at once, its reply's step too; ``updates``
+    keeps what each step returned, ``groups`` the worker group of each work."""
+
+    def __init__(self) -> None:
+        self.updates: list[Update] = []
+        self.groups: list[str] = []
+
+    def run_blocking(self, work: Callable[[threading.Event], None], *, group: str,
+                     exclusive: bool = False) -> None:
+        self.groups.append(group)
+        work(threading.Event())
+
+    def from_worker(self, step: Callable[[], Update]) -> None:
+        self.updates.append(step())
+
+
+if TYPE_CHECKING:   # the type checker verifies the fakes are complete
+    _control: Control = FakeControl()
+    _host: SteeringHost = InlineHost()
+
+
 def fake_profile_result(steps: int, profile_id: str = "p1") -> dict[str, Any]:
     """A profile result with the engine's fields (`vconsole.engine.worker.profiler`)."""
     ops = [("aten::mm", 0.8), ("aten::_scaled_dot_product_flash_attention_for_cpu", 0.12),
@@ -147,7 +180,7 @@ def replay_app(path: str | Path = RECORDING, *, control: Any = None, readonly: b
     """A VConsoleApp fed instantly from ``path`` (or ``records``); writable when a control is
     given (unless ``readonly``)."""
     from vconsole.console.app import VConsoleApp
-    from vconsole.console.source import ReplaySource
+    from vconsole.console.sources.stream import ReplaySource
 
     src = ReplaySource(path, speed=0, records=(lambda: iter(records)) if records is not None
                        else None, readonly=control is None)

@@ -14,7 +14,7 @@ a change), the evidence gathered under the old value is dropped: advice about th
 needs fresh evidence.
 
 A suggestion is always a value the engine would accept now: it differs from the value in force
-and passes `vconsole.engine.config.apply_update` against the config in force (restart-only keys
+and passes `vconsole.shared.config.apply_update` against the config in force (restart-only keys
 are then answered ``restart_required``, which is what ``hot=False`` says). Rules (``rule`` names):
 
 - ``sched_share`` -- the scheduler's share of step time above ``alert_sched_share_warning``:
@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vconsole.engine.config import (
+from vconsole.shared.config import (
     FIELDS,
     ConfigError,
     EngineConfig,

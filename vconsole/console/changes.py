@@ -1,6 +1,6 @@
 """Config changes from the console: client-side validation, risk, and the record of each answer.
 
-The console validates a value with `vconsole.engine.config.coerce_value` before sending (a typo is caught
+The console validates a value with `vconsole.shared.config.coerce_value` before sending (a typo is caught
 without a round trip), but the engine validates again and its reply is the truth: a
 `ChangeRecord` keeps exactly what the engine said (applied / rejected with its reason / restart
 required / no answer). `consequence` names changes that can hurt the running load, so the UI can
@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from vconsole.engine.config import coerce_value, format_value
+from vconsole.shared.config import coerce_value, format_value
 
 PENDING, APPLIED, UNCHANGED, REJECTED, RESTART, TIMEOUT, ERROR, INVALID = (
     "pending", "applied", "unchanged", "rejected", "restart required", "no answer", "error",

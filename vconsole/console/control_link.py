@@ -16,19 +16,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from vconsole.security.curve import ClientCurve
     from vconsole.security.key_owner import KeyStatus
 
 
+@runtime_checkable
 class Control(Protocol):
-    """What the app needs from a control channel (tests pass a fake with these two)."""
+    """What `vconsole.console.steering.Steering` needs from a control channel: the six calls of
+    `ControlLink` (tests pass `tests.support.console_testing.FakeControl`, which has them
+    all; ``isinstance`` checks that the six are there). Every call blocks: make them from
+    worker threads only."""
+
+    def key_status(self) -> KeyStatus | None: ...
 
     def get_config(self) -> dict[str, Any]: ...
 
     def set_config(self, values: dict[str, Any]) -> dict[str, Any]: ...
+
+    def profile_start(self, steps: int) -> dict[str, Any]: ...
+
+    def profile_status(self, profile_id: str) -> dict[str, Any]: ...
+
+    def profile_cancel(self, profile_id: str) -> dict[str, Any]: ...
 
 
 class ControlLink:

@@ -7,7 +7,7 @@ already shows them.
 
 from __future__ import annotations
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 SCREENS: dict[str, tuple[str, str]] = {
     # mode name -> (key, title)
@@ -22,7 +22,7 @@ SCREENS: dict[str, tuple[str, str]] = {
 # lone engine's console is exactly as it was.
 DP_SCREEN: dict[str, tuple[str, str]] = {"dp": ("6", "Ranks")}
 
-GLOBAL = [
+GLOBAL: list[BindingType] = [
     Binding("q", "quit", "Quit"),
     Binding("question_mark", "help", "Help", key_display="?"),
     Binding("p", "toggle_pause", "Pause"),
@@ -36,7 +36,7 @@ GLOBAL = [
       for mode, (key, title) in DP_SCREEN.items()),
 ]
 
-REQUESTS = [
+REQUESTS: list[BindingType] = [
     Binding("slash", "filter", "Filter", key_display="/"),
     Binding("s", "sort_next", "Sort"),
     Binding("r", "sort_reverse", "Reverse"),
@@ -49,7 +49,7 @@ def _plus_minus(plus: str, plus_label: str, minus: str, minus_label: str) -> lis
             Binding("minus", minus, minus_label, key_display="-")]
 
 
-KV = [
+KV: list[BindingType] = [
     *_plus_minus("zoom(-1)", "Zoom in", "zoom(1)", "Zoom out"),
     Binding("0", "zoom_fit", "Fit"),
     # Data parallel only (hidden otherwise): which rank's pool the map shows.
@@ -58,25 +58,25 @@ KV = [
 ]
 
 # Moving a table's cursor (the Requests table, the Ranks list); pages only where rows scroll.
-CURSOR = [
+CURSOR: list[BindingType] = [
     Binding("up,k", "cursor(-1)", "Up", show=False),
     Binding("down,j", "cursor(1)", "Down", show=False),
     Binding("home", "jump(0)", "First", show=False),
     Binding("end", "jump(-1)", "Last", show=False),
 ]
 
-RANKS = [
+RANKS: list[BindingType] = [
     *CURSOR,
     Binding("enter", "open_kv", "KV of rank"),
 ]
 
-CONFIG = [
+CONFIG: list[BindingType] = [
     Binding("e,enter", "edit", "Edit", key_display="e"),
     Binding("slash", "filter", "Filter", key_display="/"),
     Binding("escape", "clear_filter", "Clear filter", show=False),
 ]
 
-TRENDS = [
+TRENDS: list[BindingType] = [
     Binding("t", "next_range", "Range"),
     Binding("v,right", "page(1)", "Plots", key_display="v"),
     Binding("left", "page(-1)", "Previous plots", show=False),
@@ -89,22 +89,22 @@ LETTER_SCREENS: dict[str, tuple[str, str]] = {
     "profile": ("P", "Profile"),
 }
 
-ALERTS = [
+ALERTS: list[BindingType] = [
     Binding("slash", "filter", "Filter", key_display="/"),
     Binding("escape", "clear_filter", "Clear filter", show=False),
 ]
 
-ADVICE = [
+ADVICE: list[BindingType] = [
     Binding("A,enter", "apply", "Apply", key_display="A"),
 ]
 
-PROFILE = [
+PROFILE: list[BindingType] = [
     Binding("s,enter", "start", "Start", key_display="s"),
     Binding("c", "cancel", "Cancel"),
     *_plus_minus("steps(1)", "More steps", "steps(-1)", "Fewer steps"),
 ]
 
-TABLE = [
+TABLE: list[BindingType] = [
     *CURSOR,
     Binding("pageup", "page(-1)", "Page up", show=False),
     Binding("pagedown", "page(1)", "Page down", show=False),

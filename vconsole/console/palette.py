@@ -39,8 +39,8 @@ class ConsoleCommands(Provider):
                 if a.hot:
                     yield (f"Apply advice: {a.change_text()}", partial(self._apply_advice, a),
                            a.title)
-        if app.source_actions_allowed():
-            for action in getattr(app.source, "actions", ()):
+        if app.steering.source_actions_allowed(app.source):
+            for action in app.source.actions:
                 yield (f"vLLM: {action.title}", partial(app.run_source_action, action.key),
                        f"POST {action.path} (asks for confirmation)")
         if len(app.state.engines) > 1:

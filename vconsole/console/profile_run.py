@@ -1,10 +1,10 @@
 """A profile run as the console follows it: started on the engine, polled, its result kept.
 
 The engine's side is the control ops ``profile_start`` / ``profile_status`` / ``profile_cancel``
-(docs/PROTOCOL.md, *Profiling*). The Profile screen (`vconsole.console.screens.profile`) makes a
-`ProfileRun` after the operator confirmed, and `follow` drives it from one of the app's worker
-threads, so a run goes on while the operator looks at other screens; the screen only draws
-``app.steering.profile_run``.
+(docs/PROTOCOL.md, *Profiling*). `vconsole.console.steering.Steering` makes a `ProfileRun` once
+the operator confirmed (`consequence` is what the box says), and `follow` drives it from a worker
+thread, so a run goes on while the operator looks at other screens; the Profile screen
+(`vconsole.console.screens.profile`) only draws ``app.steering.profile_run``.
 
 Invariants: only `follow`'s thread writes a run (`take`, `fail`), the UI thread only reads it;
 ``generation`` grows with every change the screen should show; a run is over (``active``
@@ -18,9 +18,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vconsole.telemetry.control import NotAuthorised
+
+if TYPE_CHECKING:
+    from vconsole.console.control_link import Control
 
 STEP_CHOICES = (10, 20, 50, 100, 200)    # + / - on the Profile screen; the engine allows 1..200
 DEFAULT_STEPS = 20
@@ -29,13 +32,14 @@ MAX_POLL_FAILURES = 12                   # ~ this many unanswered polls in a row
 
 STARTING, RUNNING, DONE, CANCELLED, FAILED, ERROR = (
     "starting", "running", "done", "cancelled", "failed", "error")
-PROFILE_OPS = ("profile_start", "profile_status", "profile_cancel")
 
 
-def supports_profile(control: Any) -> bool:
-    """Whether a control channel has the profile calls (test fakes may not)."""
-    return control is not None and all(callable(getattr(control, op, None))
-                                       for op in PROFILE_OPS)
+def consequence(steps: int) -> str:
+    """What profiling ``steps`` steps does to the engine: the confirmation box's text."""
+    return (f"torch.profiler records every operator of the engine's next {steps} steps and "
+            "every layer is labelled while it runs: those steps run slower, and building the "
+            "report afterwards slows the engine a little longer. Requests keep being served "
+            "and their tokens do not change. c cancels.")
 
 
 @dataclass
@@ -75,7 +79,7 @@ class ProfileRun:
         self.generation += 1
 
 
-def follow(control: Any, run: ProfileRun, cancelled: threading.Event,
+def follow(control: Control, run: ProfileRun, cancelled: threading.Event,
            changed: Callable[[], None]) -> None:
     """Start ``run`` on the engine, then poll it until it is over or ``cancelled`` is set;
     ``changed()`` after each visible change. Raises NotAuthorised when the engine refuses the

@@ -1,13 +1,13 @@
 """The console's data model: what the telemetry stream has said, and nothing about widgets.
 
-A reader thread (`vconsole.console.source`) calls `ConsoleState.ingest` for every multipart message; the
-UI reads the model at most ~10 times a second. Both sides hold `ConsoleState.lock` while they
+A reader thread (`vconsole.console.sources.stream`) calls `ConsoleState.ingest` for every
+multipart message; the UI reads the model at most ~10 times a second. Both sides hold `ConsoleState.lock` while they
 touch it, so the UI always sees a consistent picture (the latest payload of each topic is
 replaced wholesale, never edited in place).
 
 Per engine (``engine/rank`` from the envelope, so several endpoints can feed one console) the
-model keeps the latest payload per topic, ring buffers for the sparklines (and a 15-minute
-`vconsole.console.trend_history.History` for the Trends screen), the receive time of the
+model keeps the latest payload per topic, ring buffers for the sparklines (and ``trends``, a
+15-minute `vconsole.console.trend_history.TrendHistory` for the Trends screen), the receive time of the
 last heartbeat, and a count of messages lost to sequence gaps (``seq`` counts per topic per
 publisher; a ``seq`` that goes backwards means the publisher restarted, not a loss).
 
@@ -32,7 +32,7 @@ import numpy as np
 
 from vconsole.console.advisor import Advice, Advisor
 from vconsole.console.ranks import aggregate
-from vconsole.console.trend_history import History, path_getter
+from vconsole.console.trend_history import TrendHistory, path_getter
 from vconsole.telemetry.alerts import ENGINE_RESTART
 from vconsole.telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
 
@@ -171,7 +171,7 @@ class EngineState:
         self.series: dict[str, Series] = {name: Series() for name in SERIES}
         self.gpu_series: dict[int, tuple[Series, Series]] = {}
         self.advisor = Advisor()   # tuning advice from this engine's stream (Advice screen)
-        self.history = History()   # the Trends screen: 15 minutes, one point per second
+        self.trends = TrendHistory()   # the Trends screen: 15 minutes, one point per second
         self.last_seq: dict[str, int] = {}
         self.received = 0
         self.dropped = 0
@@ -265,7 +265,7 @@ class EngineState:
                 value = get(p)
                 if value is not None:
                     self.series[name].append(recv_ts, value)
-        self.history.add(msg.topic, p, recv_ts)
+        self.trends.add(msg.topic, p, recv_ts)
         return restarted
 
 
@@ -319,7 +319,7 @@ class ConsoleState:
 
     def note_skipped(self, engine: str, rank: int, topic: str, seq: int) -> None:
         """A message the reader chose not to decode (an older snapshot conflated away, see
-        `vconsole.console.source`): its ``seq`` counts as seen, not lost."""
+        `vconsole.console.sources.stream`): its ``seq`` counts as seen, not lost."""
         with self.lock:
             eng = self.engines.get(f"{engine}/{rank}")
             if eng is None:

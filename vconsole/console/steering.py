@@ -1,42 +1,49 @@
 """Steering: what the console may change on the engine, what it asked, and what the engine said.
 
-The model behind every action that changes the engine, apart from Textual (the app,
-`vconsole.console.app.VConsoleApp`, only asks for confirmation, runs the blocking calls in
-worker threads and draws): whether the console is read-only and why, the control link and the
-key it holds, the config fetch, config changes and applied advice (one send path,
-`round_trip`), their records (``history``, ``replies``, ``advice_outcomes``) and the last
-profile run. Screens read it as ``app.steering``.
+The model behind every action that changes an engine, apart from Textual: whether the console
+is read-only and why, the control link and the key it holds, the config fetch, and each action
+from plan to reply — config changes, applied advice, the profile run (start, progress, cancel)
+and a vLLM server's actions. Screens read it as ``app.steering``.
+
+One way for every action: `plan_change` / `plan_advice` / `plan_profile` / `plan_action`
+return a plan (`vconsole.console.plans`: refused with a reason, nothing to do, or what the
+confirmation box must say); the app shows the box when the plan has one, then calls
+`carry_out`, and Steering sends, follows and takes the reply. The app only asks and draws.
+
+Threads: the blocking calls run in the host's workers (`vconsole.console.steering_host`); the
+replies are taken on the UI thread, so records, ``generation`` and the read-only reason change
+there only, and a screen never sees a record half-updated. (A `ProfileRun` is written by its
+follower thread alone, as `vconsole.console.profile_run` says.)
 
 Read-only reasons: ``--readonly``, a replay, no control endpoint, no control key (lifted when the
 engine, started after the console, writes its key: `take_written_key`), or an engine that
 refused the key mid-session (`key_refused`).
-
-Threads: `fetch_config` and `round_trip` block on the control socket and run in worker threads;
-the rest runs on the app's thread. Records are plain objects the worker fills in before the app
-is told (``call_from_thread``), so a screen never sees one half-updated.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from vconsole.console.changes import (
-    ERROR,
-    INVALID,
-    TIMEOUT,
-    UNCHANGED,
-    AdviceOutcome,
-    ChangeRecord,
-    consequence,
-    show_value,
-    validate,
-)
+from vconsole.console.changes import ERROR, TIMEOUT, AdviceOutcome, ChangeRecord, show_value
 from vconsole.console.control_link import Control, ControlLink
-from vconsole.console.profile_run import ProfileRun
+from vconsole.console.plans import (
+    ActionPlan,
+    AdvicePlan,
+    ChangePlan,
+    Notice,
+    Plan,
+    ProfilePlan,
+    plan_advice,
+    plan_change,
+)
+from vconsole.console.profile_run import ProfileRun, follow
+from vconsole.console.sources.vllm_actions import BY_KEY, ActionError
 from vconsole.console.state import ConsoleState, EngineState
+from vconsole.console.steering_host import SteeringHost, Update
 from vconsole.security.control_key import key_path, load_control_key
 from vconsole.security.curve import ClientCurve
 from vconsole.security.key_owner import KeyStatus
@@ -46,44 +53,19 @@ CONFIG_RETRY_S = 2.0
 NO_KEY = "no control key"   # the read-only reason a key file written later lifts
 
 
-@dataclass
-class ChangePlan:
-    """What `Steering.plan_change` decided: ``refused`` (not sent, with the reason), nothing to
-    do (``value == old``), or send ``value`` after confirming ``risk`` when there is one."""
-
-    key: str
-    old: Any = None
-    value: Any = None
-    refused: str | None = None
-    risk: str | None = None
-
-    @property
-    def unchanged(self) -> bool:
-        return self.refused is None and self.value == self.old
-
-
-@dataclass
-class AdvicePlan:
-    """What `Steering.plan_advice` decided: ``refused``, or ``changes`` (key → (old, new); empty:
-    already in force) with the ``risks`` the confirmation names."""
-
-    refused: str | None = None
-    changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-    risks: list[str] = field(default_factory=list)
-
-
 class Steering:
     """See the module docstring."""
 
     def __init__(self, state: ConsoleState, control: Control | None, *,
                  control_endpoint: str | None = None, control_key_path: Path | None = None,
-                 readonly_reason: str = "") -> None:
+                 readonly_reason: str = "", host: SteeringHost | None = None) -> None:
         self.state = state
         self.control = control
         self.control_endpoint = control_endpoint
         self.control_key_path = control_key_path
         self.readonly_reason = readonly_reason
-        self.history: list[ChangeRecord] = []          # every change sent, in order
+        self.host = host
+        self.change_log: list[ChangeRecord] = []       # every change sent, in order
         self.replies: dict[str, ChangeRecord] = {}     # the last answer per key
         self.generation = 0                            # bumped on every new record or answer
         self.advice_outcomes: list[AdviceOutcome] = []
@@ -91,13 +73,14 @@ class Steering:
         self.control_error: str | None = None          # the last control failure
         self.key_status: KeyStatus | None = None       # whose key the console holds
         self.config_fetches = 0                        # successful get_config calls
+        self._seen_reconnects: dict[str, int] = {}
 
     @classmethod
     def connect(cls, state: ConsoleState, *, control_endpoint: str | None,
                 control: Control | None = None, readonly: bool = False,
                 source_readonly: str = "", control_key: str | None = None,
                 control_key_file: str | Path | None = None, timeout_s: float = 3.0,
-                curve: ClientCurve | None = None) -> Steering:
+                curve: ClientCurve | None = None, host: SteeringHost | None = None) -> Steering:
         """The console's steering for its command line: a `ControlLink` to
         ``control_endpoint`` (unless ``control`` is given, or the source is read-only: a replay,
         a vLLM server — ``source_readonly`` says why), the key from ``control_key`` or its file,
@@ -120,13 +103,27 @@ class Steering:
         else:
             reason = ""
         return cls(state, control, control_endpoint=control_endpoint, control_key_path=path,
-                   readonly_reason=reason)
+                   readonly_reason=reason, host=host)
+
+    def _host(self) -> SteeringHost:
+        if self.host is None:
+            raise RuntimeError("Steering has no host to run its blocking calls")
+        return self.host
 
     # --- read-only ----------------------------------------------------------------------------
 
     @property
     def readonly(self) -> bool:
         return bool(self.readonly_reason)
+
+    @property
+    def can_profile(self) -> bool:
+        """Profiling is offered: a writable console with a control channel."""
+        return not self.readonly and self.control is not None
+
+    def source_actions_allowed(self, source: Any) -> bool:
+        """The source has actions of its own (a vLLM server) and the console is not --readonly."""
+        return source.kind == "vllm" and self.readonly_reason != "--readonly"
 
     def make_readonly(self, reason: str) -> None:
         """Read-only from now on (the first reason stays)."""
@@ -145,12 +142,37 @@ class Steering:
                            f"{self.control_key_path or 'its control key'}")
         return self.readonly_reason
 
-    # --- the config fetch (worker thread) ------------------------------------------------------
+    def _key_refused_update(self) -> Update:
+        self.key_refused()
+        return Update(readonly_changed=True)
+
+    # --- the config fetch ---------------------------------------------------------------------
+
+    def start_fetch(self) -> None:
+        """Fetch the config in a worker (a newer fetch replaces a running one). A console
+        started before its engine then takes the key the engine wrote."""
+        def work(cancelled: threading.Event) -> None:
+            if self.fetch_config(cancelled) and self.take_written_key():
+                self._host().from_worker(
+                    lambda: Update(readonly_changed=self.leave_readonly(NO_KEY)))
+        self._host().run_blocking(work, group="config-fetch", exclusive=True)
+
+    def refetch_on_reconnect(self) -> None:
+        """An engine that came back (or restarted) may have another config: ask again. The
+        UI's timer calls this."""
+        with self.state.lock:
+            events = {k: e.reconnects + e.restarts for k, e in self.state.engines.items()}
+        primary = next(iter(events), None)
+        for key, n in events.items():
+            if self._seen_reconnects.get(key, 0) != n:
+                self._seen_reconnects[key] = n
+                if key == primary and self.control is not None and n:
+                    self.start_fetch()
 
     def fetch_config(self, cancelled: threading.Event) -> bool:
         """Ask the control socket for the config until the engine answers (ZeroMQ's slow
         joiner: telemetry's own config announcement may be seconds away) or ``cancelled``;
-        True once the state holds the engine's config."""
+        True once the state holds the engine's config. Blocks: a worker thread."""
         assert self.control is not None
         while not cancelled.is_set():
             self.note_key_status()
@@ -170,7 +192,7 @@ class Steering:
     def take_written_key(self) -> bool:
         """Once the engine answered: a console started before its engine found no key file;
         the engine writes it before it answers, so read it now. True if there is a key to
-        leave read-only mode with (`leave_readonly(NO_KEY)` on the app's thread)."""
+        leave read-only mode with (`leave_readonly(NO_KEY)` on the UI thread)."""
         if not self.readonly_reason.startswith(NO_KEY) or not isinstance(self.control,
                                                                          ControlLink):
             return False
@@ -182,37 +204,59 @@ class Steering:
 
     def note_key_status(self) -> None:
         """Look up which engine the held key belongs to (a file and a pid)."""
-        look_up = getattr(self.control, "key_status", None)
-        if callable(look_up):
-            self.key_status = look_up()
+        if self.control is not None:
+            self.key_status = self.control.key_status()
 
-    # --- config changes -----------------------------------------------------------------------
+    # --- plans --------------------------------------------------------------------------------
 
     def plan_change(self, key: str, text: str, engine: EngineState | None) -> ChangePlan:
         """Validate ``text`` for ``key`` against the engine's known config and name the risk.
         A value refused here, or equal to the current one, is recorded as such in ``replies``
-        (never in ``history``: nothing was sent)."""
+        (never in ``change_log``: nothing was sent)."""
         if self.readonly:
             return ChangePlan(key, refused=f"read-only console ({self.readonly_reason})")
-        cfg = self.state.config
-        if cfg is None:
-            return ChangePlan(key, refused="the engine's config is not known yet")
-        row = cfg.row(key)
-        if row is None:
-            return ChangePlan(key, refused=f"unknown key {key!r}")
-        old = cfg.values.get(key)
-        value, reason = validate(key, text)
-        if reason is not None:
-            self.note(ChangeRecord(key, old, text, status=INVALID, reason=reason), sent=False)
-            return ChangePlan(key, old, refused=reason)
-        if value == old:
-            self.note(ChangeRecord(key, old, value, status=UNCHANGED,
-                                   reason="same as the current value"), sent=False)
-            return ChangePlan(key, old, value)
-        sc, kvp = _latest(engine)
-        risk = consequence(key, old, value, num_running=sc.get("num_running"),
-                           num_cached=kvp.get("num_cached"), hot=bool(row.get("hot", True)))
-        return ChangePlan(key, old, value, risk=risk)
+        plan = plan_change(self.state.config, key, text, engine)
+        if plan.noted is not None:
+            self.note(plan.noted, sent=False)
+        return plan
+
+    def plan_advice(self, advice: Any, engine: EngineState | None) -> AdvicePlan:
+        """A hot suggestion of the advisor (`vconsole.console.advisor.Advice`) as changes to the
+        current config, with the risks the confirmation names."""
+        if self.readonly:
+            return AdvicePlan(advice, f"read-only console ({self.readonly_reason})")
+        return plan_advice(self.state.config, advice, engine,
+                           steered=engine is None or engine is self.state.engine())
+
+    def plan_profile(self, steps: int) -> ProfilePlan:
+        """Profile the engine's next ``steps`` steps: one run at a time."""
+        if not self.can_profile:
+            return ProfilePlan(steps, refused=f"read-only console ({self.readonly_reason})"
+                               if self.readonly else "no control channel")
+        run = self.profile_run
+        if run is not None and run.active:
+            return ProfilePlan(steps, refused=f"{run.id or 'a profile'} is running: c cancels it")
+        return ProfilePlan(steps)
+
+    def plan_action(self, source: Any, key: str) -> ActionPlan:
+        """One of a vLLM server's action routes (`vconsole.console.sources.vllm_actions`)."""
+        if not self.source_actions_allowed(source):
+            return ActionPlan(refused="read-only console: no actions")
+        return ActionPlan(BY_KEY[key], run=partial(source.run_action, key))
+
+    def carry_out(self, plan: Plan) -> None:
+        """Send a plan that was not refused, once the operator confirmed it (when it asks):
+        the reply comes back through the host as an `Update`."""
+        if isinstance(plan, ChangePlan):
+            self.send_change(plan.key, plan.old, plan.value)
+        elif isinstance(plan, AdvicePlan):
+            self.send_advice(plan.advice, plan.changes)
+        elif isinstance(plan, ProfilePlan):
+            self.start_profile(plan.steps)
+        else:
+            self.run_action(plan)
+
+    # --- config changes and advice: one send path -------------------------------------------
 
     def start_change(self, key: str, old: Any, value: Any) -> ChangeRecord:
         """A change about to be sent: its pending record (send it with `round_trip`)."""
@@ -220,31 +264,11 @@ class Steering:
         self.note(rec, sent=True)
         return rec
 
-    def plan_advice(self, advice: Any, engine: EngineState | None) -> AdvicePlan:
-        """A hot suggestion of the advisor (`vconsole.console.advisor.Advice`) as changes to the
-        current config, with the risks the confirmation names."""
-        if self.readonly:
-            return AdvicePlan(f"read-only console ({self.readonly_reason})")
-        if not advice.hot:
-            return AdvicePlan("restart-only: the engine would answer 'restart required'")
-        cfg = self.state.config
-        if cfg is None:
-            return AdvicePlan("the engine's config is not known yet")
-        if engine is not None and engine is not self.state.engine():
-            return AdvicePlan("advice for another engine: the control channel steers the "
-                              "first one")
-        plan = AdvicePlan()
-        for key, new in advice.change.items():
-            value, reason = validate(key, show_value(new))
-            if reason is not None:
-                return AdvicePlan(f"{key}: {reason}")
-            if value != cfg.values.get(key):
-                plan.changes[key] = (cfg.values.get(key), value)
-        sc, kvp = _latest(engine)
-        plan.risks = [r for k, (old, new) in plan.changes.items()
-                      if (r := consequence(k, old, new, num_running=sc.get("num_running"),
-                                           num_cached=kvp.get("num_cached"))) is not None]
-        return plan
+    def send_change(self, key: str, old: Any, value: Any) -> ChangeRecord:
+        """Send one change; its record takes the engine's answer."""
+        rec = self.start_change(key, old, value)
+        self._send([rec], partial(self._change_replied, rec))
+        return rec
 
     def start_advice(self, advice: Any, changes: dict[str, tuple[Any, Any]]) -> AdviceOutcome:
         """Advice about to be applied: its outcome, one pending record per change."""
@@ -255,11 +279,24 @@ class Steering:
             self.note(rec, sent=True)
         return outcome
 
+    def send_advice(self, advice: Any, changes: dict[str, tuple[Any, Any]]) -> AdviceOutcome:
+        """Apply advice as one all-or-nothing ``set_config``; the outcome lands in
+        ``advice_outcomes`` and the advisor learns whether it held."""
+        outcome = self.start_advice(advice, changes)
+        self._send(outcome.records, partial(self._advice_replied, outcome))
+        return outcome
+
+    def _send(self, recs: list[ChangeRecord], replied: Callable[[bool], Update]) -> None:
+        def work(cancelled: threading.Event) -> None:
+            key_ok = self.round_trip(recs)
+            self._host().from_worker(lambda: replied(key_ok))
+        self._host().run_blocking(work, group="config-set")
+
     def round_trip(self, recs: list[ChangeRecord]) -> bool:
         """The one send path of every config change (a worker thread): one ``set_config`` for
         ``recs``, all or nothing; each record takes the engine's answer, and the state the
-        config it reports. False when the engine refused the key (call `key_refused` on the
-        app's thread)."""
+        config it reports. False when the engine refused the key (then `key_refused` on the
+        UI thread)."""
         assert self.control is not None
         try:
             reply = self.control.set_config({r.key: r.new for r in recs})
@@ -285,22 +322,79 @@ class Steering:
         return True
 
     def note(self, rec: ChangeRecord, *, sent: bool) -> None:
-        """Keep ``rec`` as the last answer for its key (and in ``history`` if it was sent)."""
+        """Keep ``rec`` as the last answer for its key (and in ``change_log`` if it was sent)."""
         rec.sent = sent
         self.replies[rec.key] = rec
         if sent:
-            self.history.append(rec)
+            self.change_log.append(rec)
         self.generation += 1
 
-    def advice_answered(self, outcome: AdviceOutcome) -> None:
-        """The engine answered applied advice: the advisor learns whether it held."""
+    def _change_replied(self, rec: ChangeRecord, key_ok: bool) -> Update:
+        if not key_ok:
+            self.key_refused()
+        self.generation += 1
+        return Update(Notice("Engine reply", f"{rec.key} {show_value(rec.old)} → "
+                             f"{show_value(rec.new)}: {rec.summary()}", "information" if rec.ok
+                             else "warning" if rec.status == "restart required" else "error"),
+                      record=rec, readonly_changed=not key_ok)
+
+    def _advice_replied(self, outcome: AdviceOutcome, key_ok: bool) -> Update:
+        if not key_ok:
+            self.key_refused()
         self.state.note_advice_outcome(self.state.engine(), outcome.advice.rule, outcome.ok,
                                        f"{outcome.summary}: {outcome.advice.change_text()}")
         self.generation += 1
+        return Update(Notice("Advice", f"{outcome.advice.change_text()}: {outcome.summary}",
+                             "information" if outcome.ok else "error"), readonly_changed=not key_ok)
 
+    # --- the profile run --------------------------------------------------------------------
 
-def _latest(engine: EngineState | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The engine's latest ``sched`` and ``kv`` bodies (empty when unknown)."""
-    if engine is None:
-        return {}, {}
-    return engine.latest.get("sched", {}), engine.latest.get("kv", {})
+    def start_profile(self, steps: int) -> ProfileRun:
+        """Start following a new profile of ``steps`` steps (the operator confirmed): a
+        worker starts it and polls it until it is over; each change refreshes the UI."""
+        run = ProfileRun(steps)
+        self.profile_run = run
+        self._host().run_blocking(partial(self._follow, run), group="profile", exclusive=True)
+        return run
+
+    def _follow(self, run: ProfileRun, cancelled: threading.Event) -> None:
+        assert self.control is not None
+
+        def changed() -> None:
+            if not cancelled.is_set():
+                self._host().from_worker(Update)
+        try:
+            follow(self.control, run, cancelled, changed)
+        except NotAuthorised:
+            self._host().from_worker(self._key_refused_update)
+
+    def cancel_profile(self) -> None:
+        """Ask the engine to cancel the running profile (the follower sees it end)."""
+        run = self.profile_run
+        if self.readonly or self.control is None or run is None or not run.active \
+                or run.id is None:
+            return
+        self._host().run_blocking(partial(self._cancel, self.control, run.id),
+                                  group="profile-cancel")
+
+    def _cancel(self, control: Control, profile_id: str, cancelled: threading.Event) -> None:
+        try:
+            control.profile_cancel(profile_id)
+        except Exception as e:
+            notice = Notice("Profile", f"cancelling {profile_id} failed: {e}", "error")
+            self._host().from_worker(lambda: Update(notice))
+
+    # --- a vLLM server's actions ------------------------------------------------------------
+
+    def run_action(self, plan: ActionPlan) -> None:
+        """POST the action's route in a worker; the server's answer is a notice."""
+        assert plan.run is not None
+        run = plan.run
+
+        def work(cancelled: threading.Event) -> None:
+            try:
+                notice = Notice("vLLM", run())
+            except ActionError as e:
+                notice = Notice("vLLM", str(e), "error")
+            self._host().from_worker(lambda: Update(notice))
+        self._host().run_blocking(work, group="source-action")

@@ -1,7 +1,8 @@
 """The Trends screen's history: each figure's last 15 minutes, one point per second.
 
-`EngineState.apply` (the reader thread, under the state's lock) hands every message to
-`History.add`, so a live engine and a replayed recording fill it the same way. The sparklines'
+`EngineState.apply` (the reader thread, under the state's lock) hands every message to its
+``trends`` (`TrendHistory.add`), so a live engine and a replayed recording fill it the same way.
+(Not to be confused with Steering's ``change_log``: the changes the console sent.) The sparklines'
 `Series` keep every sample for a couple of minutes; a trend instead folds the samples of each
 second into one point (their mean, or their maximum for a "max" figure), so 15 minutes cost 900
 points per figure whatever the telemetry rate.
@@ -144,7 +145,7 @@ TRENDS: dict[str, tuple[str, Getter, str]] = {
 TOPICS = frozenset(topic for topic, _, _ in TRENDS.values())
 
 
-class History:
+class TrendHistory:
     """Every trend of one engine. A latency percentile that is null (an empty window) adds no
     point rather than a fake zero."""
 

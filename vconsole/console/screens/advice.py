@@ -2,8 +2,8 @@
 
 One row per suggestion (the rule, the change, hot or restart-only); below it the selected one's
 reasons and figures, then what became of the suggestions applied from here. ``A`` (or enter)
-applies a hot suggestion through the app (`VConsoleApp.apply_advice`: confirmation, then one ``set_config``);
-restart-only ones are shown with the command that would apply them, never sent. Read-only hides
+applies a hot suggestion through the app (`VConsoleApp.apply_advice`: Steering's plan, the
+confirmation, then one ``set_config``); restart-only ones are shown with the command that would apply them, never sent. Read-only hides
 the action. The advice is the same for a live engine and a replayed recording.
 """
 

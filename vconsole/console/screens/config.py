@@ -2,8 +2,9 @@
 
 The table has ~40 rows and changes only when the config or a reply does, so a DataTable is the
 right tool here (unlike the Requests table). The edit itself goes through the app
-(`VConsoleApp.request_change`): validation, the risk check and the control round trip live
-there so the command palette and tests use the same path.
+(`VConsoleApp.request_change`) to `vconsole.console.steering.Steering`: validation, the risk
+check and the control round trip live there, so the command palette and tests use the same
+path. Below the table: the selected key's last answer and Steering's change log.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class ConfigScreen(FilteredScreen):
             self._rebuild(cfg)
         self._show_summary(cfg, frame)
         self._show_detail(cfg)
-        self._show_history()
+        self._show_change_log()
 
     def _rebuild(self, cfg: ConfigView | None) -> None:
         table = self.table
@@ -177,7 +178,7 @@ class ConfigScreen(FilteredScreen):
         key = self.selected_key()
         box = self.query_one("#cfg-detail", Static)
         row = cfg.row(key) if cfg and key else None
-        if row is None:
+        if row is None or key is None:
             box.update("")
             return
         mode = ("[$success]hot[/]: applied between two steps" if row.get("hot") else
@@ -190,8 +191,8 @@ class ConfigScreen(FilteredScreen):
             f"[b]{fmt.escape(key)}[/]  {mode}\n{fmt.escape(str(row.get('description', '')))}\n"
             f"[$text-muted]{fmt.escape(describe_range(row))}[/]{last}"))
 
-    def _show_history(self) -> None:
-        hist = self.console.steering.history
+    def _show_change_log(self) -> None:
+        hist = self.console.steering.change_log
         box = self.query_one("#cfg-history", Static)
         if not hist:
             box.update(Content.from_markup("[$text-muted]no changes sent yet[/]"))

@@ -15,7 +15,7 @@ from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
 from vconsole.console.widgets.kv_grid import GLYPHS, KvGrid
-from vconsole.console.widgets.panels import USAGE_CRIT, USAGE_WARN
+from vconsole.console.widgets.panels import USAGE_CRIT, USAGE_WARN, limits_of
 
 SWATCH = {"used": "$success", "cached": "$primary", "shared": "$accent"}
 
@@ -75,7 +75,7 @@ class KvScreen(ConsoleScreen):
                     f"[$text-muted]{GLYPHS[0]}[/] free {free:,}"]
         usage = k.get("usage")
         frag = k.get("fragmentation")
-        limits = self.console.limits()
+        limits = limits_of(state.config)
         metrics = [
             "usage " + fmt.styled(fmt.pct(usage), fmt.level(usage, USAGE_WARN, USAGE_CRIT)),
             "tokens " + fmt.styled(fmt.pct(k.get("token_usage")),

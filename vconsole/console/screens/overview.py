@@ -17,7 +17,7 @@ from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets import dp_panels, panels
 from vconsole.console.widgets.chrome import Frame
-from vconsole.console.widgets.panels import Panel
+from vconsole.console.widgets.panels import Panel, limits_of
 
 TITLES = {"queues": "Queues", "phases": "Step phases", "host": "Host", "kv": "KV cache",
           "gpu": "GPU"}
@@ -55,7 +55,7 @@ class OverviewScreen(ConsoleScreen):
         else:
             line = panels.summary(eng, now)
         self.query_one("#summary", Static).update(Content.from_markup(line))
-        limits = self.console.limits()
+        limits = limits_of(state.config)
         suffix = f" · rank {eng.rank}" if ranks and eng is not None else ""
         for pid, build in (("queues", panels.queues), ("phases", panels.phases),
                            ("kv", panels.kv), ("gpu", panels.gpu), ("host", panels.host),

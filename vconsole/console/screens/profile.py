@@ -1,52 +1,33 @@
 """Profile: run `torch.profiler` over the engine's next N steps and show where the time went.
 
 ``s`` starts a profile after a confirmation (profiling slows every step until it is done, and
-the box says so); the run itself (`vconsole.console.profile_run.follow`) is an app worker, so it
-goes on while the operator looks elsewhere, and this screen draws ``app.steering.profile_run``: progress
-while it runs, then the step phase shares, the time per layer type and the top operators by
-self time, scrollable at 80x24. Read-only hides the actions (and the ``P`` key that leads here).
+the box says so) and ``c`` cancels it: both go through `vconsole.console.steering.Steering`,
+which follows the run in a worker, so it goes on while the operator looks elsewhere. This screen
+only draws ``app.steering.profile_run``: progress while it runs, then the step phase shares, the
+time per layer type and the top operators by self time, scrollable at 80x24. Read-only hides the
+actions (and the ``P`` key that leads here).
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Static
-from textual.worker import get_current_worker
 
 from vconsole.console import format as fmt
 from vconsole.console.keymap import PROFILE
-from vconsole.console.profile_run import (
-    DEFAULT_STEPS,
-    STEP_CHOICES,
-    ProfileRun,
-    follow,
-    supports_profile,
-)
+from vconsole.console.profile_run import DEFAULT_STEPS, STEP_CHOICES, ProfileRun
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
-from vconsole.console.widgets.confirmation import ConfirmScreen
-from vconsole.telemetry.control import NotAuthorised
-
-if TYPE_CHECKING:
-    from vconsole.console.app import VConsoleApp
 
 IDLE_HINT_S = 3.0    # no profiled step for this long: say why
 STATE_STYLE = {"done": "$success", "running": "$warning", "starting": "$warning",
                "cancelled": "$text-muted", "failed": "$error", "error": "$error"}
-
-
-def consequence(steps: int) -> str:
-    return (f"torch.profiler records every operator of the engine's next {steps} steps and "
-            "every layer is labelled while it runs: those steps run slower, and building the "
-            "report afterwards slows the engine a little longer. Requests keep being served "
-            "and their tokens do not change. c cancels.")
 
 
 def _ms(seconds: float) -> str:
@@ -107,8 +88,7 @@ class ProfileScreen(ConsoleScreen):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action not in ("start", "cancel", "steps"):
             return True
-        app = self.console
-        if app.readonly or not supports_profile(app.steering.control):
+        if not self.console.steering.can_profile:
             return False
         running = self.run is not None and self.run.active
         if action == "cancel":
@@ -180,54 +160,13 @@ class ProfileScreen(ConsoleScreen):
         self.console.refresh_view(force=True)
 
     def action_start(self) -> None:
+        """Ask Steering to profile the next ``steps`` steps (it asks the operator first)."""
         app = self.console
-        if app.readonly or not supports_profile(app.steering.control):
+        if not app.steering.can_profile:
             return
-        if self.run is not None and self.run.active:
-            self.notify(f"{self.run.id or 'a profile'} is running: c cancels it",
-                        title="Profile", severity="warning")
-            return
-        steps = self.steps
-
-        def done(ok: bool | None) -> None:
-            if ok:
-                start_profile(app, steps)
-            else:
-                self.notify("no profile started", title="Profile")
-        app.push_screen(ConfirmScreen(f"Profile the engine's next {steps} steps?",
-                                      consequence(steps), "Start profile"), done)
+        reason = app.start_profile(self.steps)
+        if reason is not None:      # one at a time
+            self.notify(reason, title="Profile", severity="warning")
 
     def action_cancel(self) -> None:
-        app, run = self.console, self.run
-        if app.readonly or run is None or not run.active or run.id is None:
-            return
-        app.run_worker(partial(_cancel, app, run.id), thread=True, group="profile-cancel")
-
-
-def start_profile(app: VConsoleApp, steps: int) -> ProfileRun:
-    """Start following a new profile of ``steps`` steps (the operator confirmed)."""
-    run = ProfileRun(steps)
-    app.steering.profile_run = run
-    app.run_worker(partial(_follow, app, run), thread=True, group="profile", exclusive=True)
-    app.refresh_view(force=True)
-    return run
-
-
-def _follow(app: VConsoleApp, run: ProfileRun) -> None:
-    worker = get_current_worker()
-
-    def changed() -> None:
-        if not worker.is_cancelled:
-            app.call_from_thread(app.refresh_view, True)
-    try:
-        follow(app.steering.control, run, worker.cancelled_event, changed)
-    except NotAuthorised:
-        app.call_from_thread(app.key_refused)
-
-
-def _cancel(app: VConsoleApp, profile_id: str) -> None:
-    try:
-        app.steering.control.profile_cancel(profile_id)  # type: ignore[union-attr]
-    except Exception as e:
-        app.call_from_thread(app.notify, f"cancelling {profile_id} failed: {e}",
-                             title="Profile", severity="error")
+        self.console.steering.cancel_profile()

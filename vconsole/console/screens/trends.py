@@ -1,7 +1,7 @@
 """Trends: the engine's last 1, 5 or 15 minutes as plots — throughput, step time, queues, KV
 usage and fragmentation, TTFT and ITL.
 
-The data is the engine's `History` (one point per second, kept by the data model from the same
+The data is the engine's `TrendHistory` (one point per second, kept by the data model from the same
 stream as everything else), so the plots work alike live and from a replay. As many plots as fit
 readably are shown at once: a 2×3 grid from 100×33 up, two stacked plots at 80×24; ``v`` / ``→``
 pages through the rest. Plots are redrawn when a new second starts, the range or page changes,
@@ -87,7 +87,7 @@ class TrendsScreen(ConsoleScreen):
     def pages(self) -> int:
         return math.ceil(len(PLOTS) / self.per_page)
 
-    def visible(self) -> list[TrendPlot]:
+    def visible_plots(self) -> list[TrendPlot]:
         """The plots on the current page, in order."""
         start = self.page * self.per_page
         return [p for i, p in enumerate(self.query(TrendPlot)) if
@@ -102,7 +102,7 @@ class TrendsScreen(ConsoleScreen):
         pages_before = self.pages
         self.columns, self.rows = columns, rows
         self.page = min(self.page, self.pages - 1)
-        visible = self.visible()
+        visible = self.visible_plots()
         grid = self.query_one("#trends-grid", Container)
         grid.styles.grid_size_columns = self.columns
         grid.styles.grid_size_rows = math.ceil(len(visible) / self.columns)  # a short last page
@@ -123,16 +123,16 @@ class TrendsScreen(ConsoleScreen):
         if key == self._drawn:
             return
         self._drawn = key
-        for plot in self.visible():
+        for plot in self.visible_plots():
             heard = eng is not None and plot.spec.topic in eng.latest
-            plot.show(eng.history if eng is not None else None, frame.now, self.window_s,
+            plot.show(eng.trends if eng is not None else None, frame.now, self.window_s,
                       heard=heard)
 
     def _show_bar(self, frame: Frame) -> None:
         ranges = " ".join(f"[reverse b] {range_label(r)} [/]" if i == self.range_index
                           else f"[$text-muted] {range_label(r)} [/]"
                           for i, r in enumerate(RANGES_S))
-        names = ", ".join(p.spec.title for p in self.visible())
+        names = ", ".join(p.spec.title for p in self.visible_plots())
         parts = [ranges]
         if self.pages > 1:
             parts.append(f"plots {self.page + 1}/{self.pages}: {fmt.escape(names)}")

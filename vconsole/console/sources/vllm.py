@@ -18,8 +18,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from vconsole.console.source import Source
 from vconsole.console.sources.kv_events import KVEventFeed
+from vconsole.console.sources.stream import Source
 from vconsole.console.sources.vllm_actions import probe as probe_actions
 from vconsole.console.sources.vllm_actions import run_action
 from vconsole.console.sources.vllm_metrics import WINDOW_S, VllmTranslator

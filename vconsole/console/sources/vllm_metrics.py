@@ -47,7 +47,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from vconsole.telemetry import schema
-from vconsole.telemetry.prometheus import LATENCY_HISTOGRAMS
+from vconsole.telemetry.vllm_names import LATENCY_HISTOGRAMS
 
 SOURCE = "vllm"
 WINDOW_S = 60.0

@@ -7,14 +7,18 @@ engine's status is and none of them computes it separately.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from textual.content import Content
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
 from vconsole.console.keymap import DP_SCREEN, LETTER_SCREENS, SCREENS
-from vconsole.console.state import STALE_INTERVALS, EngineState
+from vconsole.console.state import STALE_INTERVALS, ConsoleState, EngineState
 from vconsole.engine.kernel_cache import COMPILING, build_in_progress
+
+if TYPE_CHECKING:
+    from vconsole.console.sources.stream import Source
 
 
 @dataclass
@@ -41,6 +45,27 @@ class Frame:
     @property
     def status(self) -> str:
         return "connecting" if self.engine is None else self.engine.status(self.now)
+
+    @classmethod
+    def build(cls, st: ConsoleState, mode: str, selected: str | None, source: Source, *,
+              paused: bool, readonly_reason: str, endpoints: str) -> Frame:
+        """The frame of one refresh (under the state's lock): the ``selected`` engine (a key;
+        None: the first) as ``source`` feeds it."""
+        now = st.now()
+        engines = st.engine_list()
+        eng = st.engine(selected)
+        ranks = st.dp_ranks(eng)
+        return cls(
+            now=now, mode=mode, engine=eng,
+            engine_index=engines.index(eng) if eng in engines else 0,
+            engine_count=len(engines), source=source.describe(),
+            live=source.kind != "replay", paused=paused,
+            readonly=bool(readonly_reason), readonly_reason=readonly_reason,
+            recording=source.recording_path if source.recording else None,
+            recorded=source.recorded, schema_error=st.schema_problem(now),
+            last_error=st.recent_error(now) or (
+                f"telemetry reader stopped: {source.error}" if source.error else None),
+            endpoints=endpoints, dp_size=st.dp_world_size(ranks) if ranks else 0)
 
 
 STATUS_STYLE = {"running": "$success", "idle": "$accent", "draining": "$warning",

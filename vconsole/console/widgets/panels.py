@@ -15,7 +15,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
-from vconsole.console.state import Alert, EngineState, Series
+from vconsole.console.state import Alert, ConfigView, EngineState, Series
 
 SPARK_WINDOW_S = 120.0
 MEM_WARN, MEM_CRIT = 0.80, 0.95
@@ -29,6 +29,19 @@ DEFAULT_LIMITS: dict[str, float] = {
     "alert_step_time_warning_s": 0.5, "alert_step_time_critical_s": 1.0,
     "alert_gpu_memory_warning": MEM_WARN, "alert_gpu_memory_critical": MEM_CRIT,
 }
+
+
+def limits_of(cfg: ConfigView | None) -> dict[str, float]:
+    """Thresholds to colour by: the engine's own alert settings where known."""
+    out = dict(DEFAULT_LIMITS)
+    if cfg is not None:
+        for k in out:
+            v = cfg.values.get(k)
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                out[k] = float(v)
+    return out
+
+
 ALERT_ICON = {"critical": "[$error b]●[/]", "warning": "[$warning]●[/]", "ok": "[$success]✓[/]"}
 LEVEL = {"critical": "$error", "warning": "$warning", "ok": "$success"}
 

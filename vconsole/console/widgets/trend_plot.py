@@ -1,4 +1,4 @@
-"""One Trends plot: a few lines of an engine's `History` over the chosen time range.
+"""One Trends plot: a few lines of an engine's `TrendHistory` over the chosen time range.
 
 A `PlotextPlot` (textual-plotext) that is told what to draw by `TrendPlot.show`; it draws when
 Textual renders it, at its current size, so a resize needs no new data. The x axis is seconds
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from textual_plotext import PlotextPlot
 
-from vconsole.console.trend_history import History
+from vconsole.console.trend_history import TrendHistory
 
 # Plotext colour names: native ANSI colours, so the 16-colour theme keeps them apart.
 COLOURS = ("cyan+", "orange+", "green+", "magenta+")
@@ -76,7 +76,7 @@ class TrendPlot(PlotextPlot):
         self.message: str | None = None
         self.unit = ""
 
-    def show(self, history: History | None, now: float, window_s: float,
+    def show(self, history: TrendHistory | None, now: float, window_s: float,
              heard: bool = True) -> None:
         """Plot the spec's lines over ``[now - window_s, now]``; ``heard``: the engine has sent
         the plot's topic at all (else the plot says "no <topic> data")."""

@@ -1,4 +1,6 @@
-"""Where telemetry comes from: a live ZeroMQ SUB socket or a recorded file, read in a thread.
+"""Where our engine's telemetry comes from: a live ZeroMQ SUB socket or a recorded file, read
+in a thread; and `Source`, the base of every console source (a vLLM server's too:
+`vconsole.console.sources.vllm`).
 
 Why a thread (Memray's live TUI does the same): a socket read or a file read must never run on
 Textual's event loop. The thread only decodes and folds messages into `ConsoleState` under its
@@ -25,10 +27,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from vconsole.console.format import duration
+from vconsole.console.sources.vllm_actions import ActionError
 from vconsole.console.state import ConsoleState
 from vconsole.security.curve import ClientCurve
 from vconsole.telemetry.schema import SchemaVersionError, peek
@@ -51,6 +55,7 @@ class Source:
     kind = "source"
     readonly = False
     readonly_reason = ""   # why a read-only source cannot steer (shown by the console)
+    actions: tuple[Any, ...] = ()   # what the source's server may be asked to do (a vLLM's)
 
     def __init__(self) -> None:
         self._stop = threading.Event()
@@ -83,6 +88,11 @@ class Source:
 
     def describe(self) -> str:
         return self.kind
+
+    def run_action(self, key: str) -> str:
+        """Ask the source's server to do one of its ``actions`` (blocking); the answer in a line,
+        or `ActionError`. Our engine's stream has none: it is steered over the control socket."""
+        raise ActionError(f"{self.kind}: this source has no actions")
 
     def _guarded_run(self, state: ConsoleState) -> None:
         try:
@@ -134,6 +144,20 @@ class Source:
             self.recording_path = str(path)
             self.recorded = 0
         return str(path)
+
+    def toggle_recording(self, record_dir: Path) -> tuple[str, bool]:
+        """``R``: stop the recording, or start one in ``record_dir`` named by the time; what to
+        tell the operator, and False when it could not start."""
+        if self.recording:
+            path, n = self.stop_recording()
+            return f"recording stopped: {n:,} messages in {path}", True
+        target = record_dir / f"vconsole-{datetime.now().strftime('%Y%m%d-%H%M%S')}.vrec"
+        try:
+            record_dir.mkdir(parents=True, exist_ok=True)
+            self.start_recording(target)
+        except OSError as e:
+            return f"cannot record to {target}: {e}", False
+        return f"recording the raw stream to {target} (R stops)", True
 
     def stop_recording(self) -> tuple[str | None, int]:
         with self._rec_lock:

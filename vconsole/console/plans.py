@@ -1,0 +1,214 @@
+"""What the console means to do to the engine, decided before anything is sent: the plans.
+
+Every action that changes an engine goes the same way (`vconsole.console.steering.Steering`
+plans, the app asks, Steering sends): a plan is either ``refused`` (with the reason: nothing is
+sent, the operator is told why), has nothing to do (``nothing_to_do``: a `Notice` saying so),
+or is sent — after the operator confirmed its ``confirmation`` when it has one. ``declined`` is
+what the console says when the operator says no. Plans are plain data: no I/O, no Textual.
+
+- `ChangePlan`: one config key (the Config screen's editor, the palette's "Edit config").
+- `AdvicePlan`: an advisor's hot suggestion, all its keys in one ``set_config``.
+- `ProfilePlan`: profile the engine's next N steps (`vconsole.console.profile_run`).
+- `ActionPlan`: one of a vLLM server's action routes (`vconsole.console.sources.vllm_actions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from vconsole.console.changes import (
+    INVALID,
+    UNCHANGED,
+    ChangeRecord,
+    consequence,
+    show_value,
+    validate,
+)
+from vconsole.console.profile_run import consequence as profile_consequence
+
+if TYPE_CHECKING:
+    from vconsole.console.sources.vllm_actions import VllmAction
+    from vconsole.console.state import ConfigView, EngineState
+
+Severity = Literal["information", "warning", "error"]   # Textual's notification severities
+INFO: Severity = "information"
+WARNING: Severity = "warning"
+ERROR: Severity = "error"
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A line for the operator (the app shows it as a notification)."""
+
+    title: str
+    text: str
+    severity: Severity = INFO
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The box the operator must confirm before a plan is sent."""
+
+    title: str
+    text: str
+    label: str = "Apply change"
+
+
+@dataclass
+class ChangePlan:
+    """One config key: ``refused`` (not sent, with the reason), nothing to do
+    (``value == old``), or send ``value`` after confirming ``risk`` when there is one.
+    ``noted``: the record of a value refused here or equal to the current one (Steering keeps
+    it as the key's last answer; it was never sent)."""
+
+    key: str
+    old: Any = None
+    value: Any = None
+    refused: str | None = None
+    risk: str | None = None
+    noted: ChangeRecord | None = None
+
+    @property
+    def unchanged(self) -> bool:
+        return self.refused is None and self.value == self.old
+
+    @property
+    def nothing_to_do(self) -> Notice | None:
+        return Notice("Config", f"{self.key} is already {show_value(self.value)}") \
+            if self.unchanged else None
+
+    @property
+    def confirmation(self) -> Confirmation | None:
+        if self.risk is None:
+            return None
+        return Confirmation(f"Change {self.key}: {show_value(self.old)} → "
+                            f"{show_value(self.value)}?", self.risk)
+
+    @property
+    def declined(self) -> Notice | None:
+        return Notice("Config", f"{self.key} left at {show_value(self.old)}")
+
+
+@dataclass
+class AdvicePlan:
+    """An advisor's hot suggestion (`vconsole.console.advisor.Advice`): ``refused``, or
+    ``changes`` (key → (old, new); empty: already in force) with the ``risks`` the
+    confirmation names. Always confirmed: the box names each change and what it does to the
+    running load."""
+
+    advice: Any = None
+    refused: str | None = None
+    changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    risks: list[str] = field(default_factory=list)
+
+    @property
+    def nothing_to_do(self) -> Notice | None:
+        return None if self.changes else Notice("Advice", "already in force: "
+                                                f"{self.advice.change_text()}")
+
+    @property
+    def confirmation(self) -> Confirmation:
+        text = "\n".join(self.risks) if self.risks else \
+            "Applied between two steps; nothing is preempted."
+        text += f"\nSuggested by the advisor ({self.advice.title}): its reasons are on the " \
+                "Advice screen."
+        return Confirmation(f"Apply advice: {self.advice.change_text()}?", text, "Apply advice")
+
+    @property
+    def declined(self) -> Notice | None:
+        return Notice("Advice", f"advice not applied: {self.advice.change_text()}")
+
+
+@dataclass
+class ProfilePlan:
+    """Profile the engine's next ``steps`` steps: always confirmed (every profiled step runs
+    slower)."""
+
+    steps: int
+    refused: str | None = None
+    nothing_to_do: Notice | None = None
+
+    @property
+    def confirmation(self) -> Confirmation:
+        return Confirmation(f"Profile the engine's next {self.steps} steps?",
+                            profile_consequence(self.steps), "Start profile")
+
+    @property
+    def declined(self) -> Notice | None:
+        return Notice("Profile", "no profile started")
+
+
+@dataclass
+class ActionPlan:
+    """POST one of a vLLM server's action routes (``run``, blocking): always confirmed; a no
+    says nothing."""
+
+    action: VllmAction | None = None
+    run: Callable[[], str] | None = None
+    refused: str | None = None
+    nothing_to_do: Notice | None = None
+    declined: Notice | None = None
+
+    @property
+    def confirmation(self) -> Confirmation | None:
+        a = self.action
+        return None if a is None else Confirmation(f"{a.title}?", a.consequence, a.title)
+
+
+Plan = ChangePlan | AdvicePlan | ProfilePlan | ActionPlan
+
+
+def plan_change(cfg: ConfigView | None, key: str, text: str,
+                engine: EngineState | None) -> ChangePlan:
+    """Validate ``text`` for ``key`` against the engine's known config and name the risk."""
+    if cfg is None:
+        return ChangePlan(key, refused="the engine's config is not known yet")
+    row = cfg.row(key)
+    if row is None:
+        return ChangePlan(key, refused=f"unknown key {key!r}")
+    old = cfg.values.get(key)
+    value, reason = validate(key, text)
+    if reason is not None:
+        return ChangePlan(key, old, refused=reason, noted=ChangeRecord(
+            key, old, text, status=INVALID, reason=reason))
+    if value == old:
+        return ChangePlan(key, old, value, noted=ChangeRecord(
+            key, old, value, status=UNCHANGED, reason="same as the current value"))
+    sc, kvp = latest(engine)
+    risk = consequence(key, old, value, num_running=sc.get("num_running"),
+                       num_cached=kvp.get("num_cached"), hot=bool(row.get("hot", True)))
+    return ChangePlan(key, old, value, risk=risk)
+
+
+def plan_advice(cfg: ConfigView | None, advice: Any, engine: EngineState | None, *,
+                steered: bool) -> AdvicePlan:
+    """A hot suggestion as changes to the current config, with the risks the confirmation
+    names. ``steered``: the advice is for the engine the control channel steers."""
+    if not advice.hot:
+        return AdvicePlan(advice, "restart-only: the engine would answer 'restart required'")
+    if cfg is None:
+        return AdvicePlan(advice, "the engine's config is not known yet")
+    if not steered:
+        return AdvicePlan(advice, "advice for another engine: the control channel steers the "
+                                  "first one")
+    plan = AdvicePlan(advice)
+    for key, new in advice.change.items():
+        value, reason = validate(key, show_value(new))
+        if reason is not None:
+            return AdvicePlan(advice, f"{key}: {reason}")
+        if value != cfg.values.get(key):
+            plan.changes[key] = (cfg.values.get(key), value)
+    sc, kvp = latest(engine)
+    plan.risks = [r for k, (old, new) in plan.changes.items()
+                  if (r := consequence(k, old, new, num_running=sc.get("num_running"),
+                                       num_cached=kvp.get("num_cached"))) is not None]
+    return plan
+
+
+def latest(engine: EngineState | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine's latest ``sched`` and ``kv`` bodies (empty when unknown)."""
+    if engine is None:
+        return {}, {}
+    return engine.latest.get("sched", {}), engine.latest.get("kv", {})
