@@ -78,10 +78,10 @@ def _parity(dtype: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vconsole.engine.config import EngineConfig
     from vconsole.engine.core import EngineCore
     from vconsole.engine.offline import greedy_requests, run_batch
     from vconsole.engine.worker.tiny_model import ensure_model
+    from vconsole.shared.config import EngineConfig
 
     model_dir = str(ensure_model("small-gqa"))
     prompts = [[3 + (7 * i + k) % 240 for k in range(8 + 5 * i)] for i in range(8)]
@@ -124,10 +124,10 @@ def check_throughput(_left: float) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vconsole.engine.config import EngineConfig
     from vconsole.engine.core import EngineCore
     from vconsole.engine.offline import greedy_requests, run_batch
     from vconsole.engine.worker.tiny_model import ensure_model
+    from vconsole.shared.config import EngineConfig
     from vconsole.tools.bench.throughput import make_workload, run_static_generate
 
     model_dir = str(ensure_model("small-gqa"))

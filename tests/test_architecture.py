@@ -87,14 +87,36 @@ def test_every_contract_is_kept_on_the_repository():
 
 # (file to plant in, line appended, contract that must break, the import it must name)
 PLANTED = [
-    pytest.param("engine/sched/scheduler.py", "import vconsole.telemetry.publisher",
+    pytest.param("engine/sched/scheduler.py", "import vconsole.telemetry.schema",
                  "telemetry-importers",
-                 "vconsole.engine.sched.scheduler -> vconsole.telemetry.publisher",
+                 "vconsole.engine.sched.scheduler -> vconsole.telemetry.schema",
                  id="sched-imports-telemetry"),
-    pytest.param("engine/config.py", "import torch", "engine-data",
-                 "vconsole.engine.config -> torch", id="config-imports-torch"),
+    pytest.param("engine/sched/scheduler.py", "import vconsole.engine.publish.publisher",
+                 "sched-kv",
+                 "vconsole.engine.sched.scheduler -> vconsole.engine.publish.publisher",
+                 id="sched-imports-publisher"),
+    pytest.param("shared/config.py", "import torch", "shared",
+                 "vconsole.shared.config -> torch", id="shared-config-imports-torch"),
+    pytest.param("shared/stats.py", "from vconsole.engine import latency", "shared",
+                 "vconsole.shared.stats -> vconsole.engine.latency", id="shared-imports-engine"),
+    pytest.param("engine/request.py", "import zmq", "engine-data",
+                 "vconsole.engine.request -> zmq", id="engine-data-imports-zmq"),
+    pytest.param("telemetry/schema.py", "import vconsole.engine.core", "wire",
+                 "vconsole.telemetry.schema -> vconsole.engine.core", id="wire-imports-engine"),
+    pytest.param("telemetry/alerts.py", "import vconsole.tools.top", "telemetry",
+                 "vconsole.telemetry.alerts -> vconsole.tools.top", id="telemetry-imports-tools"),
+    pytest.param("security/endpoints.py", "import vconsole.entrypoints", "security",
+                 "vconsole.security.endpoints -> vconsole.entrypoints",
+                 id="security-imports-entrypoints"),
+    pytest.param("engine/publish/publisher.py", "from vconsole.engine.process import core_proc",
+                 "publish",
+                 "vconsole.engine.publish.publisher -> vconsole.engine.process.core_proc",
+                 id="publisher-imports-process"),
     pytest.param("console/state.py", "from vconsole.engine.core import EngineCore", "console",
                  "vconsole.console.state -> vconsole.engine.core", id="console-imports-core"),
+    pytest.param("console/state.py", "from vconsole.engine.publish import publisher", "console",
+                 "vconsole.console.state -> vconsole.engine.publish.publisher",
+                 id="console-imports-publisher"),
     pytest.param("engine/kv/block_pool.py", "from vconsole.engine.sched import scheduler",
                  "engine-layers", "vconsole.engine.kv.block_pool -> vconsole.engine.sched",
                  id="kv-imports-sched"),
@@ -123,7 +145,7 @@ def test_every_product_folder_is_a_package_under_vconsole():
     """No source folder outside vconsole/ and no mapping: what people import is the tree."""
     assert "package-dir" not in SETUPTOOLS
     assert SETUPTOOLS["packages"]["find"]["include"] == ["vconsole*"]
-    for name in ("engine", "telemetry", "security", "console"):
+    for name in ("engine", "telemetry", "security", "console", "shared"):
         assert not (REPO / name).exists(), f"{name}/ at the root again"
         assert (REPO / "vconsole" / name / "__init__.py").is_file(), name
 
@@ -144,9 +166,10 @@ for name in sys.argv[1:]:
         result[name] = "ModuleNotFoundError: " + str(e)
 print(json.dumps(result))
 """
-OUTSIDE = ["engine", "telemetry", "security", "console", "support"]
+OUTSIDE = ["engine", "telemetry", "security", "console", "shared", "support"]
 INSIDE = ["vconsole", "vconsole.cli", "vconsole.commands", "vconsole.engine.core",
-          "vconsole.engine.process.core_proc", "vconsole.telemetry.publisher",
+          "vconsole.engine.process.core_proc", "vconsole.engine.publish.publisher",
+          "vconsole.shared.config", "vconsole.telemetry.schema",
           "vconsole.security.curve",
           "vconsole.console.app"]
 
@@ -182,6 +205,7 @@ def test_the_wheel_holds_only_the_vconsole_package(tmp_path):
     top_level = zipfile.ZipFile(wheel).read(f"{info}/top_level.txt").decode()
     assert top_level.split() == ["vconsole"]
     for expected in ("vconsole/cli.py", "vconsole/engine/core.py", "vconsole/engine/kv/__init__.py",
-                     "vconsole/telemetry/publisher.py", "vconsole/console/app.py",
+                     "vconsole/engine/publish/publisher.py", "vconsole/shared/config.py",
+                     "vconsole/telemetry/schema.py", "vconsole/console/app.py",
                      "vconsole/console/app.tcss"):
         assert expected in names, expected

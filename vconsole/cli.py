@@ -15,14 +15,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from vconsole.engine.config import DEVICES, DTYPES, POLICIES
 from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
 from vconsole.security.endpoints import DEFAULTS
+from vconsole.shared.config import DEVICES, DTYPES, POLICIES
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> None:
     """Flags that build an EngineConfig. Unset flags stay None so a --config file or the
-    defaults in vconsole.engine.config decide. ``serving``: `vconsole engine` itself, which
+    defaults in vconsole.shared.config decide. ``serving``: `vconsole engine` itself, which
     also reloads --config and can run data-parallel ranks."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="local model directory, or a built-in model: 'tiny' "

@@ -121,7 +121,7 @@ def test_a_subcommand_reports_an_unknown_flag_with_its_own_usage():
 @pytest.mark.parametrize("cmd", [["engine"], ["serve"], ["demo"],
                                  ["generate", "--input", "i", "--output", "o"]])
 def test_max_model_len_is_a_flag_of_every_engine_command(cmd):
-    from vconsole.engine.config import config_from_args
+    from vconsole.engine.config_source import config_from_args
 
     args = build_parser().parse_args([*cmd, "--max-model-len", "96"])
     assert config_from_args(args).max_model_len == 96

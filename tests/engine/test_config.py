@@ -2,7 +2,7 @@
 
 import pytest
 
-from vconsole.engine.config import (
+from vconsole.shared.config import (
     HOT_KEYS,
     RESTART_KEYS,
     ConfigError,

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import greedy_requests, run_batch
 from vconsole.engine.worker.tiny_model import ensure_tiny_model
+from vconsole.shared.config import EngineConfig
 
 pytestmark = pytest.mark.slow
 

@@ -18,13 +18,13 @@ import pytest
 from support.live_engine import Telemetry, ipc_endpoints, reference_outputs
 from support.scheduling import make_request, make_scheduler
 from vconsole.engine.client.client import EngineClient
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
 from vconsole.engine.latency import LatencyStats
 from vconsole.engine.process.core_proc import EngineCoreProc
 from vconsole.engine.sched.output import ModelRunnerOutput
 from vconsole.engine.sched.request_rows import WaitingRows
 from vconsole.engine.telemetry_guard import TelemetryGuard
+from vconsole.shared.config import EngineConfig
 
 
 class InjectedFault(RuntimeError):

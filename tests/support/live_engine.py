@@ -99,9 +99,9 @@ def reference_outputs(work: list[tuple[list[int], int]], *, block_size: int = 8,
     with the tiny model, on one thread (the other core stays with the engine process)."""
     import torch
 
-    from vconsole.engine.config import EngineConfig
     from vconsole.engine.core import EngineCore
     from vconsole.engine.request import SamplingParams
+    from vconsole.shared.config import EngineConfig
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

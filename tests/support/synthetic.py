@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from vconsole.engine.config import EngineConfig, describe_config
 from vconsole.engine.latency import LatencyStats
+from vconsole.shared.config import EngineConfig, describe_config
 from vconsole.telemetry.schema import TOPICS, encode, make_envelope
 
 T0 = 1_700_000_000.0

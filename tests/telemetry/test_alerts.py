@@ -1,6 +1,6 @@
 """AlertEvaluator: edge-triggered level changes against config thresholds, hot-updatable."""
 
-from vconsole.engine.config import EngineConfig
+from vconsole.shared.config import EngineConfig
 from vconsole.telemetry.alerts import RULES, AlertEvaluator
 
 

@@ -3,7 +3,7 @@ threshold, so a figure hovering on a threshold raises once and clears once."""
 
 import pytest
 
-from vconsole.engine.config import EngineConfig, apply_update, describe_config
+from vconsole.shared.config import EngineConfig, apply_update, describe_config
 from vconsole.telemetry.alerts import AlertEvaluator
 
 

@@ -3,8 +3,8 @@
 import time
 from types import SimpleNamespace
 
+from vconsole.engine.publish.host import HostProbe
 from vconsole.telemetry.gpu import GpuProbe, memory_share
-from vconsole.telemetry.host import HostProbe
 
 
 def test_gpu_probe_on_this_machine_is_unavailable_with_a_reason():

@@ -19,15 +19,10 @@ import pytest
 import zmq
 
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager
-from vconsole.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vconsole.engine.publish.kv_events import END_SEQ, KVEventPublisher
 from vconsole.engine.request import Request, SamplingParams
-from vconsole.telemetry.kv_events import (
-    END_SEQ,
-    KVEventPublisher,
-    encode_batch,
-    offset_endpoint,
-    u64,
-)
+from vconsole.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vconsole.telemetry.kv_wire import encode_batch, offset_endpoint, u64
 
 # --- vLLM's event classes (vllm/distributed/kv_events.py, 0.33) --------------------------------
 ExternalBlockHash = bytes | int

@@ -26,19 +26,19 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vconsole.engine.client.client import EngineClient
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.latency import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, LatencyStats
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.launch.ready_file import read_ready_file
 from vconsole.engine.process.core_proc import EngineCoreProc
-from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
+from vconsole.engine.publish.bodies import kv_body, sched_body
+from vconsole.engine.publish.prometheus import MetricsServer, RanksCollector, TelemetryCollector
+from vconsole.engine.publish.publisher import ITERATION_TOKENS_BUCKETS, TelemetryPublisher
 from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
+from vconsole.shared.config import EngineConfig
+from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import RULES
-from vconsole.telemetry.bodies import kv_body, sched_body
 from vconsole.telemetry.listener import TelemetryListener
-from vconsole.telemetry.prometheus import MetricsServer, RanksCollector, TelemetryCollector
-from vconsole.telemetry.publisher import ITERATION_TOKENS_BUCKETS, TelemetryPublisher
 
 LABELS = {"model_name": "tiny", "engine": "0"}
 VLLM_NAMES = {   # family name (as the parser reports it) -> type

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import zmq
 
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.latency import LatencyStats
-from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
-from vconsole.telemetry.publisher import TelemetryPublisher
+from vconsole.engine.publish.publisher import TelemetryPublisher
+from vconsole.shared.config import EngineConfig
+from vconsole.shared.stats import KVStats, RequestRow, SchedulerStats, StepStats
 from vconsole.telemetry.schema import DP_TOPICS, TOPICS, decode, missing_fields
 
 FAST = dict(telemetry_hz=20.0, heartbeat_interval_s=0.1, config_interval_s=0.3)

@@ -9,9 +9,9 @@ import pytest
 import zmq
 
 from vconsole.commands.record import main as main_record
-from vconsole.engine.config import EngineConfig
+from vconsole.engine.publish.publisher import TelemetryPublisher
+from vconsole.shared.config import EngineConfig
 from vconsole.telemetry import record
-from vconsole.telemetry.publisher import TelemetryPublisher
 from vconsole.telemetry.record import Recorder, RecordFormatError, read_records
 from vconsole.telemetry.schema import SchemaVersionError, decode, encode, make_envelope
 

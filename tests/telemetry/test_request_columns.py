@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from vconsole.engine.request import RequestStatus
-from vconsole.engine.stats import REQUEST_NUMERIC, REQUEST_STATES, RequestRow, RequestTable
+from vconsole.shared.stats import REQUEST_NUMERIC, REQUEST_STATES, RequestRow, RequestTable
 from vconsole.telemetry.schema import (
     REQUEST_COLUMNS,
     RequestColumns,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import zmq
 
-from vconsole.engine.config import EngineConfig, apply_update, describe_config
 from vconsole.engine.latency import LatencyStats
+from vconsole.shared.config import EngineConfig, apply_update, describe_config
 from vconsole.telemetry import control
 from vconsole.telemetry.schema import (
     SCHEMA_VERSION,

@@ -13,11 +13,11 @@ import zmq
 
 import vconsole.telemetry.subscriber as example
 from vconsole.commands import top as top_cmd
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.latency import LatencyStats
-from vconsole.engine.stats import KVStats, RequestRow, SchedulerStats, StepStats
+from vconsole.engine.publish.publisher import TelemetryPublisher
+from vconsole.shared.config import EngineConfig
+from vconsole.shared.stats import KVStats, RequestRow, SchedulerStats, StepStats
 from vconsole.telemetry import control
-from vconsole.telemetry.publisher import TelemetryPublisher
 from vconsole.tools import top
 
 

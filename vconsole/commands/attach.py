@@ -35,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
 def _attach_vllm(args: argparse.Namespace) -> int:
     from vconsole.console.app import VConsoleApp
     from vconsole.console.sources.vllm import VllmSource
-    from vconsole.telemetry.kv_events import offset_endpoint
+    from vconsole.telemetry.kv_wire import offset_endpoint
 
     try:
         for ep in (getattr(args, "kv_events", None), getattr(args, "kv_events_replay", None)):

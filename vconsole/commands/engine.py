@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vconsole.engine.config import ConfigError, ConfigSource
+from vconsole.engine.config_source import ConfigSource
 from vconsole.engine.launch import exit_codes
 from vconsole.engine.launch.launch import ChildOfSupervisor, EngineLaunch, Supervision
 from vconsole.engine.launch.supervisor import EngineSupervisor
@@ -32,6 +32,7 @@ from vconsole.engine.process.loop_inputs import LoopInput, Reload, Shutdown
 from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULTS
+from vconsole.shared.config import ConfigError
 
 if TYPE_CHECKING:
     from vconsole.engine.dp.front.torchrun import TorchrunFrontEnd

@@ -7,9 +7,10 @@ import json
 import sys
 
 from vconsole.commands import fail
-from vconsole.engine.config import ConfigError, config_from_args
+from vconsole.engine.config_source import config_from_args
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import run_batch
+from vconsole.shared.config import ConfigError
 from vconsole.telemetry.printable import printable
 from vconsole.tools.generate import parse_line, result_line
 

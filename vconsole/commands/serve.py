@@ -30,11 +30,11 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 
-from vconsole.engine.config import ConfigError
 from vconsole.engine.launch import exit_codes
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.launch.ready_file import ReadyFileError, read_ready_file
 from vconsole.security.bind_policy import RemoteBindRefused, check_http_host
+from vconsole.shared.config import ConfigError
 
 API_KEY_ENV = "VCONSOLE_API_KEY"
 log = logging.getLogger("vconsole.serve")

@@ -17,15 +17,15 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vconsole.engine.config import ConfigUpdate, EngineConfig, apply_update
-from vconsole.engine.kv_events import KVEvent
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
-from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
 from vconsole.engine.worker.model_runner import ModelRunner
 from vconsole.engine.worker.profiler import StepProfiler
+from vconsole.shared.config import ConfigUpdate, EngineConfig, apply_update
+from vconsole.shared.kv_events import KVEvent
+from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
 
 logger = logging.getLogger(__name__)
 

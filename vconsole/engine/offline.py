@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import Request, SamplingParams
+from vconsole.shared.config import EngineConfig
 
 
 @dataclass

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vconsole.engine.config import EngineConfig
+from vconsole.shared.config import EngineConfig
 
 OK, WARNING, CRITICAL = "ok", "warning", "critical"
 _RANK = {OK: 0, WARNING: 1, CRITICAL: 2}

@@ -12,7 +12,7 @@ msgpack maps:
 - reply, always with every key: ``ok``, ``error`` (None unless the request itself was bad),
   ``applied`` {key: new value}, ``rejected`` {key: reason}, ``restart_required`` [keys],
   ``version``, ``values`` (the effective config after the request), ``schema``
-  (`vconsole.engine.config.describe_config()` rows), ``id``.
+  (`vconsole.shared.config.describe_config()` rows), ``id``.
 
 Invariant: `decode_request` either returns a well-formed request or raises `ControlError` whose
 message becomes the ``error`` of an ``ok: false`` reply; the engine never answers a malformed
@@ -134,8 +134,8 @@ def error_reply(error: str, request_id: int | None = None) -> dict[str, Any]:
 def config_reply(version: int, values: dict[str, Any], update: Any = None,
                  request_id: int | None = None) -> dict[str, Any]:
     """Reply for get_config (``update`` None) or set_config (``update`` an
-    `vconsole.engine.config.ConfigUpdate`); ``version``/``values`` are the config after the update."""
-    from vconsole.engine.config import describe_config
+    `vconsole.shared.config.ConfigUpdate`); ``version``/``values`` are the config after the update."""
+    from vconsole.shared.config import describe_config
     if update is None:
         return make_reply(ok=True, version=version, values=values, schema=describe_config(),
                           request_id=request_id)

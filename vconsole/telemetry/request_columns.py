@@ -2,7 +2,7 @@
 
 On the wire (`vconsole.telemetry.schema.encode`), ``requests`` is a map: ``id`` a msgpack list
 of str, ``state`` a uint8 code per row (``state_names`` lists the names by code:
-`vconsole.engine.stats.REQUEST_STATES`, ``waiting``/``running``/``preempted``), and
+`vconsole.shared.stats.REQUEST_STATES`, ``waiting``/``running``/``preempted``), and
 ``priority``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_blocks`` (int32) and
 ``age_s`` (float64) raw buffers. Ten thousand rows are then one short msgpack list and six
 frames sent without copies, instead of 70,000 msgpack numbers the publisher's thread would
@@ -26,7 +26,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from vconsole.engine.stats import REQUEST_NUMERIC, REQUEST_STATES, RequestTable
+from vconsole.shared.stats import REQUEST_NUMERIC, REQUEST_STATES, RequestTable
 
 REQUEST_COLUMNS = ("id", "state", *REQUEST_NUMERIC)
 Row = dict[str, Any]

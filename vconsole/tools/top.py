@@ -24,8 +24,8 @@ import zmq
 
 from vconsole.console.ranks import aggregate
 from vconsole.console.sources.vllm import ScrapeError, VllmScraper
-from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from vconsole.security.curve import ClientCurve
+from vconsole.shared.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from vconsole.telemetry.control import ControlClient, ControlError
 from vconsole.telemetry.printable import printable
 from vconsole.telemetry.schema import (

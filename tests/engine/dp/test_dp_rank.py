@@ -20,7 +20,6 @@ import zmq
 
 from support.live_engine import Telemetry, ipc_endpoints, reference_outputs
 from vconsole.engine.client import protocol
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
 from vconsole.engine.dp.rank.rendezvous import (
     DPEnv,
@@ -32,9 +31,10 @@ from vconsole.engine.dp.rank.rendezvous import (
 from vconsole.engine.dp.rank.role import DPRank, split_cpu_threads
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.process.core_proc import EngineCoreProc
+from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.engine.request import SamplingParams
+from vconsole.shared.config import EngineConfig
 from vconsole.telemetry import schema
-from vconsole.telemetry.publisher import TelemetryPublisher
 
 WORK = [([5, 9, 13, 2, 7], 6), ([40, 41, 42], 9), ([100] * 11, 5), ([3, 1, 4, 1, 5, 9, 2], 7)]
 

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vconsole.engine.client import protocol
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.dp.rank.rendezvous import DPEnv, rank_key
 from vconsole.engine.dp.rank.wave import CompletedWave, WaveState
+from vconsole.shared.config import EngineConfig
 
 # --- WaveState -------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vconsole.engine.kv.block_pool import BlockPool, hash_block_tokens
-from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from vconsole.shared.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 
 
 def counts(pool: BlockPool) -> dict[int, int]:

@@ -6,7 +6,7 @@ import pytest
 
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
 from vconsole.engine.request import Request, SamplingParams
-from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from vconsole.shared.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 
 B = 4
 

@@ -8,11 +8,11 @@ import threading
 import pytest
 import zmq
 
-from vconsole.engine.config import EngineConfig, apply_update
 from vconsole.engine.process import control_server
 from vconsole.engine.process.control_server import ControlCall, ControlServer
 from vconsole.security import engine_key
 from vconsole.security.control_key import load_control_key
+from vconsole.shared.config import EngineConfig, apply_update
 from vconsole.telemetry import control
 from vconsole.telemetry.control import ControlClient, NotAuthorised
 

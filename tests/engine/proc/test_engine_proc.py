@@ -585,8 +585,8 @@ class _IdleCore:
     """Just enough of EngineCore for the process shell: no requests, ever."""
 
     def __init__(self) -> None:
-        from vconsole.engine.config import EngineConfig
         from vconsole.engine.telemetry_guard import TelemetryGuard
+        from vconsole.shared.config import EngineConfig
 
         self.config = EngineConfig()
         self.config_version = 1
@@ -624,7 +624,7 @@ class _IdleCore:
 
 def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path, monkeypatch):
     from vconsole.engine.process import core_proc
-    from vconsole.telemetry.publish_loop import PublishLoop
+    from vconsole.engine.publish.publish_loop import PublishLoop
 
     release = threading.Event()
     monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))

@@ -13,8 +13,8 @@ import pytest
 
 from vconsole.cli import apply_base_port, build_parser
 from vconsole.commands.engine import launch_from_args
-from vconsole.engine.config import ConfigError
 from vconsole.engine.launch.launch import ChildOfSupervisor, EngineLaunch
+from vconsole.shared.config import ConfigError
 
 
 def parse(argv: list[str]) -> EngineLaunch:

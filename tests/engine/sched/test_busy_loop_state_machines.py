@@ -48,15 +48,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from support.scheduling import BLOCK_SIZE as B
 from support.scheduling import make_request, make_scheduler
-from vconsole.engine.config import POLICIES, EngineConfig
 from vconsole.engine.kv.block_pool import hash_block_tokens
 from vconsole.engine.latency import QUANTILES, SERIES
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
-from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
+from vconsole.shared.config import POLICIES, EngineConfig
+from vconsole.shared.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 
 # A failing run shrinks for up to hypothesis's own limit (300 s); the suite's 300 s timeout
 # would cut that short and hide the shrunk steps.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from support.scheduling import make_request, make_scheduler
 from vconsole.engine.sched.output import ModelRunnerOutput
-from vconsole.engine.stats import RequestRow, RequestTable
+from vconsole.shared.stats import RequestRow, RequestTable
 
 
 class Clock:

@@ -23,13 +23,13 @@ import pytest
 from support.scheduling import BLOCK_SIZE as B
 from support.scheduling import make_request as req
 from support.scheduling import make_scheduler as make_sched
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import Request, RequestStatus, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
+from vconsole.shared.config import EngineConfig
 
 
 def next_token(context: list[int]) -> int:

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import greedy_requests, run_batch
 from vconsole.engine.worker import attention_kernel
+from vconsole.shared.config import EngineConfig
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler on this machine: the engine runs the torch path",

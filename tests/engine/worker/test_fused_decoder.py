@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from support.local_models import mistral_config, qwen2_config, save_random_model
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import greedy_requests, run_batch
 from vconsole.engine.worker.model_runner import FORWARD_ENV
 from vconsole.engine.worker.tiny_model import ensure_tiny_model
+from vconsole.shared.config import EngineConfig
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import greedy_requests, run_batch
 from vconsole.engine.worker.model_loader import resolve_model_path
+from vconsole.shared.config import EngineConfig
 
 pytestmark = pytest.mark.slow  # builds a 27M-parameter model and compares with HF
 

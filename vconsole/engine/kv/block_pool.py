@@ -33,8 +33,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from vconsole.engine.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
-from vconsole.engine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from vconsole.shared.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
+from vconsole.shared.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 
 _ROOT_HASH = 0x5EED  # parent of a sequence's first block
 
@@ -71,7 +71,7 @@ class BlockPool:
         self._num_cached_free = 0    # free blocks that still hold a hash
         self._num_shared = 0
         self._tokens_stored = 0
-        # Evictions and resets as events (`vconsole.engine.kv_events`); None: not recorded.
+        # Evictions and resets as events (`vconsole.shared.kv_events`); None: not recorded.
         self.events: list[KVEvent] | None = None
 
     # --- counts, all O(1) ---------------------------------------------------------------------

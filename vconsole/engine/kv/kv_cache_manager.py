@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from vconsole.engine.kv.block_pool import BlockPool, hash_block_tokens
-from vconsole.engine.kv_events import BlockStored, KVEvent
 from vconsole.engine.request import Request
-from vconsole.engine.stats import KVStats
+from vconsole.shared.kv_events import BlockStored, KVEvent
+from vconsole.shared.stats import KVStats
 
 
 def token_slice(request: Request, start: int, end: int) -> list[int]:
@@ -231,7 +231,7 @@ class KVCacheManager:
                 run = -1
 
     def enable_events(self) -> None:
-        """Record `vconsole.engine.kv_events` from now on (`take_events` collects them)."""
+        """Record `vconsole.shared.kv_events` from now on (`take_events` collects them)."""
         if self.pool.events is None:
             self.pool.events = []
 

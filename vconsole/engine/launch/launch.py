@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from vconsole.engine.config import ConfigSource, EngineConfig
+from vconsole.engine.config_source import ConfigSource
+from vconsole.shared.config import EngineConfig
 
 if TYPE_CHECKING:
     from vconsole.security.curve_server import ServerCurve

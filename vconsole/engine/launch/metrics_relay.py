@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from vconsole.telemetry.prometheus import metrics_url
+from vconsole.engine.publish.prometheus import metrics_url
 
 UPSTREAM_TIMEOUT_S = 2.0
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

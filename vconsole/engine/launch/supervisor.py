@@ -8,7 +8,7 @@ an exception that ended it, ``kill -9``, the kernel's OOM killer, or exit code 3
 (`RestartPolicy`: 0.5 s, doubling, at most 10 s) on the *same* endpoints: the ``*`` ports of the
 first start are taken from the first child's ready file and passed to every later child, so
 clients and consoles reconnect where they were. While no child runs, the supervisor binds the telemetry
-endpoint itself (`vconsole.telemetry.beacon.HealthBeacon`) and publishes ``health``
+endpoint itself (`vconsole.engine.publish.beacon.HealthBeacon`) and publishes ``health``
 with state ``restarting``, ``restart_reason`` ("killed by SIGKILL", "exit code 1") and
 ``restart_count``, then closes it before the next child starts (telemetry is then silent while
 that child loads its model, until its own publisher binds); that child's own ``health`` carries
@@ -81,8 +81,8 @@ from vconsole.engine.launch.ready_file import (
     remove_ready_file,
     write_ready_file,
 )
+from vconsole.engine.publish.beacon import HealthBeacon
 from vconsole.telemetry.alerts import restart_event
-from vconsole.telemetry.beacon import HealthBeacon
 
 if TYPE_CHECKING:
     from vconsole.engine.launch.launch import EngineLaunch

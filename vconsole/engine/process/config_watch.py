@@ -2,7 +2,7 @@
 
 `ConfigFileWatcher` only *notices* (it polls the file's mtime and size about once a second, off
 the busy loop); the busy loop then calls `apply_file` between two steps, so a file edit goes
-through exactly the validation a ``vconsole set`` does (`vconsole.engine.config.apply_update`).
+through exactly the validation a ``vconsole set`` does (`vconsole.shared.config.apply_update`).
 
 Semantics of a reload: the hot keys in the file are applied as one all-or-nothing update (they
 override earlier ``set``\\ s and flags for those keys); restart-only keys whose file value differs
@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vconsole.engine.config import RESTART_KEYS, ConfigUpdate, EngineConfig, apply_update, load_toml
+from vconsole.engine.config_source import load_toml
+from vconsole.shared.config import RESTART_KEYS, ConfigUpdate, EngineConfig, apply_update
 
 log = logging.getLogger(__name__)
 

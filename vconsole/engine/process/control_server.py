@@ -52,7 +52,7 @@ from vconsole.telemetry import control
 if TYPE_CHECKING:
     import zmq
 
-    from vconsole.engine.config import EngineConfig
+    from vconsole.shared.config import EngineConfig
 
 log = logging.getLogger("vconsole.engine")
 

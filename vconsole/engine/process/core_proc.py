@@ -19,9 +19,9 @@ fast, and from then on is touched only by its one thread, which also closes it):
   published config; ``set_config`` is queued to the busy loop (``CONTROL``) and applied there
   between two steps (`_apply_control`), its reply sent only after it was applied (or refused).
   A ``set_config`` without the control key is refused by the server and never queued.
-- the telemetry publisher's thread (`vconsole.telemetry.publisher`) and the config file watcher.
+- the telemetry publisher's thread (`vconsole.engine.publish.publisher`) and the config file watcher.
 - with ``metrics_endpoint`` (``--metrics-port``): the Prometheus HTTP server
-  (`vconsole.telemetry.prometheus`), whose threads read only what the publisher last sent.
+  (`vconsole.engine.publish.prometheus`), whose threads read only what the publisher last sent.
 
 Routing: a client connects two DEALERs with one identity (its client id): requests on input,
 outputs on output. The output ROUTER is ``ROUTER_MANDATORY``: an output for a client that is no
@@ -77,7 +77,6 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from vconsole.engine.client import protocol
-from vconsole.engine.config import ConfigUpdate, EngineConfig
 from vconsole.engine.launch import exit_codes
 from vconsole.engine.launch.liveness import LivenessStamp
 from vconsole.engine.launch.ready_file import ready_record, remove_ready_file, write_ready_file
@@ -101,7 +100,9 @@ from vconsole.engine.process.request_intake import RequestIntake
 from vconsole.engine.process.role import LoneEngine, ProcessRole
 from vconsole.engine.process.serving_core import ServingCore
 from vconsole.engine.process.stats_log import StatsLog
-from vconsole.engine.stats import StepStats
+from vconsole.engine.publish.kv_events import kv_event_endpoints, start_kv_events
+from vconsole.engine.publish.prometheus import MetricsServer, TelemetryCollector
+from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.security.bind_policy import (
     check_endpoints,
     check_metrics_host,
@@ -109,10 +110,9 @@ from vconsole.security.bind_policy import (
 )
 from vconsole.security.control_key import key_path
 from vconsole.security.engine_key import refuse_if_held
+from vconsole.shared.config import ConfigUpdate, EngineConfig
+from vconsole.shared.stats import StepStats
 from vconsole.telemetry import control
-from vconsole.telemetry.kv_events import kv_event_endpoints, start_kv_events
-from vconsole.telemetry.prometheus import MetricsServer, TelemetryCollector
-from vconsole.telemetry.publisher import TelemetryPublisher
 
 if TYPE_CHECKING:
     from vconsole.engine.dp.rank.role import WaveEvent

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from vconsole.engine.config import ConfigUpdate, EngineConfig
-from vconsole.engine.kv_events import KVEvent
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import Request
-from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
 from vconsole.engine.telemetry_guard import TelemetryGuard
+from vconsole.shared.config import ConfigUpdate, EngineConfig
+from vconsole.shared.kv_events import KVEvent
+from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
 
 
 class ServingCore(Protocol):

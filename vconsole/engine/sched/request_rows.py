@@ -23,7 +23,7 @@ read while it waited. Requests queued since show after the next refresh (early w
 queue grew past twice the cached rows); a request preempted since keeps its cached row (state,
 output tokens) until then. Cached columns are never mutated: a snapshot handed to the
 publisher stays as it was. Columns are numpy arrays (state as a uint8 code,
-`vconsole.engine.stats.REQUEST_STATES`) and a list of ids: the publisher sends them as raw
+`vconsole.shared.stats.REQUEST_STATES`) and a list of ids: the publisher sends them as raw
 buffers, so a snapshot costs no Python per row after a refresh.
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 
 from vconsole.engine.request import Request
 from vconsole.engine.sched.request_queue import WaitingQueue
-from vconsole.engine.stats import RequestTable
+from vconsole.shared.stats import RequestTable
 
 _NUMERIC = ("priority", "num_prompt_tokens", "num_output_tokens", "num_blocks")
 REFRESH_S = 1.0

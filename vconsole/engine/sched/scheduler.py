@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
 from vconsole.engine.latency import LatencyStats
 from vconsole.engine.outputs import RequestOutput
@@ -46,8 +45,9 @@ from vconsole.engine.request import FinishReason, Request, RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.engine.sched.request_rows import WaitingRows
-from vconsole.engine.stats import KVStats, SchedulerStats
 from vconsole.engine.telemetry_guard import TelemetryGuard
+from vconsole.shared.config import EngineConfig
+from vconsole.shared.stats import KVStats, SchedulerStats
 
 
 class _Step:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.worker import attention_kernel, paged_attention
 from vconsole.engine.worker.fused_decoder import FusedDecoder
@@ -31,6 +30,7 @@ from vconsole.engine.worker.model_loader import load_model
 from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
 from vconsole.engine.worker.sampler import Sampler, SamplingBatch
+from vconsole.shared.config import EngineConfig
 
 _GIB = 1 << 30
 # "transformers": run transformers' own decoder forward instead of `FusedDecoder` (the

@@ -38,7 +38,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity
 
-from vconsole.engine.stats import StepStats
+from vconsole.shared.stats import StepStats
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from typing import Any
 import psutil
 import zmq
 
-from vconsole.engine.config import EngineConfig
-from vconsole.engine.stats import StepStats
+from vconsole.shared.config import EngineConfig
+from vconsole.shared.stats import StepStats
 
 GOAL_P99_MS = 100.0
 GOAL_IDLE_CPU = 5.0
@@ -63,7 +63,7 @@ class _Engine:
     """A scheduler with ``num_requests`` requests feeding a real publisher."""
 
     def __init__(self, num_requests: int) -> None:
-        from vconsole.telemetry.publisher import TelemetryPublisher
+        from vconsole.engine.publish.publisher import TelemetryPublisher
         from vconsole.tools.bench.scheduler import NUM_RUNNING, _Bench
 
         # 10% more requests than rows, so that the table stays full between the scheduler's

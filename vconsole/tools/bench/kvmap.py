@@ -28,8 +28,8 @@ import zmq
 
 from vconsole.console.state import ConsoleState
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager
+from vconsole.engine.publish.bodies import kv_body
 from vconsole.telemetry import schema
-from vconsole.telemetry.bodies import kv_body
 
 BLOCK_SIZE = 16
 GOAL_ROUNDTRIP_MS = 5.0

@@ -26,10 +26,10 @@ import statistics
 import time
 from typing import Any
 
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.request import Request, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
+from vconsole.shared.config import EngineConfig
 from vconsole.tools.bench.waiting_queue import queue_bench
 
 POLICIES = ("fcfs", "priority", "hybrid")

@@ -41,11 +41,11 @@ from typing import Any
 
 import zmq
 
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
+from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker.tiny_model import ensure_tiny_model
-from vconsole.telemetry.publisher import TelemetryPublisher
+from vconsole.shared.config import EngineConfig
 
 GOAL_RATIO = 0.98
 MAX_ROWS = 10_000

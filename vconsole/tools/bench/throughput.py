@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from vconsole.engine.config import EngineConfig
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import greedy_requests, run_batch
 from vconsole.engine.worker.tiny_model import ensure_model
+from vconsole.shared.config import EngineConfig
 
 
 @dataclass

@@ -5,7 +5,7 @@ endpoint, with one control key (its own 0600 file, same rules as a lone engine's
 `vconsole.security.engine_key`). A request may carry ``"rank": R`` to address one rank.
 
 - ``set_config`` is validated ONCE, here, against the same table every rank uses
-  (`vconsole.engine.config.apply_update` over the addressed rank's current config): a change
+  (`vconsole.shared.config.apply_update` over the addressed rank's current config): a change
   refused there is refused for every rank and nothing is sent. Otherwise it goes to every rank
   (or only ``rank``), each applying it atomically between two of its steps; the reply carries
   each rank's acknowledgement, ``"ranks": {"0": {...}, "1": {...}}``, and is ``ok`` only when
@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from vconsole.engine.config import ConfigError, apply_update, validate_config
 from vconsole.security import engine_key
 from vconsole.security.bind_policy import bind_socket
 from vconsole.security.control_key import key_path, read_key_file
+from vconsole.shared.config import ConfigError, apply_update, validate_config
 from vconsole.telemetry import control
 
 if TYPE_CHECKING:

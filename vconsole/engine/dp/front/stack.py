@@ -2,7 +2,7 @@
 
 It binds the four public endpoints and serves them from threads: requests (`DPFrontEnd`),
 telemetry (`TelemetryProxy`), control (`ControlFanout`, with its own key file) and, with a
-metrics port, Prometheus over every rank (`vconsole.telemetry.prometheus.RanksCollector`,
+metrics port, Prometheus over every rank (`vconsole.engine.publish.prometheus.RanksCollector`,
 ``engine="<rank>"``). Whoever runs the ranks tells it about them: `rank_ready(r, record)` with
 the rank's ready record (endpoints, control key file, pid) and `rank_exit(r, reason, ...)`;
 it keeps the public ready file up to date (written once every rank was ready and answered the
@@ -39,10 +39,10 @@ from vconsole.security.control_key import key_path
 from vconsole.security.engine_key import refuse_if_held
 
 if TYPE_CHECKING:
-    from vconsole.engine.config import EngineConfig
     from vconsole.engine.launch.launch import EngineLaunch
     from vconsole.security.curve import ClientCurve
     from vconsole.security.curve_server import ServerCurve
+    from vconsole.shared.config import EngineConfig
 
 
 class FrontEndStack:
@@ -101,7 +101,7 @@ class FrontEndStack:
             self._parts.append(self.fanout)
             self.metrics = None
             if metrics is not None:
-                from vconsole.telemetry.prometheus import MetricsServer, RanksCollector
+                from vconsole.engine.publish.prometheus import MetricsServer, RanksCollector
                 self.metrics = MetricsServer(RanksCollector(self.proxy.bodies_by_rank,
                                                             model_name=config.model),
                                              *metrics).start()

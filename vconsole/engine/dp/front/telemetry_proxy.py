@@ -6,10 +6,10 @@ engine's publisher; messages pass through unchanged (frames as received), so a s
 ranks apart by the envelope's ``rank``. While a rank is down (`rank_down` .. `rank_up`) the
 proxy itself publishes ``health`` with state ``restarting``, that rank's ``rank``, the reason
 and the restart count every ``heartbeat_s``, as a lone engine's supervisor does
-(`vconsole.telemetry.beacon`), so a console sees the rank restarting instead of silence.
+(`vconsole.engine.publish.beacon`), so a console sees the rank restarting instead of silence.
 
 On the way the proxy keeps the last payload of each (rank, topic) (`bodies_by_rank`: what
-Prometheus exports, `vconsole.telemetry.prometheus.RanksCollector`) and each rank's latest KV
+Prometheus exports, `vconsole.engine.publish.prometheus.RanksCollector`) and each rank's latest KV
 ``usage`` (`kv_usage`: the router's tie-break).
 
 Threads: ``dp-telemetry`` owns every socket; `connect` and `close` reach it through an inproc
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from vconsole.engine.dp.front.command_channel import CommandChannel
+from vconsole.engine.publish.bodies import health_body
 from vconsole.security.bind_policy import bind_socket, check_endpoints
 from vconsole.telemetry import schema
-from vconsole.telemetry.bodies import health_body
 
 if TYPE_CHECKING:
     from vconsole.security.curve import ClientCurve

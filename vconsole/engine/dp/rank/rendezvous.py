@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from vconsole.engine.config import EngineConfig, validate_config
+from vconsole.shared.config import EngineConfig, validate_config
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -1,6 +1,6 @@
 """Figures the engine computes about itself, as plain data the telemetry layer publishes.
 
-The engine fills these between steps; it never formats or sends them. `vconsole.telemetry.publisher` turns
+The engine fills these between steps; it never formats or sends them. `vconsole.engine.publish.publisher` turns
 them into wire messages (see `vconsole.telemetry.schema`).
 """
 

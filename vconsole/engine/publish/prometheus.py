@@ -44,27 +44,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from vconsole.telemetry.alerts import CRITICAL, RULES, WARNING
+from vconsole.telemetry.vllm_names import LATENCY_HISTOGRAMS
 
 LABELS = ("model_name", "engine")
 ALERT_LEVEL_VALUES = {WARNING: 1.0, CRITICAL: 2.0}   # anything else (ok): 0
 
-# latency series (`vconsole.engine.latency`) -> vLLM histogram name, help
-LATENCY_HISTOGRAMS = {
-    "ttft_s": ("vllm:time_to_first_token_seconds",
-               "Histogram of time to first token in seconds."),
-    "itl_s": ("vllm:inter_token_latency_seconds",
-              "Histogram of inter-token latency in seconds."),
-    "e2e_s": ("vllm:e2e_request_latency_seconds",
-              "Histogram of e2e request latency in seconds."),
-    "queue_s": ("vllm:request_queue_time_seconds",
-                "Histogram of time spent in WAITING phase for request."),
-    "prefill_s": ("vllm:request_prefill_time_seconds",
-                  "Histogram of time spent in PREFILL phase for request."),
-    "decode_s": ("vllm:request_decode_time_seconds",
-                 "Histogram of time spent in DECODE phase for request."),
-    "inference_s": ("vllm:request_inference_time_seconds",
-                    "Histogram of time spent in RUNNING phase for request."),
-}
 PHASES = ("schedule", "execute", "update")
 KV_BLOCK_STATES = {"free": "num_free", "used": "num_used", "cached": "num_cached",
                    "shared": "num_shared"}

@@ -1,7 +1,7 @@
 """KV cache events on the wire in vLLM's format, so KV-aware routers can follow our prefix cache.
 
 The engine's KV cache manager records what enters and leaves the prefix cache
-(`vconsole.engine.kv_events`); after each step the busy loop hands that list to
+(`vconsole.shared.kv_events`); after each step the busy loop hands that list to
 `KVEventPublisher.publish` (a queue put, nothing more). This module's thread encodes and sends
 it exactly as vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``, 0.3x) does:
 
@@ -43,61 +43,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
-import msgpack
 import zmq
 
-from vconsole.engine.config import EngineConfig
-from vconsole.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from vconsole.security.bind_policy import secure_socket_warning
+from vconsole.shared.config import EngineConfig
+from vconsole.shared.kv_events import AllBlocksCleared, KVEvent
+from vconsole.telemetry.kv_wire import encode_batch, offset_endpoint
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-U64 = (1 << 64) - 1
 POLL_S = 0.05
-
-
-def u64(block_hash: int) -> int:
-    """Our pool's signed 64-bit hash as vLLM's unsigned 64-bit block hash."""
-    return block_hash & U64
-
-
-def event_body(ev: KVEvent, medium: str) -> dict[str, Any]:
-    """One event as msgspec encodes vLLM's struct of the same name (field order kept)."""
-    if isinstance(ev, BlockStored):
-        return {"type": "BlockStored", "block_hashes": [u64(h) for h in ev.block_hashes],
-                "parent_block_hash": None if ev.parent_block_hash is None
-                else u64(ev.parent_block_hash),
-                "token_ids": list(ev.token_ids), "block_size": ev.block_size,
-                "lora_id": None, "medium": medium, "lora_name": None}
-    if isinstance(ev, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": [u64(h) for h in ev.block_hashes],
-                "medium": medium}
-    if isinstance(ev, AllBlocksCleared):
-        return {"type": "AllBlocksCleared"}
-    raise TypeError(f"not a KV event: {ev!r}")
-
-
-def encode_batch(ts: float, events: Sequence[KVEvent], dp_rank: int, medium: str) -> bytes:
-    """msgpack of vLLM's ``KVEventBatch``: ``[ts, [event, ...], data_parallel_rank]``."""
-    return msgpack.packb([float(ts), [event_body(e, medium) for e in events], dp_rank],
-                         use_bin_type=True)
-
-
-def offset_endpoint(endpoint: str, rank: int) -> str:
-    """vLLM's ``offset_endpoint_port``: rank 0 keeps the endpoint; rank r adds r to a tcp port,
-    or ``_dp<r>`` to an inproc/ipc name."""
-    if rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"a tcp endpoint needs a port to offset by rank: {endpoint!r}")
-        return f"{host}:{int(port) + rank}"
-    return f"{endpoint}_dp{rank}"
 
 
 class KVEventPublisher:

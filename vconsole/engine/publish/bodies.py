@@ -1,6 +1,6 @@
 """The bodies of the engine's state topics, built from the engine's plain stats: ``step`` (one
 window of steps), ``health``, ``sched`` and ``kv``. Pure functions, one place for every sender:
-the publisher, the supervisor's `vconsole.telemetry.beacon.HealthBeacon`, a data-parallel front
+the publisher, the supervisor's `vconsole.engine.publish.beacon.HealthBeacon`, a data-parallel front
 end's telemetry proxy, the benchmarks and the tests."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from vconsole.engine.stats import KVStats, RequestTable, SchedulerStats, StepStats
+from vconsole.shared.stats import KVStats, RequestTable, SchedulerStats, StepStats
 from vconsole.telemetry import schema
 
 _ROW_GETTERS = {c: attrgetter(c) for c in schema.REQUEST_COLUMNS}
@@ -62,7 +62,7 @@ def health_body(state: str, *, uptime_s: float, steps: int, interval_s: float,
                 restart_reason: str | None = None,
                 telemetry_errors: int = 0) -> dict[str, Any]:
     """The ``health`` topic body: one place, so the engine's publisher and the supervisor's
-    `vconsole.telemetry.beacon.HealthBeacon` send the same fields. ``restart_count`` and
+    `vconsole.engine.publish.beacon.HealthBeacon` send the same fields. ``restart_count`` and
     ``restart_reason``: how often the supervisor restarted this engine and why it did the last
     time (0 and None: never restarted, or not supervised). ``telemetry_errors``: telemetry
     failures this engine process survived (`vconsole.engine.telemetry_guard`, and this

@@ -40,13 +40,13 @@ from typing import Any
 
 import zmq
 
-from vconsole.engine.config import EngineConfig, describe_config
-from vconsole.engine.stats import KVStats, SchedulerStats, StepStats
+from vconsole.engine.publish.host import HostProbe
+from vconsole.engine.publish.publish_loop import Handoff, Probe, PublishLoop
+from vconsole.shared.config import EngineConfig, describe_config
+from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import restart_event
 from vconsole.telemetry.gpu import GpuProbe
-from vconsole.telemetry.host import HostProbe
-from vconsole.telemetry.publish_loop import Handoff, Probe, PublishLoop
 
 log = logging.getLogger(__name__)
 

@@ -24,16 +24,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vconsole.engine.config import EngineConfig
-from vconsole.engine.stats import KVStats, SchedulerStats
+from vconsole.engine.publish.bodies import aggregate_steps, health_body, kv_body, sched_body
+from vconsole.shared.config import EngineConfig
+from vconsole.shared.stats import KVStats, SchedulerStats
 from vconsole.telemetry.alerts import AlertEvaluator, AlertEvent, telemetry_error_event
-from vconsole.telemetry.bodies import aggregate_steps, health_body, kv_body, sched_body
 from vconsole.telemetry.gpu import memory_share
 
 if TYPE_CHECKING:
     import zmq
 
-    from vconsole.telemetry.publisher import TelemetryPublisher
+    from vconsole.engine.publish.publisher import TelemetryPublisher
 
 PROBE_INTERVAL_S = 1.0        # gpu and host
 ERROR_ALERT_EVERY_S = 30.0    # at most one telemetry_error alert per part this often

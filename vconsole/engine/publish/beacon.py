@@ -4,7 +4,7 @@ telemetry endpoint while no engine owns it.
 The engine's supervisor (`vconsole.engine.launch.supervisor`) binds one between an engine process
 that died and the next one, so a console keeps hearing from the endpoint it watches, with state
 ``restarting``, the reason and the restart count, instead of silence. Same wire format as the
-engine's publisher: the body is `vconsole.telemetry.bodies.health_body`, encoded by
+engine's publisher: the body is `vconsole.engine.publish.bodies.health_body`, encoded by
 `vconsole.telemetry.schema`.
 
 Invariants: one thread uses a beacon (no thread of its own: the caller sends each heartbeat);
@@ -21,8 +21,8 @@ from typing import Any
 
 import zmq
 
+from vconsole.engine.publish.bodies import health_body
 from vconsole.telemetry import schema
-from vconsole.telemetry.bodies import health_body
 
 
 class HealthBeacon:

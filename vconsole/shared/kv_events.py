@@ -5,7 +5,7 @@ The KV cache manager appends these to a list while events are on (`vconsole engi
 hashes, the hash of the block before them, their tokens), a cached block evicted to be reused
 (`BlockRemoved`), or every hash forgotten at once (`AllBlocksCleared`, prefix caching switched
 off). Replayed in order they give exactly the set of hashes the pool holds. The engine process
-takes the list after each step and hands it to the publisher (`vconsole.telemetry.kv_events`),
+takes the list after each step and hands it to the publisher (`vconsole.engine.publish.kv_events`),
 which encodes it in vLLM's wire format. Hashes are the pool's own (Python ints, signed 64-bit);
 the publisher maps them to vLLM's unsigned 64-bit form.
 """
