@@ -14,6 +14,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["VCONSOLE_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="vconsole-test-run-")
+# The attention kernel `make install` built, for every engine a test starts, whatever
+# VCONSOLE_CACHE the test gives it (a fresh one would compile the kernel again: 20-40 s each).
+from vconsole.engine.kernel_cache import KERNEL_CACHE_ENV, cache_root  # noqa: E402
+
+os.environ.setdefault(KERNEL_CACHE_ENV, str(cache_root()))
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
 if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))

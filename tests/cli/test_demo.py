@@ -15,6 +15,7 @@ import zmq
 from vconsole.cli import build_parser
 from vconsole.commands import demo as demo_cmd
 from vconsole.commands.demo import engine_args_from
+from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.telemetry import schema
 from vconsole.tools import demo
 from vconsole.tools.demo import DemoStack
@@ -106,7 +107,7 @@ def open_paths() -> set[str]:
 @pytest.mark.proc
 @pytest.mark.slow
 def test_temporary_engine_log_is_not_held_open_and_a_clean_stop_removes_it():
-    engine = demo.EngineProcess(ENGINE_ARGS)
+    engine = EngineProcess(ENGINE_ARGS)
     log = engine.log_path
     assert log.exists() and str(log) not in open_paths()  # mkstemp's descriptor is closed
     with engine:
@@ -117,7 +118,7 @@ def test_temporary_engine_log_is_not_held_open_and_a_clean_stop_removes_it():
 
 @pytest.mark.proc
 def test_an_engine_that_fails_keeps_its_log_and_says_where(tmp_path):
-    engine = demo.EngineProcess(["--model", str(tmp_path / "no-such-model")])
+    engine = EngineProcess(["--model", str(tmp_path / "no-such-model")])
     with pytest.raises(RuntimeError, match="exited with code 1") as e:
         engine.start()
     assert engine.failed and str(engine.log_path) in str(e.value)
@@ -128,7 +129,7 @@ def test_an_engine_that_fails_keeps_its_log_and_says_where(tmp_path):
 def test_an_asked_for_log_path_is_kept(tmp_path):
     log = tmp_path / "engine.log"
     log.write_text("from before\n")
-    engine = demo.EngineProcess(ENGINE_ARGS, log_path=log)
+    engine = EngineProcess(ENGINE_ARGS, log_path=log)
     assert engine.stop() is None
     assert log.exists()
 
@@ -226,6 +227,7 @@ def test_a_start_that_waits_on_the_kernel_compile_says_so(tmp_path, monkeypatch)
         pytest.skip(f"no kernel on this machine: {attention_kernel.reason()}")
     built = attention_kernel.build_dir()                 # the build, from the usual cache
     monkeypatch.setenv("VCONSOLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("VCONSOLE_KERNEL_CACHE", raising=False)   # a kernel cache of its own
     entry = attention_kernel.build_dir()
     entry.mkdir(parents=True)
     phases: list[str] = []

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+KERNEL_CACHE_ENV = "VCONSOLE_KERNEL_CACHE"
 ENTRY_PREFIX = "paged_attention-"
 BUILDING = "building.json"        # {"pid", "since"}: written by the builder while it builds
 # What a waiting client is told (the engine's log, `vconsole demo`, doctor, the console).
@@ -21,10 +22,16 @@ COMPILING = "compiling the attention kernel (first start only)"
 
 
 def cache_root(environ: Mapping[str, str] | None = None) -> Path:
-    """``$VCONSOLE_CACHE/kernels`` (default ``~/.cache/vconsole/kernels``), read at each call so
-    a test or a second checkout can point it elsewhere; ``environ``: another process's
-    environment (a launcher asking where its engine builds)."""
-    env = (os.environ if environ is None else environ).get("VCONSOLE_CACHE")
+    """``$VCONSOLE_KERNEL_CACHE`` if set, else ``$VCONSOLE_CACHE/kernels`` (default
+    ``~/.cache/vconsole/kernels``), read at each call so a test or a second checkout can point it
+    elsewhere; ``environ``: another process's environment (a launcher asking where its engine
+    builds). The test suite points the kernel at the one `make install` built while each test's
+    models and keys go to folders of its own: a fresh ``VCONSOLE_CACHE`` would otherwise compile
+    the kernel again (20-40 s, over a minute on a busy 2-core machine)."""
+    environ = os.environ if environ is None else environ
+    if own := environ.get(KERNEL_CACHE_ENV):
+        return Path(own).expanduser()
+    env = environ.get("VCONSOLE_CACHE")
     base = Path(env).expanduser() if env else Path.home() / ".cache" / "vconsole"
     return base / "kernels"
 

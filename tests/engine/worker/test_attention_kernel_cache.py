@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from vconsole.engine.kernel_cache import KERNEL_CACHE_ENV
 from vconsole.engine.worker import attention_kernel
 
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -24,6 +25,7 @@ needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which
 def _kernel_cmd(cache: Path, path_prefix: Path | None = None) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "VCONSOLE_CACHE": str(cache)}
     env.pop(attention_kernel.KERNEL_ENV, None)
+    env.pop(KERNEL_CACHE_ENV, None)            # this test's own kernel cache, not the suite's
     if path_prefix is not None:
         env["PATH"] = f"{path_prefix}{os.pathsep}{env.get('PATH', '')}"
     return [sys.executable, "-m", "vconsole.engine.worker.attention_kernel"], env
@@ -92,6 +94,7 @@ def test_a_marker_left_by_a_dead_builder_is_not_a_build_in_progress(tmp_path):
 def test_an_entry_is_complete_only_once_its_manifest_names_a_library_that_is_there(
         tmp_path, monkeypatch):
     monkeypatch.setenv("VCONSOLE_CACHE", str(tmp_path))
+    monkeypatch.delenv(KERNEL_CACHE_ENV, raising=False)
     entry = attention_kernel.build_dir()
     assert entry.parent == tmp_path / "kernels" and not attention_kernel.is_built()
     entry.mkdir(parents=True)
