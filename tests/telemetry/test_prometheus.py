@@ -31,8 +31,9 @@ from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.launch.ready_file import read_ready_file
 from vconsole.engine.process.core_proc import EngineCoreProc
 from vconsole.engine.publish.bodies import kv_body, sched_body
+from vconsole.engine.publish.inbox import ITERATION_TOKENS_BUCKETS
 from vconsole.engine.publish.prometheus import MetricsServer, RanksCollector, TelemetryCollector
-from vconsole.engine.publish.publisher import ITERATION_TOKENS_BUCKETS, TelemetryPublisher
+from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats

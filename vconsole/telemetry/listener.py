@@ -22,7 +22,7 @@ class TelemetryListener:
                  topics: Iterable[str] = ("",)) -> None:
         self._on_message = on_message
         self._stop = threading.Event()
-        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # keep everything: a listener wants every message
         for topic in topics:

@@ -203,8 +203,9 @@ def to_wire(requests: Any) -> dict[str, Any]:
         rc = RequestColumns.from_rows(list(requests))
     out = {"id": rc.ids, "state": rc.state, "state_names": list(rc.state_names)}
     for k, col in rc.numeric.items():
-        dt = REQUEST_NUMERIC.get(k)
-        out[k] = col.astype(dt) if dt is not None and not np.isnan(col).any() else col
+        wire_type = REQUEST_NUMERIC.get(k)
+        out[k] = (col.astype(wire_type) if wire_type is not None and not np.isnan(col).any()
+                  else col)
     return out
 
 

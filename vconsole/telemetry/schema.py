@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 import numpy as np
@@ -135,7 +135,7 @@ class TelemetryMessage:
         return self.array("block_states")
 
 
-def is_buffer_ref(obj: Any) -> bool:
+def is_buffer_ref(obj: Any) -> TypeGuard[dict[str, Any]]:
     return isinstance(obj, dict) and "buffer" in obj and "dtype" in obj and "shape" in obj
 
 
@@ -179,7 +179,7 @@ def _lift_arrays(obj: dict[str, Any], frames: list[Buffer]) -> dict[str, Any]:
             if arr.dtype.hasobject:
                 raise SchemaError(f"field {k!r}: object arrays cannot be sent as buffers")
             out[k] = {"buffer": len(frames), "dtype": arr.dtype.name, "shape": list(arr.shape)}
-            frames.append(memoryview(arr).cast("B") if arr.size else b"")
+            frames.append(arr.data.cast("B") if arr.size else b"")
         elif isinstance(val, dict):
             out[k] = _lift_arrays(val, frames)
         else:

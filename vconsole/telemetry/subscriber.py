@@ -18,11 +18,12 @@ def run(endpoint: str = "tcp://127.0.0.1:5572", count: int | None = None,
         timeout_s: float | None = None, out=sys.stdout) -> tuple[int, int]:
     """Print up to ``count`` messages (None: forever), stopping after ``timeout_s`` of silence;
     returns (messages printed, messages lost)."""
-    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, b"")  # every topic; b"kv" would give only kv
     sock.connect(endpoint)
-    last_seq, lost, n = {}, 0, 0
+    last_seq: dict[tuple[str, int, bytes], int] = {}
+    lost, n = 0, 0
     try:
         while count is None or n < count:
             if timeout_s is not None and not sock.poll(int(timeout_s * 1000)):

@@ -84,7 +84,7 @@ class _Families:
     def __init__(self) -> None:
         self.by_name: dict[str, Metric] = {}
 
-    def _family(self, kind: type[Metric], name: str, doc: str, labels: list[str]) -> Any:
+    def _family(self, kind: Callable[..., Metric], name: str, doc: str, labels: list[str]) -> Any:
         fam = self.by_name.get(name)
         if fam is None:
             fam = self.by_name[name] = kind(name, doc, labels=labels)

@@ -21,44 +21,39 @@ them, and before the pass's heartbeat.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from vconsole.engine.publish.bodies import aggregate_steps, health_body, kv_body, sched_body
+from vconsole.engine.publish.inbox import Handoff, Inbox, Snapshot
+from vconsole.engine.publish.sender import Sender
 from vconsole.shared.config import EngineConfig
-from vconsole.shared.stats import KVStats, SchedulerStats
 from vconsole.telemetry.alerts import AlertEvaluator, AlertEvent, telemetry_error_event
 from vconsole.telemetry.gpu import memory_share
-
-if TYPE_CHECKING:
-    import zmq
-
-    from vconsole.engine.publish.publisher import TelemetryPublisher
 
 PROBE_INTERVAL_S = 1.0        # gpu and host
 ERROR_ALERT_EVERY_S = 30.0    # at most one telemetry_error alert per part this often
 SNAPSHOT_EARLY = 0.15         # of a period: how early a fresh snapshot may follow the last
 
-Snapshot = tuple[SchedulerStats, KVStats, int, float]   # sched, kv, steps, wall time
-
-
 class Probe(Protocol):
     def read(self) -> dict[str, Any]: ...
 
 
-@dataclass
-class Handoff:
-    """What the engine thread handed over since the last pass (taken under the publisher's
-    lock, all at once)."""
+@dataclass(frozen=True)
+class LoopStart:
+    """What a loop starts from, fixed for its life: the config and its announcement in force,
+    the config table's descriptions, the step count so far, when the publisher started, what
+    the supervisor said of this process, and the loops that failed before this one."""
 
-    snapshot: Snapshot | None = None
-    config: EngineConfig | None = None
-    latency: dict[str, Any] | None = None
-    dp: dict[str, Any] | None = None
-    waves: list[dict[str, Any]] = field(default_factory=list)
-    announce: tuple[int, dict[str, Any]] | None = None
-    state: str = "idle"
-    errors: dict[str, str] = field(default_factory=dict)
+    config: EngineConfig
+    announced: tuple[int, dict[str, Any]]
+    config_schema: list[dict[str, Any]]
+    steps_recorded: int
+    t0: float                  # monotonic
+    t0_wall: float
+    restart_count: int = 0
+    restart_reason: str | None = None
+    loop_errors: int = 0
 
 
 @dataclass
@@ -78,16 +73,20 @@ def _heartbeat(cfg: EngineConfig) -> float:
 
 
 class PublishLoop:
-    """One run of the publisher thread's loop over ``sock`` (`TelemetryPublisher._run` starts a
-    fresh one if a pass raises). ``clock`` is the publisher's monotonic clock."""
+    """One run of the publisher thread's loop (`TelemetryPublisher` starts a fresh one if a
+    pass raises): it takes each `Handoff` from ``inbox`` and sends through ``sender``.
+    ``clock`` is the publisher's monotonic clock."""
 
-    def __init__(self, pub: TelemetryPublisher, sock: zmq.Socket, gpu: Probe, host: Probe,
-                 clock: Callable[[], float]) -> None:
-        self.pub, self.sock, self.gpu, self.host, self.clock = pub, sock, gpu, host, clock
-        self.cfg = pub.config
+    def __init__(self, inbox: Inbox, sender: Sender, gpu: Probe, host: Probe,
+                 clock: Callable[[], float], start: LoopStart) -> None:
+        self.inbox, self.sender, self.gpu, self.host, self.clock = inbox, sender, gpu, host, clock
+        self.start = start
+        self.cfg = start.config
+        self.config_msg = start.announced
         self.evaluator = AlertEvaluator(self.cfg)
         now = clock()
         self.state = "idle"
+        self.last_handoff = Handoff(steps_recorded=start.steps_recorded, engine_errors=0)
         # The snapshot slot.
         self.snapshot: Snapshot | None = None
         self.have_new = False
@@ -98,7 +97,7 @@ class PublishLoop:
         self.latency_body: dict[str, Any] | None = None
         self.dp_body: dict[str, Any] | None = None
         self.next_error_alert: dict[str, float] = {}
-        self.health_steps = pub.steps_recorded   # steps the last health message counted
+        self.health_steps = start.steps_recorded   # steps the last health message counted
         self.cadences = [
             Cadence("config", lambda c: c.config_interval_s, self._send_config, due=now),
             Cadence("latency", _heartbeat, self._send_latency,
@@ -112,7 +111,7 @@ class PublishLoop:
 
     def run(self, stopped: Callable[[], bool], wait: Callable[[float], None]) -> None:
         while not stopped():
-            self.pass_once(self.pub.take_handoff())
+            self.pass_once(self.inbox.take())
             delay = self.next_deadline() - self.clock()
             if delay > 0:
                 wait(delay)
@@ -121,7 +120,7 @@ class PublishLoop:
         now = self.clock()
         self._send_alerts(self._absorb(handoff, now))
         self._send_alerts(self._snapshot_slot(now))
-        if self.state == "idle" and not self.pub.steps_pending():
+        if self.state == "idle" and not self.inbox.steps_pending():
             # Nothing to do is not slow. (A running engine with no steps may be stuck inside
             # one: it keeps its level, and health.last_step_age_s grows.)
             self._send_alerts(self.evaluator.observe(step_time_s=0.0, sched_share=0.0))
@@ -132,18 +131,24 @@ class PublishLoop:
 
     def next_deadline(self) -> float:
         deadlines = [c.due for c in self.cadences if c.ready()]
-        if self.have_new or self.pub.steps_pending():
+        if self.have_new or self.inbox.steps_pending():
             deadlines.append(self.next_snap - self._early())
         elif self.snapshot is not None:
             deadlines.append(max(self.next_snap,
                                  self.last_state_sent + self.cfg.heartbeat_interval_s))
         return min(deadlines)
 
+    @property
+    def telemetry_errors(self) -> int:
+        """The engine's reported failures and the publisher loops that failed before this."""
+        return self.last_handoff.engine_errors + self.start.loop_errors
+
     # --- a pass ---------------------------------------------------------------------------------
 
     def _absorb(self, h: Handoff, now: float) -> list[AlertEvent]:
         """Take the hand-off: fresh data makes its cadence due now."""
         alerts: list[AlertEvent] = []
+        self.last_handoff = h
         self.state = h.state
         if h.snapshot is not None:
             self.snapshot, self.have_new = h.snapshot, True
@@ -152,10 +157,10 @@ class PublishLoop:
             alerts += self.evaluator.update_config(h.config)
         for part, message in h.errors.items():    # the others are counted, not alerted
             if now >= self.next_error_alert.get(part, 0.0):
-                alerts.append(telemetry_error_event(part, message, self.pub.telemetry_errors))
+                alerts.append(telemetry_error_event(part, message, self.telemetry_errors))
                 self.next_error_alert[part] = now + ERROR_ALERT_EVERY_S
         if h.announce is not None:
-            self.pub.config_msg = h.announce
+            self.config_msg = h.announce
             self._by_topic["config"].due = now
         if h.latency is not None:
             self.latency_body = h.latency
@@ -164,7 +169,7 @@ class PublishLoop:
             self.dp_body = h.dp
             self._by_topic["dp"].due = now
         for wave in h.waves:
-            self.pub.send(self.sock, "wave", wave)
+            self.sender.send("wave", wave)
         return alerts
 
     def _early(self) -> float:
@@ -173,25 +178,27 @@ class PublishLoop:
     def _snapshot_slot(self, now: float) -> list[AlertEvent]:
         """``step`` (the window since the last one), then ``sched`` and ``kv`` when there is a
         new snapshot or the last one is a heartbeat old."""
-        cfg, alerts = self.cfg, []
+        cfg = self.cfg
+        alerts: list[AlertEvent] = []
         refresh = (self.snapshot is not None
                    and now - self.last_state_sent >= cfg.heartbeat_interval_s)
         if now < self.next_snap - self._early() or not (
-                self.have_new or self.pub.steps_pending() or refresh):
+                self.have_new or self.inbox.steps_pending() or refresh):
             return alerts
-        drained = self.pub.drain_steps()
+        window = self.inbox.drain_window()
+        drained = window.steps
         step = aggregate_steps(drained, now - self.last_window)
-        step.update(self.pub.step_totals())
+        step.update(window.totals)
         self.last_window = now
-        self.pub.send(self.sock, "step", step)
+        self.sender.send("step", step)
         if drained:
             alerts += self.evaluator.observe(step_time_s=step["step_time_p50_s"],
                                              sched_share=step["sched_share"])
         if self.snapshot is not None and (self.have_new or refresh):
             sched, kv, _, snap_ts = self.snapshot
-            self.pub.send(self.sock, "sched",
+            self.sender.send("sched",
                           {**sched_body(sched, cfg.telemetry_max_requests), "snapshot_ts": snap_ts})
-            self.pub.send(self.sock, "kv", {**kv_body(kv), "snapshot_ts": snap_ts})
+            self.sender.send("kv", {**kv_body(kv), "snapshot_ts": snap_ts})
             if self.have_new:
                 alerts += self.evaluator.observe(num_waiting=sched.num_waiting,
                                                  fragmentation=kv.fragmentation)
@@ -203,48 +210,48 @@ class PublishLoop:
 
     def _send_alerts(self, alerts: list[AlertEvent]) -> None:
         for ev in alerts:
-            self.pub.send(self.sock, "alert", ev.payload())
+            self.sender.send("alert", ev.payload())
 
     # --- the cadences ---------------------------------------------------------------------------
 
     def _send_config(self, now: float) -> list[AlertEvent]:
-        version, values = self.pub.config_msg
-        self.pub.send(self.sock, "config", {"version": version, "values": values,
-                                            "schema": self.pub.config_schema})
+        version, values = self.config_msg
+        self.sender.send("config", {"version": version, "values": values,
+                                    "schema": self.start.config_schema})
         return []
 
     def _send_latency(self, now: float) -> list[AlertEvent]:
         assert self.latency_body is not None
-        self.pub.send(self.sock, "latency", self.latency_body)
+        self.sender.send("latency", self.latency_body)
         return []
 
     def _send_dp(self, now: float) -> list[AlertEvent]:
         assert self.dp_body is not None
-        self.pub.send(self.sock, "dp", self.dp_body)
+        self.sender.send("dp", self.dp_body)
         return []
 
     def _send_probes(self, now: float) -> list[AlertEvent]:
         reading = self.gpu.read()
-        self.pub.send(self.sock, "gpu", reading)
+        self.sender.send("gpu", reading)
         share = memory_share(reading) if reading.get("available") else None
-        self.pub.send(self.sock, "host", self.host.read())
+        self.sender.send("host", self.host.read())
         return self.evaluator.observe(gpu_memory_share=share)
 
     def _send_health(self, now: float) -> list[AlertEvent]:
-        pub = self.pub
-        num_steps = max(pub.steps_recorded, self.snapshot[2] if self.snapshot else 0)
-        last_step = pub.last_step_t
+        h, start = self.last_handoff, self.start
+        num_steps = max(h.steps_recorded, self.snapshot[2] if self.snapshot else 0)
+        last_step = h.last_step_t
         # An engine that stepped since the last heartbeat is running, even if this instant
         # finds it between two requests (under light load it is idle most instants).
         state = "running" if self.state == "idle" and num_steps > self.health_steps \
             else self.state
         self.health_steps = num_steps
-        pub.send(self.sock, "health", health_body(
-            state, uptime_s=now - pub.t0, steps=num_steps,
-            interval_s=self.cfg.heartbeat_interval_s, started_ts=pub.t0_wall,
-            send_drops=pub.send_drops, steps_dropped=pub.steps_dropped(),
+        self.sender.send("health", health_body(
+            state, uptime_s=now - start.t0, steps=num_steps,
+            interval_s=self.cfg.heartbeat_interval_s, started_ts=start.t0_wall,
+            send_drops=self.sender.send_drops, steps_dropped=h.steps_dropped,
             alerts_active=self.evaluator.active(),
             last_step_age_s=None if last_step is None else max(0.0, now - last_step),
-            restart_count=pub.restart_count, restart_reason=pub.restart_reason,
-            telemetry_errors=pub.telemetry_errors))
+            restart_count=start.restart_count, restart_reason=start.restart_reason,
+            telemetry_errors=self.telemetry_errors))
         return []
