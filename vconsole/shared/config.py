@@ -1,8 +1,10 @@
 """The engine's configuration: every knob, its type, range, description and whether it is hot.
 
 One table (`EngineConfig`'s fields and their metadata) drives everything that touches config:
-CLI defaults, TOML loading, the control channel's ``set_config`` validation and the console's
-config screen (which receives the same table as ``describe_config()`` over the wire). A key is
+CLI defaults, TOML loading (`vconsole.engine.config_source`), the control channel's
+``set_config`` validation, the console's check of a value before it sends it, and the console's
+config screen (which receives the same table as ``describe_config()`` over the wire). Why in
+`vconsole.shared`: the engine, the wire and the console all read this one table. A key is
 either *hot* (applied between two steps while the engine serves) or *restart-only* (fixed when the
 engine starts; a change is answered ``restart_required``, never silently ignored).
 

@@ -48,6 +48,7 @@ import zmq
 from vconsole.security.control_key import NOT_AUTHORISED
 from vconsole.security.curve import ClientCurve
 from vconsole.security.endpoints import DEFAULT_CONTROL
+from vconsole.shared.config import ConfigUpdate, describe_config
 
 OPS = ("get_config", "set_config", "profile_start", "profile_status", "profile_cancel")
 PROFILE_MAX_STEPS = 200   # a profile's trace is kept in memory until its last step
@@ -131,11 +132,10 @@ def error_reply(error: str, request_id: int | None = None) -> dict[str, Any]:
     return make_reply(ok=False, error=error, request_id=request_id)
 
 
-def config_reply(version: int, values: dict[str, Any], update: Any = None,
+def config_reply(version: int, values: dict[str, Any], update: ConfigUpdate | None = None,
                  request_id: int | None = None) -> dict[str, Any]:
-    """Reply for get_config (``update`` None) or set_config (``update`` an
-    `vconsole.shared.config.ConfigUpdate`); ``version``/``values`` are the config after the update."""
-    from vconsole.shared.config import describe_config
+    """Reply for get_config (``update`` None) or set_config; ``version``/``values`` are the
+    config after the update."""
     if update is None:
         return make_reply(ok=True, version=version, values=values, schema=describe_config(),
                           request_id=request_id)
