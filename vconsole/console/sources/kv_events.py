@@ -2,7 +2,7 @@
 
 vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'``) and our
 own engine (``--kv-events-endpoint``) publish ``[topic, seq, payload]`` on a PUB socket, rank r
-on the endpoint's port + r (`vconsole.engine.publish.kv_events`). `decode_batch` reads a payload in
+on the endpoint's port + r (`vconsole.telemetry.kv_wire`). `decode_batch` reads a payload in
 every encoding vLLM has used: the batch as an array ``[ts, events(, dp_rank)]`` or a map, each
 event a tagged map (``{"type": "BlockStored", ...}``, vLLM ≥ 0.2x) or a positional array
 (``["BlockStored", hashes, parent, tokens, block_size, ...]``, older vLLM); hashes as ints or
