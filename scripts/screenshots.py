@@ -38,7 +38,7 @@ RECORDING = ROOT / "tests" / "data" / "synthetic.vrec"
 sys.path.insert(0, str(ROOT))
 
 from vconsole.console.app import VConsoleApp  # noqa: E402
-from vconsole.console.source import ReplaySource  # noqa: E402
+from vconsole.console.sources.stream import ReplaySource  # noqa: E402
 
 MODES = ("overview", "requests", "kv", "config", "trends", "alerts")
 SIZES = ((120, 40), (80, 24))
@@ -250,7 +250,7 @@ def main() -> int:
         recording = Path(tempfile.mkdtemp(prefix="vconsole-shots-")) / "demo.vrec"
         with DemoStack(engine_args, rate=args.rate) as stack:
             eps = stack.endpoints
-            key, key_file = stack.engine.control_key(), stack.engine.control_key_path
+            key, control_key_file = stack.engine.control_key(), stack.engine.control_key_file
             # Waiting-queue thresholds the demo's bursts cross, so the Alerts screen shows
             # real alerts of this engine (at the defaults, 50 / 100, a demo raises none).
             with ControlClient(eps["control"], key=key) as ctl:
@@ -260,7 +260,7 @@ def main() -> int:
             recorder.start()
             saved = asyncio.run(shoot(lambda: VConsoleApp([eps["telemetry"]], eps["control"],
                                                           control_key=key,
-                                                          control_key_file=key_file),
+                                                          control_key_file=control_key_file),
                                       out, args.warmup, 60.0))
             recorder.join()
         saved += asyncio.run(shoot_replay(recording, out))

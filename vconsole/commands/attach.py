@@ -52,7 +52,7 @@ def _attach_vllm(args: argparse.Namespace) -> int:
 def main_replay(args: argparse.Namespace) -> int:
     """Drive the console from a recorded file at ``--speed`` (read-only)."""
     from vconsole.console.app import VConsoleApp
-    from vconsole.console.source import ReplaySource
+    from vconsole.console.sources.stream import ReplaySource
     from vconsole.telemetry.record import RecordFormatError, read_header
 
     path = Path(args.file)
