@@ -1,6 +1,6 @@
 # The whole set-up on a fresh machine is one of these two commands:
 #   make demo   - engine + load generator + console, in one go
-#   make test   - ruff, the import contracts and the whole test suite
+#   make test   - ruff, the import contracts, mypy and the whole test suite
 #                 (make test-fast: the same, with the unit tests only)
 # Both create/update .venv. Without an NVIDIA GPU the CPU build of torch is
 # installed first (so pip never pulls the multi-GB CUDA build); on a GPU box
@@ -50,7 +50,8 @@ install-test: $(VENV)/.installed-test $(VENV)/.kernel
 demo: install
 	$(VENV)/bin/vconsole demo
 
-# make test: ruff, the import contracts ([tool.importlinter] in pyproject.toml), every test.
+# make test: ruff, the import contracts ([tool.importlinter] in pyproject.toml), mypy, every
+# test.
 # make test-fast: the same checks, then only the unit layer (no engine processes, nothing slow).
 # Two pytest workers (pytest-xdist): most tests wait on engine processes, so two share two cores
 # well (10-11 min instead of 15 on 2 cores). TEST_WORKERS=0 runs them in one process.
@@ -61,9 +62,12 @@ test: lint
 test-fast: lint
 	$(PY) -m pytest -q -m "not proc and not slow"
 
+# The type checker ([tool.mypy] in pyproject.toml: every product package) runs with the
+# other checks; its cache lives in .mypy_cache, so a second run takes seconds.
 lint: install-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 screenshots: install-test
 	$(PY) scripts/screenshots.py

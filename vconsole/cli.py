@@ -1,8 +1,9 @@
 """`vconsole` — the command line: one parser, each subcommand handed to the module that owns it.
 
-Subcommands are resolved lazily (``"vconsole.commands.NAME:function"``) so `vconsole --help` starts fast
-and a command's heavy imports (torch, textual) load only when it runs. Each handler takes the
-parsed ``argparse.Namespace`` and returns an exit code.
+Subcommands are resolved lazily (``"vconsole.commands.NAME:function"``) so `vconsole --help`
+starts fast and a command's heavy imports (torch, textual) load only when it runs. Each handler
+takes the parsed ``argparse.Namespace`` and returns an exit code. The flag groups that several
+commands share live in `vconsole.commands.flags`; this module is the table of commands.
 """
 
 from __future__ import annotations
@@ -10,219 +11,20 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
-from vconsole.security.endpoints import DEFAULTS
-from vconsole.shared.config import DEVICES, DTYPES, POLICIES
-
-
-def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> None:
-    """Flags that build an EngineConfig. Unset flags stay None so a --config file or the
-    defaults in vconsole.shared.config decide. ``serving``: `vconsole engine` itself, which
-    also reloads --config and can run data-parallel ranks."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", help="local model directory, or a built-in model: 'tiny' "
-                   "(default) or 'small-gqa'")
-    g.add_argument("--device", choices=DEVICES, help="auto (default), cpu or cuda")
-    g.add_argument("--dtype", choices=DTYPES, help="auto (default): float32 on CPU, bf16 on CUDA")
-    g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    g.add_argument("--num-kv-blocks", type=int, help="KV blocks in the pool (default: sized "
-                   "from memory)")
-    g.add_argument("--max-num-seqs", type=int, help="most requests running at once (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=int,
-                   help="token budget per step (default 512)")
-    g.add_argument("--max-model-len", type=int, metavar="N",
-                   help="longest prompt + output in tokens, as vLLM's flag (default: the "
-                        "model's max_position_embeddings)")
-    g.add_argument("--policy", choices=POLICIES, help="waiting-queue order (default fcfs)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--config", metavar="FILE",
-                   help="TOML config file" + (" (reloaded on SIGHUP and when it changes)"
-                                              if serving else ""))
-    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other config key (repeatable)")
-    if serving:
-        add_data_parallel_args(p)
-        g = p.add_argument_group("KV cache events (vLLM's format, for KV-aware routers)")
-        g.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
-                       help="publish BlockStored / BlockRemoved / AllBlocksCleared batches on "
-                            "this ZeroMQ PUB endpoint (e.g. tcp://127.0.0.1:5557; loopback "
-                            "unless --allow-remote-telemetry; never CURVE, which vLLM-format "
-                            "routers cannot speak); off by default")
-        g.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
-                       help="ROUTER endpoint replaying past batches from a sequence number")
-
-
-def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data parallel (several engine ranks behind one front end)")
-    g.add_argument("--data-parallel-size", type=int, metavar="N",
-                   help="engine ranks (model replicas) to run (default 1)")
-    g.add_argument("--dp-rank", type=int, metavar="R", help=argparse.SUPPRESS)
-    g.add_argument("--dp-master-addr", metavar="HOST",
-                   help="rendezvous host (default 127.0.0.1, or torchrun's MASTER_ADDR)")
-    g.add_argument("--dp-master-port", type=int, metavar="PORT",
-                   help="rendezvous port (default: a free one, or torchrun's MASTER_PORT)")
-    g.add_argument("--dp-rank-host", metavar="HOST",
-                   help="torchrun: the IPv4 address this node's ranks bind their private endpoints "
-                   "on, one the front end's host can reach (default 127.0.0.1; beyond loopback "
-                   "needs --dp-curve-dir)")
-    g.add_argument("--dp-curve-dir", metavar="DIR",
-                   help="torchrun: CURVE keys between the front end and the ranks, a `vconsole "
-                   "keys DIR` folder copied to every host (ranks: server.key_secret + "
-                   "authorized_clients/; the front end: client.key_secret + server.key)")
-
-
-BASE_PORT_ENV = "VCONSOLE_BASE_PORT"
-
-
-def env_base_port() -> int | None:
-    """``$VCONSOLE_BASE_PORT`` as a port, None when unset; ValueError names a bad value."""
-    raw = os.environ.get(BASE_PORT_ENV, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or not 1 <= int(raw) <= 65532:
-        raise ValueError(f"${BASE_PORT_ENV} must be a port from 1 to 65532, not {raw!r}")
-    return int(raw)
-
-
-def add_endpoint_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("endpoints (ZeroMQ; tcp:// or ipc://)")
-    for name, default in DEFAULTS.items():
-        g.add_argument(f"--{name}", default=default, metavar="ENDPOINT",
-                       help=f"{name} socket (default {default})")
-    g.add_argument("--base-port", type=int, metavar="PORT",
-                   help="the four sockets on 127.0.0.1 ports PORT..PORT+3 (input, output, "
-                        "telemetry, control), as `vconsole demo --base-port`; an endpoint "
-                        f"given by its own flag wins (default: ${BASE_PORT_ENV} when set)")
-
-
-def add_vllm_arg(p: argparse.ArgumentParser) -> None:
-    """``--vllm URL``: watch a vLLM server through its Prometheus ``/metrics`` instead."""
-    p.add_argument("--vllm", metavar="URL",
-                   help="watch a vLLM server (or any server with vLLM's metric names, such as "
-                        "`vconsole serve`) by scraping URL/metrics about once a second, e.g. "
-                        "http://127.0.0.1:8000; the endpoint flags are then not used")
-
-
-def apply_base_port(args: argparse.Namespace) -> None:
-    """``--base-port P`` (else ``$VCONSOLE_BASE_PORT``, so one shell's commands all move off
-    busy ports together): every endpoint still at its default moves to 127.0.0.1:P+i."""
-    if not hasattr(args, "base_port"):
-        return
-    base = args.base_port = args.base_port or env_base_port()
-    if not base:
-        return
-    for i, (name, default) in enumerate(DEFAULTS.items()):
-        if getattr(args, name, None) == default:
-            setattr(args, name, f"tcp://127.0.0.1:{base + i}")
-
-
-def add_control_key_arg(p: argparse.ArgumentParser, *, engine: bool = False) -> None:
-    """``--control-key-file``: where the engine writes its control key / where a client reads
-    it. The default, on both sides, is derived from the control endpoint
-    (`vconsole.security.control_key.key_path`), so a bare client finds a bare engine's key."""
-    if engine:
-        help_ = ("write the control key here, mode 0600 (default: derived from --control under "
-                 "$VCONSOLE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/vconsole, else "
-                 "~/.cache/vconsole/run); clients need it to change the config")
-    else:
-        help_ = ("the engine's control key file (default: the path the engine derives from "
-                 "--control); needed to change the config, not to read it")
-    p.add_argument("--control-key-file", metavar="PATH", help=help_)
-
-
-def add_curve_args(p: argparse.ArgumentParser, *, engine: bool = False) -> None:
-    """CURVE key flags (`vconsole keys DIR` makes the files). The engine takes its secret key and
-    a folder of authorised client public keys; a client takes the engine's public key and its
-    own secret key. Given both, every socket is CURVE: encrypted, and only authorised clients
-    get through (required for a non-loopback input, output or control endpoint)."""
-    g = p.add_argument_group("CURVE (encryption and client keys; `vconsole keys DIR` makes them)")
-    if engine:
-        g.add_argument("--curve-server-key", metavar="PATH",
-                       help="the engine's secret key file (DIR/server.key_secret, mode 0600)")
-        g.add_argument("--curve-clients", metavar="DIR",
-                       help="folder of authorised client public keys, *.key "
-                            "(DIR/authorized_clients); read once at start")
-    else:
-        g.add_argument("--curve-server-public", metavar="PATH",
-                       help="the engine's public key file (DIR/server.key)")
-        g.add_argument("--curve-client-key", metavar="PATH",
-                       help="this client's secret key file (DIR/client.key_secret, mode 0600)")
-
-
-def add_supervisor_args(p: argparse.ArgumentParser) -> None:
-    """`vconsole engine`'s supervisor (`vconsole.engine.launch.supervisor`): how it restarts the
-    engine process, or ``--no-supervisor``. The hidden flags are how it starts its child."""
-    g = p.add_argument_group("supervisor (restarts the engine process when it dies)")
-    g.add_argument("--no-supervisor", action="store_true",
-                   help="run the engine in this process: nothing restarts it")
-    g.add_argument("--max-restarts", type=int, default=5, metavar="N",
-                   help="give up after more than N failures within --restart-window (default 5)")
-    g.add_argument("--restart-window", type=float, default=300.0, metavar="S",
-                   help="seconds over which failures count against --max-restarts (default 300)")
-    g.add_argument("--restart-backoff", type=float, default=0.5, metavar="S",
-                   help="wait before the first restart; doubles per failure in the window, up "
-                        "to 10 s (default 0.5)")
-    g.add_argument("--hang-timeout", type=float, default=60.0, metavar="S",
-                   help="restart an engine that has work but made no step for S seconds "
-                        "(default 60; 0: never)")
-    g.add_argument("--supervised-child", action="store_true", help=argparse.SUPPRESS)
-    g.add_argument("--liveness-file", help=argparse.SUPPRESS)
-    g.add_argument("--failure-file", help=argparse.SUPPRESS)
-    g.add_argument("--restart-count", type=int, default=0, help=argparse.SUPPRESS)
-    g.add_argument("--restart-reason", help=argparse.SUPPRESS)
-
-
-def add_engine_command_args(p: argparse.ArgumentParser) -> None:
-    """Every flag of `vconsole engine` (`vconsole serve` takes them all too, for the engine it
-    starts); `vconsole.commands.engine.launch_from_args` reads them into an `EngineLaunch`."""
-    add_engine_args(p, serving=True)
-    add_endpoint_args(p)
-    p.add_argument("--allow-remote-telemetry", dest="allow_remote", action="store_true",
-                   help="allow the (read-only) telemetry socket on a non-loopback address "
-                        "without CURVE keys (input, output and control always need keys there)")
-    add_control_key_arg(p, engine=True)
-    add_curve_args(p, engine=True)
-    p.add_argument("--ready-file", metavar="PATH",
-                   help="once serving, write the bound endpoints and the control key path here "
-                        "as JSON (atomically; removed on a clean stop): how launchers find "
-                        "the engine")
-    g = p.add_argument_group("Prometheus (/metrics over HTTP, read-only)")
-    g.add_argument("--metrics-port", type=_port, metavar="PORT",
-                   help="serve Prometheus metrics on this port (0: a free one, named in the "
-                        "ready file); off by default")
-    g.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
-                   help="address for --metrics-port (default 127.0.0.1)")
-    g.add_argument("--allow-remote-metrics", action="store_true",
-                   help="allow a non-loopback --metrics-host (plain HTTP: anyone who can reach "
-                        "the port reads the metrics)")
-    add_supervisor_args(p)
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a TCP port (0-65535): {text!r}")
-    return port
-
-
-def _int_list(text: str) -> list[int]:
-    """``100,1000`` -> [100, 1000]; every item a positive integer."""
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") \
-            from None
-    if not out or any(n < 1 for n in out):
-        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
-    return out
+from vconsole.commands.flags import (
+    BASE_PORT_ENV,
+    add_client_args,
+    add_endpoint_args,
+    add_engine_args,
+    add_engine_command_args,
+    apply_base_port,
+    int_list,
+    port,
+)
 
 
 def _handler(target: str) -> Callable[[argparse.Namespace], int]:
@@ -307,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; beyond loopback, set "
                         "--api-key)")
-    g.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="clients must send `Authorization: Bearer KEY` on /v1/ routes "
                         "(default: $VCONSOLE_API_KEY; unset: no key)")
@@ -324,13 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_command_args(p)
 
     p = cmd("attach", "vconsole.commands.attach:main", "attach the console to a running engine")
-    add_endpoint_args(p)
+    add_client_args(p, control_key=True, vllm=True)
     p.add_argument("--extra-telemetry", action="append", default=[], metavar="ENDPOINT",
                    help="another engine's telemetry endpoint (e.g. a data-parallel rank)")
     p.add_argument("--readonly", action="store_true", help="watch only: hide every action")
-    add_control_key_arg(p)
-    add_curve_args(p)
-    add_vllm_arg(p)
     p.add_argument("--kv-events", metavar="ENDPOINT",
                    help="with --vllm: follow the server's KV events (its --kv-events-config "
                         "endpoint, e.g. tcp://127.0.0.1:5557; rank r on port + r) and show the "
@@ -353,8 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = cmd("load", "vconsole.commands.load:main", "a load generator client against a running engine")
-    add_endpoint_args(p)
-    add_curve_args(p)
+    add_client_args(p)
     g = p.add_argument_group("HTTP (an OpenAI-compatible server instead of the engine's socket)")
     g.add_argument("--api-url", metavar="URL",
                    help="send streaming /v1/completions to this server, e.g. "
@@ -379,17 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "before that is still loading its model (default 60)")
 
     p = cmd("set", "vconsole.commands.control:main_set", "change engine config (hot reload)")
-    add_endpoint_args(p)
-    add_control_key_arg(p)
-    add_curve_args(p)
+    add_client_args(p, control_key=True)
     p.add_argument("pairs", nargs="+", metavar="KEY=VALUE")
     p.add_argument("--rank", type=int, metavar="R",
                    help="data parallel: change only rank R (default: every rank)")
 
     p = cmd("get", "vconsole.commands.control:main_get", "print the engine's effective config")
-    add_endpoint_args(p)
-    add_control_key_arg(p)
-    add_curve_args(p)
+    add_client_args(p, control_key=True)
     p.add_argument("keys", nargs="*", metavar="KEY", help="only these keys")
     p.add_argument("--rank", type=int, metavar="R",
                    help="data parallel: read rank R's config (default: rank 0's)")
@@ -400,9 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Run torch.profiler over the engine's next N steps (it keeps serving, slower) and "
             "print the step phase shares, the time per layer type and the top operators by "
             "self time. Needs the control key, as `set` does.")
-    add_endpoint_args(p)
-    add_control_key_arg(p)
-    add_curve_args(p)
+    add_client_args(p, control_key=True)
     p.add_argument("--steps", type=int, default=20, metavar="N",
                    help="steps to profile (default 20, at most 200)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -410,9 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give up (and cancel the profile) after S seconds (default 120)")
 
     p = cmd("top", "vconsole.commands.top:main", "a telemetry snapshot for scripts")
-    add_endpoint_args(p)
-    add_curve_args(p)
-    add_vllm_arg(p)
+    add_client_args(p, vllm=True)
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=10.0,
@@ -431,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int,
                    help="throughput: override the workload size; telemetry, console: requests "
                         "in the engine (default 12000 / 10000)")
-    p.add_argument("--sizes", type=_int_list, default=None, metavar="N,N,...",
+    p.add_argument("--sizes", type=int_list, default=None, metavar="N,N,...",
                    help="scheduler: waiting-queue sizes (default 100,1000,10000,50000)")
     p.add_argument("--steps", type=int, default=300,
                    help="scheduler: measured steps per policy and size (default 300)")
@@ -443,9 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=None,
                    help="telemetry: seconds per round (default 1); console: seconds per "
                         "measurement (default 4)")
-    p.add_argument("--model-config", default="tiny", choices=sorted(MODEL_CONFIGS),
-                   help="throughput, serve: the built-in model to run (default tiny)")
-    p.add_argument("--concurrency", type=_int_list, default=None, metavar="N,N,...",
+    p.add_argument("--model-config", default="tiny", metavar="NAME",
+                   help="throughput, serve: the built-in model to run, tiny (default) or "
+                        "small-gqa")
+    p.add_argument("--concurrency", type=int_list, default=None, metavar="N,N,...",
                    help="serve: concurrency levels (default 1,8,32)")
     p.add_argument("--no-transformers", action="store_true",
                    help="serve: skip the comparison with `transformers serve "
@@ -462,9 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "ratios (default 5)")
 
     p = cmd("record", "vconsole.commands.record:main", "save the telemetry stream to a file")
-    add_endpoint_args(p)
-    add_curve_args(p)
-    add_vllm_arg(p)
+    add_client_args(p, vllm=True)
     p.add_argument("file", metavar="FILE")
     p.add_argument("--duration", type=float,
                    help="stop after this many seconds (default: until Ctrl-C)")
@@ -523,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 def _silence_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush raises nothing more."""
     import os
+
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)

@@ -69,7 +69,7 @@ def test_bare_vconsole_prints_its_help_and_version_is_there():
 
 
 def test_base_port_moves_every_default_endpoint_but_not_an_explicit_one():
-    from vconsole.cli import apply_base_port
+    from vconsole.commands.flags import apply_base_port
 
     args = build_parser().parse_args(["engine", "--base-port", "6000",
                                       "--control", "ipc:///tmp/ctl"])
@@ -82,7 +82,7 @@ def test_base_port_moves_every_default_endpoint_but_not_an_explicit_one():
 
 
 def test_vconsole_base_port_moves_a_whole_shell_and_the_flag_wins(monkeypatch):
-    from vconsole.cli import apply_base_port
+    from vconsole.commands.flags import apply_base_port
 
     monkeypatch.setenv("VCONSOLE_BASE_PORT", "7100")
     get = build_parser().parse_args(["get"])

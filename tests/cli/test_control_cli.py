@@ -111,8 +111,8 @@ def test_set_without_the_key_file_exits_1_naming_the_path_and_changes_nothing(en
     assert f"cannot read the engine's control key {missing} (no such file)" in r.stderr
     assert "--control-key-file" in r.stderr
     # The default path is the one the engine wrote; take it away and the bare command says so.
-    default = control_key.key_path(ctl)
-    assert default == engine.control_key_path and default.exists()
+    default = control_key.control_key_file(ctl)
+    assert default == engine.control_key_file and default.exists()
     hidden = tmp_path / "hidden.key"
     shutil.copy2(default, hidden)
     os.rename(default, tmp_path / "moved.key")

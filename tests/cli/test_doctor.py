@@ -61,7 +61,7 @@ def test_a_control_key_left_by_a_killed_engine_is_named_stale(tmp_path, monkeypa
     assert doctor.check_control_key().status == doctor.OK
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    path = control_key.key_path(DEFAULT_CONTROL)
+    path = control_key.control_key_file(DEFAULT_CONTROL)
     key = engine_key.new_key()
     owner = KeyOwner.for_this_process(key, engine_id="old-0", endpoint=DEFAULT_CONTROL)
     record = {**json.loads(owner.to_json()), "pid": dead.pid, "started": 1.0}
@@ -129,7 +129,7 @@ def test_doctor_checks_the_ports_of_vconsole_base_port_and_of_base_port(tmp_path
             control = f"tcp://127.0.0.1:{base + 3}"
             with_env = {**os.environ, "VCONSOLE_RUNTIME_DIR": str(tmp_path / "run")}
             key = subprocess.run([sys.executable, "-c", "from vconsole.security.control_key "
-                                  f"import key_path; print(key_path({control!r}))"],
+                                  f"import control_key_file; print(control_key_file({control!r}))"],
                                  capture_output=True, text=True, env=with_env, check=True)
             assert checks["control key"]["detail"] == (f"none at {key.stdout.strip()} "
                                                        f"(no engine on {control})")

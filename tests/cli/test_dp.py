@@ -239,7 +239,7 @@ def test_a_set_config_without_the_front_ends_key_changes_nothing(dp: DP) -> None
 def _vconsole(dp: DP, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "vconsole", *argv, "--control",
                            dp.engine.endpoints["control"], "--control-key-file",
-                           str(dp.engine.control_key_path)], capture_output=True, text=True,
+                           str(dp.engine.control_key_file)], capture_output=True, text=True,
                           timeout=60)
 
 

@@ -27,7 +27,8 @@ from test_serve import ENGINE, serve, status, wait_until  # the server as test_s
 from support.live_engine import ipc_endpoints
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.tools.http_load import HttpLoadClient
-from vconsole.tools.loadgen import LoadSpec, format_summary, run_load
+from vconsole.tools.load_summary import format_summary
+from vconsole.tools.loadgen import LoadSpec, run_load
 
 MODEL = {"id": "fake", "object": "model", "vocab_size": 300, "max_model_len": 4096}
 

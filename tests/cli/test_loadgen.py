@@ -15,15 +15,13 @@ import zmq
 from vconsole.cli import build_parser
 from vconsole.commands.load import main as loadgen_main
 from vconsole.engine.client.async_client import AsyncEngineClient
+from vconsole.tools.load_summary import LoadRun, RequestRecord, format_summary
 from vconsole.tools.loadgen import (
-    LoadRun,
     LoadSpec,
     LoadThread,
-    RequestRecord,
     Workload,
     _one,
     demo_rate,
-    format_summary,
     parse_mix,
     parse_range,
 )

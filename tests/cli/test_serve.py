@@ -149,6 +149,23 @@ def test_a_frozen_engine_turns_health_503_without_failing_the_stream_it_resumes(
             child.stop(30, signal.SIGINT)
 
 
+
+def stream_and_kill(port: int, engine: EngineProcess) -> tuple[list[str], float]:
+    """Start a long stream, kill -9 the engine's child once it is writing, read the stream to
+    its end: the ``data:`` events and the seconds from the kill to the stream's end."""
+    conn = HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True,
+         "stream": True}), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: {")       # the engine is writing it
+    os.kill(engine.ready["child_pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    events = [line[6:].strip() for line in resp.read().decode().splitlines()
+              if line.startswith("data: ")]
+    return events, time.monotonic() - killed
+
 @pytest.mark.proc
 def test_a_stream_whose_engine_was_killed_ends_with_a_503_error_event(tmp_path: Path) -> None:
     # The engine's failure is not the client's bad request: the stream's error event says 503
@@ -158,16 +175,7 @@ def test_a_stream_whose_engine_was_killed_ends_with_a_503_error_event(tmp_path: 
         child, port, log = serve(tmp_path, "--engine-ready-file", str(engine.ready_path))
         try:
             wait_until(lambda: status(port) == 200, "the server never became healthy", log)
-            conn = HTTPConnection("127.0.0.1", port, timeout=60)
-            conn.request("POST", "/v1/completions", json.dumps(
-                {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True,
-                 "stream": True}), {"content-type": "application/json"})
-            resp = conn.getresponse()
-            assert resp.status == 200
-            assert resp.readline().startswith(b"data: {")       # the engine is writing it
-            os.kill(engine.ready["child_pid"], signal.SIGKILL)
-            events = [line[6:].strip() for line in resp.read().decode().splitlines()
-                      if line.startswith("data: ")]
+            events, _ = stream_and_kill(port, engine)
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
             assert (error["code"], error["type"]) == (503, "ServiceUnavailableError"), error
@@ -187,18 +195,7 @@ def test_a_stream_fails_as_soon_as_its_engine_dies_not_after_ten_heartbeats(
         child, port, log = serve(tmp_path, "--engine-ready-file", str(engine.ready_path))
         try:
             wait_until(lambda: status(port) == 200, "the server never became healthy", log)
-            conn = HTTPConnection("127.0.0.1", port, timeout=60)
-            conn.request("POST", "/v1/completions", json.dumps(
-                {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True,
-                 "stream": True}), {"content-type": "application/json"})
-            resp = conn.getresponse()
-            assert resp.status == 200
-            assert resp.readline().startswith(b"data: {")       # the engine is writing it
-            os.kill(engine.ready["child_pid"], signal.SIGKILL)
-            killed = time.monotonic()
-            events = [line[6:].strip() for line in resp.read().decode().splitlines()
-                      if line.startswith("data: ")]
-            took = time.monotonic() - killed
+            events, took = stream_and_kill(port, engine)
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
             assert (error["code"], error["type"]) == (503, "ServiceUnavailableError"), error

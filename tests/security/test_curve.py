@@ -188,7 +188,7 @@ def test_telemetry_is_curve_too_only_key_holders_receive_it(engine, good):
 def test_cli_clients_take_the_key_paths(engine, keys):
     eps = engine.endpoints
     r = vconsole("set", "--control", eps["control"], *client_args(keys),
-                 "--control-key-file", str(engine.control_key_path), "policy=priority")
+                 "--control-key-file", str(engine.control_key_file), "policy=priority")
     assert r.returncode == 0, r.stderr
     r = vconsole("get", "--control", eps["control"], *client_args(keys), "policy", "--json")
     assert r.returncode == 0, r.stderr
@@ -218,7 +218,7 @@ async def test_the_console_with_keys_shows_the_engine_and_whose_key_it_holds(eng
 
     app = VConsoleApp(telemetry_endpoints=[engine.endpoints["telemetry"]],
                       control_endpoint=engine.endpoints["control"], curve=good,
-                      control_key_file=engine.control_key_path)
+                      control_key_file=engine.control_key_file)
     assert not app.readonly
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("4")
@@ -230,7 +230,7 @@ async def test_the_console_with_keys_shows_the_engine_and_whose_key_it_holds(eng
         app.refresh_view(force=True)
         await pilot.pause()
         summary = str(app.screen.query_one("#cfg-summary", Static).render())
-    owner = read_owner(engine.control_key_path)       # the engine process that wrote the key
+    owner = read_owner(engine.control_key_file)       # the engine process that wrote the key
     assert owner is not None and owner.liveness() == RUNNING
     assert f"key {ENGINE_ID} pid {owner.pid}" in summary
     assert "gone" not in summary and "read-only" not in summary

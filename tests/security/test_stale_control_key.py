@@ -129,14 +129,14 @@ def test_a_killed_engine_leaves_a_stale_key_that_clients_name_and_the_next_engin
     eps = {n: f"ipc://{tmp_path}/{n}" for n in ("input", "output", "telemetry", "control")}
     first = EngineProcess(ENGINE_ARGS, endpoints=eps, log_path=tmp_path / "first.log").start()
     try:
-        key_path, first_pid = first.control_key_path, first.pid
+        control_key_file, first_pid = first.control_key_file, first.pid
         stale = first.control_key()
         first.signal(signal.SIGKILL)
         first.child.wait(20)
     finally:
         first.stop()
-    assert read_key_file(key_path) == stale                  # SIGKILL: nothing cleaned up
-    assert key_owner.status(key_path, stale).state == GONE
+    assert read_key_file(control_key_file) == stale                  # SIGKILL: nothing cleaned up
+    assert key_owner.status(control_key_file, stale).state == GONE
 
     r = vconsole("set", "--control", eps["control"], "max_num_seqs=2")
     assert r.returncode == 1
@@ -148,13 +148,13 @@ def test_a_killed_engine_leaves_a_stale_key_that_clients_name_and_the_next_engin
         capsys.readouterr().err
 
     with EngineProcess(ENGINE_ARGS, endpoints=eps, log_path=tmp_path / "second.log") as second:
-        assert second.control_key_path == key_path
+        assert second.control_key_file == control_key_file
         key = second.control_key()
         assert key != stale
-        owner = key_owner.read_owner(key_path)
+        owner = key_owner.read_owner(control_key_file)
         assert owner is not None and owner.pid == second.pid
-        assert key_owner.status(key_path, key).state == RUNNING
-        assert (f"replacing the control key file {key_path}: left by engine engine-0 "
+        assert key_owner.status(control_key_file, key).state == RUNNING
+        assert (f"replacing the control key file {control_key_file}: left by engine engine-0 "
                 f"(pid {first_pid}), which is no longer running") in second.log_text()
         r = vconsole("set", "--control", eps["control"], "max_num_seqs=2")
         assert r.returncode == 0, r.stderr
@@ -166,10 +166,11 @@ def test_a_killed_engine_leaves_a_stale_key_that_clients_name_and_the_next_engin
                      *[a for n, ep in other.items() for a in (f"--{n}", ep)])
         assert r.returncode == 2
         assert f"pid {second.pid}), which is still running" in r.stderr
-        assert read_key_file(key_path) == key and key_owner.read_owner(key_path) == owner
+        assert read_key_file(control_key_file) == key
+        assert key_owner.read_owner(control_key_file) == owner
         with ControlClient(eps["control"], key=key, timeout_s=10) as ctl:
             assert ctl.set_config({"max_num_seqs": 3})["ok"]
         with EngineClient(eps["input"], eps["output"], timeout_s=10) as c:
             assert c.generate(prompt_token_ids=[4, 5], max_tokens=2, ignore_eos=True,
                               timeout_s=30).finished
-    assert not key_path.exists() and not key_owner.owner_path(key_path).exists()
+    assert not control_key_file.exists() and not key_owner.owner_path(control_key_file).exists()

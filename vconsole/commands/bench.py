@@ -6,8 +6,17 @@ import argparse
 import json
 import sys
 
+from vconsole.commands import fail
+
 
 def main(args: argparse.Namespace) -> int:
+    # The built-in names are the worker's (standard library only there), read here rather than
+    # in the parser so `vconsole --help` imports no engine package.
+    from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
+
+    if args.model_config not in MODEL_CONFIGS:
+        return fail("bench", f"--model-config: unknown built-in model {args.model_config!r} "
+                             f"(choose from {', '.join(sorted(MODEL_CONFIGS))})", 2)
     log = None if args.json else (lambda m: print(m, file=sys.stderr))
     if args.name == "scheduler":
         from vconsole.tools.bench.scheduler import scheduler_bench

@@ -81,7 +81,7 @@ def _read_key(args: argparse.Namespace) -> str:
 
 
 def _key_from_file(args: argparse.Namespace) -> str:
-    path = control_key.key_path(_endpoint(args), getattr(args, "control_key_file", None))
+    path = control_key.control_key_file(_endpoint(args), getattr(args, "control_key_file", None))
     try:
         key = control_key.read_key_file(path)
     except (OSError, ValueError) as e:
@@ -159,7 +159,7 @@ def main_set(args: argparse.Namespace) -> int:
 
 
 def main_get(args: argparse.Namespace) -> int:
-    path = control_key.key_path(_endpoint(args), getattr(args, "control_key_file", None))
+    path = control_key.control_key_file(_endpoint(args), getattr(args, "control_key_file", None))
     key = control_key.load_control_key(_endpoint(args), path)
     try:
         with _client(args, key) as client:

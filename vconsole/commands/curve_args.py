@@ -1,4 +1,4 @@
-"""The CURVE flags (`vconsole.cli.add_curve_args`) read for a command: the flag names in one
+"""The CURVE flags (`vconsole.commands.flags.add_curve_args`) read for a command: the flag names in one
 place, and a `CurveKeyError` with the reason instead of a traceback when a file is wrong."""
 
 from __future__ import annotations

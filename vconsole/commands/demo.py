@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
         app = VConsoleApp(telemetry_endpoints=[stack.endpoints["telemetry"]],
                           control_endpoint=stack.endpoints["control"],
                           control_key=stack.engine.control_key(),
-                          control_key_file=stack.engine.control_key_path)
+                          control_key_file=stack.engine.control_key_file)
         if stack.load is not None:     # its errors on screen, not only after the fact
             stack.load.on_error = lambda e: app.state.note_error(f"load generator: {e}")
         app.run()

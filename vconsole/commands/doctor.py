@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from vconsole.cli import env_base_port
+from vconsole.commands.flags import env_base_port
 from vconsole.security.endpoints import DEFAULTS
 from vconsole.tools.doctor import FAIL, as_json, run_checks
 
 
 def where(args: argparse.Namespace, endpoints: dict[str, str]) -> str:
     """Whose endpoints these are, for the report: the defaults, a base port and where it came
-    from (`vconsole.cli.apply_base_port` has already applied it), or the flags."""
+    from (`vconsole.commands.flags.apply_base_port` has already applied it), or the flags."""
     base = getattr(args, "base_port", None)
     if base:
         source = "$VCONSOLE_BASE_PORT" if env_base_port() == base else "--base-port"

@@ -17,14 +17,8 @@ from typing import Any
 from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
 from vconsole.engine.client.async_client import AsyncEngineClient
-from vconsole.tools.loadgen import (
-    LoadRun,
-    LoadSpec,
-    format_summary,
-    parse_mix,
-    parse_range,
-    run_load,
-)
+from vconsole.tools.load_summary import LoadRun, format_summary
+from vconsole.tools.loadgen import LoadSpec, parse_mix, parse_range, run_load
 
 
 def spec_from_args(args: argparse.Namespace) -> LoadSpec:
@@ -96,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
         curve = client_curve(args)
     except ValueError as e:     # CurveKeyError too
         return fail("load", e, 2)
-    progress = None if args.json else Progress(spec.num)
+    progress = None if args.json else Progress(args.num)
     stop = threading.Event()
 
     async def go() -> LoadRun:
@@ -124,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
         progress.end()
     summary = run.summary()
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-    code, why = outcome(run, summary, spec.num, interrupted=stop.is_set())
+    code, why = outcome(run, summary, args.num, interrupted=stop.is_set())
     if why:
         print(f"vconsole load: {why}", file=sys.stderr)
     return code

@@ -2,7 +2,7 @@
 
 At start the engine makes a random key (32 bytes, hex) and writes it atomically to a file only
 its user can read (mode 0600), at a path derived from the control endpoint it bound
-(`key_path`): ``<runtime dir>/control-<endpoint>.key``, the runtime dir being
+(`control_key_file`): ``<runtime dir>/control-<endpoint>.key``, the runtime dir being
 ``$VCONSOLE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/vconsole``, else ``~/.cache/vconsole/run``.
 A client on the same machine, as the same user, derives the same path from the same endpoint
 (`load_control_key`), so a bare `vconsole set` finds a bare engine's key; ``--control-key-file``
@@ -65,11 +65,17 @@ def key_file_name(endpoint: str) -> str:
     return f"control-{name}.key"
 
 
-def key_path(endpoint: str, path: str | os.PathLike[str] | None = None) -> Path:
-    """The key file for ``endpoint``: ``path`` when given, else derived under `runtime_dir`."""
-    if path:
-        return Path(path).expanduser()
+def control_key_file(endpoint: str, given: str | os.PathLike[str] | None = None) -> Path:
+    """The control key file for ``endpoint``: ``given`` (``--control-key-file``) when set, else
+    derived under `runtime_dir`. One name for this path everywhere: the flag, the ready file's
+    field and every variable that holds it say ``control_key_file``."""
+    if given:
+        return Path(given).expanduser()
     return runtime_dir() / key_file_name(endpoint)
+
+
+# The old name, until the engine process's and the console's call sites say control_key_file.
+key_path = control_key_file
 
 
 def read_key_file(path: str | os.PathLike[str]) -> str:
@@ -84,6 +90,6 @@ def load_control_key(endpoint: str, path: str | os.PathLike[str] | None = None) 
     """The engine's key for ``endpoint`` (from ``path`` when given), or None if it cannot be
     read: the caller is then read-only."""
     try:
-        return read_key_file(key_path(endpoint, path))
+        return read_key_file(control_key_file(endpoint, path))
     except (OSError, ValueError):
         return None

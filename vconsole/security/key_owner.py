@@ -40,8 +40,8 @@ def key_id(key: str) -> str:
     return hashlib.sha256(key.strip().lower().encode("ascii", "replace")).hexdigest()[:16]
 
 
-def owner_path(key_path: str | os.PathLike[str]) -> Path:
-    path = Path(key_path)
+def owner_path(control_key_file: str | os.PathLike[str]) -> Path:
+    path = Path(control_key_file)
     return path.with_name(path.name + OWNER_SUFFIX)
 
 
@@ -99,10 +99,10 @@ class KeyOwner:
             ")" if self.host == socket.gethostname() else f" on {self.host})")
 
 
-def read_owner(key_path: str | os.PathLike[str]) -> KeyOwner | None:
-    """The owner record next to ``key_path``; None if there is none or it is not a record."""
+def read_owner(control_key_file: str | os.PathLike[str]) -> KeyOwner | None:
+    """The owner record next to ``control_key_file``; None if there is none or it is not a record."""
     try:
-        data = json.loads(owner_path(key_path).read_text(encoding="utf-8"))
+        data = json.loads(owner_path(control_key_file).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return KeyOwner.from_dict(data) if isinstance(data, dict) else None
@@ -123,9 +123,9 @@ class KeyStatus:
         return f"{text}, no longer running" if self.state == GONE else text
 
 
-def status(key_path: str | os.PathLike[str], key: str) -> KeyStatus:
-    """The state of the engine that wrote ``key`` to ``key_path``."""
-    owner = read_owner(key_path)
+def status(control_key_file: str | os.PathLike[str], key: str) -> KeyStatus:
+    """The state of the engine that wrote ``key`` to ``control_key_file``."""
+    owner = read_owner(control_key_file)
     if owner is None or owner.key_id != key_id(key):
         return KeyStatus(UNRECORDED)
     return KeyStatus(owner.liveness(), owner)

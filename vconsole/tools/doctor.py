@@ -174,7 +174,7 @@ def check_control_key(control: str | None = None) -> Check:
     from vconsole.security.endpoints import DEFAULT_CONTROL
 
     control = control or DEFAULT_CONTROL
-    path = control_key.key_path(control)
+    path = control_key.control_key_file(control)
     try:
         key = control_key.read_key_file(path)
     except FileNotFoundError:

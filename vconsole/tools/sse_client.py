@@ -16,7 +16,7 @@ import asyncio
 import json
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 
@@ -133,7 +133,7 @@ async def get_json(url: str, headers: dict[str, str]) -> Any:
 
 
 async def post_sse(url: str, payload: dict[str, Any],
-                   headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+                   headers: dict[str, str]) -> AsyncGenerator[dict[str, Any], None]:
     """Each ``data:`` event's JSON, until ``[DONE]``; `NoDone` if the body ends without it
     (the caller decides whether a server that never sends it is acceptable)."""
     resp = await _request(url, "POST", json.dumps(payload).encode(), headers)

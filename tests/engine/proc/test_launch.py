@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from vconsole.cli import apply_base_port, build_parser
+from vconsole.cli import build_parser
 from vconsole.commands.engine import launch_from_args
+from vconsole.commands.flags import apply_base_port
 from vconsole.engine.launch.launch import ChildOfSupervisor, EngineLaunch
 from vconsole.shared.config import ConfigError
 

@@ -75,7 +75,7 @@ def test_a_launcher_finds_a_live_engine_by_its_ready_file_alone(tmp_path):
             out = c.generate(prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True)
         assert len(out.output_token_ids) == 3 and out.finish_reason == "length"
         key = engine.control_key()
-        assert key is not None and str(engine.control_key_path) == rec["control_key_file"]
+        assert key is not None and str(engine.control_key_file) == rec["control_key_file"]
         with ControlClient(engine.endpoints["control"], key=key) as ctl:
             assert ctl.set_config({"max_num_seqs": 8})["ok"]
         ready_path = engine.ready_path

@@ -2,8 +2,9 @@
 endpoints and says so on telemetry; one that keeps dying, or can never start, is given up with a
 clear message; SIGTERM drains and leaves nothing behind.
 
-Real processes throughout (`vconsole.tools.demo.EngineProcess`, the launcher the demo uses), real
-sockets, ``kill -9``; the restart policy itself is pure and tested with a made-up clock.
+Real processes throughout (`vconsole.engine.launch.engine_process.EngineProcess`, the launcher
+the demo uses), real sockets, ``kill -9``; the restart policy itself is pure and tested with a
+made-up clock.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from vconsole.engine.launch import exit_codes
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.launch.exit_codes import describe_exit
 from vconsole.engine.launch.ready_file import read_ready_file
-from vconsole.engine.launch.supervisor import RestartPolicy
+from vconsole.engine.launch.restart_policy import RestartPolicy
 from vconsole.telemetry import schema
 
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "128", "--block-size", "16",

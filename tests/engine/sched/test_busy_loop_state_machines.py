@@ -106,7 +106,7 @@ class PagedRunner:
         self.slots: list[int | None] = [None] * (NUM_BLOCKS * B)
 
     def __call__(self, so: SchedulerOutput) -> tuple[list[ScheduledSeq], ModelRunnerOutput]:
-        seqs = self.states.update(so)
+        seqs = self.states.apply(so)
         for seq in seqs:
             table = seq.block_ids
             for i, tok in enumerate(seq.token_ids):
@@ -259,7 +259,7 @@ class BusyLoopModel(RuleBasedStateMachine):
         self.note_scheduled(so)
         if mishap in ("raise before the runner read it", "raise after the runner read it"):
             if mishap == "raise after the runner read it":
-                self.runner.states.update(so)
+                self.runner.states.apply(so)
             self.s.fail_step(so, "the model raised")
             for rid in so.num_scheduled_tokens:
                 r = self.s.get_request(rid)

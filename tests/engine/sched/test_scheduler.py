@@ -59,7 +59,7 @@ class PagedEcho:
         return block_ids[p // self.B] * self.B + p % self.B
 
     def __call__(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        seqs = self.last = self.states.update(so)
+        seqs = self.last = self.states.apply(so)
         for seq in seqs:
             for i, tok in enumerate(seq.token_ids):
                 self.slots[self.slot(seq.block_ids, seq.start_pos + i)] = tok

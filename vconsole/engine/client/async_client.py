@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -136,7 +136,7 @@ class AsyncEngineClient(ClientBase):
         already in this process), so that only requests it never finished fail."""
         for _ in range(SETTLE_ROUNDS):
             await asyncio.sleep(SETTLE_S)
-            if not self._out.get(zmq.EVENTS) & zmq.POLLIN:
+            if not cast(int, self._out.get(zmq.EVENTS)) & zmq.POLLIN:
                 return
 
     def _put(self, outs: list[RequestOutput]) -> None:

@@ -295,7 +295,7 @@ class EngineClient(ClientBase):
         deadline = time.monotonic() + self.timeout_s
         while not self.engine_info:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._out.poll(left * 1000):
+            if left <= 0 or not self._out.poll(int(left * 1000)):
                 raise no_engine_error(self.input_endpoint, self.output_endpoint, self.timeout_s)
             self._route(self._out.recv_multipart(copy=False))
         self._connected = True
@@ -358,7 +358,7 @@ class EngineClient(ClientBase):
             wait = self._tick_s()
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
-            received = self._out.poll(wait * 1000)
+            received = self._out.poll(int(wait * 1000))   # ms, as pyzmq truncates a float
             if received:
                 self._route(self._out.recv_multipart(copy=False))
                 while self._out.poll(0):

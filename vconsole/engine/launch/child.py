@@ -1,8 +1,8 @@
 """ChildProcess: one engine-side child process, from spawn to the last exit code.
 
 Every launcher of an engine process goes through this class: the supervisor (its engine child),
-`vconsole.tools.demo.EngineProcess` (the demo, the benchmarks, the tests and ``vconsole
-serve``), and through the supervisor the data-parallel launcher's ranks. It does four things
+`vconsole.engine.launch.engine_process.EngineProcess` (the demo, the benchmarks, the tests
+and ``vconsole serve``), and through the supervisor the data-parallel launcher's ranks. It does four things
 and nothing else:
 
 - **spawn** a command (``stdin`` closed; stdout/stderr where the caller says), optionally in a

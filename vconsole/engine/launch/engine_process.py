@@ -106,15 +106,17 @@ class EngineProcess:
         return self.child.pid if self.child else None
 
     @property
-    def control_key_path(self) -> Path | None:
+    def control_key_file(self) -> Path | None:
         """The engine's control key file, as its ready file names it (once started)."""
         path = self.ready.get("control_key_file")
         return Path(path) if path else None
 
+    control_key_path = control_key_file   # the old name, until every test says control_key_file
+
     def control_key(self) -> str | None:
         """The engine's control key (same machine, same user), None if unreadable."""
         from vconsole.security.control_key import load_control_key
-        path = self.control_key_path
+        path = self.control_key_file
         return load_control_key(self.endpoints.get("control", ""), path) if path else None
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:

@@ -3,8 +3,9 @@
 ``vconsole engine --ready-file PATH`` writes one JSON object to PATH once every socket is bound,
 the control key file is written and the I/O threads run: the endpoints it actually bound (a
 ``tcp://127.0.0.1:*`` request resolved to its port), the control key file's path, its pid and
-engine id. Launchers (`vconsole.tools.demo.EngineProcess`, the tests, a supervisor) poll for the file
-instead of matching log lines, so rewording a log line cannot break them.
+engine id. Launchers (`vconsole.engine.launch.engine_process.EngineProcess`, the tests, a
+supervisor) poll for the file instead of matching log lines, so rewording a log line cannot
+break them.
 
 Invariants: the file is written atomically (a temporary file in the same folder, flushed, then
 ``os.replace``), so a reader sees nothing or the whole record, never half of one. The engine

@@ -33,9 +33,9 @@ stderr, and the supervisor's last line carries it.
 Signals: SIGTERM and SIGINT are passed on to the child, which drains and exits 0; the supervisor
 then exits 0 and starts nothing. A second one kills the child (SIGKILL). SIGHUP is passed on
 (the child reloads ``--config``). The child shares the supervisor's process group, so a
-launcher that signals the group (`vconsole.tools.demo.EngineProcess`) reaches both: a supervised
-child drains on the first SIGTERM/SIGINT and ignores repeats, leaving escalation to the
-supervisor. The child also gets SIGTERM if the supervisor dies (Linux ``PR_SET_PDEATHSIG``).
+launcher that signals the group (`vconsole.engine.launch.engine_process.EngineProcess`) reaches
+both: a supervised child drains on the first SIGTERM/SIGINT and ignores repeats, leaving
+escalation to the supervisor. The child also gets SIGTERM if the supervisor dies (Linux ``PR_SET_PDEATHSIG``).
 
 Ready file: the child writes its record to a private path; the supervisor republishes it at
 ``ready_file`` with its *own* ``pid`` (the process a launcher started and checks) plus
@@ -64,7 +64,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -81,6 +80,7 @@ from vconsole.engine.launch.ready_file import (
     remove_ready_file,
     write_ready_file,
 )
+from vconsole.engine.launch.restart_policy import RestartPolicy
 from vconsole.engine.publish.beacon import HealthBeacon
 from vconsole.telemetry.alerts import restart_event
 
@@ -95,41 +95,6 @@ STDERR_TAIL_LINES = 20    # the child's last stderr lines: did it say anything
 STDERR_JOIN_S = 5.0       # after the child exited, how long its stderr may still flow
 RESTARTING = "restarting"
 LIVENESS_POLL_S = 0.5     # how often the supervisor reads a ready child's liveness stamp
-
-
-@dataclass
-class RestartPolicy:
-    """When to restart and when to give up: at most ``max_restarts`` failures within any
-    ``window_s`` are restarted; the delay before a restart doubles with each failure still in
-    the window, from ``backoff_s`` up to ``backoff_max_s`` (or ``backoff_s`` if that is
-    longer; an engine that served for a whole window starts over at ``backoff_s``). Pure: the
-    caller passes the clock."""
-
-    max_restarts: int = 5
-    window_s: float = 300.0
-    backoff_s: float = 0.5
-    backoff_max_s: float = 10.0
-    _failures: collections.deque[float] = field(default_factory=collections.deque, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        if not self.window_s > 0 or not self.backoff_s > 0:
-            raise ValueError("the restart window and the backoff must be > 0")
-
-    @property
-    def failures_in_window(self) -> int:
-        return len(self._failures)
-
-    def on_failure(self, now: float) -> float | None:
-        """Record a failure at ``now``: the delay before the next start, or None to give up."""
-        self._failures.append(now)
-        while self._failures and self._failures[0] <= now - self.window_s:
-            self._failures.popleft()
-        n = len(self._failures)
-        if n > self.max_restarts:
-            return None
-        return min(self.backoff_s * 2 ** (n - 1), max(self.backoff_max_s, self.backoff_s))
 
 
 class EngineSupervisor:
@@ -432,7 +397,7 @@ class EngineSupervisor:
     # --- signals ----------------------------------------------------------------------------
 
     def _install_signal_handlers(self) -> dict[int, Any]:
-        previous = {}
+        previous: dict[int, Any] = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, self._on_stop)
         if hasattr(signal, "SIGHUP"):

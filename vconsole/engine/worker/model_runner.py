@@ -168,7 +168,7 @@ class ModelRunner:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one forward for every scheduled sequence and sample where ``do_sample``."""
-        seqs = self.requests.update(so)
+        seqs = self.requests.apply(so)
         with torch.inference_mode():
             step = self.prepare(seqs)
             if step is None:
@@ -199,10 +199,12 @@ class ModelRunner:
     def compute_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Like `execute_model` (K/V are written the same way) but return the float32 logits
         of each ``do_sample`` request's last position instead of sampling."""
-        seqs = self.requests.update(so)
+        seqs = self.requests.apply(so)
         with torch.inference_mode():
             step = self.prepare(seqs)
-            logits = self._forward(step) if step is not None else None
+            if step is None:
+                return {}
+            logits = self._forward(step)
             if logits is None:
                 return {}
             return {s.state.req_id: row for s, row in zip(step.sample_seqs, logits.float(),

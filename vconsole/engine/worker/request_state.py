@@ -1,7 +1,7 @@
 """The runner's own copy of the requests it serves, kept in step with the scheduler's plain data.
 
 The scheduler sends a request whole once (`NewRequestData`) and then only what changed
-(`CachedRequestData`); `RequestStates.update` applies one `SchedulerOutput` and returns the
+(`CachedRequestData`); `RequestStates.apply` applies one `SchedulerOutput` and returns the
 step's sequences in the scheduler's order. No torch here, so the scheduler's tests drive the very
 same bookkeeping without a model.
 
@@ -61,7 +61,7 @@ class ScheduledSeq:
 class RequestStates(dict[str, CachedRequestState]):
     """Request id -> `CachedRequestState`, advanced one `SchedulerOutput` at a time."""
 
-    def update(self, so: SchedulerOutput) -> list[ScheduledSeq]:
+    def apply(self, so: SchedulerOutput) -> list[ScheduledSeq]:
         for rid in so.finished_req_ids:
             self.pop(rid, None)
         for rid in so.preempted_req_ids:

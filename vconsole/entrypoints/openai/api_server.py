@@ -236,7 +236,7 @@ def _error(status: int, message: str, headers: Any = None) -> JSONResponse:
 
 def _routes(app: FastAPI) -> str:
     """``GET /v1/models, POST /v1/completions, ...``: what a 404 lists."""
-    return ", ".join(f"{'/'.join(sorted(r.methods))} {r.path}" for r in app.routes
+    return ", ".join(f"{'/'.join(sorted(r.methods or ()))} {r.path}" for r in app.routes
                      if isinstance(r, APIRoute))
 
 

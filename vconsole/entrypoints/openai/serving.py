@@ -152,12 +152,12 @@ class OpenAIServing:
         """``request_id``: the client's ``x-request-id``, the engine's id for the request."""
         self.check_model(req.model)
         req.unsupported()
-        prompts = []
-        for p in req.prompts():
-            if isinstance(p, str):
-                prompts.append((p, list(self.tokenizer(p).input_ids)))
+        prompts: list[tuple[str | None, list[int]]] = []      # (text or None, token ids)
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                prompts.append((prompt, list(self.tokenizer(prompt).input_ids)))
             else:
-                prompts.append((None, self._check_ids(p)))
+                prompts.append((None, self._check_ids(prompt)))
         max_tokens = [self._max_tokens(ids, req.max_tokens) for _, ids in prompts]
         rid = self.engine.new_id("cmpl", request_id)
         if req.stream:

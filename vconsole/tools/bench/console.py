@@ -71,7 +71,7 @@ class _Engine:
         self.bench = _Bench("priority", max(0, num_requests + num_requests // 10 - NUM_RUNNING))
         self.max_rows = num_requests
         self.config = EngineConfig(telemetry_hz=REFRESH_HZ, telemetry_max_requests=num_requests)
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         self.pub = TelemetryPublisher(ctx, "tcp://127.0.0.1:*", "bench-console", 0, self.config)
         self.pub.start()
         self.endpoint = self.pub.endpoint
@@ -237,7 +237,12 @@ async def _watch(endpoint: str) -> dict[str, Any]:
     ConsoleState.ingest_message = timed_ingest  # type: ignore[method-assign]
     RequestsScreen.apply = timed_apply           # type: ignore[method-assign]
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+
+    def stop_on_a_line() -> None:      # the parent writes a line when it has measured
+        sys.stdin.readline()
+        stop.set()
+
+    threading.Thread(target=stop_on_a_line, daemon=True).start()
     app = VConsoleApp([endpoint], refresh_hz=REFRESH_HZ)
     async with app.run_test(size=(120, 40)) as pilot:
         app.action_show("requests")

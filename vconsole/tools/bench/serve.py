@@ -40,7 +40,8 @@ from vconsole.engine.client.async_client import AsyncEngineClient
 from vconsole.engine.launch.child import ChildProcess
 from vconsole.engine.launch.engine_process import EngineProcess, engine_env_beside_clients
 from vconsole.tools.http_load import HttpLoadClient
-from vconsole.tools.loadgen import LoadRun, LoadSpec, run_load
+from vconsole.tools.load_summary import LoadRun
+from vconsole.tools.loadgen import LoadSpec, run_load
 
 ENGINE_ARGS = ["--max-num-seqs", "64"]
 SERVER_START_S = 120.0

@@ -61,7 +61,7 @@ class _Watcher(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)

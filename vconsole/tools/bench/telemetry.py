@@ -54,7 +54,7 @@ LATENCY_INTERVAL_S = 1.0
 
 
 def _free_port() -> int:
-    sock = zmq.Context.instance().socket(zmq.PUB)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUB)
     try:
         port = sock.bind_to_random_port("tcp://127.0.0.1")
     finally:

@@ -51,11 +51,13 @@ class TimeWheel:
 
     def add(self, req: Request, now: float) -> None:
         key = self._class(req)
-        if self.base is None or key < self.base:
+        base = self.base
+        if base is None or key < base:
             self._rebase(key)
-        if key - self.base >= NUM_SLOTS:
+            base = key
+        if key - base >= NUM_SLOTS:
             raise ValueError("class key beyond the wheel")
-        self.slots[(self.cursor + key - self.base) % NUM_SLOTS].append(req)
+        self.slots[(self.cursor + key - base) % NUM_SLOTS].append(req)
         self.live[req.request_id] = req
 
     def _rebase(self, key: int) -> None:

@@ -30,7 +30,8 @@ import zmq
 
 from vconsole.security import engine_key
 from vconsole.security.bind_policy import bind_socket
-from vconsole.security.control_key import key_path, read_key_file
+from vconsole.security.control_key import control_key_file as derive_key_file
+from vconsole.security.control_key import read_key_file
 from vconsole.shared.config import ConfigError, apply_update, validate_config
 from vconsole.telemetry import control
 
@@ -46,7 +47,7 @@ KEYED = ("set_config", "profile_start", "profile_cancel")
 
 
 class ControlFanout:
-    def __init__(self, endpoint: str, world_size: int, *, key_file: str | None = None,
+    def __init__(self, endpoint: str, world_size: int, *, control_key_file: str | None = None,
                  ctx: zmq.Context | None = None, curve: ServerCurve | None = None,
                  engine_id: str = "dp-frontend",
                  rank_curve: ClientCurve | None = None) -> None:
@@ -56,10 +57,10 @@ class ControlFanout:
         self._sock = bind_socket(self.ctx, zmq.ROUTER, "control", endpoint, curve)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._key = engine_key.new_key()
-        self.key_path = key_path(self.endpoint, key_file)
+        self.control_key_file = derive_key_file(self.endpoint, control_key_file)
         try:
-            engine_key.claim_key_file(self.key_path, self._key, engine_id=engine_id,
-                                            endpoint=self.endpoint)
+            engine_key.claim_key_file(self.control_key_file, self._key, engine_id=engine_id,
+                                      endpoint=self.endpoint)
         except OSError:
             self._sock.close(0)
             raise
@@ -73,9 +74,9 @@ class ControlFanout:
         self._thread.start()
         return self
 
-    def set_rank(self, rank: int, endpoint: str, key_file: str | None) -> None:
+    def set_rank(self, rank: int, endpoint: str, control_key_file: str | None) -> None:
         with self._lock:
-            self._ranks[rank] = (endpoint, key_file)
+            self._ranks[rank] = (endpoint, control_key_file)
             self._keys.pop(rank, None)      # a new process: its ready brings its key
 
     def set_key(self, rank: int, key: str) -> None:
@@ -94,7 +95,7 @@ class ControlFanout:
             self._thread.join()
         else:
             self._sock.close(0)
-            engine_key.remove_key_file(self.key_path, self._key)
+            engine_key.remove_key_file(self.control_key_file, self._key)
 
     # --- the dp-control thread ---------------------------------------------------------------
 
@@ -112,7 +113,7 @@ class ControlFanout:
                 self._sock.send_multipart(reply)
         finally:
             self._sock.close(0)
-            engine_key.remove_key_file(self.key_path, self._key)
+            engine_key.remove_key_file(self.control_key_file, self._key)
 
     def _on_request(self, req: dict[str, Any]) -> dict[str, Any]:
         rid = req.get("id")
@@ -122,7 +123,7 @@ class ControlFanout:
             return control.error_reply(f"'rank' must be an integer from 0 to "
                                        f"{self.world_size - 1}, got {rank!r}", rid)
         if req["op"] in KEYED and not engine_key.key_matches(req.get("key"), self._key):
-            return control.error_reply(engine_key.not_authorised(self.key_path), rid)
+            return control.error_reply(engine_key.not_authorised(self.control_key_file), rid)
         fields = {k: v for k, v in req.items() if k not in ("op", "id", "key", "values", "rank")}
         if req["op"] == "set_config":
             return self._set_config(req["values"], rank, rid)
@@ -138,14 +139,14 @@ class ControlFanout:
             key = self._keys.get(rank)
         if where is None:
             return control.error_reply(f"data-parallel rank {rank} is down")
-        endpoint, key_file = where
+        endpoint, control_key_file = where
         if key is None and self.rank_curve is not None:
             if op in KEYED:     # its file is on its host: the key comes with its ready only
                 return control.error_reply(f"rank {rank} has not sent its control key yet "
                                            "(its ready is still on the way)")
-        elif key is None and key_file:
+        elif key is None and control_key_file:
             try:
-                key = read_key_file(key_file)
+                key = read_key_file(control_key_file)
             except (OSError, ValueError) as e:
                 return control.error_reply(f"rank {rank}: cannot read its control key: {e}")
         client = control.ControlClient(endpoint, timeout_s=RANK_TIMEOUT_S, ctx=self.ctx, key=key,

@@ -46,7 +46,7 @@ class RankLink:
 
     @property
     def dp(self) -> bool:
-        return bool(self.info) and int(self.info.get("data_parallel_size") or 1) > 1
+        return self.info is not None and int(self.info.get("data_parallel_size") or 1) > 1
 
     def close(self) -> None:
         self.input.close(0)

@@ -35,7 +35,7 @@ from vconsole.engine.launch.ready_file import (
     write_ready_file,
 )
 from vconsole.security.bind_policy import check_endpoints, check_metrics_host
-from vconsole.security.control_key import key_path
+from vconsole.security.control_key import control_key_file as derive_key_file
 from vconsole.security.engine_key import refuse_if_held
 
 if TYPE_CHECKING:
@@ -69,12 +69,13 @@ class FrontEndStack:
         check_endpoints(public, allow_remote, curve=curve is not None)
         if metrics is not None:
             check_metrics_host(metrics[0], allow_remote_metrics)
-        refuse_if_held(key_path(public["control"], control_key_file))
+        refuse_if_held(derive_key_file(public["control"], control_key_file))
         self.config = config
         self.world_size = world_size
         self.ready_file = ready_file
         self.announce = announce
-        self.ranks = [{"rank": r, "pid": None, "ready_file": None} for r in range(world_size)]
+        self.ranks: list[dict[str, Any]] = [{"rank": r, "pid": None, "ready_file": None}
+                                            for r in range(world_size)]
         self._answered: set[int] = set()     # ranks whose link got its ready
         self._lock = threading.Lock()
         self._announced = False
@@ -95,7 +96,7 @@ class FrontEndStack:
                                        on_ready=self._rank_answered).start()
             self._parts.append(self.frontend)
             self.fanout = ControlFanout(public["control"], world_size,
-                                        key_file=control_key_file, ctx=self.ctx, curve=curve,
+                                        control_key_file=control_key_file, ctx=self.ctx, curve=curve,
                                         engine_id=config.engine_id,
                                         rank_curve=rank_curve).start()
             self._parts.append(self.fanout)
@@ -162,7 +163,7 @@ class FrontEndStack:
     def _write_ready(self) -> None:
         record = ready_record(
             engine_id=self.config.engine_id, pid=os.getpid(), endpoints=self.endpoints,
-            control_key_file=self.fanout.key_path, data_parallel_size=self.world_size,
+            control_key_file=self.fanout.control_key_file, data_parallel_size=self.world_size,
             ranks=[dict(r) for r in self.ranks], model=self.config.model,
             **({"metrics": self.metrics.url} if self.metrics is not None else {}))
         if not self._announced and self.announce:

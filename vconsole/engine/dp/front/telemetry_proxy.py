@@ -25,6 +25,7 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -162,7 +163,7 @@ class TelemetryProxy:
             with contextlib.suppress(zmq.Again):
                 self._pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
 
-    def _record(self, frames: list[bytes]) -> None:
+    def _record(self, frames: Sequence[Any]) -> None:
         try:
             msg = schema.decode(frames)
         except schema.SchemaError:
