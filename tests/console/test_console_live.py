@@ -124,7 +124,7 @@ def telemetry(engine) -> Iterator[Telemetry]:
 def control(proc: EngineProcess) -> ControlClient:
     """A control client holding the engine's key (same machine, as `vconsole set` finds it)."""
     key = proc.control_key()
-    assert key, f"no control key at {proc.control_key_path}"
+    assert key, f"no control key at {proc.control_key_file}"
     return ControlClient(proc.endpoints["control"], timeout_s=5.0, key=key)
 
 
@@ -364,7 +364,7 @@ async def test_a_console_without_the_key_is_read_only_by_itself(engine, tmp_path
     # The same console with the key (found by the endpoint, as `attach` does) may edit.
     writable = console_for(engine)
     assert not writable.readonly and writable.readonly_reason == ""
-    assert writable.steering.control_key_path == engine.control_key_path
+    assert writable.steering.control_key_file == engine.control_key_file
 
 
 async def test_a_console_started_before_its_engine_takes_the_key_once_it_is_written(spawn,
@@ -381,7 +381,7 @@ async def test_a_console_started_before_its_engine_takes_the_key_once_it_is_writ
         await until(pilot, lambda: not app.readonly, "the console left read-only mode", 30)
         assert app.readonly_reason == ""
         await open_config_key(pilot, app, "alert_waiting_warning")   # e opens the editor
-    assert app.steering.control_key_path == engine.control_key_path
+    assert app.steering.control_key_file == engine.control_key_file
 
 
 async def test_a_key_the_engine_refuses_makes_the_console_read_only(engine, tmp_path):
@@ -398,7 +398,7 @@ async def test_a_key_the_engine_refuses_makes_the_console_read_only(engine, tmp_
                     "the engine's reply")
         rec = app.steering.replies[key]
         assert not rec.ok and "not authorised" in rec.reason and str(
-            engine.control_key_path) in rec.reason
+            engine.control_key_file) in rec.reason
         await until(pilot, lambda: app.readonly, "the console turned read-only")
         assert app.readonly_reason == f"engine refused the control key: {stale}"
         assert "e" not in app.screen.active_bindings

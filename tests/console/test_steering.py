@@ -78,7 +78,7 @@ class RefusingControl(FakeControl):
 
 
 def test_a_refused_key_fails_the_records_and_makes_the_console_read_only() -> None:
-    st = steering(RefusingControl(), control_key_path=Path("/run/k"))
+    st = steering(RefusingControl(), control_key_file=Path("/run/k"))
     rec = st.start_change("max_num_seqs", 32, 16)
     assert st.round_trip([rec]) is False
     assert rec.status == ERROR and "refused" in rec.reason
@@ -146,7 +146,7 @@ def test_a_restart_only_answer_is_a_warning_and_a_timeout_an_error() -> None:
 
 
 def test_a_refused_key_on_send_comes_back_as_read_only() -> None:
-    st, host = hosted(RefusingControl(), control_key_path=Path("/run/k"))
+    st, host = hosted(RefusingControl(), control_key_file=Path("/run/k"))
     st.carry_out(st.plan_change("max_num_seqs", "16", None))
     (update,) = host.updates
     assert update.readonly_changed and st.readonly

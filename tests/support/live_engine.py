@@ -1,4 +1,4 @@
-"""Helpers for tests that run the engine as a process (`vconsole.tools.demo.EngineProcess`).
+"""Helpers for tests that run the engine as a process (`vconsole.engine.launch.engine_process.EngineProcess`).
 
 `Telemetry` keeps every decoded telemetry message from a SUB thread; `RssSampler` follows the
 engine process's resident memory from a thread (psutil); `reference_outputs` computes greedy

@@ -5,7 +5,7 @@ send a change at the same time, so every call opens its own short-lived `Control
 DEALER connect on loopback costs well under a millisecond).
 
 Every call carries the engine's control key when the console has one (``key``). When the engine
-refuses it and ``key_path`` is known, the file is read again and the change (or profile start or
+refuses it and ``key_file`` is known, the file is read again and the change (or profile start or
 cancel) retried once: an engine restarted on the same endpoint writes a new key there.
 `key_status` says which engine wrote the key held now (its owner record,
 `vconsole.security.key_owner`) and whether it still runs. ``curve``: the console's CURVE keys,
@@ -45,11 +45,11 @@ class Control(Protocol):
 
 class ControlLink:
     def __init__(self, endpoint: str, timeout_s: float = 3.0, *, key: str | None = None,
-                 key_path: str | Path | None = None, curve: ClientCurve | None = None) -> None:
+                 key_file: str | Path | None = None, curve: ClientCurve | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.key = key
-        self.key_path = Path(key_path) if key_path else None
+        self.key_file = Path(key_file) if key_file else None
         self.curve = curve
 
     def _client(self) -> Any:
@@ -63,9 +63,9 @@ class ControlLink:
         Reads a file and the process table: call from a worker thread."""
         from vconsole.security.key_owner import status
 
-        if self.key is None or self.key_path is None:
+        if self.key is None or self.key_file is None:
             return None
-        return status(self.key_path, self.key)
+        return status(self.key_file, self.key)
 
     def get_config(self) -> dict[str, Any]:
         with self._client() as client:
@@ -94,7 +94,7 @@ class ControlLink:
             with self._client() as client:
                 return call(client)
         except NotAuthorised:
-            fresh = (load_control_key(self.endpoint, self.key_path) if self.key_path else None)
+            fresh = (load_control_key(self.endpoint, self.key_file) if self.key_file else None)
             if fresh is None or fresh == self.key:
                 raise
             self.key = fresh

@@ -1,7 +1,7 @@
 """Filtering and sorting the request rows: pure functions over the ``sched`` topic's rows.
 
 `select` is what the Requests screen uses: it works on the decoded columns
-(`vconsole.telemetry.schema.RequestColumns`) with numpy masks and a stable argsort and returns
+(`vconsole.telemetry.request_columns.RequestColumns`) with numpy masks and a stable argsort and returns
 the row order, so 10,000 rows cost no dict per row; only the lines on screen are ever built.
 `filter_rows` / `sort_rows` do the same over a list of row maps (the reference `select` is
 tested against).

@@ -44,7 +44,8 @@ from vconsole.console.profile_run import ProfileRun, follow
 from vconsole.console.sources.vllm_actions import BY_KEY, ActionError
 from vconsole.console.state import ConsoleState, EngineState
 from vconsole.console.steering_host import SteeringHost, Update
-from vconsole.security.control_key import key_path, load_control_key
+from vconsole.security.control_key import control_key_file as key_file_for
+from vconsole.security.control_key import load_control_key
 from vconsole.security.curve import ClientCurve
 from vconsole.security.key_owner import KeyStatus
 from vconsole.telemetry.control import NotAuthorised
@@ -57,12 +58,12 @@ class Steering:
     """See the module docstring."""
 
     def __init__(self, state: ConsoleState, control: Control | None, *,
-                 control_endpoint: str | None = None, control_key_path: Path | None = None,
+                 control_endpoint: str | None = None, control_key_file: Path | None = None,
                  readonly_reason: str = "", host: SteeringHost | None = None) -> None:
         self.state = state
         self.control = control
         self.control_endpoint = control_endpoint
-        self.control_key_path = control_key_path
+        self.control_key_file = control_key_file
         self.readonly_reason = readonly_reason
         self.host = host
         self.change_log: list[ChangeRecord] = []       # every change sent, in order
@@ -87,11 +88,11 @@ class Steering:
         and the read-only reason if any."""
         path = None
         if control is None and control_endpoint and not source_readonly:
-            path = key_path(control_endpoint, control_key_file)
+            path = key_file_for(control_endpoint, control_key_file)
             if control_key is None:
                 control_key = load_control_key(control_endpoint, path)
             control = ControlLink(control_endpoint, timeout_s=timeout_s, key=control_key,
-                                  key_path=path, curve=curve)
+                                  key_file=path, curve=curve)
         if readonly:
             reason = "--readonly"
         elif source_readonly:
@@ -102,7 +103,7 @@ class Steering:
             reason = f"{NO_KEY}: {path}"
         else:
             reason = ""
-        return cls(state, control, control_endpoint=control_endpoint, control_key_path=path,
+        return cls(state, control, control_endpoint=control_endpoint, control_key_file=path,
                    readonly_reason=reason, host=host)
 
     def _host(self) -> SteeringHost:
@@ -139,7 +140,7 @@ class Steering:
     def key_refused(self) -> str:
         """The engine refused this console's control key: read-only from now on."""
         self.make_readonly(f"engine refused the control key: "
-                           f"{self.control_key_path or 'its control key'}")
+                           f"{self.control_key_file or 'its control key'}")
         return self.readonly_reason
 
     def _key_refused_update(self) -> Update:
@@ -196,7 +197,7 @@ class Steering:
         if not self.readonly_reason.startswith(NO_KEY) or not isinstance(self.control,
                                                                          ControlLink):
             return False
-        key = load_control_key(self.control_endpoint or "", self.control_key_path)
+        key = load_control_key(self.control_endpoint or "", self.control_key_file)
         if key is None:
             return False
         self.control.key = key

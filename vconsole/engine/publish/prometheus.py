@@ -59,7 +59,7 @@ class BodySource(Protocol):
 
 
 # The last payload per topic of each rank: {rank: {topic: body}}.
-BodiesByRank = Mapping[int | str, Mapping[str, dict[str, Any]]]
+BodiesByRank = Mapping[Any, Mapping[str, dict[str, Any]]]   # rank (int, or str off the wire)
 DP_GROUP_STATES = ("none", "forming", "ok", "broken")
 
 
