@@ -179,7 +179,7 @@ def test_a_load_whose_engine_dies_says_the_same_count_in_its_summary_and_its_las
         tmp_path):
     """The summary's request count is the one the stop line gives ("stopped after N of 12"),
     and every one of them is either completed or failed, by kind."""
-    from support.live_engine import ipc_endpoints
+    from support.live_engine import ipc_endpoints, wait_for_steps
     from vconsole.engine.launch.engine_process import EngineProcess
 
     eps = ipc_endpoints(tmp_path)
@@ -192,7 +192,7 @@ def test_a_load_whose_engine_dies_says_the_same_count_in_its_summary_and_its_las
              "--output-len", "1500:2000", "--wait", "5", "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            _wait_for_tokens(engine.endpoints["telemetry"])
+            wait_for_steps(engine.endpoints["telemetry"])
             os.kill(engine.pid, signal.SIGKILL)
             out, err = load.communicate(timeout=120)
         finally:
@@ -206,19 +206,3 @@ def test_a_load_whose_engine_dies_says_the_same_count_in_its_summary_and_its_las
     assert s["completed"] + s["failed"] == s["requests"] and s["failed"] >= 1, s
     assert set(s["errors"]) <= {"engine_unreachable", "abort"}, s
     assert s["errors"].get("engine_unreachable", 0) >= 1, s
-
-
-def _wait_for_tokens(endpoint: str, timeout_ms: int = 60_000) -> None:
-    """Until the engine's telemetry shows it has generated some tokens."""
-    from vconsole.telemetry import schema
-
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"health")
-    sub.connect(endpoint)
-    try:
-        while sub.poll(timeout_ms):
-            if schema.decode(sub.recv_multipart()).payload["steps"] > 20:
-                return
-        raise AssertionError("the engine never stepped")
-    finally:
-        sub.close(0)

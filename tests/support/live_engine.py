@@ -120,3 +120,20 @@ def reference_outputs(work: list[tuple[list[int], int]], *, block_size: int = 8,
     finally:
         torch.set_num_threads(threads)
     return [results[str(i)] for i in range(len(work))]
+
+
+def wait_for_steps(endpoint: str, steps: int = 20, timeout_ms: int = 60_000) -> None:
+    """Until the engine's health on ``endpoint`` counts more than ``steps`` steps (a load is
+    being served); AssertionError when nothing comes for ``timeout_ms``."""
+    import zmq
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"health")
+    sub.connect(endpoint)
+    try:
+        while sub.poll(timeout_ms):
+            if schema.decode(sub.recv_multipart()).payload["steps"] > steps:
+                return
+        raise AssertionError("the engine never stepped")
+    finally:
+        sub.close(0)

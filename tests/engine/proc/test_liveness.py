@@ -11,19 +11,15 @@ import threading
 import pytest
 import zmq
 
+from support.live_engine import ipc_endpoints, wait_for_steps
 from vconsole.engine.client import protocol
 from vconsole.engine.client.client import ENGINE_UNREACHABLE, EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.telemetry import schema
 
 pytestmark = pytest.mark.proc
 
 ARGS = ["--model", "tiny", "--num-kv-blocks", "64", "--block-size", "8",
         "--set", "client_heartbeat_s=0.2", "--no-supervisor"]
-
-
-def ipc_endpoints(d) -> dict[str, str]:
-    return {n: f"ipc://{d}/{n}" for n in ("input", "output", "telemetry", "control")}
 
 
 def test_a_handshaken_client_hears_heartbeats_while_the_engine_is_idle(tmp_path):
@@ -87,19 +83,6 @@ def test_a_request_past_its_processing_timeout_is_aborted_and_finished(tmp_path)
         c.request_timeout_s = None
         quick = c.generate(prompt_token_ids=[9, 9], max_tokens=3, ignore_eos=True, timeout_s=60)
         assert quick.finish_reason == "length"
-
-
-def wait_for_steps(endpoint: str, timeout_ms: int = 60_000) -> None:
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"health")
-    sub.connect(endpoint)
-    try:
-        while sub.poll(timeout_ms):
-            if schema.decode(sub.recv_multipart()).payload["steps"] > 20:
-                return
-        raise AssertionError("the engine never stepped")
-    finally:
-        sub.close(0)
 
 
 def test_vconsole_load_exits_non_zero_when_its_engine_dies(tmp_path):
