@@ -2,7 +2,7 @@
 
 The CLI builds one `EngineLaunch` (`vconsole.commands.engine.launch_from_args`) and hands it to
 whichever of the four shapes runs: the engine in this process (`EngineCoreProc`), its supervisor
-(`vconsole.engine.launch.supervisor`), the data-parallel launcher (`vconsole.engine.proc.dp.
+(`vconsole.engine.launch.supervisor`), the data-parallel launcher (`vconsole.engine.dp.
 launcher`) or a torchrun rank with its front end (`vconsole.engine.dp.front.torchrun`). A process
 that starts another engine process derives the child's launch with `dataclasses.replace` (a
 rank: its rank, its private endpoints, no public metrics) and runs `EngineLaunch.argv`: the
