@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vconsole.engine.config_source import ConfigSource
+from vconsole.engine.dp.rank.choose import process_role
 from vconsole.engine.launch import exit_codes
 from vconsole.engine.launch.launch import ChildOfSupervisor, EngineLaunch, Supervision
 from vconsole.engine.launch.supervisor import EngineSupervisor
@@ -133,15 +134,17 @@ def main(args: argparse.Namespace) -> int:
 
 def _serve(launch: EngineLaunch, *, escalate: bool = True, curve: Any = True,
            front: TorchrunFrontEnd | None = None) -> int:
-    """Run the engine in this process until it is stopped. ``curve`` True: the launch's own
-    keys. ``front``: a torchrun group's front end, started once the engine serves and closed
-    after it drained."""
+    """Run the engine in this process until it is stopped. Its role is picked here: one rank
+    of a data-parallel group (``--dp-rank``, or a torchrun worker) or a lone engine
+    (`vconsole.engine.dp.rank.choose`). ``curve`` True: the launch's own keys. ``front``: a
+    torchrun group's front end, started once the engine serves and closed after it drained."""
     failure_file = launch.child.failure_file if launch.child else None
     q: queue.SimpleQueue[LoopInput] = queue.SimpleQueue()
     _install_signal_handlers(q, escalate=escalate)
     try:
         proc = EngineCoreProc(
-            launch.config, dict(launch.endpoints), config_path=launch.source.config_file,
+            launch.config, dict(launch.endpoints), role=process_role(launch.config),
+            config_path=launch.source.config_file,
             allow_remote=launch.allow_remote, control_key_file=launch.control_key_file,
             input_queue=q, ready_file=launch.ready_file,
             curve=launch.server_curve() if curve is True else curve,

@@ -1,12 +1,16 @@
 """EngineCore: the inner loop of the engine — schedule → execute_model → update_from_output.
 
 `step()` reads top to bottom as its three phases and records what each cost; nothing here knows
-about sockets or telemetry (`vconsole.engine.process.core_proc` wraps the core with I/O threads and queues, and
-hands `last_step` and the stats snapshots to the publisher).
+about sockets or telemetry (`vconsole.engine.process.core_proc` wraps the core with I/O threads
+and queues, and hands `last_step` and the stats snapshots to the publisher).
 
 A model execution that raises fails that step's requests only (finish reason ``error``, the
 exception in ``error``) and `step()` returns normally; `consecutive_step_failures` tells the
 caller when the failures no longer stop (see `_execute_model`).
+
+`step()` never detokenizes: a finished output's ``text`` is made by whoever reads it, with
+`detokenize` — the offline path (`vconsole.engine.offline.run_batch`) for every finished
+request, the engine process on its output thread, off the busy loop.
 """
 
 from __future__ import annotations
@@ -131,7 +135,6 @@ class EngineCore:
         for req, out in results:
             if out.finished:
                 num_finished += 1
-                out.text = self.detokenize(req.output_token_ids)
             outputs[req.client_id].append(out)
         t3 = time.monotonic_ns()
 
@@ -180,6 +183,8 @@ class EngineCore:
         return out
 
     def detokenize(self, token_ids: list[int]) -> str:
+        """A request's text (special tokens skipped). Only reads the tokenizer, so the engine
+        process calls it off the busy loop."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # --- config and figures ---------------------------------------------------------------

@@ -47,9 +47,11 @@ def run_batch(core: EngineCore, requests: Sequence[Request | RequestOutput],
     """Add every request, step until all are finished, return results in input order.
 
     An entry that is already a finished `RequestOutput` (a request rejected while it was being
-    built) is passed through at its index, so callers keep one list in input order.
+    built) is passed through at its index, so callers keep one list in input order. Each
+    finished output gets its ``text`` here (`EngineCore.step` never detokenizes).
     """
     index: dict[str, int] = {}
+    running: dict[str, Request] = {}
     results: list[RequestOutput | None] = [None] * len(requests)
     tokens: list[list[int]] = [[] for _ in requests]
     kv0 = core.kv_stats()
@@ -68,6 +70,8 @@ def run_batch(core: EngineCore, requests: Sequence[Request | RequestOutput],
         if rejected is not None:
             results[i] = rejected
             done += 1
+        else:
+            running[req.request_id] = req
     log: list[Any] = []
     while core.has_unfinished_requests():
         outputs, _ = core.step()
@@ -78,6 +82,8 @@ def run_batch(core: EngineCore, requests: Sequence[Request | RequestOutput],
                 i = index[out.request_id]
                 tokens[i].extend(out.new_token_ids)
                 if out.finished:
+                    req = running.pop(out.request_id)
+                    out.text = core.detokenize(req.output_token_ids)
                     results[i] = out
                     done += 1
         if on_progress is not None:

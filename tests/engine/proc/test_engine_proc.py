@@ -621,15 +621,18 @@ class _IdleCore:
     def take_kv_events(self):
         return []
 
+    def detokenize(self, token_ids) -> str:
+        return ""
+
 
 def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path, monkeypatch):
-    from vconsole.engine.process import core_proc
+    from vconsole.engine.process import core_proc, telemetry_outlets
     from vconsole.engine.publish.publish_loop import PublishLoop
 
     release = threading.Event()
     monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
     monkeypatch.setattr(PublishLoop, "run", lambda self, *a: release.wait())
-    monkeypatch.setattr(core_proc, "PUBLISHER_CLOSE_S", 0.3, raising=False)
+    monkeypatch.setattr(telemetry_outlets, "PUBLISHER_CLOSE_S", 0.3)
     core = _IdleCore()
     proc = core_proc.EngineCoreProc(core.config, _ipc_endpoints(tmp_path), core=core)
     proc.start()

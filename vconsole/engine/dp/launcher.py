@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,11 +135,10 @@ class DPLauncher:
         for r in range(self.world_size):
             launch = self._rank_launch(r, run_dir, port)
             self.stack.watch(r, launch.endpoints["telemetry"])
-            ready = launch.ready_file
             sup = EngineSupervisor(
                 launch, env=rank_env(r, self.world_size, self.config.device),
-                on_ready=lambda rec, r=r, ready=ready: self.stack.rank_ready(r, rec, ready),
-                on_exit=lambda code, why, r=r: self._rank_exit(r, code, why),
+                on_ready=partial(self._rank_ready, r, launch.ready_file),
+                on_exit=partial(self._rank_exit, r),
                 beacon=False)   # the front end's proxy says `restarting` for the rank
             self.supervisors.append(sup)
 
@@ -166,6 +166,10 @@ class DPLauncher:
             return self._failed
         bad = [c for c in codes.values() if c != exit_codes.OK]
         return bad[0] if bad else exit_codes.OK
+
+    def _rank_ready(self, rank: int, ready_file: str | None, record: dict[str, Any]) -> None:
+        """A rank's engine serves (its supervisor's thread): the front end connects to it."""
+        self.stack.rank_ready(rank, record, ready_file)
 
     def _rank_exit(self, rank: int, code: int, reason: str) -> None:
         """A rank's process ended (its supervisor's thread): unless the group is stopping or

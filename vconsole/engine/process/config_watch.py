@@ -70,7 +70,7 @@ class ConfigFileWatcher:
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The file's raw values; raises ValueError with a readable reason."""
     try:
-        return load_toml(path)
+        return load_toml(Path(path))
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:

@@ -2,15 +2,14 @@
 
 `vconsole.engine.process.core_proc.EngineCoreProc` binds the socket and hands it to an
 `OutputThread`, which from then on is its only user (and closes it). The busy loop and the input
-thread talk to it through the output queue; items are ``(kind, client id, ...)``:
+thread talk to it through the output queue (`vconsole.engine.process.output_items`):
 
-- ``(HELLO, client)``: answer with ``ready`` — retried every `HELLO_RETRY_S` until the client's
-  output connection is registered (at most `HELLO_WAIT_S`), so once a client has its ``ready``
-  no output to it can be lost; from then on the client is *handshaken*;
-- ``(OUTPUTS, client, outputs)`` and ``(ERROR, client, reason, request id, in flight)``: to
-  that client;
-- ``(WAVE, _, event, wave)``: a data-parallel rank's ``wave`` message, to every handshaken
-  client;
+- `Hello`: answer with ``ready`` — retried every `HELLO_RETRY_S` until the client's output
+  connection is registered (at most `HELLO_WAIT_S`), so once a client has its ``ready`` no
+  output to it can be lost; from then on the client is *handshaken*;
+- `Outputs` and `Error`: to that client. A finished output's ``text`` is detokenized here, just
+  before it is encoded, never on the busy loop;
+- `Wave`: a data-parallel rank's ``wave`` message, to every handshaken client;
 - `STOP`: flush what was queued before it, close the socket, end.
 
 Every handshaken client also gets a ``heartbeat`` at least once per ``client_heartbeat_s``.
@@ -34,21 +33,22 @@ from typing import Any
 import zmq
 
 from vconsole.engine.client import protocol
+from vconsole.engine.process.output_items import Error, Hello, OutputItem, Outputs, Stop, Wave
 
 log = logging.getLogger("vconsole.engine")
 
 HELLO_RETRY_S = 0.005     # ready re-sent this often until the client's output socket is known
 HELLO_WAIT_S = 5.0        # ...for at most this long
-STOP = ("stop",)          # output queue sentinel
 SENT, NO_ROUTE, FULL = "sent", "no route", "full"  # `send` results
 
 
 class OutputThread(threading.Thread):
     """Owns the output socket from `start` on; see the module docstring."""
 
-    def __init__(self, sock: zmq.Socket, items: queue.SimpleQueue[tuple[Any, ...]], *,
+    def __init__(self, sock: zmq.Socket, items: queue.SimpleQueue[OutputItem], *,
                  ready: Callable[[], dict[str, Any]], heartbeat_s: Callable[[], float],
-                 engine_id: str, on_client_gone: Callable[[bytes], None]) -> None:
+                 engine_id: str, on_client_gone: Callable[[bytes], None],
+                 detokenize: Callable[[list[int]], str]) -> None:
         super().__init__(name="engine-output", daemon=True)
         self.sock = sock
         self.items = items
@@ -56,6 +56,7 @@ class OutputThread(threading.Thread):
         self._heartbeat_s = heartbeat_s
         self._heartbeat = protocol.encode_heartbeat(engine_id)
         self._on_client_gone = on_client_gone
+        self._detokenize = detokenize
         self.hellos: dict[bytes, float] = {}  # client id -> give-up time, while its route is unknown
         self.gone: set[bytes] = set()
         self.clients: set[bytes] = set()      # handshaken clients: heartbeats, wave messages
@@ -65,12 +66,13 @@ class OutputThread(threading.Thread):
         try:
             while True:
                 wait = max(0.0, next_beat - time.monotonic())
+                item: OutputItem | None
                 try:
                     item = self.items.get(timeout=min(wait, HELLO_RETRY_S) if self.hellos
                                           else wait)
                 except queue.Empty:
                     item = None
-                if item is STOP:
+                if isinstance(item, Stop):
                     return
                 if item is not None:
                     self._on_item(item)
@@ -95,24 +97,39 @@ class OutputThread(threading.Thread):
                 if sent == FULL:
                     self._client_gone(client_id, sent)
 
-    def _on_item(self, item: tuple[Any, ...]) -> None:
-        kind, client_id = item[0], item[1]
-        if kind == protocol.HELLO:
-            self.gone.discard(client_id)
-            self.hellos[client_id] = time.monotonic() + HELLO_WAIT_S
-            return
-        if kind == protocol.WAVE:
-            self._broadcast(protocol.encode_wave(item[2], item[3]))
-            return
-        if client_id in self.gone:  # its requests are being aborted; nobody would read these
-            return
-        if kind == protocol.OUTPUTS:
-            frames = protocol.encode_outputs(item[2])
-        else:                       # ERROR: (reason, request id or None, in flight)
-            frames = protocol.encode_error(item[2], item[3], item[4])
+    def _on_item(self, item: OutputItem) -> None:
+        match item:
+            case Hello(client_id):
+                self.gone.discard(client_id)
+                self.hellos[client_id] = time.monotonic() + HELLO_WAIT_S
+                return
+            case Wave(event, wave):
+                self._broadcast(protocol.encode_wave(event, wave))
+                return
+            case Outputs(client_id, outputs, to_detokenize):
+                if client_id in self.gone:   # its requests are being aborted; nobody reads
+                    return
+                for out, token_ids in to_detokenize:
+                    out.text = self._text(token_ids)
+                frames = protocol.encode_outputs(outputs)
+            case Error(client_id, reason, request_id, in_flight):
+                if client_id in self.gone:
+                    return
+                frames = protocol.encode_error(reason, request_id, in_flight)
+            case _:
+                return
         sent = self.send(self.sock, client_id, frames)
         if sent != SENT:
             self._client_gone(client_id, sent)
+
+    def _text(self, token_ids: list[int]) -> str | None:
+        """A finished request's text; a tokenizer that raises costs that text only (None),
+        never this thread."""
+        try:
+            return self._detokenize(token_ids)
+        except Exception:
+            log.exception("could not detokenize a finished output; it is sent without text")
+            return None
 
     def _broadcast(self, frames: protocol.Frames) -> None:
         """Send to every handshaken client. A client whose route is gone is forgotten; one

@@ -21,7 +21,11 @@ import threading
 import time
 from collections import OrderedDict
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vconsole.engine.process.serving_core import ServingCore
+    from vconsole.engine.worker.profiler import StepProfiler
 
 log = logging.getLogger("vconsole.engine")
 
@@ -36,23 +40,22 @@ class ProfileBook:
         self._lock = threading.Lock()       # guards everything below
         self._status: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._ids = itertools.count(1)
-        self._profiler: Any = None          # the running StepProfiler
+        self._profiler: StepProfiler | None = None   # the running one
         self.active: str | None = None      # the running profile's id
 
     # --- busy loop ----------------------------------------------------------------------------
 
-    def start(self, core: Any, steps: int) -> dict[str, Any]:
+    def start(self, core: ServingCore, steps: int) -> dict[str, Any]:
         """Arm a profile of the next ``steps`` steps; its status. Raises ValueError with the
-        reason (one is running, this core cannot profile)."""
+        reason (one is running)."""
         with self._lock:
             if self.active is not None:
                 prof = self._profiler
+                assert prof is not None
                 what = ("building its report" if prof.reporting else
                         f"{prof.steps_done}/{prof.num_steps} steps done")
                 raise ValueError(f"profile {self.active} is running ({what}); wait for it or "
                                  "cancel it")
-            if not hasattr(core, "start_profile"):
-                raise ValueError("this engine cannot profile")
             pid = f"p{next(self._ids)}"
             self._profiler = core.start_profile(steps, on_done=partial(self._settle, pid))
             self.active = pid
@@ -81,6 +84,7 @@ class ProfileBook:
             if self.active is None or (pid is not None and pid != self.active):
                 return self._status.get(pid or "", {})
             pid, prof = self.active, self._profiler
+            assert prof is not None             # set whenever a profile is active
             self._finish(pid, CANCELLED, error=reason)
         prof.cancel()       # its on_done finds the profile already settled
         log.info("profile %s %s after %d steps", pid, reason, prof.steps_done)
@@ -98,6 +102,7 @@ class ProfileBook:
             if pid != self.active:
                 return                      # cancelled meanwhile
             prof = self._profiler
+            assert prof is not None
             if prof.result is not None:
                 self._finish(pid, DONE, result={"id": pid, **prof.result})
             else:
@@ -118,6 +123,7 @@ class ProfileBook:
 
     def _finish(self, pid: str, state: str, *, result: dict[str, Any] | None = None,
                 error: str | None = None) -> None:
+        assert self._profiler is not None
         self._status[pid] = {**self._status[pid], "state": state,
                              "steps_done": self._profiler.steps_done, "profiling": False,
                              "finished_ts": time.time(), "result": result, "error": error}

@@ -8,6 +8,10 @@ prompts are tokenized off the loop (a small thread pool) and come back as
 `vconsole.engine.process.loop_inputs.AddReady`; a request aborted or left by its client meanwhile
 is answered at once and its late result dropped.
 
+A finished output's ``text`` is not made here: the request's output token ids travel with it
+to the output thread, which detokenizes just before sending (`output_items.Outputs`), so the
+busy loop never decodes.
+
 Used by the busy loop's thread only (the pool's threads only tokenize and enqueue).
 """
 
@@ -16,12 +20,13 @@ from __future__ import annotations
 import logging
 import queue
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from vconsole.engine.client import protocol
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.process.loop_inputs import AddReady, LoopInput
+from vconsole.engine.process.output_items import Error, OutputItem, Outputs
 from vconsole.engine.process.request_registry import RequestRegistry
+from vconsole.engine.process.serving_core import ServingCore
 from vconsole.engine.request import FinishReason, Request
 
 log = logging.getLogger("vconsole.engine")
@@ -34,12 +39,13 @@ class RequestIntake:
     """``core``: the engine core (make, add and abort requests); ``input_queue``: where
     prepared requests come back; ``output_queue``: the output thread's."""
 
-    def __init__(self, core: Any, input_queue: queue.SimpleQueue[LoopInput],
-                 output_queue: queue.SimpleQueue[tuple[Any, ...]]) -> None:
+    def __init__(self, core: ServingCore, input_queue: queue.SimpleQueue[LoopInput],
+                 output_queue: queue.SimpleQueue[OutputItem]) -> None:
         self.core = core
         self.input_queue = input_queue
         self.output_queue = output_queue
         self.requests = RequestRegistry()       # engine id <-> (client, its id)
+        self._in_core: dict[str, Request] = {}  # engine id -> request, while the core has it
         self._preparing: set[str] = set()       # engine ids being tokenized off the loop
         self._pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="engine-prepare")
 
@@ -51,9 +57,8 @@ class RequestIntake:
             return self._reject(client_id, msg.request_id, refuse)
         engine_id = self.requests.open(client_id, msg.request_id)
         if engine_id is None:
-            self.output_queue.put((protocol.ERROR, client_id,
-                                   f"duplicate request id {msg.request_id!r}: one is in flight "
-                                   "(it goes on)", msg.request_id, True))
+            self.output_queue.put(Error(client_id, f"duplicate request id {msg.request_id!r}: "
+                                        "one is in flight (it goes on)", msg.request_id, True))
             return
         if msg.prompt is not None and len(msg.prompt) > INLINE_PROMPT_CHARS:
             self._preparing.add(engine_id)
@@ -71,7 +76,7 @@ class RequestIntake:
     def reject_message(self, client_id: bytes, request_id: str, reason: str) -> None:
         """A message naming ``request_id`` that could not be read (from the input thread)."""
         if self.requests.lookup(client_id, request_id) is not None:
-            self.output_queue.put((protocol.ERROR, client_id, reason, request_id, True))
+            self.output_queue.put(Error(client_id, reason, request_id, True))
         else:
             self._reject(client_id, request_id, reason)
 
@@ -96,22 +101,27 @@ class RequestIntake:
     # --- out --------------------------------------------------------------------------------
 
     def emit(self, outputs: dict[bytes, list[RequestOutput]]) -> None:
-        """Send outputs keyed by engine id to their clients, under the clients' own ids."""
+        """Send outputs keyed by engine id to their clients, under the clients' own ids; a
+        finished one of a request the core ran goes with its output token ids, for its text."""
         for client_id, outs in outputs.items():
+            to_detokenize: list[tuple[RequestOutput, list[int]]] = []
             for out in outs:
                 owner = self.requests.owner(out.request_id)
                 if owner is None:
                     continue  # not a client's request (cannot happen; never mis-deliver)
                 if out.finished:
                     self.requests.close(out.request_id)
+                    req = self._in_core.pop(out.request_id, None)
+                    if req is not None and out.text is None:
+                        to_detokenize.append((out, list(req.output_token_ids)))
                 out.request_id = owner[1]
-            self.output_queue.put((protocol.OUTPUTS, client_id, outs))
+            self.output_queue.put(Outputs(client_id, outs, to_detokenize))
 
     # --- inside -----------------------------------------------------------------------------
 
     def _reject(self, client_id: bytes, request_id: str, reason: str) -> None:
         """The final output of a request that never got an engine id."""
-        self.output_queue.put((protocol.OUTPUTS, client_id, [RequestOutput(
+        self.output_queue.put(Outputs(client_id, [RequestOutput(
             request_id, finished=True, finish_reason=FinishReason.ERROR.value, error=reason)]))
 
     def _finish_unqueued(self, engine_id: str, reason: FinishReason, error: str | None) -> None:
@@ -146,6 +156,8 @@ class RequestIntake:
         rejected = self.core.add_request(result)
         if rejected is not None:
             self.emit({client_id: [rejected]})
+        else:
+            self._in_core[engine_id] = result
 
     def _abort_engine_ids(self, engine_ids: list[str]) -> None:
         in_core = []

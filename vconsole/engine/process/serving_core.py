@@ -1,17 +1,27 @@
-"""What the engine process needs of its core: `vconsole.engine.core.EngineCore` is one; a test
-may hand `EngineCoreProc` a smaller fake that has exactly this, and nothing is probed."""
+"""What the engine process needs of its core, all of it: `vconsole.engine.core.EngineCore` is one.
+
+`EngineCoreProc`, `RequestIntake`, `ProfileBook`, the telemetry feed and the output thread
+reach the core only through `ServingCore`, and nothing is probed (no ``hasattr``): a test may
+hand the process a smaller fake, and the type checker tells whether it is one (``make test``
+runs mypy over this package; `_engine_core_serves` below is checked there, and
+``tests/engine/proc/test_serving_core_types.py`` shows a fake that lacks a member failing).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.request import Request
+from vconsole.engine.request import Request, SamplingParams
 from vconsole.engine.telemetry_guard import TelemetryGuard
 from vconsole.shared.config import ConfigUpdate, EngineConfig
 from vconsole.shared.kv_events import KVEvent
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
+
+if TYPE_CHECKING:
+    from vconsole.engine.core import EngineCore
+    from vconsole.engine.worker.profiler import StepProfiler
 
 
 class ServingCore(Protocol):
@@ -23,16 +33,31 @@ class ServingCore(Protocol):
     consecutive_step_failures: int
     last_step_error: str | None
 
+    # --- the model, requests and steps (busy loop; make_request also off it: only reads) ---
     def model_info(self) -> dict[str, Any]: ...
-    def make_request(self, request_id: str, **fields: Any) -> Request: ...
+    def make_request(self, request_id: str, *, prompt: str | None = None,
+                     prompt_token_ids: list[int] | None = None, sampling: SamplingParams,
+                     priority: int = 0, client_id: bytes = b"") -> Request: ...
     def add_request(self, req: Request) -> RequestOutput | None: ...
     def abort_requests(self, request_ids: Iterable[str]) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> tuple[dict[bytes, list[RequestOutput]], bool]: ...
     def dummy_step(self) -> None: ...
+    # A finished request's text (the output thread; the tokenizer is only read).
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    # --- config, figures, profiling (busy loop, between two steps) ---
     def apply_config(self, values: dict[str, Any]) -> ConfigUpdate: ...
     def scheduler_stats(self, max_rows: int) -> SchedulerStats: ...
     def kv_stats(self) -> KVStats: ...
     def latency_snapshot(self) -> dict[str, Any]: ...
     def enable_kv_events(self) -> None: ...
     def take_kv_events(self) -> list[KVEvent]: ...
+    def start_profile(self, num_steps: int,
+                      on_done: Callable[[], None] | None = None) -> StepProfiler: ...
+
+
+if TYPE_CHECKING:
+    def _engine_core_serves(core: EngineCore) -> ServingCore:
+        """Checked by mypy only: the real core satisfies the Protocol."""
+        return core

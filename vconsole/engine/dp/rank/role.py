@@ -1,7 +1,8 @@
 """`DPRank`: what makes an engine process a data-parallel rank, behind a few busy-loop hooks.
 
-`vconsole.engine.process.core_proc.EngineCoreProc` owns one when ``data_parallel_size > 1`` and
-calls it between steps; this module owns everything else: the store connection
+A rank's engine process reaches it through its role (`engine_role.RankRole`, which the busy
+loop calls between steps and which announces the `WaveEvent` s returned here); this module owns
+everything else: the store connection
 (`vconsole.engine.dp.rank.rendezvous`), the current process group
 (`vconsole.engine.dp.rank.group`), the wave state machine (`vconsole.engine.dp.rank.wave`), the
 counters, and the bodies of the ``dp`` and ``wave`` telemetry topics.
@@ -64,8 +65,7 @@ def wave_body(event: str, wave: int, steps: int = 0, dummy_steps: int = 0,
 
 
 class DPRank:
-    """One rank's coordination; used by the busy loop's thread only (its
-    `vconsole.engine.process.role.ProcessRole`)."""
+    """One rank's coordination; used by the busy loop's thread only (through `RankRole`)."""
 
     is_rank = True
 

@@ -1,0 +1,63 @@
+"""The busy loop's telemetry feed: what the publisher gets between two steps.
+
+At most ``telemetry_hz`` times a second (the publisher says when, `snapshot_due`) the loop
+hands it the scheduler and KV snapshot, a data-parallel rank's ``dp`` figures, and at most once
+a second — or whenever the engine goes idle, as the last snapshot before the loop blocks — the
+latency percentiles. Each part runs behind the core's `vconsole.engine.telemetry_guard`: one
+that raises is logged, counted and rebuilt, and is missing from this snapshot only. Used by the
+busy loop's thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vconsole.engine.process.serving_core import ServingCore
+    from vconsole.engine.publish.publisher import TelemetryPublisher
+
+LATENCY_INTERVAL_S = 1.0  # latency percentiles are computed at most this often
+
+
+class TelemetryFeed:
+    """``dirty``: the state changed since the last snapshot (an idle loop wakes once more to
+    send it instead of blocking on a stale one)."""
+
+    def __init__(self, core: ServingCore, publisher: TelemetryPublisher,
+                 dp_body: Callable[[], dict[str, Any] | None]) -> None:
+        self.core = core
+        self.guard = core.telemetry_guard
+        self.publisher = publisher
+        self._dp_body = dp_body
+        self.dirty = True
+        self._next_latency = 0.0    # when the next latency snapshot is due
+
+    def maybe_snapshot(self, state: str) -> None:
+        """The snapshot, if one is due."""
+        if not self.publisher.snapshot_due():
+            return
+        # A snapshot a guarded part failed leaves the engine dirty.
+        self.dirty = not self.submit_snapshot(state)
+        core, run = self.core, self.guard.run
+        dp_body = run("dp", self._dp_body)
+        if dp_body is not None:
+            self.publisher.submit_dp(dp_body)
+        now = time.monotonic()
+        # Idle: this is the last snapshot before the loop blocks, so latency goes too.
+        if now >= self._next_latency or not core.has_unfinished_requests():
+            body = run("latency", core.latency_snapshot)
+            if body is not None:
+                self.publisher.submit_latency(body)
+            self._next_latency = now + LATENCY_INTERVAL_S
+
+    def submit_snapshot(self, state: str) -> bool:
+        """Send the scheduler and KV snapshot; False when a guarded part failed."""
+        core, run = self.core, self.guard.run
+        sched = run("sched", core.scheduler_stats, core.config.telemetry_max_requests)
+        kv = run("kv", core.kv_stats)
+        if sched is None or kv is None:
+            return False
+        self.publisher.submit_snapshot(sched, kv, state, core.num_steps)
+        return True

@@ -1,0 +1,97 @@
+"""Where the engine process's figures leave it: the telemetry publisher, the KV event publisher
+(``--kv-events-endpoint``) and Prometheus ``/metrics`` (``--metrics-port``).
+
+`TelemetryOutlets.open` starts them once the core exists (the publisher's first ``config``
+needs it) and takes back what it started when a later one fails; `close` stops them at the end
+of the shutdown, after the final snapshot. The ``/metrics`` threads read only what the
+publisher last sent (`vconsole.engine.publish.prometheus`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from vconsole.engine.publish.kv_events import KVEventPublisher, start_kv_events
+from vconsole.engine.publish.prometheus import MetricsServer, TelemetryCollector
+from vconsole.engine.publish.publisher import TelemetryPublisher
+from vconsole.security.bind_policy import secure_socket
+
+if TYPE_CHECKING:
+    from vconsole.engine.process.serving_core import ServingCore
+    from vconsole.security.curve_server import ServerCurve
+
+log = logging.getLogger("vconsole.engine")
+
+PUBLISHER_CLOSE_S = 5.0   # at shutdown, how long the telemetry thread gets to stop
+
+
+@dataclass
+class TelemetryOutlets:
+    publisher: TelemetryPublisher
+    kv_events: KVEventPublisher | None
+    metrics: MetricsServer | None
+
+    @classmethod
+    def open(cls, ctx: zmq.Context, core: ServingCore, endpoint: str, *, device: str,
+             curve: ServerCurve | None, restart_count: int, restart_reason: str | None,
+             metrics_endpoint: tuple[str, int] | None) -> TelemetryOutlets:
+        """Start the publisher on ``endpoint`` (its telemetry failures reported through it:
+        the core's guard), then the others; raises after closing what it started."""
+        config = core.config
+        publisher = TelemetryPublisher(
+            ctx, endpoint, config.engine_id, config.dp_rank, config,
+            secure=lambda sock: secure_socket(sock, "telemetry", endpoint, curve),
+            restart_count=restart_count, restart_reason=restart_reason)
+        undo: list[Callable[[], object]] = [lambda: publisher.close(PUBLISHER_CLOSE_S)]
+        try:
+            publisher.start()
+            kv_events = start_kv_events(ctx, config, device)
+            if kv_events is not None:
+                core.enable_kv_events()
+                undo.append(kv_events.close)
+            core.telemetry_guard.on_failure = publisher.report_error
+            metrics = None
+            if metrics_endpoint is not None:   # figures = what the publisher last sent
+                metrics = MetricsServer(TelemetryCollector(
+                    publisher, model_name=config.model, engine=config.dp_rank),
+                    *metrics_endpoint).start()
+        except BaseException:
+            for take_back in reversed(undo):
+                take_back()
+            raise
+        return cls(publisher, kv_events, metrics)
+
+    def publish_kv_events(self, core: ServingCore) -> None:
+        """What entered and left the prefix cache since the last call (KV events on), behind
+        the core's telemetry guard."""
+        kv_events = self.kv_events
+        if kv_events is not None:
+            core.telemetry_guard.run("kv_events",
+                                     lambda: kv_events.publish(core.take_kv_events()))
+
+    def ready_fields(self) -> dict[str, Any]:
+        """What the ready record says of them: the ``/metrics`` URL, the KV event endpoints."""
+        fields: dict[str, Any] = {}
+        if self.metrics is not None:
+            fields["metrics"] = self.metrics.url
+        if self.kv_events is not None:
+            fields["kv_events"] = {"endpoint": self.kv_events.endpoint,
+                                   "replay_endpoint": self.kv_events.replay_endpoint}
+        return fields
+
+    def close(self) -> None:
+        """Stop them all; a telemetry thread that does not stop in time is left behind (its
+        socket closes with the context)."""
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.kv_events is not None:
+            self.kv_events.close(PUBLISHER_CLOSE_S)
+        self.publisher.close(PUBLISHER_CLOSE_S)
+        if self.publisher.is_alive():
+            log.warning("the telemetry thread did not stop within %g s; closing its socket",
+                        PUBLISHER_CLOSE_S)
