@@ -74,9 +74,6 @@ def control_key_file(endpoint: str, given: str | os.PathLike[str] | None = None)
     return runtime_dir() / key_file_name(endpoint)
 
 
-# The old name, until the engine process's and the console's call sites say control_key_file.
-key_path = control_key_file
-
 
 def read_key_file(path: str | os.PathLike[str]) -> str:
     """The key in ``path``; raises OSError (unreadable) or ValueError (empty / not a key)."""

@@ -57,7 +57,7 @@ def served(tmp_path):
 
 def test_set_config_is_applied_by_the_busy_loop_and_answered_once_applied(served):
     server, loop, endpoint = served
-    key = load_control_key(endpoint, server.key_path)
+    key = load_control_key(endpoint, server.key_file)
     with ControlClient(endpoint, key=key) as ctl:
         assert ctl.get_config()["version"] == 1   # answered without the busy loop
         worker = threading.Thread(target=loop.step_boundary)
@@ -79,7 +79,7 @@ def test_an_unauthorised_set_config_is_never_queued(served):
 def test_a_call_the_busy_loop_never_reached_is_answered_and_never_applied(served, monkeypatch):
     monkeypatch.setattr(control_server, "CONTROL_WAIT_S", 0.2)
     server, loop, endpoint = served
-    with ControlClient(endpoint, key=load_control_key(endpoint, server.key_path)) as ctl:
+    with ControlClient(endpoint, key=load_control_key(endpoint, server.key_file)) as ctl:
         reply = ctl.request("set_config", {"max_num_seqs": 3})
     assert not reply["ok"] and "did not reach a step boundary" in reply["error"]
     loop.step_boundary()          # the busy loop comes round too late: the call was cancelled
@@ -93,10 +93,10 @@ def test_the_key_file_is_private_and_removed_when_the_thread_stops(tmp_path):
     server = ControlServer(sock, "ipc://unused", key_file=tmp_path / "k.key",
                            config_view=BusyLoop().view, submit=lambda call: None, stop=stop,
                            poll_ms=20)
-    assert server.key_path.stat().st_mode & 0o777 == 0o600
-    assert len(server.key_path.read_text().strip()) == 2 * engine_key.KEY_BYTES
+    assert server.key_file.stat().st_mode & 0o777 == 0o600
+    assert len(server.key_file.read_text().strip()) == 2 * engine_key.KEY_BYTES
     server.start()
     stop.set()
     server.join(5)
-    assert not server.key_path.exists()
+    assert not server.key_file.exists()
     ctx.destroy(linger=0)

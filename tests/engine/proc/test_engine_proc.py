@@ -72,7 +72,7 @@ def control(engine, key: str | None | bool = True) -> ControlClient:
     """A control client holding the engine's key (``key=True``), another key, or none."""
     if key is True:
         key = engine.control_key()
-        assert key, f"no control key at {engine.control_key_path}"
+        assert key, f"no control key at {engine.control_key_file}"
     return ControlClient(engine.endpoints["control"], timeout_s=10, key=key or None)
 
 
@@ -177,8 +177,8 @@ def test_bad_config_values_are_rejected_with_reasons_and_nothing_changes(engine)
 
 
 def test_control_key_file_is_private_and_derived_from_the_endpoint(engine):
-    path = engine.control_key_path
-    assert path == control_key.key_path(engine.endpoints["control"])  # what a bare client finds
+    path = engine.control_key_file
+    assert path == control_key.control_key_file(engine.endpoints["control"])  # what a bare client finds
     assert path.parent == control_key.runtime_dir()
     assert path.stat().st_mode & 0o777 == 0o600
     key = path.read_text().strip()
@@ -190,7 +190,7 @@ def test_control_key_file_is_private_and_derived_from_the_endpoint(engine):
 def test_set_config_without_the_key_is_refused_and_changes_nothing(engine):
     with control(engine) as ctl:
         before = ctl.get_config()
-    path = str(engine.control_key_path)
+    path = str(engine.control_key_file)
     for key in (None, "0" * 64, engine.control_key()[:-1]):
         with control(engine, key=key) as anon:
             assert anon.get_config()["values"] == before["values"]  # reading stays open
@@ -648,7 +648,7 @@ def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero(engine):
-    key_file = engine.control_key_path
+    key_file = engine.control_key_file
     assert key_file.exists()
     c = client(engine)
     rid = c.submit(prompt_token_ids=[17] * 4, max_tokens=250, ignore_eos=True)

@@ -258,7 +258,7 @@ def test_the_console_link_speaks_the_profile_ops(engine):
 
     # A stale key is read again from the key file and the start retried, as for set_config.
     link = ControlLink(engine.endpoints["control"], timeout_s=30, key="0" * 64,
-                       key_file=engine.control_key_path)
+                       key_file=engine.control_key_file)
     started = link.profile_start(5)
     assert started["state"] == "running" and link.key == engine.control_key()
     assert link.profile_status(started["id"])["steps"] == 5

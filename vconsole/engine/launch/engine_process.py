@@ -111,7 +111,6 @@ class EngineProcess:
         path = self.ready.get("control_key_file")
         return Path(path) if path else None
 
-    control_key_path = control_key_file   # the old name, until every test says control_key_file
 
     def control_key(self) -> str | None:
         """The engine's control key (same machine, same user), None if unreadable."""

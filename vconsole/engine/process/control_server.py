@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vconsole.security import engine_key
-from vconsole.security.control_key import key_path
+from vconsole.security.control_key import control_key_file as key_file_for
 from vconsole.telemetry import control
 
 if TYPE_CHECKING:
@@ -110,16 +110,16 @@ class ControlServer:
         self._stop = stop
         self._poll_ms = poll_ms
         self._key = engine_key.new_key()
-        self.key_path = key_path(endpoint, key_file)
+        self.key_file = key_file_for(endpoint, key_file)
         try:
-            engine_key.claim_key_file(self.key_path, self._key, engine_id=engine_id,
+            engine_key.claim_key_file(self.key_file, self._key, engine_id=engine_id,
                                             endpoint=endpoint)
         except engine_key.KeyFileHeld:
             raise
         except OSError as e:
-            raise OSError(f"cannot write the control key file {self.key_path}: {e}") from None
+            raise OSError(f"cannot write the control key file {self.key_file}: {e}") from None
         log.info("control key: %s (mode 0600; clients need it to change the config)",
-                 self.key_path)
+                 self.key_file)
         self._thread = threading.Thread(target=self._run, name="engine-control", daemon=True)
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -142,7 +142,7 @@ class ControlServer:
     def remove_key_file(self) -> None:
         """Remove the key file if it still holds this server's key. The thread does this when it
         stops; call it directly only when the server is never started."""
-        engine_key.remove_key_file(self.key_path, self._key)
+        engine_key.remove_key_file(self.key_file, self._key)
 
     # --- control thread ------------------------------------------------------------------------
 
@@ -175,7 +175,7 @@ class ControlServer:
             return control.profile_reply(status, rid)
         if not engine_key.key_matches(req.get("key"), self._key):
             log.warning("control: refused a %s without the control key", req["op"])
-            return control.error_reply(engine_key.not_authorised(self.key_path), rid)
+            return control.error_reply(engine_key.not_authorised(self.key_file), rid)
         if self._stop.is_set():
             return control.error_reply("engine is shutting down", rid)
         if req["op"] == "set_config":

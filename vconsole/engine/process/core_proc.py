@@ -203,7 +203,7 @@ class EngineCoreProc:
         self.control.publish_config()
         self._set_state("idle")
         record = ready_record(pid=os.getpid(), endpoints=self.endpoints,
-                              control_key_file=self.control_server.key_path, **self.ready_info,
+                              control_key_file=self.control_server.key_file, **self.ready_info,
                               **self.outlets.ready_fields())
         if self.ready_file is not None:
             write_ready_file(self.ready_file, record)

@@ -18,7 +18,7 @@ import zmq
 
 from vconsole.engine.publish.kv_events import kv_event_endpoints
 from vconsole.security.bind_policy import check_endpoints, check_metrics_host, secure_socket
-from vconsole.security.control_key import key_path
+from vconsole.security.control_key import control_key_file as key_file_for
 from vconsole.security.engine_key import refuse_if_held
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def check_before_bind(config: EngineConfig, endpoints: dict[str, str], *, allow_
     check_endpoints(kv_event_endpoints(config), allow_remote)   # never CURVE: see there
     if metrics_endpoint is not None:   # (host, port): Prometheus /metrics, port 0 = any
         check_metrics_host(metrics_endpoint[0], allow_remote_metrics)
-    refuse_if_held(key_path(endpoints["control"], control_key_file))
+    refuse_if_held(key_file_for(endpoints["control"], control_key_file))
 
 
 def bind_routers(ctx: zmq.Context, endpoints: dict[str, str], config: EngineConfig,

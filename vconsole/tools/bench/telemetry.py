@@ -42,6 +42,7 @@ from typing import Any
 import zmq
 
 from vconsole.engine.core import EngineCore
+from vconsole.engine.process.telemetry_feed import LATENCY_INTERVAL_S
 from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker.tiny_model import ensure_tiny_model
@@ -50,7 +51,6 @@ from vconsole.shared.config import EngineConfig
 GOAL_RATIO = 0.98
 MAX_ROWS = 10_000
 MAX_NUM_SEQS = 32
-LATENCY_INTERVAL_S = 1.0
 
 
 def _free_port() -> int:
@@ -80,7 +80,7 @@ def make_core(model_dir: str, num_requests: int, seed: int = 0,
 
 
 class _Telemetry:
-    """The on-mode publisher and how the busy loop feeds it (`EngineCoreProc._maybe_snapshot`)."""
+    """The on-mode publisher and how the busy loop feeds it (`vconsole.engine.process.telemetry_feed.TelemetryFeed.maybe_snapshot`)."""
 
     def __init__(self, core: EngineCore, endpoint: str) -> None:
         self.core = core
