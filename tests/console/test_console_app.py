@@ -39,6 +39,16 @@ pytestmark = pytest.mark.slow
 SIZES = [(80, 24), (120, 40)]
 
 
+def kv_map_app(states, *, num_free: int, num_used: int):
+    """A replayed engine whose one ``kv`` message carries ``states`` as its block map."""
+    body = {"num_blocks": len(states), "block_size": 16, "num_free": num_free,
+            "num_used": num_used, "num_cached": 0, "num_shared": 0, "usage": 0.3,
+            "token_usage": 0.3, "fragmentation": 0.0, "prefix_queries": 0, "prefix_hits": 0,
+            "prefix_hit_rate": 0.0, "block_states": states}
+    t0 = 1_700_000_000.0
+    return replay_app(records=[(t0, frames("kv", body, ts=t0))])
+
+
 def text_of(widget: Static) -> str:
     return str(widget.render())
 
@@ -161,12 +171,7 @@ async def test_kv_map_summarises_a_pool_larger_than_the_screen():
     states = np.zeros(200_000, dtype=np.uint8)
     states[::3] = 1
     states[100_000:] = 2
-    body = {"num_blocks": len(states), "block_size": 16, "num_free": 0, "num_used": 0,
-            "num_cached": 0, "num_shared": 0, "usage": 0.3, "token_usage": 0.3,
-            "fragmentation": 0.0, "prefix_queries": 0, "prefix_hits": 0, "prefix_hit_rate": 0.0,
-            "block_states": states}
-    t0 = 1_700_000_000.0
-    app = replay_app(records=[(t0, frames("kv", body, ts=t0))])
+    app = kv_map_app(states, num_free=0, num_used=0)
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("3")
         grid = app.screen.query_one(KvGrid)
@@ -629,12 +634,7 @@ async def test_zoom_in_at_the_largest_cells_says_why_nothing_changes():
     import numpy as np
     states = np.zeros(64, dtype=np.uint8)
     states[:20] = 1
-    body = {"num_blocks": len(states), "block_size": 16, "num_free": 44, "num_used": 20,
-            "num_cached": 0, "num_shared": 0, "usage": 0.3, "token_usage": 0.3,
-            "fragmentation": 0.0, "prefix_queries": 0, "prefix_hits": 0, "prefix_hit_rate": 0.0,
-            "block_states": states}
-    t0 = 1_700_000_000.0
-    app = replay_app(records=[(t0, frames("kv", body, ts=t0))])
+    app = kv_map_app(states, num_free=44, num_used=20)
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("3")
         grid = app.screen.query_one(KvGrid)
