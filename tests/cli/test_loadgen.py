@@ -2,9 +2,7 @@
 against a real engine."""
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -179,26 +177,17 @@ def test_a_load_whose_engine_dies_says_the_same_count_in_its_summary_and_its_las
         tmp_path):
     """The summary's request count is the one the stop line gives ("stopped after N of 12"),
     and every one of them is either completed or failed, by kind."""
-    from support.live_engine import ipc_endpoints, wait_for_steps
+    from support.live_engine import ipc_endpoints, load_with_engine_killed
     from vconsole.engine.launch.engine_process import EngineProcess
 
     eps = ipc_endpoints(tmp_path)
     args = ["--num-kv-blocks", "1200", "--block-size", "8", "--set", "client_heartbeat_s=0.2",
             "--no-supervisor"]
     with EngineProcess(args, endpoints=eps) as engine:
-        load = subprocess.Popen(
-            [sys.executable, "-m", "vconsole", "load", "--input", eps["input"], "--output",
-             eps["output"], "--num", "12", "--concurrency", "4", "--prompt-len", "4:8",
-             "--output-len", "1500:2000", "--wait", "5", "--json"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            wait_for_steps(engine.endpoints["telemetry"])
-            os.kill(engine.pid, signal.SIGKILL)
-            out, err = load.communicate(timeout=120)
-        finally:
-            if load.poll() is None:
-                load.kill()
-    assert load.returncode == 1, (out, err)
+        code, out, err = load_with_engine_killed(
+            eps, engine.pid, ["--num", "12", "--concurrency", "4", "--prompt-len", "4:8",
+                              "--output-len", "1500:2000", "--wait", "5", "--json"])
+    assert code == 1, (out, err)
     s = json.loads(out)
     stopped = re.search(r"stopped after (\d+) of 12 requests: engine unreachable", err)
     assert stopped, err

@@ -137,3 +137,26 @@ def wait_for_steps(endpoint: str, steps: int = 20, timeout_ms: int = 60_000) -> 
         raise AssertionError("the engine never stepped")
     finally:
         sub.close(0)
+
+
+def load_with_engine_killed(endpoints: dict[str, str], engine_pid: int,
+                            load_args: list[str]) -> tuple[int, str, str]:
+    """Run ``vconsole load`` against ``endpoints`` with ``load_args``, SIGKILL the engine once
+    the load is being served, and return the load's (exit code, stdout, stderr)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    load = subprocess.Popen(
+        [sys.executable, "-m", "vconsole", "load", "--input", endpoints["input"], "--output",
+         endpoints["output"], *load_args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_steps(endpoints["telemetry"])
+        os.kill(engine_pid, signal.SIGKILL)
+        out, err = load.communicate(timeout=120)
+    finally:
+        if load.poll() is None:
+            load.kill()
+    return load.returncode, out, err

@@ -4,14 +4,12 @@ generator that exits non-zero when its engine dies."""
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 
 import pytest
 import zmq
 
-from support.live_engine import ipc_endpoints, wait_for_steps
+from support.live_engine import ipc_endpoints, load_with_engine_killed
 from vconsole.engine.client import protocol
 from vconsole.engine.client.client import ENGINE_UNREACHABLE, EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
@@ -89,18 +87,9 @@ def test_vconsole_load_exits_non_zero_when_its_engine_dies(tmp_path):
     eps = ipc_endpoints(tmp_path)
     engine = EngineProcess(ARGS, endpoints=eps).start()
     try:
-        load = subprocess.Popen(
-            [sys.executable, "-m", "vconsole", "load", "--input", eps["input"], "--output",
-             eps["output"], "--num", "100000", "--concurrency", "4", "--output-len", "50:60"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            wait_for_steps(eps["telemetry"])  # the load is being served
-            os.kill(engine.pid, signal.SIGKILL)
-            out, err = load.communicate(timeout=120)
-        finally:
-            if load.poll() is None:
-                load.kill()
-        assert load.returncode == 1, (out, err)
+        code, out, err = load_with_engine_killed(
+            eps, engine.pid, ["--num", "100000", "--concurrency", "4", "--output-len", "50:60"])
+        assert code == 1, (out, err)
         assert ENGINE_UNREACHABLE in err and "stopped after" in err
     finally:
         engine.stop()
