@@ -63,6 +63,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0   # minus this per earlier output of the token
     repetition_penalty: float = 1.0  # HF's: logits of prompt and output tokens / (or x) this
     logprobs: int | None = None      # per output token: its logprob and the top N (0: its own)
+    # Per prompt position after the first: its token's logprob and rank and the top N (vLLM's
+    # ``prompt_logprobs``), from the forward pass that prefills the prompt. Such a request
+    # does not read the prefix cache (every position is computed; it still writes the cache).
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -99,6 +103,10 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                              f"{self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs!r}")
 
     @property
     def penalised(self) -> bool:
@@ -157,3 +165,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and has not had them: its next schedule computes the
+        whole prompt, never reading the prefix cache (as vLLM v1). They come with the first
+        output token, so a request preempted later reads the cache again."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids

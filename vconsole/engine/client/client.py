@@ -51,7 +51,7 @@ import zmq
 import zmq.asyncio
 
 from vconsole.engine.client import protocol
-from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.outputs import PromptLogprobs, RequestOutput
 from vconsole.security.curve import ClientCurve
 from vconsole.security.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
 
@@ -72,11 +72,14 @@ class Completion:
     num_preemptions: int = 0
     finished: bool = False
     logprobs: list[tuple[float, list[int], list[float]]] | None = None  # one per output token
+    prompt_logprobs: PromptLogprobs | None = None   # when asked (with the first output)
 
     def add(self, out: RequestOutput) -> None:
         self.output_token_ids.extend(out.new_token_ids)
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
         self.num_preemptions = out.num_preemptions

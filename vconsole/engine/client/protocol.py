@@ -24,7 +24,8 @@ engine -> client (output socket)
                                                         that said hello: its liveness signal
     ``outputs`` {outputs: [{request_id, new_token_ids, finished, finish_reason, text,
                  num_prompt_tokens, num_cached_tokens, num_output_tokens, num_preemptions,
-                 error}]}
+                 error, logprobs?, prompt_logprobs?}]}    ``prompt_logprobs``: [token logprobs,
+                                                        ranks, top ids, top logprobs], once
     ``error``   {reason, request_id, in_flight}         a message the engine could not accept
     ``wave``    {event, wave}                           data parallel: a wave ``start``-ed here
                                                         or ``complete``-d; to every client that
@@ -50,7 +51,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.outputs import PromptLogprobs, RequestOutput
 from vconsole.engine.request import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -70,7 +71,7 @@ WAVE_EVENTS = ("start", "complete")
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids",
                  "ignore_eos", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logprobs")
+                 "repetition_penalty", "logprobs", "prompt_logprobs")
 
 Frames = list[Any]  # bytes / numpy arrays on send; bytes / memoryviews on receive
 
@@ -270,8 +271,9 @@ def parse_sampling(raw: Any, rid: str | None) -> SamplingParams:
             kw[key] = float(v)
     if raw.get("seed") is not None:
         kw["seed"] = _int(raw["seed"], "seed", rid)
-    if raw.get("logprobs") is not None:
-        kw["logprobs"] = _int(raw["logprobs"], "logprobs", rid)
+    for key in ("logprobs", "prompt_logprobs"):
+        if raw.get(key) is not None:
+            kw[key] = _int(raw[key], key, rid)
     if "stop_token_ids" in raw:
         kw["stop_token_ids"] = tuple(_token_ids(raw["stop_token_ids"], "stop_token_ids", rid))
     if "ignore_eos" in raw:
@@ -398,7 +400,13 @@ def _output_to_wire(out: RequestOutput) -> dict[str, Any]:
         "error": out.error,
         **({"logprobs": [[lp, list(ids), list(lps)] for lp, ids, lps in out.logprobs]}
            if out.logprobs is not None else {}),
+        **({"prompt_logprobs": _prompt_logprobs_to_wire(out.prompt_logprobs)}
+           if out.prompt_logprobs is not None else {}),
     }
+
+
+def _prompt_logprobs_to_wire(p: PromptLogprobs) -> list[Any]:
+    return [p.token_logprobs, p.ranks, p.top_ids, p.top_logprobs]
 
 
 def encode_outputs(outputs: Iterable[RequestOutput]) -> Frames:
@@ -416,6 +424,20 @@ def _logprobs(raw: Any) -> list[tuple[float, list[int], list[float]]] | None:
             raise ValueError("logprobs: top ids and top logprobs differ in length")
         out.append((float(lp), [int(t) for t in ids], [float(x) for x in lps]))
     return out
+
+
+def _prompt_logprobs(raw: Any) -> PromptLogprobs | None:
+    """An output's ``prompt_logprobs``: [token logprobs, ranks, top ids, top logprobs]."""
+    if raw is None:
+        return None
+    lps, ranks, top_ids, top_lps = raw
+    if not len(lps) == len(ranks) == len(top_ids) == len(top_lps):
+        raise ValueError("prompt_logprobs: columns differ in length")
+    if any(len(i) != len(v) for i, v in zip(top_ids, top_lps, strict=True)):
+        raise ValueError("prompt_logprobs: top ids and top logprobs differ in length")
+    return PromptLogprobs([float(x) for x in lps], [int(r) for r in ranks],
+                          [[int(t) for t in ids] for ids in top_ids],
+                          [[float(x) for x in v] for v in top_lps])
 
 
 def parse_outputs(header: dict[str, Any]) -> list[RequestOutput]:
@@ -438,6 +460,7 @@ def parse_outputs(header: dict[str, Any]) -> list[RequestOutput]:
                 num_preemptions=int(item.get("num_preemptions", 0)),
                 error=item.get("error"),
                 logprobs=_logprobs(item.get("logprobs")),
+                prompt_logprobs=_prompt_logprobs(item.get("prompt_logprobs")),
             ))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"bad output entry: {e}") from None

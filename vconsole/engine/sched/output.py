@@ -16,13 +16,17 @@ Invariants, for every request id ``r`` in ``num_scheduled_tokens``:
     cover positions ``0 .. num_computed_tokens + num_scheduled_tokens[r] - 1``, and its block
     table covers every one of those positions;
   * the runner samples for ``r`` exactly when ``num_computed_tokens + num_scheduled_tokens[r]``
-    equals its number of tokens.
+    equals its number of tokens;
+  * a request sent new with ``sampling.prompt_logprobs`` and no output tokens starts at
+    position 0 (no prefix-cache hit): the runner computes every prompt position's logprobs
+    and returns them all in the step that samples its first token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vconsole.engine.outputs import PromptLogprobs
 from vconsole.engine.request import SamplingParams
 
 
@@ -97,3 +101,5 @@ class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     # (logprob, top ids, top logprobs) of the sampled token, for requests that asked.
     logprobs: dict[str, tuple[float, list[int], list[float]]] = field(default_factory=dict)
+    # The whole prompt's logprobs, for requests that asked, in the step of their first token.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

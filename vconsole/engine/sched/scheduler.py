@@ -271,7 +271,10 @@ class Scheduler:
             req = waiting.peek()
             if req is None:
                 break
-            cached_blocks, num_cached = kv.get_computed_blocks(req)
+            # A request that wants its prompt's logprobs computes every position (vLLM v1
+            # skips reading the cache for it too); its blocks are still cached for others.
+            cached_blocks, num_cached = (([], 0) if req.needs_prompt_logprobs
+                                         else kv.get_computed_blocks(req))
             n = min(req.num_tokens - num_cached, step.budget)
             fits = kv.allocate_slots(req, n, cached_blocks)
             if not fits and can_preempt and self._can_make_room(req, n, cached_blocks):
@@ -414,7 +417,7 @@ class Scheduler:
         self.kv.cache_step(advanced)
 
         finished_now = False
-        sampled, logprobs = out.sampled, out.logprobs
+        sampled, logprobs, prompt_lps = out.sampled, out.logprobs, out.prompt_logprobs
         max_model_len = self.max_model_len
         reported = self._num_reported
         now = self.clock()
@@ -455,6 +458,8 @@ class Scheduler:
                 self._finish(req, reason, report_later=False)
                 finished_now = True
                 results.append((req, self._make_output(req)))
+                if prompt_lps and token is not None:
+                    results[-1][1].prompt_logprobs = prompt_lps.get(rid)
                 continue
             # `_make_output` of a running request, inline: this line runs for every token.
             sent = reported.get(rid, 0)
@@ -464,7 +469,8 @@ class Scheduler:
             results.append((req, RequestOutput(
                 rid, outputs[sent:], False, None, None, len(req.prompt_token_ids),
                 cached if cached > 0 else 0, num_outputs, req.num_preemptions, req.error,
-                lps[sent:] if lps is not None else None)))
+                lps[sent:] if lps is not None else None,
+                prompt_lps.get(rid) if prompt_lps else None)))
         self.num_generation_tokens_total += num_generated
         if itl_values:
             self.telemetry.run("latency", self.latency.observe_many, "itl_s", itl_values,

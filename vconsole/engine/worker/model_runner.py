@@ -7,7 +7,8 @@ The runner never sees the scheduler's `Request`: it keeps its own copy of each r
 All scheduled tokens of all requests go through the model as one packed sequence (1, T); the
 paged attention (`vconsole.engine.worker.paged_attention`) writes their K/V into the block pool and reads each
 request's context back through its block table. Only the rows that must be sampled reach the
-LM head.
+LM head, and the prompt rows of requests that asked for prompt logprobs
+(`vconsole.engine.worker.prompt_logprobs`).
 
 Per step the host builds every index (token ids, positions, slots, block tables, context
 lengths, context slots, sample rows) into one flat Python list and moves it to the device in one
@@ -24,10 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from vconsole.engine.worker import attention_kernel, paged_attention
+from vconsole.engine.worker import attention_kernel, paged_attention, prompt_logprobs
 from vconsole.engine.worker.fused_decoder import FusedDecoder
 from vconsole.engine.worker.model_loader import load_model
 from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
+from vconsole.engine.worker.prompt_logprobs import PromptRows
 from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
 from vconsole.engine.worker.sampler import Sampler, SamplingBatch
 from vconsole.shared.config import EngineConfig
@@ -45,6 +47,10 @@ class PreparedStep:
     metadata: PagedAttentionMetadata
     sample_rows: torch.Tensor     # (S,) indices into the packed batch
     sample_seqs: list[ScheduledSeq]
+    prompt: PromptRows | None = None          # prompt rows scored for prompt logprobs
+    prompt_rows: torch.Tensor | None = None   # (P,) their indices into the packed batch
+    prompt_targets: torch.Tensor | None = None  # (P,) the token each scores
+    prompt_hidden: torch.Tensor | None = None   # (P, hidden), set by the forward
 
 
 def _slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
@@ -174,6 +180,7 @@ class ModelRunner:
             if step is None:
                 return ModelRunnerOutput()
             logits = self._forward(step)
+            prompt_lps = self._prompt_logprobs(step)
             if logits is None:
                 return ModelRunnerOutput()
             states = [s.state for s in step.sample_seqs]
@@ -194,7 +201,17 @@ class ModelRunner:
                 logprobs = {states[i].req_id: entry for i, entry in zip(
                     rows, self.sampler.logprobs(logits, sampled, rows, top), strict=True)}
         return ModelRunnerOutput({st.req_id: t for st, t in zip(states, tokens, strict=True)},
-                                 logprobs)
+                                 logprobs, prompt_lps)
+
+    def _prompt_logprobs(self, step: PreparedStep) -> dict[str, prompt_logprobs.PromptLogprobs]:
+        """Score this step's prompt rows into their requests' states; the prompts completed
+        now, whole."""
+        if step.prompt is not None and step.prompt_hidden is not None:
+            assert step.prompt_targets is not None
+            scored = prompt_logprobs.score_rows(self._lm_head, step.prompt_hidden,
+                                                step.prompt_targets, step.prompt.top_k)
+            prompt_logprobs.accumulate(step.prompt, scored)
+        return prompt_logprobs.take_finished(step.sample_seqs)
 
     def compute_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Like `execute_model` (K/V are written the same way) but return the float32 logits
@@ -263,21 +280,26 @@ class ModelRunner:
 
         sample_rows: list[int] = []
         sample_seqs: list[ScheduledSeq] = []
+        prompt = PromptRows()
         offset = 0
         for s in ordered:
+            if s.state.prompt_logprobs is not None:
+                prompt.add(s, offset)
             offset += s.num_tokens
             if s.do_sample:
                 sample_rows.append(offset - 1)
                 sample_seqs.append(s)
 
-        flat = ids + pos + slots + tables + ctx_lens + ctx_slots + sample_rows
+        flat = (ids + pos + slots + tables + ctx_lens + ctx_slots + sample_rows + prompt.rows
+                + prompt.targets)
         buf = torch.tensor(flat, dtype=torch.int64)
         if self.device.type == "cuda":
             # From pinned memory the copy is queued on the stream without waiting for it.
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         sizes = [num_tokens, num_tokens, num_tokens, len(tables), len(ctx_lens), len(ctx_slots),
-                 len(sample_rows)]
-        t_ids, t_pos, t_slots, t_tables, t_lens, t_ctx, t_rows = torch.split(buf, sizes)
+                 len(sample_rows), len(prompt.rows), len(prompt.targets)]
+        (t_ids, t_pos, t_slots, t_tables, t_lens, t_ctx, t_rows, t_prompt_rows,
+         t_targets) = torch.split(buf, sizes)
 
         prefills: list[PrefillChunk] = []
         offset = len(decodes)
@@ -296,7 +318,10 @@ class ModelRunner:
             kv_caches=self.kv_caches, block_size=bs, slot_mapping=t_slots,
             num_decodes=len(decodes), decode_groups=decode_groups, prefills=prefills,
             workspace=self._workspace, decode_kernel=self._decode_kernel)
-        return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs)
+        if not prompt.rows:
+            return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs)
+        return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs, prompt,
+                            t_prompt_rows, t_targets)
 
     @property
     def forward_path(self) -> str:
@@ -313,9 +338,15 @@ class ModelRunner:
         return out.last_hidden_state[0].index_select(0, rows)
 
     def _forward(self, step: PreparedStep) -> torch.Tensor | None:
-        """One forward over the packed batch; logits (S, V) of the sample rows only."""
-        hidden = self._hidden(step.input_ids[0], step.positions[0], step.metadata,
-                              step.sample_rows)
+        """One forward over the packed batch; logits (S, V) of the sample rows only. The final
+        hidden states of the prompt rows, if any, go to ``step.prompt_hidden``."""
+        rows = step.sample_rows
+        if step.prompt_rows is not None:
+            rows = torch.cat((rows, step.prompt_rows))
+        hidden = self._hidden(step.input_ids[0], step.positions[0], step.metadata, rows)
+        if step.prompt_rows is not None:
+            num = len(step.sample_seqs)
+            hidden, step.prompt_hidden = hidden[:num], hidden[num:]
         if not step.sample_seqs:
             return None
         return self._lm_head(hidden)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vconsole.engine.outputs import PromptLogprobs
 from vconsole.engine.request import SamplingParams
 from vconsole.engine.sched.output import SchedulerOutput
 
@@ -29,6 +30,9 @@ class CachedRequestState:
     sampling: SamplingParams
     block_ids: list[int]          # the block table: position p lives in block_ids[p // B]
     num_computed_tokens: int      # where this step's tokens start
+    # The prompt's logprobs so far, while they are being computed (chunk by chunk); None when
+    # not asked or once handed over.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -67,10 +71,16 @@ class RequestStates(dict[str, CachedRequestState]):
         for rid in so.preempted_req_ids:
             self.pop(rid, None)
         for new in so.scheduled_new_reqs:
+            prompt_lps = None
+            if new.sampling.prompt_logprobs is not None and not new.output_token_ids:
+                if new.num_computed_tokens:
+                    raise RuntimeError(f"request {new.req_id!r} asks for prompt logprobs but "
+                                       "starts past position 0 (a prefix-cache hit)")
+                prompt_lps = PromptLogprobs()
             self[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids + new.output_token_ids,
                 len(new.prompt_token_ids), new.sampling, list(new.block_ids),
-                new.num_computed_tokens)
+                new.num_computed_tokens, prompt_lps)
         cached = so.scheduled_cached_reqs
         for rid, tokens, blocks, start in zip(cached.req_ids, cached.new_token_ids,
                                               cached.new_block_ids, cached.num_computed_tokens,

@@ -1,0 +1,117 @@
+"""Prompt logprobs (vLLM's ``prompt_logprobs``) equal transformers' log-softmax over the same
+prompt, whichever way the engine runs the prompt: in one step, chunked over several steps by a
+small token budget, beside other requests, and after another request has put its prefix in the
+prefix cache (the request asking for prompt logprobs recomputes it; the others still hit it)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from vconsole.engine.client import protocol
+from vconsole.engine.core import EngineCore
+from vconsole.engine.offline import run_batch
+from vconsole.engine.outputs import PromptLogprobs, RequestOutput
+from vconsole.engine.request import SamplingParams
+from vconsole.engine.worker.tiny_model import ensure_tiny_model
+from vconsole.shared.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return ensure_tiny_model(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Any) -> Any:
+    return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
+                                                dtype=torch.float32).eval()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def _core(model_dir: Any, **cfg: Any) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                   block_size=8, **cfg))
+
+
+def _ask(core: EngineCore, rid: str, ids: list[int], prompt_logprobs: int | None = TOP) -> Any:
+    sp = SamplingParams(max_tokens=2, prompt_logprobs=prompt_logprobs)
+    return core.make_request(rid, prompt_token_ids=ids, sampling=sp)
+
+
+def _assert_matches(reference: Any, ids: list[int], got: PromptLogprobs | None) -> None:
+    """Every position after the first: the token's logprob and rank and the top-3 as
+    transformers' float32 log-softmax gives them."""
+    assert got is not None
+    with torch.inference_mode():
+        lp = reference(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    want = lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert len(got) == len(ids) - 1
+    torch.testing.assert_close(torch.tensor(got.token_logprobs), want, atol=1e-4, rtol=0)
+    assert got.ranks == (lp >= want[:, None]).sum(-1).tolist()
+    top_lp, top_ids = lp.topk(TOP, dim=-1)
+    assert [row[:1] for row in got.top_ids] == top_ids[:, :1].tolist()
+    torch.testing.assert_close(torch.tensor(got.top_logprobs), top_lp, atol=1e-4, rtol=0)
+    assert got.entries()[0] is None and len(got.entries()) == len(ids)
+
+
+def test_prompt_logprobs_in_one_step_and_chunked_equal_transformers(model_dir: Any,
+                                                                    reference: Any) -> None:
+    long, short = _prompt(1, 90), _prompt(2, 17)
+    for budget in (2048, 24):           # whole prompts in one step; chunks of at most 24
+        core = _core(model_dir, max_num_batched_tokens=budget)
+        result = run_batch(core, [_ask(core, "a", long), _ask(core, "b", short),
+                                  _ask(core, "plain", _prompt(3, 40), None)])
+        assert result.num_steps >= (90 // 24 if budget == 24 else 1)
+        _assert_matches(reference, long, result.outputs[0].prompt_logprobs)
+        _assert_matches(reference, short, result.outputs[1].prompt_logprobs)
+        assert result.outputs[2].prompt_logprobs is None
+        assert len(result.output_token_ids[0]) == 2
+
+
+def test_a_cached_prefix_is_recomputed_for_prompt_logprobs_and_still_serves_others(
+        model_dir: Any, reference: Any) -> None:
+    core = _core(model_dir)
+    shared = _prompt(4, 48)
+    first = run_batch(core, [_ask(core, "warm", shared + _prompt(5, 6), None)])
+    assert first.outputs[0].num_cached_tokens == 0
+    ids = shared + _prompt(6, 9)
+    asked = run_batch(core, [_ask(core, "asks", ids)])
+    assert asked.outputs[0].num_cached_tokens == 0          # the cache was not read
+    _assert_matches(reference, ids, asked.outputs[0].prompt_logprobs)
+    other = run_batch(core, [_ask(core, "other", shared + _prompt(7, 5), None)])
+    assert other.outputs[0].num_cached_tokens == 48         # but it is still there for others
+
+
+def test_a_one_token_prompt_has_only_the_leading_none(model_dir: Any) -> None:
+    core = _core(model_dir)
+    out = run_batch(core, [_ask(core, "one", [42])]).outputs[0]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs.entries() == [None]
+
+
+def test_prompt_logprobs_cross_the_wire_once_and_a_bad_entry_is_refused() -> None:
+    plp = PromptLogprobs([-1.5, -0.25], [3, 1], [[7, 9], [4, 2]], [[-0.5, -1.0], [-0.25, -2.0]])
+    out = RequestOutput("r", [4], prompt_logprobs=plp)
+    back = protocol.parse_outputs(protocol.decode(protocol.encode_outputs([out])))[0]
+    assert back.prompt_logprobs == plp
+    later = RequestOutput("r", [5])
+    assert back.merged(later).prompt_logprobs == plp      # a slow reader still gets them
+    assert protocol.parse_sampling({"prompt_logprobs": 2}, "r").prompt_logprobs == 2
+    with pytest.raises(protocol.ProtocolError, match="prompt_logprobs must be"):
+        protocol.parse_sampling({"prompt_logprobs": 21}, "r")
+    bad = {"outputs": [{"request_id": "r", "new_token_ids": [4], "finished": False,
+                        "prompt_logprobs": [[-1.0], [1], [[1, 2]], [[-1.0]]]}]}
+    with pytest.raises(protocol.ProtocolError, match="differ in length"):
+        protocol.parse_outputs(bad)
