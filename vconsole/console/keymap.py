@@ -37,10 +37,11 @@ GLOBAL: list[BindingType] = [
 ]
 
 REQUESTS: list[BindingType] = [
+    Binding("enter", "detail", "Detail"),
     Binding("slash", "filter", "Filter", key_display="/"),
     Binding("s", "sort_next", "Sort"),
-    Binding("r", "sort_reverse", "Reverse"),
-    Binding("escape", "clear_filter", "Clear filter", show=False),
+    Binding("r", "sort_reverse", "Reverse", show=False),   # the help pairs it with s
+    Binding("escape", "close", "Close / clear filter", show=False),
 ]
 
 def _plus_minus(plus: str, plus_label: str, minus: str, minus_label: str) -> list[Binding]:
@@ -120,7 +121,9 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
                     ("ctrl+p", "command palette: every action by name")]),
     ("Requests", [("/", "filter: words match id or state; prio>0, state:running, age>10"),
                   ("s / r", "sort by the next column / reverse"), ("↑ ↓ pgup pgdn", "move"),
-                  ("esc", "clear the filter")]),
+                  ("enter", "detail pane: the request's figures, prompt head and output tail "
+                            "(text only with --set publish_request_text=true)"),
+                  ("esc", "close the detail pane, else clear the filter")]),
     ("KV map", [("+ / -", "zoom in / out (blocks per cell)"), ("0", "fit the pool to the "
                                                                    "screen")]),
     ("Config", [("e / enter", "edit the selected key; enter sends, esc cancels"),

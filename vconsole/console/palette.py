@@ -52,6 +52,8 @@ class ConsoleCommands(Provider):
         yield "Filter requests", partial(self._on_screen, "requests", "filter"), "/"
         yield "Clear the request filter", partial(self._on_screen, "requests",
                                                   "clear_filter"), "esc"
+        yield ("Request detail: prompt head and output tail", partial(
+            self._on_screen, "requests", "detail"), "enter on a row; esc closes")
         for col in COLUMNS:
             yield (f"Sort requests by {col.title}",
                    partial(self._sort, col.key), "s cycles the sort column")

@@ -200,6 +200,19 @@ class EngineCore:
     def scheduler_stats(self, max_rows: int) -> SchedulerStats:
         return self.scheduler.stats(max_rows)
 
+    def token_lists(self, request_ids: Iterable[str]) -> list[tuple[str, list[int], list[int]]]:
+        """Telemetry's request text (``publish_request_text``): per live request, its prompt
+        and output token id lists themselves (no copy: O(1) a request on the busy loop; the
+        engine only ever appends to them, and the publisher thread reads a slice, atomic
+        under the GIL); ids no longer known are skipped."""
+        get = self.scheduler.get_request
+        out = []
+        for rid in request_ids:
+            req = get(rid)
+            if req is not None:
+                out.append((rid, req.prompt_token_ids, req.output_token_ids))
+        return out
+
     def latency_snapshot(self) -> dict[str, Any]:
         return self.scheduler.latency_snapshot()
 

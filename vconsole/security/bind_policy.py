@@ -66,6 +66,20 @@ def check_endpoints(endpoints: dict[str, str], allow_remote: bool, curve: bool =
             "or CURVE keys: telemetry without keys is readable by anyone who can reach the port.")
 
 
+def request_text_refusal(telemetry_endpoint: str, curve: bool) -> str | None:
+    """Why the engine may not publish request text (``publish_request_text``: prompts and
+    outputs, what users typed) on this telemetry socket, or None when it may. Figures may go
+    out beyond loopback without keys (``--allow-remote-telemetry``); text never does: beyond
+    loopback it needs CURVE, which encrypts it and lets only the allow-listed clients read it."""
+    if curve or is_loopback(telemetry_endpoint):
+        return None
+    return (f"publish_request_text refused: the telemetry socket {telemetry_endpoint} is "
+            "beyond loopback without CURVE, and request text (prompts and outputs) is never "
+            "sent in the clear off this host. Bind telemetry to 127.0.0.1 / ipc:// (read it "
+            "over an SSH tunnel) or give the engine CURVE keys (`vconsole keys DIR`, "
+            "--curve-server-key, --curve-clients).")
+
+
 def check_metrics_host(host: str, allow_remote: bool) -> None:
     """The Prometheus endpoint (``--metrics-host``) is read-only, like telemetry, but plain HTTP:
     CURVE keys cannot protect it, so a non-loopback host needs its own explicit opt-in

@@ -126,11 +126,11 @@ class EngineConfig:
                                   hot=True, lo=0.1, hi=3600.0)
     telemetry_max_requests: int = _f(512, "Most request rows in one sched snapshot.", hot=True,
                                      lo=0, hi=1_000_000)
-    publish_request_text: bool = _f(False, "Publish each request row's prompt head and output "
-                                    "tail (200 characters each, control characters escaped) "
-                                    "with telemetry; refused on a non-loopback telemetry "
-                                    "endpoint without CURVE (vLLM logs prompts only when "
-                                    "asked).", hot=True)
+    publish_request_text: bool = _f(False, "Publish the prompt head and output tail (200 "
+                                    "characters each) of the first 256 request rows with "
+                                    "telemetry; refused on a non-loopback telemetry endpoint "
+                                    "without CURVE (vLLM logs prompts only when asked).",
+                                    hot=True)
     log_stats: bool = _f(False, "Log a stats line to stderr every log_stats_interval_s.",
                          hot=True)
     log_stats_interval_s: float = _f(5.0, "Seconds between two log_stats lines (vLLM: "

@@ -1,4 +1,9 @@
-"""Requests: every live request, sortable and filterable, virtualised for thousands of rows."""
+"""Requests: every live request, sortable and filterable, virtualised for thousands of rows.
+
+``enter`` opens the detail pane on the cursor's request (`RequestDetail`: its figures, prompt
+head and output tail when the engine publishes text); the pane follows the cursor as it moves,
+stays on its request while rows move under it, shows the last it saw once the request has left
+the table, and ``esc`` closes it (a second ``esc`` clears the filter, as before)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ from vconsole.console.requests_view import SORT_KEYS, TITLES, not_understood, se
 from vconsole.console.screens.filtered import FilteredScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
+from vconsole.console.widgets.request_detail import RequestDetail
 from vconsole.console.widgets.request_table import RequestTable, header_text
+from vconsole.telemetry import request_text
+from vconsole.telemetry.request_text import RequestText
 from vconsole.telemetry.schema import RequestColumns
 
 
@@ -37,11 +45,14 @@ class RequestsScreen(FilteredScreen):
         self.total_rows = 0
         self._source: Any = None
         self._view_key: tuple[Any, ...] | None = None
+        self.detail_id: str | None = None     # the request the open pane shows (None: closed)
+        self._detail_seen: tuple[dict[str, Any], RequestText | None] | None = None
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="req-summary")
         yield Static(id="req-header")
         yield RequestTable(id="req-table")
+        yield RequestDetail(id="req-detail")
         yield Input(placeholder="filter: words, state:running, prio>0, age>30 — enter keeps, "
                                 "esc clears", id="req-filter", classes="filter-input")
 
@@ -72,6 +83,7 @@ class RequestsScreen(FilteredScreen):
             self.total_rows = len(src)
         self._show_header()
         self._show_summary(sc, frame)
+        self._show_detail()
 
     def _show_header(self) -> None:
         width = self.table.scrollable_content_region.width or self.size.width
@@ -108,6 +120,40 @@ class RequestsScreen(FilteredScreen):
             text = " · ".join(parts)
         self.query_one("#req-summary", Static).update(Content.from_markup(text))
 
+    def _show_detail(self) -> None:
+        """The open pane's request as the shown snapshot has it (or as last seen)."""
+        rid = self.detail_id
+        if rid is None:
+            return
+        snap = self._source if isinstance(self._source, dict) else None
+        src = _columns((snap or {}).get("requests"))
+        at = src.index_of(rid)
+        pane = self.query_one(RequestDetail)
+        published = request_text.published(snap)
+        if at is not None:
+            row, text = src.row(at), request_text.text_of(snap, rid)
+            if self._detail_seen is None or self._detail_seen[0].get("id") != rid \
+                    or text is not None:
+                self._detail_seen = (row, text)
+            else:           # text not in this snapshot: keep what was seen
+                self._detail_seen = (row, self._detail_seen[1])
+            pane.show(row, self._detail_seen[1], published=published)
+        elif self._detail_seen is not None and self._detail_seen[0].get("id") == rid:
+            pane.show(self._detail_seen[0], self._detail_seen[1], published=published,
+                      gone=True)
+        else:
+            pane.show(None, None, published=published)
+
+    def _open_detail(self, request_id: str | None) -> None:
+        self.detail_id = request_id
+        self._detail_seen = None
+        self.query_one(RequestDetail).add_class("-open")
+        self._show_detail()
+
+    def on_request_table_cursor_moved(self, event: RequestTable.CursorMoved) -> None:
+        if self.detail_id is not None:
+            self._open_detail(event.request_id)
+
     def _reapply(self) -> None:
         self.console.refresh_view(force=True)
 
@@ -122,6 +168,20 @@ class RequestsScreen(FilteredScreen):
         if reverse is not None:
             self.reverse = reverse
         self._reapply()
+
+    def action_detail(self) -> None:
+        """``enter``: the detail pane on the cursor's request."""
+        self._open_detail(self.table.cursor_id)
+
+    def action_close(self) -> None:
+        """``esc``: close the detail pane, else clear the filter."""
+        if self.detail_id is not None:
+            self.detail_id = None
+            self._detail_seen = None
+            self.query_one(RequestDetail).remove_class("-open")
+            self.table.focus()
+            return
+        self.action_clear_filter()
 
     def action_sort_next(self) -> None:
         i = SORT_KEYS.index(self.sort_key) if self.sort_key in SORT_KEYS else -1

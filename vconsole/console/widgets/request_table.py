@@ -4,7 +4,8 @@ Why not DataTable: replacing thousands of rows ten times a second through ``upda
 ~100 ms per tick. Here `set_view` takes the decoded columns and a row order (an index array,
 `vconsole.console.requests_view.select`) and `render_line` builds and formats just the lines on
 screen, so the cost per refresh is independent of the number of rows. The cursor follows the
-request id it is on when rows move under it. ``rows`` reads as a sequence of row maps in view
+request id it is on when rows move under it; a move made by a key (not by new rows) posts
+`RequestTable.CursorMoved`. ``rows`` reads as a sequence of row maps in view
 order (built on access).
 """
 
@@ -17,6 +18,7 @@ import numpy as np
 from rich.segment import Segment
 from rich.style import Style
 from textual.geometry import Size
+from textual.message import Message
 from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
@@ -103,6 +105,13 @@ class RequestTable(ScrollView, can_focus=True):
 
     cursor: reactive[int] = reactive(0, repaint=False)
 
+    class CursorMoved(Message):
+        """The operator moved the cursor onto ``request_id``."""
+
+        def __init__(self, request_id: str) -> None:
+            super().__init__()
+            self.request_id = request_id
+
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.rows = RowsView(RequestColumns.from_rows([]), np.zeros(0, np.intp))
@@ -142,6 +151,7 @@ class RequestTable(ScrollView, can_focus=True):
         self.cursor_id = self.rows.id_at(self.cursor)
         self._keep_cursor_visible()
         self.refresh()
+        self.post_message(self.CursorMoved(self.cursor_id))
 
     def action_cursor(self, delta: int) -> None:
         self.move_cursor(self.cursor + delta)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from vconsole.engine.client import protocol
 from vconsole.engine.process.config_watch import apply_file, read_file
+from vconsole.shared.config import ConfigUpdate
 from vconsole.telemetry import control
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from vconsole.engine.process.profile_book import ProfileBook
     from vconsole.engine.process.serving_core import ServingCore
     from vconsole.engine.publish.publisher import TelemetryPublisher
-    from vconsole.shared.config import ConfigUpdate, EngineConfig
+    from vconsole.shared.config import EngineConfig
 
 log = logging.getLogger("vconsole.engine")
 
@@ -62,7 +63,7 @@ class LoopControl:
         except ValueError as e:
             log.error("config reload (%s) failed: %s", reason, e)
             return
-        update = apply_file(self.core.apply_config, self.core.config, values)
+        update = apply_file(self._apply, self.core.config, values)
         self._after_change(update, f"{self.config_path} ({reason})")
         for key, why in update.rejected.items():
             log.error("config reload (%s): %s rejected: %s", reason, key, why)
@@ -91,10 +92,18 @@ class LoopControl:
     def _set_config(self, values: dict[str, Any], request_id: int | None) -> dict[str, Any]:
         if self._stopping() is not None:
             return control.error_reply(protocol.SHUTTING_DOWN, request_id)
-        update = self.core.apply_config(values)
+        update = self._apply(values)
         self._after_change(update, "set_config")
         return control.config_reply(self.core.config_version, self.core.config.to_dict(),
                                     update, request_id=request_id)
+
+    def _apply(self, values: dict[str, Any]) -> ConfigUpdate:
+        """The core's `apply_config`, but request text is refused (the whole change with it)
+        where the telemetry socket may not carry it."""
+        refusal = self.publisher.refuses_text(values)
+        if refusal is not None:
+            return ConfigUpdate(self.core.config, rejected={"publish_request_text": refusal})
+        return self.core.apply_config(values)
 
     def _after_change(self, update: ConfigUpdate, source: str) -> None:
         if not update.applied:

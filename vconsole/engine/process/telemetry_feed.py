@@ -3,7 +3,8 @@
 At most ``telemetry_hz`` times a second (the publisher says when, `snapshot_due`) the loop
 hands it the scheduler and KV snapshot, a data-parallel rank's ``dp`` figures, and at most once
 a second — or whenever the engine goes idle, as the last snapshot before the loop blocks — the
-latency percentiles. Each part runs behind the core's `vconsole.engine.telemetry_guard`: one
+latency percentiles; with ``publish_request_text`` on, the token id lists of the rows whose
+request text goes out (`request_ids_for_text`; the publisher's thread decodes them). Each part runs behind the core's `vconsole.engine.telemetry_guard`: one
 that raises is logged, counted and rebuilt, and is missing from this snapshot only. Used by the
 busy loop's thread only.
 """
@@ -13,6 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from vconsole.shared.stats import RequestTable, SchedulerStats
+from vconsole.telemetry.request_text import TEXT_ROWS
 
 if TYPE_CHECKING:
     from vconsole.engine.process.serving_core import ServingCore
@@ -55,9 +59,23 @@ class TelemetryFeed:
     def submit_snapshot(self, state: str) -> bool:
         """Send the scheduler and KV snapshot; False when a guarded part failed."""
         core, run = self.core, self.guard.run
-        sched = run("sched", core.scheduler_stats, core.config.telemetry_max_requests)
+        max_rows = core.config.telemetry_max_requests
+        sched = run("sched", core.scheduler_stats, max_rows)
         kv = run("kv", core.kv_stats)
         if sched is None or kv is None:
             return False
-        self.publisher.submit_snapshot(sched, kv, state, core.num_steps)
+        text = None
+        if self.publisher.wants_text():
+            text = run("request_text", core.token_lists, request_ids_for_text(sched, max_rows))
+        self.publisher.submit_snapshot(sched, kv, state, core.num_steps, text)
         return True
+
+
+def request_ids_for_text(sched: SchedulerStats, max_rows: int) -> list[str]:
+    """The ids of the rows that carry request text: the first `TEXT_ROWS` the ``sched``
+    message sends (running first, then the head of the waiting queue)."""
+    n = min(TEXT_ROWS, max_rows)
+    rows = sched.requests
+    if isinstance(rows, RequestTable):
+        return list(rows.columns["id"][:n])
+    return [r.id for r in rows[:n]]

@@ -19,7 +19,7 @@ import zmq
 from vconsole.engine.publish.kv_events import KVEventPublisher, start_kv_events
 from vconsole.engine.publish.prometheus import MetricsServer, TelemetryCollector
 from vconsole.engine.publish.publisher import TelemetryPublisher
-from vconsole.security.bind_policy import secure_socket
+from vconsole.security.bind_policy import request_text_refusal, secure_socket
 
 if TYPE_CHECKING:
     from vconsole.engine.process.serving_core import ServingCore
@@ -41,12 +41,18 @@ class TelemetryOutlets:
              curve: ServerCurve | None, restart_count: int, restart_reason: str | None,
              metrics_endpoint: tuple[str, int] | None) -> TelemetryOutlets:
         """Start the publisher on ``endpoint`` (its telemetry failures reported through it:
-        the core's guard), then the others; raises after closing what it started."""
+        the core's guard), then the others; raises after closing what it started. Request
+        text asked for on a socket that may not carry it is turned off here, with a warning."""
+        refusal = request_text_refusal(endpoint, curve is not None)
+        if core.config.publish_request_text and refusal is not None:
+            log.warning("%s It stays off.", refusal)
+            core.apply_config({"publish_request_text": False})
         config = core.config
         publisher = TelemetryPublisher(
             ctx, endpoint, config.engine_id, config.dp_rank, config,
             secure=lambda sock: secure_socket(sock, "telemetry", endpoint, curve),
-            restart_count=restart_count, restart_reason=restart_reason)
+            restart_count=restart_count, restart_reason=restart_reason,
+            detokenize=core.detokenize, text_refusal=refusal)
         undo: list[Callable[[], object]] = [lambda: publisher.close(PUBLISHER_CLOSE_S)]
         try:
             publisher.start()

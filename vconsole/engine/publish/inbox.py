@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from vconsole.engine.publish.request_text import TokenLists
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
 
@@ -40,6 +41,7 @@ class Handoff:
     step and error counts as they stood then."""
 
     snapshot: Snapshot | None = None
+    text: list[TokenLists] | None = None      # the snapshot's request text, when published
     config: EngineConfig | None = None
     latency: dict[str, Any] | None = None
     dp: dict[str, Any] | None = None
@@ -86,6 +88,7 @@ class Inbox:
         self._phase_ns = [0, 0, 0]        # schedule, execute, update
         self._lock = threading.Lock()     # guards the slots below
         self._latest: Snapshot | None = None
+        self._text: list[TokenLists] | None = None
         self._latency: dict[str, Any] | None = None
         self._dp: dict[str, Any] | None = None
         self._waves: list[dict[str, Any]] = []
@@ -123,9 +126,10 @@ class Inbox:
         return True
 
     def submit_snapshot(self, sched: SchedulerStats, kv: KVStats, state: str,
-                        num_steps: int) -> None:
+                        num_steps: int, text: list[TokenLists] | None = None) -> None:
         with self._lock:
             self._latest = (sched, kv, num_steps, time.time())
+            self._text = text
             self._state = state
         self._wake.set()
 
@@ -174,12 +178,13 @@ class Inbox:
     def take(self) -> Handoff:
         """Everything the engine thread handed over since the last call, at once."""
         with self._lock:
-            h = Handoff(snapshot=self._latest, config=self._pending_config,
+            h = Handoff(snapshot=self._latest, text=self._text, config=self._pending_config,
                         latency=self._latency, dp=self._dp, waves=self._waves,
                         announce=self._announce, state=self._state, errors=self._error_reports,
                         steps_recorded=self.steps_recorded, steps_dropped=self._steps_dropped(),
                         last_step_t=self.last_step_t, engine_errors=self._engine_errors)
             self._latest = self._pending_config = self._latency = self._dp = None
+            self._text = None
             self._announce = None
             self._waves, self._error_reports = [], {}
         return h

@@ -13,6 +13,11 @@ most ``telemetry_hz`` times a second, phase-locked (the next slot is a period af
 (`SNAPSHOT_EARLY`), so the engine's and this thread's 10 Hz clocks do not drift apart; with
 nothing new it re-sends the last state every heartbeat.
 
+With ``publish_request_text`` on (and the socket allowed to carry it: ``text_refusal`` None),
+each fresh snapshot's request text is decoded here, on this thread (`request_text.TextBook`),
+and every ``sched`` message carries it (`vconsole.telemetry.request_text`); a heartbeat re-send
+carries the same text, a config that turned it off stops it at once.
+
 Alerts raised while a pass runs (a threshold crossed by a step window, a snapshot or a GPU
 reading, a telemetry failure the engine reported) go out right after the cadence that raised
 them, and before the pass's heartbeat.
@@ -26,10 +31,12 @@ from typing import Any, Protocol
 
 from vconsole.engine.publish.bodies import aggregate_steps, health_body, kv_body, sched_body
 from vconsole.engine.publish.inbox import Handoff, Inbox, Snapshot
+from vconsole.engine.publish.request_text import TextBook, TokenLists
 from vconsole.engine.publish.sender import Sender
 from vconsole.shared.config import EngineConfig
 from vconsole.telemetry.alerts import AlertEvaluator, AlertEvent, telemetry_error_event
 from vconsole.telemetry.gpu import memory_share
+from vconsole.telemetry.request_text import FIELD as TEXT_FIELD
 
 PROBE_INTERVAL_S = 1.0        # gpu and host
 ERROR_ALERT_EVERY_S = 30.0    # at most one telemetry_error alert per part this often
@@ -54,6 +61,8 @@ class LoopStart:
     restart_count: int = 0
     restart_reason: str | None = None
     loop_errors: int = 0
+    detokenize: Callable[[list[int]], str] | None = None   # request text; None: never any
+    text_refusal: str | None = None     # why this socket may not carry request text
 
 
 @dataclass
@@ -89,6 +98,9 @@ class PublishLoop:
         self.last_handoff = Handoff(steps_recorded=start.steps_recorded, engine_errors=0)
         # The snapshot slot.
         self.snapshot: Snapshot | None = None
+        self.text_lists: list[TokenLists] | None = None    # the snapshot's, when published
+        self.text_body: dict[str, list[str]] | None = None  # ...and decoded
+        self.text_book = TextBook(start.detokenize) if start.detokenize is not None else None
         self.have_new = False
         self.next_snap = now             # earliest time step/sched/kv may go out again
         self.last_window = now           # start of the current step window
@@ -151,7 +163,7 @@ class PublishLoop:
         self.last_handoff = h
         self.state = h.state
         if h.snapshot is not None:
-            self.snapshot, self.have_new = h.snapshot, True
+            self.snapshot, self.text_lists, self.have_new = h.snapshot, h.text, True
         if h.config is not None:
             self.cfg = h.config
             alerts += self.evaluator.update_config(h.config)
@@ -196,8 +208,12 @@ class PublishLoop:
                                              sched_share=step["sched_share"])
         if self.snapshot is not None and (self.have_new or refresh):
             sched, kv, _, snap_ts = self.snapshot
-            self.sender.send("sched",
-                          {**sched_body(sched, cfg.telemetry_max_requests), "snapshot_ts": snap_ts})
+            body = {**sched_body(sched, cfg.telemetry_max_requests), "snapshot_ts": snap_ts}
+            if self.have_new:
+                self.text_body = self._request_text()
+            if self.text_body is not None and self.text_allowed():
+                body[TEXT_FIELD] = self.text_body
+            self.sender.send("sched", body)
             self.sender.send("kv", {**kv_body(kv), "snapshot_ts": snap_ts})
             if self.have_new:
                 alerts += self.evaluator.observe(num_waiting=sched.num_waiting,
@@ -207,6 +223,17 @@ class PublishLoop:
         period = 1.0 / cfg.telemetry_hz
         self.next_snap = max(self.next_snap + period, now + period / 2)   # phase-locked
         return alerts
+
+    def text_allowed(self) -> bool:
+        """Request text goes out: asked for, allowed on this socket, and decodable."""
+        return (self.cfg.publish_request_text and self.start.text_refusal is None
+                and self.text_book is not None)
+
+    def _request_text(self) -> dict[str, list[str]] | None:
+        if not self.text_allowed() or self.text_lists is None:
+            return None
+        assert self.text_book is not None
+        return self.text_book.body(self.text_lists)
 
     def _send_alerts(self, alerts: list[AlertEvent]) -> None:
         for ev in alerts:

@@ -40,8 +40,9 @@ import zmq
 from vconsole.engine.publish.host import HostProbe
 from vconsole.engine.publish.inbox import Inbox
 from vconsole.engine.publish.publish_loop import LoopStart, Probe, PublishLoop
+from vconsole.engine.publish.request_text import TokenLists
 from vconsole.engine.publish.sender import Sender
-from vconsole.shared.config import EngineConfig, describe_config
+from vconsole.shared.config import EngineConfig, coerce_value, describe_config
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import restart_event
@@ -60,14 +61,22 @@ class TelemetryPublisher:
     rank `submit_dp` and `submit_wave`: each hands over to `inbox`. ``gpu_probe`` and
     ``host_probe`` replace the real probes (tests); ``secure(sock)`` sets the PUB socket's
     security options (the engine's CURVE keys) before it binds; ``restart_count`` and
-    ``restart_reason`` are what the supervisor told this engine process (`health_body`)."""
+    ``restart_reason`` are what the supervisor told this engine process (`health_body`).
+    ``detokenize`` (the core's) makes request text when ``publish_request_text`` is on;
+    ``text_refusal`` says why this socket may never carry it
+    (`vconsole.security.bind_policy.request_text_refusal`): then none is sent, whatever the
+    config says."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, engine_id: str, rank: int,
                  config: EngineConfig, *, gpu_probe: Probe | None = None,
                  host_probe: Probe | None = None,
                  secure: Callable[[zmq.Socket], None] | None = None,
-                 restart_count: int = 0, restart_reason: str | None = None) -> None:
+                 restart_count: int = 0, restart_reason: str | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None,
+                 text_refusal: str | None = None) -> None:
         self._ctx = ctx
+        self.detokenize = detokenize
+        self.text_refusal = text_refusal
         self.restart_count = restart_count      # from the supervisor: in every health message
         self.restart_reason = restart_reason
         self._secure = secure         # called on the PUB socket before it binds (CURVE keys)
@@ -100,9 +109,26 @@ class TelemetryPublisher:
         return self.inbox.snapshot_due()
 
     def submit_snapshot(self, sched: SchedulerStats, kv: KVStats, state: str,
-                        num_steps: int) -> None:
-        """Hand over the latest scheduler and KV state; replaces any not yet sent."""
-        self.inbox.submit_snapshot(sched, kv, state, num_steps)
+                        num_steps: int, text: list[TokenLists] | None = None) -> None:
+        """Hand over the latest scheduler and KV state (and its rows' request text, as token
+        ids: `wants_text`); replaces any not yet sent."""
+        self.inbox.submit_snapshot(sched, kv, state, num_steps, text)
+
+    def refuses_text(self, values: dict[str, Any]) -> str | None:
+        """Why a config change that turns request text on is refused here (`text_refusal`),
+        or None (nothing refused, or the change does not turn it on)."""
+        if self.text_refusal is None or "publish_request_text" not in values:
+            return None
+        try:
+            on = coerce_value("publish_request_text", values["publish_request_text"])
+        except ValueError:
+            return None     # the config table rejects it with its own reason
+        return self.text_refusal if on else None
+
+    def wants_text(self) -> bool:
+        """Whether the next snapshot should bring its rows' token ids for request text."""
+        return (self.inbox.config.publish_request_text and self.text_refusal is None
+                and self.detokenize is not None)
 
     def submit_latency(self, body: dict[str, Any]) -> None:
         """Hand over a ``latency`` body (`vconsole.engine.latency`); sent at once."""
@@ -223,7 +249,8 @@ class TelemetryPublisher:
                          config_schema=self.config_schema,
                          steps_recorded=inbox.steps_recorded, t0=self.t0, t0_wall=self.t0_wall,
                          restart_count=self.restart_count, restart_reason=self.restart_reason,
-                         loop_errors=self.loop_errors)
+                         loop_errors=self.loop_errors, detokenize=self.detokenize,
+                         text_refusal=self.text_refusal)
 
     def _run(self) -> None:
         try:

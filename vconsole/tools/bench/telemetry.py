@@ -27,6 +27,10 @@ intra-op pool spin-waits, and on a busy 2-core machine that swings step times by
 rounds, hiding a 2% effect. The workload is the
 same in both modes: steps are deterministic, and rounds of both modes take turns through one
 run, so drift (requests finishing, the machine's load) falls on both alike.
+
+``request_text=True`` runs the on rounds with ``publish_request_text`` on: each snapshot also
+hands over its first rows' token id lists (`telemetry_feed.request_ids_for_text`, the core's
+`token_lists`), which the publisher thread decodes and sends as the ``request_text`` map.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from typing import Any
 import zmq
 
 from vconsole.engine.core import EngineCore
-from vconsole.engine.process.telemetry_feed import LATENCY_INTERVAL_S
+from vconsole.engine.process.telemetry_feed import LATENCY_INTERVAL_S, request_ids_for_text
 from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker.tiny_model import ensure_tiny_model
@@ -63,10 +67,11 @@ def _free_port() -> int:
 
 
 def make_core(model_dir: str, num_requests: int, seed: int = 0,
-              max_rows: int = MAX_ROWS) -> EngineCore:
+              max_rows: int = MAX_ROWS, request_text: bool = False) -> EngineCore:
     cfg = EngineConfig(model=model_dir, device="cpu", dtype="float32",
                        max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512, num_kv_blocks=1024,
-                       telemetry_hz=10.0, telemetry_max_requests=max_rows)
+                       telemetry_hz=10.0, telemetry_max_requests=max_rows,
+                       publish_request_text=request_text)
     core = EngineCore(cfg)
     rng = random.Random(seed)
     for i in range(num_requests):
@@ -86,7 +91,7 @@ class _Telemetry:
         self.core = core
         for attempt in range(50):  # the previous round's socket may still be closing
             self.pub = TelemetryPublisher(zmq.Context.instance(), endpoint, "bench", 0,
-                                          core.config)
+                                          core.config, detokenize=core.detokenize)
             try:
                 self.pub.start()
                 break
@@ -107,8 +112,11 @@ class _Telemetry:
         if core.last_step is not None:
             pub.record_step(core.last_step)
         if pub.snapshot_due():
-            pub.submit_snapshot(core.scheduler_stats(core.config.telemetry_max_requests),
-                                core.kv_stats(), "running", core.num_steps)
+            max_rows = core.config.telemetry_max_requests
+            sched = core.scheduler_stats(max_rows)
+            text = (core.token_lists(request_ids_for_text(sched, max_rows))
+                    if pub.wants_text() else None)
+            pub.submit_snapshot(sched, core.kv_stats(), "running", core.num_steps, text)
             now = time.monotonic()
             if now >= self.next_latency:
                 pub.submit_latency(core.latency_snapshot())
@@ -137,7 +145,8 @@ def _round(core: EngineCore, seconds: float,
 
 
 def telemetry_bench(num_requests: int = 12_000, rounds: int = 10, round_s: float = 1.0,
-                    log: Any = None, max_rows: int = MAX_ROWS) -> dict[str, Any]:
+                    log: Any = None, max_rows: int = MAX_ROWS,
+                    request_text: bool = False) -> dict[str, Any]:
     if num_requests < MAX_NUM_SEQS:
         raise ValueError(f"num_requests must be at least {MAX_NUM_SEQS}")
     import torch
@@ -146,7 +155,7 @@ def telemetry_bench(num_requests: int = 12_000, rounds: int = 10, round_s: float
     model_dir = str(ensure_tiny_model())
     if log:
         log(f"queueing {num_requests} requests ...")
-    core = make_core(model_dir, num_requests, max_rows=max_rows)
+    core = make_core(model_dir, num_requests, max_rows=max_rows, request_text=request_text)
     for _ in range(3):                          # warm up: the first batch is admitted
         core.step()
     steps = 0
@@ -192,7 +201,7 @@ def telemetry_bench(num_requests: int = 12_000, rounds: int = 10, round_s: float
                 y / x for x, y in zip(cpu_off, cpu_on, strict=True)), 3),
             "busy_loop_feed_share": round(statistics.median(feed_share), 4),
             "rounds": rounds, "round_s": round_s, "steps": steps,
-            "telemetry_hz": core.config.telemetry_hz,
+            "telemetry_hz": core.config.telemetry_hz, "request_text": request_text,
             "request_rows_min": min(max_rows, min_in_engine),
             "requests_in_engine_min": min_in_engine,
             "messages_sent": sent, "rounds_off": [round(x, 1) for x in off],

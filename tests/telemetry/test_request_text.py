@@ -1,0 +1,168 @@
+"""Request text on the ``sched`` topic, on the publisher's side: a real scheduler's snapshot and
+its requests' token ids go through the inbox and the publisher thread's loop, which decodes
+them (a byte-level detokenizer, as the built-in models') and sends bounded strings only when
+the config asks and the socket may carry them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from support.scheduling import make_request, make_scheduler
+from vconsole.engine.publish.inbox import Inbox
+from vconsole.engine.publish.publish_loop import LoopStart, PublishLoop
+from vconsole.engine.publish.request_text import TextBook
+from vconsole.engine.sched.scheduler import Scheduler
+from vconsole.security.bind_policy import request_text_refusal
+from vconsole.shared.config import EngineConfig, describe_config
+from vconsole.telemetry import request_text, schema
+from vconsole.telemetry.request_text import OUTPUT_TAIL_CHARS, PROMPT_HEAD_CHARS, TEXT_ROWS
+
+
+def byte_text(ids: list[int]) -> str:
+    """What the built-in models' byte-level tokenizer does: one token per byte."""
+    return bytes(i % 256 for i in ids).decode("utf-8", "replace")
+
+
+class RecordingSender:
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, dict[str, Any]]] = []
+        self.send_drops = 0
+
+    def send(self, topic: str, body: dict[str, Any]) -> None:
+        self.messages.append((topic, body))
+
+    def last(self, topic: str) -> dict[str, Any]:
+        return [b for t, b in self.messages if t == topic][-1]
+
+
+class Probe:
+    def read(self) -> dict[str, Any]:
+        return {"available": False}
+
+
+class Publishing:
+    """A scheduler whose snapshots go through an inbox to a publisher loop, as the engine
+    process's feed hands them over."""
+
+    def __init__(self, config: EngineConfig, refusal: str | None = None) -> None:
+        self.sched: Scheduler = make_scheduler(256, max_model_len=4096, max_num_seqs=2)
+        self.inbox = Inbox(config)
+        self.sender = RecordingSender()
+        self.now = [100.0]
+        start = LoopStart(config=config, announced=self.inbox.announced,
+                          config_schema=describe_config(), steps_recorded=0, t0=100.0,
+                          t0_wall=1.7e9, detokenize=byte_text, text_refusal=refusal)
+        self.loop = PublishLoop(self.inbox, self.sender, Probe(), Probe(),
+                                lambda: self.now[0], start)
+
+    def snapshot(self) -> dict[str, Any]:
+        """One snapshot as the feed submits it; the ``sched`` body that went out."""
+        stats = self.sched.stats(10_000)
+        ids = list(stats.requests.columns["id"][:TEXT_ROWS])
+        lists = []
+        for rid in ids:
+            req = self.sched.get_request(rid)
+            assert req is not None
+            lists.append((rid, req.prompt_token_ids, req.output_token_ids))
+        self.inbox.submit_snapshot(stats, self.sched.kv_stats(), "running", 1, lists)
+        self.now[0] += 1.0
+        self.loop.pass_once(self.inbox.take())
+        return self.sender.last("sched")
+
+
+def prompt(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def test_each_row_carries_its_prompt_head_and_its_output_tail_as_it_grows():
+    pub = Publishing(EngineConfig(publish_request_text=True))
+    pub.sched.add_request(make_request("a", prompt("What is the capital of France? " * 20)))
+    pub.sched.add_request(make_request("b", prompt("hello")))
+    body = pub.snapshot()
+    assert body[request_text.FIELD] == {
+        "a": [("What is the capital of France? " * 20)[:PROMPT_HEAD_CHARS], ""],
+        "b": ["hello", ""]}
+    req = pub.sched.get_request("a")
+    assert req is not None
+    req.output_token_ids.extend(prompt("Paris. ") * 40)       # 280 characters of output
+    body = pub.snapshot()
+    text = request_text.text_of(body, "a")
+    assert text is not None and text.output_tail == ("Paris. " * 40)[-OUTPUT_TAIL_CHARS:]
+    assert len(text.prompt_head) == PROMPT_HEAD_CHARS
+
+
+def test_a_row_is_decoded_again_only_when_its_output_grew():
+    book = TextBook(byte_text)
+    prompt_b, output_b = [104], [33]
+    rows = [("a", [104, 105], []), ("b", prompt_b, output_b)]
+    assert book.body(rows) == {"a": ["hi", ""], "b": ["h", "!"]}
+    decodes = book.decodes
+    assert book.body(rows) == {"a": ["hi", ""], "b": ["h", "!"]}
+    assert book.decodes == decodes
+    output_b.append(63)                         # the engine appends to the request's list
+    assert book.body([("b", prompt_b, output_b)]) == {"b": ["h", "!?"]}
+    assert book.decodes == decodes + 1          # the tail only; "a" is gone from the map
+    assert book.body([("b", [111], [])]) == {"b": ["o", ""]}    # a reused id: decoded anew
+
+
+def test_a_tokenizer_that_raises_costs_that_rows_text_only():
+    def broken(ids: list[int]) -> str:
+        if 0 in ids:
+            raise ValueError("no such token")
+        return byte_text(ids)
+    book = TextBook(broken)
+    assert book.body([("bad", [0], []), ("good", [111, 107], [])]) == {
+        "bad": ["", ""], "good": ["ok", ""]}
+
+
+def test_noise_bytes_are_sent_as_text_and_packed_even_with_a_lone_surrogate():
+    book = TextBook(lambda ids: "\x1b[2J\udcff" + byte_text(ids))
+    body = book.body([("r", [0, 7, 27], [255, 254])])
+    frames = schema.encode("sched", {"engine": "e", "rank": 0, "seq": 0, "ts": 1.0,
+                                     request_text.FIELD: body})
+    got = schema.decode(frames).payload[request_text.FIELD]["r"]
+    assert got[0].startswith("\x1b[2J?")       # raw on the wire; printers escape it
+
+
+def test_text_is_off_by_default_and_never_sent_where_the_socket_refuses_it():
+    for config, refusal in [(EngineConfig(), None),
+                            (EngineConfig(publish_request_text=True),
+                             request_text_refusal("tcp://0.0.0.0:5572", curve=False))]:
+        pub = Publishing(config, refusal)
+        pub.sched.add_request(make_request("a", prompt("secret")))
+        assert request_text.FIELD not in pub.snapshot()
+
+
+def test_turning_text_off_stops_it_at_once_even_on_a_heartbeat_resend():
+    pub = Publishing(EngineConfig(publish_request_text=True, heartbeat_interval_s=0.5))
+    pub.sched.add_request(make_request("a", prompt("secret")))
+    assert request_text.published(pub.snapshot())
+    pub.inbox.update_config(EngineConfig(publish_request_text=False, heartbeat_interval_s=0.5))
+    pub.now[0] += 1.0
+    pub.loop.pass_once(pub.inbox.take())      # no new snapshot: the last one is re-sent
+    resent = pub.sender.last("sched")
+    assert resent is not None and request_text.FIELD not in resent
+
+
+def test_only_the_first_rows_carry_text():
+    pub = Publishing(EngineConfig(publish_request_text=True))
+    for i in range(TEXT_ROWS + 40):
+        pub.sched.add_request(make_request(f"r{i}", prompt(f"prompt {i}")))
+    body = pub.snapshot()
+    table = body["requests"]
+    sent = body[request_text.FIELD]
+    assert len(table) == TEXT_ROWS + 40 and len(sent) == TEXT_ROWS
+    assert set(sent) == set(table.columns["id"][:TEXT_ROWS])
+
+
+@pytest.mark.parametrize("endpoint, curve, refused", [
+    ("ipc:///tmp/x/telemetry", False, False), ("tcp://127.0.0.1:5572", False, False),
+    ("tcp://[::1]:5572", False, False), ("tcp://0.0.0.0:5572", False, True),
+    ("tcp://*:5572", False, True), ("tcp://10.0.0.7:5572", True, False)])
+def test_text_is_refused_beyond_loopback_without_curve(endpoint, curve, refused):
+    why = request_text_refusal(endpoint, curve)
+    assert (why is not None) == refused
+    if refused:
+        assert why is not None and endpoint in why and "CURVE" in why
