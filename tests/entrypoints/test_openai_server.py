@@ -197,7 +197,7 @@ REFUSED_CHAT = [
     ("guided_json", SCHEMA), ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]),
     ("guided_grammar", "root ::= \"a\""), ("guided_decoding_backend", "xgrammar"),
     ("structured_outputs", {"json": SCHEMA}), ("reasoning_effort", "low"),
-    ("prompt_logprobs", 1), ("no_such_field", 1), ("echo", True),
+    ("no_such_field", 1), ("echo", True),
 ]
 
 
@@ -371,6 +371,77 @@ def test_logprobs_in_both_of_openais_shapes(client: openai.OpenAI) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def _reference_prompt_logprobs(server: Server, ids: list[int]) -> list[float]:
+    """transformers' float32 log-softmax of each prompt token after the first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(server.serving.engine.info["model_path"],
+                                                 local_files_only=True, dtype=torch.float32)
+    with torch.inference_mode():
+        lp = model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    return lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server: Server, client: openai.OpenAI) -> None:
+    ids = [40, 7, 91, 13, 64, 22, 5, 88, 31]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    want = _reference_prompt_logprobs(server, ids)
+    for pos, (entry, token, value) in enumerate(zip(plp[1:], ids[1:], want, strict=True)):
+        mine = entry[str(token)]                 # the prompt's own token, first
+        assert list(entry)[0] == str(token) and abs(mine["logprob"] - value) < 1e-4, pos
+        assert mine["decoded_token"] == server.serving.tokenizer.decode([token])
+        by_rank = {v["rank"]: v for v in entry.values()}
+        assert len(entry) in (2, 3) and {1, 2} <= set(by_rank)        # the top 2, and its own
+        assert by_rank[1]["logprob"] >= by_rank[2]["logprob"] >= min(
+            v["logprob"] for v in entry.values())
+        assert mine["rank"] <= 2 or mine["logprob"] < by_rank[2]["logprob"]
+    assert r.usage.completion_tokens == 2 and len(r.choices[0].text) > 0
+    chat = client.chat.completions.create(model="tiny", messages=HI, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat.model_extra["prompt_logprobs"][1:])
+    with pytest.raises(openai.BadRequestError, match="stream") as e:
+        client.completions.create(model="tiny", prompt=ids, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"                  # type: ignore
+
+
+def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt_alone(
+        server: Server, client: openai.OpenAI) -> None:
+    prompt = "The cat sat on the mat."
+    ids = server.serving.tokenizer(prompt).input_ids
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
+                                  logprobs=1)
+    c = r.choices[0]
+    assert c.text == prompt and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    want = _reference_prompt_logprobs(server, ids)
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want, strict=True)) < 1e-4
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    more = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True,
+                                     logprobs=1, temperature=0, extra_body={"ignore_eos": True})
+    m = more.choices[0]
+    assert m.text.startswith(prompt) and len(m.logprobs.tokens) == len(ids) + 3
+    assert m.logprobs.token_logprobs[:len(ids)] == lp.token_logprobs
+    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=3,
+                                              echo=True, logprobs=1, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(s.choices[0].text for s in streamed) == m.text
+    assert [t for s in streamed if s.choices[0].logprobs
+            for t in s.choices[0].logprobs.token_logprobs] == m.logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="echo") as e:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"                       # type: ignore
+
+
 def test_x_request_id_is_echoed_and_names_the_request(server: Server,
                                                      client: openai.OpenAI) -> None:
     raw = client.completions.with_raw_response.create(
@@ -452,7 +523,8 @@ ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 6), st.floats(allow_na
                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 COMMON = ["model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
           "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "priority",
-          "repetition_penalty", "logprobs", "stream", "stream_options", "logit_bias"]
+          "repetition_penalty", "logprobs", "stream", "stream_options", "logit_bias",
+          "prompt_logprobs"]
 
 
 @settings(max_examples=60, deadline=None,

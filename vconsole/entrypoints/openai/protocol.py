@@ -4,7 +4,8 @@ Fields and defaults follow vLLM's OpenAI server (``vllm/entrypoints/openai/proto
 ``temperature`` defaults to 1.0, ``top_k`` -1 or 0 means off, completions default to 16 tokens
 and chat to what is left of the context; vLLM's extensions (``top_k``, ``min_p``,
 ``ignore_eos``, ``stop_token_ids``, ``min_tokens``, ``repetition_penalty``, ``priority``,
-``include_stop_str_in_output``, ``skip_special_tokens``) are accepted here too.
+``include_stop_str_in_output``, ``skip_special_tokens``, ``prompt_logprobs``) are accepted here
+too.
 
 Rule: a field the server does not honour is refused with a 400 that names it (``param``), never
 silently dropped. vLLM ignores unknown fields with a warning; here a field no model declares is
@@ -12,8 +13,14 @@ refused too (`StrictBody.refuse_unknown`), with the reason for the known ones th
 cannot do yet (`NOT_SUPPORTED`: tools, structured output, guided decoding, ...). A field sent
 as ``null``, ``tool_choice: "none"`` and ``response_format: {"type": "text"}`` ask for nothing
 and pass. Fields declared but not honoured in every combination (``logit_bias``, ``suffix``,
-``best_of`` other than ``n``, ``logprobs`` with ``echo``, ``stream_options`` without
-``stream``) are refused by each request's `unsupported`.
+``best_of`` other than ``n``, ``prompt_logprobs`` with ``stream`` (as vLLM), ``max_tokens: 0``
+without ``echo``, ``stream_options`` without ``stream``) are refused by each request's
+`unsupported`.
+
+Prompt logprobs, as vLLM: ``prompt_logprobs: k`` (0..20) asks the engine for every prompt
+position's logprob, rank and top k (the response's ``prompt_logprobs``); on completions,
+``echo`` with ``logprobs: N`` asks for them too (top N) and puts the prompt's tokens first in
+the legacy ``logprobs`` block, and ``max_tokens: 0`` with ``echo`` returns the prompt alone.
 
 `BadRequest` is what every handler raises for a request it refuses; the server turns it into the
 OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
@@ -53,7 +60,7 @@ NOT_SUPPORTED: dict[str, str] = {
     "guided_json": _STRUCTURED, "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED,
     "guided_grammar": _STRUCTURED, "guided_decoding_backend": _STRUCTURED,
     "guided_whitespace_pattern": _STRUCTURED,
-    "prompt_logprobs": "prompt logprobs", "use_beam_search": "beam search",
+    "use_beam_search": "beam search",
     "length_penalty": "beam search", "logits_processors": "logits processors",
     "allowed_token_ids": "restricting the vocabulary", "bad_words": "banned words",
     "audio": "audio", "modalities": "audio output", "prediction": "predicted outputs",
@@ -121,6 +128,7 @@ class SamplingFields(StrictBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -139,10 +147,17 @@ class SamplingFields(StrictBody):
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported by this server yet",
                              param="logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest("prompt_logprobs are not available when stream is true (as in "
+                             "vLLM)", param="prompt_logprobs")
 
     def engine_logprobs(self) -> int | None:
         """How many top logprobs per token the engine computes (None: none)."""
         return None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """How many top logprobs per prompt position the engine computes (None: none)."""
+        return self.prompt_logprobs
 
     def engine_sampling(self, max_tokens: int, index: int = 0) -> dict[str, Any]:
         """The engine's sampling arguments (`vconsole.engine.client.protocol.SAMPLING_KEYS`) for
@@ -165,6 +180,8 @@ class SamplingFields(StrictBody):
             out["seed"] = (self.seed + index) % 2**63
         if self.engine_logprobs() is not None:
             out["logprobs"] = self.engine_logprobs()
+        if self.engine_prompt_logprobs() is not None:
+            out["prompt_logprobs"] = self.engine_prompt_logprobs()
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
         return out
@@ -175,7 +192,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
@@ -195,11 +212,23 @@ class CompletionRequest(SamplingFields):
     def engine_logprobs(self) -> int | None:
         return self.logprobs
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, and with ``echo`` also ``logprobs`` (the echoed prompt's
+        tokens carry logprobs in the legacy block): the larger of the two."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                 if k is not None]
+        return max(asked) if asked else None
+
+    @property
+    def echo_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: the prompt (and its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     def unsupported(self) -> None:
         super().unsupported()
-        if self.logprobs is not None and self.echo:
-            raise BadRequest("logprobs with echo (the prompt's logprobs) is not supported by "
-                             "this server yet", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens 0 generates nothing; it is only allowed with echo: "
+                             "true (the prompt and its logprobs)", param="max_tokens")
         if self.suffix:
             raise BadRequest("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:

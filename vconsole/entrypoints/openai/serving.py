@@ -7,6 +7,11 @@ token ids and the engine's sampling arguments, runs every prompt's ``n`` samples
 Text and stop strings come from `TextStream` (a stop string is never sent, not even in part;
 the request is aborted in the engine when one is hit).
 
+Prompt logprobs (``prompt_logprobs``, and ``echo`` with ``logprobs``) come from the engine with
+a sample's first output; ``max_tokens: 0`` with ``echo`` runs the engine for one token (it
+always samples one, as vLLM) and returns none of it: the prompt, its logprobs, no completion
+tokens.
+
 Token accounting follows vLLM: ``prompt_tokens`` counts each prompt once however many samples it
 has, ``completion_tokens`` every sample's tokens. ``finish_reason``: ``stop`` (EOS, a stop token
 or a stop string; ``stop_reason`` names the string or token id), ``length``, or ``abort``.
@@ -21,8 +26,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vconsole.engine.outputs import PromptLogprobs
 from vconsole.entrypoints.openai.engine_link import EngineLink, engine_refusal
-from vconsole.entrypoints.openai.logprobs import Entry, chat_logprobs, completion_logprobs
+from vconsole.entrypoints.openai.logprobs import (
+    Entry,
+    chat_logprobs,
+    completion_logprobs,
+    joined,
+    vllm_prompt_logprobs,
+)
 from vconsole.entrypoints.openai.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -52,6 +64,7 @@ class Choice:
     stop_reason: str | int | None = None
     logprobs: list[Entry] = field(default_factory=list)   # one per token, when asked
     lp_sent: int = 0                                        # of them, streamed so far
+    prompt_logprobs: PromptLogprobs | None = None           # the prompt's, when asked
 
     @property
     def limit(self) -> int | None:
@@ -170,9 +183,10 @@ class OpenAIServing:
             done = await self._collect(_prompt_id(rid, p, len(prompts)), ids, req, limit)
             usage.add(len(ids), done)
             choices += [{"index": p * req.n + c.index, "text": echo + c.text.text,
-                         "logprobs": self._completion_logprobs(req, c, len(echo)),
+                         "logprobs": self._echo_logprobs(req, c, ids, echo),
                          "finish_reason": c.finish_reason,
-                         "stop_reason": c.stop_reason} for c in done]
+                         "stop_reason": c.stop_reason,
+                         **self._prompt_logprobs_field(req, c, ids)} for c in done]
         return {"id": _response_id("cmpl", rid, request_id), "object": "text_completion",
                 "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage.body()}
@@ -188,12 +202,19 @@ class OpenAIServing:
         try:
             for p, ((text, ids), limit) in enumerate(zip(prompts, max_tokens, strict=True)):
                 usage.prompt_tokens += len(ids)
-                if req.echo:
-                    echo = text if text is not None else self.tokenizer.decode(ids)
+                echo = (text if text is not None else self.tokenizer.decode(ids)) \
+                    if req.echo else ""
+                # The echo's logprobs come with each sample's first output: wait for it.
+                echo_later = set(range(req.n)) if echo and req.logprobs is not None else set()
+                if echo and not echo_later:
                     for i in range(req.n):
                         yield out.chunk(p * req.n + i, None, text=echo)
                 async for c, delta in self._run(_prompt_id(rid, p, len(prompts)), ids, req,
                                                 limit, choices):
+                    if c.index in echo_later:
+                        echo_later.discard(c.index)
+                        yield out.chunk(p * req.n + c.index, None, text=echo, logprobs=(
+                            self._echo_logprobs(req, c, ids, echo, output=False)))
                     if delta or c.finish_reason:
                         yield out.chunk(p * req.n + c.index, c, text=delta, logprobs=(
                             self._completion_logprobs(req, c, 0, stream=True)))
@@ -230,7 +251,7 @@ class OpenAIServing:
                              "logprobs": self._chat_logprobs(req, c),
                              "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason} for c in done],
-                "usage": usage.body()}
+                "usage": usage.body(), **self._prompt_logprobs_field(req, done[0], ids)}
 
     async def _stream_chat(self, req: ChatCompletionRequest, rid: str, resp_id: str,
                            ids: list[int], limit: int) -> AsyncIterator[str]:
@@ -270,11 +291,21 @@ class OpenAIServing:
                                            include_stop_str_in_output=req.include_stop_str_in_output,
                                            skip_special_tokens=req.skip_special_tokens))
                       for i in range(req.n)]
-        sampling = [req.engine_sampling(limit, i) for i in range(req.n)]
+        # ``limit`` 0 (echo only): the engine samples one token, which is not returned.
+        sampling = [req.engine_sampling(max(limit, 1), i) for i in range(req.n)]
         stopped: set[int] = set()            # hit a stop string: `samples` aborts them
         async for i, out in self.engine.samples(rid, ids, sampling, req.priority,
                                                 stopped=stopped):
             c = choices[i]
+            if out.prompt_logprobs is not None:
+                c.prompt_logprobs = out.prompt_logprobs
+            if limit == 0:
+                if out.finished:
+                    if out.finish_reason == "error":
+                        raise engine_refusal(out.error or "the engine refused the request")
+                    c.finish_reason = "length"
+                yield c, ""
+                continue
             delta = c.text.add(out.new_token_ids)
             c.num_tokens += len(out.new_token_ids)
             if out.logprobs:
@@ -304,6 +335,32 @@ class OpenAIServing:
         c.lp_sent = len(c.logprobs) if stream else c.lp_sent
         return completion_logprobs(self.tokenizer, c.text.token_ids, c.logprobs, start,
                                    c.limit, base_offset)
+
+    def _echo_logprobs(self, req: CompletionRequest, c: Choice, ids: list[int], echo: str, *,
+                       output: bool = True) -> dict[str, Any] | None:
+        """The legacy block of a whole choice: with ``echo`` the prompt's tokens first (the
+        first without a logprob), then the output's (unless not ``output``)."""
+        if req.logprobs is None:
+            return None
+        if not echo:
+            return self._completion_logprobs(req, c, 0)
+        # A sample that ended before its first token (aborted, timed out) has none: nulls.
+        entries = (c.prompt_logprobs.entries() if c.prompt_logprobs is not None
+                   else [None] * len(ids))
+        block = completion_logprobs(self.tokenizer, ids, entries, top=req.logprobs)
+        if not output or req.echo_only:
+            return block
+        rest = self._completion_logprobs(req, c, len(echo))
+        assert rest is not None
+        return joined(block, rest)
+
+    def _prompt_logprobs_field(self, req: SamplingFields, c: Choice,
+                               ids: list[int]) -> dict[str, Any]:
+        """``{"prompt_logprobs": [...]}`` in vLLM's shape, when the request asked for it."""
+        if req.prompt_logprobs is None or c.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.tokenizer, ids, c.prompt_logprobs,
+                                                        req.prompt_logprobs)}
 
     def _chat_logprobs(self, req: ChatCompletionRequest, c: Choice, *,
                        stream: bool = False) -> dict[str, Any] | None:
