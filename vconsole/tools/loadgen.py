@@ -6,6 +6,11 @@ at once. The workload is reproducible from ``seed``: prompt lengths, output leng
 use ``ignore_eos`` so they run to their length), priorities drawn from a weighted mix, a share of
 long prompts and a share of prompts that start with one shared prefix (for the prefix cache).
 
+The prompts (``LoadSpec.prompts``) are random token ids (``tokens``, for the random-weight
+models), or text (``chat``: `vconsole.tools.prompts`' questions, instructions and shared system
+prompts through the model's chat template; they stop at the model's end of turn, up to their
+output length), or ``auto``: text unless the engine runs one of the random-weight built-ins.
+
 Measured per request on the client's clock: TTFT (send -> first token) and inter-token latency
 (the gap between two output messages divided by the tokens the later one carried).
 
@@ -30,12 +35,15 @@ from typing import Any
 
 from vconsole.engine.client.async_client import AsyncEngineClient
 from vconsole.engine.client.client import ENGINE_UNREACHABLE
+from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
 from vconsole.tools.load_summary import LoadRun, RequestRecord
+from vconsole.tools.prompts import ChatRenderer, draw_prompt, load_renderer
 
 RateFn = Callable[[float], float]   # seconds since the start -> requests per second
 ProgressFn = Callable[[dict[str, Any]], None]
 PROGRESS_INTERVAL_S = 0.25
 FIRST_TOKEN_ID = 3                   # skip the usual pad/bos/eos ids at the bottom
+PROMPT_KINDS = ("tokens", "chat", "auto")
 
 
 @dataclass
@@ -51,6 +59,10 @@ class LoadSpec:
     long_prompt_len: tuple[int, int] = (256, 512)
     shared_prefix_share: float = 0.0
     shared_prefix_len: int = 32
+    prompts: str = "tokens"           # PROMPT_KINDS; chat ignores prompt_len and the prefix
+    # chat: the share of requests with one of the shared system prompts (a chat deployment's
+    # usual shape, served from the prefix cache); the others ask a question alone
+    system_prompt_share: float = 0.75
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -80,10 +92,15 @@ def parse_mix(text: str) -> list[tuple[int, float]]:
 
 
 class Workload:
-    """Draws the requests of a spec, reproducibly."""
+    """Draws the requests of a spec, reproducibly: token ids, or with a ``chat`` renderer text
+    prompts (a shared system prompt where the spec shares a prefix, a passage to work on where
+    it draws a long prompt), which end at the model's end of turn (no ``ignore_eos``)."""
 
-    def __init__(self, spec: LoadSpec, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, spec: LoadSpec, vocab_size: int, max_model_len: int,
+                 chat: ChatRenderer | None = None) -> None:
         self.spec = spec
+        self.chat = chat
+        self.ignore_eos = chat is None
         self.rng = random.Random(spec.seed)
         self.lo = min(FIRST_TOKEN_ID, vocab_size - 1)
         self.vocab_size = vocab_size
@@ -103,7 +120,12 @@ class Workload:
         out = rng.randint(*s.output_len)
         out = max(1, min(out, self.max_model_len - 1))
         n = max(1, min(n, self.max_model_len - out))
-        if rng.random() < s.shared_prefix_share and n > len(self.prefix):
+        shared = rng.random() < (s.shared_prefix_share if self.chat is None
+                                 else s.system_prompt_share)
+        if self.chat is not None:
+            ids = self.chat.ids(draw_prompt(rng, long=long, shared_system=shared))
+            ids = ids[-max(1, self.max_model_len - out):]
+        elif shared and n > len(self.prefix):
             ids = self.prefix + self._ids(n - len(self.prefix))
         else:
             ids = self._ids(n)
@@ -111,8 +133,23 @@ class Workload:
         return ids, out, priority
 
 
+async def chat_renderer(spec: LoadSpec, engine_info: dict[str, Any]) -> ChatRenderer | None:
+    """The renderer ``spec.prompts`` asks for against this engine, None for token ids."""
+    if spec.prompts not in PROMPT_KINDS:
+        raise ValueError(f"prompts must be one of {', '.join(PROMPT_KINDS)}; "
+                         f"got {spec.prompts!r}")
+    if spec.prompts == "tokens" or (spec.prompts == "auto"
+                                    and engine_info.get("model") in MODEL_CONFIGS):
+        return None
+    path = engine_info.get("model_path")
+    if not path:
+        raise ValueError("chat prompts need the engine's model directory, and the engine did "
+                         "not name one")
+    return await asyncio.to_thread(load_renderer, str(path))
+
+
 async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_tokens: int,
-               priority: int, in_flight: dict[str, None]) -> None:
+               priority: int, in_flight: dict[str, None], ignore_eos: bool = True) -> None:
     rec = RequestRecord(priority, len(ids), sent=time.monotonic())
     run.records[str(run.sent)] = rec      # counted from the moment it is sent, whatever follows
     run.sent += 1
@@ -120,7 +157,7 @@ async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_toke
     try:
         try:
             rid = await client.submit(prompt_token_ids=ids, max_tokens=max_tokens,
-                                      ignore_eos=True, priority=priority)
+                                      ignore_eos=ignore_eos, priority=priority)
         except TimeoutError as e:  # the engine is gone and did not come back
             rec.finish_reason, rec.error = "error", f"{ENGINE_UNREACHABLE}: {e}"
             run.engine_lost = rec.error
@@ -161,7 +198,8 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
     another thread."""
     info = client.engine_info
     workload = Workload(spec, int(info.get("vocab_size") or 256),
-                        int(info.get("max_model_len") or 2048))
+                        int(info.get("max_model_len") or 2048),
+                        chat=await chat_renderer(spec, info))
     if rate_fn is None and spec.rate is not None:
         rate_fn = _constant(spec.rate)
     run = run or LoadRun()
@@ -192,7 +230,8 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
             if cap is not None:
                 cap.release()
             return False
-        task = asyncio.create_task(_one(client, run, ids, max_tokens, priority, in_flight))
+        task = asyncio.create_task(_one(client, run, ids, max_tokens, priority, in_flight,
+                                        workload.ignore_eos))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         if cap is not None:
@@ -262,11 +301,12 @@ def demo_rate(base: float, period_s: float = 40.0) -> RateFn:
     return rate
 
 
-def demo_spec(seed: int = 0) -> LoadSpec:
+def demo_spec(seed: int = 0, prompts: str = "tokens") -> LoadSpec:
+    """The demo's workload (token ids on a random model, text on a real one: ``auto``)."""
     return LoadSpec(num=None, concurrency=96, prompt_len=(16, 96), output_len=(16, 160),
                     priority_mix=[(0, 1.0), (1, 3.0), (2, 2.0)], seed=seed,
                     long_prompt_share=0.08, long_prompt_len=(200, 400),
-                    shared_prefix_share=0.3, shared_prefix_len=48)
+                    shared_prefix_share=0.3, shared_prefix_len=48, prompts=prompts)
 
 
 class LoadThread(threading.Thread):
