@@ -1,0 +1,204 @@
+"""``--model file.gguf``: a GGUF file (or a directory holding one) is converted once into a plain
+model directory and runs through the engine exactly as transformers reads the same file; a file
+the engine cannot run is one clear ValueError, and `vconsole generate` says it in one line.
+
+The files are written here with the ``gguf`` package: two-layer Llama and Qwen2 models with
+random float32 weights and a byte-level BPE vocabulary in the file itself (259 symbols and a few
+merges, ChatML's special tokens marked as control tokens, a chat template), the way llama.cpp's
+converter writes a Llama-3 or Qwen2 GGUF and transformers' GGUF loader reads it back
+(``tokenizer.ggml.model = "gpt2"``, ``tokenizer.ggml.pre`` naming the split regex).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vconsole.cli import build_parser
+from vconsole.commands import generate as generate_cmd
+from vconsole.engine.core import EngineCore
+from vconsole.engine.offline import greedy_requests, run_batch
+from vconsole.engine.worker import gguf_model
+from vconsole.engine.worker.model_loader import resolve_model_path
+from vconsole.shared.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("a", "t")]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2"}
+TEXTS = ["the cat sat on the mat", "in the winter there are stars", "hello"]
+MAX_TOKENS = 12
+
+
+def write_gguf(path: Path, arch: str, *, seed: int = 0, hidden: int = 128, layers: int = 2,
+               heads: int = 2, kv_heads: int = 1, ffn: int = 256) -> Path:
+    """A tiny GGUF of architecture ``arch`` (llama, qwen2: with q/k/v biases) at ``path``."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    rng = np.random.default_rng(seed)
+    tokens = SPECIALS + list(bytes_to_unicode().values()) + ["".join(m) for m in MERGES]
+    head_dim = hidden // heads
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.08).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(PRE_TOKENIZER.get(arch, "default"))
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    w.add_token_merges([" ".join(m) for m in MERGES])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(CHATML)
+    w.add_tensor("token_embd.weight", weight(len(tokens), hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("output.weight", weight(len(tokens), hidden))
+    for i in range(layers):
+        blk = f"blk.{i}."
+        w.add_tensor(blk + "attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(blk + "attn_q.weight", weight(heads * head_dim, hidden))
+        w.add_tensor(blk + "attn_k.weight", weight(kv_heads * head_dim, hidden))
+        w.add_tensor(blk + "attn_v.weight", weight(kv_heads * head_dim, hidden))
+        if arch == "qwen2":
+            w.add_tensor(blk + "attn_q.bias", weight(heads * head_dim))
+            w.add_tensor(blk + "attn_k.bias", weight(kv_heads * head_dim))
+            w.add_tensor(blk + "attn_v.bias", weight(kv_heads * head_dim))
+        w.add_tensor(blk + "attn_output.weight", weight(hidden, heads * head_dim))
+        w.add_tensor(blk + "ffn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(blk + "ffn_gate.weight", weight(ffn, hidden))
+        w.add_tensor(blk + "ffn_up.weight", weight(ffn, hidden))
+        w.add_tensor(blk + "ffn_down.weight", weight(hidden, ffn))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A conversion cache of the module's own ($VCONSOLE_CACHE), not the user's."""
+    root = tmp_path_factory.mktemp("gguf-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VCONSOLE_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory, cache) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("ggufs")
+    out = {}
+    for arch in ("llama", "qwen2"):
+        (d / arch).mkdir()
+        out[arch] = write_gguf(d / arch / f"tiny-{arch}.gguf", arch)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_generates_through_the_engine_as_transformers_reads_the_file(ggufs, arch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = ggufs[arch]
+    core = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+    assert core.runner.info.model_type == arch
+    ref_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ids = [list(core.tokenizer(t, add_special_tokens=False).input_ids) for t in TEXTS]
+    assert ids == [list(ref_tok(t, add_special_tokens=False).input_ids) for t in TEXTS]
+    assert [core.tokenizer.decode(i) for i in ids] == TEXTS     # the vocabulary came along
+    assert len(ids[0]) < len(TEXTS[0])                          # ... and its merges
+    chat = core.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                              tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    result = run_batch(core, greedy_requests(core, ids, MAX_TOKENS, ignore_eos=True))
+
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                               dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for prompt, got in zip(ids, result.output_token_ids, strict=True):
+            x = torch.tensor([prompt])
+            y = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=MAX_TOKENS, eos_token_id=None)
+            assert got == y[0, len(prompt):].tolist()
+
+
+def test_a_directory_holding_one_gguf_is_that_model(ggufs):
+    path = ggufs["llama"]
+    assert resolve_model_path(path.parent) == resolve_model_path(path)
+
+
+def test_a_converted_gguf_is_reused_not_converted_again(ggufs, caplog):
+    path = ggufs["qwen2"]
+    target = resolve_model_path(path)                 # converted by now (or here)
+    stamps = {p.name: p.stat().st_mtime_ns for p in [target, *target.iterdir()]}
+    with caplog.at_level(logging.WARNING, logger=gguf_model.__name__):
+        again = resolve_model_path(str(path))
+    assert again == target
+    assert gguf_model.CONVERTING not in caplog.text
+    assert {p.name: p.stat().st_mtime_ns for p in [target, *target.iterdir()]} == stamps
+    assert [p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")
+            and p.is_dir()] == []                     # no temporary directory left behind
+
+
+def _bad_models(tmp_path: Path, ggufs: dict[str, Path]) -> dict[str, tuple[Path, str]]:
+    """Each kind of file the engine cannot run, with the words its error must say."""
+    whole = ggufs["llama"].read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(whole[:len(whole) * 2 // 3])   # an interrupted download
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("this is a text file, not a model\n")
+    gpt2 = tmp_path / "gpt2.gguf"
+    w = __import__("gguf").GGUFWriter(str(gpt2), "gpt2")
+    w.add_name("tiny-gpt2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (two / name).write_bytes(whole)
+    return {"truncated": (truncated, "is not a readable GGUF file"),
+            "not a GGUF": (not_gguf, "is not a GGUF file"),
+            "gpt2": (gpt2, "is a GGUF of architecture 'gpt2'; the engine runs llama"),
+            "two GGUFs": (two, "holds several GGUF files (a.gguf, b.gguf); pass one")}
+
+
+def test_a_file_the_engine_cannot_run_is_one_clear_error(tmp_path, ggufs):
+    for path, words in _bad_models(tmp_path, ggufs).values():
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            resolve_model_path(path)
+    assert not any(p.name.startswith(("truncated", "notes", "gpt2"))
+                   for p in (Path(os.environ["VCONSOLE_CACHE"]) / "models").iterdir())
+
+
+@pytest.mark.parametrize("kind", ["truncated", "gpt2"])
+def test_vconsole_generate_with_a_bad_gguf_says_so_in_one_line(tmp_path, ggufs, capsys, kind):
+    path, words = _bad_models(tmp_path, ggufs)[kind]
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hello"}\n')
+    args = build_parser().parse_args(["generate", "--model", str(path), "--input",
+                                      str(tmp_path / "in.jsonl"), "--output",
+                                      str(tmp_path / "out.jsonl"), "--no-progress"])
+    assert generate_cmd.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("vconsole generate: cannot start: ")
+    assert words in err and "Traceback" not in err
