@@ -219,13 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
     p.add_argument("name", choices=["throughput", "scheduler", "kvmap", "telemetry", "console",
-                                    "dp", "soak", "serve"],
+                                    "dp", "soak", "serve", "quality"],
                    help="which benchmark: model throughput against transformers, the "
                         "scheduler's per-step cost, the KV map's engine-to-console round trip, "
                         "telemetry's cost to throughput, the console's lag and CPU, 2 "
                         "data-parallel ranks against 1 engine, a soak of the demo's load "
-                        "(exit 1 unless it passes), or the HTTP server against the native "
-                        "client")
+                        "(exit 1 unless it passes), the HTTP server against the native "
+                        "client, or the engine's perplexity and greedy output against "
+                        "transformers' on real text (exit 1 unless it meets the targets)")
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
     p.add_argument("--num-requests", type=int,
                    help="throughput: override the workload size; telemetry, console: requests "
@@ -257,6 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="soak: run the engine as N data-parallel ranks (default 1)")
     p.add_argument("--rate", type=float, default=8.0,
                    help="soak: the demo's mean request rate, req/s (default 8)")
+    p.add_argument("--model", default="smollm2", metavar="M",
+                   help="quality: the model, a built-in name, a GGUF file or a model directory "
+                        "(default smollm2)")
+    p.add_argument("--windows", type=int, default=64, metavar="N",
+                   help="quality: perplexity windows of the pydoc text (default 64)")
+    p.add_argument("--window-tokens", type=int, default=512, metavar="N",
+                   help="quality: tokens per window (default 512)")
+    p.add_argument("--chat-prompts", type=int, default=32, metavar="N",
+                   help="quality: built-in chat prompts compared greedily (default 32, at most "
+                        "32)")
+    p.add_argument("--new-tokens", type=int, default=32, metavar="N",
+                   help="quality: greedy tokens per chat prompt (default 32)")
     p.add_argument("--runs", type=int, default=5,
                    help="throughput: repetitions; the JSON gives each run and the median/worst "
                         "ratios (default 5)")

@@ -51,6 +51,16 @@ def main(args: argparse.Namespace) -> int:
         except RequestsFailed as e:     # no figures from a run whose requests failed
             print(f"vconsole bench serve: {e}", file=sys.stderr)
             return 1
+    elif args.name == "quality":
+        from vconsole.tools.bench.quality import quality_bench
+
+        try:
+            out = quality_bench(args.model, args.windows, args.window_tokens, args.chat_prompts,
+                                args.new_tokens, log=log)
+        except ValueError as e:         # a model that cannot load, windows the text lacks
+            return fail("bench", str(e), 2)
+        print(json.dumps(out, indent=None if args.json else 2))
+        return 0 if out["passed"] else 1
     elif args.name == "dp":
         from vconsole.tools.bench.dp import dp_bench
 

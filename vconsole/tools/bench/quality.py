@@ -1,0 +1,275 @@
+"""`vconsole bench quality`: the engine's numerics against transformers', on real text, as JSON.
+
+The yardstick for every change that touches numerics (a kernel, a fused layer, a compressed KV
+cache): two figures, each beside transformers' own in the same run.
+
+- **Perplexity** over a real English text no one here wrote: the Python standard library's
+  bundled documentation (`pydoc_data.topics`, its topics concatenated in sorted key order),
+  tokenized with the model's tokenizer and cut into ``windows`` consecutive windows of
+  ``window_tokens`` tokens. The engine scores them through its ``prompt_logprobs`` (every
+  window one request, all windows in one `run_batch`; a step budget of `STEP_TOKENS`, not a
+  multiple of the window, cuts most windows into two chunks, the second reading its context
+  back from the paged KV pool, as a served long prompt does); transformers scores the same windows with
+  a plain float32 ``AutoModelForCausalLM`` forward and a float32 log-softmax. ``rel_diff`` is
+  ``ppl / reference_ppl - 1``.
+- **Greedy match**: 32 short chat prompts (`CHAT_PROMPTS`, rendered with the model's chat
+  template, as the OpenAI server renders a chat request) run greedily for ``new_tokens`` tokens
+  through the engine and through transformers' ``generate(do_sample=False)``, one prompt at a
+  time. For each prompt whose tokens differ: the first differing step and the gap between the
+  top two of transformers' logits there; a gap under `NEAR_TIE` is named a float
+  reassociation (two sums of the same terms in another order), anything else a mismatch.
+
+Targets (issue #29): ``|rel_diff| <= 0.1%`` and at least 31 of 32 prompts equal, every miss a
+near-tie; ``passed`` says whether the run met them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from vconsole.engine.core import EngineCore
+from vconsole.engine.offline import run_batch
+from vconsole.engine.request import SamplingParams
+from vconsole.shared.config import EngineConfig
+
+NEAR_TIE = 1e-4              # top-2 logit gap below which a flipped token is float reassociation
+TARGET_REL_DIFF = 1e-3
+TARGET_GREEDY_MISSES = 1     # of 32
+REFERENCE_BATCH = 4          # windows per transformers forward
+STEP_TOKENS = 1000           # the engine's max_num_batched_tokens here
+
+CHAT_PROMPTS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "How do plants make their food?",
+    "What causes the seasons on Earth?",
+    "Explain what a prime number is.",
+    "Why do objects float in water?",
+    "Give me three tips for sleeping better.",
+    "How does a refrigerator keep food cold?",
+    "Who wrote Romeo and Juliet?",
+    "What is the difference between a virus and a bacterium?",
+    "Write a haiku about autumn leaves.",
+    "How many legs does a spider have?",
+    "Explain gravity to a ten-year-old.",
+    "What is a good way to learn a new language?",
+    "Summarise the water cycle in two sentences.",
+    "What does a Python list comprehension do?",
+    "How do I reverse a string in Python?",
+    "What is the difference between TCP and UDP?",
+    "Suggest a name for a small bakery.",
+    "What should I pack for a weekend hiking trip?",
+    "How do I boil an egg so the yolk stays soft?",
+    "Why do cats purr?",
+    "What is the tallest mountain in the world?",
+    "Explain what inflation means in economics.",
+    "Write one sentence that describes the ocean.",
+    "What are the three primary colours?",
+    "How does a bicycle stay upright?",
+    "Give an example of a renewable energy source.",
+    "What is the boiling point of water at sea level?",
+    "How can I make my code easier to read?",
+    "What is machine learning, in simple words?",
+    "List four animals that live in the Arctic.",
+)
+
+
+def pydoc_text() -> str:
+    """The standard library's bundled documentation, its topics in sorted key order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def token_windows(tokenizer: Any, windows: int, window_tokens: int) -> list[list[int]]:
+    """The first ``windows`` consecutive windows of ``window_tokens`` tokens of `pydoc_text`."""
+    text = pydoc_text()
+    need = windows * window_tokens
+    # Tokenize only as much text as the windows need (a token is rarely over 8 characters).
+    ids: list[int] = []
+    chars = need * 8
+    while True:
+        ids = list(tokenizer(text[:chars], add_special_tokens=False).input_ids)
+        if len(ids) >= need + 1 or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < need:
+        raise ValueError(f"the text has {len(ids)} tokens; {windows} windows of "
+                         f"{window_tokens} need {need}")
+    return [ids[i * window_tokens:(i + 1) * window_tokens] for i in range(windows)]
+
+
+def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    """The first ``count`` of `CHAT_PROMPTS` with the model's chat template (plain text for a
+    model without one), tokenized as the OpenAI server does."""
+    out = []
+    for question in CHAT_PROMPTS[:count]:
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                 tokenize=False, add_generation_prompt=True)
+        else:
+            text = question
+        out.append(list(tokenizer(text, add_special_tokens=False).input_ids))
+    return out
+
+
+def perplexity(nll_sum: float, count: int) -> float:
+    return math.exp(nll_sum / count)
+
+
+# --- the engine --------------------------------------------------------------------------------
+
+def engine_window_nll(core: EngineCore, windows: Sequence[list[int]]) -> list[float]:
+    """Each window's summed negative log-likelihood, from the engine's prompt logprobs."""
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    reqs = [core.make_request(f"w{i}", prompt_token_ids=ids, sampling=sp)
+            for i, ids in enumerate(windows)]
+    result = run_batch(core, reqs)
+    out = []
+    for o, ids in zip(result.outputs, windows, strict=True):
+        if o.prompt_logprobs is None or len(o.prompt_logprobs) != len(ids) - 1:
+            raise RuntimeError(f"request {o.request_id}: no prompt logprobs ({o.error})")
+        out.append(-math.fsum(o.prompt_logprobs.token_logprobs))
+    return out
+
+
+def engine_greedy(core: EngineCore, prompts: Sequence[list[int]],
+                  new_tokens: int) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    reqs = [core.make_request(f"g{i}", prompt_token_ids=ids, sampling=sp)
+            for i, ids in enumerate(prompts)]
+    return run_batch(core, reqs).output_token_ids
+
+
+# --- transformers ------------------------------------------------------------------------------
+
+def reference_window_nll(model: Any, windows: Sequence[list[int]]) -> list[float]:
+    """Each window's summed negative log-likelihood: a plain forward, float32 log-softmax."""
+    out: list[float] = []
+    with torch.inference_mode():
+        for lo in range(0, len(windows), REFERENCE_BATCH):
+            x = torch.tensor(windows[lo:lo + REFERENCE_BATCH])
+            logits = model(x).logits[:, :-1].float()
+            lp = logits.log_softmax(dim=-1).gather(2, x[:, 1:, None])[..., 0]
+            out.extend((-lp.double().sum(dim=1)).tolist())
+    return out
+
+
+def reference_greedy(model: Any, ids: list[int],
+                     new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy continuation and its raw logits at each step."""
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                           max_new_tokens=new_tokens, output_logits=True,
+                           return_dict_in_generate=True)
+    return y.sequences[0, len(ids):].tolist(), [s[0].float() for s in y.logits]
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first step where two token lists differ (one ending early counts), or None."""
+    for k, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return k
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def describe_miss(index: int, engine: list[int], reference: list[int],
+                  logits: list[torch.Tensor]) -> dict[str, Any]:
+    step = first_difference(engine, reference)
+    assert step is not None
+    miss: dict[str, Any] = {"prompt": index, "question": CHAT_PROMPTS[index], "step": step,
+                            "engine_token": engine[step] if step < len(engine) else None,
+                            "reference_token": reference[step] if step < len(reference)
+                            else None}
+    if step < len(logits):
+        top2 = logits[step].topk(2).values.tolist()
+        gap = top2[0] - top2[1]
+        miss["top2_gap"] = gap
+        miss["kind"] = "float reassociation" if gap < NEAR_TIE else "mismatch"
+    else:
+        miss["top2_gap"] = None
+        miss["kind"] = "mismatch"
+    return miss
+
+
+# --- the benchmark -----------------------------------------------------------------------------
+
+def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int = 512,
+                  num_chat_prompts: int = 32, new_tokens: int = 32,
+                  max_num_batched_tokens: int = STEP_TOKENS,
+                  log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = log or (lambda _m: None)
+    if not 1 <= num_chat_prompts <= len(CHAT_PROMPTS):
+        raise ValueError(f"chat prompts must be 1..{len(CHAT_PROMPTS)}")
+    if windows < 1 or window_tokens < 2:
+        raise ValueError("windows must be >= 1 and window tokens >= 2")
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32",
+                                   max_num_batched_tokens=max_num_batched_tokens))
+    timings["engine_load_s"] = time.perf_counter() - t
+    tokenizer = core.tokenizer
+    texts = token_windows(tokenizer, windows, window_tokens)
+    prompts = chat_prompts(tokenizer, num_chat_prompts)
+
+    say(f"engine: perplexity over {windows} windows of {window_tokens} tokens")
+    t = time.perf_counter()
+    engine_nll = engine_window_nll(core, texts)
+    timings["engine_ppl_s"] = time.perf_counter() - t
+    say(f"engine: greedy, {len(prompts)} chat prompts x {new_tokens} tokens")
+    t = time.perf_counter()
+    engine_tokens = engine_greedy(core, prompts, new_tokens)
+    timings["engine_greedy_s"] = time.perf_counter() - t
+    path = core.runner.info.path
+    del core
+
+    from transformers import AutoModelForCausalLM
+
+    t = time.perf_counter()
+    ref = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                               dtype=torch.float32).eval()
+    timings["reference_load_s"] = time.perf_counter() - t
+    say("transformers: perplexity over the same windows")
+    t = time.perf_counter()
+    ref_nll = reference_window_nll(ref, texts)
+    timings["reference_ppl_s"] = time.perf_counter() - t
+    say("transformers: generate(do_sample=False)")
+    t = time.perf_counter()
+    misses = []
+    for i, (ids, got) in enumerate(zip(prompts, engine_tokens, strict=True)):
+        want, logits = reference_greedy(ref, ids, new_tokens)
+        if got != want:
+            misses.append(describe_miss(i, got, want, logits))
+    timings["reference_greedy_s"] = time.perf_counter() - t
+
+    count = windows * (window_tokens - 1)
+    ppl = perplexity(math.fsum(engine_nll), count)
+    reference_ppl = perplexity(math.fsum(ref_nll), count)
+    rel_diff = ppl / reference_ppl - 1.0
+    window_diffs = [abs(a - b) / (window_tokens - 1) for a, b in zip(engine_nll, ref_nll,
+                                                                     strict=True)]
+    matched = len(prompts) - len(misses)
+    passed = (abs(rel_diff) <= TARGET_REL_DIFF
+              and len(misses) <= TARGET_GREEDY_MISSES * len(prompts) / len(CHAT_PROMPTS)
+              and all(m["kind"] == "float reassociation" for m in misses))
+    return {
+        "benchmark": "quality", "model": model, "model_path": path,
+        "text": "pydoc_data.topics", "windows": windows, "window_tokens": window_tokens,
+        "tokens_scored": count, "ppl": ppl, "reference_ppl": reference_ppl,
+        "rel_diff": rel_diff, "max_window_nll_diff_per_token": max(window_diffs),
+        "greedy_match": f"{matched}/{len(prompts)}", "greedy_matched": matched,
+        "greedy_prompts": len(prompts), "new_tokens": new_tokens, "misses": misses,
+        "near_tie": NEAR_TIE,
+        "targets": {"abs_rel_diff_max": TARGET_REL_DIFF,
+                    "greedy_min": f"{len(CHAT_PROMPTS) - TARGET_GREEDY_MISSES}/"
+                                  f"{len(CHAT_PROMPTS)}, every miss a near-tie"},
+        "passed": passed, "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "torch_threads": torch.get_num_threads(),
+    }
+
