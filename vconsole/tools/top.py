@@ -28,6 +28,8 @@ from vconsole.security.curve import ClientCurve
 from vconsole.shared.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 from vconsole.telemetry.control import ControlClient, ControlError
 from vconsole.telemetry.printable import printable
+from vconsole.telemetry.request_text import FIELD as TEXT_FIELD
+from vconsole.telemetry.request_text import text_of
 from vconsole.telemetry.schema import (
     DP_TOPICS,
     TOPICS,
@@ -69,10 +71,24 @@ def to_json_payload(msg: TelemetryMessage) -> dict[str, Any]:
     """The payload with raw buffer references replaced by something JSON can carry."""
     body = dict(msg.payload)
     if isinstance(body.get("requests"), RequestColumns):   # sched: the rows, as JSON maps
-        body["requests"] = body["requests"].rows()
+        body["requests"] = with_text(body["requests"].rows(), body.pop(TEXT_FIELD, None))
     if msg.topic == "kv" and "block_states" in body:
         body["block_states"] = summarise_blocks(msg.block_states())
     return body
+
+
+def with_text(rows: list[dict[str, Any]], text: Any) -> list[dict[str, Any]]:
+    """The rows, each with ``prompt_head`` and ``output_tail`` when the engine publishes request
+    text (`vconsole.telemetry.request_text`; None for a row it sent none for: beyond the first
+    rows); as they are when it does not."""
+    if not isinstance(text, dict):
+        return rows
+    sched = {TEXT_FIELD: text}
+    for row in rows:
+        t = text_of(sched, str(row.get("id")))
+        row["prompt_head"] = t.prompt_head if t else None
+        row["output_tail"] = t.output_tail if t else None
+    return rows
 
 
 class Seen:
