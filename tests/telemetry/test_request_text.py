@@ -166,3 +166,24 @@ def test_text_is_refused_beyond_loopback_without_curve(endpoint, curve, refused)
     assert (why is not None) == refused
     if refused:
         assert why is not None and endpoint in why and "CURVE" in why
+
+
+def test_a_data_parallel_front_end_refuses_text_its_public_socket_may_not_carry(tmp_path, ctx):
+    """The ranks publish on private sockets; the front end's control fan-out knows the public
+    one and refuses a change turning text on before any rank is asked."""
+    from vconsole.engine.dp.front.control_fanout import ControlFanout
+    from vconsole.security.control_key import read_key_file
+    from vconsole.telemetry.control import ControlClient
+
+    why = request_text_refusal("tcp://0.0.0.0:5572", curve=False)
+    fanout = ControlFanout(f"ipc://{tmp_path}/control", 2, ctx=ctx,
+                           control_key_file=str(tmp_path / "control.key"),
+                           text_refusal=why).start()
+    try:
+        with ControlClient(fanout.endpoint, key=read_key_file(fanout.control_key_file),
+                           ctx=ctx) as client:
+            reply = client.set_config({"publish_request_text": "true"})
+        assert not reply["ok"] and reply["rejected"] == {"publish_request_text": why}
+        assert reply["ranks"] == {}
+    finally:
+        fanout.close()

@@ -20,7 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vconsole.shared.config import coerce_value
+
 FIELD = "request_text"
+KEY = "publish_request_text"      # the config key that turns it on
 TEXT_ROWS = 256            # rows of a sched message that carry text: the first ones
 PROMPT_HEAD_CHARS = 200    # the prompt's first characters
 OUTPUT_TAIL_CHARS = 200    # the output's last characters (updated as it grows)
@@ -41,6 +44,17 @@ def output_tail(text: str) -> str:
     """The last `OUTPUT_TAIL_CHARS` of ``text``, without the replacement characters a cut
     through a multi-byte character leaves at its start."""
     return text[-OUTPUT_TAIL_CHARS:].lstrip("\ufffd")
+
+
+def turns_on(values: dict[str, Any]) -> bool:
+    """Whether a config change (raw values, as ``set_config`` takes them) turns request text
+    on; a value the config table rejects is not (the table says why)."""
+    if KEY not in values:
+        return False
+    try:
+        return bool(coerce_value(KEY, values[KEY]))
+    except ValueError:
+        return False
 
 
 def published(sched: dict[str, Any] | None) -> bool:

@@ -121,6 +121,13 @@ class DPLauncher:
             rank, self.world_size, self.config.dp_master_addr, port,
             endpoints={n: f"ipc://{run_dir}/r{rank}-{n}" for n in ENDPOINT_NAMES},
             control_key_file=str(run_dir / f"r{rank}.key"))
+        refusal = self.stack.text_refusal
+        if refusal is not None and launch.config.publish_request_text:
+            if rank == 0:
+                log.warning("%s It stays off on every rank.", refusal)
+            source = replace(launch.source, overrides=(*launch.source.overrides,
+                                                       "publish_request_text=false"))
+            launch = replace(launch, source=source, config=source.build())
         return replace(launch, ready_file=str(run_dir / f"r{rank}.ready"),
                        supervision=replace(launch.supervision,
                                            hang_timeout_s=self._hang_timeout()))

@@ -42,11 +42,12 @@ from vconsole.engine.publish.inbox import Inbox
 from vconsole.engine.publish.publish_loop import LoopStart, Probe, PublishLoop
 from vconsole.engine.publish.request_text import TokenLists
 from vconsole.engine.publish.sender import Sender
-from vconsole.shared.config import EngineConfig, coerce_value, describe_config
+from vconsole.shared.config import EngineConfig, describe_config
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import restart_event
 from vconsole.telemetry.gpu import GpuProbe
+from vconsole.telemetry.request_text import turns_on
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +118,7 @@ class TelemetryPublisher:
     def refuses_text(self, values: dict[str, Any]) -> str | None:
         """Why a config change that turns request text on is refused here (`text_refusal`),
         or None (nothing refused, or the change does not turn it on)."""
-        if self.text_refusal is None or "publish_request_text" not in values:
-            return None
-        try:
-            on = coerce_value("publish_request_text", values["publish_request_text"])
-        except ValueError:
-            return None     # the config table rejects it with its own reason
-        return self.text_refusal if on else None
+        return self.text_refusal if turns_on(values) else None
 
     def wants_text(self) -> bool:
         """Whether the next snapshot should bring its rows' token ids for request text."""

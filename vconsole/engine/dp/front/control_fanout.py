@@ -9,7 +9,9 @@ endpoint, with one control key (its own 0600 file, same rules as a lone engine's
   refused there is refused for every rank and nothing is sent. Otherwise it goes to every rank
   (or only ``rank``), each applying it atomically between two of its steps; the reply carries
   each rank's acknowledgement, ``"ranks": {"0": {...}, "1": {...}}``, and is ``ok`` only when
-  every addressed rank applied it (its ``error`` names the ranks that did not).
+  every addressed rank applied it (its ``error`` names the ranks that did not). Request text
+  (``publish_request_text``) is refused here when the public telemetry socket may not carry it
+  (``text_refusal``): the ranks publish on private sockets and could not tell.
 - ``get_config`` and ``profile_status`` answer rank 0's (or ``rank``'s) reply;
   ``profile_start`` / ``profile_cancel`` go to that one rank (key required).
 
@@ -34,6 +36,7 @@ from vconsole.security.control_key import control_key_file as derive_key_file
 from vconsole.security.control_key import read_key_file
 from vconsole.shared.config import ConfigError, apply_update, validate_config
 from vconsole.telemetry import control
+from vconsole.telemetry.request_text import KEY, turns_on
 
 if TYPE_CHECKING:
     from vconsole.security.curve import ClientCurve
@@ -50,8 +53,9 @@ class ControlFanout:
     def __init__(self, endpoint: str, world_size: int, *, control_key_file: str | None = None,
                  ctx: zmq.Context | None = None, curve: ServerCurve | None = None,
                  engine_id: str = "dp-frontend",
-                 rank_curve: ClientCurve | None = None) -> None:
+                 rank_curve: ClientCurve | None = None, text_refusal: str | None = None) -> None:
         self.ctx = ctx or zmq.Context.instance()
+        self.text_refusal = text_refusal
         self.rank_curve = rank_curve
         self.world_size = world_size
         self._sock = bind_socket(self.ctx, zmq.ROUTER, "control", endpoint, curve)
@@ -160,6 +164,10 @@ class ControlFanout:
 
     def _set_config(self, values: dict[str, Any], rank: int | None,
                     rid: int | None) -> dict[str, Any]:
+        if self.text_refusal is not None and turns_on(values):
+            return {**control.make_reply(ok=False, version=0, values=None,
+                                         rejected={KEY: self.text_refusal},
+                                         request_id=rid), "ranks": {}}
         targets = list(range(self.world_size)) if rank is None else [rank]
         current = self._ask(targets[0], "get_config", None, {})
         if not current.get("ok"):

@@ -34,7 +34,11 @@ from vconsole.engine.launch.ready_file import (
     remove_ready_file,
     write_ready_file,
 )
-from vconsole.security.bind_policy import check_endpoints, check_metrics_host
+from vconsole.security.bind_policy import (
+    check_endpoints,
+    check_metrics_host,
+    request_text_refusal,
+)
 from vconsole.security.control_key import control_key_file as derive_key_file
 from vconsole.security.engine_key import refuse_if_held
 
@@ -70,6 +74,10 @@ class FrontEndStack:
         if metrics is not None:
             check_metrics_host(metrics[0], allow_remote_metrics)
         refuse_if_held(derive_key_file(public["control"], control_key_file))
+        # Why the public telemetry socket may not carry request text (the ranks publish on
+        # private ones and cannot tell): the launcher turns it off in their configs, the
+        # control fan-out refuses to turn it on.
+        self.text_refusal = request_text_refusal(public["telemetry"], curve is not None)
         self.config = config
         self.world_size = world_size
         self.ready_file = ready_file
@@ -98,7 +106,8 @@ class FrontEndStack:
             self.fanout = ControlFanout(public["control"], world_size,
                                         control_key_file=control_key_file, ctx=self.ctx, curve=curve,
                                         engine_id=config.engine_id,
-                                        rank_curve=rank_curve).start()
+                                        rank_curve=rank_curve,
+                                        text_refusal=self.text_refusal).start()
             self._parts.append(self.fanout)
             self.metrics = None
             if metrics is not None:
