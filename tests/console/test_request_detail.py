@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from textual.widgets import Static
+from textual.widgets import Input, Static
 
-from support.console_testing import frames, replay_app, until
+from support.console_testing import FakeControl, frames, replay_app, until
+from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.console.widgets.request_detail import RequestDetail
 from vconsole.console.widgets.request_table import RequestTable
 
@@ -95,3 +96,22 @@ async def test_without_published_text_the_pane_says_how_to_turn_it_on():
         assert "--set publish_request_text=true" in shown and "1:capital" in shown
         await pilot.press("escape")
         assert not app.screen.query_one(RequestDetail).display
+
+
+async def test_turning_text_on_from_the_config_screen_asks_first_spelling_out_what_it_sends():
+    ctl = FakeControl()
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("4")
+        await until(pilot, lambda: app.state.config is not None and app.steering.config_fetches)
+        screen = app.screen
+        await pilot.pause()
+        assert screen.focus_key("publish_request_text")
+        await pilot.press("e")
+        screen.query_one("#cfg-input", Input).value = ""
+        await pilot.press(*"true", "enter")
+        assert isinstance(app.screen, ConfirmScreen)
+        assert "prompt head and output tail" in app.screen.consequence
+        await pilot.press("tab", "enter")                  # "Apply change"
+        await until(pilot, lambda: app.steering.replies["publish_request_text"].done)
+        assert ctl.config.publish_request_text is True

@@ -129,6 +129,11 @@ def consequence(key: str, old: Any, new: Any, *, num_running: int | None = None,
     if key == "max_holding_seconds" and new is not None and (old is None or new < old):
         return (f"Requests that wait longer than {show_value(new)} s unscheduled will be "
                 f"finished with 'timeout' — including ones already waiting that long.")
+    if key == "publish_request_text" and new is True:
+        return ("Publishes every running and queued request's prompt head and output tail "
+                "(what users typed, and the answers) on the telemetry socket, readable by "
+                "anyone who can subscribe to it (loopback or CURVE only: the engine refuses "
+                "otherwise).")
     if key == "telemetry_max_requests" and isinstance(new, int) and new == 0:
         return "Stops sending request rows: the Requests screen will be empty."
     if key == "heartbeat_interval_s" and isinstance(old, int | float) and \
