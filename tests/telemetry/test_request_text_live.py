@@ -25,7 +25,7 @@ from vconsole.telemetry.request_text import OUTPUT_TAIL_CHARS, PROMPT_HEAD_CHARS
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
 ARGS = ["--model", "tiny", "--num-kv-blocks", "128", "--block-size", "8", "--max-num-seqs", "4",
-        "--set", "telemetry_hz=20", "--set", "heartbeat_interval_s=0.25",
+        "--set", "telemetry_hz=50", "--set", "heartbeat_interval_s=0.25",
         "--set", "publish_request_text=true"]
 PROMPT = "What is the capital of France? " * 10       # 310 characters, one token a byte
 
