@@ -71,12 +71,12 @@ def reference(smollm2_hf, prompt_ids) -> list[Reference]:
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir):
-    """One engine for the module: every regime at once. 32 tokens a step cuts each ~80-token
-    prompt into chunks; 16 blocks of 16 tokens hold about two requests, so the other running
-    ones are preempted and recomputed; the system prompts' blocks are cached for the next
-    request that starts with them."""
+    """One engine for the module: every regime at once. 32 tokens a step cuts the ~40-token
+    prompts of four running requests into chunks; 10 blocks of 16 tokens hold about two whole
+    requests, so the others are preempted and recomputed; a system prompt's first block is
+    cached for the next request that starts with it."""
     return EngineCore(EngineConfig(model=str(smollm2_dir), device="cpu", dtype="float32",
-                                   max_num_batched_tokens=32, num_kv_blocks=16, block_size=16,
+                                   max_num_batched_tokens=32, num_kv_blocks=10, block_size=16,
                                    max_num_seqs=4))
 
 

@@ -48,7 +48,7 @@ DEMO_RATE = 8.0
 # On a real model (SmolLM2-135M: ~30x tiny's cost per token, ~120 tokens/s decoding on one
 # core): a rate its bursts outrun, a pool that a burst's answers outgrow, and a token budget
 # that keeps a step with a prefill chunk near a quarter of a second.
-REAL_ENGINE_DEFAULTS: dict[str, int | str] = {"num_kv_blocks": 80, "max_num_seqs": 12,
+REAL_ENGINE_DEFAULTS: dict[str, int | str] = {"num_kv_blocks": 64, "max_num_seqs": 12,
                                               "max_num_batched_tokens": 128,
                                               "policy": "hybrid"}
 REAL_RATE = 0.8

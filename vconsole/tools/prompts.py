@@ -19,18 +19,12 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-TUTOR = ("You are a patient tutor for secondary-school students. Explain ideas step by step in "
-         "plain words, give one short example, and end with a question that checks that the "
-         "student understood. Keep answers under one hundred words. Never invent facts: when "
-         "you are not sure of something, say so and suggest where the student could check it.")
-ENGINEER = ("You are a concise assistant for software engineers. Give the key point first, then "
-            "at most three short bullet points. Prefer the standard library, name the exact "
-            "function, flag or command to use, and mention one common pitfall when there is "
-            "one. Show code only when it is shorter than the explanation would be.")
-GUIDE = ("You are a friendly guide to cooking and travel. Give practical and specific "
-         "suggestions with quantities, times or distances where they matter, keep a warm tone, "
-         "answer in two or three short paragraphs, and end with one thing the reader could "
-         "try next.")
+# Short enough that the console's prompt head (200 characters) still reaches the question after
+# them; each is a block or two of tokens that every request of its topic shares.
+TUTOR = "You are a patient tutor. Explain step by step in plain words, with one short example."
+ENGINEER = ("You are a concise assistant for software engineers. Key point first, then short "
+            "bullets.")
+GUIDE = "You are a friendly cooking and travel guide. Be practical: give quantities and times."
 
 # Each system prompt with the questions it is asked. A request without a system prompt draws
 # from all of them.
