@@ -3,6 +3,7 @@ real model, its chat template and greedy decoding end to end, as a user would fi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,8 @@ import openai
 import pytest
 
 from support.live_engine import ipc_endpoints
+from vconsole.cli import build_parser
+from vconsole.commands import load as load_cmd
 from vconsole.engine.launch.child import ChildProcess
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
@@ -36,7 +39,7 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def test_serve_smollm2_knows_the_capital_of_france(tmp_path: Path, smollm2_dir) -> None:
+def test_serve_smollm2_knows_the_capital_of_france(tmp_path: Path, smollm2_dir, capsys) -> None:
     port, log = _free_port(), tmp_path / "serve.log"
     eps = [f"--{name}={ep}" for name, ep in ipc_endpoints(tmp_path).items()]
     with open(log, "wb") as out:
@@ -58,6 +61,14 @@ def test_serve_smollm2_knows_the_capital_of_france(tmp_path: Path, smollm2_dir) 
         text = reply.choices[0].message.content or ""
         assert "Paris" in text, text
         assert reply.choices[0].finish_reason == "stop"       # it ended its turn by itself
+        # the load generator's text prompts, through the same server (its chat template read
+        # from the model directory /v1/models names)
+        args = build_parser().parse_args(["load", "--api-url", f"http://127.0.0.1:{port}",
+                                          "--prompts", "chat", "--num", "3",
+                                          "--output-len", "8", "--json"])
+        assert load_cmd.main(args) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["completed"] == 3 and summary["failed"] == 0
         child.send_signal(signal.SIGINT)
         assert child.wait(60) == 0, log.read_text()[-3000:]
     finally:
