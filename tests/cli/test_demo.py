@@ -21,7 +21,7 @@ from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.worker.gguf_model import smollm2_available
 from vconsole.telemetry import schema
 from vconsole.tools import demo
-from vconsole.tools.demo import DemoStack, demo_model
+from vconsole.tools.demo import DemoStack, demo_model, prepare_model
 from vconsole.tools.loadgen import Workload, chat_renderer, demo_spec
 from vconsole.tools.prompts import ALL_QUESTIONS, PASSAGES, SYSTEM_PROMPTS
 
@@ -69,6 +69,13 @@ def test_the_demo_runs_the_real_model_when_its_package_is_installed():
     assert out[:2] == ["--model", "smollm2"]
     assert out[out.index("--max-num-batched-tokens") + 1] == str(
         real.engine_defaults["max_num_batched_tokens"])
+
+
+def test_the_demo_converts_the_real_model_only_when_it_is_not_converted_yet(smollm2_dir):
+    said: list[str] = []
+    prepare_model(demo_model(real_available=lambda: True), said.append)
+    prepare_model(demo_model("tiny"), said.append)
+    assert said == []          # converted once already (by the fixture): nothing to say or do
 
 
 async def test_the_demo_load_on_a_real_model_sends_chat_prompts_that_read_as_text(smollm2_dir):

@@ -7,7 +7,13 @@ import sys
 
 from vconsole.commands import fail
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.tools.demo import DEMO_SETTINGS, DemoModel, DemoStack, demo_model
+from vconsole.tools.demo import (
+    DEMO_SETTINGS,
+    DemoModel,
+    DemoStack,
+    demo_model,
+    prepare_model,
+)
 
 _PASS_THROUGH = ("device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "policy", "config")
@@ -38,13 +44,18 @@ def engine_args_from(args: argparse.Namespace, model: DemoModel | None = None) -
 
 def main(args: argparse.Namespace) -> int:
     model = model_from(args)
+    print(f"vconsole demo: {model.why}", file=sys.stderr, flush=True)
+    try:
+        prepare_model(model, lambda line: print(f"vconsole demo: {line}", file=sys.stderr,
+                                                flush=True))
+    except ValueError as e:
+        return fail("demo", e)
     stack = DemoStack(engine_args_from(args, model),
                       rate=args.rate if args.rate is not None else model.rate,
                       base_port=args.base_port,
                       on_phase=lambda phase: print(f"vconsole demo: the engine is {phase}, "
                                                    "about 20-40 s ...", file=sys.stderr,
                                                    flush=True))
-    print(f"vconsole demo: {model.why}", file=sys.stderr, flush=True)
     print("vconsole demo: starting the engine ...", file=sys.stderr, flush=True)
     try:
         stack.start()

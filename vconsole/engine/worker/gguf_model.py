@@ -108,11 +108,11 @@ def ensure_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
     target = converted_dir(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target
+    check_gguf(gguf)        # before the lock: a file that cannot be converted leaves nothing
     target.parent.mkdir(parents=True, exist_ok=True)
     with _lock(target.parent / f".{target.name}.lock"):
         if (target / "config.json").is_file():
             return target  # converted by another process while this one waited
-        check_gguf(gguf)
         log.warning("%s: %s -> %s", CONVERTING, gguf, target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
