@@ -80,7 +80,8 @@ def demo_model(model: str | None = None, config: str | None = None, *,
     ``tiny`` otherwise; the user's ``--model`` or ``--config`` always wins."""
     if model is not None:
         random_weights = model in MODEL_CONFIGS
-        return DemoModel(model, f"model {model} (--model)",
+        return DemoModel(model, f"model {model} (--model" + ("; random weights: its text is "
+                                                            "noise)" if random_weights else ")"),
                          DEMO_ENGINE_DEFAULTS if random_weights else REAL_ENGINE_DEFAULTS,
                          DEMO_RATE if random_weights else REAL_RATE)
     if config is not None:
