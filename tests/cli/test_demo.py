@@ -71,6 +71,7 @@ def test_the_demo_runs_the_real_model_when_its_package_is_installed():
         real.engine_defaults["max_num_batched_tokens"])
 
 
+@pytest.mark.slow   # the real model converted once (~25 s on a fresh machine)
 def test_the_demo_converts_the_real_model_only_when_it_is_not_converted_yet(smollm2_dir):
     said: list[str] = []
     prepare_model(demo_model(real_available=lambda: True), said.append)
@@ -78,6 +79,7 @@ def test_the_demo_converts_the_real_model_only_when_it_is_not_converted_yet(smol
     assert said == []          # converted once already (by the fixture): nothing to say or do
 
 
+@pytest.mark.slow   # the real model converted once (~25 s on a fresh machine)
 async def test_the_demo_load_on_a_real_model_sends_chat_prompts_that_read_as_text(smollm2_dir):
     spec = demo_spec(prompts="auto")
     assert await chat_renderer(spec, {"model": "tiny", "model_path": str(smollm2_dir)}) is None
