@@ -55,18 +55,21 @@ def prompt_ids(smollm2_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(smollm2_hf, prompt_ids) -> list[Reference]:
-    out = []
+    """One batched `generate` call, the prompts left-padded (the attention mask keeps the pads
+    out): a quarter of the time of one call per prompt on two cores, and the same tokens and
+    top-2 gaps (to 1e-4) when measured."""
+    width = max(map(len, prompt_ids))
+    pad = smollm2_hf.generation_config.pad_token_id or 0
+    x = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
     with torch.inference_mode():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
-            y = smollm2_hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                    max_new_tokens=MAX_TOKENS, eos_token_id=None,
-                                    output_logits=True, return_dict_in_generate=True)
-            top2 = torch.cat(y.logits).topk(2, dim=-1)
-            out.append(Reference(y.sequences[0, len(ids):].tolist(),
-                                 (top2.values[:, 0] - top2.values[:, 1]).tolist(),
-                                 top2.indices[:, 1].tolist()))
-    return out
+        y = smollm2_hf.generate(x, attention_mask=mask, do_sample=False,
+                                max_new_tokens=MAX_TOKENS, eos_token_id=None,
+                                output_logits=True, return_dict_in_generate=True)
+    top2 = torch.stack(y.logits, dim=1).topk(2, dim=-1)          # [prompt, step, 2]
+    gaps = top2.values[..., 0] - top2.values[..., 1]
+    return [Reference(y.sequences[i, width:].tolist(), gaps[i].tolist(),
+                      top2.indices[i, :, 1].tolist()) for i in range(len(prompt_ids))]
 
 
 @pytest.fixture(scope="module")
