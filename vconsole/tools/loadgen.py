@@ -93,8 +93,9 @@ def parse_mix(text: str) -> list[tuple[int, float]]:
 
 class Workload:
     """Draws the requests of a spec, reproducibly: token ids, or with a ``chat`` renderer text
-    prompts (a shared system prompt where the spec shares a prefix, a passage to work on where
-    it draws a long prompt), which end at the model's end of turn (no ``ignore_eos``)."""
+    prompts (one of the shared system prompts for ``system_prompt_share`` of them, a passage to
+    work on where it draws a long prompt), which end at the model's end of turn (no
+    ``ignore_eos``)."""
 
     def __init__(self, spec: LoadSpec, vocab_size: int, max_model_len: int,
                  chat: ChatRenderer | None = None) -> None:
