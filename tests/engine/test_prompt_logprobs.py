@@ -67,18 +67,23 @@ def _assert_matches(reference: Any, ids: list[int], got: PromptLogprobs | None) 
     assert got.entries()[0] is None and len(got.entries()) == len(ids)
 
 
-def test_prompt_logprobs_in_one_step_and_chunked_equal_transformers(model_dir: Any,
-                                                                    reference: Any) -> None:
+@pytest.mark.parametrize(("budget", "blocks"), [(2048, None), (24, None), (24, 14)],
+                         ids=["one-step", "chunked", "chunked-and-preempted"])
+def test_prompt_logprobs_equal_transformers_however_the_prompt_runs(
+        model_dir: Any, reference: Any, budget: int, blocks: int | None) -> None:
     long, short = _prompt(1, 90), _prompt(2, 17)
-    for budget in (2048, 24):           # whole prompts in one step; chunks of at most 24
-        core = _core(model_dir, max_num_batched_tokens=budget)
-        result = run_batch(core, [_ask(core, "a", long), _ask(core, "b", short),
-                                  _ask(core, "plain", _prompt(3, 40), None)])
-        assert result.num_steps >= (90 // 24 if budget == 24 else 1)
-        _assert_matches(reference, long, result.outputs[0].prompt_logprobs)
-        _assert_matches(reference, short, result.outputs[1].prompt_logprobs)
-        assert result.outputs[2].prompt_logprobs is None
-        assert len(result.output_token_ids[0]) == 2
+    core = _core(model_dir, max_num_batched_tokens=budget, num_kv_blocks=blocks)
+    result = run_batch(core, [_ask(core, "plain", _prompt(3, 40), None),
+                              _ask(core, "a", long), _ask(core, "b", short)])
+    assert result.num_steps >= (90 // 24 if budget == 24 else 1)
+    plain, a, b = result.outputs
+    # 14 blocks of 8 hold 112 tokens of the 150: a prompt asking for its logprobs is taken
+    # back and recomputed, its logprobs started afresh.
+    assert (a.num_preemptions + b.num_preemptions > 0) == (blocks is not None)
+    _assert_matches(reference, long, a.prompt_logprobs)
+    _assert_matches(reference, short, b.prompt_logprobs)
+    assert plain.prompt_logprobs is None
+    assert all(len(t) == 2 for t in result.output_token_ids)
 
 
 def test_a_cached_prefix_is_recomputed_for_prompt_logprobs_and_still_serves_others(
@@ -115,3 +120,21 @@ def test_prompt_logprobs_cross_the_wire_once_and_a_bad_entry_is_refused() -> Non
                         "prompt_logprobs": [[-1.0], [1], [[1, 2]], [[-1.0]]]}]}
     with pytest.raises(protocol.ProtocolError, match="differ in length"):
         protocol.parse_outputs(bad)
+
+
+@pytest.mark.proc
+def test_an_engine_process_sends_them_to_the_blocking_client(shared_engine: Any) -> None:
+    from vconsole.engine.client.client import EngineClient
+
+    ids = _prompt(8, 12)
+    with EngineClient(shared_engine.endpoints["input"], shared_engine.endpoints["output"],
+                      timeout_s=30) as c:
+        done = c.generate(prompt_token_ids=ids, max_tokens=3, ignore_eos=True,
+                          prompt_logprobs=2, timeout_s=60)
+    assert done.finish_reason == "length" and len(done.output_token_ids) == 3
+    plp = done.prompt_logprobs
+    assert plp is not None and len(plp) == len(ids) - 1
+    assert all(len(top) == 2 and top[0] >= top[1] for top in plp.top_logprobs)
+    assert all(lp <= top[0] + 1e-6 and (r > 1 or lp == pytest.approx(top[0]))
+               for lp, r, top in zip(plp.token_logprobs, plp.ranks, plp.top_logprobs,
+                                     strict=True))
