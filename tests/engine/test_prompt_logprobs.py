@@ -138,3 +138,24 @@ def test_an_engine_process_sends_them_to_the_blocking_client(shared_engine: Any)
     assert all(lp <= top[0] + 1e-6 and (r > 1 or lp == pytest.approx(top[0]))
                for lp, r, top in zip(plp.token_logprobs, plp.ranks, plp.top_logprobs,
                                      strict=True))
+
+
+def test_on_real_weights_chunked_prompt_logprobs_equal_transformers(
+        smollm2_dir: Any, smollm2_hf: Any) -> None:
+    from vconsole.tools.bench.quality import token_windows
+
+    core = EngineCore(EngineConfig(model=str(smollm2_dir), device="cpu", dtype="float32",
+                                   max_num_batched_tokens=64, num_kv_blocks=16))
+    windows = token_windows(core.tokenizer, 2, 96)        # real text, cut into 64-token chunks
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    result = run_batch(core, [core.make_request(f"w{i}", prompt_token_ids=w, sampling=sp)
+                              for i, w in enumerate(windows)])
+    with torch.inference_mode():
+        lp = smollm2_hf(torch.tensor(windows)).logits[:, :-1].float().log_softmax(-1)
+    for out, ids, ref in zip(result.outputs, windows, lp, strict=True):
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(ids) - 1
+        want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got.token_logprobs), want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(got.top_logprobs)[:, 0], ref.max(-1).values,
+                                   atol=1e-4, rtol=0)
