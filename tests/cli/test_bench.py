@@ -123,8 +123,24 @@ def test_throughput_bench_reports_every_run_and_the_median_and_worst_ratios():
     assert out["engine"]["tokens"] == out["hf_static"]["tokens"] == out["output_tokens"]
     goal = out["goal"]
     assert (goal["median_vs_static"], goal["median_vs_generate_batch"],
-            goal["worst_vs_static"]) == (3.0, 8.0, 2.0)
+            goal["worst_vs_static"], goal["steady_utilisation"]) == (3.0, 8.0, 2.0, 0.6)
     assert goal["all_met"] == all(goal["met"].values())
+    # transformers' generate_batch ran on the same workload; its ratio is ours over its rate.
+    for r in runs:
+        assert r["generate_batch_tokens_per_s"] > 0
+        assert r["ratio_generate_batch"] == round(
+            r["engine_tokens_per_s"] / r["generate_batch_tokens_per_s"], 2)
+    # Utilisation: useful FLOP/s over the best float32 matmul rate any round measured.
+    assert out["peak_gflops"] == max(r["peak_gflops"] for r in runs) > 0
+    engine = out["engine"]
+    assert out["useful_gflop"] > 0
+    assert engine["gflops"] == pytest.approx(out["useful_gflop"] / engine["elapsed_s"], rel=0.02)
+    assert engine["utilisation"] == round(engine["gflops"] / out["peak_gflops"], 3)
+    for part in ("decode_all", "decode_steady"):   # one request: one row per decode step
+        assert engine[part]["median_rows"] == 1 and engine[part]["steps"] > 0
+        assert engine[part]["utilisation"] == round(engine[part]["gflops"] / out["peak_gflops"], 3)
+    steady = sorted(r["steady_utilisation"] for r in runs)
+    assert out["median_steady_utilisation"] == round(sum(steady) / 2, 3)
 
 
 @pytest.mark.slow
