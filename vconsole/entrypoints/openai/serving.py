@@ -303,7 +303,8 @@ class OpenAIServing:
                 if out.finished:
                     if out.finish_reason == "error":
                         raise engine_refusal(out.error or "the engine refused the request")
-                    c.finish_reason = "length"
+                    c.finish_reason = "abort" if out.finish_reason in ("abort", "timeout") \
+                        else "length"
                 yield c, ""
                 continue
             delta = c.text.add(out.new_token_ids)
