@@ -106,6 +106,15 @@ def test_a_one_token_prompt_has_only_the_leading_none(model_dir: Any) -> None:
     assert out.prompt_logprobs is not None and out.prompt_logprobs.entries() == [None]
 
 
+def test_run_batch_hands_back_the_prompts_and_every_tokens_logprobs(model_dir: Any) -> None:
+    core = _core(model_dir)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    out = run_batch(core, [core.make_request("r", prompt_token_ids=_prompt(9, 6),
+                                             sampling=sp)]).outputs[0]
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == 5
+    assert out.logprobs is not None and len(out.logprobs) == 5   # not only the last step's
+
+
 def test_prompt_logprobs_cross_the_wire_once_and_a_bad_entry_is_refused() -> None:
     plp = PromptLogprobs([-1.5, -0.25], [3, 1], [[7, 9], [4, 2]], [[-0.5, -1.0], [-0.25, -2.0]])
     out = RequestOutput("r", [4], prompt_logprobs=plp)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vconsole.engine.core import EngineCore
-from vconsole.engine.outputs import PromptLogprobs, RequestOutput
+from vconsole.engine.outputs import Logprobs, PromptLogprobs, RequestOutput
 from vconsole.engine.request import Request, SamplingParams
 from vconsole.shared.config import EngineConfig
 
@@ -48,14 +48,16 @@ def run_batch(core: EngineCore, requests: Sequence[Request | RequestOutput],
 
     An entry that is already a finished `RequestOutput` (a request rejected while it was being
     built) is passed through at its index, so callers keep one list in input order. Each
-    finished output gets its ``text`` here (`EngineCore.step` never detokenizes), and its
-    ``prompt_logprobs`` when the request asked (they came with its first token).
+    finished output gets its ``text`` here (`EngineCore.step` never detokenizes), and, when the
+    request asked, every token's ``logprobs`` (each step's output carries only its new tokens')
+    and the ``prompt_logprobs`` (they came with its first token).
     """
     index: dict[str, int] = {}
     running: dict[str, Request] = {}
     results: list[RequestOutput | None] = [None] * len(requests)
     tokens: list[list[int]] = [[] for _ in requests]
     prompt_lps: dict[int, PromptLogprobs] = {}
+    token_lps: dict[int, list[Logprobs]] = {}
     kv0 = core.kv_stats()
     t0 = time.perf_counter()
     steps0 = core.num_steps
@@ -85,10 +87,13 @@ def run_batch(core: EngineCore, requests: Sequence[Request | RequestOutput],
                 tokens[i].extend(out.new_token_ids)
                 if out.prompt_logprobs is not None:
                     prompt_lps[i] = out.prompt_logprobs
+                if out.logprobs is not None:
+                    token_lps.setdefault(i, []).extend(out.logprobs)
                 if out.finished:
                     req = running.pop(out.request_id)
                     out.text = core.detokenize(req.output_token_ids)
                     out.prompt_logprobs = prompt_lps.pop(i, None)
+                    out.logprobs = token_lps.pop(i, None)
                     results[i] = out
                     done += 1
         if on_progress is not None:
