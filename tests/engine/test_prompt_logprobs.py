@@ -93,11 +93,16 @@ def test_a_cached_prefix_is_recomputed_for_prompt_logprobs_and_still_serves_othe
     first = run_batch(core, [_ask(core, "warm", shared + _prompt(5, 6), None)])
     assert first.outputs[0].num_cached_tokens == 0
     ids = shared + _prompt(6, 9)
+    kv = core.scheduler.kv
+    queries, hits = kv.prefix_queries, kv.prefix_hits
     asked = run_batch(core, [_ask(core, "asks", ids)])
     assert asked.outputs[0].num_cached_tokens == 0          # the cache was not read
+    # ... nor asked: the hit rate counts only requests that could have hit (as vLLM's)
+    assert (kv.prefix_queries, kv.prefix_hits) == (queries, hits)
     _assert_matches(reference, ids, asked.outputs[0].prompt_logprobs)
     other = run_batch(core, [_ask(core, "other", shared + _prompt(7, 5), None)])
     assert other.outputs[0].num_cached_tokens == 48         # but it is still there for others
+    assert (kv.prefix_queries, kv.prefix_hits) == (queries + len(shared) + 5, hits + 48)
 
 
 def test_a_one_token_prompt_has_only_the_leading_none(model_dir: Any) -> None:

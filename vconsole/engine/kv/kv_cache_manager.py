@@ -143,8 +143,10 @@ class KVCacheManager:
             self._num_written[rid] = request.num_computed_tokens + num_cached_tokens
             self._num_registered[rid] = len(cached_blocks)
             # First admission only: a resumed request mostly finds its own blocks again, which
-            # says nothing about how much prompts share.
-            if self.enable_prefix_caching and request.num_preemptions == 0:
+            # says nothing about how much prompts share. A request that wants its prompt's
+            # logprobs never reads the cache, so it asks it nothing (as vLLM counts).
+            if self.enable_prefix_caching and request.num_preemptions == 0 \
+                    and not request.needs_prompt_logprobs:
                 self.prefix_queries += request.num_tokens
                 self.prefix_hits += num_cached_tokens
         if cached_blocks:
