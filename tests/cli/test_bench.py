@@ -136,6 +136,8 @@ def test_throughput_bench_reports_every_run_and_the_median_and_worst_ratios():
     assert out["useful_gflop"] > 0
     assert engine["gflops"] == pytest.approx(out["useful_gflop"] / engine["elapsed_s"], rel=0.02)
     assert engine["utilisation"] == round(engine["gflops"] / out["peak_gflops"], 3)
+    for peer in (out["hf_static"], out["hf_generate_batch"]):
+        assert peer["utilisation"] == round(peer["gflops"] / out["peak_gflops"], 3) > 0
     for part in ("decode_all", "decode_steady"):   # one request: one row per decode step
         assert engine[part]["median_rows"] == 1 and engine[part]["steps"] > 0
         assert engine[part]["utilisation"] == round(engine[part]["gflops"] / out["peak_gflops"], 3)
