@@ -11,6 +11,7 @@ converter writes a Llama-3 or Qwen2 GGUF and transformers' GGUF loader reads it 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -205,3 +206,18 @@ def test_vconsole_generate_with_a_bad_gguf_says_so_in_one_line(tmp_path, ggufs, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("vconsole generate: cannot start: ")
     assert words in err and "Traceback" not in err
+
+
+def test_a_files_hash_is_remembered_until_the_file_changes(tmp_path):
+    path = tmp_path / "weights.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    cache = tmp_path / "cache"
+    first = gguf_model.file_hash(path, cache)
+    assert first == hashlib.sha256(path.read_bytes()).hexdigest()
+    (memo,) = (cache / "models" / ".hashes").iterdir()
+    memo.write_text("f" * 64)                          # what the memo says is what is used
+    assert gguf_model.file_hash(path, cache) == "f" * 64
+    path.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 64)   # same size, new content
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    assert gguf_model.file_hash(path, cache) == \
+        hashlib.sha256(path.read_bytes()).hexdigest() != first

@@ -87,19 +87,41 @@ def find_gguf(path: Path) -> Path | None:
     return found[0] if found else None
 
 
-def file_hash(path: Path) -> str:
+def file_hash(path: Path, cache_dir: Path | None = None) -> str:
+    """The SHA-256 of ``path``'s content. Hashing a multi-GB GGUF takes seconds and every start
+    asks (the demo twice, then its engine), so the digest is remembered beside the converted
+    models, keyed by the file's path, size and modification time: a file changed in place is
+    hashed again."""
+    st = path.stat()
+    key = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
+    memo = _models_root(cache_dir) / ".hashes" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    try:
+        known = memo.read_text().strip()
+        if len(known) == 64:
+            return known
+    except OSError:
+        pass
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
-    return digest.hexdigest()
+    found = digest.hexdigest()
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next start a hash
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+        tmp.write_text(found)
+        os.replace(tmp, memo)
+    return found
+
+
+def _models_root(cache_dir: Path | None) -> Path:
+    return (cache_dir if cache_dir is not None else default_cache_dir()) / "models"
 
 
 def converted_dir(gguf: Path, cache_dir: Path | None = None) -> Path:
     """Where `ensure_converted` puts ``gguf``'s model directory (named by its content)."""
-    root = (cache_dir if cache_dir is not None else default_cache_dir()) / "models"
     stem = "".join(c if c.isalnum() or c in "-_." else "-" for c in gguf.stem)[:48]
-    return root / f"{stem}-{file_hash(gguf)[:16]}-v{_FORMAT_VERSION}"
+    return _models_root(cache_dir) / f"{stem}-{file_hash(gguf, cache_dir)[:16]}-v{_FORMAT_VERSION}"
 
 
 def ensure_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
