@@ -71,6 +71,17 @@ def test_the_demo_runs_the_real_model_when_its_package_is_installed():
         real.engine_defaults["max_num_batched_tokens"])
 
 
+def test_a_config_files_model_sets_the_demos_pace(tmp_path):
+    tiny, real, none = (tmp_path / n for n in ("tiny.toml", "real.toml", "none.toml"))
+    tiny.write_text('model = "tiny"\n')
+    real.write_text('[engine]\nmodel = "smollm2"\n')
+    none.write_text("max_num_seqs = 8\n")                  # the engine's default model: tiny
+    rates = {p.name: demo_model(config=str(p)).rate for p in (tiny, real, none)}
+    assert rates["tiny.toml"] == rates["none.toml"] == demo_model("tiny").rate
+    assert rates["real.toml"] == demo_model("smollm2").rate < rates["tiny.toml"]
+    assert demo_model(config=str(tmp_path / "missing.toml")).rate == rates["real.toml"]
+
+
 @pytest.mark.slow   # the real model converted once (~25 s on a fresh machine)
 def test_the_demo_converts_the_real_model_only_when_it_is_not_converted_yet(smollm2_dir):
     said: list[str] = []

