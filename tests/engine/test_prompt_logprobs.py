@@ -173,3 +173,17 @@ def test_on_real_weights_chunked_prompt_logprobs_equal_transformers(
         torch.testing.assert_close(torch.tensor(got.token_logprobs), want, atol=1e-4, rtol=0)
         torch.testing.assert_close(torch.tensor(got.top_logprobs)[:, 0], ref.max(-1).values,
                                    atol=1e-4, rtol=0)
+
+
+def test_compute_logits_refuses_a_prompt_logprobs_request_and_the_reserve_covers_them(
+        model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vconsole.engine.worker import prompt_logprobs
+
+    core = _core(model_dir)
+    core.add_request(_ask(core, "asks", _prompt(10, 12)))
+    with pytest.raises(ValueError, match="compute_logits does not compute prompt logprobs"):
+        core.runner.compute_logits(core.scheduler.schedule())
+    # One step's memory reserve holds the prompt rows' float32 slices (~3 at once).
+    reserve = core.runner._activation_reserve()
+    monkeypatch.setattr(prompt_logprobs, "SLICE_ROWS", 0)
+    assert reserve - core.runner._activation_reserve() == 256 * core.runner.vocab_size * 4 * 3

@@ -158,7 +158,10 @@ class ModelRunner:
         per_token = (8 * info.hidden_size + 3 * inter + 4 * info.num_heads * info.head_dim)
         act = cfg.max_num_batched_tokens * per_token * itemsize
         logits = cfg.max_num_seqs * info.vocab_size * 4 * 8
-        return act + logits + 512 * (1 << 20)
+        # Prompt logprobs: a slice of SLICE_ROWS float32 rows x vocab, ~3 at once (the LM
+        # head's logits, their log-softmax, the rank comparison).
+        prompt_lps = prompt_logprobs.SLICE_ROWS * info.vocab_size * 4 * 3
+        return act + logits + prompt_lps + 512 * (1 << 20)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the pool once: per layer a zeroed K and V of
@@ -215,8 +218,13 @@ class ModelRunner:
 
     def compute_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Like `execute_model` (K/V are written the same way) but return the float32 logits
-        of each ``do_sample`` request's last position instead of sampling."""
+        of each ``do_sample`` request's last position instead of sampling. A request asking for
+        prompt logprobs is refused (ValueError): they are computed by `execute_model` only."""
         seqs = self.requests.apply(so)
+        asking = [s.req_id for s in seqs if s.state.prompt_logprobs is not None]
+        if asking:
+            raise ValueError(f"compute_logits does not compute prompt logprobs (asked by "
+                             f"{', '.join(asking)}); run execute_model")
         with torch.inference_mode():
             step = self.prepare(seqs)
             if step is None:
