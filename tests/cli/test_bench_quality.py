@@ -44,3 +44,7 @@ def test_a_greedy_miss_names_its_first_step_and_whether_it_is_a_near_tie() -> No
     assert near["top2_gap"] == pytest.approx(NEAR_TIE / 2, rel=0.01)   # float32 logits
     far = describe_miss(1, [3], [1], [clear])
     assert far["kind"] == "mismatch" and far["top2_gap"] == pytest.approx(1.0)
+    # A near-tie at the top does not excuse an engine token outside it.
+    outside = describe_miss(2, [0], [1], [tie])
+    assert outside["kind"] == "mismatch" and outside["top2_gap"] < NEAR_TIE
+    assert describe_miss(3, [1], [2], [tie])["kind"] == "float reassociation"  # either of two
