@@ -19,6 +19,7 @@ from vconsole.engine.outputs import PromptLogprobs, RequestOutput
 from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker.tiny_model import ensure_tiny_model
 from vconsole.shared.config import EngineConfig
+from vconsole.tools.bench.quality import next_token_logprobs, reference_log_softmax
 
 pytestmark = pytest.mark.slow
 
@@ -55,9 +56,8 @@ def _assert_matches(reference: Any, ids: list[int], got: PromptLogprobs | None) 
     """Every position after the first: the token's logprob and rank and the top-3 as
     transformers' float32 log-softmax gives them."""
     assert got is not None
-    with torch.inference_mode():
-        lp = reference(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
-    want = lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    lp = reference_log_softmax(reference, [ids])[0]
+    want = next_token_logprobs(lp[None], [ids])[0]
     assert len(got) == len(ids) - 1
     torch.testing.assert_close(torch.tensor(got.token_logprobs), want, atol=1e-4, rtol=0)
     assert got.ranks == (lp >= want[:, None]).sum(-1).tolist()
@@ -73,13 +73,29 @@ def test_prompt_logprobs_equal_transformers_however_the_prompt_runs(
         model_dir: Any, reference: Any, budget: int, blocks: int | None) -> None:
     long, short = _prompt(1, 90), _prompt(2, 17)
     core = _core(model_dir, max_num_batched_tokens=budget, num_kv_blocks=blocks)
-    result = run_batch(core, [_ask(core, "plain", _prompt(3, 40), None),
-                              _ask(core, "a", long), _ask(core, "b", short)])
+    reqs = [_ask(core, "plain", _prompt(3, 40), None), _ask(core, "a", long),
+            _ask(core, "b", short)]
+    seen: list[dict[str, tuple[int, int, int]]] = []   # per step: preemptions, computed, scored
+
+    def after_step(_done: int, _total: int) -> None:
+        states = core.runner.requests
+        seen.append({r.request_id: (r.num_preemptions, r.num_computed_tokens, len(
+            states[r.request_id].prompt_logprobs or ()) if r.request_id in states else 0)
+            for r in reqs[1:]})
+
+    result = run_batch(core, reqs, on_progress=after_step)
     assert result.num_steps >= (90 // 24 if budget == 24 else 1)
     plain, a, b = result.outputs
     # 14 blocks of 8 hold 112 tokens of the 150: a prompt asking for its logprobs is taken
-    # back and recomputed, its logprobs started afresh.
-    assert (a.num_preemptions + b.num_preemptions > 0) == (blocks is not None)
+    # back mid-prefill, the logprobs of its first chunks already scored, and recomputed, its
+    # logprobs started afresh.
+    mid_prefill = [(rid, computed, scored) for before, now in zip(seen, seen[1:], strict=False)
+                   for rid, (preempted, computed, scored) in before.items()
+                   if now[rid][0] > preempted]
+    assert bool(mid_prefill) == (blocks is not None)
+    prompt_len = {"a": len(long), "b": len(short)}
+    assert all(0 < computed < prompt_len[rid] and scored == computed
+               for rid, computed, scored in mid_prefill), mid_prefill
     _assert_matches(reference, long, a.prompt_logprobs)
     _assert_matches(reference, short, b.prompt_logprobs)
     assert plain.prompt_logprobs is None
@@ -164,12 +180,11 @@ def test_on_real_weights_chunked_prompt_logprobs_equal_transformers(
     sp = SamplingParams(max_tokens=1, prompt_logprobs=1)
     result = run_batch(core, [core.make_request(f"w{i}", prompt_token_ids=w, sampling=sp)
                               for i, w in enumerate(windows)])
-    with torch.inference_mode():
-        lp = smollm2_hf(torch.tensor(windows)).logits[:, :-1].float().log_softmax(-1)
-    for out, ids, ref in zip(result.outputs, windows, lp, strict=True):
+    lp = reference_log_softmax(smollm2_hf, windows)
+    wants = next_token_logprobs(lp, windows)
+    for out, ids, ref, want in zip(result.outputs, windows, lp, wants, strict=True):
         got = out.prompt_logprobs
         assert got is not None and len(got) == len(ids) - 1
-        want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(got.token_logprobs), want, atol=1e-4, rtol=0)
         torch.testing.assert_close(torch.tensor(got.top_logprobs)[:, 0], ref.max(-1).values,
                                    atol=1e-4, rtol=0)
