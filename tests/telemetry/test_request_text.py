@@ -187,3 +187,91 @@ def test_a_data_parallel_front_end_refuses_text_its_public_socket_may_not_carry(
         assert reply["ranks"] == {}
     finally:
         fanout.close()
+
+
+def test_a_side_that_failed_to_decode_is_decoded_again_on_the_next_snapshot():
+    failing = [True]
+
+    def flaky(ids: list[int]) -> str:
+        if failing[0]:
+            raise ValueError("a one-off failure")
+        return byte_text(ids)
+    book = TextBook(flaky)
+    rows = [("r", prompt("hi"), prompt("yo"))]
+    assert book.body(rows) == {"r": ["", ""]}
+    failing[0] = False
+    assert book.body(rows) == {"r": ["hi", "yo"]}     # same lists, nothing grew: retried
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_the_data_parallel_proxy_strips_text_its_public_socket_may_not_carry(tmp_path, ctx,
+                                                                               refused):
+    """A rank can still publish text (its private socket allows it; a reloaded config file):
+    the proxy takes it out of every sched message before the public socket, nothing else."""
+    import zmq
+
+    from vconsole.engine.dp.front.telemetry_proxy import TelemetryProxy
+
+    pub = Publishing(EngineConfig(publish_request_text=True))
+    pub.sched.add_request(make_request("a", prompt("secret prompt")))
+    body = {**schema.make_envelope("e", 0, 0, 1.7e9), **pub.snapshot()}
+    assert request_text.published(body)
+    why = request_text_refusal("tcp://0.0.0.0:5572", curve=False) if refused else None
+    rank = ctx.socket(zmq.PUB)
+    rank.bind(f"ipc://{tmp_path}/rank")
+    proxy = TelemetryProxy(f"ipc://{tmp_path}/public", ctx=ctx, text_refusal=why).start()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"sched")
+        sub.connect(proxy.endpoint)
+        proxy.connect(0, f"ipc://{tmp_path}/rank")
+        while not sub.poll(50):                   # until both subscriptions are through
+            rank.send_multipart(schema.encode("sched", body), copy=False)
+        got = schema.decode(sub.recv_multipart()).payload
+    finally:
+        sub.close(0)
+        proxy.close()
+        rank.close(0)
+    assert (request_text.FIELD in got) is not refused
+    if refused:
+        assert "secret" not in repr(got) and proxy.stripped > 0
+    sent = schema.decode(schema.encode("sched", body)).payload
+    assert got["requests"].ids == ["a"]                           # the rest as it was sent
+    assert {k: v.tolist() for k, v in got["requests"].numeric.items()} == {
+        k: v.tolist() for k, v in sent["requests"].numeric.items()}
+    assert {k: v for k, v in got.items() if k not in ("requests", request_text.FIELD)} == {
+        k: v for k, v in sent.items() if k not in ("requests", request_text.FIELD)}
+
+
+def test_a_reloaded_file_drops_only_the_refused_text_and_applies_the_rest(tmp_path):
+    from vconsole.engine.process.loop_control import LoopControl
+    from vconsole.shared.config import ConfigUpdate, apply_update
+
+    why = request_text_refusal("tcp://0.0.0.0:5572", curve=False)
+
+    class Core:
+        config, config_version = EngineConfig(), 0
+
+        def apply_config(self, values: dict[str, Any]) -> ConfigUpdate:
+            update = apply_update(self.config, values)
+            self.config = update.config
+            return update
+
+    class Publisher:
+        def refuses_text(self, values: dict[str, Any]) -> str | None:
+            return why if request_text.turns_on(values) else None
+
+        def update_config(self, config: EngineConfig) -> None: ...
+        def publish_config(self, version: int, values: dict[str, Any]) -> None: ...
+
+    path = tmp_path / "engine.toml"
+    path.write_text("publish_request_text = true\ntelemetry_hz = 7.0\n")
+    core = Core()
+    loop = LoopControl(core, None, Publisher(), config_path=str(path),  # type: ignore[arg-type]
+                       stopping=lambda: None, on_change=lambda: None)
+    loop.reload("SIGHUP")
+    assert core.config.telemetry_hz == 7.0 and not core.config.publish_request_text
+    # a set is all-or-nothing: the text key refuses the whole change, naming why
+    reply = loop._set_config({"publish_request_text": True, "telemetry_hz": 9.0}, 1)
+    assert not reply["ok"] and reply["rejected"] == {"publish_request_text": why}
+    assert core.config.telemetry_hz == 7.0

@@ -5,10 +5,13 @@ turned off) and by ``vconsole set`` (rejected, naming why)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import socket
 import time
 
+import psutil
 import pytest
 import zmq
 
@@ -30,39 +33,57 @@ ARGS = ["--model", "tiny", "--num-kv-blocks", "128", "--block-size", "8", "--max
 PROMPT = "What is the capital of France? " * 10       # 310 characters, one token a byte
 
 
-def _free_port() -> int:
+def _host_address() -> str | None:
+    """An IPv4 address of this host's interfaces beyond loopback (engine sockets do not enable
+    IPv6), or None: a socket beyond loopback without opening one on every interface."""
+    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family == socket.AF_INET]
+    with contextlib.suppress(OSError):
+        found += [str(i[4][0]) for i in socket.getaddrinfo(socket.gethostname(), None,
+                                                            socket.AF_INET)]
+    return next((a for a in found if not a.startswith("127.")), None)
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
     sock = zmq.Context.instance().socket(zmq.PUB)
     try:
-        return sock.bind_to_random_port("tcp://127.0.0.1")
+        return sock.bind_to_random_port(f"tcp://{host}")
     finally:
         sock.close(0)
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    """Two engines, one after the other (a child's parent-death signal is tied to the thread
-    that started it, so not from a pool): text published on ipc://, and text asked for on a
-    telemetry socket beyond loopback without CURVE."""
-    d, r = tmp_path_factory.mktemp("request-text"), tmp_path_factory.mktemp("refused")
-    remote = {**ipc_endpoints(r), "telemetry": f"tcp://0.0.0.0:{_free_port()}"}
-    procs = [EngineProcess(ARGS, endpoints=ipc_endpoints(d), log_path=d / "engine.log"),
-             EngineProcess(["--model", "tiny", "--num-kv-blocks", "16", "--max-num-seqs", "2",
-                            "--allow-remote-telemetry", "--set", "publish_request_text=true"],
-                           endpoints=remote, log_path=r / "engine.log")]
+def _engine(tmp_path_factory, name: str, args: list[str], endpoints=None):
+    """One engine of this module, started here and drained after the module (a child's
+    parent-death signal is tied to the thread that started it, so not from a pool)."""
+    d = tmp_path_factory.mktemp(name)
+    proc = EngineProcess(args, endpoints=endpoints or ipc_endpoints(d), log_path=d / "engine.log")
     try:
-        for p in procs:
-            p.start()
-        yield procs
+        proc.start()
+        yield proc
     finally:
-        for p in procs:     # both drain at once
-            p.signal(signal.SIGTERM)
-        for p in procs:
-            p.stop()
+        proc.signal(signal.SIGTERM)
+        proc.stop()
 
 
 @pytest.fixture(scope="module")
-def engine(engines):
-    return engines[0]
+def engine(tmp_path_factory):
+    """Text published on ipc://."""
+    yield from _engine(tmp_path_factory, "request-text", ARGS)
+
+
+@pytest.fixture(scope="module")
+def refusing_engine(tmp_path_factory):
+    """Text asked for on a telemetry socket beyond loopback without CURVE: an address of this
+    host's own, not 0.0.0.0 (which would open it on every interface)."""
+    host = _host_address()
+    if host is None:
+        pytest.skip("this host has no IPv4 address beyond loopback to bind telemetry on")
+    d = tmp_path_factory.mktemp("refused-endpoints")
+    remote = {**ipc_endpoints(d), "telemetry": f"tcp://{host}:{_free_port(host)}"}
+    yield from _engine(tmp_path_factory, "refused",
+                       ["--model", "tiny", "--num-kv-blocks", "64", "--max-num-seqs", "2",
+                        "--set", "telemetry_hz=50", "--allow-remote-telemetry",
+                        "--set", "publish_request_text=true"], remote)
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +97,18 @@ def client(engine) -> EngineClient:
     return EngineClient(engine.endpoints["input"], engine.endpoints["output"]).connect()
 
 
-def texts_of(telemetry: Telemetry, rid_suffix: str, since: float) -> list[request_text.RequestText]:
+def texts_of_body(body: dict, rid_suffix: str) -> list[request_text.RequestText]:
     out = []
-    for body in telemetry.topic("sched", since):
-        for rid in body.get(request_text.FIELD) or {}:
-            if rid.endswith(rid_suffix):
-                text = request_text.text_of(body, rid)
-                assert text is not None
-                out.append(text)
+    for rid in body.get(request_text.FIELD) or {}:
+        if rid.endswith(rid_suffix):
+            text = request_text.text_of(body, rid)
+            assert text is not None
+            out.append(text)
     return out
+
+
+def texts_of(telemetry: Telemetry, rid_suffix: str, since: float) -> list[request_text.RequestText]:
+    return [t for body in telemetry.topic("sched", since) for t in texts_of_body(body, rid_suffix)]
 
 
 def test_a_subscriber_sees_each_requests_prompt_head_and_growing_output_tail(engine, telemetry):
@@ -126,15 +150,22 @@ def test_top_json_gives_each_row_its_text(engine, telemetry, capsys):
 
 def test_set_off_stops_the_text_at_once(engine, telemetry):
     with client(engine) as c:
-        rid = c.submit(PROMPT, request_id="off", max_tokens=200, ignore_eos=True)
-        code = main_set(build_parser().parse_args(
-            ["set", "--control", engine.endpoints["control"], "publish_request_text=false"]))
-        assert code == 0
-        since = time.monotonic() + 0.2              # what was in flight has arrived
-        time.sleep(0.6)
+        rid = c.submit(PROMPT, request_id="off", max_tokens=600, ignore_eos=True)
         try:
-            assert telemetry.topic("sched", since)
-            assert all(request_text.FIELD not in b for b in telemetry.topic("sched", since))
+            telemetry.wait_for("sched", lambda b: bool(texts_of_body(b, ":off")))
+            before = time.monotonic()
+            code = main_set(build_parser().parse_args(
+                ["set", "--control", engine.endpoints["control"], "publish_request_text=false"]))
+            assert code == 0
+            # The publisher takes the change between two snapshots: from the first message
+            # without text on, none has it (the request still runs, so one would).
+            off = telemetry.wait_for("sched", lambda b: request_text.FIELD not in b,
+                                     since=before)
+            time.sleep(0.5)
+            sched = telemetry.topic("sched", before)
+            later = sched[next(i for i, b in enumerate(sched) if b is off) + 1:]
+            assert later and any(b["requests"] for b in later)
+            assert all(request_text.FIELD not in b for b in later)
         finally:
             c.abort([rid])
             main_set(build_parser().parse_args(
@@ -157,8 +188,8 @@ def test_text_is_off_by_default(shared_engine):
         t.close()
 
 
-def test_text_is_refused_beyond_loopback_without_curve(engines, capsys):
-    proc = engines[1]
+def test_text_is_refused_beyond_loopback_without_curve(refusing_engine, capsys):
+    proc = refusing_engine
     assert "publish_request_text refused" in proc.log_text()
     assert "beyond loopback without CURVE" in proc.log_text()
     argv = ["--control", proc.endpoints["control"]]
@@ -169,3 +200,18 @@ def test_text_is_refused_beyond_loopback_without_curve(engines, capsys):
     assert code == 1
     assert "rejected  publish_request_text: publish_request_text refused" in err
     assert proc.endpoints["telemetry"] in err and "CURVE" in err
+    # What matters: no sched message on that socket carries text, while a request runs.
+    t = Telemetry(proc.endpoints["telemetry"])
+    try:
+        since = time.monotonic()
+        with client(proc) as c:
+            rid = c.submit(PROMPT, max_tokens=150, ignore_eos=True)
+            try:
+                t.wait_for("sched", lambda b: len(b["requests"]) > 0, since=since)
+                time.sleep(0.3)
+            finally:
+                c.abort([rid])
+        sched = t.topic("sched", since)
+        assert sched and all(request_text.FIELD not in b for b in sched)
+    finally:
+        t.close()

@@ -19,7 +19,6 @@ import os
 import queue
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -189,7 +188,12 @@ def _torchrun_rank(launch: EngineLaunch) -> int:
     endpoints, ``tcp://--dp-rank-host:*`` (loopback by default; beyond it only as CURVE servers
     with ``--dp-curve-dir`` keys, refused before anything binds); global rank 0 also runs the
     front end on the public ones (`vconsole.engine.dp.front.torchrun`)."""
-    from vconsole.engine.dp.front.torchrun import TorchrunFrontEnd, rank_curves, rank_endpoints
+    from vconsole.engine.dp.front.torchrun import (
+        TorchrunFrontEnd,
+        rank_curves,
+        rank_endpoints,
+        rank_launch,
+    )
     from vconsole.security.bind_policy import check_endpoints
     front_end = int(os.environ.get("RANK") or 0) == 0
     try:
@@ -207,8 +211,7 @@ def _torchrun_rank(launch: EngineLaunch) -> int:
         _say(e)
         return exit_codes.CANNOT_START
     # The group's /metrics, control key and public telemetry are the front end's.
-    rank = replace(launch, endpoints=private, ready_file=None, metrics=None,
-                   control_key_file=None, allow_remote=False)
+    rank = rank_launch(launch, private, public_curve=curve is not None, front_end=front_end)
     # A stop reaches a rank twice (the terminal's or a killpg's signal to the whole group, and
     # torchrun's agent passing it on): the rank drains on the first and ignores the rest;
     # torchrun escalates (SIGKILL after its grace period).

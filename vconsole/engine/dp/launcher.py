@@ -40,7 +40,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vconsole.engine.dp.front.stack import FrontEndStack
+from vconsole.engine.dp.front.stack import FrontEndStack, without_refused_text
 from vconsole.engine.launch import exit_codes
 from vconsole.engine.launch.ready_file import ENDPOINT_NAMES
 from vconsole.engine.launch.supervisor import EngineSupervisor
@@ -121,13 +121,7 @@ class DPLauncher:
             rank, self.world_size, self.config.dp_master_addr, port,
             endpoints={n: f"ipc://{run_dir}/r{rank}-{n}" for n in ENDPOINT_NAMES},
             control_key_file=str(run_dir / f"r{rank}.key"))
-        refusal = self.stack.text_refusal
-        if refusal is not None and launch.config.publish_request_text:
-            if rank == 0:
-                log.warning("%s It stays off on every rank.", refusal)
-            source = replace(launch.source, overrides=(*launch.source.overrides,
-                                                       "publish_request_text=false"))
-            launch = replace(launch, source=source, config=source.build())
+        launch = without_refused_text(launch, self.stack.text_refusal, warn=rank == 0)
         return replace(launch, ready_file=str(run_dir / f"r{rank}.ready"),
                        supervision=replace(launch.supervision,
                                            hang_timeout_s=self._hang_timeout()))

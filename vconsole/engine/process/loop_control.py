@@ -18,6 +18,7 @@ from vconsole.engine.client import protocol
 from vconsole.engine.process.config_watch import apply_file, read_file
 from vconsole.shared.config import ConfigUpdate
 from vconsole.telemetry import control
+from vconsole.telemetry.request_text import KEY as TEXT_KEY
 
 if TYPE_CHECKING:
     from vconsole.engine.process.control_server import ControlCall
@@ -63,7 +64,7 @@ class LoopControl:
         except ValueError as e:
             log.error("config reload (%s) failed: %s", reason, e)
             return
-        update = apply_file(self._apply, self.core.config, values)
+        update = apply_file(self._apply_file_values, self.core.config, values)
         self._after_change(update, f"{self.config_path} ({reason})")
         for key, why in update.rejected.items():
             log.error("config reload (%s): %s rejected: %s", reason, key, why)
@@ -98,12 +99,25 @@ class LoopControl:
                                     update, request_id=request_id)
 
     def _apply(self, values: dict[str, Any]) -> ConfigUpdate:
-        """The core's `apply_config`, but request text is refused (the whole change with it)
-        where the telemetry socket may not carry it."""
+        """The core's `apply_config` for a ``set_config``, but request text is refused (the
+        whole change with it, as a set is all-or-nothing) where the telemetry socket may not
+        carry it."""
         refusal = self.publisher.refuses_text(values)
         if refusal is not None:
-            return ConfigUpdate(self.core.config, rejected={"publish_request_text": refusal})
+            return ConfigUpdate(self.core.config, rejected={TEXT_KEY: refusal})
         return self.core.apply_config(values)
+
+    def _apply_file_values(self, values: dict[str, Any]) -> ConfigUpdate:
+        """A reloaded file's hot keys: request text refused here is dropped (rejected, with
+        the reason) and the rest applied, so one key the socket may not carry does not block
+        every later reload of the file."""
+        refusal = self.publisher.refuses_text(values)
+        if refusal is None:
+            return self.core.apply_config(values)
+        rest = {k: v for k, v in values.items() if k != TEXT_KEY}
+        update = self.core.apply_config(rest) if rest else ConfigUpdate(self.core.config)
+        update.rejected[TEXT_KEY] = refusal
+        return update
 
     def _after_change(self, update: ConfigUpdate, source: str) -> None:
         if not update.applied:

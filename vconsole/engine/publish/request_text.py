@@ -14,7 +14,8 @@ waiting one.
 Invariants: the map `TextBook.body` returns has an entry for every row given and no other;
 each prompt head holds at most `PROMPT_HEAD_CHARS` characters and each output tail at most
 `OUTPUT_TAIL_CHARS`, both encodable as UTF-8 (msgpack must pack them); a tokenizer that raises
-costs that row's text only (empty strings), never the snapshot.
+costs that row's text only (empty strings, this snapshot: a failed side is not kept, so the
+next snapshot decodes it again), never the snapshot.
 """
 
 from __future__ import annotations
@@ -46,15 +47,20 @@ def _utf8(text: str) -> str:
 
 class TextBook:
     """The strings of the rows last given, keyed by request id: a row is decoded again only
-    when its prompt list is another one (a reused id) or its output length changed."""
+    when its prompt list is another one (a reused id) or its output length changed — or when
+    a side failed to decode last time (a side that failed is sent empty and never kept: the
+    next snapshot tries it again)."""
 
     def __init__(self, detokenize: Callable[[list[int]], str]) -> None:
         self._detokenize = detokenize
-        self._rows: dict[str, tuple[list[int], int, str, str]] = {}
+        # id -> (prompt list, output length decoded, prompt head, output tail); a head that
+        # failed is None, a tail that failed has output length -1 (both decoded again)
+        self._rows: dict[str, tuple[list[int], int, str | None, str]] = {}
         self.decodes = 0          # detokenize calls so far (tests, the bench)
         self._failed = False
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decode(self, ids: list[int]) -> str | None:
+        """The text of ``ids``; None when the tokenizer raised."""
         if not ids:
             return ""
         self.decodes += 1
@@ -64,26 +70,30 @@ class TextBook:
             if not self._failed:    # once: a broken tokenizer would fail every row
                 self._failed = True
                 log.exception("could not detokenize a request's text for telemetry; its row "
-                              "is sent without text")
-            return ""
+                              "is sent without text (tried again on the next snapshot)")
+            return None
 
     def body(self, rows: Sequence[TokenLists]) -> dict[str, list[str]]:
         """``request_text`` for these rows: id -> [prompt head, output tail]."""
         known_rows = self._rows
-        book: dict[str, tuple[list[int], int, str, str]] = {}
+        book: dict[str, tuple[list[int], int, str | None, str]] = {}
         out: dict[str, list[str]] = {}
         for rid, prompt, output in rows:
             num_output = len(output)
             known = known_rows.get(rid)
-            if known is None or known[0] is not prompt:      # new (or a reused id)
-                text = (prompt, num_output, prompt_head(self._decode(prompt[:HEAD_TOKENS])),
-                        output_tail(self._decode(output[-TAIL_TOKENS:])))
-            elif known[1] != num_output:
-                text = (prompt, num_output, known[2],
-                        output_tail(self._decode(output[-TAIL_TOKENS:])))
-            else:
-                text = known
-            book[rid] = text
-            out[rid] = [text[2], text[3]]
+            if known is not None and known[0] is not prompt:   # a reused id: decoded anew
+                known = None
+            head = known[2] if known is not None else None
+            if head is None:                                   # new, or failed last time
+                decoded = self._decode(prompt[:HEAD_TOKENS])
+                head = None if decoded is None else prompt_head(decoded)
+            if known is not None and known[1] == num_output:
+                tail_len, tail = num_output, known[3]
+            else:                                              # new, grew, or failed
+                decoded = self._decode(output[-TAIL_TOKENS:])
+                tail_len, tail = ((-1, "") if decoded is None
+                                  else (num_output, output_tail(decoded)))
+            book[rid] = (prompt, tail_len, head, tail)
+            out[rid] = [head or "", tail]
         self._rows = book
         return out

@@ -19,8 +19,10 @@ key file or ready file of this stack behind.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -41,12 +43,28 @@ from vconsole.security.bind_policy import (
 )
 from vconsole.security.control_key import control_key_file as derive_key_file
 from vconsole.security.engine_key import refuse_if_held
+from vconsole.telemetry.request_text import KEY as TEXT_KEY
 
 if TYPE_CHECKING:
     from vconsole.engine.launch.launch import EngineLaunch
     from vconsole.security.curve import ClientCurve
     from vconsole.security.curve_server import ServerCurve
     from vconsole.shared.config import EngineConfig
+
+log = logging.getLogger("vconsole.engine.dp")
+
+def without_refused_text(launch: EngineLaunch, refusal: str | None, *,
+                         warn: bool) -> EngineLaunch:
+    """``launch`` with ``publish_request_text=false`` added to its overrides when ``refusal``
+    (the group's public telemetry socket's `request_text_refusal`) is set and its config turns
+    request text on; ``warn``: say so in the log (once per group)."""
+    if refusal is None or not launch.config.publish_request_text:
+        return launch
+    if warn:
+        log.warning("%s It stays off on every rank.", refusal)
+    source = replace(launch.source, overrides=(*launch.source.overrides,
+                                               f"{TEXT_KEY}=false"))
+    return replace(launch, source=source, config=source.build())
 
 
 class FrontEndStack:
@@ -75,8 +93,9 @@ class FrontEndStack:
             check_metrics_host(metrics[0], allow_remote_metrics)
         refuse_if_held(derive_key_file(public["control"], control_key_file))
         # Why the public telemetry socket may not carry request text (the ranks publish on
-        # private ones and cannot tell): the launcher turns it off in their configs, the
-        # control fan-out refuses to turn it on.
+        # private ones and cannot tell): the launchers turn it off in the ranks' configs
+        # (`without_refused_text`), the control fan-out refuses to turn it on, and the proxy
+        # takes it out of whatever a rank still sends (a reloaded config file).
         self.text_refusal = request_text_refusal(public["telemetry"], curve is not None)
         self.config = config
         self.world_size = world_size
@@ -95,7 +114,8 @@ class FrontEndStack:
                                         allow_remote=allow_remote, sndhwm=config.zmq_sndhwm,
                                         engine_id=config.engine_id,
                                         heartbeat_s=config.heartbeat_interval_s,
-                                        rank_curve=rank_curve).start()
+                                        rank_curve=rank_curve,
+                                        text_refusal=self.text_refusal).start()
             self._parts.append(self.proxy)
             self.frontend = DPFrontEnd(public, world_size, allow_remote=allow_remote,
                                        curve=curve, ctx=self.ctx, sndhwm=config.zmq_sndhwm,

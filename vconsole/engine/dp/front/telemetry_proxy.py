@@ -14,8 +14,15 @@ Prometheus exports, `vconsole.engine.publish.prometheus.RanksCollector`) and eac
 
 Threads: ``dp-telemetry`` owns every socket; `connect` and `close` reach it through an inproc
 PUSH. With ``rank_curve`` each SUB is a CURVE client of its rank (ranks on other hosts).
+Request text: the ranks publish on private sockets and cannot tell whether the public one may
+carry it (`vconsole.security.bind_policy.request_text_refusal`), and a rank can still turn it on
+(a reloaded config file). So while ``text_refusal`` is set (the stack's, from the public
+endpoint) the proxy takes ``request_text`` out of every ``sched`` payload before it is recorded
+or forwarded (`strip_request_text`): the definitive guard, at the public socket itself.
+
 Invariant: a message is forwarded whole or not at all (the PUB drops at its high-water
-mark, never blocks), and an undecodable one is still forwarded, just not recorded.
+mark, never blocks), and an undecodable one is still forwarded, just not recorded — except,
+while text is refused, a ``sched`` message that may carry text and cannot be decoded: dropped.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import zmq
 
 from vconsole.engine.dp.front.command_channel import CommandChannel
 from vconsole.engine.publish.bodies import health_body
 from vconsole.security.bind_policy import bind_socket, check_endpoints
 from vconsole.telemetry import schema
+from vconsole.telemetry.request_text import FIELD as TEXT_FIELD
 
 if TYPE_CHECKING:
     from vconsole.security.curve import ClientCurve
@@ -42,14 +51,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("vconsole.engine.dp")
 
 POLL_MS = 100
+_SCHED = b"sched"
+_TEXT_KEY = TEXT_FIELD.encode()
+
+
+def strip_request_text(frames: list[Any]) -> list[Any] | None:
+    """``frames`` with ``request_text`` taken out of a ``sched`` payload (every other field, and
+    the buffer frames, as they were); the same list when it carries none; None when it may
+    carry some but cannot be decoded (the caller drops it)."""
+    if len(frames) < 2 or bytes(frames[0]) != _SCHED or _TEXT_KEY not in frames[1]:
+        return frames
+    try:
+        payload = msgpack.unpackb(frames[1], raw=False)
+        if not isinstance(payload, dict):
+            return None
+        if payload.pop(TEXT_FIELD, None) is None:
+            return frames
+        return [frames[0], msgpack.packb(payload, use_bin_type=True), *frames[2:]]
+    except Exception:  # msgpack raises several unrelated types for garbage
+        return None
 
 
 class TelemetryProxy:
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None,
                  curve: ServerCurve | None = None, allow_remote: bool = False,
                  sndhwm: int = 1000, engine_id: str = "engine-0",
-                 heartbeat_s: float = 1.0, rank_curve: ClientCurve | None = None) -> None:
+                 heartbeat_s: float = 1.0, rank_curve: ClientCurve | None = None,
+                 text_refusal: str | None) -> None:
+        """``text_refusal``: why ``endpoint`` may not carry request text (None: it may)."""
         self.engine_id = engine_id
+        self.text_refusal = text_refusal
+        self.stripped = 0        # sched messages whose request text was taken out
         self.rank_curve = rank_curve
         self.heartbeat_s = heartbeat_s
         self._down: dict[int, tuple[str, int]] = {}   # rank -> (reason, restart count)
@@ -117,7 +149,9 @@ class TelemetryProxy:
                 for sock in ready:
                     if sock.closed:  # replaced by a "connect" command just above
                         continue
-                    frames = sock.recv_multipart()
+                    frames = self._guard(sock.recv_multipart())
+                    if frames is None:
+                        continue
                     self._record(frames)
                     try:
                         self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
@@ -149,6 +183,18 @@ class TelemetryProxy:
         sock.connect(endpoint)
         poller.register(sock, zmq.POLLIN)
         subs[rank] = (endpoint, sock)
+
+    def _guard(self, frames: list[Any]) -> list[Any] | None:
+        """What may leave on the public socket of a rank's message (None: nothing)."""
+        if self.text_refusal is None:
+            return frames
+        out = strip_request_text(frames)
+        if out is not frames:
+            if not self.stripped:
+                log.warning("a rank publishes request text; %s It is taken out of every "
+                            "sched message here.", self.text_refusal)
+            self.stripped += 1
+        return out
 
     def _send_restarting(self) -> None:
         for rank, (reason, count) in self._down.items():

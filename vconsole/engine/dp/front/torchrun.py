@@ -29,12 +29,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vconsole.engine.dp.front.stack import FrontEndStack
+from vconsole.engine.dp.front.stack import FrontEndStack, without_refused_text
 from vconsole.engine.dp.rank.rendezvous import DPEnv, connect_store, read_rank
+from vconsole.security.bind_policy import request_text_refusal
 from vconsole.security.curve import (
     AUTHORIZED_CLIENTS,
     CLIENT,
@@ -66,6 +68,19 @@ def rank_endpoints(names: Iterable[str], host: str | None) -> dict[str, str]:
                          "front end's host can reach (a rank registers the address it bound, "
                          "and a wildcard address cannot be connected to)")
     return dict.fromkeys(names, f"tcp://{bare}:*")
+
+
+def rank_launch(launch: EngineLaunch, private: Mapping[str, str], *, public_curve: bool,
+                front_end: bool) -> EngineLaunch:
+    """This worker's rank: ``launch`` on its ``private`` endpoints, without the group's
+    /metrics, control key file, ready file and remote telemetry (the front end's). Request text
+    is decided by the PUBLIC telemetry endpoint (``public_curve``: its CURVE keys), as the
+    single-host launcher does: refused there, it starts off on every rank (the front end's
+    proxy strips whatever a rank still sends)."""
+    refusal = request_text_refusal(launch.endpoints["telemetry"], public_curve)
+    launch = without_refused_text(launch, refusal, warn=front_end)
+    return replace(launch, endpoints=dict(private), ready_file=None, metrics=None,
+                   control_key_file=None, allow_remote=False)
 
 
 def rank_curves(curve_dir: str | os.PathLike[str] | None, *, front_end: bool
