@@ -371,25 +371,32 @@ def test_logprobs_in_both_of_openais_shapes(client: openai.OpenAI) -> None:
     assert plain.choices[0].logprobs is None
 
 
-def _reference_prompt_logprobs(server: Server, ids: list[int]) -> list[float]:
-    """transformers' float32 log-softmax of each prompt token after the first."""
+@pytest.fixture(scope="module")
+def reference(server: Server) -> Any:
+    """transformers' model of the served directory, loaded once for the module."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(server.serving.engine.info["model_path"],
-                                                 local_files_only=True, dtype=torch.float32)
-    with torch.inference_mode():
-        lp = model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
-    return lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    return AutoModelForCausalLM.from_pretrained(server.serving.engine.info["model_path"],
+                                                local_files_only=True,
+                                                dtype=torch.float32).eval()
 
 
-def test_prompt_logprobs_as_vllm_returns_them(server: Server, client: openai.OpenAI) -> None:
+def _reference_prompt_logprobs(reference: Any, ids: list[int]) -> list[float]:
+    """transformers' float32 log-softmax of each prompt token after the first."""
+    from vconsole.tools.bench.quality import next_token_logprobs, reference_log_softmax
+
+    return next_token_logprobs(reference_log_softmax(reference, [ids]), [ids])[0].tolist()
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server: Server, client: openai.OpenAI,
+                                              reference: Any) -> None:
     ids = [40, 7, 91, 13, 64, 22, 5, 88, 31]
     r = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0,
                                   extra_body={"prompt_logprobs": 2, "ignore_eos": True})
     plp = r.choices[0].model_extra["prompt_logprobs"]
     assert len(plp) == len(ids) and plp[0] is None
-    want = _reference_prompt_logprobs(server, ids)
+    want = _reference_prompt_logprobs(reference, ids)
     for pos, (entry, token, value) in enumerate(zip(plp[1:], ids[1:], want, strict=True)):
         mine = entry[str(token)]                 # the prompt's own token, first
         assert list(entry)[0] == str(token) and abs(mine["logprob"] - value) < 1e-4, pos
@@ -411,7 +418,7 @@ def test_prompt_logprobs_as_vllm_returns_them(server: Server, client: openai.Ope
 
 
 def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt_alone(
-        server: Server, client: openai.OpenAI) -> None:
+        server: Server, client: openai.OpenAI, reference: Any) -> None:
     prompt = "The cat sat on the mat."
     ids = server.serving.tokenizer(prompt).input_ids
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
@@ -423,7 +430,7 @@ def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt_alone(
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    want = _reference_prompt_logprobs(server, ids)
+    want = _reference_prompt_logprobs(reference, ids)
     assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want, strict=True)) < 1e-4
     assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
     more = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True,
@@ -437,6 +444,10 @@ def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt_alone(
     assert "".join(s.choices[0].text for s in streamed) == m.text
     assert [t for s in streamed if s.choices[0].logprobs
             for t in s.choices[0].logprobs.token_logprobs] == m.logprobs.token_logprobs
+    # The output tokens' offsets count the echoed prompt, streamed or not.
+    assert [o for s in streamed if s.choices[0].logprobs
+            for o in s.choices[0].logprobs.text_offset] == m.logprobs.text_offset
+    assert m.logprobs.text_offset[len(ids)] == len(prompt)
     with pytest.raises(openai.BadRequestError, match="echo") as e:
         client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
     assert e.value.body["param"] == "max_tokens"                       # type: ignore
@@ -630,3 +641,45 @@ def test_a_thousand_concurrent_streams_all_finish_slow_readers_stall_nobody(serv
     asyncio.run(wave(1000))
     grown = proc.memory_info().rss - baseline
     assert grown < 0.1 * baseline, (grown, baseline)
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_token_offsets_equal_each_prefix_decodings_length_in_linear_time(
+        model: str, request: pytest.FixtureRequest) -> None:
+    """Text offsets (completions' ``text_offset``, where a stop string cuts) are each token's
+    decoded prefix length, as decoding every prefix gives them, on multi-byte UTF-8 split
+    across byte tokens, special tokens and tokens from any start."""
+    from transformers import AutoTokenizer
+
+    from vconsole.engine.worker.tiny_model import build_byte_tokenizer
+    from vconsole.entrypoints.openai.logprobs import offsets
+
+    tok = (build_byte_tokenizer() if model == "tiny" else AutoTokenizer.from_pretrained(
+        request.getfixturevalue("smollm2_dir"), local_files_only=True))
+    ids = tok("Héllo wörld — naïve café, 日本語 🎉🎉 don't stop .\n" * 6).input_ids
+    ids = ids[:5] + [tok.eos_token_id] + ids[5:]
+    prefixes = [len(tok.decode(ids[:k], skip_special_tokens=True)) for k in range(len(ids))]
+    if model == "tiny":      # characters split across byte tokens: offsets that repeat
+        assert len(set(prefixes)) < len(prefixes) - 6
+    for start, end in [(0, len(ids)), (3, len(ids) - 7), (41, 60), (9, 10), (5, 5)]:
+        assert offsets(tok, ids, start, end) == prefixes[start:end], (start, end)
+
+
+def test_logprobs_of_minus_infinity_are_clamped_in_both_shapes() -> None:
+    """-inf (a token masked out) is -9999 in chat logprobs too, as in completions': JSON has no
+    infinity (the server's encoder refuses it)."""
+    from vconsole.engine.worker.tiny_model import build_byte_tokenizer
+    from vconsole.entrypoints.openai.logprobs import (
+        MIN_LOGPROB,
+        chat_logprobs,
+        completion_logprobs,
+    )
+
+    tok = build_byte_tokenizer()
+    inf = float("-inf")
+    entries = [(inf, [40, 41], [-0.5, inf])]
+    chat = chat_logprobs(tok, [41], entries)["content"][0]
+    assert chat["logprob"] == MIN_LOGPROB and chat["top_logprobs"][1]["logprob"] == MIN_LOGPROB
+    legacy = completion_logprobs(tok, [41], entries)
+    assert legacy["token_logprobs"] == [MIN_LOGPROB]
+    json.dumps([chat, legacy], allow_nan=False)

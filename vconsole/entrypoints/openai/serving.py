@@ -30,6 +30,7 @@ from vconsole.engine.outputs import PromptLogprobs
 from vconsole.entrypoints.openai.engine_link import EngineLink, engine_refusal
 from vconsole.entrypoints.openai.logprobs import (
     Entry,
+    TokenTexts,
     chat_logprobs,
     completion_logprobs,
     joined,
@@ -182,8 +183,9 @@ class OpenAIServing:
             echo = (text if text is not None else self.tokenizer.decode(ids)) if req.echo else ""
             done = await self._collect(_prompt_id(rid, p, len(prompts)), ids, req, limit)
             usage.add(len(ids), done)
+            texts = self._prompt_texts(req, ids, echo)      # shared by the n samples
             choices += [{"index": p * req.n + c.index, "text": echo + c.text.text,
-                         "logprobs": self._echo_logprobs(req, c, ids, echo),
+                         "logprobs": self._echo_logprobs(req, c, ids, echo, texts),
                          "finish_reason": c.finish_reason,
                          "stop_reason": c.stop_reason,
                          **self._prompt_logprobs_field(req, c, ids)} for c in done]
@@ -206,6 +208,7 @@ class OpenAIServing:
                     if req.echo else ""
                 # The echo's logprobs come with each sample's first output: wait for it.
                 echo_later = set(range(req.n)) if echo and req.logprobs is not None else set()
+                texts = self._prompt_texts(req, ids, echo)  # shared by the n samples
                 if echo and not echo_later:
                     for i in range(req.n):
                         yield out.chunk(p * req.n + i, None, text=echo)
@@ -214,10 +217,12 @@ class OpenAIServing:
                     if c.index in echo_later:
                         echo_later.discard(c.index)
                         yield out.chunk(p * req.n + c.index, None, text=echo, logprobs=(
-                            self._echo_logprobs(req, c, ids, echo, output=False)))
+                            self._echo_logprobs(req, c, ids, echo, texts, output=False)))
                     if delta or c.finish_reason:
+                        # Output tokens' offsets count from the start of the choice's text,
+                        # the echoed prompt included (as the non-streamed block).
                         yield out.chunk(p * req.n + c.index, c, text=delta, logprobs=(
-                            self._completion_logprobs(req, c, 0, stream=True)))
+                            self._completion_logprobs(req, c, len(echo), stream=True)))
                 usage.add(0, choices)
                 choices = []
             if req.include_usage():
@@ -337,10 +342,19 @@ class OpenAIServing:
         return completion_logprobs(self.tokenizer, c.text.token_ids, c.logprobs, start,
                                    c.limit, base_offset)
 
-    def _echo_logprobs(self, req: CompletionRequest, c: Choice, ids: list[int], echo: str, *,
+    def _prompt_texts(self, req: CompletionRequest, ids: list[int],
+                      echo: str) -> TokenTexts | None:
+        """The echoed prompt's token texts and offsets, when its logprobs are returned."""
+        if not echo or req.logprobs is None:
+            return None
+        return TokenTexts.of(self.tokenizer, ids)
+
+    def _echo_logprobs(self, req: CompletionRequest, c: Choice, ids: list[int], echo: str,
+                       texts: TokenTexts | None, *,
                        output: bool = True) -> dict[str, Any] | None:
         """The legacy block of a whole choice: with ``echo`` the prompt's tokens first (the
-        first without a logprob), then the output's (unless not ``output``)."""
+        first without a logprob; ``texts`` their `TokenTexts`), then the output's (unless not
+        ``output``)."""
         if req.logprobs is None:
             return None
         if not echo:
@@ -348,7 +362,7 @@ class OpenAIServing:
         # A sample that ended before its first token (aborted, timed out) has none: nulls.
         entries = (c.prompt_logprobs.entries() if c.prompt_logprobs is not None
                    else [None] * len(ids))
-        block = completion_logprobs(self.tokenizer, ids, entries, top=req.logprobs)
+        block = completion_logprobs(self.tokenizer, ids, entries, top=req.logprobs, texts=texts)
         if not output or req.echo_only:
             return block
         rest = self._completion_logprobs(req, c, len(echo))
