@@ -5,6 +5,7 @@ shared test machine makes them meaningless as pass/fail criteria)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -162,6 +163,11 @@ def test_serve_bench_runs_both_clients_with_exact_token_counts_and_the_ratios():
 def test_serve_bench_against_transformers_serve_on_the_same_model_directory():
     from vconsole.tools.bench.serve import transformers_serve_missing
 
+    # ~100 s on 2 cores (a second server, its own model load and warm-up). It ran nowhere the
+    # suite ran while accelerate was an extra; now that accelerate is a dependency (GGUF files)
+    # it is asked for by name, as the peer comparison the benchmark itself is.
+    if os.environ.get("VCONSOLE_TEST_PEERS") != "1":
+        pytest.skip("the transformers serve comparison runs with VCONSOLE_TEST_PEERS=1")
     if (why := transformers_serve_missing()) is not None:
         pytest.skip(f"transformers serve cannot run here: {why}")
     out = bench("serve", "--concurrency", "2", "--rounds", "1")

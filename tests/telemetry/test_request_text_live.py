@@ -27,7 +27,7 @@ from vconsole.telemetry.request_text import OUTPUT_TAIL_CHARS, PROMPT_HEAD_CHARS
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
-ARGS = ["--model", "tiny", "--num-kv-blocks", "128", "--block-size", "8", "--max-num-seqs", "4",
+ARGS = ["--model", "tiny", "--num-kv-blocks", "256", "--block-size", "8", "--max-num-seqs", "4",
         "--set", "telemetry_hz=50", "--set", "heartbeat_interval_s=0.25",
         "--set", "publish_request_text=true"]
 PROMPT = "What is the capital of France? " * 10       # 310 characters, one token a byte
@@ -132,7 +132,9 @@ def test_a_subscriber_sees_each_requests_prompt_head_and_growing_output_tail(eng
 
 def test_top_json_gives_each_row_its_text(engine, telemetry, capsys):
     with client(engine) as c:
-        rid = c.submit(PROMPT, max_tokens=400, ignore_eos=True)
+        # As long as the pool allows, to still run while `top --once` subscribes and waits on
+        # a loaded machine (400 tokens were over first once); aborted once read.
+        rid = c.submit(PROMPT, max_tokens=1600, ignore_eos=True)  # 1,910 of the 2,048 slots
         try:
             telemetry.wait_for("sched", lambda b: any(
                 t.output_tail for t in texts_of(telemetry, f":{rid}", 0.0)))

@@ -55,5 +55,5 @@ def test_small_gqa_by_name_matches_hf_generate(cache: Path) -> None:
 
 
 def test_an_unknown_name_is_a_clear_error(cache: Path) -> None:
-    with pytest.raises(ValueError, match="built-in model: 'tiny' or 'small-gqa'"):
+    with pytest.raises(ValueError, match="built-in model: 'tiny', 'small-gqa', 'smollm2'"):
         resolve_model_path("small-gqb")
