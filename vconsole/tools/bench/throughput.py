@@ -19,8 +19,8 @@ sampled (the LM head), 4 × layers × heads × head_dim × (p + 1) for attention
 over this machine's float32 matmul peak, the best ``torch.mm`` of 2048² matrices on the bench's
 torch threads, measured before and after each contender; the run's best peak divides every
 round (a peak a neighbour's job pulled down must not flatter the figure). transformers' two get
-the same figure for the work they served (``hf_*.utilisation``): the ratio of two contenders'
-tokens/s is at most the ratio of their utilisations, which bounds what a goal ratio can ask.
+the same figure for the work they served (``hf_*.utilisation``), which puts all three on the
+machine's scale: a goal ratio that needs more than the peak is not reachable by any engine.
 ``load_average`` (1-minute, at the round's start and end) says how busy the machine was. ``engine.utilisation``
 is the whole workload over its elapsed time; ``decode_all`` the steps without a prefill token;
 ``decode_steady`` those of them whose batch is at least 3/4 of the run's widest (the
