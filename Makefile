@@ -62,9 +62,11 @@ demo: install
 # make test-fast: the same checks, then only the unit layer (no engine processes, nothing slow).
 # Two pytest workers (pytest-xdist): most tests wait on engine processes, so two share two cores
 # well (10-11 min instead of 15 on 2 cores). TEST_WORKERS=0 runs them in one process.
+# --dist loadgroup: a module whose tests build on each other (one DP group's waves) is marked
+# xdist_group and kept on one worker; every other test is shared out as before.
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
+	$(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test-fast: lint
 	$(PY) -m pytest -q -m "not proc and not slow"
