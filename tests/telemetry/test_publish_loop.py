@@ -10,22 +10,11 @@ import ast
 import inspect
 from typing import Any
 
+from support.recording_sender import RecordingSender
 from vconsole.engine.publish import publish_loop
 from vconsole.engine.publish.inbox import Inbox
 from vconsole.engine.publish.publish_loop import LoopStart, PublishLoop
 from vconsole.shared.config import EngineConfig, describe_config
-
-
-class RecordingSender:
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, dict[str, Any]]] = []
-        self.send_drops = 0
-
-    def send(self, topic: str, body: dict[str, Any]) -> None:
-        self.messages.append((topic, body))
-
-    def topics(self) -> list[str]:
-        return [t for t, _ in self.messages]
 
 
 class Probe:

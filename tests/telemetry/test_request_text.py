@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from support.recording_sender import RecordingSender
 from support.scheduling import make_request, make_scheduler
 from vconsole.engine.publish.inbox import Inbox
 from vconsole.engine.publish.publish_loop import LoopStart, PublishLoop
@@ -23,18 +24,6 @@ from vconsole.telemetry.request_text import OUTPUT_TAIL_CHARS, PROMPT_HEAD_CHARS
 def byte_text(ids: list[int]) -> str:
     """What the built-in models' byte-level tokenizer does: one token per byte."""
     return bytes(i % 256 for i in ids).decode("utf-8", "replace")
-
-
-class RecordingSender:
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, dict[str, Any]]] = []
-        self.send_drops = 0
-
-    def send(self, topic: str, body: dict[str, Any]) -> None:
-        self.messages.append((topic, body))
-
-    def last(self, topic: str) -> dict[str, Any]:
-        return [b for t, b in self.messages if t == topic][-1]
 
 
 class Probe:

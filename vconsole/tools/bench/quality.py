@@ -44,6 +44,8 @@ TARGET_GREEDY_MISSES = 1     # of 32
 REFERENCE_BATCH = 4          # windows per transformers forward
 STEP_TOKENS = 1000           # the engine's max_num_batched_tokens here
 
+# The yardstick's own 32 prompts, deliberately not `vconsole.tools.prompts` (the demo's, which
+# may be retuned for the console): figures from different rounds compare only on the same text.
 CHAT_PROMPTS: tuple[str, ...] = (
     "What is the capital of France?",
     "Why is the sky blue?",
