@@ -9,8 +9,10 @@ Three ways to feed the console:
     .venv/bin/python scripts/screenshots.py --vllm           # watching a vLLM server
 
 The first starts what `vconsole demo` starts (`vconsole.tools.demo.DemoStack`: an engine process with
-the tiny model on free loopback ports and a bursty load), waits until every panel has data,
-takes the pictures and stops both. Pictures: each screen at 120x40 and 80x24, plus help and the config confirm box;
+the demo's model — smollm2 when installed, publishing request text — on free loopback ports and a
+bursty load), waits until every panel has data,
+takes the pictures and stops both. Pictures: each screen at 120x40 and 80x24 (and the Requests
+screen's detail pane), plus help and the config confirm box;
 Trends over its 1-minute range, and at 80x24 also its latency page (TTFT, ITL). Meanwhile it
 records the engine's telemetry (`vconsole record`) and then replays that recording into a fresh
 console for ``overview-replay.svg`` and ``trends-replay.svg``: the same screens from a file.
@@ -74,8 +76,10 @@ async def wait_busy(pilot, app: VConsoleApp, timeout_s: float) -> None:
         await pilot.pause(0.2)
 
 
-async def shoot(make_app, out: Path, warmup_s: float, timeout_s: float) -> list[str]:
-    """One app (so the sparklines keep their history), resized between the sets."""
+async def shoot(make_app, out: Path, warmup_s: float, timeout_s: float,
+                detail: bool = False) -> list[str]:
+    """One app (so the sparklines keep their history), resized between the sets; ``detail``:
+    also the Requests screen's detail pane (a live engine publishing request text)."""
     saved = []
     app = make_app()
     async with app.run_test(size=SIZES[0]) as pilot:
@@ -100,6 +104,11 @@ async def shoot(make_app, out: Path, warmup_s: float, timeout_s: float) -> list[
                 app.refresh_view(force=True)
                 await pilot.pause()
                 saved.append(app.save_screenshot(f"{mode}{suffix}.svg", str(out)))
+                if mode == "requests" and detail:
+                    await pilot.press("enter")          # the detail pane of the first row
+                    await pilot.pause(1.0)
+                    saved.append(app.save_screenshot(f"requests-detail{suffix}.svg", str(out)))
+                    await pilot.press("escape")
                 if mode == "trends" and app.screen.pages > 1:
                     app.screen.action_page(app.screen.pages - 1 - app.screen.page)
                     await pilot.pause(0.3)
@@ -220,7 +229,8 @@ def main() -> int:
                    help="only the pictures of a console watching a vLLM server")
     p.add_argument("--telemetry", default="tcp://127.0.0.1:5572")
     p.add_argument("--control", default="tcp://127.0.0.1:5573")
-    p.add_argument("--rate", type=float, default=10.0, help="load: mean requests per second")
+    p.add_argument("--rate", type=float, default=None,
+                   help="load: mean requests per second (default: the demo's for its model)")
     p.add_argument("--warmup", type=float, default=30.0,
                    help="seconds of live data before the pictures (sparklines fill up)")
     p.add_argument("--out", default=str(ROOT / "screenshots"))
@@ -242,13 +252,18 @@ def main() -> int:
         import tempfile
         import threading
 
+        from vconsole.cli import build_parser
+        from vconsole.commands.demo import engine_args_from
         from vconsole.telemetry.control import ControlClient
         from vconsole.telemetry.record import record_stream
-        from vconsole.tools.demo import DemoStack
+        from vconsole.tools.demo import DemoStack, demo_model, prepare_model
 
-        engine_args = ["--num-kv-blocks", "256", "--max-num-seqs", "32", "--policy", "hybrid"]
+        # What `vconsole demo` runs: smollm2 when installed (request text on), else tiny.
+        model = demo_model()
+        prepare_model(model, print)
+        engine_args = engine_args_from(build_parser().parse_args(["demo"]), model)
         recording = Path(tempfile.mkdtemp(prefix="vconsole-shots-")) / "demo.vrec"
-        with DemoStack(engine_args, rate=args.rate) as stack:
+        with DemoStack(engine_args, rate=args.rate or model.rate) as stack:
             eps = stack.endpoints
             key, control_key_file = stack.engine.control_key(), stack.engine.control_key_file
             # Waiting-queue thresholds the demo's bursts cross, so the Alerts screen shows
@@ -261,7 +276,7 @@ def main() -> int:
             saved = asyncio.run(shoot(lambda: VConsoleApp([eps["telemetry"]], eps["control"],
                                                           control_key=key,
                                                           control_key_file=control_key_file),
-                                      out, args.warmup, 60.0))
+                                      out, args.warmup, 60.0, detail=True))
             recorder.join()
         saved += asyncio.run(shoot_replay(recording, out))
     for path in saved:
