@@ -31,7 +31,6 @@ Used for float32 pools on the CPU only; CUDA and other dtypes take the torch pat
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -44,7 +43,6 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +54,7 @@ from vconsole.engine.kernel_cache import (  # noqa: F401  (re-exported: one plac
     cache_root,
     pid_alive,
 )
+from vconsole.engine.worker import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -170,22 +169,14 @@ def _load_or_build() -> tuple[Any, str]:
         return _build_into(entry), "built"
 
 
-@contextlib.contextmanager
-def _entry_lock(entry: Path) -> Iterator[None]:
+def _entry_lock(entry: Path) -> contextlib.AbstractContextManager[None]:
     """The entry's exclusive build lock; says so in the log when another builder has it."""
-    with open(entry / LOCK, "a+b") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            other = build_in_progress(entry.parent)
-            who = f"pid {other['pid']}" if other else "another process"
-            log.warning("%s: waiting for %s, which is compiling it into %s", COMPILING, who,
-                        entry)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    def waiting() -> None:
+        other = build_in_progress(entry.parent)
+        who = f"pid {other['pid']}" if other else "another process"
+        log.warning("%s: waiting for %s, which is compiling it into %s", COMPILING, who, entry)
+
+    return file_lock.exclusive(entry / LOCK, waiting)
 
 
 def _import(entry: Path, manifest: dict[str, Any]) -> Any:

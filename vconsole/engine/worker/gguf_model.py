@@ -23,16 +23,15 @@ result; a file that is not a GGUF, or a GGUF of an architecture the engine does 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
+from vconsole.engine.worker import file_lock
 from vconsole.engine.worker.tiny_model import MODEL_CONFIGS, default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -132,7 +131,8 @@ def ensure_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
         return target
     check_gguf(gguf)        # before the lock: a file that cannot be converted leaves nothing
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(target.parent / f".{target.name}.lock"):
+    with file_lock.exclusive(target.parent / f".{target.name}.lock", lambda: log.warning(
+            "%s: waiting for another process converting it", CONVERTING)):
         if (target / "config.json").is_file():
             return target  # converted by another process while this one waited
         log.warning("%s: %s -> %s", CONVERTING, gguf, target)
@@ -192,17 +192,3 @@ def _convert(gguf: Path, out: Path) -> None:
     model.is_quantized = False
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.warning("%s: waiting for another process converting it", CONVERTING)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
