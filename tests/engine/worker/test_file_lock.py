@@ -3,6 +3,7 @@ lets go (flock locks belong to the open file, so two opens in one process conten
 processes do)."""
 
 import threading
+import time
 
 from vconsole.engine.worker import file_lock
 
@@ -21,7 +22,10 @@ def test_a_second_holder_waits_is_told_so_and_gets_the_lock_after_the_first(tmp_
     with file_lock.exclusive(path, lambda: told.append("first waited")):
         t = threading.Thread(target=second)
         t.start()
-        assert not got_in.wait(0.3)          # blocked while the first holds it
+        deadline = time.monotonic() + 10
+        while not told and time.monotonic() < deadline:
+            time.sleep(0.01)                  # until the second has tried and been told
+        assert not got_in.wait(0.2)          # ... and blocked while the first holds it
         order.append("first")
     t.join(10)
     assert order == ["first", "second"] and told == ["waiting"]
