@@ -13,7 +13,7 @@ import argparse
 import os
 
 from vconsole.security.endpoints import DEFAULTS
-from vconsole.shared.config import DEVICES, DTYPES, POLICIES
+from vconsole.shared.config import DEVICES, DTYPES, KV_CACHE_DTYPES, POLICIES, QUANTIZATIONS
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> None:
@@ -29,6 +29,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     g.add_argument("--num-kv-blocks", type=int, help="KV blocks in the pool (default: sized "
                    "from memory)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (default, the model's dtype), "
+                   "int8_per_token_head / int8 or int4_per_token_head / int4")
+    g.add_argument("--kv-cache-memory-bytes", type=int, metavar="N",
+                   help="size the KV pool in bytes (default: cpu_kv_cache_gib on CPU, "
+                   "gpu_memory_utilization on CUDA)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="weight quantization: int8 (default: none)")
     g.add_argument("--max-num-seqs", type=int, help="most requests running at once (default 64)")
     g.add_argument("--max-num-batched-tokens", type=int,
                    help="token budget per step (default 512)")

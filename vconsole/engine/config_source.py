@@ -32,7 +32,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 # Config keys that have a flag of their own (``--max-num-seqs``); the rest go through --set.
-FLAG_KEYS = ("model", "device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
+FLAG_KEYS = ("model", "device", "dtype", "block_size", "num_kv_blocks", "kv_cache_dtype",
+             "kv_cache_memory_bytes", "quantization", "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "policy", "data_parallel_size", "dp_rank",
              "dp_master_addr", "dp_master_port", "kv_events_endpoint",
              "kv_events_replay_endpoint")

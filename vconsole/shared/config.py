@@ -21,6 +21,21 @@ from typing import Any
 POLICIES = ("fcfs", "priority", "hybrid")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV cache storage (vLLM's names; `int8` / `int4` are short aliases, see
+# `canonical_kv_cache_dtype`): scales per token and KV head live in the pool beside the
+# quantized values (`vconsole.engine.worker.kv_quant`).
+KV_CACHE_DTYPES = ("auto", "int8_per_token_head", "int4_per_token_head", "int8", "int4")
+_KV_ALIASES = {"int8": "int8_per_token_head", "int4": "int4_per_token_head"}
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """``int8`` -> ``int8_per_token_head`` (and int4 alike); other valid names unchanged."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                         f"got {name!r}")
+    return _KV_ALIASES.get(name, name)
+# Weight quantization (vLLM's --quantization): int8 weights, per output channel scales.
+QUANTIZATIONS = ("int8",)
 
 
 def _f(default: Any, desc: str, *, hot: bool, lo: float | None = None, hi: float | None = None,
@@ -42,6 +57,19 @@ class EngineConfig:
     dtype: str = _f("auto", "Weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA.",
                     hot=False, choices=DTYPES)
     block_size: int = _f(16, "Tokens per KV cache block.", hot=False, lo=1, hi=1024)
+    kv_cache_dtype: str = _f("auto", "KV cache storage: auto (the model's dtype), "
+                             "int8_per_token_head or int4_per_token_head (quantized, a scale "
+                             "per token and KV head in the pool; int8 / int4 for short).",
+                             hot=False, choices=KV_CACHE_DTYPES)
+    kv_cache_memory_bytes: int | None = _f(None, "KV pool size in bytes (vLLM's flag); wins "
+                                           "over gpu_memory_utilization and cpu_kv_cache_gib, "
+                                           "loses to num_kv_blocks. The same bytes hold ~3.8x "
+                                           "the blocks at int8 and ~7x at int4 against float32.",
+                                           hot=False, lo=1, hi=1 << 50, nullable=True)
+    quantization: str | None = _f(None, "Weight quantization: int8 (per-channel int8 weights "
+                                  "of every decoder linear and the LM head); unset = the "
+                                  "model's dtype.", hot=False, choices=QUANTIZATIONS,
+                                  nullable=True)
     num_kv_blocks: int | None = _f(None, "KV blocks in the pool; unset = sized from memory.",
                                    hot=False, lo=1, hi=1 << 24, nullable=True)
     gpu_memory_utilization: float = _f(0.9, "Share of GPU memory the engine may use (CUDA sizing).",
