@@ -57,15 +57,18 @@ class EngineCore:
         self.consecutive_step_failures = 0          # model executions that raised, in a row
         self.last_step_error: str | None = None     # the latest one's "Type: message"
         self.profiler: StepProfiler | None = None   # armed by start_profile; see profiling
-        logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens",
-                    config.model, self.runner.device, self.runner.dtype, self.num_kv_blocks,
-                    config.block_size)
+        logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
+                    "(kv %s, %d bytes per token)", config.model, self.runner.device,
+                    self.runner.dtype, self.num_kv_blocks, config.block_size,
+                    self.runner.kv_cache_dtype, self.runner.kv_bytes_per_token)
 
     def model_info(self) -> dict[str, Any]:
         """What a client learns of the model at ``hello`` (and the ready file)."""
         return {"device": str(self.runner.device), "vocab_size": self.runner.vocab_size,
                 "max_model_len": self.runner.max_model_len, "num_kv_blocks": self.num_kv_blocks,
-                "model_path": self.runner.info.path}
+                "model_path": self.runner.info.path,
+                "kv_cache_dtype": self.runner.kv_cache_dtype,
+                "kv_bytes_per_token": self.runner.kv_bytes_per_token}
 
     # --- requests -------------------------------------------------------------------------
     def make_request(self, request_id: str, *, prompt: str | None = None,

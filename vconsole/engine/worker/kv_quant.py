@@ -28,6 +28,7 @@ paths read through `dequantize`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -84,8 +85,11 @@ class KVLayer:
     k_params: torch.Tensor | None = None
     v_params: torch.Tensor | None = None
 
-    def __iter__(self):  # (k, v): old readers unpack a layer as a pair
+    def __iter__(self) -> Iterator[torch.Tensor]:  # ``k, v = layer``: the data, as a pair
         return iter((self.k, self.v))
+
+
+KVCache = list[KVLayer]
 
 
 def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from vconsole.engine.worker import attention_kernel, paged_attention, prompt_logprobs
+from vconsole.engine.worker import attention_kernel, kv_quant, paged_attention, prompt_logprobs
 from vconsole.engine.worker.fused_decoder import FusedDecoder
 from vconsole.engine.worker.model_loader import load_model
 from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
@@ -105,11 +105,19 @@ class ModelRunner:
         self.num_layers = self.info.num_layers
         self.num_kv_heads = self.info.num_kv_heads
         self.head_dim = self.info.head_dim
+        self.kv_format = kv_quant.kv_format(config.kv_cache_dtype)
+        if self.kv_format.bits == 4 and self.head_dim % 2:
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} needs an even head_dim; "
+                             f"this model's is {self.head_dim}")
         self.sampler = Sampler(self.device, config.seed)
-        self.kv_caches: paged_attention.KVCache = []
+        self.kv_caches: kv_quant.KVCache = []
         self._workspace = paged_attention.Workspace()
         self.num_blocks = 0
         self.block_size = config.block_size
+        if config.quantization is not None:
+            from vconsole.engine.worker import weight_quant
+
+            weight_quant.quantize_model(self.model, config.quantization)
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
         self._decode_kernel = (attention_kernel.load()
@@ -121,22 +129,43 @@ class ModelRunner:
 
     # --- memory ------------------------------------------------------------------------------
 
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """K and V for every layer: 2 * layers * block_size * kv_heads * head_dim * itemsize."""
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer as the pool stores them (quantization
+        parameters included)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.kv_format.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                              itemsize)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The pool's storage: a quantized format's name, or the model's dtype (``float32``)."""
+        if self.kv_format.quantized:
+            return self.kv_format.name
+        return str(self.dtype).removeprefix("torch.")
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return block_size * self.kv_bytes_per_token
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks the pool gets.
 
-        ``num_kv_blocks`` wins when set. On CUDA the budget is ``gpu_memory_utilization`` of
-        the device minus what is already in use (weights, other processes) minus a reserve for
-        activations; on CPU it is ``cpu_kv_cache_gib``.
+        ``num_kv_blocks`` wins when set, then ``kv_cache_memory_bytes``. On CUDA the budget is
+        ``gpu_memory_utilization`` of the device minus what is already in use (weights, other
+        processes) minus a reserve for activations; on CPU it is ``cpu_kv_cache_gib``. The
+        bytes per block are the stored format's (`kv_quant`): a quantized pool holds more.
         """
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_block = self.kv_cache_bytes_per_block(cfg.block_size)
+        if cfg.kv_cache_memory_bytes is not None:
+            num_blocks = cfg.kv_cache_memory_bytes // per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory_bytes {cfg.kv_cache_memory_bytes} holds no "
+                                 f"block: one block of {cfg.block_size} tokens takes "
+                                 f"{per_block} bytes ({self.kv_cache_dtype})")
+            return num_blocks
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * cfg.gpu_memory_utilization - (total - free) - self._activation_reserve()
@@ -146,7 +175,7 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget / _GIB:.2f} GiB, "
                              f"{per_block} bytes per block); raise gpu_memory_utilization / "
-                             "cpu_kv_cache_gib or set num_kv_blocks")
+                             "cpu_kv_cache_gib or set num_kv_blocks / kv_cache_memory_bytes")
         return num_blocks
 
     def _activation_reserve(self) -> int:
@@ -165,11 +194,12 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the pool once: per layer a zeroed K and V of
-        (num_blocks, block_size, num_kv_heads, head_dim) in the model's dtype and device."""
+        (num_blocks, block_size, num_kv_heads, head_dim) in the model's dtype and device, or
+        their quantized data and parameters (`kv_quant`)."""
         self.kv_caches = []  # drop an old pool before allocating the new one
-        self.kv_caches = paged_attention.allocate_kv_cache(
-            self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim,
-            self.dtype, self.device)
+        self.kv_caches = kv_quant.allocate(
+            self.kv_format, self.num_layers, num_blocks, block_size, self.num_kv_heads,
+            self.head_dim, self.dtype, self.device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -275,16 +305,24 @@ class ModelRunner:
                 tables.extend([0] * (max_blocks - n))
         ctx_lens = [s.start_pos + 1 for s in decodes]
 
-        # Prefill chunks that continue a request read their whole context from the pool.
+        # Prefill chunks that continue a request read their whole context from the pool: by
+        # slot (the torch path), and by block table (the CPU kernel, for a quantized pool).
         ctx_slots: list[int] = []
         chunk_spans: list[tuple[int, int]] = []
+        chunk_tables: list[int] = []
+        table_spans: list[tuple[int, int]] = []
         for s in chunks:
             if s.start_pos == 0:
                 chunk_spans.append((0, 0))
+                table_spans.append((0, 0))
             else:
+                end = s.start_pos + s.num_tokens
                 lo = len(ctx_slots)
-                ctx_slots.extend(_slots(s.block_ids, 0, s.start_pos + s.num_tokens, bs))
+                ctx_slots.extend(_slots(s.block_ids, 0, end, bs))
                 chunk_spans.append((lo, len(ctx_slots)))
+                lo = len(chunk_tables)
+                chunk_tables.extend(s.block_ids[:-(-end // bs)])
+                table_spans.append((lo, len(chunk_tables)))
 
         sample_rows: list[int] = []
         sample_seqs: list[ScheduledSeq] = []
@@ -298,22 +336,23 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 sample_seqs.append(s)
 
-        flat = (ids + pos + slots + tables + ctx_lens + ctx_slots + sample_rows + prompt.rows
-                + prompt.targets)
+        flat = (ids + pos + slots + tables + ctx_lens + ctx_slots + chunk_tables + sample_rows
+                + prompt.rows + prompt.targets)
         buf = torch.tensor(flat, dtype=torch.int64)
         if self.device.type == "cuda":
             # From pinned memory the copy is queued on the stream without waiting for it.
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         sizes = [num_tokens, num_tokens, num_tokens, len(tables), len(ctx_lens), len(ctx_slots),
-                 len(sample_rows), len(prompt.rows), len(prompt.targets)]
-        (t_ids, t_pos, t_slots, t_tables, t_lens, t_ctx, t_rows, t_prompt_rows,
+                 len(chunk_tables), len(sample_rows), len(prompt.rows), len(prompt.targets)]
+        (t_ids, t_pos, t_slots, t_tables, t_lens, t_ctx, t_chunk_tables, t_rows, t_prompt_rows,
          t_targets) = torch.split(buf, sizes)
 
         prefills: list[PrefillChunk] = []
         offset = len(decodes)
-        for s, (lo, hi) in zip(chunks, chunk_spans, strict=True):
+        for s, (lo, hi), (tlo, thi) in zip(chunks, chunk_spans, table_spans, strict=True):
             prefills.append(PrefillChunk(offset, s.num_tokens, s.start_pos,
-                                         t_ctx[lo:hi] if s.start_pos else None))
+                                         t_ctx[lo:hi] if s.start_pos else None,
+                                         t_chunk_tables[tlo:thi] if s.start_pos else None))
             offset += s.num_tokens
         decode_groups: list[DecodeGroup] = []
         t_at = 0
@@ -325,7 +364,8 @@ class ModelRunner:
         meta = PagedAttentionMetadata(
             kv_caches=self.kv_caches, block_size=bs, slot_mapping=t_slots,
             num_decodes=len(decodes), decode_groups=decode_groups, prefills=prefills,
-            workspace=self._workspace, decode_kernel=self._decode_kernel)
+            workspace=self._workspace, decode_kernel=self._decode_kernel,
+            kv_format=self.kv_format)
         if not prompt.rows:
             return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs)
         return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs, prompt,
@@ -370,9 +410,9 @@ class ModelRunner:
         with torch.inference_mode():
             scratch = getattr(self, "_dummy_kv_caches", None)
             if scratch is None:
-                scratch = paged_attention.allocate_kv_cache(
-                    self.num_layers, 1, 1, self.num_kv_heads, self.head_dim, self.dtype,
-                    self.device)
+                scratch = kv_quant.allocate(
+                    kv_quant.FORMATS["auto"], self.num_layers, 1, 1, self.num_kv_heads,
+                    self.head_dim, self.dtype, self.device)
                 self._dummy_kv_caches = scratch
             zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
             meta = PagedAttentionMetadata(kv_caches=scratch, block_size=1, slot_mapping=zeros,

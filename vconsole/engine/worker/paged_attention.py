@@ -21,8 +21,11 @@ in ``AttentionMaskInterface``, which makes ``create_causal_mask`` return ``None`
 path transformers keeps for vLLM/TGI-style backends) and skips its packed-sequence detection,
 a device sync per forward. Masking is done here, from positions.
 
-Pool layout per layer: ``(k, v)``, each ``(num_blocks, block_size, num_kv_heads, head_dim)``,
-zero-initialised. Zeros matter: padded decode rows read stale-but-finite slots that the mask
+Pool layout per layer: a `kv_quant.KVLayer`, K and V each ``(num_blocks, block_size,
+num_kv_heads, head_dim)`` in the model's dtype, or for a quantized ``kv_cache_dtype`` their
+integer data plus a scale (and minimum) per slot and KV head, quantized as they are written and
+dequantized as they are read (in registers by the CPU kernel; by ``dequantize`` on the torch
+path, over the gathered blocks only). All zero-initialised. Zeros matter: padded decode rows read stale-but-finite slots that the mask
 drops; uninitialised memory could hold NaN, and ``0 * NaN`` would leak through the softmax.
 """
 
@@ -34,10 +37,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vconsole.engine.worker import kv_quant
+from vconsole.engine.worker.kv_quant import FORMATS, KVCache, KVFormat
+
 ATTN_IMPLEMENTATION = "vconsole_paged"
 METADATA_KWARG = "paged_metadata"
-
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Workspace:
@@ -78,6 +82,18 @@ class PrefillChunk:
     num_tokens: int
     start_pos: int
     context_slots: torch.Tensor | None
+    # The blocks holding the context, in order (None when ``start_pos == 0``): the CPU kernel
+    # reads a quantized context through it, one kernel row per query token.
+    block_table: torch.Tensor | None = None
+    _query_lens: torch.Tensor | None = None
+
+    def query_lens(self) -> torch.Tensor:
+        """(num_tokens,) int64: the context each query token sees, ``start_pos + i + 1``."""
+        if self._query_lens is None:
+            dev = self.context_slots.device if self.context_slots is not None else None
+            self._query_lens = torch.arange(self.start_pos + 1,
+                                            self.start_pos + self.num_tokens + 1, device=dev)
+        return self._query_lens
 
 
 @dataclass
@@ -132,6 +148,7 @@ class PagedAttentionMetadata:
     workspace: Workspace | None = None
     # The compiled CPU decode kernel (`attention_kernel`), or None: gather + SDPA in torch.
     decode_kernel: Any = None
+    kv_format: KVFormat = FORMATS["auto"]
     _prefill_masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     def gather_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,41 +203,36 @@ def paged_attention_forward(
     if not isinstance(meta, PagedAttentionMetadata):
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs per-step metadata "
                            f"in the {METADATA_KWARG!r} keyword; run the model through ModelRunner")
-    k_pool, v_pool = meta.kv_caches[module.layer_idx]
+    layer = meta.kv_caches[module.layer_idx]
+    fmt = meta.kv_format
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
+    scale = scaling if scaling is not None else head_dim ** -0.5
 
-    # (1, KVH, T, hd) -> (T, KVH, hd), the pool's per-slot layout.
+    # (1, KVH, T, hd) -> (T, KVH, hd), the pool's per-slot layout; quantized on the way in.
     new_k = key[0].transpose(0, 1)
     new_v = value[0].transpose(0, 1)
-    k_flat = k_pool.view(-1, num_kv_heads, head_dim)
-    v_flat = v_pool.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, meta.slot_mapping, new_k)
-    v_flat.index_copy_(0, meta.slot_mapping, new_v)
+    kv_quant.write(fmt, layer, meta.slot_mapping, new_k, new_v)
 
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     for g in meta.decode_groups:
         n = g.hi - g.lo
+        q = query[0, :, g.lo:g.hi].transpose(0, 1).reshape(n, num_kv_heads, group, head_dim)
         if meta.decode_kernel is not None:
-            # K/V read in place through the block table: no gather, no padding.
-            # It writes straight into `out`: rows lo..hi of it are contiguous (n, H, hd).
-            q = query[0, :, g.lo:g.hi].transpose(0, 1).reshape(n, num_kv_heads, group, head_dim)
-            meta.decode_kernel.paged_decode_attention(
-                q.contiguous(), k_pool, v_pool, g.block_tables.view(n, g.max_blocks),
-                g.context_lens, scaling if scaling is not None else head_dim ** -0.5,
-                sliding_window or 0, out[0, g.lo:g.hi].view(n, num_kv_heads, group, head_dim))
+            # K/V read in place through the block table: no gather, no padding. It writes
+            # straight into `out`: rows lo..hi of it are contiguous (n, H, hd).
+            _kernel(meta, layer, q.contiguous(), g.block_tables.view(n, g.max_blocks),
+                    g.context_lens, scale, sliding_window,
+                    out[0, g.lo:g.hi].view(n, num_kv_heads, group, head_dim))
             continue
+        # Gather whole blocks: (n * MB, B, KVH, hd) -> (n, KVH, MB * B, hd). One query per row:
+        # the query heads of a KV group are folded into the "query length" axis, so GQA needs
+        # no repeated keys: (H, n, hd) -> (n, KVH, G, hd).
         length = g.max_blocks * meta.block_size
-        # Gather whole blocks: (n * MB, B, KVH, hd) -> (n, KVH, MB * B, hd).
-        ks, vs = meta.gather_buffers(g.block_tables.shape[0], k_pool)
-        torch.index_select(k_pool, 0, g.block_tables, out=ks)
-        torch.index_select(v_pool, 0, g.block_tables, out=vs)
+        ks, vs = _gather_blocks(meta, layer, g.block_tables, query.dtype)
         ks = ks.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
         vs = vs.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-        # One query per row: fold the query heads of a KV group into the "query length" axis,
-        # so GQA needs no repeated keys: (H, n, hd) -> (n, KVH, G, hd).
-        q = query[0, :, g.lo:g.hi].transpose(0, 1).reshape(n, num_kv_heads, group, head_dim)
         mask = g.mask(meta.block_size, sliding_window, query.dtype)
         o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=scaling)
         out[0, g.lo:g.hi] = o.reshape(n, num_heads, head_dim)
@@ -228,11 +240,21 @@ def paged_attention_forward(
     for i, c in enumerate(meta.prefills):
         lo, hi = c.offset, c.offset + c.num_tokens
         q = query[:, :, lo:hi]
+        if c.context_slots is not None and fmt.quantized and meta.decode_kernel is not None:
+            # A quantized context is read where it lies: each query token is a kernel row over
+            # the chunk's one block table, seeing ``start_pos + i + 1`` keys.
+            assert c.block_table is not None
+            n = c.num_tokens
+            qr = q[0].transpose(0, 1).reshape(n, num_kv_heads, group, head_dim).contiguous()
+            o = out[0, lo:hi].view(n, num_kv_heads, group, head_dim)
+            _kernel(meta, layer, qr, c.block_table.view(1, -1), c.query_lens(), scale,
+                    sliding_window, o)
+            continue
         if c.context_slots is None:
             ks, vs = key[:, :, lo:hi], value[:, :, lo:hi]
         else:
-            ks = k_flat.index_select(0, c.context_slots).transpose(0, 1)[None]
-            vs = v_flat.index_select(0, c.context_slots).transpose(0, 1)[None]
+            kc, vc = _gather_slots(meta, layer, c.context_slots, num_kv_heads, query.dtype)
+            ks, vs = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
         mask = meta.prefill_mask(i, sliding_window, group)
         if mask is None:
             o = F.scaled_dot_product_attention(q, ks, vs, is_causal=True, scale=scaling,
@@ -248,15 +270,56 @@ def paged_attention_forward(
     return out, None
 
 
+def _kernel(meta: PagedAttentionMetadata, layer: kv_quant.KVLayer, q: torch.Tensor,
+            tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None,
+            out: torch.Tensor) -> None:
+    """The CPU kernel over ``layer``'s blocks, float32 or quantized. ``tables`` has one row per
+    query row, or a single row all of them share."""
+    fmt = meta.kv_format
+    if not fmt.quantized:
+        meta.decode_kernel.paged_decode_attention(q, layer.k, layer.v, tables, lens, scale,
+                                                  window or 0, out)
+    else:
+        meta.decode_kernel.paged_decode_attention_quant(
+            q, layer.k, layer.v, layer.k_params, layer.v_params, tables, lens, scale,
+            window or 0, fmt.bits, out)
+
+
+def _gather_blocks(meta: PagedAttentionMetadata, layer: kv_quant.KVLayer, blocks: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks ``blocks`` of K and V, in the compute dtype: copied into the workspace, or
+    for a quantized pool gathered and dequantized (the torch fallback; the CPU kernel reads
+    them in place)."""
+    fmt = meta.kv_format
+    if not fmt.quantized:
+        ks, vs = meta.gather_buffers(blocks.shape[0], layer.k)
+        torch.index_select(layer.k, 0, blocks, out=ks)
+        torch.index_select(layer.v, 0, blocks, out=vs)
+        return ks, vs
+    assert layer.k_params is not None and layer.v_params is not None
+    return (kv_quant.dequantize(fmt, layer.k.index_select(0, blocks),
+                                layer.k_params.index_select(0, blocks), dtype),
+            kv_quant.dequantize(fmt, layer.v.index_select(0, blocks),
+                                layer.v_params.index_select(0, blocks), dtype))
+
+
+def _gather_slots(meta: PagedAttentionMetadata, layer: kv_quant.KVLayer, slots: torch.Tensor,
+                  num_kv_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V rows (S, KVH, hd) at pool slots ``slots``, in the compute dtype."""
+    fmt = meta.kv_format
+    pairs = []
+    for data, params in ((layer.k, layer.k_params), (layer.v, layer.v_params)):
+        rows = data.view(-1, num_kv_heads, data.shape[-1]).index_select(0, slots)
+        if fmt.quantized:
+            assert params is not None
+            p = params.view(-1, num_kv_heads, fmt.params).index_select(0, slots)
+            rows = kv_quant.dequantize(fmt, rows, p, dtype)
+        pairs.append(rows)
+    return pairs[0], pairs[1]
+
+
 def register() -> None:
     """Make ``attn_implementation="vconsole_paged"`` known to transformers (idempotent)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-
-
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
