@@ -219,18 +219,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
     p.add_argument("name", choices=["throughput", "scheduler", "kvmap", "telemetry", "console",
-                                    "dp", "soak", "serve", "quality"],
+                                    "dp", "soak", "serve", "quality", "kv-ideas"],
                    help="which benchmark: model throughput against transformers, the "
                         "scheduler's per-step cost, the KV map's engine-to-console round trip, "
                         "telemetry's cost to throughput, the console's lag and CPU, 2 "
                         "data-parallel ranks against 1 engine, a soak of the demo's load "
                         "(exit 1 unless it passes), the HTTP server against the native "
                         "client, or the engine's perplexity and greedy output against "
-                        "transformers' on real text (exit 1 unless it meets the targets)")
+                        "transformers' on real text (exit 1 unless it meets the targets), or "
+                        "the KV memory ideas (near-duplicate blocks, block sizes, KV dtypes at "
+                        "equal memory)")
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
     p.add_argument("--num-requests", type=int,
                    help="throughput: override the workload size; telemetry, console: requests "
-                        "in the engine (default 12000 / 10000)")
+                        "in the engine (default 12000 / 10000); kv-ideas: requests in the "
+                        "demo's workload (default 40)")
     p.add_argument("--sizes", type=int_list, default=None, metavar="N,N,...",
                    help="scheduler: waiting-queue sizes (default 100,1000,10000,50000)")
     p.add_argument("--steps", type=int, default=300,

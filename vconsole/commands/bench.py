@@ -61,6 +61,10 @@ def main(args: argparse.Namespace) -> int:
             return fail("bench", str(e), 2)
         print(json.dumps(out, indent=None if args.json else 2))
         return 0 if out["passed"] else 1
+    elif args.name == "kv-ideas":
+        from vconsole.tools.bench.kv_ideas import kv_ideas_bench
+
+        out = kv_ideas_bench(log=log, num_requests=args.num_requests)
     elif args.name == "dp":
         from vconsole.tools.bench.dp import dp_bench
 
