@@ -9,6 +9,7 @@
 //   q        (n, KVH, G, D)   the query heads of each KV head folded together (GQA)
 //   k_pool   (NB, B, KVH, D)  v_pool alike
 //   tables   (n, MB) int64    block ids; only the first ceil(len / B) of a row are read
+//                             (or (1, MB): one table every row shares, a prefill chunk's)
 //   lens     (n,) int64       context length of each row (keys 0 .. len-1)
 //   out      (n, KVH, G, D)
 // window > 0 keeps only the last `window` keys (sliding-window attention).
@@ -23,6 +24,14 @@
 // rounding, not bit for bit). On SmolLM2's shape (G 3, D 64) the fixed path takes about half the
 // CPU time of plain loops with the context in cache; from DRAM the kernel is bound by memory
 // (per key and KV head it reads 2 x D floats for 4 x G x D flops).
+//
+// Quantized pools (`kv_quant.py`) take the same passes with the rows stored as integers plus a
+// float32 scale (int8: x = s q) or scale and minimum (int4: x = lo + s q, two values per byte,
+// element j in the low nibble of byte j and element j + D/2 in the high one) per slot and KV
+// head. Each row is widened to float in registers and the parameters are folded into scalars:
+// q.k = s (q.q_k) + lo sum(q), and sum_p w_p v_p = sum_p (w_p s_p) q_p + sum_p w_p lo_p. Nothing
+// is dequantized into memory. The int8 row is a quarter of the float32 row's bytes, int4 an
+// eighth.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -37,6 +46,8 @@ namespace {
 // 16 floats, any alignment: GCC's vector extension, which -march=native maps to one AVX-512
 // register, two AVX2 ones or four NEON ones, so the fixed-shape path below needs no intrinsics.
 typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int8_t vi8 __attribute__((vector_size(16), aligned(1)));
+typedef uint8_t vu8 __attribute__((vector_size(16), aligned(1)));
 constexpr int64_t kLanes = 16;
 
 inline float hsum(vf v) {
@@ -45,32 +56,78 @@ inline float hsum(vf v) {
   return s;
 }
 
+// How a pool stores its rows: float32, int8 + scale, or int4 + scale and minimum.
+enum Store { kF32 = 0, kI8 = 8, kI4 = 4 };
+
+// One layer's K and V: data addressed in bytes, parameters (float32) per slot and KV head.
+struct Pool {
+  const char* k;
+  const char* v;
+  const float* kp;      // null for kF32
+  const float* vp;
+  int64_t slot_bytes;   // between two slots of the data
+  int64_t head_bytes;   // between two KV heads of one slot
+  int64_t slot_params;  // floats between two slots of the parameters (KVH * P)
+  int64_t head_params;  // P
+};
+
+// Row `slot` of KV head `h` widened to DV float vectors (still in its integer units: the
+// parameters are applied by the caller).
+template <Store S, int DV>
+inline void load_row(const char* base, int64_t slot, int64_t h, const Pool& pool, vf* x) {
+  const char* r = base + slot * pool.slot_bytes + h * pool.head_bytes;
+  if constexpr (S == kF32) {
+    for (int c = 0; c < DV; ++c) x[c] = *reinterpret_cast<const vf*>(r + c * kLanes * 4);
+  } else if constexpr (S == kI8) {
+    for (int c = 0; c < DV; ++c)
+      x[c] = __builtin_convertvector(*reinterpret_cast<const vi8*>(r + c * kLanes), vf);
+  } else {
+    for (int c = 0; c < DV / 2; ++c) {
+      const vu8 b = *reinterpret_cast<const vu8*>(r + c * kLanes);
+      x[c] = __builtin_convertvector(b & 15, vf);
+      x[c + DV / 2] = __builtin_convertvector(b >> 4, vf);
+    }
+  }
+}
+
 // One (row, KV head) with G query heads and head_dim D = 16 * DV known at compile time: the
 // queries and the G x D output accumulators stay in registers, each K and V row is loaded once
 // for all G heads.
-template <int G, int DV>
-void attend_fixed(const float* __restrict qh, const float* __restrict kp,
-                  const float* __restrict vp, const int64_t* table, int64_t first, int64_t len,
-                  int64_t bs, int64_t row_stride, int64_t head_off, float scale,
+template <Store S, int G, int DV>
+void attend_fixed(const float* __restrict qh, const Pool& pool, const int64_t* table,
+                  int64_t first, int64_t len, int64_t bs, int64_t h, float scale,
                   std::vector<float>& scores, float* __restrict out) {
   const int64_t span = len - first;
   scores.resize(static_cast<size_t>(G * span));
   float* __restrict sc = scores.data();
   vf q[G][DV];
-  for (int j = 0; j < G; ++j)
-    for (int c = 0; c < DV; ++c) q[j][c] = *reinterpret_cast<const vf*>(qh + (j * DV + c) * kLanes);
+  float qsum[G];
+  for (int j = 0; j < G; ++j) {
+    vf acc{};
+    for (int c = 0; c < DV; ++c) {
+      q[j][c] = *reinterpret_cast<const vf*>(qh + (j * DV + c) * kLanes);
+      acc += q[j][c];
+    }
+    qsum[j] = hsum(acc);
+  }
   float m[G];
   for (int j = 0; j < G; ++j) m[j] = -std::numeric_limits<float>::infinity();
   for (int64_t b = first / bs, p = first; p < len; ++b) {
     const int64_t stop = std::min(len, (b + 1) * bs);
-    const float* kr = kp + (table[b] * bs + p - b * bs) * row_stride + head_off;
-    for (; p < stop; ++p, kr += row_stride) {
+    for (int64_t slot = table[b] * bs + p - b * bs; p < stop; ++p, ++slot) {
       vf k[DV];
-      for (int c = 0; c < DV; ++c) k[c] = *reinterpret_cast<const vf*>(kr + c * kLanes);
+      load_row<S, DV>(pool.k, slot, h, pool, k);
+      float ks = scale, kl = 0.f;
+      if constexpr (S != kF32) {
+        const float* par = pool.kp + slot * pool.slot_params + h * pool.head_params;
+        ks = par[0] * scale;
+        if constexpr (S == kI4) kl = par[1] * scale;
+      }
       for (int j = 0; j < G; ++j) {
         vf acc = q[j][0] * k[0];
         for (int c = 1; c < DV; ++c) acc += q[j][c] * k[c];
-        const float s = hsum(acc) * scale;
+        float s = hsum(acc) * ks;
+        if constexpr (S == kI4) s += kl * qsum[j];
         sc[j * span + (p - first)] = s;
         m[j] = std::max(m[j], s);
       }
@@ -89,22 +146,59 @@ void attend_fixed(const float* __restrict qh, const float* __restrict kp,
     for (int64_t i = 0; i < span; ++i) s[i] *= inv;
   }
   vf o[G][DV];
-  for (int j = 0; j < G; ++j)
+  float lo_sum[G];
+  for (int j = 0; j < G; ++j) {
+    lo_sum[j] = 0.f;
     for (int c = 0; c < DV; ++c) o[j][c] = vf{};
+  }
   for (int64_t b = first / bs, p = first; p < len; ++b) {
     const int64_t stop = std::min(len, (b + 1) * bs);
-    const float* vr = vp + (table[b] * bs + p - b * bs) * row_stride + head_off;
-    for (; p < stop; ++p, vr += row_stride) {
+    for (int64_t slot = table[b] * bs + p - b * bs; p < stop; ++p, ++slot) {
       vf v[DV];
-      for (int c = 0; c < DV; ++c) v[c] = *reinterpret_cast<const vf*>(vr + c * kLanes);
+      load_row<S, DV>(pool.v, slot, h, pool, v);
+      float vs = 1.f, vl = 0.f;
+      if constexpr (S != kF32) {
+        const float* par = pool.vp + slot * pool.slot_params + h * pool.head_params;
+        vs = par[0];
+        if constexpr (S == kI4) vl = par[1];
+      }
       for (int j = 0; j < G; ++j) {
         const float w = sc[j * span + (p - first)];
-        for (int c = 0; c < DV; ++c) o[j][c] += w * v[c];
+        const float ws = S == kF32 ? w : w * vs;
+        for (int c = 0; c < DV; ++c) o[j][c] += ws * v[c];
+        if constexpr (S == kI4) lo_sum[j] += w * vl;
       }
     }
   }
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < DV; ++c) *reinterpret_cast<vf*>(out + (j * DV + c) * kLanes) = o[j][c];
+    for (int c = 0; c < DV; ++c) {
+      vf r = o[j][c];
+      if constexpr (S == kI4) r += lo_sum[j];
+      *reinterpret_cast<vf*>(out + (j * DV + c) * kLanes) = r;
+    }
+}
+
+// Row `slot` of KV head `h` as d plain floats (parameters applied), for `attend_any`.
+template <Store S>
+inline const float* row_floats(const char* base, const float* params, int64_t slot, int64_t h,
+                               int64_t d, const Pool& pool, float* tmp) {
+  const char* r = base + slot * pool.slot_bytes + h * pool.head_bytes;
+  if constexpr (S == kF32) {
+    return reinterpret_cast<const float*>(r);
+  } else {
+    const float* par = params + slot * pool.slot_params + h * pool.head_params;
+    if constexpr (S == kI8) {
+      const int8_t* x = reinterpret_cast<const int8_t*>(r);
+      for (int64_t i = 0; i < d; ++i) tmp[i] = par[0] * x[i];
+    } else {
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(r);
+      for (int64_t i = 0; i < d / 2; ++i) {
+        tmp[i] = par[1] + par[0] * (x[i] & 15);
+        tmp[i + d / 2] = par[1] + par[0] * (x[i] >> 4);
+      }
+    }
+    return tmp;
+  }
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
@@ -115,14 +209,17 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t d
 }
 
 // Any G and D: the same two passes with loops over them.
-void attend_any(const float* qh, const float* kp, const float* vp, const int64_t* table,
-                int64_t first, int64_t len, int64_t bs, int64_t row_stride, int64_t head_off,
-                int64_t g, int64_t d, float scale, std::vector<float>& scores, float* out) {
+template <Store S>
+void attend_any(const float* qh, const Pool& pool, const int64_t* table, int64_t first,
+                int64_t len, int64_t bs, int64_t h, int64_t g, int64_t d, float scale,
+                std::vector<float>& scores, float* out) {
   const int64_t span = len - first;
-  scores.resize(static_cast<size_t>(g * span));
+  scores.resize(static_cast<size_t>(g * span + d));
   float* sc = scores.data();
+  float* tmp = sc + g * span;
   for (int64_t p = first; p < len; ++p) {
-    const float* kr = kp + (table[p / bs] * bs + p % bs) * row_stride + head_off;
+    const float* kr = row_floats<S>(pool.k, pool.kp, table[p / bs] * bs + p % bs, h, d, pool,
+                                    tmp);
     for (int64_t j = 0; j < g; ++j) sc[j * span + (p - first)] = dot(qh + j * d, kr, d) * scale;
   }
   for (int64_t j = 0; j < g; ++j) {
@@ -141,7 +238,8 @@ void attend_any(const float* qh, const float* kp, const float* vp, const int64_t
   }
   std::fill(out, out + g * d, 0.f);
   for (int64_t p = first; p < len; ++p) {
-    const float* vr = vp + (table[p / bs] * bs + p % bs) * row_stride + head_off;
+    const float* vr = row_floats<S>(pool.v, pool.vp, table[p / bs] * bs + p % bs, h, d, pool,
+                                    tmp);
     for (int64_t j = 0; j < g; ++j) {
       const float w = sc[j * span + (p - first)];
       float* __restrict o = out + j * d;
@@ -151,52 +249,41 @@ void attend_any(const float* qh, const float* kp, const float* vp, const int64_t
   }
 }
 
-using FixedFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
-                         int64_t, int64_t, int64_t, int64_t, float, std::vector<float>&, float*);
+using FixedFn = void (*)(const float*, const Pool&, const int64_t*, int64_t, int64_t, int64_t,
+                         int64_t, float, std::vector<float>&, float*);
 
 // The fixed-shape instance for (g, d), or null: G 1..8, D 64 or 128.
-template <int... Gs>
+template <Store S, int... Gs>
 FixedFn pick_fixed(int64_t g, int64_t d, std::integer_sequence<int, Gs...>) {
   FixedFn fn = nullptr;
-  ((g == Gs + 1 && d == 64 ? (fn = &attend_fixed<Gs + 1, 4>, 0) : 0), ...);
-  ((g == Gs + 1 && d == 128 ? (fn = &attend_fixed<Gs + 1, 8>, 0) : 0), ...);
+  ((g == Gs + 1 && d == 64 ? (fn = &attend_fixed<S, Gs + 1, 4>, 0) : 0), ...);
+  ((g == Gs + 1 && d == 128 ? (fn = &attend_fixed<S, Gs + 1, 8>, 0) : 0), ...);
   return fn;
 }
 
-}  // namespace
-
-void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
-                            const torch::Tensor& v_pool, const torch::Tensor& tables,
-                            const torch::Tensor& lens, double scale, int64_t window,
-                            torch::Tensor& out) {
-  TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.dim() == 4, "bad ranks");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_pool.scalar_type() == torch::kFloat &&
-                  v_pool.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat,
-              "float32 only");
-  TORCH_CHECK(tables.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong,
-              "int64 tables and lengths");
-  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  tables.is_contiguous() && lens.is_contiguous() && out.is_contiguous(),
-              "contiguous tensors only");
+// The shared driver. `tables` has one row per query row, or one row they all share (a prefill
+// chunk's query tokens over its one context).
+template <Store S>
+void run(const torch::Tensor& q, const Pool& pool, int64_t nb, int64_t bs,
+         const torch::Tensor& tables, const torch::Tensor& lens, double scale, int64_t window,
+         torch::Tensor& out) {
   const int64_t n = q.size(0), kvh = q.size(1), g = q.size(2), d = q.size(3);
-  const int64_t nb = k_pool.size(0), bs = k_pool.size(1), mb = tables.size(1);
-  TORCH_CHECK(k_pool.size(2) == kvh && k_pool.size(3) == d && v_pool.sizes() == k_pool.sizes(),
-              "pool and query disagree");
-  TORCH_CHECK(tables.size(0) == n && lens.size(0) == n, "one table and length per row");
+  const int64_t mb = tables.size(1);
+  TORCH_CHECK(tables.size(0) == n || tables.size(0) == 1, "one table per row, or one shared");
+  TORCH_CHECK(lens.size(0) == n, "one length per row");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out and q disagree");
+  const int64_t table_stride = tables.size(0) == 1 ? 0 : mb;
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const int64_t row_stride = kvh * d;  // between two slots of the pool
-  const FixedFn fixed = pick_fixed(g, d, std::make_integer_sequence<int, 8>{});
+  const FixedFn fixed = pick_fixed<S>(g, d, std::make_integer_sequence<int, 8>{});
 
   for (int64_t r = 0; r < n; ++r) {
     const int64_t len = std::min(lp[r], mb * bs);
     const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t* table = tp + r * mb;
+    const int64_t* table = tp + r * table_stride;
     for (int64_t b = first / bs; len > first && b <= (len - 1) / bs; ++b)
       TORCH_CHECK(table[b] >= 0 && table[b] < nb, "block id ", table[b], " of row ", r,
                   " is outside the pool of ", nb, " blocks");
@@ -215,16 +302,85 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
         continue;
       }
       const float* qh = qp + (r * kvh + h) * g * d;
+      const int64_t* table = tp + r * table_stride;
       if (fixed != nullptr)
-        fixed(qh, kp, vp, tp + r * mb, first, len, bs, row_stride, h * d, sc, scores, oh);
+        fixed(qh, pool, table, first, len, bs, h, sc, scores, oh);
       else
-        attend_any(qh, kp, vp, tp + r * mb, first, len, bs, row_stride, h * d, g, d, sc, scores,
-                   oh);
+        attend_any<S>(qh, pool, table, first, len, bs, h, g, d, sc, scores, oh);
     }
   });
+}
+
+void check_common(const torch::Tensor& q, const torch::Tensor& tables, const torch::Tensor& lens,
+                  const torch::Tensor& out) {
+  TORCH_CHECK(q.dim() == 4 && out.dim() == 4 && tables.dim() == 2 && lens.dim() == 1,
+              "bad ranks");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat,
+              "float32 queries and output");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong,
+              "int64 tables and lengths");
+  TORCH_CHECK(q.is_contiguous() && tables.is_contiguous() && lens.is_contiguous() &&
+                  out.is_contiguous(),
+              "contiguous tensors only");
+}
+
+}  // namespace
+
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
+                            const torch::Tensor& v_pool, const torch::Tensor& tables,
+                            const torch::Tensor& lens, double scale, int64_t window,
+                            torch::Tensor& out) {
+  check_common(q, tables, lens, out);
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4, "bad pool ranks");
+  TORCH_CHECK(k_pool.scalar_type() == torch::kFloat && v_pool.scalar_type() == torch::kFloat,
+              "float32 pools");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous pools");
+  const int64_t kvh = q.size(1), d = q.size(3);
+  TORCH_CHECK(k_pool.size(2) == kvh && k_pool.size(3) == d && v_pool.sizes() == k_pool.sizes(),
+              "pool and query disagree");
+  const Pool pool{static_cast<const char*>(k_pool.data_ptr()),
+                  static_cast<const char*>(v_pool.data_ptr()), nullptr, nullptr,
+                  kvh * d * 4, d * 4, 0, 0};
+  run<kF32>(q, pool, k_pool.size(0), k_pool.size(1), tables, lens, scale, window, out);
+}
+
+void paged_decode_attention_quant(const torch::Tensor& q, const torch::Tensor& k_data,
+                                  const torch::Tensor& v_data, const torch::Tensor& k_params,
+                                  const torch::Tensor& v_params, const torch::Tensor& tables,
+                                  const torch::Tensor& lens, double scale, int64_t window,
+                                  int64_t bits, torch::Tensor& out) {
+  check_common(q, tables, lens, out);
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  TORCH_CHECK(k_data.dim() == 4 && v_data.sizes() == k_data.sizes() && k_params.dim() == 4 &&
+                  v_params.sizes() == k_params.sizes(),
+              "bad pool shapes");
+  TORCH_CHECK(k_data.scalar_type() == (bits == 8 ? torch::kChar : torch::kByte) &&
+                  v_data.scalar_type() == k_data.scalar_type(),
+              bits == 8 ? "int8 data" : "uint8 data");
+  TORCH_CHECK(k_params.scalar_type() == torch::kFloat && v_params.scalar_type() == torch::kFloat,
+              "float32 parameters");
+  TORCH_CHECK(k_data.is_contiguous() && v_data.is_contiguous() && k_params.is_contiguous() &&
+                  v_params.is_contiguous(),
+              "contiguous pools");
+  const int64_t kvh = q.size(1), d = q.size(3);
+  const int64_t dd = bits == 8 ? d : d / 2, np = bits == 8 ? 1 : 2;
+  TORCH_CHECK(bits == 8 || d % 2 == 0, "int4 needs an even head_dim");
+  TORCH_CHECK(k_data.size(2) == kvh && k_data.size(3) == dd && k_params.size(2) == kvh &&
+                  k_params.size(3) == np && k_params.size(0) == k_data.size(0) &&
+                  k_params.size(1) == k_data.size(1),
+              "pool, parameters and query disagree");
+  const Pool pool{static_cast<const char*>(k_data.data_ptr()),
+                  static_cast<const char*>(v_data.data_ptr()), k_params.data_ptr<float>(),
+                  v_params.data_ptr<float>(), kvh * dd, dd, kvh * np, np};
+  if (bits == 8)
+    run<kI8>(q, pool, k_data.size(0), k_data.size(1), tables, lens, scale, window, out);
+  else
+    run<kI4>(q, pool, k_data.size(0), k_data.size(1), tables, lens, scale, window, out);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV pool, reading blocks through the block table (CPU).");
+  m.def("paged_decode_attention_quant", &paged_decode_attention_quant,
+        "The same over an int8 or int4 pool with per (slot, KV head) parameters (CPU).");
 }
