@@ -25,6 +25,7 @@ from vconsole.commands.flags import (
     int_list,
     port,
 )
+from vconsole.shared.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _handler(target: str) -> Callable[[argparse.Namespace], int]:
@@ -219,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
     p.add_argument("name", choices=["throughput", "scheduler", "kvmap", "telemetry", "console",
-                                    "dp", "soak", "serve", "quality", "kv-ideas"],
+                                    "dp", "soak", "serve", "quality", "kv-ideas",
+                                    "kv-grouping"],
                    help="which benchmark: model throughput against transformers, the "
                         "scheduler's per-step cost, the KV map's engine-to-console round trip, "
                         "telemetry's cost to throughput, the console's lag and CPU, 2 "
@@ -273,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "32)")
     p.add_argument("--new-tokens", type=int, default=32, metavar="N",
                    help="quality: greedy tokens per chat prompt (default 32)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="quality, throughput: the engine's KV cache storage (default auto); "
+                        "quality then also runs auto and reports the greedy match against it")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="quality, throughput: the engine's weight quantization (default none)")
     p.add_argument("--runs", type=int, default=5,
                    help="throughput: repetitions; the JSON gives each run and the median/worst "
                         "ratios (default 5)")

@@ -56,7 +56,8 @@ def main(args: argparse.Namespace) -> int:
 
         try:
             out = quality_bench(args.model, args.windows, args.window_tokens, args.chat_prompts,
-                                args.new_tokens, log=log)
+                                args.new_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                                quantization=args.quantization, log=log)
         except ValueError as e:         # a model that cannot load, windows the text lacks
             return fail("bench", str(e), 2)
         print(json.dumps(out, indent=None if args.json else 2))
@@ -65,6 +66,10 @@ def main(args: argparse.Namespace) -> int:
         from vconsole.tools.bench.kv_ideas import kv_ideas_bench
 
         out = kv_ideas_bench(log=log, num_requests=args.num_requests)
+    elif args.name == "kv-grouping":
+        from vconsole.tools.bench.kv_grouping import kv_grouping_bench
+
+        out = kv_grouping_bench(args.model, min(args.windows, 16), args.window_tokens, log=log)
     elif args.name == "dp":
         from vconsole.tools.bench.dp import dp_bench
 

@@ -52,6 +52,24 @@ def _per_channel(x: torch.Tensor, bits: int, asym: bool) -> torch.Tensor:
     return y[:, :, :t]
 
 
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of order ``n`` (a power of two)."""
+    if n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, not {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(n)
+
+
+def _rotated(x: torch.Tensor, bits: int, asym: bool) -> torch.Tensor:
+    """Round ``x`` per row after a Hadamard rotation of each head (outlier channels spread over
+    all of them), and rotate back: what attention sees when q and k (and v and the output) are
+    rotated alike, since an orthonormal rotation leaves dot products unchanged."""
+    h = hadamard(x.shape[-1]).to(x.dtype)
+    return _per_row(x @ h, bits, asym) @ h.T
+
+
 Scheme = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 SCHEMES: dict[str, Scheme | None] = {
@@ -68,6 +86,10 @@ SCHEMES: dict[str, Scheme | None] = {
         lambda k, v: (_per_row(k, 4, True, 32), _per_row(v, 4, True, 32)),
     "int4 keys per channel (KIVI), values per token-head, with minimum":
         lambda k, v: (_per_channel(k, 4, True), _per_row(v, 4, True)),
+    "int4 per token-head, symmetric, Hadamard-rotated":
+        lambda k, v: (_rotated(k, 4, False), _rotated(v, 4, False)),
+    "int4 per token-head, with minimum, Hadamard-rotated":
+        lambda k, v: (_rotated(k, 4, True), _rotated(v, 4, True)),
 }
 
 _active: dict[str, Scheme | None] = {"scheme": None}
@@ -84,7 +106,8 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 def kv_grouping_bench(model: str = "smollm2", windows: int = 16, window_tokens: int = 512,
-                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                      log: Callable[[str], None] | None = None,
+                      only: list[str] | None = None) -> dict[str, Any]:
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
     from vconsole.engine.worker.model_loader import resolve_model_path
@@ -101,6 +124,8 @@ def kv_grouping_bench(model: str = "smollm2", windows: int = 16, window_tokens: 
     rows: list[dict[str, Any]] = []
     base = None
     for name, scheme in SCHEMES.items():
+        if only is not None and name != "none" and not any(o in name for o in only):
+            continue
         say(f"{name}: perplexity over {windows} windows of {window_tokens} tokens")
         _active["scheme"] = scheme
         try:

@@ -22,6 +22,13 @@ cache): two figures, each beside transformers' own in the same run.
 
 Targets (issue #29): ``|rel_diff| <= 0.1%`` and at least 31 of 32 prompts equal, every miss a
 near-tie; ``passed`` says whether the run met them.
+
+**Compressed runs** (``kv_cache_dtype`` int8 / int4, ``quantization`` int8; issue #30) change the
+numbers on purpose, so they are judged by their own budget: ``rel_diff`` at most
+`COMPRESSED_TARGETS` (the sum when both are on; one-sided: being better is fine). The greedy
+tokens are also compared against the engine with ``auto`` storage and float weights
+(``greedy_match_vs_auto``), and every miss is described the same way; the greedy figures are
+reported, not judged.
 """
 
 from __future__ import annotations
@@ -36,10 +43,13 @@ import torch
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import run_batch
 from vconsole.engine.request import SamplingParams
-from vconsole.shared.config import EngineConfig
+from vconsole.shared.config import EngineConfig, canonical_kv_cache_dtype
 
 NEAR_TIE = 1e-4              # top-2 logit gap below which a flipped token is float reassociation
 TARGET_REL_DIFF = 1e-3
+# Perplexity budgets of the compressed formats against float32 (issue #30's goals).
+COMPRESSED_TARGETS = {"int8_per_token_head": 0.002, "int4_per_token_head": 0.03,
+                      "weights int8": 0.01}
 TARGET_GREEDY_MISSES = 1     # of 32
 REFERENCE_BATCH = 4          # windows per transformers forward
 STEP_TOKENS = 1000           # the engine's max_num_batched_tokens here
@@ -219,9 +229,13 @@ def describe_miss(index: int, engine: list[int], reference: list[int],
 
 def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int = 512,
                   num_chat_prompts: int = 32, new_tokens: int = 32,
-                  max_num_batched_tokens: int = STEP_TOKENS,
+                  max_num_batched_tokens: int = STEP_TOKENS, kv_cache_dtype: str = "auto",
+                  quantization: str | None = None,
                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
     say = log or (lambda _m: None)
+    kv_cache_dtype = canonical_kv_cache_dtype(kv_cache_dtype)
+    budgets = ([COMPRESSED_TARGETS[kv_cache_dtype]] if kv_cache_dtype != "auto" else []) + \
+        ([COMPRESSED_TARGETS[f"weights {quantization}"]] if quantization else [])
     if not 1 <= num_chat_prompts <= len(CHAT_PROMPTS):
         raise ValueError(f"chat prompts must be 1..{len(CHAT_PROMPTS)}")
     if windows < 1 or window_tokens < 2:
@@ -229,7 +243,8 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
     timings: dict[str, float] = {}
     t = time.perf_counter()
     core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32",
-                                   max_num_batched_tokens=max_num_batched_tokens))
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   kv_cache_dtype=kv_cache_dtype, quantization=quantization))
     timings["engine_load_s"] = time.perf_counter() - t
     tokenizer = core.tokenizer
     texts = token_windows(tokenizer, windows, window_tokens)
@@ -245,6 +260,15 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
     timings["engine_greedy_s"] = time.perf_counter() - t
     path = core.runner.info.path
     del core
+    auto_tokens = None
+    if budgets:
+        say(f"engine, auto KV and float weights: greedy, {len(prompts)} chat prompts")
+        t = time.perf_counter()
+        auto = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32",
+                                       max_num_batched_tokens=max_num_batched_tokens))
+        auto_tokens = engine_greedy(auto, prompts, new_tokens)
+        del auto
+        timings["auto_greedy_s"] = time.perf_counter() - t
 
     from transformers import AutoModelForCausalLM
 
@@ -259,10 +283,15 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
     say("transformers: generate(do_sample=False)")
     t = time.perf_counter()
     misses = []
+    auto_misses = []
     for i, (ids, got) in enumerate(zip(prompts, engine_tokens, strict=True)):
         want, logits = reference_greedy(ref, ids, new_tokens)
         if got != want:
             misses.append(describe_miss(i, got, want, logits))
+        if auto_tokens is not None and got != auto_tokens[i]:
+            # Described at the first step where the two engines part, by transformers' logits
+            # there when transformers followed auto that far (as it does but for near-ties).
+            auto_misses.append(describe_miss(i, got, auto_tokens[i], logits))
     timings["reference_greedy_s"] = time.perf_counter() - t
 
     count = windows * (window_tokens - 1)
@@ -272,21 +301,31 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
     window_diffs = [abs(a - b) / (window_tokens - 1) for a, b in zip(engine_nll, ref_nll,
                                                                      strict=True)]
     matched = len(prompts) - len(misses)
-    passed = (abs(rel_diff) <= TARGET_REL_DIFF
-              and len(misses) <= TARGET_GREEDY_MISSES * len(prompts) / len(CHAT_PROMPTS)
-              and all(m["kind"] == "float reassociation" for m in misses))
+    if budgets:
+        target: dict[str, Any] = {"rel_diff_max": sum(budgets),
+                                  "greedy": "reported, not judged"}
+        passed = rel_diff <= sum(budgets)
+    else:
+        target = {"abs_rel_diff_max": TARGET_REL_DIFF,
+                  "greedy_min": f"{len(CHAT_PROMPTS) - TARGET_GREEDY_MISSES}/"
+                                f"{len(CHAT_PROMPTS)}, every miss a near-tie"}
+        passed = (abs(rel_diff) <= TARGET_REL_DIFF
+                  and len(misses) <= TARGET_GREEDY_MISSES * len(prompts) / len(CHAT_PROMPTS)
+                  and all(m["kind"] == "float reassociation" for m in misses))
+    compared: dict[str, Any] = {}
+    if auto_tokens is not None:
+        compared = {"greedy_match_vs_auto": f"{len(prompts) - len(auto_misses)}/{len(prompts)}",
+                    "greedy_matched_vs_auto": len(prompts) - len(auto_misses),
+                    "misses_vs_auto": auto_misses}
     return {
-        "benchmark": "quality", "model": model, "model_path": path,
+        "benchmark": "quality", "model": model, "model_path": str(path),
+        "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
         "text": "pydoc_data.topics", "windows": windows, "window_tokens": window_tokens,
         "tokens_scored": count, "ppl": ppl, "reference_ppl": reference_ppl,
         "rel_diff": rel_diff, "max_window_nll_diff_per_token": max(window_diffs),
         "greedy_match": f"{matched}/{len(prompts)}", "greedy_matched": matched,
         "greedy_prompts": len(prompts), "new_tokens": new_tokens, "misses": misses,
-        "near_tie": NEAR_TIE,
-        "targets": {"abs_rel_diff_max": TARGET_REL_DIFF,
-                    "greedy_min": f"{len(CHAT_PROMPTS) - TARGET_GREEDY_MISSES}/"
-                                  f"{len(CHAT_PROMPTS)}, every miss a near-tie"},
-        "passed": passed, "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        **compared, "near_tie": NEAR_TIE, "targets": target, "passed": passed, "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "torch_threads": torch.get_num_threads(),
     }
 
