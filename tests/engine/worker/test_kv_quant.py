@@ -1,0 +1,228 @@
+"""Quantized KV blocks (issue #30): the codes' round trips, the CPU kernel reading int8 / int4
+blocks in place, the pool's capacity in bytes, and a real engine on them (greedy output against
+``auto``, the kernel against the torch path, prefix-cache hits, preemption, a bad value)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vconsole.cli import build_parser
+from vconsole.engine.core import EngineCore
+from vconsole.engine.offline import greedy_requests, run_batch
+from vconsole.engine.request import SamplingParams
+from vconsole.engine.worker import attention_kernel, kv_quant
+from vconsole.shared.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, validate_config
+
+HAVE_CXX = shutil.which("c++") is not None or shutil.which("g++") is not None
+QUANTIZED = ("int8_per_token_head", "int4_per_token_head")
+
+
+def _rows(seed: int, n: int = 300, d: int = 64) -> torch.Tensor:
+    """K-like rows: normal values, a few outlier channels, some all-zero rows."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, d, generator=gen)
+    x[:, :, 5] *= 20.0
+    x[:, :, d - 7] += 9.0
+    x[::50] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_round_trip_is_within_half_a_step(name):
+    fmt = kv_quant.kv_format(name)
+    x = _rows(1)
+    data, params = kv_quant.quantize(fmt, x)
+    assert data.dtype == fmt.data_dtype and data.shape[-1] == fmt.data_dim(64)
+    assert params.shape == (*x.shape[:-1], fmt.params) and params.dtype == torch.float32
+    back = kv_quant.dequantize(fmt, data, params)
+    err = (back - x).abs()
+    assert (err <= kv_quant.bound(fmt, x) * (1 + 1e-5) + 1e-7).all()
+    assert (back[::50] == 0).all()  # zero rows stay zero (padding reads stay finite)
+    # The bound is tight enough to mean something: int8 within 0.4% of a row's largest value.
+    if fmt.bits == 8:
+        assert (err.amax(-1) <= x.abs().amax(-1) / 254 * 1.0001 + 1e-7).all()
+
+
+def test_aliases_and_bytes_per_token():
+    assert kv_quant.kv_format("int8") is kv_quant.kv_format("int8_per_token_head")
+    assert kv_quant.kv_format("int4").name == "int4_per_token_head"
+    auto, i8, i4 = (kv_quant.kv_format(n) for n in ("auto", "int8", "int4"))
+    # SmolLM2's shape: 30 layers, 3 KV heads, head_dim 64, float32.
+    f32 = auto.bytes_per_token(30, 3, 64, 4)
+    assert f32 == 2 * 30 * 3 * 64 * 4
+    assert i8.bytes_per_token(30, 3, 64, 4) == 2 * 30 * 3 * (64 + 4)
+    assert i4.bytes_per_token(30, 3, 64, 4) == 2 * 30 * 3 * (32 + 8)
+    assert 3.7 < f32 / i8.bytes_per_token(30, 3, 64, 4) < 3.8
+    assert 6.3 < f32 / i4.bytes_per_token(30, 3, 64, 4) < 6.5
+
+
+def test_a_bad_kv_cache_dtype_is_refused_with_the_valid_ones(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["engine", "--kv-cache-dtype", "int3"])
+    err = capsys.readouterr().err
+    assert "int3" in err and all(name in err for name in KV_CACHE_DTYPES)
+    with pytest.raises(ConfigError) as e:
+        validate_config({"kv_cache_dtype": "int3"})
+    assert all(name in str(e.value.reasons["kv_cache_dtype"]) for name in KV_CACHE_DTYPES)
+
+
+# --- the kernel -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not HAVE_CXX:
+        pytest.skip("no C++ compiler: the engine runs the torch path")
+    module = attention_kernel.load()
+    assert module is not None, f"the kernel did not build: {attention_kernel.reason()}"
+    return module
+
+
+def _reference(q, k, v, tables, lens, scale, window):
+    """Dequantized pool, gathered per row, masked SDPA."""
+    n, kvh, g, d = q.shape
+    bs = k.shape[1]
+    out = torch.empty_like(q)
+    for r in range(n):
+        table = tables[r if tables.shape[0] > 1 else 0]
+        length = int(lens[r])
+        slots = torch.cat([torch.arange(b * bs, b * bs + bs) for b in table.tolist()])[:length]
+        if window:
+            slots = slots[max(0, length - window):]
+        ks = k.reshape(-1, kvh, d)[slots].transpose(0, 1)     # (KVH, L, d)
+        vs = v.reshape(-1, kvh, d)[slots].transpose(0, 1)
+        out[r] = F.scaled_dot_product_attention(q[r], ks, vs, scale=scale)
+    return out
+
+
+# head_dim 64 / 128 take the fixed-shape path, 32 and 48 the plain loops.
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("kvh,g,d", [(3, 3, 64), (2, 1, 64), (1, 2, 128), (2, 2, 32),
+                                     (1, 3, 48)])
+@pytest.mark.parametrize("window,shared", [(0, False), (6, False), (0, True)])
+def test_kernel_reads_quantized_blocks_as_dequantize_then_sdpa(kernel, name, kvh, g, d, window,
+                                                              shared):
+    fmt = kv_quant.kv_format(name)
+    gen = torch.Generator().manual_seed(kvh * 1000 + g * 100 + d + window)
+    nb, bs = 41, 8
+    layer = kv_quant.allocate(fmt, 1, nb, bs, kvh, d, torch.float32, torch.device("cpu"))[0]
+    k = torch.randn(nb * bs, kvh, d, generator=gen) * 2 + 0.3
+    v = torch.randn(nb * bs, kvh, d, generator=gen)
+    kv_quant.write(fmt, layer, torch.arange(nb * bs), k, v)
+    assert layer.k.dtype == fmt.data_dtype   # stored quantized, in the pool
+    lens = torch.tensor([1, 8, 9, 30, 57, 3])
+    tables = torch.randint(0, nb, (1 if shared else len(lens), 8), generator=gen)
+    q = torch.randn(len(lens), kvh, g, d, generator=gen)
+    out = torch.empty_like(q)
+    kernel.paged_decode_attention_quant(q, layer.k, layer.v, layer.k_params, layer.v_params,
+                                        tables, lens, d ** -0.5, window, fmt.bits, out)
+    kd = kv_quant.dequantize(fmt, layer.k, layer.k_params)
+    vd = kv_quant.dequantize(fmt, layer.v, layer.v_params)
+    want = _reference(q, kd, vd, tables, lens, d ** -0.5, window)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_refuses_mismatched_quantized_pools(kernel):
+    fmt = kv_quant.kv_format("int4")
+    layer = kv_quant.allocate(fmt, 1, 4, 4, 2, 8, torch.float32, torch.device("cpu"))[0]
+    q = torch.randn(2, 2, 1, 8)
+    tables = torch.zeros(2, 1, dtype=torch.int64)
+    lens = torch.ones(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="int8 data"):   # int4 data read as int8
+        kernel.paged_decode_attention_quant(q, layer.k, layer.v, layer.k_params,
+                                            layer.v_params, tables, lens, 1.0, 0, 8,
+                                            torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernel.paged_decode_attention_quant(q, layer.k, layer.v, layer.k_params,
+                                            layer.v_params, tables + 9, lens, 1.0, 0, 4,
+                                            torch.empty_like(q))
+
+
+# --- a real engine ----------------------------------------------------------------------------
+
+PROMPTS = [[(7 * i + j * 3) % 200 + 5 for j in range(20 + 13 * i)] for i in range(8)]
+NEAR_TIE = 0.25   # top-2 logprob gap of `auto` under which int8's rounding may pick the other
+
+
+def _engine(kv_cache_dtype: str, **kw) -> EngineCore:
+    values = {"model": "tiny", "device": "cpu", "dtype": "float32", "max_num_seqs": 8,
+              "max_num_batched_tokens": 40, "num_kv_blocks": 64, **kw}
+    return EngineCore(EngineConfig(kv_cache_dtype=kv_cache_dtype, **values))
+
+
+def test_greedy_int8_equals_auto_on_tiny_but_at_named_near_ties():
+    """Chunked prefills read quantized context, decodes read quantized blocks; each prompt's
+    tokens equal auto's, or part from them where auto's top two were within NEAR_TIE."""
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    auto = _engine("auto")
+    base = run_batch(auto, [auto.make_request(f"r{i}", prompt_token_ids=p, sampling=sp)
+                            for i, p in enumerate(PROMPTS)])
+    core = _engine("int8")
+    assert core.runner.kv_caches[0].k.dtype == torch.int8
+    got = run_batch(core, greedy_requests(core, PROMPTS, 24, ignore_eos=True)).output_token_ids
+    equal = 0
+    for want, lps, tokens in zip(base.output_token_ids, base.outputs, got, strict=True):
+        assert len(tokens) == len(want) == 24
+        step = next((s for s, (a, b) in enumerate(zip(want, tokens, strict=True))
+                     if a != b), None)
+        if step is None:
+            equal += 1
+            continue
+        _, _, top = lps.logprobs[step]
+        assert top[0] - top[1] < NEAR_TIE, f"parted at step {step}, auto's gap {top}"
+    assert equal >= len(PROMPTS) // 2
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="no C++ compiler: no kernel to compare")
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_kernel_and_torch_path_agree_on_quantized_blocks(kernel, name, monkeypatch):
+    tokens = {}
+    for mode in ("auto", "torch"):
+        monkeypatch.setenv(attention_kernel.KERNEL_ENV, mode)
+        monkeypatch.setattr(attention_kernel, "_state", {})
+        core = _engine(name)
+        assert (core.runner._decode_kernel is not None) == (mode == "auto")
+        tokens[mode] = run_batch(core, greedy_requests(core, PROMPTS, 12)).output_token_ids
+    assert tokens["auto"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_prefix_cache_hits_on_quantized_blocks(name):
+    """A second request with the same 48-token prefix reuses the stored blocks as they are and
+    decodes what a cold engine decodes from the same cached state."""
+    prefix = [(11 * j) % 200 + 5 for j in range(48)]
+    first, second = prefix + [7, 8, 9], prefix + [10, 11]
+    core = _engine(name)
+    run_batch(core, greedy_requests(core, [first], 8, ignore_eos=True))
+    out = run_batch(core, greedy_requests(core, [second], 8, ignore_eos=True))
+    assert out.outputs[0].num_cached_tokens == 48
+    # The same again: identical tokens from identical (cached, quantized) blocks.
+    again = run_batch(core, greedy_requests(core, [second], 8, ignore_eos=True))
+    assert again.outputs[0].num_cached_tokens == 48
+    assert again.output_token_ids == out.output_token_ids
+
+
+def test_capacity_follows_kv_cache_memory_bytes():
+    budget = 64 * 16 * _engine("auto", num_kv_blocks=4).runner.kv_bytes_per_token
+    blocks = {}
+    for name in ("auto", "int8", "int4"):
+        core = _engine(name, num_kv_blocks=None, kv_cache_memory_bytes=budget)
+        blocks[name] = core.num_kv_blocks
+        assert core.runner.kv_cache_bytes_per_block(16) * core.num_kv_blocks <= budget
+        assert core.model_info()["kv_bytes_per_token"] == core.runner.kv_bytes_per_token
+    assert blocks["auto"] == 64
+    assert blocks["int8"] >= 3.7 * 64 and blocks["int4"] >= 6.3 * 64
+    with pytest.raises(ValueError, match="holds no block"):
+        _engine("int8", num_kv_blocks=None, kv_cache_memory_bytes=100)
+
+
+def test_preemption_on_a_small_quantized_pool_completes_every_request():
+    """Eight requests on 12 blocks: they preempt each other, recompute into quantized blocks
+    and all finish with their full length."""
+    core = _engine("int4", num_kv_blocks=12, max_num_seqs=8)
+    result = run_batch(core, greedy_requests(core, PROMPTS, 16, ignore_eos=True))
+    assert [len(t) for t in result.output_token_ids] == [16] * len(PROMPTS)
+    assert core.scheduler.num_preemptions_total > 0
