@@ -160,3 +160,15 @@ def test_the_ports_line_names_what_it_checked_when_free():
     check = doctor.check_ports(where="the defaults")
     if check.status == doctor.OK:
         assert check.detail.startswith("free on the defaults: input 5570, output 5571")
+
+
+def test_with_no_engine_the_kv_check_lists_the_formats_and_what_each_holds(tmp_path):
+    eps = {n: f"ipc://{tmp_path}/{n}" for n in ("input", "output", "telemetry", "control")}
+    check = doctor.check_kv_cache(eps, "the endpoints given")
+    assert check.status == doctor.OK and "no engine on the endpoints given" in check.detail
+    # every canonical format, each quantized one with its tokens per byte against float32
+    # (kv_quant's sizes at head_dim 64: 256 / 68 and 256 / 40)
+    assert "auto (the model's dtype" in check.detail
+    assert "int8_per_token_head (3.8x float32's tokens)" in check.detail
+    assert "int4_per_token_head (6.4x float32's tokens)" in check.detail
+    assert "int8," not in check.detail and "int4," not in check.detail   # no alias twice

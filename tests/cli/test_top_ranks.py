@@ -58,6 +58,25 @@ def test_the_aggregate_sums_queues_weights_kv_by_blocks_and_averages_the_dummy_s
     assert agg["world_size"] == 2 and agg["ranks"] == 2
 
 
+def test_the_aggregate_names_the_groups_kv_format_and_sums_its_capacity():
+    one, two = (bodies(0, 1, used=1, blocks=100, tok_s=1.0, dummy_share=0.0, steps=1, wave=1)
+                for _ in range(2))
+    for b, dtype in ((one, "int8_per_token_head"), (two, "int8_per_token_head")):
+        b["kv"].update(cache_dtype=dtype, bytes_per_token=1088, capacity_tokens=1600,
+                       pool_bytes=1600 * 1088)
+    agg = aggregate({0: one, 1: two})
+    assert (agg["kv_cache_dtype"], agg["kv_bytes_per_token"]) == ("int8_per_token_head", 1088)
+    assert agg["kv_capacity_tokens"] == 3200 and agg["kv_pool_bytes"] == 2 * 1600 * 1088
+    two["kv"].update(cache_dtype="float32", bytes_per_token=4096)   # ranks that disagree
+    agg = aggregate({0: one, 1: two})
+    assert agg["kv_cache_dtype"] == "float32, int8_per_token_head"
+    assert agg["kv_bytes_per_token"] is None
+    for b in (one, two):                      # engines from before the KV dtypes
+        b["kv"] = {"num_used": 1, "num_blocks": 100}
+    agg = aggregate({0: one, 1: two})
+    assert agg["kv_cache_dtype"] is None and agg["kv_capacity_tokens"] is None
+
+
 def test_imbalance_is_max_over_mean_and_flags_only_real_load():
     assert imbalance([5]) is None
     assert imbalance([0, 0]) == 1.0
@@ -126,6 +145,11 @@ def test_top_once_json_gives_each_rank_and_the_aggregate(ctx, capsys):
     assert agg["kv_usage"] == pytest.approx(
         (r0["kv"]["num_used"] + r1["kv"]["num_used"]) / 2048)
     assert agg["world_size"] == 2 and agg["wave"] == max(r0["dp"]["wave"], r1["dp"]["wave"])
+    # how each rank's pool stores tokens, and the group's capacity (issue #30)
+    assert r0["kv"]["cache_dtype"] == r1["kv"]["cache_dtype"] == agg["kv_cache_dtype"] \
+        == "int8_per_token_head"
+    assert agg["kv_bytes_per_token"] == r0["kv"]["bytes_per_token"] == 67_584
+    assert agg["kv_capacity_tokens"] == r0["kv"]["capacity_tokens"] * 2 == 2 * 1024 * 16
 
 
 def test_top_of_a_lone_engine_keeps_its_shape(ctx):
@@ -138,6 +162,11 @@ def test_top_of_a_lone_engine_keeps_its_shape(ctx):
     assert "ranks" not in snap and set(snap) >= set(top.WAIT_FOR)
     assert not set(snap) & set(DP_TOPICS)
     assert list(snap) == [t for t in top.TOPICS if t in snap]
+    kv = snap["kv"]        # ``top --once --json | jq .kv.cache_dtype``
+    assert (kv["cache_dtype"], kv["bytes_per_token"], kv["capacity_tokens"], kv["pool_bytes"]) \
+        == ("int8_per_token_head", 67_584, 1024 * 16, 1024 * 16 * 67_584)
+    line = top.format_line(snap)
+    assert "kv_dtype=int8_per_token_head" in line
 
 
 def test_top_names_the_rank_it_never_heard(ctx):

@@ -145,6 +145,13 @@ def test_overview_latency_panel(snap_compare, size):
     assert snap_compare(latency_app(), terminal_size=size, run_before=settle)
 
 
+# Issue #30: the synthetic stream's engine stores int8 KV blocks and says so (dtype, bytes per
+# token, capacity): the Overview's KV panel border above, and the KV screen's legend here.
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_kv_map_names_how_the_pool_stores_tokens(snap_compare, size):
+    assert snap_compare(latency_app(), press=["3"], terminal_size=size, run_before=settle)
+
+
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
 def test_trends_last_minute(snap_compare, size):
     assert snap_compare(latency_app(), press=["5", "t", "t"], terminal_size=size,

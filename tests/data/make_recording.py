@@ -13,7 +13,8 @@ from support.synthetic import write_recording  # noqa: E402
 
 if __name__ == "__main__":
     out = Path(__file__).with_name("synthetic.vrec")
-    # Without the ``latency`` topic: the recording stands for a stream from an engine that
-    # predates it, which the console must still show (its latency plots say "no latency data").
-    n = write_recording(out, duration_s=30.0, seed=0, latency=False)
+    # Without the ``latency`` topic and the KV format fields: the recording stands for a stream
+    # from an engine that predates them, which the console must still show (its latency plots
+    # say "no latency data"; the KV panel names no dtype).
+    n = write_recording(out, duration_s=30.0, seed=0, latency=False, kv_format=None)
     print(f"wrote {n} records to {out} ({out.stat().st_size:,} bytes)")

@@ -28,11 +28,14 @@ from typing import Any
 import numpy as np
 
 from vconsole.engine.latency import LatencyStats
-from vconsole.shared.config import EngineConfig, describe_config
+from vconsole.shared.config import KV_CACHE_DTYPES, EngineConfig, describe_config
 from vconsole.telemetry.schema import TOPICS, encode, make_envelope
 
 T0 = 1_700_000_000.0
 SHARED_PREFIX_BLOCKS = 2
+# The toy pool's storage, as an int8 KV cache of a Llama-3-8B-like model would say it: 32
+# layers x 8 KV heads x (128 int8 + a float32 scale) x K and V.
+KV_FORMAT = ("int8_per_token_head", 2 * 32 * 8 * (128 + 4))
 
 
 @dataclass
@@ -59,8 +62,10 @@ class ToyEngine:
                  rate: float = 9.0, engine: str = "tiny-0", rank: int = 0,
                  latency_window_s: float = 60.0, prompt_range: tuple[int, int] = (24, 480),
                  output_range: tuple[int, int] = (16, 160), policy: str | None = None,
-                 config_overrides: dict[str, Any] | None = None) -> None:
+                 config_overrides: dict[str, Any] | None = None,
+                 kv_format: tuple[str, int] | None = KV_FORMAT) -> None:
         self.rng = random.Random(seed)
+        self.kv_format = kv_format
         self.prompt_range, self.output_range = prompt_range, output_range
         self.policy = policy or "priority"
         self.latency = LatencyStats(latency_window_s)
@@ -84,6 +89,8 @@ class ToyEngine:
         extra = dict(config_overrides or {})
         if policy is not None:
             extra.setdefault("policy", policy)
+        if kv_format is not None and kv_format[0] in KV_CACHE_DTYPES:
+            extra.setdefault("kv_cache_dtype", kv_format[0])
         self.config = EngineConfig(max_num_seqs=max_num_seqs, num_kv_blocks=num_blocks,
                                    block_size=block_size,
                                    max_num_batched_tokens=max_num_batched_tokens, **extra)
@@ -267,7 +274,17 @@ class ToyEngine:
             "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries
             else 0.0,
             "block_states": states, "snapshot_ts": now,
+            **self.kv_format_fields(),
         }
+
+    def kv_format_fields(self) -> dict[str, Any]:
+        """How the pool stores tokens, as the engine says it (none: an engine from before)."""
+        if self.kv_format is None:
+            return {}
+        dtype, per_token = self.kv_format
+        capacity = self.num_blocks * self.block_size
+        return {"cache_dtype": dtype, "bytes_per_token": per_token,
+                "capacity_tokens": capacity, "pool_bytes": capacity * per_token}
 
 
 Window = tuple[float, float] | Callable[[int, float], bool]

@@ -31,7 +31,8 @@ LABELS = ["model_name", "engine"]
 
 class VllmMetrics:
     def __init__(self, engines: int = 2, *, model: str = "Qwen/Qwen2-0.5B",
-                 legacy: bool = False, num_gpu_blocks: int = 1000, block_size: int = 16) -> None:
+                 legacy: bool = False, num_gpu_blocks: int = 1000, block_size: int = 16,
+                 cache_dtype: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.engines = [str(i) for i in range(engines)]
         self.model = model
@@ -84,13 +85,14 @@ class VllmMetrics:
                                    [*LABELS, "reason"], registry=r)
             self.sleep = Gauge("vllm:engine_sleep_state", "Engine sleep state",
                                [*LABELS, "sleep_state"], registry=r)
+        dtype_label = {"cache_dtype": cache_dtype} if cache_dtype is not None else {}
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      ["block_size", "gpu_memory_utilization", "enable_prefix_caching",
-                      "num_gpu_blocks", "engine"], registry=r)
+                      "num_gpu_blocks", *dtype_label, "engine"], registry=r)
         for e in self.engines:
             info.labels(block_size=str(block_size), gpu_memory_utilization="0.9",
                         enable_prefix_caching="True", num_gpu_blocks=str(num_gpu_blocks),
-                        engine=e).set(1)
+                        **dtype_label, engine=e).set(1)
             for reason in ("stop", "length", "abort", "error", "repetition"):
                 self.success.labels(model, e, reason)
             if not legacy:

@@ -30,7 +30,7 @@ from vconsole.engine.latency import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, Laten
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.launch.ready_file import read_ready_file
 from vconsole.engine.process.core_proc import EngineCoreProc
-from vconsole.engine.publish.bodies import kv_body, sched_body
+from vconsole.engine.publish.bodies import KVFormat, kv_body, sched_body
 from vconsole.engine.publish.inbox import ITERATION_TOKENS_BUCKETS
 from vconsole.engine.publish.prometheus import MetricsServer, RanksCollector, TelemetryCollector
 from vconsole.engine.publish.publisher import TelemetryPublisher
@@ -67,6 +67,8 @@ VCONSOLE_NAMES = {
     "vconsole:kv_token_usage_perc": "gauge",
     "vconsole:kv_fragmentation": "gauge",
     "vconsole:kv_blocks": "gauge",
+    "vconsole:kv_cache_bytes_per_token": "gauge",
+    "vconsole:kv_cache_capacity_tokens": "gauge",
     "vconsole:step_phase_seconds": "counter",
     "vconsole:scheduler_share": "gauge",
     "vconsole:alert_level": "gauge",
@@ -146,7 +148,8 @@ def hand_made_bodies() -> dict[str, dict[str, Any]]:
         "phase_s_total": {"schedule": 0.5, "execute": 12.25, "update": 0.75},
     }
     return {
-        "sched": sched_body(sched, max_rows=0), "kv": kv_body(kv),
+        "sched": sched_body(sched, max_rows=0),
+        "kv": kv_body(kv, KVFormat("int8_per_token_head", 1088)),
         "latency": lat.snapshot(10.0), "step": step_body,
         "health": {"state": "idle", "alerts_active": {"waiting": "critical",
                                                       "fragmentation": "warning"},
@@ -206,6 +209,37 @@ def test_gauges_and_counters_equal_the_payload_fields():
     assert levels == {**dict.fromkeys(RULES, 0.0), "waiting": 2.0, "fragmentation": 1.0}
     assert s.value("vconsole:engine_restarts_total") == 2
     assert s.value("vconsole:config_version") == 6
+    assert s.value("vconsole:kv_cache_bytes_per_token") == kv["bytes_per_token"] == 1088
+    assert s.value("vconsole:kv_cache_capacity_tokens") == 64 * 16
+
+
+def _cache_dtype_label(bodies: dict[str, dict[str, Any]]) -> str:
+    s = scrape_collector(TelemetryCollector(Bodies(bodies), model_name="tiny", engine=0))
+    return s.families["vllm:cache_config_info"].samples[0].labels["cache_dtype"]
+
+
+def test_cache_config_info_names_the_configured_kv_cache_dtype_as_vllm_does():
+    bodies = hand_made_bodies()
+    # vLLM's label is the configured dtype: auto stays auto, an alias is spelled out
+    bodies["config"]["values"] = {"kv_cache_dtype": "int8", "dtype": "float32"}
+    assert _cache_dtype_label(bodies) == "int8_per_token_head"
+    bodies["config"]["values"] = {"kv_cache_dtype": "auto", "dtype": "float32"}
+    assert _cache_dtype_label(bodies) == "auto"
+    # a config that names none (an older engine's): what its pool stores, else auto
+    bodies["config"]["values"] = {}
+    assert _cache_dtype_label(bodies) == "int8_per_token_head"
+    bodies["kv"] = {k: v for k, v in bodies["kv"].items() if k != "cache_dtype"}
+    assert _cache_dtype_label(bodies) == "auto"
+
+
+def test_an_engine_without_kv_format_fields_has_no_kv_size_series():
+    bodies = hand_made_bodies()
+    for key in ("cache_dtype", "bytes_per_token", "capacity_tokens", "pool_bytes"):
+        del bodies["kv"][key]
+    s = scrape_collector(TelemetryCollector(Bodies(bodies), model_name="tiny", engine=0))
+    assert "vconsole:kv_cache_bytes_per_token" not in s.families
+    assert "vconsole:kv_cache_capacity_tokens" not in s.families
+    assert s.value("vllm:kv_cache_usage_perc") == 20 / 64
 
 
 def test_histograms_are_the_payloads_cumulative_buckets_with_vllms_bounds():

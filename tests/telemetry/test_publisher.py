@@ -8,6 +8,7 @@ import pytest
 import zmq
 
 from vconsole.engine.latency import LatencyStats
+from vconsole.engine.publish.bodies import KVFormat
 from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, RequestRow, SchedulerStats, StepStats
@@ -21,9 +22,9 @@ FAST = dict(telemetry_hz=20.0, heartbeat_interval_s=0.1, config_interval_s=0.3)
 def make_pub(ctx):
     pubs = []
 
-    def make(**cfg):
+    def make(kv_format=None, **cfg):
         pub = TelemetryPublisher(ctx, "tcp://127.0.0.1:*", "engine-7", 2,
-                                 EngineConfig(**{**FAST, **cfg}))
+                                 EngineConfig(**{**FAST, **cfg}), kv_format=kv_format)
         pub.start()
         pubs.append(pub)
         return pub
@@ -133,6 +134,29 @@ def test_a_subscriber_gets_every_topic_with_the_submitted_numbers(ctx, make_pub)
     assert "available" in by_topic["gpu"][0].payload
     assert by_topic["health"][-1].payload["state"] == "running"
     assert by_topic["health"][-1].payload["steps"] == 40
+    sub.close()
+
+
+@pytest.mark.parametrize("kv_format", [KVFormat("int4_per_token_head", 320), None],
+                         ids=["known", "unknown"])
+def test_every_kv_message_says_how_the_pool_stores_tokens(ctx, make_pub, kv_format):
+    pub = make_pub(kv_format=kv_format)
+    sub = subscribe(ctx, pub, topics=(b"health", b"kv"))
+    wait_connected(sub)
+    sched, kv = snapshot(num_blocks=64)
+    pub.submit_snapshot(sched, kv, "running", 1)
+    first = next(m.payload for m in collect(sub, 3, until=lambda ms: any(
+        m.topic == "kv" for m in ms)) if m.topic == "kv")
+    assert first["capacity_tokens"] == 64 * 16       # blocks x block size, known or not
+    if kv_format is None:                             # a core that does not say: null, not made up
+        assert (first["cache_dtype"], first["bytes_per_token"], first["pool_bytes"]) == (
+            None, None, None)
+    else:
+        assert (first["cache_dtype"], first["bytes_per_token"], first["pool_bytes"]) == (
+            "int4_per_token_head", 320, 64 * 16 * 320)
+    # the heartbeat re-send of an idle engine carries them too
+    again = [m.payload for m in collect(sub, 0.5) if m.topic == "kv"]
+    assert again and all(p["cache_dtype"] == first["cache_dtype"] for p in again)
     sub.close()
 
 

@@ -12,6 +12,9 @@ How each figure combines (the choice is part of the contract):
 - queues (waiting, running, preempted), tokens/s, steps/s, phase seconds: sums over ranks;
   the scheduler share is Σ schedule / Σ (schedule + execute + update) of the last windows;
 - KV usage: blocks-weighted, Σ used blocks / Σ blocks (a rank with a bigger pool counts more);
+- KV capacity in tokens and pool bytes: sums; the cache dtype and bytes per token are the
+  ranks' one value (one config for the group): ranks that differ are listed (dtype) or give
+  None (bytes per token);
 - dummy-step share: the mean of the ranks' ``dummy_share`` (each over the steps since its
   previous ``dp`` message). Inside a wave every rank runs the same steps (lockstep), so the mean
   is the group's share of dummy steps in that window; outside a wave none are run.
@@ -90,6 +93,13 @@ def aggregate(bodies_by_rank: Mapping[int, Bodies]) -> dict[str, Any]:
                                                                  for k in kv])
     out["kv_num_used"], out["kv_num_blocks"] = used, blocks
     out["kv_usage"] = used / blocks if used is not None and blocks else None
+    out["kv_capacity_tokens"] = _sum([_num(k, "capacity_tokens") for k in kv])
+    out["kv_pool_bytes"] = _sum([_num(k, "pool_bytes") for k in kv])
+    # One config for the group, so one format; ranks that disagree are named, not averaged.
+    dtypes = sorted({k["cache_dtype"] for k in kv if k and isinstance(k.get("cache_dtype"), str)})
+    out["kv_cache_dtype"] = ", ".join(dtypes) if dtypes else None
+    per_token = {v for k in kv if (v := _num(k, "bytes_per_token")) is not None}
+    out["kv_bytes_per_token"] = int(per_token.pop()) if len(per_token) == 1 else None
     shares = [s for d in dp if (s := _num(d, "dummy_share")) is not None]
     out["dummy_share"] = sum(shares) / len(shares) if shares else None
     out["dummy_steps_total"] = _sum([_num(d, "dummy_steps_total") for d in dp])

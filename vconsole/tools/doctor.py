@@ -5,8 +5,10 @@ versions, which torch build is installed (CPU, or CUDA and which), the GPUs torc
 (NVML's failures as reasons a person can act on, `vconsole.telemetry.gpu`), whether the engine's
 endpoints' ports are free or already an engine's (the defaults, or where ``--base-port`` /
 ``$VCONSOLE_BASE_PORT`` / the endpoint flags put them, as for every client command), whether the
-model cache and the run folder (control keys) are writable with private modes, and the control
-key of those endpoints (an engine's, or one left by a killed engine).
+model cache and the run folder (control keys) are writable with private modes, the control
+key of those endpoints (an engine's, or one left by a killed engine), and the KV cache: how the
+engine answering there stores it (dtype, bytes per token, capacity in tokens), or with none
+running the formats ``--kv-cache-dtype`` takes.
 
 Each check is a function returning `Check`; none raises. ``fail`` means vconsole will not work
 as configured (the command exits 1), ``warn`` that something deserves a look.
@@ -19,16 +21,19 @@ import shutil
 import socket
 import stat
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 PACKAGES = ("vconsole", "torch", "transformers", "textual", "pyzmq", "msgpack", "numpy",
             "psutil", "nvidia-ml-py", "prometheus-client", "gguf", "accelerate")
 PROBE_S = 1.0
+KV_WAIT_S = 1.5     # an idle engine repeats its kv message every heartbeat (1 s by default)
 
 
 @dataclass(frozen=True)
@@ -224,10 +229,94 @@ def check_real_model() -> Check:
                  f"(~20 s) into {converted}")
 
 
+def kv_formats() -> str:
+    """The KV cache formats ``--kv-cache-dtype`` takes, each with the tokens it holds per byte
+    against float32 (`vconsole.engine.worker.kv_quant`'s own sizes, at head_dim 64)."""
+    from vconsole.shared.config import KV_CACHE_DTYPES, canonical_kv_cache_dtype
+
+    names = dict.fromkeys(canonical_kv_cache_dtype(n) for n in KV_CACHE_DTYPES)
+    try:
+        from vconsole.engine.worker import kv_quant
+    except ImportError:        # no torch: the names alone
+        return ", ".join(names)
+    f32 = kv_quant.kv_format("auto").bytes_per_token(1, 1, 64, 4)
+    out = []
+    for name in names:
+        if name == "auto":
+            out.append("auto (the model's dtype: float32 on a CPU, bfloat16 on CUDA)")
+            continue
+        per_token = kv_quant.kv_format(name).bytes_per_token(1, 1, 64, 4)
+        out.append(f"{name} ({f32 / per_token:.1f}x float32's tokens)")
+    return ", ".join(out)
+
+
+def _engine_kv(telemetry: str, wait_s: float) -> dict[str, Any] | None:
+    """One ``kv`` message from the engine's telemetry within ``wait_s`` (an idle engine repeats
+    its last one every heartbeat), or None when none came (a CURVE socket this client holds no
+    key for)."""
+    import zmq
+
+    from vconsole.telemetry.schema import SchemaError, decode
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sock.connect(telemetry)
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000) + 1):
+                break
+            try:
+                msg = decode(sock.recv_multipart(copy=False))
+            except SchemaError:
+                continue
+            if msg.topic == "kv":
+                return msg.payload
+        return None
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def check_kv_cache(endpoints: dict[str, str] | None = None, where: str = "the defaults"
+                   ) -> Check:
+    """How a running engine on ``endpoints`` stores its KV cache (the configured
+    ``kv_cache_dtype`` over control, the stored dtype, bytes per token and capacity from its
+    telemetry), else the formats an engine can be started with."""
+    from vconsole.security.endpoints import DEFAULTS
+    from vconsole.telemetry.control import ControlClient, ControlError
+
+    eps = endpoints or DEFAULTS
+    formats = kv_formats()
+    try:
+        with ControlClient(eps["control"], timeout_s=PROBE_S) as client:
+            values = client.get_config().get("values") or {}
+    except (TimeoutError, ControlError, OSError):
+        return Check("kv cache", OK, f"no engine on {where}; --kv-cache-dtype takes {formats}")
+    configured = values.get("kv_cache_dtype")
+    kv = _engine_kv(eps["telemetry"], KV_WAIT_S)
+    stored = kv.get("cache_dtype") if kv else None
+    if not isinstance(stored, str):
+        if configured is None:
+            return Check("kv cache", OK, f"the engine on {where} names no KV cache dtype (it "
+                                         f"predates them); formats: {formats}")
+        return Check("kv cache", OK, f"the engine on {where}: kv_cache_dtype={configured} "
+                                     f"(its telemetry did not answer within {KV_WAIT_S:g} s)")
+    assert kv is not None
+    parts = [f"the engine on {where} stores {stored}"]
+    if isinstance(kv.get("bytes_per_token"), int):
+        parts.append(f"{kv['bytes_per_token']:,} B/token")
+    if isinstance(kv.get("capacity_tokens"), int):
+        parts.append(f"{kv['capacity_tokens']:,} tokens")
+    return Check("kv cache", OK, ", ".join(parts) + f" (kv_cache_dtype={configured})")
+
+
 CHECKS: tuple[Callable[[], Check], ...] = (
     check_python, check_packages, check_torch, check_attention_kernel, check_real_model,
     check_nvml,
-    check_ports, check_cache, check_run_dir, check_control_key)
+    check_ports, check_kv_cache, check_cache, check_run_dir, check_control_key)
 
 
 def run_checks(endpoints: dict[str, str] | None = None, where: str = "the defaults"
@@ -239,6 +328,7 @@ def run_checks(endpoints: dict[str, str] | None = None, where: str = "the defaul
     on_endpoints: dict[Callable[..., Check], Callable[[], Check]] = {
         check_ports: lambda: check_ports(eps, where),
         check_control_key: lambda: check_control_key(eps["control"]),
+        check_kv_cache: lambda: check_kv_cache(eps, where),
     }
     out = []
     for check in CHECKS:

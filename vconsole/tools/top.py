@@ -4,13 +4,17 @@ a second, for scripts and for checking an engine without the console.
 ``--once`` waits until every topic but ``alert`` (which may never come) has been seen. Config is
 announced only every ``config_interval_s``, so if it has not arrived after a short grace the
 control socket is asked instead (`ControlClient`). The KV block-state array is summarised (counts
-per state and, when short, a run-length list) rather than dumped.
+per state and, when short, a run-length list) rather than dumped; the ``kv`` payload also says how
+the pool stores tokens (``cache_dtype``, ``bytes_per_token``, ``capacity_tokens``,
+``pool_bytes``: ``top --once --json | jq .kv.cache_dtype``), and the status line its dtype.
 
 Data parallel (one endpoint carrying every rank's messages, the envelope's ``rank`` apart): once
 several ranks are seen, or a ``dp`` message names a group of more than one, the snapshot is
 ``{"ranks": {"0": {topic: payload}, ...}, "aggregate": {...}}`` (`vconsole.console.ranks`),
 and ``--once`` waits for those topics plus ``dp`` from every rank of the group (0 to
-``world_size`` - 1). One rank and no ``dp``: exactly the lone engine's ``{topic: payload}``.
+``world_size`` - 1); the aggregate adds ``kv_cache_dtype``, ``kv_bytes_per_token``,
+``kv_capacity_tokens`` and ``kv_pool_bytes``. One rank and no ``dp``: exactly the lone engine's
+``{topic: payload}``.
 """
 
 from __future__ import annotations
@@ -288,6 +292,8 @@ def _format_line(latest: dict[str, dict[str, Any]]) -> str:
         parts.append(f"run={p['num_running']} wait={p['num_waiting']}")
     if p := latest.get("kv"):
         parts.append(f"kv={_n(p.get('usage'), '.0%')} hit={_n(p.get('prefix_hit_rate'), '.0%')}")
+        if isinstance(p.get("cache_dtype"), str):
+            parts.append(f"kv_dtype={p['cache_dtype']}")
     if p := latest.get("gpu"):
         if p["available"] and p["devices"]:
             d = p["devices"][0]

@@ -1,7 +1,10 @@
 """KV map: the block pool, one cell per block or per run of blocks, with legend and zoom.
 
 Data parallel: the map is the selected rank's pool (each rank has its own); ``[`` / ``]`` cycle
-the rank and the bottom line names it. A lone engine has neither."""
+the rank and the bottom line names it. A lone engine has neither.
+
+Above the map, the legend's third line says how the pool stores tokens (dtype, bytes per token,
+capacity in tokens, pool bytes), when the source says it."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
 from vconsole.console.widgets.kv_grid import GLYPHS, KvGrid
-from vconsole.console.widgets.panels import USAGE_CRIT, USAGE_WARN, limits_of
+from vconsole.console.widgets.panels import USAGE_CRIT, USAGE_WARN, kv_storage, limits_of
 
 SWATCH = {"used": "$success", "cached": "$primary", "shared": "$accent"}
 
@@ -85,8 +88,11 @@ class KvScreen(ConsoleScreen):
             "prefix hit " + fmt.pct(k.get("prefix_hit_rate")),
         ]
         paused = "  [$warning b]paused[/]" if frame.paused else ""
-        legend.update(Content.from_markup("  ".join(swatches) + paused + "\n" +
-                                          "  ".join(metrics)))
+        lines = ["  ".join(swatches) + paused, "  ".join(metrics)]
+        storage = _storage(k, max(10, self.size.width - 2))
+        if storage:
+            lines.append(storage)
+        legend.update(Content.from_markup("\n".join(lines)))
         self._show_zoom(k.get("block_size"))
 
     def _show_zoom(self, block_size: object) -> None:
@@ -117,6 +123,19 @@ class KvScreen(ConsoleScreen):
     def action_zoom_fit(self) -> None:
         self.grid.zoom_fit()
         self.console.refresh_view(force=True)
+
+
+def _storage(k: dict, width: int) -> str:
+    """``storage int8_per_token_head · 1,088 B/token · 4,096 tokens · pool 4.2MiB``: how the
+    pool stores tokens (empty for an engine from before the KV dtypes)."""
+    text = kv_storage(k, width - len("storage "))
+    if not text:
+        return ""
+    pool = k.get("pool_bytes")
+    if isinstance(pool, int) and len(text) + len(" · pool ") + len(fmt.nbytes(pool)) \
+            <= width - len("storage "):
+        text += f" · pool {fmt.nbytes(pool)}"
+    return f"[$text-muted]storage[/] {fmt.escape(text)}"
 
 
 def _no_block_map(k: dict) -> str:

@@ -2,7 +2,8 @@
 
 Data parallel: the summary line is the group's (N ranks, summed tokens/s and queues), a "Data
 parallel" panel on top shows the aggregate and each rank's load (imbalance highlighted), and the
-other panels show the selected rank, which their titles name. A lone engine's Overview has
+other panels show the selected rank, which their titles name. The KV panel's bottom border says
+how the pool stores tokens (dtype, bytes per token, capacity in tokens). A lone engine's Overview has
 neither (the panel is not displayed), exactly as before.
 """
 
@@ -13,6 +14,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.widgets import Static
 
+from vconsole.console import format as fmt
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets import dp_panels, panels
@@ -68,6 +70,9 @@ class OverviewScreen(ConsoleScreen):
             else:
                 panel.show(build(eng, now, panel.inner_width, limits))
         self.query_one("#latency", Panel).border_title = panels.latency_title(eng) + suffix
+        kv_box = self.query_one("#kv", Panel)
+        kv_box.border_subtitle = fmt.escape(panels.kv_storage(
+            eng.latest.get("kv") if eng is not None else None, kv_box.inner_width - 2))
         box = self.query_one("#alerts", Panel)
         box.show(panels.alerts(eng, state.alert_summary(now), now, box.inner_width))
         advice = state.advice(eng)

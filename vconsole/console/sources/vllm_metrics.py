@@ -362,11 +362,12 @@ class VllmTranslator:
         cache = _cache_info(s)
         events = self.prefix_cache(rank) if self.prefix_cache is not None else None
         blocks = _int(_num(cache.get("num_gpu_blocks")))
+        bs = _int(_num(cache.get("block_size")))
         usage = s.get("vllm:kv_cache_usage_perc")
         used = round(usage * blocks) if usage is not None and blocks else None
         queries, hits = s.get("vllm:prefix_cache_queries"), s.get("vllm:prefix_cache_hits")
         return {
-            "num_blocks": blocks, "block_size": _int(_num(cache.get("block_size"))),
+            "num_blocks": blocks, "block_size": bs,
             "num_free": blocks - used if used is not None and blocks else None,
             # num_cached stays unknown: ours counts free blocks holding a prefix, the KV events'
             # set (``prefix_cache``) holds every block with a hash, in use or not.
@@ -374,6 +375,10 @@ class VllmTranslator:
             "token_usage": None, "fragmentation": None,
             "prefix_queries": _int(queries), "prefix_hits": _int(hits),
             "prefix_hit_rate": hits / queries if queries and hits is not None else 0.0,
+            # vLLM's configured cache dtype (``auto``, ``fp8``, ...); bytes per token unknown.
+            "cache_dtype": cache.get("cache_dtype") or None, "bytes_per_token": None,
+            "capacity_tokens": blocks * bs if blocks is not None and bs else None,
+            "pool_bytes": None,
             "not_exposed": NOT_EXPOSED["kv"],
             **({"prefix_cache": events} if events else {}),
         }

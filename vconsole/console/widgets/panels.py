@@ -219,6 +219,31 @@ def kv(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) ->
     return "\n".join(lines)
 
 
+def kv_storage(k: Mapping[str, Any] | None, width: int) -> str:
+    """How the pool stores tokens, plain text within ``width``: ``int8_per_token_head ·
+    1,088 B/token · 4,096 tokens``, shortened (``int8 · 1,088 B/tok · 4,096 tok``) where that
+    does not fit, then cut from the end. Only what the source says: an engine from before the
+    KV dtypes sends no ``cache_dtype`` (→ ""), a vLLM server no bytes per token."""
+    if not k or not isinstance(k.get("cache_dtype"), str):
+        return ""
+    dtype = str(k["cache_dtype"])
+    per_token, capacity = _num(k, "bytes_per_token"), _num(k, "capacity_tokens")
+    blocks, block_size = _num(k, "num_blocks"), _num(k, "block_size")
+    if capacity is None and blocks is not None and block_size is not None:
+        capacity = blocks * block_size
+    for name, b_unit, t_unit in ((dtype, "B/token", "tokens"),
+                                 (dtype.split("_per_")[0], "B/tok", "tok")):
+        parts = [name]
+        if per_token is not None:
+            parts.append(f"{fmt.count(per_token)} {b_unit}")
+        if capacity is not None:
+            parts.append(f"{fmt.count(capacity)} {t_unit}")
+        text = " · ".join(parts)
+        if len(text) <= width:
+            return text
+    return fmt.fit(parts, width)
+
+
 def gpu(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) -> str:
     g = eng.latest.get("gpu")
     if not g:

@@ -164,6 +164,8 @@ class EngineCoreProc:
             "vocab_size": model["vocab_size"], "max_model_len": model["max_model_len"],
             "block_size": core.config.block_size, "num_kv_blocks": model["num_kv_blocks"],
             "dp_rank": core.config.dp_rank, "data_parallel_size": core.config.data_parallel_size,
+            "kv_cache_dtype": model.get("kv_cache_dtype"),
+            "kv_bytes_per_token": model.get("kv_bytes_per_token"),
         }
         self._threads: list[threading.Thread] = [
             InputThread(self._sockets["input"], inputs=self.input_queue,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from vconsole.engine.publish.bodies import KVFormat
 from vconsole.engine.publish.kv_events import KVEventPublisher, start_kv_events
 from vconsole.engine.publish.prometheus import MetricsServer, TelemetryCollector
 from vconsole.engine.publish.publisher import TelemetryPublisher
@@ -52,7 +53,8 @@ class TelemetryOutlets:
             ctx, endpoint, config.engine_id, config.dp_rank, config,
             secure=lambda sock: secure_socket(sock, "telemetry", endpoint, curve),
             restart_count=restart_count, restart_reason=restart_reason,
-            detokenize=core.detokenize, text_refusal=refusal)
+            detokenize=core.detokenize, text_refusal=refusal,
+            kv_format=KVFormat.of(core.model_info()))
         undo: list[Callable[[], object]] = [lambda: publisher.close(PUBLISHER_CLOSE_S)]
         try:
             publisher.start()

@@ -6,6 +6,7 @@ end's telemetry proxy, the benchmarks and the tests."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
@@ -94,8 +95,34 @@ def sched_body(s: SchedulerStats, max_rows: int) -> dict[str, Any]:
     }
 
 
-def kv_body(k: KVStats) -> dict[str, Any]:
+@dataclass(frozen=True)
+class KVFormat:
+    """How the engine's KV pool stores one token, fixed for the engine's life (the dtype and
+    the pool are restart-only): ``cache_dtype`` is the stored format (``float32`` /
+    ``bfloat16`` for ``kv_cache_dtype=auto``, else the quantized format's canonical name) and
+    ``bytes_per_token`` is K and V of one token over every layer, scales included."""
+
+    cache_dtype: str
+    bytes_per_token: int
+
+    @classmethod
+    def of(cls, model_info: dict[str, Any]) -> KVFormat | None:
+        """From `EngineCore.model_info` (None when the core does not say: a stand-in core)."""
+        dtype, per_token = model_info.get("kv_cache_dtype"), model_info.get("kv_bytes_per_token")
+        if not isinstance(dtype, str) or not isinstance(per_token, int):
+            return None
+        return cls(dtype, per_token)
+
+
+def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:
+    """The ``kv`` body. ``capacity_tokens`` is always the pool's token slots; ``cache_dtype``,
+    ``bytes_per_token`` and ``pool_bytes`` are None when the format is not known."""
+    capacity = k.num_blocks * k.block_size
+    per_token = kv_format.bytes_per_token if kv_format is not None else None
     return {
+        "cache_dtype": kv_format.cache_dtype if kv_format is not None else None,
+        "bytes_per_token": per_token, "capacity_tokens": capacity,
+        "pool_bytes": capacity * per_token if per_token is not None else None,
         "num_blocks": k.num_blocks, "block_size": k.block_size, "num_free": k.num_free,
         "num_used": k.num_used, "num_cached": k.num_cached, "num_shared": k.num_shared,
         "usage": k.usage, "token_usage": k.token_usage, "fragmentation": k.fragmentation,

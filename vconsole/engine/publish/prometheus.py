@@ -43,6 +43,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from vconsole.shared.config import canonical_kv_cache_dtype
 from vconsole.telemetry.alerts import CRITICAL, RULES, WARNING
 from vconsole.telemetry.vllm_names import LATENCY_HISTOGRAMS
 
@@ -194,6 +195,13 @@ def _kv(r: _Rank, b: dict[str, Any]) -> None:
     r.per(GaugeMetricFamily, "vconsole:kv_blocks",
           "KV blocks by state (shared blocks are also counted as used).", "state",
           ((state, b[field]) for state, field in KV_BLOCK_STATES.items()))
+    if b.get("bytes_per_token") is not None:     # an engine from before the KV dtypes: none
+        r.gauge("vconsole:kv_cache_bytes_per_token",
+                "Bytes one token takes in the KV pool (K and V, every layer, scales included).",
+                b["bytes_per_token"])
+    if b.get("capacity_tokens") is not None:
+        r.gauge("vconsole:kv_cache_capacity_tokens",
+                "Token slots in the KV pool (blocks x block size).", b["capacity_tokens"])
 
 
 def _step(r: _Rank, b: dict[str, Any]) -> None:
@@ -255,10 +263,24 @@ def _cache_config_info(out: _Families, engine: str, bodies: Mapping[str, dict[st
     labels = {"block_size": kv.get("block_size"), "num_gpu_blocks": kv.get("num_blocks"),
               "enable_prefix_caching": values.get("enable_prefix_caching"),
               "gpu_memory_utilization": values.get("gpu_memory_utilization"),
-              "cache_dtype": values.get("dtype", "auto")}
+              "cache_dtype": _cache_dtype(values, kv)}
     fam = out._family(GaugeMetricFamily, "vllm:cache_config_info",
                       "Information of the LLMEngine CacheConfig", ["engine", *labels])
     fam.add_metric([engine, *(str(v) for v in labels.values())], 1.0)
+
+
+def _cache_dtype(values: Mapping[str, Any], kv: Mapping[str, Any]) -> str:
+    """vLLM's ``cache_dtype`` label: the configured KV cache dtype (``auto``: the model's
+    dtype; ``int8`` is spelled ``int8_per_token_head``), as vLLM's ``CacheConfig`` says it; an
+    engine whose config does not name one says what its pool stores, else ``auto``."""
+    name = values.get("kv_cache_dtype")
+    if isinstance(name, str):
+        try:
+            return canonical_kv_cache_dtype(name)
+        except ValueError:
+            return name
+    stored = kv.get("cache_dtype")
+    return stored if isinstance(stored, str) else "auto"
 
 
 def _dp(r: _Rank, b: dict[str, Any]) -> None:

@@ -29,7 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from vconsole.engine.publish.bodies import aggregate_steps, health_body, kv_body, sched_body
+from vconsole.engine.publish.bodies import (
+    KVFormat,
+    aggregate_steps,
+    health_body,
+    kv_body,
+    sched_body,
+)
 from vconsole.engine.publish.inbox import Handoff, Inbox, Snapshot
 from vconsole.engine.publish.request_text import TextBook, TokenLists
 from vconsole.engine.publish.sender import Sender
@@ -63,6 +69,7 @@ class LoopStart:
     loop_errors: int = 0
     detokenize: Callable[[list[int]], str] | None = None   # request text; None: never any
     text_refusal: str | None = None     # why this socket may not carry request text
+    kv_format: KVFormat | None = None   # the pool's storage, in every kv body; None: unknown
 
 
 @dataclass
@@ -214,7 +221,8 @@ class PublishLoop:
             if self.text_body is not None and self.text_allowed():
                 body[TEXT_FIELD] = self.text_body
             self.sender.send("sched", body)
-            self.sender.send("kv", {**kv_body(kv), "snapshot_ts": snap_ts})
+            self.sender.send("kv", {**kv_body(kv, self.start.kv_format),
+                                    "snapshot_ts": snap_ts})
             if self.have_new:
                 alerts += self.evaluator.observe(num_waiting=sched.num_waiting,
                                                  fragmentation=kv.fragmentation)

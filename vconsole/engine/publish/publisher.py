@@ -37,6 +37,7 @@ from typing import Any
 
 import zmq
 
+from vconsole.engine.publish.bodies import KVFormat
 from vconsole.engine.publish.host import HostProbe
 from vconsole.engine.publish.inbox import Inbox
 from vconsole.engine.publish.publish_loop import LoopStart, Probe, PublishLoop
@@ -66,7 +67,8 @@ class TelemetryPublisher:
     ``detokenize`` (the core's) makes request text when ``publish_request_text`` is on;
     ``text_refusal`` says why this socket may never carry it
     (`vconsole.security.bind_policy.request_text_refusal`): then none is sent, whatever the
-    config says."""
+    config says. ``kv_format`` (the pool's dtype and bytes per token) goes into every ``kv``
+    body; None leaves those fields null."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, engine_id: str, rank: int,
                  config: EngineConfig, *, gpu_probe: Probe | None = None,
@@ -74,8 +76,9 @@ class TelemetryPublisher:
                  secure: Callable[[zmq.Socket], None] | None = None,
                  restart_count: int = 0, restart_reason: str | None = None,
                  detokenize: Callable[[list[int]], str] | None = None,
-                 text_refusal: str | None = None) -> None:
+                 text_refusal: str | None = None, kv_format: KVFormat | None = None) -> None:
         self._ctx = ctx
+        self.kv_format = kv_format
         self.detokenize = detokenize
         self.text_refusal = text_refusal
         self.restart_count = restart_count      # from the supervisor: in every health message
@@ -245,7 +248,7 @@ class TelemetryPublisher:
                          steps_recorded=inbox.steps_recorded, t0=self.t0, t0_wall=self.t0_wall,
                          restart_count=self.restart_count, restart_reason=self.restart_reason,
                          loop_errors=self.loop_errors, detokenize=self.detokenize,
-                         text_refusal=self.text_refusal)
+                         text_refusal=self.text_refusal, kv_format=self.kv_format)
 
     def _run(self) -> None:
         try:
