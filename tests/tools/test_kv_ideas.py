@@ -10,6 +10,8 @@ from vconsole.tools.bench.kv_ideas import (
     Traced,
     block_census,
     delta_bits,
+    geometric_blocks,
+    geometric_fragmentation,
     internal_fragmentation,
     kv_deltas,
     replay,
@@ -60,6 +62,14 @@ def test_internal_fragmentation_is_the_empty_tail_of_each_last_block() -> None:
     wasted_small, _ = internal_fragmentation(list(range(1, 200)), 8)
     wasted_big, _ = internal_fragmentation(list(range(1, 200)), 64)
     assert wasted_big > 4 * wasted_small
+
+
+def test_geometric_blocks_grow_by_half_from_64_and_cover_the_request() -> None:
+    assert geometric_blocks(1) == [64]
+    assert geometric_blocks(64) == [64]
+    assert geometric_blocks(65) == [64, 96]
+    assert geometric_blocks(305) == [64, 96, 144, 216]
+    assert geometric_fragmentation([65, 160]) == (160 - 65 + 0, 160 + 160)
 
 
 def test_delta_bits_is_zero_for_equal_rows_and_eight_for_a_full_scale_delta() -> None:
