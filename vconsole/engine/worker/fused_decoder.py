@@ -10,24 +10,34 @@ Python around the ops costs as much as the ops. `FusedDecoder` runs the same mat
   into the fused tensors (no second copy; transformers' own forward still works on them);
 - RoPE is applied to q and k in one pass, with the cos/sin of transformers' own rotary module
   (so every rope scaling it knows applies);
-- the attention is `paged_attention.paged_attention_forward`, called directly.
+- the attention is `paged_attention.paged_attention_forward`, called directly;
+- each layer's four matmuls are callables (``qkv``, ``o``, ``gate_up``, ``down``): ``F.linear``
+  over the float weights, or, with ``--quantization int8``, the fused `weight_quant.Int8Linear`
+  (stacked from the int8 parts exactly; transformers' q/k/v and gate/up modules become
+  `weight_quant.SliceOf` views of its output).
 
 The elementwise math (RMSNorm in float32, ``q * cos + rotate_half(q) * sin``, ``act(gate) * up``)
 is written as transformers writes it, so greedy outputs stay token-for-token equal to theirs
 (`tests/engine/worker/test_fused_decoder.py` checks logits and tokens against transformers' own
 forward). `build` returns None for anything it does not know (another architecture, an activation
-other than SiLU, linears replaced by `cpu_linear`), and the runner keeps transformers' forward.
+other than SiLU, linears replaced by `cpu_linear` or mixed float and int8), and the runner keeps
+transformers' forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from vconsole.engine.worker.paged_attention import PagedAttentionMetadata, paged_attention_forward
+from vconsole.engine.worker.weight_quant import Int8Linear, SliceOf
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
 
 FUSABLE_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -37,17 +47,21 @@ class _Layer:
     attn: torch.nn.Module           # transformers' attention module: layer_idx for the pool
     ln1: torch.Tensor
     ln1_eps: float
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
-    o_b: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     ln2: torch.Tensor
     ln2_eps: float
-    gate_up_w: torch.Tensor
-    gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor
-    down_b: torch.Tensor | None
+    gate_up: Linear
+    down: Linear
     sliding_window: int | None
+    # The float weights the float callables close over (None with int8 linears).
+    qkv_w: torch.Tensor | None = None
+    qkv_b: torch.Tensor | None = None
+    gate_up_w: torch.Tensor | None = None
+
+
+def _dense(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    return partial(F.linear, weight=weight, bias=bias)
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -67,6 +81,18 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
             lin.bias.data = bias[at:at + n]
         at += n
     return weight, bias
+
+
+def _fuse_int8(owner: torch.nn.Module, names: list[str]) -> Int8Linear:
+    """Stack ``owner``'s int8 linears ``names`` into one and replace each by a `SliceOf` it
+    (one int8 copy of the weights, not two)."""
+    parts = [getattr(owner, n) for n in names]
+    fused = Int8Linear.concat(parts)
+    at = 0
+    for name, part in zip(names, parts, strict=True):
+        setattr(owner, name, SliceOf(fused, at, at + part.out_features))
+        at += part.out_features
+    return fused
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -100,27 +126,38 @@ class FusedDecoder:
             return None
         decoder = model.get_decoder()
         layers: list[_Layer] = []
+        kinds = set()
         for layer in decoder.layers[:cfg.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
             parts = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
                      mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-            if any(type(p) is not torch.nn.Linear for p in parts):
-                return None  # packed by cpu_linear, quantized, ...: keep transformers' path
+            kinds |= {type(p) for p in parts}
+        if kinds not in ({torch.nn.Linear}, {Int8Linear}):
+            return None  # packed by cpu_linear, mixed, already fused, ...: transformers' path
+        int8 = kinds == {Int8Linear}
         for layer in decoder.layers[:cfg.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj])
             window = (attn.sliding_window if hasattr(attn, "sliding_window")
                       else getattr(cfg, "sliding_window", None))
+            norms = dict(attn=attn, ln1=layer.input_layernorm.weight,
+                         ln1_eps=float(layer.input_layernorm.variance_epsilon),
+                         ln2=layer.post_attention_layernorm.weight,
+                         ln2_eps=float(layer.post_attention_layernorm.variance_epsilon),
+                         sliding_window=window)
+            if int8:
+                layers.append(_Layer(
+                    qkv=_fuse_int8(attn, ["q_proj", "k_proj", "v_proj"]).forward,
+                    o=attn.o_proj.forward,
+                    gate_up=_fuse_int8(mlp, ["gate_proj", "up_proj"]).forward,
+                    down=mlp.down_proj.forward, **norms))
+                continue
+            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up_w, gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj])
             layers.append(_Layer(
-                attn=attn, ln1=layer.input_layernorm.weight,
-                ln1_eps=float(layer.input_layernorm.variance_epsilon),
-                qkv_w=qkv_w, qkv_b=qkv_b, o_w=attn.o_proj.weight, o_b=attn.o_proj.bias,
-                ln2=layer.post_attention_layernorm.weight,
-                ln2_eps=float(layer.post_attention_layernorm.variance_epsilon),
-                gate_up_w=gate_up_w, gate_up_b=gate_up_b,
-                down_w=mlp.down_proj.weight, down_b=mlp.down_proj.bias,
-                sliding_window=window))
+                qkv=_dense(qkv_w, qkv_b), o=_dense(attn.o_proj.weight, attn.o_proj.bias),
+                gate_up=_dense(gate_up_w, gate_up_b),
+                down=_dense(mlp.down_proj.weight, mlp.down_proj.bias),
+                qkv_w=qkv_w, qkv_b=qkv_b, gate_up_w=gate_up_w, **norms))
         return cls(model, layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -149,7 +186,7 @@ class FusedDecoder:
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         k_end = (nh + nkv) * hd
-        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)                  # (T, (H + 2 KVH) hd)
+        qkv = layer.qkv(x)                  # (T, (H + 2 KVH) hd)
         qk = qkv[:, :k_end].view(t, nh + nkv, hd)
         qk = qk * cos + _rotate_half(qk) * sin                       # RoPE on q and k at once
         q = qk[:, :nh].transpose(0, 1)[None]                         # (1, H, T, hd)
@@ -158,9 +195,9 @@ class FusedDecoder:
         out, _ = paged_attention_forward(layer.attn, q, k, v, None, scaling=self.scaling,
                                          sliding_window=layer.sliding_window,
                                          paged_metadata=meta)
-        return F.linear(out.view(t, nh * hd), layer.o_w, layer.o_b)
+        return layer.o(out.view(t, nh * hd))
 
     @staticmethod
     def mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)

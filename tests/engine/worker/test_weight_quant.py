@@ -1,0 +1,114 @@
+"""Int8 weights (`weight_quant`, ``--quantization int8``): the linear's error stays inside the
+bound its per-channel weight scale and per-tensor activation scale allow, fusing int8 linears is
+exact, and an int8 engine runs its own fused forward (not transformers') and generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vconsole.engine.core import EngineCore
+from vconsole.engine.offline import greedy_requests, run_batch
+from vconsole.engine.worker import weight_quant
+from vconsole.engine.worker.model_runner import FORWARD_ENV
+from vconsole.engine.worker.tiny_model import ensure_tiny_model
+from vconsole.engine.worker.weight_quant import Int8Linear, SliceOf
+from vconsole.shared.config import EngineConfig, validate_config
+
+pytestmark = pytest.mark.skipif(not weight_quant.available(),
+                                reason="this torch has no fbgemm / onednn quantized engine")
+
+
+def _linear(k: int, n: int, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.mul_(torch.linspace(0.1, 3.0, n)[:, None])  # scales differ per channel
+    return lin
+
+
+def test_quantized_weight_is_within_half_a_step_of_the_float_one():
+    lin = _linear(96, 40)
+    q, scale = weight_quant.quantize_weight(lin.weight)
+    assert q.dtype == torch.int8 and q.abs().max() <= weight_quant.QMAX
+    err = (q.float() * scale[:, None] - lin.weight).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("rows", [1, weight_quant.SMALL_ROWS, 64])
+def test_int8_linear_error_is_bounded_by_its_scales(rows):
+    """``|y - x W^T| <= s_w[n]/2 * |x|_1 + s_x/2 * |W_q[n] s_w[n]|_1`` per output: half a weight
+    step on every product, plus half an activation step (per tensor, 255 levels over the row's
+    range, zero included) on every product with the stored weight. Both kernels (fbgemm at few
+    rows, oneDNN above) stay inside it."""
+    lin = _linear(256, 72)
+    qlin = Int8Linear.from_linear(lin)
+    torch.manual_seed(1)
+    x = torch.randn(rows, 256) * 2
+    with torch.no_grad():
+        want = lin(x)
+    got = qlin(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    q, s_w = qlin.int8_weight()
+    s_x = (x.max().clamp_min(0) - x.min().clamp_max(0)) / 255
+    bound = (s_w[None, :] / 2 * x.abs().sum(1, keepdim=True)
+             + s_x / 2 * (q.float() * s_w[:, None]).abs().sum(1)[None, :])
+    assert ((got - want).abs() <= bound * 1.001 + 1e-4).all()
+    # And it is far from vacuous: the typical error is a small share of the bound.
+    assert (got - want).abs().mean() < 0.2 * bound.mean()
+
+
+def test_concatenated_int8_linears_give_the_parts_side_by_side():
+    parts = [Int8Linear.from_linear(_linear(64, n, seed=n)) for n in (16, 8, 8)]
+    fused = Int8Linear.concat(parts)
+    assert (fused.in_features, fused.out_features) == (64, 32)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1),
+                               rtol=0, atol=1e-6)
+    sliced = SliceOf(fused, 16, 24)
+    torch.testing.assert_close(sliced(x), parts[1](x), rtol=0, atol=1e-6)
+
+
+def test_an_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="int8"):
+        weight_quant.quantize_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), "int4")
+    with pytest.raises(ValueError, match="int8"):
+        validate_config({"quantization": "int4"})
+
+
+def _int8_engine(model_dir) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                   quantization="int8", num_kv_blocks=64))
+
+
+@pytest.mark.slow
+def test_an_int8_engine_runs_the_fused_forward_and_generates(tmp_path):
+    core = _int8_engine(ensure_tiny_model(tmp_path))
+    runner = core.runner
+    assert runner.forward_path == "fused"
+    assert isinstance(runner.model.get_output_embeddings(), Int8Linear)   # the LM head too
+    layer = runner.model.get_decoder().layers[0]
+    assert isinstance(layer.self_attn.q_proj, SliceOf)                    # one int8 copy
+    assert isinstance(layer.self_attn.o_proj, Int8Linear)
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
+    res = run_batch(core, greedy_requests(core, prompts, 12, ignore_eos=True))
+    assert [len(t) for t in res.output_token_ids] == [12, 12]
+
+
+@pytest.mark.slow
+def test_int8_fused_and_transformers_forwards_agree(tmp_path, monkeypatch):
+    """transformers' own forward over the int8 modules (q/k/v as slices of the fused matmul)
+    computes what the fused decoder computes: the same int8 products, to float rounding."""
+    model_dir = ensure_tiny_model(tmp_path)
+    logits = {}
+    for path in ("fused", "transformers"):
+        if path == "transformers":
+            monkeypatch.setenv(FORWARD_ENV, "transformers")
+        core = _int8_engine(model_dir)
+        assert core.runner.forward_path == path
+        for req in greedy_requests(core, [list(range(30, 70)), [3, 4, 5]], 1):
+            assert core.add_request(req) is None
+        logits[path] = core.runner.compute_logits(core.scheduler.schedule())
+    assert logits["fused"].keys() == logits["transformers"].keys() and logits["fused"]
+    for rid, row in logits["fused"].items():
+        torch.testing.assert_close(row, logits["transformers"][rid], rtol=1e-3, atol=1e-3)
