@@ -21,11 +21,12 @@ from typing import Any
 POLICIES = ("fcfs", "priority", "hybrid")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# KV cache storage (vLLM's names; `int8` / `int4` are short aliases, see
+# KV cache storage (vLLM's names, plus int4_kivi; `int8` / `int4` are short aliases, see
 # `canonical_kv_cache_dtype`): scales per token and KV head live in the pool beside the
 # quantized values (`vconsole.engine.worker.kv_quant`).
-KV_CACHE_DTYPES = ("auto", "int8_per_token_head", "int4_per_token_head", "int8", "int4")
-_KV_ALIASES = {"int8": "int8_per_token_head", "int4": "int4_per_token_head"}
+KV_CACHE_DTYPES = ("auto", "int8_per_token_head", "int4_per_token_head", "int4_kivi", "int8",
+                   "int4")
+_KV_ALIASES = {"int8": "int8_per_token_head", "int4": "int4_kivi"}
 
 
 def canonical_kv_cache_dtype(name: str) -> str:
@@ -58,13 +59,14 @@ class EngineConfig:
                     hot=False, choices=DTYPES)
     block_size: int = _f(16, "Tokens per KV cache block.", hot=False, lo=1, hi=1024)
     kv_cache_dtype: str = _f("auto", "KV cache storage: auto (the model's dtype), "
-                             "int8_per_token_head or int4_per_token_head (quantized, a scale "
-                             "per token and KV head in the pool; int8 / int4 for short).",
+                             "int8_per_token_head (int8), int4_per_token_head, or int4_kivi "
+                             "(int4: keys rounded per channel over a block, KIVI; values per "
+                             "token). Scales live in the pool beside the values.",
                              hot=False, choices=KV_CACHE_DTYPES)
     kv_cache_memory_bytes: int | None = _f(None, "KV pool size in bytes (vLLM's flag); wins "
                                            "over gpu_memory_utilization and cpu_kv_cache_gib, "
                                            "loses to num_kv_blocks. The same bytes hold ~3.8x "
-                                           "the blocks at int8 and ~7x at int4 against float32.",
+                                           "the blocks at int8 and ~6x at int4 against float32.",
                                            hot=False, lo=1, hi=1 << 50, nullable=True)
     quantization: str | None = _f(None, "Weight quantization: int8 (per-channel int8 weights "
                                   "of every decoder linear and the LM head); unset = the "

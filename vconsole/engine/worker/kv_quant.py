@@ -33,18 +33,21 @@ from dataclasses import dataclass
 
 import torch
 
+from vconsole.engine.worker.kv_open_blocks import OpenPlan
 from vconsole.shared.config import canonical_kv_cache_dtype
 
 
 @dataclass(frozen=True)
 class KVFormat:
     """One storage format of the pool: its canonical name, the integer data's dtype and width,
-    and the float32 parameters kept per (slot, KV head)."""
+    and the float32 parameters kept per (slot, KV head). ``key_per_channel``: keys are rounded
+    per channel over a block (`int4_kivi`, see `vconsole.engine.worker.kv_open_blocks`)."""
 
     name: str
     bits: int                 # 0: not quantized (the model's dtype)
     data_dtype: torch.dtype | None
     params: int               # float32 values per (slot, KV head): 1 scale, or scale + min
+    key_per_channel: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -53,20 +56,32 @@ class KVFormat:
     def data_dim(self, head_dim: int) -> int:
         return head_dim if self.bits != 4 else head_dim // 2
 
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                        model_itemsize: int) -> int:
-        """K and V of one token in every layer, parameters included."""
+    def bytes_per_block(self, block_size: int, num_layers: int, num_kv_heads: int,
+                        head_dim: int, model_itemsize: int) -> int:
+        """K and V of one block in every layer, parameters included."""
         if not self.quantized:
-            per_head = head_dim * model_itemsize
+            per_head = 2 * block_size * head_dim * model_itemsize
+        elif self.key_per_channel:   # V per token; K's float16 scale and minimum per channel
+            per_head = (2 * block_size * (self.data_dim(head_dim)) + block_size * 4 * self.params
+                        + 2 * 2 * head_dim)
         else:
-            per_head = self.data_dim(head_dim) + 4 * self.params
-        return 2 * num_layers * num_kv_heads * per_head
+            per_head = 2 * block_size * (self.data_dim(head_dim) + 4 * self.params)
+        return num_layers * num_kv_heads * per_head
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                        model_itemsize: int, block_size: int = 16) -> int:
+        """K and V of one token in every layer, parameters included (a per-channel format's
+        per-block parameters shared out over the block, rounded up)."""
+        per_block = self.bytes_per_block(block_size, num_layers, num_kv_heads, head_dim,
+                                         model_itemsize)
+        return -(-per_block // block_size)
 
 
 FORMATS = {
     "auto": KVFormat("auto", 0, None, 0),
     "int8_per_token_head": KVFormat("int8_per_token_head", 8, torch.int8, 1),
     "int4_per_token_head": KVFormat("int4_per_token_head", 4, torch.uint8, 2),
+    "int4_kivi": KVFormat("int4_kivi", 4, torch.uint8, 2, key_per_channel=True),
 }
 
 
@@ -78,12 +93,16 @@ def kv_format(name: str) -> KVFormat:
 @dataclass
 class KVLayer:
     """One layer's K and V in the pool. ``k``/``v`` are ``(NB, B, KVH, Dd)``; for a quantized
-    format ``k_params``/``v_params`` are ``(NB, B, KVH, P)`` float32, else None."""
+    format ``k_params``/``v_params`` are ``(NB, B, KVH, P)`` float32, else None. A per-channel
+    format (`int4_kivi`) has ``k_params`` ``(NB, KVH, 2, D)`` float16 (each channel's scale and
+    minimum over the block) and ``k_stage`` ``(E, B, KVH, D)`` float32, the open blocks' keys
+    (`kv_open_blocks`)."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_params: torch.Tensor | None = None
     v_params: torch.Tensor | None = None
+    k_stage: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:  # ``k, v = layer``: the data, as a pair
         return iter((self.k, self.v))
@@ -94,8 +113,9 @@ KVCache = list[KVLayer]
 
 def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,
              num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-             device: torch.device) -> list[KVLayer]:
-    """Zeroed pools (zeros dequantize to zeros: padded rows stay finite)."""
+             device: torch.device, open_entries: int = 0) -> list[KVLayer]:
+    """Zeroed pools (zeros dequantize to zeros: padded rows stay finite); a per-channel format
+    gets ``open_entries`` staging blocks per layer."""
     if fmt.bits == 4 and head_dim % 2:
         raise ValueError(f"int4 KV needs an even head_dim, not {head_dim}")
     layers = []
@@ -108,12 +128,30 @@ def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,
         assert fmt.data_dtype is not None
         shape = (num_blocks, block_size, num_kv_heads, fmt.data_dim(head_dim))
         pshape = (num_blocks, block_size, num_kv_heads, fmt.params)
+        if fmt.key_per_channel:
+            layers.append(KVLayer(
+                torch.zeros(shape, dtype=fmt.data_dtype, device=device),
+                torch.zeros(shape, dtype=fmt.data_dtype, device=device),
+                torch.zeros((num_blocks, num_kv_heads, 2, head_dim), dtype=torch.float16,
+                            device=device),
+                torch.zeros(pshape, dtype=torch.float32, device=device),
+                torch.zeros((max(open_entries, 1), block_size, num_kv_heads, head_dim),
+                            dtype=torch.float32, device=device)))
+            continue
         layers.append(KVLayer(
             torch.zeros(shape, dtype=fmt.data_dtype, device=device),
             torch.zeros(shape, dtype=fmt.data_dtype, device=device),
             torch.zeros(pshape, dtype=torch.float32, device=device),
             torch.zeros(pshape, dtype=torch.float32, device=device)))
     return layers
+
+
+def staging_bytes(fmt: KVFormat, open_entries: int, block_size: int, num_layers: int,
+                  num_kv_heads: int, head_dim: int) -> int:
+    """The open blocks' float32 keys of a per-channel format (0 for the others)."""
+    if not fmt.key_per_channel:
+        return 0
+    return num_layers * max(open_entries, 1) * block_size * num_kv_heads * head_dim * 4
 
 
 # --- the codes ----------------------------------------------------------------------------------
@@ -131,9 +169,7 @@ def quantize(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         scale = (x.amax(dim=-1, keepdim=True) - lo) / 15.0
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round((x - lo) / safe).clamp_(0, 15).to(torch.uint8)
-        half = x.shape[-1] // 2
-        packed = q[..., :half] | (q[..., half:] << 4)
-        return packed, torch.cat((scale, lo), dim=-1)
+        return _pack4(q), torch.cat((scale, lo), dim=-1)
     raise ValueError(f"{fmt.name} is not a quantized format")
 
 
@@ -143,8 +179,7 @@ def dequantize(fmt: KVFormat, data: torch.Tensor, params: torch.Tensor,
     if fmt.bits == 8:
         return (data.to(torch.float32) * params).to(dtype)
     if fmt.bits == 4:
-        q = torch.cat((data & 15, data >> 4), dim=-1).to(torch.float32)
-        return (q * params[..., :1] + params[..., 1:]).to(dtype)
+        return (_unpack4(data) * params[..., :1] + params[..., 1:]).to(dtype)
     raise ValueError(f"{fmt.name} is not a quantized format")
 
 
@@ -154,6 +189,93 @@ def bound(fmt: KVFormat, x: torch.Tensor) -> torch.Tensor:
     if fmt.bits == 8:
         return x.abs().amax(dim=-1, keepdim=True) / 127.0 / 2
     return (x.amax(dim=-1, keepdim=True) - x.amin(dim=-1, keepdim=True)) / 15.0 / 2
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    half = q.shape[-1] // 2
+    return q[..., :half] | (q[..., half:] << 4)
+
+
+def _unpack4(data: torch.Tensor) -> torch.Tensor:
+    return torch.cat((data & 15, data >> 4), dim=-1).to(torch.float32)
+
+
+def dequantize_sealed_keys(data: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Per-channel keys back to float32: data (..., B, KVH, D/2) uint8, params (..., KVH, 2, D)
+    float16 -> (..., B, KVH, D)."""
+    p = params.float()
+    return _unpack4(data) * p[..., None, :, 0, :] + p[..., None, :, 1, :]
+
+
+def seal_keys(layer: KVLayer, blocks: torch.Tensor, work: torch.Tensor,
+              fill: torch.Tensor) -> None:
+    """Round ``work`` (S, B, KVH, D), the whole keys of blocks ``blocks``, per channel over each
+    block's first ``fill`` rows, into the pool."""
+    assert layer.k_params is not None
+    valid = (torch.arange(work.shape[1], device=work.device)[None, :] < fill[:, None])
+    valid = valid[:, :, None, None]
+    lo = torch.where(valid, work, torch.inf).amin(dim=1)              # (S, KVH, D)
+    hi = torch.where(valid, work, -torch.inf).amax(dim=1)
+    scale = ((hi - lo) / 15.0).half().float()                           # as stored
+    lo = lo.half().float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((work - lo[:, None]) / safe[:, None]).clamp_(0, 15).to(torch.uint8)
+    layer.k.index_copy_(0, blocks, _pack4(q))
+    layer.k_params.index_copy_(0, blocks, torch.stack((scale, lo), dim=2).half())
+
+
+def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> None:
+    """`write` for `int4_kivi`: values rounded per token into their slots; keys routed by the
+    step's `OpenPlan` into staging (blocks still filling) or rounded per channel (blocks sealed
+    now). The reads of staging come first: an entry freed and taken again in one step."""
+    assert layer.k_params is not None and layer.v_params is not None
+    assert layer.k_stage is not None
+    nkv, hd = k.shape[1], k.shape[2]
+    bs = layer.k.shape[1]
+    qv, pv = quantize(fmt, v)
+    layer.v.view(-1, nkv, layer.v.shape[-1]).index_copy_(0, slots, qv)
+    layer.v_params.view(-1, nkv, fmt.params).index_copy_(0, slots, pv)
+    stage = layer.k_stage.view(-1, nkv, hd)
+    num_seal = plan.seal_blocks.shape[0]
+    work = None
+    if num_seal:
+        work = k.new_zeros((num_seal * bs, nkv, hd), dtype=torch.float32)
+        dst, src = plan.work_from_stage
+        if dst.numel():
+            work.index_copy_(0, dst, stage.index_select(0, src))
+        idx, blocks = plan.work_from_sealed
+        if idx.numel():
+            rows = dequantize_sealed_keys(layer.k.index_select(0, blocks),
+                                          layer.k_params.index_select(0, blocks))
+            work.view(num_seal, bs, nkv, hd).index_copy_(0, idx, rows)
+    entries, blocks = plan.reload
+    if entries.numel():
+        rows = dequantize_sealed_keys(layer.k.index_select(0, blocks),
+                                      layer.k_params.index_select(0, blocks))
+        layer.k_stage.index_copy_(0, entries, rows)
+    dst, src = plan.stage_from_batch
+    if dst.numel():
+        stage.index_copy_(0, dst, k.index_select(0, src).float())
+    if work is not None:
+        dst, src = plan.work_from_batch
+        if dst.numel():
+            work.index_copy_(0, dst, k.index_select(0, src).float())
+        seal_keys(layer, plan.seal_blocks, work.view(num_seal, bs, nkv, hd), plan.seal_fill)
+
+
+def read_keys(layer: KVLayer, blocks: torch.Tensor, entry_of: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of a per-channel format's keys as float32 (n, B, KVH, D): sealed ones
+    dequantized, open ones from staging (the torch path; the CPU kernel reads them in place)."""
+    assert layer.k_params is not None and layer.k_stage is not None
+    keys = dequantize_sealed_keys(layer.k.index_select(0, blocks),
+                                  layer.k_params.index_select(0, blocks))
+    entries = entry_of.index_select(0, blocks)
+    open_rows = (entries >= 0).nonzero().flatten()
+    if open_rows.numel():
+        keys.index_copy_(0, open_rows,
+                         layer.k_stage.index_select(0, entries.index_select(0, open_rows)))
+    return keys
 
 
 def write(fmt: KVFormat, layer: KVLayer, slots: torch.Tensor, k: torch.Tensor,

@@ -27,6 +27,7 @@ import torch
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.worker import attention_kernel, kv_quant, paged_attention, prompt_logprobs
 from vconsole.engine.worker.fused_decoder import FusedDecoder
+from vconsole.engine.worker.kv_open_blocks import OpenBlocks
 from vconsole.engine.worker.model_loader import load_model
 from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from vconsole.engine.worker.prompt_logprobs import PromptRows
@@ -63,6 +64,23 @@ def _slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> l
         base = block_ids[p // block_size] * block_size + off
         out.extend(range(base, base + take))
         p += take
+    return out
+
+
+def _block_writes(ordered: Sequence[ScheduledSeq], block_size: int
+                  ) -> list[tuple[int, int, int, int]]:
+    """``(block, first offset, end offset, first batch row)`` of every block the packed step
+    writes (`OpenBlocks.plan`'s input)."""
+    out: list[tuple[int, int, int, int]] = []
+    row = 0
+    for s in ordered:
+        p, end = s.start_pos, s.start_pos + s.num_tokens
+        while p < end:
+            off = p % block_size
+            take = min(block_size - off, end - p)
+            out.append((s.block_ids[p // block_size], off, off + take, row))
+            row += take
+            p += take
     return out
 
 
@@ -109,6 +127,9 @@ class ModelRunner:
         if self.kv_format.bits == 4 and self.head_dim % 2:
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} needs an even head_dim; "
                              f"this model's is {self.head_dim}")
+        # A per-channel format's staging: one open block per running request, and a few more.
+        self.open_entries = config.max_num_seqs + 4 if self.kv_format.key_per_channel else 0
+        self.open_blocks: OpenBlocks | None = None
         self.sampler = Sampler(self.device, config.seed)
         self.kv_caches: kv_quant.KVCache = []
         self._workspace = paged_attention.Workspace()
@@ -132,10 +153,16 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in every layer as the pool stores them (quantization
-        parameters included)."""
+        parameters included; a per-channel format's per-block ones shared out, rounded up)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.kv_format.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                                              itemsize)
+                                              itemsize, self.config.block_size)
+
+    @property
+    def kv_staging_bytes(self) -> int:
+        """The open blocks' float keys of a per-channel format, beside the pool (else 0)."""
+        return kv_quant.staging_bytes(self.kv_format, self.open_entries, self.config.block_size,
+                                      self.num_layers, self.num_kv_heads, self.head_dim)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -145,7 +172,9 @@ class ModelRunner:
         return str(self.dtype).removeprefix("torch.")
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        return block_size * self.kv_bytes_per_token
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.kv_format.bytes_per_block(block_size, self.num_layers, self.num_kv_heads,
+                                              self.head_dim, itemsize)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks the pool gets.
@@ -160,18 +189,19 @@ class ModelRunner:
             return cfg.num_kv_blocks
         per_block = self.kv_cache_bytes_per_block(cfg.block_size)
         if cfg.kv_cache_memory_bytes is not None:
-            num_blocks = cfg.kv_cache_memory_bytes // per_block
+            num_blocks = (cfg.kv_cache_memory_bytes - self.kv_staging_bytes) // per_block
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes {cfg.kv_cache_memory_bytes} holds no "
                                  f"block: one block of {cfg.block_size} tokens takes "
-                                 f"{per_block} bytes ({self.kv_cache_dtype})")
+                                 f"{per_block} bytes ({self.kv_cache_dtype}), plus "
+                                 f"{self.kv_staging_bytes} bytes of open-block staging")
             return num_blocks
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * cfg.gpu_memory_utilization - (total - free) - self._activation_reserve()
         else:
             budget = cfg.cpu_kv_cache_gib * _GIB
-        num_blocks = int(budget // per_block)
+        num_blocks = int((budget - self.kv_staging_bytes) // per_block)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget / _GIB:.2f} GiB, "
                              f"{per_block} bytes per block); raise gpu_memory_utilization / "
@@ -199,7 +229,9 @@ class ModelRunner:
         self.kv_caches = []  # drop an old pool before allocating the new one
         self.kv_caches = kv_quant.allocate(
             self.kv_format, self.num_layers, num_blocks, block_size, self.num_kv_heads,
-            self.head_dim, self.dtype, self.device)
+            self.head_dim, self.dtype, self.device, self.open_entries)
+        self.open_blocks = (OpenBlocks(num_blocks, block_size, self.open_entries, self.device)
+                            if self.kv_format.key_per_channel else None)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -361,11 +393,14 @@ class ModelRunner:
             decode_groups.append(DecodeGroup(lo, hi, t_tables[t_at:t_at + rows], mb,
                                              t_lens[lo:hi]))
             t_at += rows
+        open_plan = None
+        if self.open_blocks is not None:
+            open_plan = self.open_blocks.plan(_block_writes(ordered, bs))
         meta = PagedAttentionMetadata(
             kv_caches=self.kv_caches, block_size=bs, slot_mapping=t_slots,
             num_decodes=len(decodes), decode_groups=decode_groups, prefills=prefills,
             workspace=self._workspace, decode_kernel=self._decode_kernel,
-            kv_format=self.kv_format)
+            kv_format=self.kv_format, open_plan=open_plan)
         if not prompt.rows:
             return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs)
         return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs, prompt,

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from vconsole.engine.worker import kv_quant
+from vconsole.engine.worker.kv_open_blocks import OpenPlan
 from vconsole.engine.worker.kv_quant import FORMATS, KVCache, KVFormat
 
 ATTN_IMPLEMENTATION = "vconsole_paged"
@@ -149,6 +150,8 @@ class PagedAttentionMetadata:
     # The compiled CPU decode kernel (`attention_kernel`), or None: gather + SDPA in torch.
     decode_kernel: Any = None
     kv_format: KVFormat = FORMATS["auto"]
+    # A per-channel format's routing of this step's new keys (`kv_open_blocks`).
+    open_plan: OpenPlan | None = None
     _prefill_masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     def gather_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +216,10 @@ def paged_attention_forward(
     # (1, KVH, T, hd) -> (T, KVH, hd), the pool's per-slot layout; quantized on the way in.
     new_k = key[0].transpose(0, 1)
     new_v = value[0].transpose(0, 1)
-    kv_quant.write(fmt, layer, meta.slot_mapping, new_k, new_v)
+    if meta.open_plan is not None:
+        kv_quant.write_per_channel(fmt, layer, meta.open_plan, meta.slot_mapping, new_k, new_v)
+    else:
+        kv_quant.write(fmt, layer, meta.slot_mapping, new_k, new_v)
 
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     for g in meta.decode_groups:
@@ -279,6 +285,10 @@ def _kernel(meta: PagedAttentionMetadata, layer: kv_quant.KVLayer, q: torch.Tens
     if not fmt.quantized:
         meta.decode_kernel.paged_decode_attention(q, layer.k, layer.v, tables, lens, scale,
                                                   window or 0, out)
+    elif meta.open_plan is not None:
+        meta.decode_kernel.paged_decode_attention_kivi(
+            q, layer.k, layer.v, layer.k_params, layer.v_params, layer.k_stage,
+            meta.open_plan.entry_of, tables, lens, scale, window or 0, out)
     else:
         meta.decode_kernel.paged_decode_attention_quant(
             q, layer.k, layer.v, layer.k_params, layer.v_params, tables, lens, scale,
@@ -297,6 +307,10 @@ def _gather_blocks(meta: PagedAttentionMetadata, layer: kv_quant.KVLayer, blocks
         torch.index_select(layer.v, 0, blocks, out=vs)
         return ks, vs
     assert layer.k_params is not None and layer.v_params is not None
+    if meta.open_plan is not None:
+        return (kv_quant.read_keys(layer, blocks, meta.open_plan.entry_of).to(dtype),
+                kv_quant.dequantize(fmt, layer.v.index_select(0, blocks),
+                                    layer.v_params.index_select(0, blocks), dtype))
     return (kv_quant.dequantize(fmt, layer.k.index_select(0, blocks),
                                 layer.k_params.index_select(0, blocks), dtype),
             kv_quant.dequantize(fmt, layer.v.index_select(0, blocks),
@@ -307,6 +321,13 @@ def _gather_slots(meta: PagedAttentionMetadata, layer: kv_quant.KVLayer, slots: 
                   num_kv_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V rows (S, KVH, hd) at pool slots ``slots``, in the compute dtype."""
     fmt = meta.kv_format
+    if meta.open_plan is not None:
+        # The slots are a context from position 0, in order: whole blocks of it, cut to length.
+        n = slots.shape[0]
+        keys, values = _gather_blocks(meta, layer, torch.unique_consecutive(
+            slots // meta.block_size), dtype)
+        return (keys.reshape(-1, num_kv_heads, keys.shape[-1])[:n],
+                values.reshape(-1, num_kv_heads, values.shape[-1])[:n])
     pairs = []
     for data, params in ((layer.k, layer.k_params), (layer.v, layer.v_params)):
         rows = data.view(-1, num_kv_heads, data.shape[-1]).index_select(0, slots)

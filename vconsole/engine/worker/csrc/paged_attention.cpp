@@ -31,7 +31,9 @@
 // head. Each row is widened to float in registers and the parameters are folded into scalars:
 // q.k = s (q.q_k) + lo sum(q), and sum_p w_p v_p = sum_p (w_p s_p) q_p + sum_p w_p lo_p. Nothing
 // is dequantized into memory. The int8 row is a quarter of the float32 row's bytes, int4 an
-// eighth.
+// eighth. An int4_kivi pool (`kv_open_blocks.py`) rounds keys per channel over a block instead:
+// a sealed block's channel scales multiply the queries once per block, q.k = (q * s).q_k + q.lo;
+// a block still filling is read from its float32 staging entry (`entry_of[block] >= 0`).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -56,20 +58,46 @@ inline float hsum(vf v) {
   return s;
 }
 
-// How a pool stores its rows: float32, int8 + scale, or int4 + scale and minimum.
-enum Store { kF32 = 0, kI8 = 8, kI4 = 4 };
+// How a pool stores its rows: float32, int8 + scale, int4 + scale and minimum, or int4 keys
+// rounded per channel over a block (KIVI) with values as kI4.
+enum Store { kF32 = 0, kI8 = 8, kI4 = 4, kKIVI = 5 };
 
 // One layer's K and V: data addressed in bytes, parameters (float32) per slot and KV head.
 struct Pool {
   const char* k;
   const char* v;
-  const float* kp;      // null for kF32
+  const float* kp;      // null for kF32 and kKIVI (keys)
   const float* vp;
   int64_t slot_bytes;   // between two slots of the data
   int64_t head_bytes;   // between two KV heads of one slot
   int64_t slot_params;  // floats between two slots of the parameters (KVH * P)
   int64_t head_params;  // P
+  // kKIVI only: each sealed block's per-channel key scale and minimum, (NB, KVH, 2, D) half;
+  // the open blocks' float keys, (E, B, KVH, D); each block's entry there, or -1 if sealed.
+  const at::Half* kc = nullptr;
+  const float* stage = nullptr;
+  const int64_t* entry_of = nullptr;
+  int64_t entries = 0;
+  int64_t kvh = 0;
+  int64_t d = 0;
 };
+
+// The parameters of KV head h of a sealed kKIVI block as float vectors.
+template <int DV>
+inline void channel_params(const Pool& pool, int64_t blk, int64_t h, vf* scale, vf* lo) {
+  const at::Half* pc = pool.kc + (blk * pool.kvh + h) * 2 * pool.d;
+  for (int c = 0; c < DV; ++c)
+    for (int l = 0; l < kLanes; ++l) {
+      scale[c][l] = static_cast<float>(pc[c * kLanes + l]);
+      lo[c][l] = static_cast<float>(pc[pool.d + c * kLanes + l]);
+    }
+}
+
+// A staged (open) key row of a kKIVI pool.
+inline const float* staged_row(const Pool& pool, int64_t entry, int64_t bs, int64_t off,
+                               int64_t h) {
+  return pool.stage + ((entry * bs + off) * pool.kvh + h) * pool.d;
+}
 
 // Row `slot` of KV head `h` widened to DV float vectors (still in its integer units: the
 // parameters are applied by the caller).
@@ -112,6 +140,52 @@ void attend_fixed(const float* __restrict qh, const Pool& pool, const int64_t* t
   }
   float m[G];
   for (int j = 0; j < G; ++j) m[j] = -std::numeric_limits<float>::infinity();
+  if constexpr (S == kKIVI) {
+    // Keys block by block: an open block's from staging (float), a sealed one's through its
+    // channel parameters folded into the queries: q.k = (q * s).q_k + q.lo.
+    for (int64_t b = first / bs, p = first; p < len; ++b) {
+      const int64_t stop = std::min(len, (b + 1) * bs);
+      const int64_t blk = table[b];
+      const int64_t entry = pool.entry_of[blk];
+      if (entry >= 0) {
+        for (; p < stop; ++p) {
+          const float* kr = staged_row(pool, entry, bs, p - b * bs, h);
+          vf k[DV];
+          for (int c = 0; c < DV; ++c) k[c] = *reinterpret_cast<const vf*>(kr + c * kLanes);
+          for (int j = 0; j < G; ++j) {
+            vf acc = q[j][0] * k[0];
+            for (int c = 1; c < DV; ++c) acc += q[j][c] * k[c];
+            const float s = hsum(acc) * scale;
+            sc[j * span + (p - first)] = s;
+            m[j] = std::max(m[j], s);
+          }
+        }
+        continue;
+      }
+      vf cs[DV], cl[DV], qs[G][DV];
+      float qlo[G];
+      channel_params<DV>(pool, blk, h, cs, cl);
+      for (int j = 0; j < G; ++j) {
+        vf acc{};
+        for (int c = 0; c < DV; ++c) {
+          qs[j][c] = q[j][c] * cs[c];
+          acc += q[j][c] * cl[c];
+        }
+        qlo[j] = hsum(acc);
+      }
+      for (int64_t slot = blk * bs + p - b * bs; p < stop; ++p, ++slot) {
+        vf k[DV];
+        load_row<kI4, DV>(pool.k, slot, h, pool, k);
+        for (int j = 0; j < G; ++j) {
+          vf acc = qs[j][0] * k[0];
+          for (int c = 1; c < DV; ++c) acc += qs[j][c] * k[c];
+          const float s = (hsum(acc) + qlo[j]) * scale;
+          sc[j * span + (p - first)] = s;
+          m[j] = std::max(m[j], s);
+        }
+      }
+    }
+  } else
   for (int64_t b = first / bs, p = first; p < len; ++b) {
     const int64_t stop = std::min(len, (b + 1) * bs);
     for (int64_t slot = table[b] * bs + p - b * bs; p < stop; ++p, ++slot) {
@@ -154,26 +228,27 @@ void attend_fixed(const float* __restrict qh, const Pool& pool, const int64_t* t
   for (int64_t b = first / bs, p = first; p < len; ++b) {
     const int64_t stop = std::min(len, (b + 1) * bs);
     for (int64_t slot = table[b] * bs + p - b * bs; p < stop; ++p, ++slot) {
+      constexpr Store SV = S == kKIVI ? kI4 : S;   // values are per token either way
       vf v[DV];
-      load_row<S, DV>(pool.v, slot, h, pool, v);
+      load_row<SV, DV>(pool.v, slot, h, pool, v);
       float vs = 1.f, vl = 0.f;
-      if constexpr (S != kF32) {
+      if constexpr (SV != kF32) {
         const float* par = pool.vp + slot * pool.slot_params + h * pool.head_params;
         vs = par[0];
-        if constexpr (S == kI4) vl = par[1];
+        if constexpr (SV == kI4) vl = par[1];
       }
       for (int j = 0; j < G; ++j) {
         const float w = sc[j * span + (p - first)];
-        const float ws = S == kF32 ? w : w * vs;
+        const float ws = SV == kF32 ? w : w * vs;
         for (int c = 0; c < DV; ++c) o[j][c] += ws * v[c];
-        if constexpr (S == kI4) lo_sum[j] += w * vl;
+        if constexpr (SV == kI4) lo_sum[j] += w * vl;
       }
     }
   }
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < DV; ++c) {
       vf r = o[j][c];
-      if constexpr (S == kI4) r += lo_sum[j];
+      if constexpr (S == kI4 || S == kKIVI) r += lo_sum[j];
       *reinterpret_cast<vf*>(out + (j * DV + c) * kLanes) = r;
     }
 }
@@ -181,9 +256,21 @@ void attend_fixed(const float* __restrict qh, const Pool& pool, const int64_t* t
 // Row `slot` of KV head `h` as d plain floats (parameters applied), for `attend_any`.
 template <Store S>
 inline const float* row_floats(const char* base, const float* params, int64_t slot, int64_t h,
-                               int64_t d, const Pool& pool, float* tmp) {
+                               int64_t d, const Pool& pool, float* tmp, bool key, int64_t bs) {
   const char* r = base + slot * pool.slot_bytes + h * pool.head_bytes;
-  if constexpr (S == kF32) {
+  if constexpr (S == kKIVI) {
+    if (!key) return row_floats<kI4>(base, params, slot, h, d, pool, tmp, false, bs);
+    const int64_t blk = slot / bs, entry = pool.entry_of[blk];
+    if (entry >= 0) return staged_row(pool, entry, bs, slot % bs, h);
+    const at::Half* pc = pool.kc + (blk * pool.kvh + h) * 2 * d;
+    const uint8_t* x = reinterpret_cast<const uint8_t*>(r);
+    for (int64_t i = 0; i < d / 2; ++i) {
+      tmp[i] = static_cast<float>(pc[d + i]) + static_cast<float>(pc[i]) * (x[i] & 15);
+      tmp[i + d / 2] = static_cast<float>(pc[d + i + d / 2]) +
+                       static_cast<float>(pc[i + d / 2]) * (x[i] >> 4);
+    }
+    return tmp;
+  } else if constexpr (S == kF32) {
     return reinterpret_cast<const float*>(r);
   } else {
     const float* par = params + slot * pool.slot_params + h * pool.head_params;
@@ -219,7 +306,7 @@ void attend_any(const float* qh, const Pool& pool, const int64_t* table, int64_t
   float* tmp = sc + g * span;
   for (int64_t p = first; p < len; ++p) {
     const float* kr = row_floats<S>(pool.k, pool.kp, table[p / bs] * bs + p % bs, h, d, pool,
-                                    tmp);
+                                    tmp, true, bs);
     for (int64_t j = 0; j < g; ++j) sc[j * span + (p - first)] = dot(qh + j * d, kr, d) * scale;
   }
   for (int64_t j = 0; j < g; ++j) {
@@ -239,7 +326,7 @@ void attend_any(const float* qh, const Pool& pool, const int64_t* table, int64_t
   std::fill(out, out + g * d, 0.f);
   for (int64_t p = first; p < len; ++p) {
     const float* vr = row_floats<S>(pool.v, pool.vp, table[p / bs] * bs + p % bs, h, d, pool,
-                                    tmp);
+                                    tmp, false, bs);
     for (int64_t j = 0; j < g; ++j) {
       const float w = sc[j * span + (p - first)];
       float* __restrict o = out + j * d;
@@ -285,8 +372,14 @@ void run(const torch::Tensor& q, const Pool& pool, int64_t nb, int64_t bs,
     const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
     const int64_t* table = tp + r * table_stride;
     for (int64_t b = first / bs; len > first && b <= (len - 1) / bs; ++b)
+    {
       TORCH_CHECK(table[b] >= 0 && table[b] < nb, "block id ", table[b], " of row ", r,
                   " is outside the pool of ", nb, " blocks");
+      if constexpr (S == kKIVI)
+        TORCH_CHECK(pool.entry_of[table[b]] < pool.entries, "staging entry ",
+                    pool.entry_of[table[b]], " of block ", table[b], " is outside the ",
+                    pool.entries, " entries");
+    }
   }
 
   // One job per (row, KV head).
@@ -378,9 +471,53 @@ void paged_decode_attention_quant(const torch::Tensor& q, const torch::Tensor& k
     run<kI4>(q, pool, k_data.size(0), k_data.size(1), tables, lens, scale, window, out);
 }
 
+void paged_decode_attention_kivi(const torch::Tensor& q, const torch::Tensor& k_data,
+                                 const torch::Tensor& v_data, const torch::Tensor& k_channel,
+                                 const torch::Tensor& v_params, const torch::Tensor& k_stage,
+                                 const torch::Tensor& entry_of, const torch::Tensor& tables,
+                                 const torch::Tensor& lens, double scale, int64_t window,
+                                 torch::Tensor& out) {
+  check_common(q, tables, lens, out);
+  const int64_t kvh = q.size(1), d = q.size(3), nb = k_data.size(0), bs = k_data.size(1);
+  TORCH_CHECK(d % 2 == 0, "int4 needs an even head_dim");
+  TORCH_CHECK(k_data.scalar_type() == torch::kByte && v_data.scalar_type() == torch::kByte,
+              "uint8 data");
+  TORCH_CHECK(k_data.dim() == 4 && v_data.sizes() == k_data.sizes() && k_data.size(2) == kvh &&
+                  k_data.size(3) == d / 2,
+              "pool and query disagree");
+  TORCH_CHECK(k_channel.scalar_type() == torch::kHalf &&
+                  k_channel.sizes() == torch::IntArrayRef({nb, kvh, 2, d}),
+              "key channel parameters: (NB, KVH, 2, D) float16");
+  TORCH_CHECK(v_params.scalar_type() == torch::kFloat &&
+                  v_params.sizes() == torch::IntArrayRef({nb, bs, kvh, 2}),
+              "value parameters: (NB, B, KVH, 2) float32");
+  TORCH_CHECK(k_stage.scalar_type() == torch::kFloat && k_stage.dim() == 4 &&
+                  k_stage.size(1) == bs && k_stage.size(2) == kvh && k_stage.size(3) == d,
+              "staging: (E, B, KVH, D) float32");
+  TORCH_CHECK(entry_of.scalar_type() == torch::kLong && entry_of.dim() == 1 &&
+                  entry_of.size(0) == nb,
+              "entry_of: (NB,) int64");
+  TORCH_CHECK(k_data.is_contiguous() && v_data.is_contiguous() && k_channel.is_contiguous() &&
+                  v_params.is_contiguous() && k_stage.is_contiguous() && entry_of.is_contiguous(),
+              "contiguous pools");
+  const int64_t* eo = entry_of.data_ptr<int64_t>();
+  Pool pool{static_cast<const char*>(k_data.data_ptr()),
+            static_cast<const char*>(v_data.data_ptr()), nullptr, v_params.data_ptr<float>(),
+            kvh * d / 2, d / 2, kvh * 2, 2};
+  pool.kc = k_channel.data_ptr<at::Half>();
+  pool.stage = k_stage.data_ptr<float>();
+  pool.entry_of = eo;
+  pool.entries = k_stage.size(0);
+  pool.kvh = kvh;
+  pool.d = d;
+  run<kKIVI>(q, pool, nb, bs, tables, lens, scale, window, out);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV pool, reading blocks through the block table (CPU).");
   m.def("paged_decode_attention_quant", &paged_decode_attention_quant,
         "The same over an int8 or int4 pool with per (slot, KV head) parameters (CPU).");
+  m.def("paged_decode_attention_kivi", &paged_decode_attention_kivi,
+        "The same over an int4_kivi pool: keys per channel per block, open blocks staged (CPU).");
 }

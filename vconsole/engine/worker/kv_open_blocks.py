@@ -1,0 +1,184 @@
+"""Open blocks of a per-channel KV format (`int4_kivi`): keys kept in float until a block fills.
+
+KIVI's observation, measured here by `vconsole bench kv-grouping`: keys have outlier channels,
+so 4-bit keys rounded per channel over a block of tokens lose far less than keys rounded per
+token (on SmolLM2 +1.2% perplexity against +16%). A channel's scale needs every token of the
+block, and a block fills one decode step at a time, so a block that is still filling ("open")
+keeps its keys in float32 in a small staging area beside the pool; the step that writes its last
+slot "seals" it: the block's keys are rounded per channel into the pool and its staging entry is
+freed. Values are rounded per token as they arrive (per token and head, with a minimum), like
+`int4_per_token_head`'s.
+
+`OpenBlocks` is the bookkeeping, run once per step on the host (`plan`); the plan it returns is
+the same for every layer (`kv_quant.write` applies it). Invariants:
+
+- an open block's rows ``0 .. fill-1`` are in its staging entry, in order; a sealed block's
+  keys are in the pool, rounded over its valid rows;
+- ``entry_of[block]`` is the block's staging entry, or -1 when it is sealed (or never written):
+  the attention reads a block from staging or the pool by it;
+- at most ``num_entries`` blocks are open. When every entry is taken, the least recently written
+  open block not written in this step is sealed early over its filled rows (an entry is not a
+  correctness matter, only a precision one); a later write to a block sealed early re-opens it
+  from its rounded keys.
+
+A block freed by the scheduler while open keeps its entry until a write reuses the block (from
+offset 0: the old rows are dropped) or the entry is reclaimed as the least recently written.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class OpenPlan:
+    """One step's routing of new key rows, for every layer. Rows of ``work`` are
+    ``seal_index * block_size + offset``; staging rows are ``entry * block_size + offset``;
+    batch rows index the step's packed tokens."""
+
+    seal_blocks: torch.Tensor      # (S,) blocks sealed by this step
+    seal_fill: torch.Tensor        # (S,) their valid rows (block_size unless sealed early)
+    work_from_stage: tuple[torch.Tensor, torch.Tensor]   # (work rows, staging rows)
+    work_from_sealed: tuple[torch.Tensor, torch.Tensor]  # (seal indices, sealed blocks)
+    reload: tuple[torch.Tensor, torch.Tensor]            # (entries, sealed blocks) to re-open
+    stage_from_batch: tuple[torch.Tensor, torch.Tensor]  # (staging rows, batch rows)
+    work_from_batch: tuple[torch.Tensor, torch.Tensor]   # (work rows, batch rows)
+    entry_of: torch.Tensor         # (NB,) int64 after this step
+
+
+def _pair(a: list[int], b: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.tensor(a + b, dtype=torch.int64, device=device)
+    return t[:len(a)], t[len(a):]
+
+
+class OpenBlocks:
+    def __init__(self, num_blocks: int, block_size: int, num_entries: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.num_entries = num_entries
+        self.device = device
+        self.entry_of = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
+        self._entry: dict[int, int] = {}                 # open block -> entry
+        self._fill: dict[int, int] = {}                  # open block -> rows filled
+        self._lru: OrderedDict[int, None] = OrderedDict()  # open blocks, least recent first
+        self._free = list(range(num_entries - 1, -1, -1))
+        self._sealed_fill: dict[int, int] = {}           # blocks sealed early -> valid rows
+
+    @property
+    def num_open(self) -> int:
+        return len(self._entry)
+
+    def plan(self, writes: list[tuple[int, int, int, int]]) -> OpenPlan:
+        """``writes``: ``(block, first offset, end offset, first batch row)`` for each run of
+        new tokens of this step, in any order (no block twice)."""
+        bs = self.block_size
+        touched = {w[0] for w in writes}
+        seals: list[tuple[int, int]] = []                # (block, fill)
+        wfs_dst: list[int] = []
+        wfs_src: list[int] = []
+        wsealed_idx: list[int] = []
+        wsealed_blk: list[int] = []
+        rl_entry: list[int] = []
+        rl_blk: list[int] = []
+        sfb_dst: list[int] = []
+        sfb_src: list[int] = []
+        wfb_dst: list[int] = []
+        wfb_src: list[int] = []
+        changed: dict[int, int] = {}
+
+        def seal_open(block: int, upto: int) -> int:
+            """Seal an open block over its first ``upto`` staged rows; frees its entry."""
+            e = self._entry.pop(block)
+            del self._fill[block]
+            self._lru.pop(block, None)
+            s = len(seals)
+            seals.append((block, upto))
+            wfs_dst.extend(range(s * bs, s * bs + upto))
+            wfs_src.extend(range(e * bs, e * bs + upto))
+            self._free.append(e)
+            changed[block] = -1
+            return s
+
+        def take_entry() -> int | None:
+            if not self._free:
+                victim = next((b for b in self._lru if b not in touched), None)
+                if victim is None:
+                    return None
+                fill = self._fill[victim]
+                seal_open(victim, fill)
+                if fill < bs:
+                    self._sealed_fill[victim] = fill
+            return self._free.pop()
+
+        for block, lo, hi, row in writes:
+            if lo == 0:                       # a block (re)starting: nothing earlier counts
+                self._sealed_fill.pop(block, None)
+                if block in self._entry:
+                    self._fill[block] = 0
+            e = self._entry.get(block)
+            if hi == bs:                      # full after this step: seal it
+                s = len(seals)
+                if e is not None:
+                    e_rows = self._fill[block] if lo > 0 else 0
+                    del self._entry[block], self._fill[block]
+                    self._lru.pop(block, None)
+                    wfs_dst.extend(range(s * bs, s * bs + e_rows))
+                    wfs_src.extend(range(e * bs, e * bs + e_rows))
+                    self._free.append(e)
+                elif lo > 0:                  # sealed early before: its rounded rows
+                    wsealed_idx.append(s)
+                    wsealed_blk.append(block)
+                seals.append((block, bs))
+                self._sealed_fill.pop(block, None)
+                wfb_dst.extend(range(s * bs + lo, s * bs + hi))
+                wfb_src.extend(range(row, row + hi - lo))
+                changed[block] = -1
+                continue
+            if e is None:
+                e = take_entry()
+                if e is None:                 # every entry written this step: seal early
+                    s = len(seals)
+                    if lo > 0:
+                        wsealed_idx.append(s)
+                        wsealed_blk.append(block)
+                    seals.append((block, hi))
+                    self._sealed_fill[block] = hi
+                    wfb_dst.extend(range(s * bs + lo, s * bs + hi))
+                    wfb_src.extend(range(row, row + hi - lo))
+                    changed[block] = -1
+                    continue
+                if lo > 0:                    # re-open a block sealed early
+                    rl_entry.append(e)
+                    rl_blk.append(block)
+                    self._sealed_fill.pop(block, None)
+                self._entry[block] = e
+                changed[block] = e
+            self._fill[block] = hi
+            self._lru.pop(block, None)
+            self._lru[block] = None
+            sfb_dst.extend(range(e * bs + lo, e * bs + hi))
+            sfb_src.extend(range(row, row + hi - lo))
+
+        if changed:
+            idx = torch.tensor(list(changed), dtype=torch.int64, device=self.device)
+            val = torch.tensor(list(changed.values()), dtype=torch.int64, device=self.device)
+            self.entry_of.index_copy_(0, idx, val)
+        dev = self.device
+        blocks = [b for b, _ in seals]
+        fills = [f for _, f in seals]
+        return OpenPlan(
+            seal_blocks=torch.tensor(blocks, dtype=torch.int64, device=dev),
+            seal_fill=torch.tensor(fills, dtype=torch.int64, device=dev),
+            work_from_stage=_pair(wfs_dst, wfs_src, dev),
+            work_from_sealed=_pair(wsealed_idx, wsealed_blk, dev),
+            reload=_pair(rl_entry, rl_blk, dev),
+            stage_from_batch=_pair(sfb_dst, sfb_src, dev),
+            work_from_batch=_pair(wfb_dst, wfb_src, dev),
+            entry_of=self.entry_of)
+
+    def sealed_fill(self, block: int) -> int:
+        """Valid rows of a sealed block (block_size unless it was sealed early)."""
+        return self._sealed_fill.get(block, self.block_size)
