@@ -13,12 +13,19 @@ indexed by the same slot (``block_id * block_size + offset``) as the data:
   one, so 16 bytes unpack into two 16-lane vectors with a mask and a shift. Data
   ``(NB, B, KVH, D/2)`` uint8, parameters ``(NB, B, KVH, 2)`` float32: ``D/2 + 8`` bytes
   (6.4x at ``D = 64``).
+- ``int4_kivi`` (the ``int4`` alias): values as ``int4_per_token_head``; keys in the same
+  4-bit layout but rounded per channel over each block (KIVI), with a float16 scale and minimum
+  per (block, KV head, channel). A block still filling keeps its keys in float32 in a small
+  staging area until its last slot is written (`kv_open_blocks`). ``D/2 + 8`` bytes per token
+  for V, ``D/2 + 4D/B`` for K (5.8x at ``D = 64``, ``B = 16``), plus the staging.
 
-Why per token and head, not KIVI's keys per channel: measured on SmolLM2 by `vconsole bench
-kv-grouping` (docs/benchmarks.md), per token and head loses less at 8 bits than the noise of the
-measurement and an asymmetric 4-bit code per token and head stays inside the goal, while a
-per-channel code must wait for a block to fill (or re-quantize it as tokens arrive) before its
-scales are known. Rounding is to nearest, so a dequantized value is within half a step
+Why these groupings, measured on SmolLM2 by `vconsole bench kv-grouping` (docs/benchmarks.md):
+at 8 bits a scale per token and head loses +0.04% perplexity, no more than KIVI's keys per
+channel, so int8 keeps the simple one. At 4 bits per token and head loses +16% (a few outlier
+key channels set every token's range), groups of 32 +6%, a Hadamard rotation of each head first
++6.7%, and keys per channel over a 16-token block +1.2%: the 4-bit format worth having is
+KIVI's, at the price of staging open blocks. ``int4_per_token_head`` stays for vLLM's name and
+as the densest. Rounding is to nearest, so a dequantized value is within half a step
 (``scale / 2``) of the original: `bound` says how far that is for a row.
 
 Writes quantize in torch (`quantize_into`); the CPU decode kernel (``csrc``) reads the integer
