@@ -74,17 +74,17 @@ Scheme = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 
 SCHEMES: dict[str, Scheme | None] = {
     "none": None,
-    "int8 per token-head, symmetric (chosen)":
+    "int8 per token-head, symmetric (int8_per_token_head)":
         lambda k, v: (_per_row(k, 8, False), _per_row(v, 8, False)),
     "int8 keys per channel (KIVI), values per token-head":
         lambda k, v: (_per_channel(k, 8, False), _per_row(v, 8, False)),
     "int4 per token-head, symmetric":
         lambda k, v: (_per_row(k, 4, False), _per_row(v, 4, False)),
-    "int4 per token-head, with minimum (chosen)":
+    "int4 per token-head, with minimum (int4_per_token_head)":
         lambda k, v: (_per_row(k, 4, True), _per_row(v, 4, True)),
     "int4 groups of 32, with minimum (llama.cpp q4_1)":
         lambda k, v: (_per_row(k, 4, True, 32), _per_row(v, 4, True, 32)),
-    "int4 keys per channel (KIVI), values per token-head, with minimum":
+    "int4 keys per channel (KIVI), values per token-head, with minimum (int4_kivi)":
         lambda k, v: (_per_channel(k, 4, True), _per_row(v, 4, True)),
     "int4 per token-head, symmetric, Hadamard-rotated":
         lambda k, v: (_rotated(k, 4, False), _rotated(v, 4, False)),
