@@ -385,3 +385,35 @@ def test_kernel_reads_kivi_blocks_sealed_and_open(kernel):
         vd = kv_quant.dequantize(fmt, layer.v, layer.v_params)
         want = _reference(q, kd, vd, t, ln, d ** -0.5, window)
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+def test_kv_events_are_the_same_on_quantized_blocks():
+    """Storage does not enter a block's hash: the same prompts give the same BlockStored
+    events (hashes, tokens, parents) on auto and on int4_kivi blocks (one output token each,
+    so that the blocks are the prompts' and not the models' diverging outputs)."""
+    events = {}
+    for name in ("auto", "int4_kivi"):
+        core = _engine(name, num_kv_blocks=128)
+        core.scheduler.kv.enable_events()
+        run_batch(core, greedy_requests(core, PROMPTS, 1, ignore_eos=True))
+        events[name] = [(type(e).__name__, getattr(e, "block_hashes", None),
+                         getattr(e, "parent_block_hash", None), getattr(e, "token_ids", None))
+                        for e in core.scheduler.kv.take_events()]
+    assert events["auto"] and events["auto"] == events["int4_kivi"]
+
+
+@pytest.mark.parametrize("name", ("int8", "int4_kivi"))
+def test_bfloat16_torch_path_reads_quantized_blocks(name):
+    """The path a CUDA engine takes (bfloat16 model: no CPU kernel), here on the CPU: it
+    generates, and a cached prefix is reused as stored (two cached runs agree; a cold run
+    attends over its first chunk's unrounded K/V, so it may not)."""
+    core = _engine(name, dtype="bfloat16")
+    assert core.runner._decode_kernel is None and core.runner.dtype == torch.bfloat16
+    assert core.runner.kv_caches[0].k.dtype in (torch.int8, torch.uint8)
+    prompt = [(13 * j) % 200 + 5 for j in range(40)] + [1, 2]
+    first = run_batch(core, greedy_requests(core, [prompt], 10, ignore_eos=True))
+    assert len(first.output_token_ids[0]) == 10
+    second = run_batch(core, greedy_requests(core, [prompt], 10, ignore_eos=True))
+    third = run_batch(core, greedy_requests(core, [prompt], 10, ignore_eos=True))
+    assert second.outputs[0].num_cached_tokens == third.outputs[0].num_cached_tokens == 32
+    assert third.output_token_ids == second.output_token_ids
