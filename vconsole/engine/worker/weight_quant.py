@@ -1,26 +1,30 @@
-"""Int8 weights (``--quantization int8``): per-output-channel int8 weights, dynamic int8 activations.
+"""Int8 weights (``--quantization int8``): weight-only int8, per-output-channel scales.
 
 Single-stream decode reads every weight once per token: SmolLM2-135M is 540 MB a token in
 float32, and at one row a matmul is a memory-bound matrix-vector product. int8 reads a quarter.
 
-The scheme is vLLM's and torch.ao's "dynamic int8" (W8A8-dynamic): each weight row ``n`` (an
-output channel) is stored as ``round(W[n] / s[n])`` in [-127, 127] with ``s[n] = max|W[n]| /
-127``; each call quantizes its input per tensor (asymmetric uint8, scale and zero point from the
-input's own min/max, so nothing is calibrated) and the kernel multiplies int8 by int8 into int32
-and rescales to float32. The kernels are torch's own quantized engines, not ours:
+The scheme: each weight row ``n`` (an output channel) is stored as ``q[n] = round(W[n] / s[n])``
+in [-127, 127] with ``s[n] = max|W[n]| / 127`` (the error of a weight is at most ``s[n] / 2``);
+activations are not quantized, only rounded to bfloat16 for the kernels, and every product is
+summed in float32. Two kernels, by the step's rows:
 
-- **fbgemm** (``torch.ops.quantized.linear_dynamic`` with fbgemm-packed weights) for steps of up
-  to `SMALL_ROWS` rows: its matrix-vector path costs the least fixed time per call, and a decode
-  step of one stream is 30 layers x 4 linears of one row;
-- **oneDNN** (the same op with oneDNN-packed weights; AMX int8 where the CPU has it) above: at 64
-  rows it is 2-6x fbgemm on the development machine (the LM head's 64 x 576 x 49152: ~2.7 ms
-  against ~12-17 ms; float32 ~35-40 ms).
+- **up to `SMALL_ROWS` rows** (a decode step of a few streams): torch's weight-only int8 matmul
+  ``torch._weight_int8pack_mm`` (bfloat16 activations and scales, AVX-512 on CPU): it reads the
+  int8 weight once and never materialises a float copy; at one row on the development machine
+  2-3x float32 ``F.linear`` (576 x 3072: ~120 us against ~350 us, one thread);
+- **more rows** (prefill, wide decode batches, where the matmul is compute-bound and the weight
+  is reused by every row): the int8 rows are converted, `CHUNK_ELEMENTS` at a time, into one
+  shared bfloat16 scratch (int8 values are exact in bfloat16) and multiplied with bfloat16
+  ``torch.mm`` (AVX-512 BF16 / AMX), the float32 scales applied to the product: 1.5-2x float32
+  at 64 rows, where ``_weight_int8pack_mm`` is 2x slower than float32.
 
-Both packings are kept (int8 twice is still half of float32 once). Why not weight-only int8
-(``torch._weight_int8pack_mm``, int8 weights, float activations): on this CPU build its float32
-path is ~10x slower than float32 ``F.linear`` and its bfloat16 one slower than fbgemm at one
-row and not vectorised for 64 rows. The activation quantization costs accuracy that weight-only
-would not: `bench quality --quantization int8` measures it (the goal is perplexity within +1%).
+Why not torch's dynamic int8 (``quantized::linear_dynamic``, fbgemm / oneDNN, W8A8 with the
+activations quantized per tensor), although it is 4x float32 at one row: measured on SmolLM2
+(4 windows x 256 tokens of the quality bench's text), it costs **+68% perplexity** (the MLP's
+down projection alone +52%: its input has outlier channels that one per-tensor scale cannot
+hold), against **+0.45%** for these int8 weights with float activations and +0.71% with the
+activations and scales in bfloat16. ``bench quality --quantization int8`` is the yardstick (goal:
+within +1% of float32).
 
 Invariants: only ``torch.nn.Linear`` modules on CPU in float32 are replaced (the decoder layers'
 linears and the LM head; the embedding stays float, so a tied LM head becomes an int8 copy);
@@ -32,20 +36,21 @@ which is how `fused_decoder` builds its qkv and gate/up matmuls.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 
 from vconsole.shared.config import QUANTIZATIONS
 
-SMALL_ROWS = 4        # at most this many rows: fbgemm; more: oneDNN
+SMALL_ROWS = 4                 # at most this many rows: _weight_int8pack_mm
+CHUNK_ELEMENTS = 1 << 21       # weights converted to bfloat16 at a time above (4 MiB)
 QMAX = 127
+
+_scratch: dict[torch.device, torch.Tensor] = {}
 
 
 def available() -> bool:
-    engines = torch.backends.quantized.supported_engines
-    return "fbgemm" in engines and "onednn" in engines
+    return hasattr(torch, "_weight_int8pack_mm")
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,19 +62,14 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-          engine: str) -> torch.Tensor:
-    """One engine's packed weight (an opaque ``LinearPackedParamsBase``)."""
-    previous = torch.backends.quantized.engine
-    torch.backends.quantized.engine = engine
-    try:
-        with warnings.catch_warnings():  # torch marks quantized tensors deprecated (2.10+)
-            warnings.simplefilter("ignore")
-            qw = torch._make_per_channel_quantized_tensor(
-                q, scale.double(), torch.zeros(q.shape[0], dtype=torch.int64), 0)
-            return torch.ops.quantized.linear_prepack(qw, bias)
-    finally:
-        torch.backends.quantized.engine = previous
+def _bf16_scratch(elements: int, device: torch.device) -> torch.Tensor:
+    """One bfloat16 buffer per device, shared by every `Int8Linear` (a step runs one matmul
+    at a time), grown to the largest chunk asked for."""
+    buf = _scratch.get(device)
+    if buf is None or buf.numel() < elements:
+        buf = torch.empty(elements, dtype=torch.bfloat16, device=device)
+        _scratch[device] = buf
+    return buf
 
 
 class Int8Linear(torch.nn.Module):
@@ -78,11 +78,12 @@ class Int8Linear(torch.nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
+        self.register_buffer("qweight", q.contiguous(), persistent=False)
+        self.register_buffer("scale", scale.float().contiguous(), persistent=False)
+        self.register_buffer("scale_bf16", self.scale.to(torch.bfloat16), persistent=False)
         bias = None if bias is None else bias.detach().float().contiguous()
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        self.register_buffer("scale", scale.float().contiguous(), persistent=False)
-        self._small = _pack(q, scale, bias, "fbgemm")
-        self._large = _pack(q, scale, bias, "onednn")
+        self._chunk_rows = max(1, CHUNK_ELEMENTS // self.in_features)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> Int8Linear:
@@ -93,30 +94,45 @@ class Int8Linear(torch.nn.Module):
     def concat(cls, linears: Sequence[Int8Linear]) -> Int8Linear:
         """The linears stacked along the output axis, as one (the same int8 values and scales,
         so the fused output equals the parts' outputs side by side)."""
-        qs, scales = zip(*(lin.int8_weight() for lin in linears), strict=True)
         bias = None
         if any(lin.bias is not None for lin in linears):
             bias = torch.cat([lin.bias.data if lin.bias is not None
                               else torch.zeros(lin.out_features) for lin in linears])
-        return cls(torch.cat(qs), torch.cat(scales), bias)
+        return cls(torch.cat([lin.qweight for lin in linears]),
+                   torch.cat([lin.scale for lin in linears]), bias)
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored ``(int8 (N, K), scale (N,))``, unpacked from fbgemm's layout."""
-        qw, _ = torch.ops.quantized.linear_unpack(self._small)
-        return qw.int_repr(), self.scale
+        """The stored ``(int8 (N, K), scale (N,))``."""
+        return self.qweight, self.scale
 
     def dequantized_weight(self) -> torch.Tensor:
-        q, scale = self.int8_weight()
-        return q.float() * scale[:, None]
+        return self.qweight.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        packed = self._small if rows <= SMALL_ROWS else self._large
-        return torch.ops.quantized.linear_dynamic(x, packed, False)
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if x2.shape[0] <= SMALL_ROWS:
+            y = torch._weight_int8pack_mm(x2, self.qweight, self.scale_bf16).float()
+        else:
+            y = self._many_rows(x2)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        step = min(n, self._chunk_rows)
+        scratch = _bf16_scratch(step * k, x.device)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            w = scratch[:(hi - lo) * k].view(hi - lo, k)
+            w.copy_(self.qweight[lo:hi])
+            y[:, lo:hi] = torch.mm(x, w.t())
+        return y.mul_(self.scale)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, int8 per-channel, dynamic int8 activations")
+                f"bias={self.bias is not None}, int8 weights per channel")
 
 
 def quantize_model(model: torch.nn.Module, method: str) -> int:
@@ -128,8 +144,7 @@ def quantize_model(model: torch.nn.Module, method: str) -> int:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                          f"got {method!r}")
     if not available():
-        raise ValueError("quantization int8 needs torch's fbgemm and onednn quantized engines "
-                         f"(this torch has {', '.join(torch.backends.quantized.supported_engines)})")
+        raise ValueError("quantization int8 needs torch._weight_int8pack_mm (torch >= 2.3)")
     targets = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
     for name, linear in targets:
         if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
