@@ -256,7 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transformers", action="store_true",
                    help="serve: skip the comparison with `transformers serve "
                         "--continuous-batching` (run where transformers' CLI and accelerate "
-                        "are installed)")
+                        "are installed); throughput: skip transformers' generate and "
+                        "generate_batch")
+    p.add_argument("--peer", choices=["llama-cpp"], default=None,
+                   help="throughput: also run llama.cpp (llama-cpp-python, the llama-cpp "
+                        "extra) on smollm2's own Q4_1 GGUF, single stream and the requests "
+                        "one by one, with the same threads")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="throughput: torch's threads (and llama.cpp's) for the run (default: "
+                        "torch's)")
     p.add_argument("--minutes", type=float, default=10.0,
                    help="soak: how long the load runs (default 10)")
     p.add_argument("--data-parallel-size", type=int, default=None, metavar="N",

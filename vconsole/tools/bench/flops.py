@@ -64,6 +64,11 @@ class ModelShape:
     def lm_head_params(self) -> int:
         return self.vocab * self.hidden
 
+    def weight_bytes_per_token(self, bytes_per_weight: float) -> int:
+        """The matmul weights one decode step of a single stream reads (every layer's linears
+        and the LM head), at ``bytes_per_weight`` (4 float32, 1 int8; scales not counted)."""
+        return int((self.layer_matmul_params + self.lm_head_params) * bytes_per_weight)
+
     def token_flops(self) -> int:
         """One token through the decoder's linears (no attention, no LM head)."""
         return 2 * self.layer_matmul_params

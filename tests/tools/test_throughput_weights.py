@@ -1,0 +1,50 @@
+"""`vconsole bench throughput`'s weights figures (issue #30): ``--quantization int8`` runs the
+engine on int8 weights and the same single stream on float32 beside it, the decode step time at
+the workload's batch is reported, and ``--peer llama-cpp`` refuses clearly what it cannot run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from vconsole.tools.bench import throughput as tp
+
+
+def _args(**over) -> argparse.Namespace:
+    base = dict(model_config="tiny", runs=1, num_requests=2, json=True, threads=None,
+                peer=None, quantization=None, kv_cache_dtype="auto", no_transformers=True)
+    return argparse.Namespace(**{**base, **over})
+
+
+@pytest.mark.slow
+def test_int8_run_reports_both_single_streams_and_the_decode_step_time(monkeypatch):
+    monkeypatch.setattr(tp, "SINGLE_OUTPUT", 24)
+    monkeypatch.setattr(tp.run_single_stream, "__defaults__", (24,))
+    out = tp.throughput(_args(quantization="int8"))
+    assert out["quantization"] == "int8" and out["engine"]["quantization"] == "int8"
+    assert "hf_static" not in out and "goal" not in out     # --no-transformers
+    single, base = out["single_stream"], out["single_stream_float32"]
+    assert single["quantization"] == "int8" and base["quantization"] is None
+    assert single["output_tokens"] == base["output_tokens"] == 24
+    assert single["weight_mb_per_token"] * 4 == pytest.approx(base["weight_mb_per_token"],
+                                                               rel=0.01)
+    assert out["single_stream_vs_float32"] == round(
+        single["decode_tokens_per_s"] / base["decode_tokens_per_s"], 2)
+    step = out["engine"]["decode_step_ms"]
+    assert step["mean"] > 0 and step["median"] > 0 and step["rows"] >= 1
+    goal = out["weights_goal"]
+    assert goal["single_stream_vs_float32"] == 2.0
+    assert set(goal["met"]) == {"single_stream_vs_float32"}   # no peer: nothing else judged
+
+
+def test_the_llama_cpp_peer_without_the_extra_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)      # import fails
+    with pytest.raises(SystemExit, match=r"vconsole\[llama-cpp\]"):
+        tp.load_llama_cpp(1)
+
+
+def test_the_llama_cpp_peer_runs_only_smollm2():
+    with pytest.raises(SystemExit, match="--model-config smollm2"):
+        tp.throughput(_args(peer="llama-cpp"))
