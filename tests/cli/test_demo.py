@@ -69,6 +69,11 @@ def test_the_demo_runs_the_real_model_when_its_package_is_installed():
     assert out[:2] == ["--model", "smollm2"]
     assert out[out.index("--max-num-batched-tokens") + 1] == str(
         real.engine_defaults["max_num_batched_tokens"])
+    # The pool is a byte budget: a quantized KV cache gets more blocks from the same memory.
+    out = engine_args_from(build_parser().parse_args(["demo", "--kv-cache-dtype", "int8"]))
+    assert out[out.index("--kv-cache-dtype") + 1] == "int8"
+    assert out[out.index("--kv-cache-memory-bytes") + 1] == str(64 * 16 * 46_080)
+    assert "--num-kv-blocks" not in out
 
 
 def test_a_config_files_model_sets_the_demos_pace(tmp_path):

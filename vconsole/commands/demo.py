@@ -15,7 +15,8 @@ from vconsole.tools.demo import (
     prepare_model,
 )
 
-_PASS_THROUGH = ("device", "dtype", "block_size", "num_kv_blocks", "max_num_seqs",
+_PASS_THROUGH = ("device", "dtype", "block_size", "num_kv_blocks", "kv_cache_dtype",
+                 "kv_cache_memory_bytes", "quantization", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "policy", "config")
 
 

@@ -62,8 +62,13 @@ DEMO_ENGINE_ARGS = [arg for key, value in DEMO_ENGINE_DEFAULTS.items()
 DEMO_RATE = 8.0
 # On a real model (SmolLM2-135M: ~30x tiny's cost per token, ~120 tokens/s decoding on one
 # core): a rate its bursts outrun, a pool that a burst's answers outgrow, and a token budget
-# that keeps a step with a prefill chunk near a quarter of a second.
-REAL_ENGINE_DEFAULTS: dict[str, int | str] = {"num_kv_blocks": 64, "max_num_seqs": 12,
+# that keeps a step with a prefill chunk near a quarter of a second. The pool is a byte budget,
+# 64 float32 blocks of SmolLM2 (64 x 16 tokens x 46,080 bytes), so that `vconsole demo
+# --kv-cache-dtype int8` shows what the same memory holds quantized (240 blocks: no
+# preemptions where float32 has a dozen a minute, docs/kv-memory.md).
+REAL_POOL_BYTES = 64 * 16 * 46_080
+REAL_ENGINE_DEFAULTS: dict[str, int | str] = {"kv_cache_memory_bytes": REAL_POOL_BYTES,
+                                              "max_num_seqs": 12,
                                               "max_num_batched_tokens": 128,
                                               "policy": "hybrid"}
 REAL_RATE = 0.8
