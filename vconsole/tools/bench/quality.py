@@ -25,10 +25,14 @@ near-tie; ``passed`` says whether the run met them.
 
 **Compressed runs** (``kv_cache_dtype`` int8 / int4, ``quantization`` int8; issue #30) change the
 numbers on purpose, so they are judged by their own budget: ``rel_diff`` at most
-`COMPRESSED_TARGETS` (the sum when both are on; one-sided: being better is fine). The greedy
+`COMPRESSED_TARGETS` (the sum when both are on; one-sided: being better is fine). With a
+compressed KV cache the engine takes `COMPRESSED_STEP_TOKENS` a step, so that most of each
+window attends over rounded context. The greedy
 tokens are also compared against the engine with ``auto`` storage and float weights
-(``greedy_match_vs_auto``), and every miss is described the same way; the greedy figures are
-reported, not judged.
+(``greedy_match_vs_auto``), and every miss is described the same way, a flip where the top two
+logits were closer than twice the run's 99th percentile of per-token logprob differences from
+transformers (``token_logprob_diff_p99``, the format's rounding noise) named a near-tie of the
+format; the greedy figures are reported, not judged.
 """
 
 from __future__ import annotations
@@ -49,10 +53,14 @@ NEAR_TIE = 1e-4              # top-2 logit gap below which a flipped token is fl
 TARGET_REL_DIFF = 1e-3
 # Perplexity budgets of the compressed formats against float32 (issue #30's goals).
 COMPRESSED_TARGETS = {"int8_per_token_head": 0.002, "int4_per_token_head": 0.03,
-                      "weights int8": 0.01}
+                      "int4_kivi": 0.03, "weights int8": 0.01}
 TARGET_GREEDY_MISSES = 1     # of 32
 REFERENCE_BATCH = 4          # windows per transformers forward
 STEP_TOKENS = 1000           # the engine's max_num_batched_tokens here
+# ... and for a compressed KV cache: a window's first chunk attends over its own unrounded K/V,
+# so chunks of 128 (the demo's budget) make 3/4 of every window read rounded context, as
+# decoding does.
+COMPRESSED_STEP_TOKENS = 128
 
 # The yardstick's own 32 prompts, deliberately not `vconsole.tools.prompts` (the demo's, which
 # may be retuned for the console): figures from different rounds compare only on the same text.
@@ -139,6 +147,12 @@ def perplexity(nll_sum: float, count: int) -> float:
 
 def engine_window_nll(core: EngineCore, windows: Sequence[list[int]]) -> list[float]:
     """Each window's summed negative log-likelihood, from the engine's prompt logprobs."""
+    return [-math.fsum(lps) for lps in engine_window_logprobs(core, windows)]
+
+
+def engine_window_logprobs(core: EngineCore, windows: Sequence[list[int]]) -> list[list[float]]:
+    """Each window's tokens' logprobs (from its second token), from the engine's prompt
+    logprobs."""
     sp = SamplingParams(max_tokens=1, prompt_logprobs=0)
     reqs = [core.make_request(f"w{i}", prompt_token_ids=ids, sampling=sp)
             for i, ids in enumerate(windows)]
@@ -147,7 +161,7 @@ def engine_window_nll(core: EngineCore, windows: Sequence[list[int]]) -> list[fl
     for o, ids in zip(result.outputs, windows, strict=True):
         if o.prompt_logprobs is None or len(o.prompt_logprobs) != len(ids) - 1:
             raise RuntimeError(f"request {o.request_id}: no prompt logprobs ({o.error})")
-        out.append(-math.fsum(o.prompt_logprobs.token_logprobs))
+        out.append(list(o.prompt_logprobs.token_logprobs))
     return out
 
 
@@ -176,11 +190,15 @@ def next_token_logprobs(lp: torch.Tensor, windows: Sequence[list[int]]) -> torch
 
 def reference_window_nll(model: Any, windows: Sequence[list[int]]) -> list[float]:
     """Each window's summed negative log-likelihood: a plain forward, float32 log-softmax."""
-    out: list[float] = []
+    return [-float(lp.double().sum()) for lp in reference_window_logprobs(model, windows)]
+
+
+def reference_window_logprobs(model: Any, windows: Sequence[list[int]]) -> list[torch.Tensor]:
+    """Each window's tokens' logprobs (T-1,): a plain forward, float32 log-softmax."""
+    out: list[torch.Tensor] = []
     for lo in range(0, len(windows), REFERENCE_BATCH):
         batch = windows[lo:lo + REFERENCE_BATCH]
-        lp = next_token_logprobs(reference_log_softmax(model, batch), batch)
-        out.extend((-lp.double().sum(dim=1)).tolist())
+        out.extend(next_token_logprobs(reference_log_softmax(model, batch), batch))
     return out
 
 
@@ -229,13 +247,16 @@ def describe_miss(index: int, engine: list[int], reference: list[int],
 
 def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int = 512,
                   num_chat_prompts: int = 32, new_tokens: int = 32,
-                  max_num_batched_tokens: int = STEP_TOKENS, kv_cache_dtype: str = "auto",
+                  max_num_batched_tokens: int | None = None, kv_cache_dtype: str = "auto",
                   quantization: str | None = None,
                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
     say = log or (lambda _m: None)
     kv_cache_dtype = canonical_kv_cache_dtype(kv_cache_dtype)
     budgets = ([COMPRESSED_TARGETS[kv_cache_dtype]] if kv_cache_dtype != "auto" else []) + \
         ([COMPRESSED_TARGETS[f"weights {quantization}"]] if quantization else [])
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = COMPRESSED_STEP_TOKENS if kv_cache_dtype != "auto" \
+            else STEP_TOKENS
     if not 1 <= num_chat_prompts <= len(CHAT_PROMPTS):
         raise ValueError(f"chat prompts must be 1..{len(CHAT_PROMPTS)}")
     if windows < 1 or window_tokens < 2:
@@ -252,7 +273,8 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
 
     say(f"engine: perplexity over {windows} windows of {window_tokens} tokens")
     t = time.perf_counter()
-    engine_nll = engine_window_nll(core, texts)
+    engine_lps = engine_window_logprobs(core, texts)
+    engine_nll = [-math.fsum(lps) for lps in engine_lps]
     timings["engine_ppl_s"] = time.perf_counter() - t
     say(f"engine: greedy, {len(prompts)} chat prompts x {new_tokens} tokens")
     t = time.perf_counter()
@@ -278,7 +300,13 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
     timings["reference_load_s"] = time.perf_counter() - t
     say("transformers: perplexity over the same windows")
     t = time.perf_counter()
-    ref_nll = reference_window_nll(ref, texts)
+    ref_lps = reference_window_logprobs(ref, texts)
+    ref_nll = [-float(lp.double().sum()) for lp in ref_lps]
+    # How far the engine's token logprobs stray from transformers' (a compressed format's
+    # rounding noise): a greedy token flipped where the top two were closer than twice this
+    # is named a near-tie of the format.
+    noise = torch.cat([torch.tensor(e) - r for e, r in zip(engine_lps, ref_lps, strict=True)])
+    noise_p99 = float(noise.abs().quantile(0.99))
     timings["reference_ppl_s"] = time.perf_counter() - t
     say("transformers: generate(do_sample=False)")
     t = time.perf_counter()
@@ -291,7 +319,11 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
         if auto_tokens is not None and got != auto_tokens[i]:
             # Described at the first step where the two engines part, by transformers' logits
             # there when transformers followed auto that far (as it does but for near-ties).
-            auto_misses.append(describe_miss(i, got, auto_tokens[i], logits))
+            miss = describe_miss(i, got, auto_tokens[i], logits)
+            if miss["kind"] == "mismatch" and miss["top2_gap"] is not None \
+                    and miss["top2_gap"] < 2 * noise_p99:
+                miss["kind"] = "near-tie within the format's rounding"
+            auto_misses.append(miss)
     timings["reference_greedy_s"] = time.perf_counter() - t
 
     count = windows * (window_tokens - 1)
@@ -316,13 +348,16 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
     if auto_tokens is not None:
         compared = {"greedy_match_vs_auto": f"{len(prompts) - len(auto_misses)}/{len(prompts)}",
                     "greedy_matched_vs_auto": len(prompts) - len(auto_misses),
-                    "misses_vs_auto": auto_misses}
+                    "misses_vs_auto": auto_misses,
+                    "misses_vs_auto_beyond_rounding": sum(
+                        m["kind"] == "mismatch" for m in auto_misses)}
     return {
         "benchmark": "quality", "model": model, "model_path": str(path),
         "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
         "text": "pydoc_data.topics", "windows": windows, "window_tokens": window_tokens,
-        "tokens_scored": count, "ppl": ppl, "reference_ppl": reference_ppl,
+        "tokens_scored": count, "step_tokens": max_num_batched_tokens, "ppl": ppl, "reference_ppl": reference_ppl,
         "rel_diff": rel_diff, "max_window_nll_diff_per_token": max(window_diffs),
+        "token_logprob_diff_p99": noise_p99,
         "greedy_match": f"{matched}/{len(prompts)}", "greedy_matched": matched,
         "greedy_prompts": len(prompts), "new_tokens": new_tokens, "misses": misses,
         **compared, "near_tie": NEAR_TIE, "targets": target, "passed": passed, "timings_s": {k: round(v, 2) for k, v in timings.items()},
