@@ -309,7 +309,13 @@ def _step(fmt, layer, blocks, writes, keys, bs):
     return plan
 
 
-def test_open_blocks_are_staged_exactly_and_sealed_per_channel_when_full():
+def _staged_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within the int8 code's half step of each row (the staging's code)."""
+    return bool(((got - want).abs() <= kv_quant.bound(kv_quant.kv_format("int8"), want) * 1.001
+                 + 1e-7).all())
+
+
+def test_open_blocks_are_staged_in_int8_and_sealed_per_channel_when_full():
     bs, kvh, d = 8, 2, 16
     fmt, layer, blocks = _kivi_layer(6, bs, kvh, d, entries=4)
     gen = torch.Generator().manual_seed(3)
@@ -317,15 +323,17 @@ def test_open_blocks_are_staged_exactly_and_sealed_per_channel_when_full():
     _step(fmt, layer, blocks, [(1, 0, 5), (4, 0, 1)], keys, bs)       # a chunk and a decode
     assert blocks.num_open == 2
     got = kv_quant.read_keys(layer, torch.tensor([1, 4]), blocks.entry_of)
-    assert torch.equal(got[0, :5], keys[1][:5]) and torch.equal(got[1, :1], keys[4][:1])
+    assert _staged_close(got[0, :5], keys[1][:5]) and _staged_close(got[1, :1], keys[4][:1])
     for t in range(1, bs):                                             # block 4 decodes to full
         plan = _step(fmt, layer, blocks, [(4, t, t + 1)], keys, bs)
     assert plan.seal_blocks.tolist() == [4] and blocks.entry_of[4] == -1
     assert blocks.num_open == 1 and blocks.entry_of[1] >= 0
     got = kv_quant.read_keys(layer, torch.tensor([4]), blocks.entry_of)[0]
-    # Per channel: within half a step of that channel's range over the block (scale in fp16).
+    # Per channel: within half a step of that channel's range over the block (scale in fp16),
+    # plus the int8 staging's rounding the block's rows went through first.
     step = (keys[4].amax(0) - keys[4].amin(0)) / 15
-    assert ((got - keys[4]).abs() <= step / 2 * 1.01 + 1e-3).all()
+    staged = kv_quant.bound(kv_quant.kv_format("int8"), keys[4])
+    assert ((got - keys[4]).abs() <= step / 2 * 1.01 + staged + 1e-3).all()
     assert layer.k.dtype == torch.uint8 and layer.k_params.dtype == torch.float16
 
 
@@ -342,9 +350,10 @@ def test_out_of_entries_a_block_is_sealed_early_and_reopened_on_its_next_write()
         assert blocks.num_open <= 2
     got = kv_quant.read_keys(layer, torch.tensor([0, 1, 2]), blocks.entry_of)
     want = torch.stack([keys[b] for b in (0, 1, 2)])
-    # Sealed early, re-opened from rounded keys and sealed again: within one step of the range.
+    # Sealed early, re-opened from rounded keys and sealed again (each time through the int8
+    # staging): within one 4-bit step of the channel's range.
     step = (want.amax(1, keepdim=True) - want.amin(1, keepdim=True)) / 15
-    assert ((got - want).abs() <= step * 1.01 + 1e-3).all()
+    assert ((got - want).abs() <= step * 1.05 + 1e-3).all()
     assert all(blocks.entry_of[b] == -1 for b in (0, 1, 2))
 
 
@@ -356,7 +365,7 @@ def test_a_block_restarting_from_offset_zero_drops_its_old_rows():
     _step(fmt, layer, blocks, [(2, 0, 2)], old, bs)          # freed while open, then reused
     _step(fmt, layer, blocks, [(2, 0, 1)], new, bs)
     got = kv_quant.read_keys(layer, torch.tensor([2]), blocks.entry_of)[0]
-    assert torch.equal(got[:1], new[2][:1])
+    assert _staged_close(got[:1], new[2][:1])
     _step(fmt, layer, blocks, [(2, 1, bs)], new, bs)          # and fills: no 7.0 in its range
     got = kv_quant.read_keys(layer, torch.tensor([2]), blocks.entry_of)[0]
     assert got.max() < 6.0
@@ -379,8 +388,8 @@ def test_kernel_reads_kivi_blocks_sealed_and_open(kernel):
         ln = torch.tensor([19, 12, 3]) if shared else lens
         out = torch.empty_like(q)
         kernel.paged_decode_attention_kivi(q, layer.k, layer.v, layer.k_params, layer.v_params,
-                                           layer.k_stage, blocks.entry_of, t, ln, d ** -0.5,
-                                           window, out)
+                                           layer.k_stage, layer.k_stage_scale,
+                                           blocks.entry_of, t, ln, d ** -0.5, window, out)
         kd = kv_quant.read_keys(layer, torch.arange(nb), blocks.entry_of)
         vd = kv_quant.dequantize(fmt, layer.v, layer.v_params)
         want = _reference(q, kd, vd, t, ln, d ** -0.5, window)

@@ -160,7 +160,7 @@ class ModelRunner:
 
     @property
     def kv_staging_bytes(self) -> int:
-        """The open blocks' float keys of a per-channel format, beside the pool (else 0)."""
+        """The open blocks' staged keys of a per-channel format, beside the pool (else 0)."""
         return kv_quant.staging_bytes(self.kv_format, self.open_entries, self.config.block_size,
                                       self.num_layers, self.num_kv_heads, self.head_dim)
 
