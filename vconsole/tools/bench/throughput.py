@@ -185,7 +185,7 @@ def run_engine(model_dir: str, wl: Workload, shape: ModelShape,
            "tokens_per_s": round(res.tokens_per_s, 1), "steps": res.num_steps,
            "preemptions": res.num_preemptions,
            "phase_s": {k: round(v, 3) for k, v in phases.items()},
-           "gflops": round(rate / 1e9, 1), **decode_rates(res.step_log, recorder.flops)}
+           "gflops": round(rate / 1e9, 2), **decode_rates(res.step_log, recorder.flops)}
     steady = out.get("decode_steady")
     if steady:
         out["decode_step_ms"] = {"mean": steady["ms_per_step"],
@@ -479,7 +479,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
                               "torch_threads": torch.get_num_threads(),
                               "quantization": opts.quantization,
                               "kv_cache_dtype": opts.kv_cache_dtype, "peer": peer,
-                              "useful_gflop": round(wl.flops(shape) / 1e9, 1)}
+                              "useful_gflop": round(wl.flops(shape) / 1e9, 3)}
     log("warm-up ...")
     warm = make_workload(2, seed=1, vocab=shape.vocab)
     run_engine(model_dir, Workload(warm.prompts, [8, 8]), shape, opts)
@@ -523,9 +523,10 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
                        .get("utilisation")} for r in rounds]
     # The median round (by the static ratio, or the engine's rate without transformers) fills
     # the keys of a single-round report.
-    key = ((lambda r: r["ratio_vs_static"]) if plan.transformers
-           else (lambda r: r["engine"]["tokens_per_s"]))
-    median_round = sorted(rounds, key=key)[(len(rounds) - 1) // 2]
+    order: Callable[[dict[str, Any]], float] = (
+        (lambda r: r["ratio_vs_static"]) if plan.transformers
+        else (lambda r: r["engine"]["tokens_per_s"]))
+    median_round = sorted(rounds, key=order)[(len(rounds) - 1) // 2]
     result.update({k: v for k, v in median_round.items() if k != "peak_gflops"})
     steady = [u for r in result["runs"] if (u := r["steady_utilisation"]) is not None]
     result["median_utilisation"] = round(statistics.median(r["utilisation"]
