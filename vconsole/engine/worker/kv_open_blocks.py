@@ -4,10 +4,11 @@ KIVI's observation, measured here by `vconsole bench kv-grouping`: keys have out
 so 4-bit keys rounded per channel over a block of tokens lose far less than keys rounded per
 token (on SmolLM2 +1.2% perplexity against +16%). A channel's scale needs every token of the
 block, and a block fills one decode step at a time, so a block that is still filling ("open")
-keeps its keys in a small staging area beside the pool, as int8 with a scale per token and head
-(the int8 format's code, +0.04% perplexity: a quarter of float32's bytes); the step that writes
-its last slot "seals" it: the block's keys are rounded per channel into the pool from those and
-its staging entry is freed. Values are rounded per token as they arrive (per token and head, with a minimum), like
+keeps its keys in float16 in a small staging area beside the pool (float16's error is relative
+to each value, so a small channel keeps its precision until it is rounded per channel; int8 per
+row, tried first, let the outlier channel set every channel's error); the step that writes its
+last slot "seals" it: the block's keys are rounded per channel into the pool and its staging
+entry is freed. Values are rounded per token as they arrive (per token and head, with a minimum), like
 `int4_per_token_head`'s.
 
 `OpenBlocks` is the bookkeeping, run once per step on the host (`plan`); the plan it returns is
@@ -17,21 +18,28 @@ the same for every layer (`kv_quant.write` applies it). Invariants:
   keys are in the pool, rounded over its valid rows;
 - ``entry_of[block]`` is the block's staging entry, or -1 when it is sealed (or never written):
   the attention reads a block from staging or the pool by it;
-- at most ``num_entries`` blocks are open. When every entry is taken, the least recently written
-  open block not written in this step is sealed early over its filled rows (an entry is not a
-  correctness matter, only a precision one); a later write to a block sealed early re-opens it
-  from its rounded keys.
+- at most ``num_entries`` blocks are open. An entry held by a block whose request the runner no
+  longer holds (finished, preempted, failed: its blocks were freed) is reclaimed first, least
+  recently written first. A block of a live request is never sealed on another's behalf: the
+  plan touches only this step's blocks and dead ones, so a step that fails (its requests
+  failed with it) leaves no other request's keys half-moved. When no entry can be had, the
+  block being written is itself sealed early over its filled rows (`early_seals` counts them;
+  a precision matter, not a correctness one: only when ``max_num_seqs`` was raised above the
+  value the staging was sized for); its next write re-opens it from its rounded keys.
 
-A block freed by the scheduler while open keeps its entry until a write reuses the block (from
-offset 0: the old rows are dropped) or the entry is reclaimed as the least recently written.
+A block restarting from offset 0 (freed and reused) drops its old rows.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,17 +72,20 @@ class OpenBlocks:
         self.entry_of = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
         self._entry: dict[int, int] = {}                 # open block -> entry
         self._fill: dict[int, int] = {}                  # open block -> rows filled
+        self._owner: dict[int, str] = {}                 # open block -> the request writing it
         self._lru: OrderedDict[int, None] = OrderedDict()  # open blocks, least recent first
         self._free = list(range(num_entries - 1, -1, -1))
-        self._sealed_fill: dict[int, int] = {}           # blocks sealed early -> valid rows
+        self.early_seals = 0                             # blocks sealed before they filled
 
     @property
     def num_open(self) -> int:
         return len(self._entry)
 
-    def plan(self, writes: list[tuple[int, int, int, int]]) -> OpenPlan:
-        """``writes``: ``(block, first offset, end offset, first batch row)`` for each run of
-        new tokens of this step, in any order (no block twice)."""
+    def plan(self, writes: list[tuple[int, int, int, int, str]],
+             live: Collection[str]) -> OpenPlan:
+        """``writes``: ``(block, first offset, end offset, first batch row, request id)`` for
+        each run of new tokens of this step, in any order (no block twice); ``live``: the
+        requests the runner holds."""
         bs = self.block_size
         touched = {w[0] for w in writes}
         seals: list[tuple[int, int]] = []                # (block, fill)
@@ -94,6 +105,7 @@ class OpenBlocks:
             """Seal an open block over its first ``upto`` staged rows; frees its entry."""
             e = self._entry.pop(block)
             del self._fill[block]
+            self._owner.pop(block, None)
             self._lru.pop(block, None)
             s = len(seals)
             seals.append((block, upto))
@@ -104,27 +116,24 @@ class OpenBlocks:
             return s
 
         def take_entry() -> int | None:
-            if not self._free:
-                victim = next((b for b in self._lru if b not in touched), None)
+            if not self._free:   # reclaim the entry of a block whose request is gone
+                victim = next((b for b in self._lru
+                               if b not in touched and self._owner.get(b) not in live), None)
                 if victim is None:
                     return None
-                fill = self._fill[victim]
-                seal_open(victim, fill)
-                if fill < bs:
-                    self._sealed_fill[victim] = fill
+                seal_open(victim, self._fill[victim])
             return self._free.pop()
 
-        for block, lo, hi, row in writes:
-            if lo == 0:                       # a block (re)starting: nothing earlier counts
-                self._sealed_fill.pop(block, None)
-                if block in self._entry:
-                    self._fill[block] = 0
+        for block, lo, hi, row, owner in writes:
+            if lo == 0 and block in self._entry:   # a block restarting: nothing earlier counts
+                self._fill[block] = 0
             e = self._entry.get(block)
             if hi == bs:                      # full after this step: seal it
                 s = len(seals)
                 if e is not None:
                     e_rows = self._fill[block] if lo > 0 else 0
                     del self._entry[block], self._fill[block]
+                    self._owner.pop(block, None)
                     self._lru.pop(block, None)
                     wfs_dst.extend(range(s * bs, s * bs + e_rows))
                     wfs_src.extend(range(e * bs, e * bs + e_rows))
@@ -133,20 +142,19 @@ class OpenBlocks:
                     wsealed_idx.append(s)
                     wsealed_blk.append(block)
                 seals.append((block, bs))
-                self._sealed_fill.pop(block, None)
                 wfb_dst.extend(range(s * bs + lo, s * bs + hi))
                 wfb_src.extend(range(row, row + hi - lo))
                 changed[block] = -1
                 continue
             if e is None:
                 e = take_entry()
-                if e is None:                 # every entry written this step: seal early
+                if e is None:                 # no entry to be had: this block is sealed early
                     s = len(seals)
                     if lo > 0:
                         wsealed_idx.append(s)
                         wsealed_blk.append(block)
                     seals.append((block, hi))
-                    self._sealed_fill[block] = hi
+                    self._early_seal()
                     wfb_dst.extend(range(s * bs + lo, s * bs + hi))
                     wfb_src.extend(range(row, row + hi - lo))
                     changed[block] = -1
@@ -154,10 +162,10 @@ class OpenBlocks:
                 if lo > 0:                    # re-open a block sealed early
                     rl_entry.append(e)
                     rl_blk.append(block)
-                    self._sealed_fill.pop(block, None)
                 self._entry[block] = e
                 changed[block] = e
             self._fill[block] = hi
+            self._owner[block] = owner
             self._lru.pop(block, None)
             self._lru[block] = None
             sfb_dst.extend(range(e * bs + lo, e * bs + hi))
@@ -180,6 +188,10 @@ class OpenBlocks:
             work_from_batch=_pair(wfb_dst, wfb_src, dev),
             entry_of=self.entry_of)
 
-    def sealed_fill(self, block: int) -> int:
-        """Valid rows of a sealed block (block_size unless it was sealed early)."""
-        return self._sealed_fill.get(block, self.block_size)
+    def _early_seal(self) -> None:
+        if self.early_seals == 0:
+            log.warning("int4_kivi: more blocks are filling than the %d staging entries sized "
+                        "at start (max_num_seqs raised?): blocks beyond them are rounded "
+                        "before they fill, with less precision; restart to resize",
+                        self.num_entries)
+        self.early_seals += 1

@@ -15,9 +15,9 @@ indexed by the same slot (``block_id * block_size + offset``) as the data:
   (6.4x at ``D = 64``).
 - ``int4_kivi`` (the ``int4`` alias): values as ``int4_per_token_head``; keys in the same
   4-bit layout but rounded per channel over each block (KIVI), with a float16 scale and minimum
-  per (block, KV head, channel). A block still filling keeps its keys as int8 with a scale per
-  token and head (the int8 format's code) in a small staging area until its last slot is
-  written (`kv_open_blocks`), then they are rounded per channel from those. ``D/2 + 8`` bytes
+  per (block, KV head, channel). A block still filling keeps its keys in float16 in a small
+  staging area until its last slot is written (`kv_open_blocks`), then they are rounded per
+  channel. ``D/2 + 8`` bytes
   per token for V, ``D/2 + 4D/B`` for K (5.8x at ``D = 64``, ``B = 16``), plus the staging.
 
 Why these groupings, measured on SmolLM2 by `vconsole bench kv-grouping` (docs/benchmarks.md):
@@ -93,9 +93,6 @@ FORMATS = {
 }
 
 
-_STAGE = FORMATS["int8_per_token_head"]   # the code of int4_kivi's open blocks' keys
-
-
 def kv_format(name: str) -> KVFormat:
     """The format for a ``kv_cache_dtype`` value (aliases accepted)."""
     return FORMATS[canonical_kv_cache_dtype(name)]
@@ -106,15 +103,14 @@ class KVLayer:
     """One layer's K and V in the pool. ``k``/``v`` are ``(NB, B, KVH, Dd)``; for a quantized
     format ``k_params``/``v_params`` are ``(NB, B, KVH, P)`` float32, else None. A per-channel
     format (`int4_kivi`) has ``k_params`` ``(NB, KVH, 2, D)`` float16 (each channel's scale and
-    minimum over the block), and ``k_stage`` ``(E, B, KVH, D)`` int8 with ``k_stage_scale``
-    ``(E, B, KVH, 1)`` float32, the open blocks' keys (`kv_open_blocks`)."""
+    minimum over the block), and ``k_stage`` ``(E, B, KVH, D)`` float16, the open blocks' keys
+    (`kv_open_blocks`). ``k, v = layer`` unpacks the data only."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_params: torch.Tensor | None = None
     v_params: torch.Tensor | None = None
     k_stage: torch.Tensor | None = None
-    k_stage_scale: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:  # ``k, v = layer``: the data, as a pair
         return iter((self.k, self.v))
@@ -148,9 +144,7 @@ def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,
                             device=device),
                 torch.zeros(pshape, dtype=torch.float32, device=device),
                 torch.zeros((max(open_entries, 1), block_size, num_kv_heads, head_dim),
-                            dtype=torch.int8, device=device),
-                torch.zeros((max(open_entries, 1), block_size, num_kv_heads, 1),
-                            dtype=torch.float32, device=device)))
+                            dtype=torch.float16, device=device)))
             continue
         layers.append(KVLayer(
             torch.zeros(shape, dtype=fmt.data_dtype, device=device),
@@ -162,11 +156,10 @@ def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,
 
 def staging_bytes(fmt: KVFormat, open_entries: int, block_size: int, num_layers: int,
                   num_kv_heads: int, head_dim: int) -> int:
-    """The open blocks' int8 keys and their scales of a per-channel format (0 for the
-    others)."""
+    """The open blocks' float16 keys of a per-channel format (0 for the others)."""
     if not fmt.key_per_channel:
         return 0
-    return num_layers * max(open_entries, 1) * block_size * num_kv_heads * (head_dim + 4)
+    return num_layers * max(open_entries, 1) * block_size * num_kv_heads * head_dim * 2
 
 
 # --- the codes ----------------------------------------------------------------------------------
@@ -242,26 +235,24 @@ def seal_keys(layer: KVLayer, blocks: torch.Tensor, work: torch.Tensor,
 def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torch.Tensor,
                       k: torch.Tensor, v: torch.Tensor) -> None:
     """`write` for `int4_kivi`: values rounded per token into their slots; keys routed by the
-    step's `OpenPlan` into staging (int8, blocks still filling) or rounded per channel (blocks
-    sealed now). The reads of staging come first: an entry freed and taken again in one
+    step's `OpenPlan` into staging (float16, blocks still filling) or rounded per channel
+    (blocks sealed now). The reads of staging come first: an entry freed and taken again in one
     step."""
     assert layer.k_params is not None and layer.v_params is not None
-    assert layer.k_stage is not None and layer.k_stage_scale is not None
+    assert layer.k_stage is not None
     nkv, hd = k.shape[1], k.shape[2]
     bs = layer.k.shape[1]
     qv, pv = quantize(fmt, v)
     layer.v.view(-1, nkv, layer.v.shape[-1]).index_copy_(0, slots, qv)
     layer.v_params.view(-1, nkv, fmt.params).index_copy_(0, slots, pv)
     stage = layer.k_stage.view(-1, nkv, hd)
-    stage_scale = layer.k_stage_scale.view(-1, nkv, 1)
     num_seal = plan.seal_blocks.shape[0]
     work = None
     if num_seal:
         work = k.new_zeros((num_seal * bs, nkv, hd), dtype=torch.float32)
         dst, src = plan.work_from_stage
         if dst.numel():
-            work.index_copy_(0, dst, dequantize(_STAGE, stage.index_select(0, src),
-                                                stage_scale.index_select(0, src)))
+            work.index_copy_(0, dst, stage.index_select(0, src).float())
         idx, blocks = plan.work_from_sealed
         if idx.numel():
             rows = dequantize_sealed_keys(layer.k.index_select(0, blocks),
@@ -269,15 +260,12 @@ def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torc
             work.view(num_seal, bs, nkv, hd).index_copy_(0, idx, rows)
     entries, blocks = plan.reload
     if entries.numel():
-        rows, scales = quantize(_STAGE, dequantize_sealed_keys(
-            layer.k.index_select(0, blocks), layer.k_params.index_select(0, blocks)))
-        layer.k_stage.index_copy_(0, entries, rows)
-        layer.k_stage_scale.index_copy_(0, entries, scales)
+        rows = dequantize_sealed_keys(layer.k.index_select(0, blocks),
+                                      layer.k_params.index_select(0, blocks))
+        layer.k_stage.index_copy_(0, entries, rows.half())
     dst, src = plan.stage_from_batch
     if dst.numel():
-        rows, scales = quantize(_STAGE, k.index_select(0, src))
-        stage.index_copy_(0, dst, rows)
-        stage_scale.index_copy_(0, dst, scales)
+        stage.index_copy_(0, dst, k.index_select(0, src).half())
     if work is not None:
         dst, src = plan.work_from_batch
         if dst.numel():
@@ -289,16 +277,12 @@ def read_keys(layer: KVLayer, blocks: torch.Tensor, entry_of: torch.Tensor) -> t
     """Whole blocks of a per-channel format's keys as float32 (n, B, KVH, D): sealed ones
     dequantized, open ones from staging (the torch path; the CPU kernel reads them in place)."""
     assert layer.k_params is not None and layer.k_stage is not None
-    assert layer.k_stage_scale is not None
     keys = dequantize_sealed_keys(layer.k.index_select(0, blocks),
                                   layer.k_params.index_select(0, blocks))
     entries = entry_of.index_select(0, blocks)
-    open_rows = (entries >= 0).nonzero().flatten()
-    if open_rows.numel():
-        e = entries.index_select(0, open_rows)
-        keys.index_copy_(0, open_rows, dequantize(_STAGE, layer.k_stage.index_select(0, e),
-                                                  layer.k_stage_scale.index_select(0, e)))
-    return keys
+    staged = layer.k_stage.index_select(0, entries.clamp(min=0)).float()
+    # No host sync (a nonzero() would be one per layer on CUDA): both, then pick.
+    return torch.where((entries >= 0)[:, None, None, None], staged, keys)
 
 
 def write(fmt: KVFormat, layer: KVLayer, slots: torch.Tensor, k: torch.Tensor,

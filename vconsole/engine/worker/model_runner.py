@@ -68,17 +68,17 @@ def _slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> l
 
 
 def _block_writes(ordered: Sequence[ScheduledSeq], block_size: int
-                  ) -> list[tuple[int, int, int, int]]:
-    """``(block, first offset, end offset, first batch row)`` of every block the packed step
-    writes (`OpenBlocks.plan`'s input)."""
-    out: list[tuple[int, int, int, int]] = []
+                  ) -> list[tuple[int, int, int, int, str]]:
+    """``(block, first offset, end offset, first batch row, request)`` of every block the
+    packed step writes (`OpenBlocks.plan`'s input)."""
+    out: list[tuple[int, int, int, int, str]] = []
     row = 0
     for s in ordered:
         p, end = s.start_pos, s.start_pos + s.num_tokens
         while p < end:
             off = p % block_size
             take = min(block_size - off, end - p)
-            out.append((s.block_ids[p // block_size], off, off + take, row))
+            out.append((s.block_ids[p // block_size], off, off + take, row, s.req_id))
             row += take
             p += take
     return out
@@ -189,7 +189,7 @@ class ModelRunner:
             return cfg.num_kv_blocks
         per_block = self.kv_cache_bytes_per_block(cfg.block_size)
         if cfg.kv_cache_memory_bytes is not None:
-            num_blocks = (cfg.kv_cache_memory_bytes - self.kv_staging_bytes) // per_block
+            num_blocks = self._blocks_in(cfg.kv_cache_memory_bytes, per_block)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes {cfg.kv_cache_memory_bytes} holds no "
                                  f"block: one block of {cfg.block_size} tokens takes "
@@ -201,12 +201,21 @@ class ModelRunner:
             budget = total * cfg.gpu_memory_utilization - (total - free) - self._activation_reserve()
         else:
             budget = cfg.cpu_kv_cache_gib * _GIB
-        num_blocks = int((budget - self.kv_staging_bytes) // per_block)
+        num_blocks = self._blocks_in(int(budget), per_block)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget / _GIB:.2f} GiB, "
                              f"{per_block} bytes per block); raise gpu_memory_utilization / "
                              "cpu_kv_cache_gib or set num_kv_blocks / kv_cache_memory_bytes")
         return num_blocks
+
+    def _blocks_in(self, budget: int, per_block: int) -> int:
+        """Blocks that ``budget`` bytes hold beside a per-channel format's staging, whose
+        entries never outnumber the blocks."""
+        num_blocks = (budget - self.kv_staging_bytes) // per_block
+        if 0 < num_blocks < self.open_entries:   # as many entries as blocks
+            per_entry = self.kv_staging_bytes // self.open_entries
+            num_blocks = budget // (per_block + per_entry)
+        return int(num_blocks)
 
     def _activation_reserve(self) -> int:
         """A conservative bound on one step's transient memory (hidden states, MLP
@@ -227,6 +236,8 @@ class ModelRunner:
         (num_blocks, block_size, num_kv_heads, head_dim) in the model's dtype and device, or
         their quantized data and parameters (`kv_quant`)."""
         self.kv_caches = []  # drop an old pool before allocating the new one
+        if self.kv_format.key_per_channel:
+            self.open_entries = min(self.config.max_num_seqs + 4, num_blocks)
         self.kv_caches = kv_quant.allocate(
             self.kv_format, self.num_layers, num_blocks, block_size, self.num_kv_heads,
             self.head_dim, self.dtype, self.device, self.open_entries)
@@ -395,7 +406,7 @@ class ModelRunner:
             t_at += rows
         open_plan = None
         if self.open_blocks is not None:
-            open_plan = self.open_blocks.plan(_block_writes(ordered, bs))
+            open_plan = self.open_blocks.plan(_block_writes(ordered, bs), self.requests)
         meta = PagedAttentionMetadata(
             kv_caches=self.kv_caches, block_size=bs, slot_mapping=t_slots,
             num_decodes=len(decodes), decode_groups=decode_groups, prefills=prefills,

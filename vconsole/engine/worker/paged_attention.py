@@ -259,7 +259,8 @@ def paged_attention_forward(
         if c.context_slots is None:
             ks, vs = key[:, :, lo:hi], value[:, :, lo:hi]
         else:
-            kc, vc = _gather_slots(meta, layer, c.context_slots, num_kv_heads, query.dtype)
+            kc, vc = _gather_slots(meta, layer, c.context_slots, num_kv_heads, query.dtype,
+                                   c.block_table)
             ks, vs = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]
         mask = meta.prefill_mask(i, sliding_window, group)
         if mask is None:
@@ -288,7 +289,7 @@ def _kernel(meta: PagedAttentionMetadata, layer: kv_quant.KVLayer, q: torch.Tens
     elif meta.open_plan is not None:
         meta.decode_kernel.paged_decode_attention_kivi(
             q, layer.k, layer.v, layer.k_params, layer.v_params, layer.k_stage,
-            layer.k_stage_scale, meta.open_plan.entry_of, tables, lens, scale, window or 0, out)
+            meta.open_plan.entry_of, tables, lens, scale, window or 0, out)
     else:
         meta.decode_kernel.paged_decode_attention_quant(
             q, layer.k, layer.v, layer.k_params, layer.v_params, tables, lens, scale,
@@ -318,14 +319,16 @@ def _gather_blocks(meta: PagedAttentionMetadata, layer: kv_quant.KVLayer, blocks
 
 
 def _gather_slots(meta: PagedAttentionMetadata, layer: kv_quant.KVLayer, slots: torch.Tensor,
-                  num_kv_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V rows (S, KVH, hd) at pool slots ``slots``, in the compute dtype."""
+                  num_kv_heads: int, dtype: torch.dtype, table: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V rows (S, KVH, hd) at pool slots ``slots``, in the compute dtype (``table``:
+    the blocks holding them, for a per-channel format)."""
     fmt = meta.kv_format
     if meta.open_plan is not None:
         # The slots are a context from position 0, in order: whole blocks of it, cut to length.
+        assert table is not None
         n = slots.shape[0]
-        keys, values = _gather_blocks(meta, layer, torch.unique_consecutive(
-            slots // meta.block_size), dtype)
+        keys, values = _gather_blocks(meta, layer, table, dtype)
         return (keys.reshape(-1, num_kv_heads, keys.shape[-1])[:n],
                 values.reshape(-1, num_kv_heads, values.shape[-1])[:n])
     pairs = []

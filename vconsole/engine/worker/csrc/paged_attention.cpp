@@ -33,8 +33,7 @@
 // is dequantized into memory. The int8 row is a quarter of the float32 row's bytes, int4 an
 // eighth. An int4_kivi pool (`kv_open_blocks.py`) rounds keys per channel over a block instead:
 // a sealed block's channel scales multiply the queries once per block, q.k = (q * s).q_k + q.lo;
-// a block still filling is read from its staging entry (`entry_of[block] >= 0`), int8 rows with
-// a scale per row as the int8 format.
+// a block still filling is read from its float16 staging entry (`entry_of[block] >= 0`).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -116,11 +115,9 @@ struct Pool {
   int64_t slot_params;  // floats between two slots of the parameters (KVH * P)
   int64_t head_params;  // P
   // kKIVI only: each sealed block's per-channel key scale and minimum, (NB, KVH, 2, D) half;
-  // the open blocks' keys, (E, B, KVH, D) int8 with a float32 scale per row; each block's entry
-  // there, or -1 if sealed.
+  // the open blocks' keys, (E, B, KVH, D) float16; each block's entry there, or -1 if sealed.
   const at::Half* kc = nullptr;
-  const int8_t* stage = nullptr;
-  const float* stage_scale = nullptr;
+  const at::Half* stage = nullptr;
   const int64_t* entry_of = nullptr;
   int64_t entries = 0;
   int64_t kvh = 0;
@@ -137,12 +134,10 @@ inline void channel_params(const Pool& pool, int64_t blk, int64_t h, vf* scale, 
   }
 }
 
-// A staged (open) key row of a kKIVI pool: its int8 values and (through `scale`) its scale.
-inline const char* staged_row(const Pool& pool, int64_t entry, int64_t bs, int64_t off,
-                              int64_t h, float* scale) {
-  const int64_t row = (entry * bs + off) * pool.kvh + h;
-  *scale = pool.stage_scale[row];
-  return reinterpret_cast<const char*>(pool.stage + row * pool.d);
+// A staged (open) key row of a kKIVI pool.
+inline const at::Half* staged_row(const Pool& pool, int64_t entry, int64_t bs, int64_t off,
+                                  int64_t h) {
+  return pool.stage + ((entry * bs + off) * pool.kvh + h) * pool.d;
 }
 
 // Row `slot` of KV head `h` widened to DV float vectors (still in its integer units: the
@@ -190,15 +185,13 @@ void attend_fixed(const float* __restrict qh, const Pool& pool, const int64_t* t
       const int64_t entry = pool.entry_of[blk];
       if (entry >= 0) {
         for (; p < stop; ++p) {
-          float ks;
-          const char* kr = staged_row(pool, entry, bs, p - b * bs, h, &ks);
-          ks *= scale;
+          const at::Half* kr = staged_row(pool, entry, bs, p - b * bs, h);
           vf k[DV];
-          for (int c = 0; c < DV; ++c) k[c] = widen_i8(kr + c * kLanes);
+          for (int c = 0; c < DV; ++c) k[c] = widen_f16(kr + c * kLanes);
           for (int j = 0; j < G; ++j) {
             vf acc = q[j][0] * k[0];
             for (int c = 1; c < DV; ++c) acc += q[j][c] * k[c];
-            const float s = hsum(acc) * ks;
+            const float s = hsum(acc) * scale;
             sc[j * span + (p - first)] = s;
             m[j] = std::max(m[j], s);
           }
@@ -305,10 +298,8 @@ inline const float* row_floats(const char* base, const float* params, int64_t sl
     if (!key) return row_floats<kI4>(base, params, slot, h, d, pool, tmp, false, bs);
     const int64_t blk = slot / bs, entry = pool.entry_of[blk];
     if (entry >= 0) {
-      float ks;
-      const int8_t* x =
-          reinterpret_cast<const int8_t*>(staged_row(pool, entry, bs, slot % bs, h, &ks));
-      for (int64_t i = 0; i < d; ++i) tmp[i] = ks * x[i];
+      const at::Half* x = staged_row(pool, entry, bs, slot % bs, h);
+      for (int64_t i = 0; i < d; ++i) tmp[i] = static_cast<float>(x[i]);
       return tmp;
     }
     const at::Half* pc = pool.kc + (blk * pool.kvh + h) * 2 * d;
@@ -523,7 +514,6 @@ void paged_decode_attention_quant(const torch::Tensor& q, const torch::Tensor& k
 void paged_decode_attention_kivi(const torch::Tensor& q, const torch::Tensor& k_data,
                                  const torch::Tensor& v_data, const torch::Tensor& k_channel,
                                  const torch::Tensor& v_params, const torch::Tensor& k_stage,
-                                 const torch::Tensor& k_stage_scale,
                                  const torch::Tensor& entry_of, const torch::Tensor& tables,
                                  const torch::Tensor& lens, double scale, int64_t window,
                                  torch::Tensor& out) {
@@ -541,26 +531,21 @@ void paged_decode_attention_kivi(const torch::Tensor& q, const torch::Tensor& k_
   TORCH_CHECK(v_params.scalar_type() == torch::kFloat &&
                   v_params.sizes() == torch::IntArrayRef({nb, bs, kvh, 2}),
               "value parameters: (NB, B, KVH, 2) float32");
-  TORCH_CHECK(k_stage.scalar_type() == torch::kChar && k_stage.dim() == 4 &&
+  TORCH_CHECK(k_stage.scalar_type() == torch::kHalf && k_stage.dim() == 4 &&
                   k_stage.size(1) == bs && k_stage.size(2) == kvh && k_stage.size(3) == d,
-              "staging: (E, B, KVH, D) int8");
-  TORCH_CHECK(k_stage_scale.scalar_type() == torch::kFloat &&
-                  k_stage_scale.sizes() == torch::IntArrayRef({k_stage.size(0), bs, kvh, 1}),
-              "staging scales: (E, B, KVH, 1) float32");
+              "staging: (E, B, KVH, D) float16");
   TORCH_CHECK(entry_of.scalar_type() == torch::kLong && entry_of.dim() == 1 &&
                   entry_of.size(0) == nb,
               "entry_of: (NB,) int64");
   TORCH_CHECK(k_data.is_contiguous() && v_data.is_contiguous() && k_channel.is_contiguous() &&
-                  v_params.is_contiguous() && k_stage.is_contiguous() &&
-                  k_stage_scale.is_contiguous() && entry_of.is_contiguous(),
+                  v_params.is_contiguous() && k_stage.is_contiguous() && entry_of.is_contiguous(),
               "contiguous pools");
   const int64_t* eo = entry_of.data_ptr<int64_t>();
   Pool pool{static_cast<const char*>(k_data.data_ptr()),
             static_cast<const char*>(v_data.data_ptr()), nullptr, v_params.data_ptr<float>(),
             kvh * d / 2, d / 2, kvh * 2, 2};
   pool.kc = k_channel.data_ptr<at::Half>();
-  pool.stage = k_stage.data_ptr<int8_t>();
-  pool.stage_scale = k_stage_scale.data_ptr<float>();
+  pool.stage = k_stage.data_ptr<at::Half>();
   pool.entry_of = eo;
   pool.entries = k_stage.size(0);
   pool.kvh = kvh;
