@@ -68,7 +68,8 @@ class EngineCore:
                 "max_model_len": self.runner.max_model_len, "num_kv_blocks": self.num_kv_blocks,
                 "model_path": self.runner.info.path,
                 "kv_cache_dtype": self.runner.kv_cache_dtype,
-                "kv_bytes_per_token": self.runner.kv_bytes_per_token}
+                "kv_bytes_per_token": self.runner.kv_bytes_per_token,
+                "kv_pool_bytes": self.runner.kv_pool_bytes}
 
     # --- requests -------------------------------------------------------------------------
     def make_request(self, request_id: str, *, prompt: str | None = None,

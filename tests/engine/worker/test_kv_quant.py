@@ -268,6 +268,8 @@ def test_capacity_follows_kv_cache_memory_bytes():
         blocks[name] = core.num_kv_blocks
         used = core.runner.kv_cache_bytes_per_block(16) * core.num_kv_blocks
         assert used + core.runner.kv_staging_bytes <= budget
+        assert core.model_info()["kv_pool_bytes"] == used + core.runner.kv_staging_bytes
+        assert (core.runner.kv_staging_bytes > 0) == (name == "int4_kivi")
         assert core.model_info()["kv_bytes_per_token"] == core.runner.kv_bytes_per_token
     assert blocks["auto"] == 64
     assert blocks["int8"] >= 3.7 * 64 and blocks["int4_per_token_head"] >= 6.3 * 64

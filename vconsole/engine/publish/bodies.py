@@ -100,10 +100,13 @@ class KVFormat:
     """How the engine's KV pool stores one token, fixed for the engine's life (the dtype and
     the pool are restart-only): ``cache_dtype`` is the stored format (``float32`` /
     ``bfloat16`` for ``kv_cache_dtype=auto``, else the quantized format's canonical name) and
-    ``bytes_per_token`` is K and V of one token over every layer, scales included."""
+    ``bytes_per_token`` is K and V of one token over every layer, scales included;
+    ``pool_bytes`` what the pool takes in all (an int4_kivi pool's staging of the blocks still
+    filling included), when the core says."""
 
     cache_dtype: str
     bytes_per_token: int
+    pool_bytes: int | None = None
 
     @classmethod
     def of(cls, model_info: dict[str, Any]) -> KVFormat | None:
@@ -111,7 +114,8 @@ class KVFormat:
         dtype, per_token = model_info.get("kv_cache_dtype"), model_info.get("kv_bytes_per_token")
         if not isinstance(dtype, str) or not isinstance(per_token, int):
             return None
-        return cls(dtype, per_token)
+        pool = model_info.get("kv_pool_bytes")
+        return cls(dtype, per_token, pool if isinstance(pool, int) else None)
 
 
 def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:
@@ -119,10 +123,12 @@ def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:
     ``bytes_per_token`` and ``pool_bytes`` are None when the format is not known."""
     capacity = k.num_blocks * k.block_size
     per_token = kv_format.bytes_per_token if kv_format is not None else None
+    pool = None
+    if kv_format is not None:
+        pool = kv_format.pool_bytes if kv_format.pool_bytes is not None else capacity * per_token
     return {
         "cache_dtype": kv_format.cache_dtype if kv_format is not None else None,
-        "bytes_per_token": per_token, "capacity_tokens": capacity,
-        "pool_bytes": capacity * per_token if per_token is not None else None,
+        "bytes_per_token": per_token, "capacity_tokens": capacity, "pool_bytes": pool,
         "num_blocks": k.num_blocks, "block_size": k.block_size, "num_free": k.num_free,
         "num_used": k.num_used, "num_cached": k.num_cached, "num_shared": k.num_shared,
         "usage": k.usage, "token_usage": k.token_usage, "fragmentation": k.fragmentation,

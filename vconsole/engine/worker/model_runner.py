@@ -171,6 +171,12 @@ class ModelRunner:
             return self.kv_format.name
         return str(self.dtype).removeprefix("torch.")
 
+    @property
+    def kv_pool_bytes(self) -> int:
+        """What the allocated pool takes: its blocks, and a per-channel format's staging."""
+        return self.num_blocks * self.kv_cache_bytes_per_block(self.block_size) \
+            + self.kv_staging_bytes
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.kv_format.bytes_per_block(block_size, self.num_layers, self.num_kv_heads,
