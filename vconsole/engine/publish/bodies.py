@@ -125,7 +125,8 @@ def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:
     per_token = kv_format.bytes_per_token if kv_format is not None else None
     pool = None
     if kv_format is not None:
-        pool = kv_format.pool_bytes if kv_format.pool_bytes is not None else capacity * per_token
+        pool = kv_format.pool_bytes if kv_format.pool_bytes is not None \
+            else capacity * kv_format.bytes_per_token
     return {
         "cache_dtype": kv_format.cache_dtype if kv_format is not None else None,
         "bytes_per_token": per_token, "capacity_tokens": capacity, "pool_bytes": pool,
