@@ -122,3 +122,16 @@ def test_int8_fused_and_transformers_forwards_agree(tmp_path, monkeypatch):
     assert logits["fused"].keys() == logits["transformers"].keys() and logits["fused"]
     for rid, row in logits["fused"].items():
         torch.testing.assert_close(row, logits["transformers"][rid], rtol=1e-3, atol=1e-3)
+
+
+def test_the_shared_scratch_made_inside_inference_mode_serves_a_forward_outside_it(monkeypatch):
+    """The engine's steps run under inference mode and make the shared bfloat16 scratch; a
+    later forward outside it (a test, a benchmark's reference) must still write into it."""
+    monkeypatch.setattr(weight_quant, "_scratch", {})
+    lin = Int8Linear.from_linear(torch.nn.Linear(32, 48))
+    x = torch.randn(weight_quant.SMALL_ROWS + 3, 32)
+    with torch.inference_mode():
+        inside = lin(x)
+    with torch.no_grad():
+        outside = lin(x)
+    assert torch.equal(inside, outside)

@@ -64,10 +64,13 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _bf16_scratch(elements: int, device: torch.device) -> torch.Tensor:
     """One bfloat16 buffer per device, shared by every `Int8Linear` (a step runs one matmul
-    at a time), grown to the largest chunk asked for."""
+    at a time), grown to the largest chunk asked for. Made outside inference mode: a buffer
+    first made by the engine's step (inside it) could not be written by a later forward
+    outside it."""
     buf = _scratch.get(device)
     if buf is None or buf.numel() < elements:
-        buf = torch.empty(elements, dtype=torch.bfloat16, device=device)
+        with torch.inference_mode(False):
+            buf = torch.empty(elements, dtype=torch.bfloat16, device=device)
         _scratch[device] = buf
     return buf
 
