@@ -446,3 +446,23 @@ def test_bfloat16_torch_path_reads_quantized_blocks(name):
     third = run_batch(core, greedy_requests(core, [prompt], 10, ignore_eos=True))
     assert second.outputs[0].num_cached_tokens == third.outputs[0].num_cached_tokens == 32
     assert third.output_token_ids == second.output_token_ids
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_the_kernels_quantize_store_writes_what_torch_quantize_does(kernel, name):
+    """The engine's CPU write (one kernel call per K and V per layer) against `quantize`:
+    the same parameters, the same codes but for a rare rounding tie (at most one step)."""
+    fmt = kv_quant.kv_format(name)
+    x = _rows(7)
+    slots = torch.randperm(20 * 16)[:x.shape[0]]
+    layer = kv_quant.allocate(fmt, 1, 20, 16, 3, 64, torch.float32, torch.device("cpu"))[0]
+    kernel.quantize_store(x, slots, layer.k, layer.k_params, fmt.bits)
+    q, p = kv_quant.quantize(fmt, x)
+    got_q = layer.k.view(-1, 3, q.shape[-1])[slots]
+    got_p = layer.k_params.view(-1, 3, fmt.params)[slots]
+    torch.testing.assert_close(got_p, p, rtol=1e-6, atol=0)
+    back = kv_quant.dequantize(fmt, got_q, got_p)
+    assert ((back - x).abs() <= kv_quant.bound(fmt, x) * 1.001 + 1e-6).all()
+    assert (kv_quant.dequantize(fmt, q, p) - back).abs().max() <= float(p[..., 0].max()) + 1e-6
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernel.quantize_store(x, slots + 10_000, layer.k, layer.k_params, fmt.bits)

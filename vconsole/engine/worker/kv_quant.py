@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -233,7 +234,7 @@ def seal_keys(layer: KVLayer, blocks: torch.Tensor, work: torch.Tensor,
 
 
 def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torch.Tensor,
-                      k: torch.Tensor, v: torch.Tensor) -> None:
+                      k: torch.Tensor, v: torch.Tensor, kernel: Any = None) -> None:
     """`write` for `int4_kivi`: values rounded per token into their slots; keys routed by the
     step's `OpenPlan` into staging (float16, blocks still filling) or rounded per channel
     (blocks sealed now). The reads of staging come first: an entry freed and taken again in one
@@ -242,9 +243,7 @@ def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torc
     assert layer.k_stage is not None
     nkv, hd = k.shape[1], k.shape[2]
     bs = layer.k.shape[1]
-    qv, pv = quantize(fmt, v)
-    layer.v.view(-1, nkv, layer.v.shape[-1]).index_copy_(0, slots, qv)
-    layer.v_params.view(-1, nkv, fmt.params).index_copy_(0, slots, pv)
+    _store_rows(fmt, layer.v, layer.v_params, slots, v, kernel)
     stage = layer.k_stage.view(-1, nkv, hd)
     num_seal = plan.seal_blocks.shape[0]
     work = None
@@ -285,16 +284,28 @@ def read_keys(layer: KVLayer, blocks: torch.Tensor, entry_of: torch.Tensor) -> t
     return torch.where((entries >= 0)[:, None, None, None], staged, keys)
 
 
+def _store_rows(fmt: KVFormat, data: torch.Tensor, params: torch.Tensor, slots: torch.Tensor,
+                x: torch.Tensor, kernel: Any) -> None:
+    """Round rows ``x`` (T, KVH, D) per token and head into ``data``/``params`` at ``slots``:
+    in one call of the CPU kernel when it is there (float32 rows), else in torch."""
+    if kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        kernel.quantize_store(x.contiguous(), slots, data, params, fmt.bits)
+        return
+    nkv = x.shape[1]
+    q, p = quantize(fmt, x)
+    data.view(-1, nkv, data.shape[-1]).index_copy_(0, slots, q)
+    params.view(-1, nkv, fmt.params).index_copy_(0, slots, p)
+
+
 def write(fmt: KVFormat, layer: KVLayer, slots: torch.Tensor, k: torch.Tensor,
-          v: torch.Tensor) -> None:
-    """Store the step's new rows ``k``/``v`` (T, KVH, D) at pool slots ``slots`` (T,)."""
+          v: torch.Tensor, kernel: Any = None) -> None:
+    """Store the step's new rows ``k``/``v`` (T, KVH, D) at pool slots ``slots`` (T,)
+    (``kernel``: the CPU attention module, whose ``quantize_store`` does the rounding)."""
     nkv = k.shape[1]
     if not fmt.quantized:
         layer.k.view(-1, nkv, k.shape[2]).index_copy_(0, slots, k)
         layer.v.view(-1, nkv, v.shape[2]).index_copy_(0, slots, v)
         return
     assert layer.k_params is not None and layer.v_params is not None
-    for data, params, x in ((layer.k, layer.k_params, k), (layer.v, layer.v_params, v)):
-        q, p = quantize(fmt, x)
-        data.view(-1, nkv, data.shape[-1]).index_copy_(0, slots, q)
-        params.view(-1, nkv, fmt.params).index_copy_(0, slots, p)
+    _store_rows(fmt, layer.k, layer.k_params, slots, k, kernel)
+    _store_rows(fmt, layer.v, layer.v_params, slots, v, kernel)

@@ -217,9 +217,10 @@ def paged_attention_forward(
     new_k = key[0].transpose(0, 1)
     new_v = value[0].transpose(0, 1)
     if meta.open_plan is not None:
-        kv_quant.write_per_channel(fmt, layer, meta.open_plan, meta.slot_mapping, new_k, new_v)
+        kv_quant.write_per_channel(fmt, layer, meta.open_plan, meta.slot_mapping, new_k, new_v,
+                                   meta.decode_kernel)
     else:
-        kv_quant.write(fmt, layer, meta.slot_mapping, new_k, new_v)
+        kv_quant.write(fmt, layer, meta.slot_mapping, new_k, new_v, meta.decode_kernel)
 
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     for g in meta.decode_groups:

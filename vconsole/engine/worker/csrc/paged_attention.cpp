@@ -553,11 +553,76 @@ void paged_decode_attention_kivi(const torch::Tensor& q, const torch::Tensor& k_
   run<kKIVI>(q, pool, nb, bs, tables, lens, scale, window, out);
 }
 
+// The write side: rows x (T, KVH, D) float32 rounded per (row, KV head) into a quantized pool at
+// `slots`, as kv_quant.quantize does in torch (int8: symmetric, scale = max|x| / 127; int4:
+// scale = (max - min) / 15 and the minimum, element j in the low nibble of byte j and j + D/2 in
+// the high one), in one call instead of a dozen torch ops per K and V per layer.
+void quantize_store(const torch::Tensor& x, const torch::Tensor& slots, torch::Tensor& data,
+                    torch::Tensor& params, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "rows: (T, KVH, D) contiguous float32");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kLong && slots.is_contiguous() &&
+                  slots.size(0) == x.size(0),
+              "one int64 slot per row");
+  const int64_t t = x.size(0), kvh = x.size(1), d = x.size(2);
+  const int64_t dd = bits == 8 ? d : d / 2, np = bits == 8 ? 1 : 2;
+  TORCH_CHECK(bits == 8 || d % 2 == 0, "int4 needs an even head_dim");
+  TORCH_CHECK(data.dim() == 4 && data.size(2) == kvh && data.size(3) == dd &&
+                  data.scalar_type() == (bits == 8 ? torch::kChar : torch::kByte) &&
+                  data.is_contiguous(),
+              "pool data and rows disagree");
+  TORCH_CHECK(params.dim() == 4 && params.size(0) == data.size(0) &&
+                  params.size(1) == data.size(1) && params.size(2) == kvh &&
+                  params.size(3) == np && params.scalar_type() == torch::kFloat &&
+                  params.is_contiguous(),
+              "pool parameters and rows disagree");
+  const int64_t num_slots = data.size(0) * data.size(1);
+  const float* xp = x.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  char* dp = static_cast<char*>(data.data_ptr());
+  float* pp = params.data_ptr<float>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside the pool");
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t h = 0; h < kvh; ++h) {
+      const float* r = xp + (i * kvh + h) * d;
+      const int64_t at = sp[i] * kvh + h;
+      float lo = r[0], hi = r[0], amax = std::fabs(r[0]);
+      for (int64_t j = 1; j < d; ++j) {
+        lo = std::min(lo, r[j]);
+        hi = std::max(hi, r[j]);
+        amax = std::max(amax, std::fabs(r[j]));
+      }
+      if (bits == 8) {
+        const float scale = amax / 127.f;
+        const float safe = scale > 0.f ? scale : 1.f;
+        int8_t* q = reinterpret_cast<int8_t*>(dp) + at * d;
+        for (int64_t j = 0; j < d; ++j)
+          q[j] = static_cast<int8_t>(std::clamp(std::nearbyint(r[j] / safe), -127.f, 127.f));
+        pp[at] = scale;
+      } else {
+        const float scale = (hi - lo) / 15.f;
+        const float safe = scale > 0.f ? scale : 1.f;
+        uint8_t* q = reinterpret_cast<uint8_t*>(dp) + at * (d / 2);
+        for (int64_t j = 0; j < d / 2; ++j) {
+          const float a = std::clamp(std::nearbyint((r[j] - lo) / safe), 0.f, 15.f);
+          const float b = std::clamp(std::nearbyint((r[j + d / 2] - lo) / safe), 0.f, 15.f);
+          q[j] = static_cast<uint8_t>(a) | static_cast<uint8_t>(static_cast<uint8_t>(b) << 4);
+        }
+        pp[2 * at] = scale;
+        pp[2 * at + 1] = lo;
+      }
+    }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV pool, reading blocks through the block table (CPU).");
   m.def("paged_decode_attention_quant", &paged_decode_attention_quant,
         "The same over an int8 or int4 pool with per (slot, KV head) parameters (CPU).");
+  m.def("quantize_store", &quantize_store,
+        "Round rows per (row, KV head) into an int8 / int4 pool at the given slots (CPU).");
   m.def("paged_decode_attention_kivi", &paged_decode_attention_kivi,
         "The same over an int4_kivi pool: keys per channel per block, open blocks staged (CPU).");
 }
