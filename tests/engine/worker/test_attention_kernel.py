@@ -8,27 +8,19 @@ they point past the pool here)."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.cxx import HAVE_CXX
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import greedy_requests, run_batch
 from vconsole.engine.worker import attention_kernel
 from vconsole.shared.config import EngineConfig
 
-if shutil.which("c++") is None and shutil.which("g++") is None:
+if not HAVE_CXX:
     pytest.skip("no C++ compiler on this machine: the engine runs the torch path",
                 allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    module = attention_kernel.load()
-    assert module is not None, f"the kernel did not build: {attention_kernel.reason()}"
-    return module
 
 
 def _reference(q, k_pool, v_pool, tables, lens, scale, window):

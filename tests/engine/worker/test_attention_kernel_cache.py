@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cxx import HAVE_CXX
 from vconsole.engine.kernel_cache import KERNEL_CACHE_ENV
 from vconsole.engine.worker import attention_kernel
 
-needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+needs_compiler = pytest.mark.skipif(not HAVE_CXX,
                                     reason="no C++ compiler: the engine runs the torch path")
 
 

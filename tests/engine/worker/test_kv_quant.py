@@ -4,12 +4,11 @@ blocks in place, the pool's capacity in bytes, and a real engine on them (greedy
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.cxx import HAVE_CXX
 from vconsole.cli import build_parser
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import greedy_requests, run_batch
@@ -18,7 +17,6 @@ from vconsole.engine.worker import attention_kernel, kv_quant, paged_attention
 from vconsole.engine.worker.kv_open_blocks import OpenBlocks
 from vconsole.shared.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, validate_config
 
-HAVE_CXX = shutil.which("c++") is not None or shutil.which("g++") is not None
 QUANTIZED = ("int8_per_token_head", "int4_per_token_head")
 ENGINE_FORMATS = (*QUANTIZED, "int4_kivi")
 
@@ -78,15 +76,6 @@ def test_a_bad_kv_cache_dtype_is_refused_with_the_valid_ones(capsys):
 
 
 # --- the kernel -------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def kernel():
-    if not HAVE_CXX:
-        pytest.skip("no C++ compiler: the engine runs the torch path")
-    module = attention_kernel.load()
-    assert module is not None, f"the kernel did not build: {attention_kernel.reason()}"
-    return module
-
 
 def _reference(q, k, v, tables, lens, scale, window):
     """Dequantized pool, gathered per row, masked SDPA."""
