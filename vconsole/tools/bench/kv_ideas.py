@@ -48,15 +48,17 @@ from vconsole.engine.request import Request, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.shared.config import EngineConfig
+from vconsole.tools.demo import REAL_ENGINE_DEFAULTS, REAL_RATE
 from vconsole.tools.loadgen import Workload, demo_rate, demo_spec
 
 Log = Callable[[str], None] | None
 
 MODEL = "smollm2"
-# vconsole.tools.demo.REAL_ENGINE_DEFAULTS and REAL_RATE, with the block size made explicit.
+# The demo's engine and rate on the real model (its pool, a byte budget there, as 64 float32
+# blocks of 16 tokens), with the block size made explicit.
 DEMO_BLOCKS, DEMO_BLOCK_SIZE = 64, 16
-DEMO_ENGINE = {"max_num_seqs": 12, "max_num_batched_tokens": 128, "policy": "hybrid"}
-DEMO_RATE = 0.8
+DEMO_ENGINE = {k: v for k, v in REAL_ENGINE_DEFAULTS.items() if k != "kv_cache_memory_bytes"}
+DEMO_RATE = REAL_RATE
 BLOCK_SIZES = (8, 16, 32, 64, 96, 128)
 KV_DTYPES = ("auto", "int8", "int4")
 NEAR_SHARE = 0.75
