@@ -149,6 +149,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None   # on the scheduler's clock (latency metrics)
     last_token_time: float | None = None
+    # The gaps between its output tokens after the first (s): the request trace's ITLs.
+    token_gaps: list[float] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -73,6 +73,11 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # What attention reads this step (the request trace's step-cost features): the sum over
+    # scheduled requests of the positions they attend to (start + n), and over prefill chunks
+    # (n > 1) of n x (start + n).
+    num_context_tokens: int = 0
+    prefill_attention: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:

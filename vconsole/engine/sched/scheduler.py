@@ -336,10 +336,13 @@ class Scheduler:
         c_ids, c_tokens = cached.req_ids.append, cached.new_token_ids.append
         c_blocks, c_computed = cached.new_block_ids.append, cached.num_computed_tokens.append
         num_scheduled = out.num_scheduled_tokens
-        num_prefill_total = num_decode_total = 0
+        num_prefill_total = num_decode_total = context_total = prefill_attention = 0
         scheduled = list(step.scheduled.values())
         for req, start, n in scheduled:
             rid = req.request_id
+            context_total += start + n
+            if n > 1:
+                prefill_attention += n * (start + n)
             num_prompt = len(req.prompt_token_ids)
             outputs = req.output_token_ids
             num_tokens = num_prompt + len(outputs)
@@ -368,6 +371,8 @@ class Scheduler:
             num_decode_total += n - num_prefill
         out.num_prefill_tokens = num_prefill_total
         out.num_decode_tokens = num_decode_total
+        out.num_context_tokens = context_total
+        out.prefill_attention = prefill_attention
         self._last_output, self._last_scheduled = out, scheduled
         return out
 
@@ -444,8 +449,10 @@ class Scheduler:
                     req.output_logprobs.append(entry)
                 last = req.last_token_time
                 if last is not None:
-                    itl_values.append(now - last)
+                    gap = now - last
+                    itl_values.append(gap)
                     itl_priorities.append(req.priority)
+                    req.token_gaps.append(gap)
                 else:
                     self._record_first_token(req, now)
                 req.last_token_time = now
