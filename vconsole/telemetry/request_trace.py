@@ -57,6 +57,9 @@ class TraceHeader:
     kv_cache_dtype: str | None = None
     kv_bytes_per_token: int | None = None
     kv_pool_bytes: int | None = None
+    # Bytes per token of every KV format on this model: a what-if of kv_cache_dtype is the
+    # pool's bytes over these (capacity only).
+    kv_bytes_per_token_by_dtype: dict[str, int] = field(default_factory=dict)
     engine_id: str | None = None
     started_unix: float = 0.0
     config_version: int = 1
@@ -116,6 +119,7 @@ class Trace:
     requests: list[RequestRecord] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     configs: dict[int, dict[str, Any]] = field(default_factory=dict)   # version -> config
+    config_times: dict[int, float] = field(default_factory=dict)       # version -> since (s)
 
     @property
     def duration_s(self) -> float:
@@ -169,7 +173,7 @@ def trace_lines(trace: Trace) -> Iterator[str]:
     yield header_line(trace.header)
     for version, config in sorted(trace.configs.items()):
         if version != trace.header.config_version:
-            yield config_line(0.0, version, config)
+            yield config_line(trace.config_times.get(version, 0.0), version, config)
     timed = [(r.finish, 0, request_line(r)) for r in trace.requests]
     timed += [(s.t, 1, step_line(s)) for s in trace.steps]
     for _, _, line in sorted(timed, key=lambda x: (x[0], x[1])):
@@ -241,7 +245,9 @@ def parse_lines(lines: Iterable[str], name: str = "trace") -> Trace:
                 raise TraceError(f"{name}: line {n} comes before the header (not a vconsole "
                                  f"trace, or its start was cut off)")
             elif kind == "config":
-                trace.configs[int(obj["config_version"])] = dict(obj["config"])
+                version = int(obj["config_version"])
+                trace.configs[version] = dict(obj["config"])
+                trace.config_times[version] = float(obj.get("t", 0.0))
             elif kind == "request":
                 trace.requests.append(RequestRecord(**obj))
             elif kind == "step":

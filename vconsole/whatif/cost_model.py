@@ -1,0 +1,133 @@
+"""The step-time model: what one engine step costs, fitted from the trace's own step records.
+
+A step's cost is linear in what it computes (each coefficient fitted, none assumed)::
+
+    dur    = c0 + c_pf * prefill tokens + c_dec * decode rows + c_ctx * context tokens
+             + c_attn * prefill attention + c_new * requests new to the runner
+    period = dur + o0 + o_req * requests scheduled        (when the engine went straight on)
+
+- ``c0``: the fixed cost of a step (a forward over every layer however small the batch: on a
+  CPU the weights stream from memory once per step);
+- ``c_pf`` / ``c_dec``: per prefill token and per decode row (the linears, sampling);
+- ``c_ctx``: per position attended to by a scheduled row (decode attention reads the context);
+- ``c_attn``: per (chunk token x position) of a prefill chunk, attention's quadratic part;
+- ``c_new``: per request the runner sees for the first time (its state built);
+- ``period - dur``: the busy loop's work between two steps (outputs handed to clients,
+  telemetry, inputs), per step and per request.
+
+``dur`` is fitted on every step; the between-steps overhead on the steps that were followed at
+once by another (``period`` set). Fitting is least squares with the coefficients kept
+non-negative (a feature whose coefficient would be negative is dropped and the rest refitted)
+weighted by 1/duration (relative errors: short decode steps count as much as long prefill
+ones), and robust to the odd slow step of a shared machine (residuals beyond 4 median absolute
+deviations are dropped once and the fit repeated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vconsole.telemetry.request_trace import StepRecord
+
+FEATURES = ("const", "prefill", "decode", "context", "prefill_attn", "new_reqs")
+OVERHEAD_FEATURES = ("const", "reqs")
+MIN_STEPS = 30          # fewer busy steps than this: too little traffic to fit
+
+
+class TooLittleTraffic(ValueError):
+    """Not enough steps or requests to fit or check a model: say so, never guess."""
+
+
+@dataclass
+class StepCostModel:
+    coef: dict[str, float]
+    overhead: dict[str, float]
+    num_steps: int
+    rel_error: float = 0.0          # median |residual| / median dur of the fit
+    notes: list[str] = field(default_factory=list)
+
+    def dur(self, prefill: int, decode: int, context: int, prefill_attn: int,
+            new_reqs: int) -> float:
+        c = self.coef
+        return (c["const"] + c["prefill"] * prefill + c["decode"] * decode
+                + c["context"] * context + c["prefill_attn"] * prefill_attn
+                + c["new_reqs"] * new_reqs)
+
+    def gap(self, reqs: int) -> float:
+        o = self.overhead
+        return o["const"] + o["reqs"] * reqs
+
+    def to_dict(self) -> dict[str, object]:
+        return {"coef": self.coef, "overhead": self.overhead, "num_steps": self.num_steps,
+                "rel_error": round(self.rel_error, 4), "notes": self.notes}
+
+
+def _rows(steps: list[StepRecord]) -> np.ndarray:
+    return np.array([(1.0, s.prefill, s.decode, s.context, s.prefill_attn, s.new_reqs)
+                     for s in steps], dtype=np.float64)
+
+
+def fit(steps: list[StepRecord]) -> StepCostModel:
+    """The model of these steps. Raises `TooLittleTraffic` with fewer than `MIN_STEPS` that
+    computed something."""
+    busy = [s for s in steps if s.prefill + s.decode > 0]
+    if len(busy) < MIN_STEPS:
+        raise TooLittleTraffic(f"too little traffic to fit step costs: {len(busy)} steps that "
+                               f"computed tokens (need {MIN_STEPS})")
+    X = _rows(busy)
+    y = np.array([s.dur for s in busy])
+    # Relative residuals (each row over its duration): a 30 ms decode step weighs as much as a
+    # 200 ms prefill one, so the many short steps that make the ITL are not fitted for the few
+    # long ones.
+    w = 1.0 / np.maximum(y, 1e-6)
+    beta, used = _nnls_robust(X * w[:, None], y * w)
+    coef = dict(zip(FEATURES, (float(b) for b in beta), strict=True))
+    pred = X @ beta
+    rel = float(np.median(np.abs(pred - y)) / max(np.median(y), 1e-9))
+    notes = [f"{name} dropped (no effect measurable)" for name, u in zip(FEATURES, used,
+                                                                           strict=True)
+             if not u and name != "const"]
+
+    chained = [s for s in busy if s.period is not None and s.period >= s.dur]
+    if len(chained) >= MIN_STEPS // 2:
+        Xo = np.array([(1.0, s.reqs) for s in chained])
+        yo = np.array([s.period - s.dur for s in chained])   # type: ignore[operator]
+        bo, _ = _nnls_robust(Xo, yo)
+        overhead = {"const": float(bo[0]), "reqs": float(bo[1])}
+    else:
+        overhead = {"const": 0.0, "reqs": 0.0}
+        notes.append("no back-to-back steps: the busy loop's work between steps is taken as 0")
+    return StepCostModel(coef, overhead, len(busy), rel, notes)
+
+
+def _nnls_robust(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, list[bool]]:
+    beta, used = _nnls(X, y)
+    resid = y - X @ beta
+    mad = float(np.median(np.abs(resid - np.median(resid))))
+    if mad > 0:
+        keep = np.abs(resid) <= 4 * 1.4826 * mad
+        if keep.sum() >= max(X.shape[1] * 3, len(y) // 2):
+            beta, used = _nnls(X[keep], y[keep])
+    return beta, used
+
+
+def _nnls(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, list[bool]]:
+    """Least squares with every coefficient >= 0, by dropping the most negative one until
+    none is (the constant always stays). Columns that never vary are dropped first."""
+    n = X.shape[1]
+    used = [True] + [bool(np.ptp(X[:, j]) > 0) for j in range(1, n)]
+    while True:
+        cols = [j for j in range(n) if used[j]]
+        # Scale columns so the solve is well conditioned (features span 1 .. 1e7).
+        scale = np.maximum(np.abs(X[:, cols]).max(axis=0), 1e-12)
+        sol, *_ = np.linalg.lstsq(X[:, cols] / scale, y, rcond=None)
+        sol = sol / scale
+        beta = np.zeros(n)
+        beta[cols] = sol
+        negative = [(beta[j], j) for j in cols if j != 0 and beta[j] < 0]
+        if not negative:
+            beta[0] = max(beta[0], 0.0)
+            return beta, used
+        used[min(negative)[1]] = False
