@@ -24,8 +24,6 @@ def main(args: argparse.Namespace) -> int:
             parse_assignments([c]) for c in args.compare]
     except ValueError as e:
         return fail("whatif", e, 2)
-    if args.speed <= 0:
-        return fail("whatif", "--speed must be > 0", 2)
     if costs is not None and costs.header.model and trace.header.model \
             and costs.header.model != trace.header.model:
         return fail("whatif", f"--costs was recorded on {costs.header.model!r}, the trace on "
@@ -38,8 +36,7 @@ def main(args: argparse.Namespace) -> int:
         from vconsole.tools.whatif_validate import validate
 
         try:
-            validate(trace, report, speed=args.speed,
-                     progress=None if args.json else _progress)
+            validate(trace, report, progress=None if args.json else _progress)
         except (RuntimeError, ValueError, OSError) as e:
             return fail("whatif", f"validation failed: {e}", 1)
     if args.json:
