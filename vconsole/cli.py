@@ -164,23 +164,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "http://127.0.0.1:8000/v1 (`vconsole serve`, or vLLM)")
     g.add_argument("--api-key", metavar="KEY", help="the server's API key, if it has one")
     g.add_argument("--model", metavar="NAME", help="the served model (default: its first)")
-    p.add_argument("--num", type=int, default=100, help="requests to send (default 100)")
+    p.add_argument("--num", type=int, help="requests to send (default 100)")
     p.add_argument("--rate", type=float,
                    help="Poisson arrival rate, req/s (default: none, all sent at once)")
     p.add_argument("--concurrency", type=int,
                    help="keep at most this many requests in flight (default: no limit)")
-    p.add_argument("--prompt-len", default="16:128", metavar="LO:HI",
+    p.add_argument("--prompt-len", metavar="LO:HI",
                    help="prompt length range in tokens (default 16:128)")
-    p.add_argument("--output-len", default="16:64", metavar="LO:HI",
+    p.add_argument("--output-len", metavar="LO:HI",
                    help="output length range in tokens (default 16:64)")
-    p.add_argument("--priority-mix", default="0:1", metavar="P:W,...",
+    p.add_argument("--priority-mix", metavar="P:W,...",
                    help="priority:weight pairs, e.g. 0:1,5:3 (default 0:1)")
-    p.add_argument("--prompts", choices=("tokens", "chat", "auto"), default="tokens",
+    p.add_argument("--prompts", choices=("tokens", "chat", "auto"),
                    help="tokens: random token ids of --prompt-len, run to their length "
                         "(default); chat: built-in questions, instructions and shared system "
                         "prompts through the model's chat template, ending at its end of turn; "
                         "auto: chat unless the model is a random-weight built-in")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="the workload's seed (default 0)")
+    g = p.add_argument_group("trace replay (instead of the workload flags above)")
+    g.add_argument("--trace", metavar="FILE",
+                   help="replay a request trace (`vconsole engine --request-trace`, or a "
+                        "public CSV): its arrivals, prompt lengths, shared prefixes, output "
+                        "lengths and priorities")
+    g.add_argument("--speed", type=float, metavar="X",
+                   help="with --trace: arrivals X times as fast (default 1)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--wait", type=float, default=60.0, metavar="S",
                    help="seconds to wait for the engine to answer, e.g. one started just "
@@ -298,6 +305,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float,
                    help="stop after this many seconds (default: until Ctrl-C)")
 
+    p = cmd("trace", "vconsole.commands.trace:main",
+            "save a running engine's request trace (its last minutes) to a file",
+            "Ask the engine for the request trace it keeps in memory (its last 5 minutes: one "
+            "JSON line per finished request, with lengths and prefix block hashes but never "
+            "text, and per step) and write it to FILE, for `vconsole whatif` and `vconsole "
+            "load --trace`. No control key needed.")
+    add_client_args(p)
+    p.add_argument("--out", required=True, metavar="FILE", help="where to write it (- : stdout)")
+    p.add_argument("--window", type=float, metavar="S",
+                   help="only the last S seconds (default: all the engine keeps, 300 s)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="seconds to wait for the engine's answer (default 60)")
+
     p = cmd("keys", "vconsole.commands.keys:main", "make CURVE key pairs for remote use",
             "Write a CURVE server key pair and a client key pair (zmq.auth certificates; secret "
             "files mode 0600) into DIR, and authorise the client by copying its public key into "
@@ -313,6 +333,27 @@ def build_parser() -> argparse.ArgumentParser:
             f"${BASE_PORT_ENV} / the endpoint flags, as for every client command), the cache and "
             "run folders, the control key of those endpoints. Exits 1 when a check fails.")
     add_endpoint_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = cmd("whatif", "vconsole.commands.whatif:main",
+            "predict a config change's effect from a request trace",
+            "Replay a request trace (`vconsole engine --request-trace FILE`, `vconsole trace`, "
+            "or a public CSV trace) through the engine's own scheduler and KV cache manager, "
+            "with each step's time from a model fitted on the trace's own steps: first the "
+            "trace's config (checked against what the trace observed), then each variant. "
+            "The --set flags together form one variant; each --compare adds another.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one change of the first variant (repeatable)")
+    p.add_argument("--compare", action="append", default=[], metavar="'K=V,K=V'",
+                   help="another variant, its changes comma-separated (repeatable)")
+    p.add_argument("--costs", metavar="TRACE",
+                   help="fit the step costs on this trace (needed for a CSV trace: it has no "
+                        "step records)")
+    p.add_argument("--validate", action="store_true",
+                   help="also run the real engine on the trace for the baseline and each "
+                        "variant (the trace's model, as long as the trace) and print the "
+                        "prediction errors")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = cmd("replay", "vconsole.commands.attach:main_replay", "play a recorded stream in the console")

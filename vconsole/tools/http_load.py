@@ -132,6 +132,10 @@ def text_prompt(ids: Sequence[int]) -> str:
 
 
 class HttpLoadClient:
+    # A usage block says no prompt tokens came from the prefix cache (`vconsole serve` sends
+    # none; vLLM's ``prompt_tokens_details`` is opt-in): the load's ``cached_tokens`` is None.
+    reports_cached_tokens = False
+
     def __init__(self, api_url: str, *, api_key: str | None = None, model: str | None = None,
                  timeout_s: float = 600.0, portable: bool = False) -> None:
         self.base = api_base(api_url)

@@ -5,7 +5,9 @@ Every request sent ends as exactly one of: completed (finish reason ``length`` o
 aborted by the load's own stop (Ctrl-C, the end of a soak), or failed — counted by kind
 (`error_kind`). The summary's figures add up: ``requests == completed + failed + aborted``
 once the run ends. `vconsole.tools.loadgen` fills these in; the HTTP load client and the
-benchmarks read them.
+benchmarks read them. ``cached_tokens`` counts the completed requests' prompt tokens that the
+engine's prefix cache served (from each final output); it is None when the client cannot see
+them (over HTTP: an OpenAI usage block does not carry them, `vconsole serve`'s included).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    cached_tokens: int | None = None  # prompt tokens from the prefix cache (None: not seen)
     ended: bool = False               # its task is over (with or without a final output)
     stopped: bool = False             # aborted because the load was told to stop
 
@@ -67,6 +70,7 @@ class LoadRun:
         self.tokens = 0
         self.engine_lost: str | None = None   # why the engine stopped answering, if it did
         self.stopping = False                  # told to stop: its own aborts are not failures
+        self.late_s = 0.0                      # a timed run: the latest a send was (s)
 
     @property
     def in_flight(self) -> int:
@@ -100,12 +104,16 @@ class LoadRun:
                 examples.setdefault(kind, _example(kind, r))
         ttft = [r.first_token - r.sent for r in recs if r.first_token is not None]
         itl = [g for r in recs for g in r.itl]
+        done = [r for r in recs if r.ended and not r.stopped and error_kind(r) is None]
+        cached = None if any(r.cached_tokens is None for r in done) \
+            else sum(r.cached_tokens or 0 for r in done)
         return {
             "requests": len(recs), "planned": self.planned, "completed": completed,
             "failed": sum(errors.values()), "aborted": aborted, "in_flight": in_flight,
             "errors": dict(errors), "error_examples": examples, "finish_reasons": dict(reasons),
             "ttft_s": _percentiles(ttft), "itl_s": _percentiles(itl),
-            "output_tokens": self.tokens, "duration_s": duration,
+            "output_tokens": self.tokens, "prompt_tokens": sum(r.prompt_len for r in done),
+            "cached_tokens": cached, "duration_s": duration,
             "tok_per_s": self.tokens / duration, "req_per_s": completed / duration,
             "engine_lost": self.engine_lost,
         }

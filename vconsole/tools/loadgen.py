@@ -2,7 +2,8 @@
 
 Arrivals are open-loop Poisson at ``rate`` (which may vary with time: `RateFn`), closed-loop at
 ``concurrency`` requests in flight, or both (Poisson, capped); with neither, everything is sent
-at once. The workload is reproducible from ``seed``: prompt lengths, output lengths (requests
+at once. `run_timed` sends a fixed schedule instead (`TimedRequest`: each at its own time, as a
+trace replay does: `vconsole.tools.trace_replay`). The workload is reproducible from ``seed``: prompt lengths, output lengths (requests
 use ``ignore_eos`` so they run to their length), priorities drawn from a weighted mix, a share of
 long prompts and a share of prompts that start with one shared prefix (for the prefix cache).
 
@@ -12,7 +13,8 @@ prompts through the model's chat template; they stop at the model's end of turn,
 output length), or ``auto``: text unless the engine runs one of the random-weight built-ins.
 
 Measured per request on the client's clock: TTFT (send -> first token) and inter-token latency
-(the gap between two output messages divided by the tokens the later one carried).
+(the gap between two output messages divided by the tokens the later one carried); and, where
+the client sees it (the engine's socket, not HTTP), the prompt tokens the prefix cache served.
 
 Every request sent ends as exactly one of: completed (finish reason ``length`` or ``stop``),
 aborted by the load's own stop (Ctrl-C, the end of a soak), or failed — counted by kind
@@ -29,7 +31,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +182,8 @@ async def _one(client: AsyncEngineClient, run: LoadRun, ids: list[int], max_toke
                 run.tokens += n
             if out.finished:
                 rec.finish_reason, rec.error = out.finish_reason, out.error
+                if getattr(client, "reports_cached_tokens", True):
+                    rec.cached_tokens = out.num_cached_tokens
                 rec.stopped = run.stopping and out.finish_reason == "abort"
                 if out.error and out.error.startswith(ENGINE_UNREACHABLE):
                     run.engine_lost = out.error
@@ -251,14 +255,78 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
             if not await start_one():
                 break
             i += 1
-        while tasks and not stop.is_set() and run.engine_lost is None:
-            await asyncio.wait(set(tasks), timeout=0.1)
-        if tasks:
-            run.stopping = stop.is_set()     # an abort after the engine was lost is a failure
-            await client.abort(list(in_flight))
-            await asyncio.wait(set(tasks), timeout=abort_wait_s)
-            for t in tasks:
-                t.cancel()
+        await _wait_or_abort(client, run, tasks, in_flight, stop, abort_wait_s)
+    finally:
+        tick.cancel()
+        run.finished_at = time.monotonic()
+        if on_progress:
+            on_progress(run.progress())
+    return run
+
+
+async def _wait_or_abort(client: AsyncEngineClient, run: LoadRun,
+                         tasks: set[asyncio.Task[None]], in_flight: dict[str, None],
+                         stop: threading.Event, abort_wait_s: float) -> None:
+    """Until every request sent has ended; or, once ``stop`` is set or the engine is lost,
+    abort those in flight and await their final outputs for up to ``abort_wait_s``."""
+    while tasks and not stop.is_set() and run.engine_lost is None:
+        await asyncio.wait(set(tasks), timeout=0.1)
+    if tasks:
+        run.stopping = stop.is_set()     # an abort after the engine was lost is a failure
+        await client.abort(list(in_flight))
+        await asyncio.wait(set(tasks), timeout=abort_wait_s)
+        for t in tasks:
+            t.cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class TimedRequest:
+    """One request of a fixed schedule: sent ``at`` seconds after the run starts, run to
+    exactly ``max_tokens`` (``ignore_eos``, greedy)."""
+
+    at: float
+    prompt_token_ids: list[int]
+    max_tokens: int
+    priority: int = 0
+
+
+async def run_timed(client: AsyncEngineClient, requests: Sequence[TimedRequest], *,
+                    stop: threading.Event | None = None, on_progress: ProgressFn | None = None,
+                    abort_wait_s: float = 2.0) -> LoadRun:
+    """Send ``requests`` (sorted by ``at``) each at its time after the start, open loop: a
+    request is sent on time however many are in flight. Times are kept against the start, so
+    a late send does not delay the next; ``LoadRun.late_s`` is the latest any send was (this
+    client falling behind its schedule, which a replay's figures should be read with). Ends
+    as `run_load` does."""
+    run = LoadRun()
+    run.planned = len(requests)
+    in_flight: dict[str, None] = {}
+    tasks: set[asyncio.Task[None]] = set()
+    stop = stop or threading.Event()
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            if on_progress:
+                on_progress(run.progress())
+
+    tick = asyncio.create_task(ticker())
+    run.started = time.monotonic()
+    try:
+        for r in sorted(requests, key=lambda r: r.at):
+            due = run.started + r.at
+            while (left := due - time.monotonic()) > 0 and not stop.is_set() \
+                    and run.engine_lost is None:
+                await asyncio.sleep(min(left, 0.1))
+            if stop.is_set() or run.engine_lost is not None:
+                break
+            run.late_s = max(run.late_s, time.monotonic() - due)
+            task = asyncio.create_task(_one(client, run, r.prompt_token_ids, r.max_tokens,
+                                            r.priority, in_flight))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            await asyncio.sleep(0)        # let it send before the next one's wait
+        await _wait_or_abort(client, run, tasks, in_flight, stop, abort_wait_s)
     finally:
         tick.cancel()
         run.finished_at = time.monotonic()
