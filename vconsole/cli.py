@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
     p.add_argument("name", choices=["throughput", "scheduler", "kvmap", "telemetry", "console",
                                     "dp", "soak", "serve", "quality", "kv-ideas",
-                                    "kv-grouping"],
+                                    "kv-grouping", "whatif"],
                    help="which benchmark: model throughput against transformers, the "
                         "scheduler's per-step cost, the KV map's engine-to-console round trip, "
                         "telemetry's cost to throughput, the console's lag and CPU, 2 "
@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "client, or the engine's perplexity and greedy output against "
                         "transformers' on real text (exit 1 unless it meets the targets), or "
                         "the KV memory ideas (near-duplicate blocks, block sizes, KV dtypes at "
-                        "equal memory)")
+                        "equal memory), or the what-if's prediction errors against the real "
+                        "engine (exit 1 unless within the goals)")
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
     p.add_argument("--num-requests", type=int,
                    help="throughput: override the workload size; telemetry, console: requests "
@@ -254,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 10); serve: rounds per level and client (default 2)")
     p.add_argument("--seconds", type=float, default=None,
                    help="telemetry: seconds per round (default 1); console: seconds per "
-                        "measurement (default 4)")
+                        "measurement (default 4); whatif: seconds of each recorded workload "
+                        "(default 90)")
     p.add_argument("--model-config", default="tiny", metavar="NAME",
                    help="throughput, serve: the built-in model to run: tiny (default), "
                         "small-gqa or smollm2")

@@ -70,6 +70,12 @@ def main(args: argparse.Namespace) -> int:
         from vconsole.tools.bench.kv_grouping import kv_grouping_bench
 
         out = kv_grouping_bench(args.model, min(args.windows, 16), args.window_tokens, log=log)
+    elif args.name == "whatif":
+        from vconsole.tools.bench.whatif import whatif_bench
+
+        out = whatif_bench(args.seconds or 90.0, log=log)
+        print(json.dumps(out, indent=None if args.json else 2))
+        return 0 if out["passed"] else 1
     elif args.name == "dp":
         from vconsole.tools.bench.dp import dp_bench
 

@@ -1,0 +1,211 @@
+"""`vconsole bench whatif`: how far the what-if's predictions are from the real engine.
+
+For each workload:
+
+1. **Record.** An engine is started with the workload's config and ``--request-trace``, and the
+   workload runs against it for ``seconds``, then drains (every request finishes): the trace.
+   - ``demo``: the demo's engine and load (`vconsole.tools.demo`: smollm2 when installed, its
+     byte-budget pool, 12 seats, 128-token steps, hybrid; bursts, quiet spells, long prompts,
+     shared prefixes, three priorities) through the engine's client.
+   - ``serve``: `vconsole serve --model tiny` and a Poisson load over HTTP (prompts 16-384
+     tokens, a third sharing a 64-token prefix, outputs 16-128, two priorities).
+2. **Predict** with `vconsole.whatif.predict.whatif` for held-out variants the trace never ran:
+   ``max_num_seqs`` halved and doubled, ``max_num_batched_tokens`` halved, the pool halved, the
+   policy changed.
+3. **Validate**: the baseline and each variant run on a real engine, the trace replayed on its
+   timestamps (`vconsole.tools.whatif_validate`); the error of each figure is prediction over
+   real minus one.
+4. **Speed**: the trace tiled to `SPEED_MINUTES` minutes, simulated once; ``speedup`` is trace
+   seconds over simulation seconds (one core: the simulation is single-threaded Python).
+
+Goals (the issue's): medians (output tok/s, TTFT p50, ITL p50) within 5%, p99s and preemption
+counts within 10%, and 10 minutes of trace simulated in 10 s or less.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vconsole.engine.client.async_client import AsyncEngineClient
+from vconsole.engine.launch.engine_process import EngineProcess
+from vconsole.engine.worker.gguf_model import smollm2_available
+from vconsole.telemetry.request_trace import Trace, read_trace
+from vconsole.tools.demo import DEMO_ENGINE_DEFAULTS, DEMO_RATE, REAL_ENGINE_DEFAULTS, REAL_RATE
+from vconsole.tools.loadgen import LoadSpec, demo_rate, demo_spec, run_load
+from vconsole.tools.whatif_validate import validate
+from vconsole.whatif.predict import Baseline, whatif
+
+MEDIANS = ("output_tok_s", "ttft_p50_s", "itl_p50_s")
+TAILS = ("ttft_p99_s", "itl_p99_s", "preemptions")
+GOAL_MEDIAN, GOAL_TAIL = 0.05, 0.10
+SPEED_MINUTES = 10.0
+GOAL_SPEED_S = 10.0
+SERVE_ENGINE = {"model": "tiny", "num_kv_blocks": 96, "block_size": 16, "max_num_seqs": 16,
+                "max_num_batched_tokens": 256, "policy": "fcfs"}
+SERVE_RATE = 30.0
+
+Log = Callable[[str], None] | None
+
+
+def _args(config: dict[str, Any]) -> list[str]:
+    return [a for k, v in config.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def record_demo(seconds: float, path: Path, log: Log) -> dict[str, Any]:
+    real = smollm2_available()
+    config = {"model": "smollm2", **REAL_ENGINE_DEFAULTS} if real else \
+        {"model": "tiny", **DEMO_ENGINE_DEFAULTS}
+    rate = REAL_RATE if real else DEMO_RATE
+    num = max(20, int(seconds * rate))
+    spec = demo_spec(prompts="auto")
+    spec.num = num
+    if log:
+        log(f"demo: recording {num} requests of the demo's load on {config['model']}")
+    with EngineProcess([*_args(config), "--request-trace", str(path)]) as engine:
+        engine.start(timeout_s=300)
+
+        async def go() -> None:
+            async with AsyncEngineClient(engine.endpoints["input"], engine.endpoints["output"],
+                                         timeout_s=60.0) as client:
+                await run_load(client, spec, rate_fn=demo_rate(rate))
+
+        asyncio.run(go())
+    return config
+
+
+def record_serve(seconds: float, path: Path, log: Log) -> dict[str, Any]:
+    from vconsole.tools.http_load import HttpLoadClient
+
+    num = int(seconds * SERVE_RATE)
+    spec = LoadSpec(num=num, rate=SERVE_RATE, prompt_len=(16, 384), output_len=(16, 128),
+                    priority_mix=[(0, 1.0), (1, 1.0)], shared_prefix_share=0.33,
+                    shared_prefix_len=64, seed=1)
+    if log:
+        log(f"serve: recording {num} requests over HTTP on vconsole serve --model tiny")
+    with socket.socket() as s:          # a free port for the server
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    cmd = [sys.executable, "-m", "vconsole", "serve", *_args(SERVE_ENGINE), "--port", str(port),
+           "--request-trace", str(path)]
+    with tempfile.TemporaryFile() as err:
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 300
+            while not _serving(url):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    err.seek(0)
+                    raise RuntimeError("vconsole serve did not start: "
+                                       + err.read().decode(errors="replace")[-400:])
+                time.sleep(0.3)
+
+            async def go() -> None:
+                async with HttpLoadClient(url) as client:
+                    await run_load(client, spec)     # type: ignore[arg-type]
+
+            asyncio.run(go())
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return SERVE_ENGINE
+
+
+def _serving(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/models", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def held_out(config: dict[str, Any], trace: Trace) -> list[dict[str, Any]]:
+    """The variants the trace never ran (the issue's list)."""
+    seqs = int(config["max_num_seqs"])
+    tokens = int(config["max_num_batched_tokens"])
+    blocks = int(trace.header.num_kv_blocks or 0)
+    policy = str(config["policy"])
+    return [{"max_num_seqs": max(1, seqs // 2)}, {"max_num_seqs": seqs * 2},
+            {"max_num_batched_tokens": max(16, tokens // 2)},
+            {"num_kv_blocks": max(1, blocks // 2)},
+            {"policy": "fcfs" if policy != "fcfs" else "priority"}]
+
+
+def tiled(trace: Trace, minutes: float) -> Trace:
+    """The trace's requests repeated back to back until ``minutes`` of arrivals."""
+    out = copy.copy(trace)
+    span = max(r.arrival for r in trace.requests) - min(r.arrival for r in trace.requests)
+    span = max(span, 1.0) + 1.0
+    reps = max(1, int(minutes * 60 / span) + 1)
+    out.requests = [copy.copy(r) for _ in range(reps) for r in trace.requests]
+    for i, r in enumerate(out.requests):
+        r.arrival += (i // len(trace.requests)) * span
+    out.requests.sort(key=lambda r: r.arrival)
+    out.requests = [r for r in out.requests if r.arrival <= minutes * 60]
+    return out
+
+
+def speed(trace: Trace, minutes: float = SPEED_MINUTES) -> dict[str, Any]:
+    long = tiled(trace, minutes)
+    base = Baseline(long, costs=trace)
+    t0 = time.process_time()
+    result = base.run({})
+    cpu = time.process_time() - t0
+    last = max(r.finish for r in result.requests)
+    return {"trace_s": round(last, 1), "requests": len(long.requests),
+            "steps": len(result.steps), "sim_cpu_s": round(cpu, 3),
+            "speedup": round(last / cpu, 1) if cpu else None}
+
+
+def score(report: dict[str, Any]) -> dict[str, Any]:
+    """Every validated figure's error, and the goals' verdict over the held-out variants."""
+    rows = []
+    for entry in [report["baseline"], *report["variants"]]:
+        err = entry.get("validation_error") or {}
+        rows.append({"set": entry.get("set", {}), **{k: err.get(k) for k in MEDIANS + TAILS}})
+    worst_med = max((abs(r[k]) for r in rows for k in MEDIANS if r[k] is not None), default=None)
+    worst_tail = max((abs(r[k]) for r in rows for k in TAILS if r[k] is not None), default=None)
+    med = [abs(r[k]) for r in rows for k in MEDIANS if r[k] is not None]
+    return {"errors": rows, "worst_median_error": worst_med, "worst_tail_error": worst_tail,
+            "mean_median_error": round(statistics.fmean(med), 4) if med else None,
+            "medians_within_goal": worst_med is not None and worst_med <= GOAL_MEDIAN,
+            "tails_within_goal": worst_tail is not None and worst_tail <= GOAL_TAIL}
+
+
+def whatif_bench(seconds: float = 90.0, workloads: tuple[str, ...] = ("demo", "serve"),
+                 log: Log = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"bench": "whatif", "seconds": seconds, "goals": {
+        "median_error": GOAL_MEDIAN, "tail_error": GOAL_TAIL,
+        "sim_s_per_10_min": GOAL_SPEED_S}, "workloads": {}}
+    with tempfile.TemporaryDirectory(prefix="vconsole-bench-whatif-") as tmp:
+        for name in workloads:
+            path = Path(tmp) / f"{name}.jsonl"
+            config = (record_demo if name == "demo" else record_serve)(seconds, path, log)
+            trace = read_trace(path)
+            report = whatif(trace, held_out(config, trace))
+            validate(trace, report, progress=log)
+            out["workloads"][name] = {"config": config, "report": report, "score": score(report),
+                                      "speed": speed(trace)}
+            if log:
+                s = out["workloads"][name]["score"]
+                log(f"{name}: worst median error {s['worst_median_error']}, worst tail error "
+                    f"{s['worst_tail_error']}")
+    w = out["workloads"].values()
+    out["passed"] = all(x["score"]["medians_within_goal"] and x["score"]["tails_within_goal"]
+                        and (x["speed"]["sim_cpu_s"] * 600 / max(x["speed"]["trace_s"], 1)
+                             <= GOAL_SPEED_S) for x in w)
+    return out
