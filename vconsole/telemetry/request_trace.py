@@ -33,7 +33,7 @@ import json
 import math
 import os
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -308,7 +308,7 @@ def read_csv(path: str | os.PathLike[str]) -> Trace:
     return trace
 
 
-def _csv_arrival(cols: list[str], p: Path):  # noqa: ANN202 - a small local parser
+def _csv_arrival(cols: Sequence[str], p: Path):  # noqa: ANN202 - a small local parser
     if "arrived_at" in cols:
         return lambda row: float(row["arrived_at"])
     if "TIMESTAMP" in cols:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vconsole.shared.config import RESTART_KEYS, ConfigError, EngineConfig, coerce_value
+from vconsole.shared.config import ConfigError, EngineConfig, coerce_value
 from vconsole.shared.config import canonical_kv_cache_dtype as canonical
 from vconsole.telemetry.request_trace import FIGURES, Trace, figures, finished_normally
 from vconsole.whatif.cost_model import StepCostModel, TooLittleTraffic, fit
@@ -87,9 +87,10 @@ class Baseline:
             self.config = engine_config(h.config or sh.config)
         except ConfigError as e:
             raise ValueError(f"the trace's config is not valid here: {e}") from e
-        self.num_kv_blocks = h.num_kv_blocks or sh.num_kv_blocks
-        if not self.num_kv_blocks:
+        blocks = h.num_kv_blocks or sh.num_kv_blocks
+        if not blocks:
             raise ValueError("the trace does not say how many KV blocks its pool had")
+        self.num_kv_blocks: int = int(blocks)
         self.block_size = self.config.block_size
         self.max_model_len = h.max_model_len or sh.max_model_len or 1 << 20
         self.vocab_size = h.vocab_size or sh.vocab_size or 32000
@@ -120,13 +121,17 @@ class Baseline:
             blocks = pool_bytes // (B * (bpt or 1))
         if blocks < 1:
             raise ValueError(f"the variant leaves the pool {blocks} blocks")
-        restart = {k: values[k] for k in ("block_size", "kv_cache_dtype") if k in values}
+        restart: dict[str, Any] = {k: values[k] for k in ("block_size", "kv_cache_dtype")
+                                   if k in values}
         config = config_replace(self.config, {**sched, **restart})
         return config, blocks
 
     def _bytes_per_token(self, dtype: str) -> int | None:
         if dtype == self.dtype:
             return self.bytes_per_token
+        if not self.bytes_per_token:
+            raise ValueError(f"kv_cache_dtype={dtype}: the trace does not say its own KV bytes "
+                             f"per token")
         bpt = self.by_dtype.get(dtype)
         if bpt is None:
             raise ValueError(f"kv_cache_dtype={dtype}: the trace does not say this model's KV "
@@ -208,5 +213,5 @@ def whatif(trace: Trace, variants: list[dict[str, Any]], *,
     return report
 
 
-__all__ = ["MODELLED", "RESTART_KEYS", "Baseline", "TooLittleTraffic", "check_key",
-           "check_traffic", "errors", "observed", "parse_assignments", "predicted", "whatif"]
+__all__ = ["MODELLED", "Baseline", "TooLittleTraffic", "check_key", "check_traffic", "errors",
+           "observed", "parse_assignments", "predicted", "whatif"]
