@@ -52,6 +52,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config key (repeatable)")
     if serving:
+        g.add_argument("--request-trace", metavar="FILE", type=os.path.abspath,
+                       help="write the request trace to FILE: one JSON line per finished "
+                            "request (lengths, prefix block hashes, times; never text) and per "
+                            "step, for `vconsole whatif` and `vconsole load --trace`; the hot "
+                            "key request_trace turns it on or off later. The last 5 minutes "
+                            "are kept in memory either way (`vconsole trace`)")
         add_data_parallel_args(p)
         g = p.add_argument_group("KV cache events (vLLM's format, for KV-aware routers)")
         g.add_argument("--kv-events-endpoint", metavar="ENDPOINT",

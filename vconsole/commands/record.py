@@ -1,4 +1,10 @@
-"""`vconsole record FILE`: save the telemetry stream to a file."""
+"""`vconsole record FILE`: save the telemetry stream to a file.
+
+When the recording of a vconsole engine ends, the engine's request trace of the same time
+(`get_trace` over its control socket, ``--control``) is written beside it as
+``FILE.trace.jsonl``; an engine that does not answer gets a one-line note and the recording
+stands on its own.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,10 @@ import time
 
 from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
-from vconsole.security.curve import CurveKeyError
-from vconsole.security.endpoints import DEFAULT_TELEMETRY
-from vconsole.telemetry.record import record_stream
+from vconsole.security.curve import ClientCurve, CurveKeyError
+from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
+from vconsole.telemetry.control import ControlError
+from vconsole.telemetry.record import fetch_trace, record_stream, save_trace, trace_path
 
 
 def main(args: argparse.Namespace) -> int:
@@ -25,13 +32,35 @@ def main(args: argparse.Namespace) -> int:
         return fail("record", e, 2)
     print(f"recording {endpoint} to {args.file}"
           + (f" for {duration:g} s" if duration else " until Ctrl-C"), file=sys.stderr)
+    started = time.monotonic()
     counts = record_stream(endpoint, args.file, duration, curve=curve)
     total = sum(counts.values())
     detail = ", ".join(f"{t} {n}" for t, n in counts.items() if n)
     print(f"recorded {total} messages to {args.file}" + (f" ({detail})" if detail else ""))
     if not total:
         print(f"note: nothing arrived from {endpoint}; is the engine running?", file=sys.stderr)
+    else:
+        _save_trace(args, time.monotonic() - started, curve)
     return 0
+
+
+def _save_trace(args: argparse.Namespace, elapsed_s: float, curve: ClientCurve | None) -> None:
+    """The engine's request trace of the recording's time, beside the recording."""
+    control = getattr(args, "control", None) or DEFAULT_CONTROL
+    path = trace_path(args.file)
+    try:
+        text = fetch_trace(control, elapsed_s + 1.0, curve=curve)
+    except (TimeoutError, ControlError) as e:
+        print(f"note: no request trace beside the recording (control {control}: {e})",
+              file=sys.stderr)
+        return
+    try:
+        counts = save_trace(path, text)
+    except OSError as e:
+        print(f"note: no request trace beside the recording: cannot write {path}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return
+    print(f"request trace: {counts['request']} requests and {counts['step']} steps to {path}")
 
 
 def _record_vllm(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 
 `step()` reads top to bottom as its three phases and records what each cost; nothing here knows
 about sockets or telemetry (`vconsole.engine.process.core_proc` wraps the core with I/O threads
-and queues, and hands `last_step` and the stats snapshots to the publisher).
+and queues, and hands `last_step` and the stats snapshots to the publisher, `last_step` and
+`last_finished` to the request trace).
 
 A model execution that raises fails that step's requests only (finish reason ``error``, the
 exception in ``error``) and `step()` returns normally; `consecutive_step_failures` tells the
@@ -54,6 +55,9 @@ class EngineCore:
         self.telemetry_guard = self.scheduler.telemetry
         self.num_steps = 0
         self.last_step: StepStats | None = None
+        # The requests that finished in the latest step (by a stop rule, or aborted, timed out
+        # or failed and reported there): the request trace's records. Replaced, never mutated.
+        self.last_finished: list[Request] = []
         self.consecutive_step_failures = 0          # model executions that raised, in a row
         self.last_step_error: str | None = None     # the latest one's "Type: message"
         self.profiler: StepProfiler | None = None   # armed by start_profile; see profiling
@@ -135,20 +139,24 @@ class EngineCore:
         t2 = time.monotonic_ns()
         results = self.scheduler.update_from_output(scheduler_output, model_output)
         outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
-        num_finished = 0
+        finished: list[Request] = []
         for req, out in results:
             if out.finished:
-                num_finished += 1
+                finished.append(req)
             outputs[req.client_id].append(out)
         t3 = time.monotonic_ns()
 
         self.num_steps += 1
+        sched, so = self.scheduler, scheduler_output
+        self.last_finished = finished
         self.last_step = StepStats(
             schedule_ns=t1 - t0, execute_ns=t2 - t1, update_ns=t3 - t2, total_ns=t3 - t0,
-            num_prefill_tokens=scheduler_output.num_prefill_tokens,
-            num_decode_tokens=scheduler_output.num_decode_tokens,
-            num_reqs=scheduler_output.num_scheduled_reqs,
-            num_preempted=len(scheduler_output.preempted_req_ids), num_finished=num_finished)
+            num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
+            num_reqs=so.num_scheduled_reqs, num_preempted=len(so.preempted_req_ids),
+            num_finished=len(finished), start_ns=t0, num_context_tokens=so.num_context_tokens,
+            prefill_attention=so.prefill_attention, num_new_reqs=len(so.scheduled_new_reqs),
+            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            kv_used_blocks=sched.kv.pool.num_used_blocks)
         if profiler is not None:
             profiler.end_step(self.last_step, self.num_steps)
         return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0

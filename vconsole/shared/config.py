@@ -161,6 +161,10 @@ class EngineConfig:
                                     "telemetry; refused on a non-loopback telemetry endpoint "
                                     "without CURVE (vLLM logs prompts only when asked).",
                                     hot=True)
+    request_trace: str | None = _f(None, "Write the request trace (JSON lines, one per "
+                                   "finished request and per step) to this file; unset = off. "
+                                   "The last 5 minutes are kept in memory either way, for the "
+                                   "console's what-if.", hot=True, nullable=True)
     log_stats: bool = _f(False, "Log a stats line to stderr every log_stats_interval_s.",
                          hot=True)
     log_stats_interval_s: float = _f(5.0, "Seconds between two log_stats lines (vLLM: "

@@ -21,7 +21,15 @@ BLOCK_SHARED = 3   # used by more than one request
 
 @dataclass(slots=True)
 class StepStats:
-    """One `EngineCore.step()`: phase durations (monotonic ns) and batch composition."""
+    """One `EngineCore.step()`: phase durations (monotonic ns) and batch composition.
+
+    The fields from ``start_ns`` on are the request trace's step features
+    (`vconsole.engine.process.request_trace`, what a step-time model is fitted on); the
+    ``step`` telemetry topic aggregates only the fields above them, so they stay off the
+    wire. ``num_context_tokens``: positions the scheduled rows attend to (start + n each);
+    ``prefill_attention``: n x (start + n) over prefill chunks; ``num_new_reqs``: requests
+    sent whole to the runner (new or resumed); ``num_running`` / ``num_waiting`` /
+    ``kv_used_blocks``: after the step (blocks referenced by at least one request)."""
 
     schedule_ns: int
     execute_ns: int
@@ -32,6 +40,13 @@ class StepStats:
     num_reqs: int
     num_preempted: int = 0
     num_finished: int = 0
+    start_ns: int = 0                 # time.monotonic_ns() when the step began
+    num_context_tokens: int = 0
+    prefill_attention: int = 0
+    num_new_reqs: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_used_blocks: int = 0
 
 
 @dataclass

@@ -33,6 +33,13 @@ Profiling on demand (`vconsole.engine.process.profile_book`): ``{"op": "profile_
 ``{"op": "profile_cancel", "profile": pid}`` (key required) follow it. Their replies carry every
 field above plus ``profile``: the profile's status, with its ``result`` once it is done
 (`ControlClient.profile_start` / `profile_status` / `profile_cancel`).
+
+The request trace (`vconsole.telemetry.request_trace`): ``{"op": "get_trace", "window_s": s}``
+(open, like ``get_config``: the trace holds no text; ``window_s`` optional, default the whole
+window the engine keeps, 300 s) is answered with every field above plus ``trace``: the last
+``window_s`` seconds as the trace's JSON lines (`ControlClient.get_trace`; parse it with
+`vconsole.telemetry.request_trace.parse_lines`). The engine serializes it on its control
+thread, never between two steps.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from vconsole.security.curve import ClientCurve
 from vconsole.security.endpoints import DEFAULT_CONTROL
 from vconsole.shared.config import ConfigUpdate, describe_config
 
-OPS = ("get_config", "set_config", "profile_start", "profile_status", "profile_cancel")
+OPS = ("get_config", "set_config", "profile_start", "profile_status", "profile_cancel",
+       "get_trace")
 PROFILE_MAX_STEPS = 200   # a profile's trace is kept in memory until its last step
 
 
@@ -109,6 +117,12 @@ def decode_request(data: bytes | memoryview) -> dict[str, Any]:
                                f"{PROFILE_MAX_STEPS}, got {steps!r}")
     if op in ("profile_status", "profile_cancel") and not isinstance(req.get("profile"), str):
         raise ControlError(f"{op} needs 'profile': the id profile_start answered")
+    if op == "get_trace" and req.get("window_s") is not None:
+        window = req["window_s"]
+        if (not isinstance(window, int | float) or isinstance(window, bool)
+                or not window > 0 or window != window):
+            raise ControlError(f"get_trace 'window_s' must be a number of seconds > 0, got "
+                               f"{window!r}")
     rid = req.get("id")
     if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool)):
         raise ControlError(f"'id' must be an integer, got {rid!r}")
@@ -147,6 +161,11 @@ def config_reply(version: int, values: dict[str, Any], update: ConfigUpdate | No
 def profile_reply(status: dict[str, Any], request_id: int | None = None) -> dict[str, Any]:
     """Reply for the profile ops: every common field, plus ``profile`` (the status)."""
     return {**make_reply(ok=True, request_id=request_id), "profile": status}
+
+
+def trace_reply(lines: str, request_id: int | None = None) -> dict[str, Any]:
+    """Reply for get_trace: every common field, plus ``trace`` (JSON lines)."""
+    return {**make_reply(ok=True, request_id=request_id), "trace": lines}
 
 
 def encode_reply(reply: dict[str, Any]) -> bytes:
@@ -284,6 +303,19 @@ class ControlClient:
     def profile_cancel(self, profile_id: str) -> dict[str, Any]:
         """Stop a running profile (no result); its status. Raises NotAuthorised without the key."""
         return self._profile_op("profile_cancel", {"profile": profile_id})
+
+    def get_trace(self, window_s: float | None = None) -> str:
+        """The engine's request trace of the last ``window_s`` seconds (None: all it keeps)
+        as JSON lines (`vconsole.telemetry.request_trace.parse_lines` reads them). Raises
+        ControlError when the engine refuses (or does not know the op: an older engine)."""
+        reply = self.request("get_trace",
+                             fields=None if window_s is None else {"window_s": window_s})
+        if not reply.get("ok"):
+            raise ControlError(str(reply.get("error") or "get_trace failed"))
+        trace = reply.get("trace")
+        if not isinstance(trace, str):
+            raise ControlError("the engine's get_trace reply holds no trace")
+        return trace
 
     def close(self) -> None:
         if self._sock is not None:

@@ -10,6 +10,11 @@ Frames are stored exactly as received (topic, msgpack payload, raw buffers), so 
 decodes them with `vconsole.telemetry.schema.decode` like live traffic. The body length prefix lets a
 reader skip or detect a record cut short by a killed writer: `read_records` stops at such a
 tail instead of failing, so a recording survives a crash up to its last complete record.
+
+A recording of a vconsole engine also carries the engine's request trace of the same minutes
+(`vconsole.telemetry.request_trace`), fetched over the control channel when the recording ends
+(`fetch_trace`) and written beside it as ``<recording>.trace.jsonl`` (`trace_path`,
+`save_trace`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, BinaryIO
 import zmq
 
 from vconsole.security.curve import ClientCurve
+from vconsole.telemetry.control import ControlClient
 from vconsole.telemetry.schema import SCHEMA_VERSION, TOPICS, SchemaVersionError
 
 MAGIC = b"VCTELREC"
@@ -31,6 +37,8 @@ FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sHH")
 _LEN = struct.Struct("<Q")
 _BODY_HEAD = struct.Struct("<dI")
+TRACE_PROBE_S = 1.5     # is an engine answering on the control socket at all
+TRACE_TIMEOUT_S = 60.0  # its answer to get_trace (minutes of trace serialized on its side)
 
 
 def default_recordings_dir() -> Path:
@@ -167,3 +175,43 @@ def record_stream(endpoint: str, path: str | os.PathLike[str], duration_s: float
     return counts
 
 
+# --- the request trace beside a recording --------------------------------------------------------
+
+def trace_path(recording: str | os.PathLike[str]) -> Path:
+    """Where a recording's request trace goes: ``<recording>.trace.jsonl``."""
+    return Path(f"{os.fspath(recording)}.trace.jsonl")
+
+
+def fetch_trace(control_endpoint: str, window_s: float | None = None, *,
+                curve: ClientCurve | None = None, probe_s: float = TRACE_PROBE_S,
+                timeout_s: float = TRACE_TIMEOUT_S) -> str:
+    """The engine's request trace of the last ``window_s`` seconds (None: all it keeps) as
+    JSON lines. Asks ``get_config`` first, so that no engine costs ``probe_s``, not the long
+    ``timeout_s`` a big trace may need. Raises TimeoutError or `ControlError`."""
+    with ControlClient(control_endpoint, timeout_s=probe_s, curve=curve) as client:
+        client.get_config()
+        client.timeout_s = timeout_s
+        return client.get_trace(window_s)
+
+
+def save_trace(path: str | os.PathLike[str], text: str) -> dict[str, int]:
+    """Write a trace's JSON lines to ``path`` whole (a temporary file renamed into place, so
+    a reader never finds half of it); lines per record kind."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return count_trace_lines(text)
+
+
+def count_trace_lines(text: str) -> dict[str, int]:
+    """Lines per record kind (header, config, request, step) of a trace's JSON lines."""
+    counts = dict.fromkeys(("header", "config", "request", "step"), 0)
+    for line in text.splitlines():
+        if line.startswith('{"kind":"'):
+            kind = line[9:line.find('"', 9)]
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts

@@ -19,6 +19,8 @@ start's key may change the engine.
 - ``profile_start`` and ``profile_cancel`` take the same path as ``set_config`` (key, then a
   `ControlCall` with its ``op``: the busy loop owns the profiler, `vconsole.engine.process.profile_book`);
   ``profile_status`` is answered at once from ``profile_view(id)``, like ``get_config``.
+- ``get_trace`` is answered here from ``trace_view(window_s)``, the request trace's lines
+  (`vconsole.engine.process.request_trace`): serialized on this thread, never the busy loop.
 
 Invariants:
 
@@ -94,7 +96,8 @@ class ControlServer:
     whoever made it). ``endpoint``: the endpoint it bound, which names the key file unless
     ``key_file`` does. ``config_view()``: the busy loop's last published (version, config).
     ``submit(call)``: hands a `ControlCall` to the busy loop. ``stop``: set once, at shutdown.
-    ``engine_id`` goes into the key's owner record. Raises OSError when the key file cannot be
+    ``engine_id`` goes into the key's owner record. ``profile_view(id)`` / ``trace_view(window_s)``
+    answer ``profile_status`` / ``get_trace`` (from this thread). Raises OSError when the key file cannot be
     written, `engine_key.KeyFileHeld` when a running engine holds it."""
 
     def __init__(self, sock: zmq.Socket, endpoint: str, *,
@@ -102,8 +105,10 @@ class ControlServer:
                  config_view: Callable[[], tuple[int, EngineConfig]],
                  submit: Callable[[ControlCall], None], stop: threading.Event,
                  poll_ms: int = 200, engine_id: str = "",
-                 profile_view: Callable[[str], dict[str, Any] | None] | None = None) -> None:
+                 profile_view: Callable[[str], dict[str, Any] | None] | None = None,
+                 trace_view: Callable[[float | None], str] | None = None) -> None:
         self._profile_view = profile_view
+        self._trace_view = trace_view
         self._sock = sock
         self._config_view = config_view
         self._submit = submit
@@ -173,6 +178,10 @@ class ControlServer:
             if status is None:
                 return control.error_reply(f"no profile {req['profile']!r}", rid)
             return control.profile_reply(status, rid)
+        if req["op"] == "get_trace":
+            if self._trace_view is None:
+                return control.error_reply("this engine keeps no request trace", rid)
+            return control.trace_reply(self._trace_view(req.get("window_s")), rid)
         if not engine_key.key_matches(req.get("key"), self._key):
             log.warning("control: refused a %s without the control key", req["op"])
             return control.error_reply(engine_key.not_authorised(self.key_file), rid)

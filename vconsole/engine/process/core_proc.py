@@ -19,6 +19,9 @@ by its one thread, which also closes it):
   reply sent once applied (or refused).
 - the telemetry publisher's thread, the KV event publisher and ``/metrics``
   (`telemetry_outlets`), and the config file watcher (`config_watch`).
+- the request trace's thread (`request_trace`): the busy loop hands it each step's stats and
+  finished requests (an append); it makes the records, keeps the last minutes for
+  ``get_trace`` and writes the ``request_trace`` file.
 
 Invariants: request ids are unique among requests in flight; a client can abort only its own
 requests; every accepted request gets exactly one final output, also at shutdown (``abort``),
@@ -60,6 +63,12 @@ from vconsole.engine.process.output_items import STOP, OutputItem, Wave
 from vconsole.engine.process.output_thread import OutputThread
 from vconsole.engine.process.profile_book import ProfileBook
 from vconsole.engine.process.request_intake import RequestIntake
+from vconsole.engine.process.request_trace import (
+    TraceBook,
+    open_trace_file,
+    trace_file_path,
+    trace_header,
+)
 from vconsole.engine.process.role import LoneEngine, LoopLinks, ProcessRole
 from vconsole.engine.process.serving_core import ServingCore
 from vconsole.engine.process.sockets import bind_routers, check_before_bind
@@ -120,6 +129,11 @@ class EngineCoreProc:
         # loads is noticed at the first poll.
         self._watcher = (ConfigFileWatcher(config_path, lambda: self.input_queue.put(
             inputs.Reload("file changed"))) if config_path else None)
+        # Opened before anything binds or loads: a path that cannot be written fails at once.
+        trace_path = (trace_file_path(config.request_trace, config)
+                      if config.request_trace else None)
+        self._trace_file = open_trace_file(trace_path) if trace_path else None
+        self._trace_path = trace_path
         self.ctx = zmq.Context(io_threads=max(1, min(config.zmq_io_threads, os.cpu_count() or 1)))
         self.endpoints = dict(endpoints)
         self._sockets: dict[str, zmq.Socket] = {}
@@ -133,6 +147,8 @@ class EngineCoreProc:
                 self.control_server.remove_key_file()   # never started: no thread
                 raise
         except BaseException:
+            if self._trace_file is not None:
+                self._trace_file.close()
             for sock in self._sockets.values():
                 sock.close(0)
             if self._auth is not None:
@@ -150,7 +166,8 @@ class EngineCoreProc:
             config_view=lambda: self.control.view,
             submit=lambda call: self.input_queue.put(inputs.Control(call)),
             stop=self._io_stop, poll_ms=IO_POLL_MS, engine_id=config.engine_id,
-            profile_view=self.profiles.view)
+            profile_view=self.profiles.view,
+            trace_view=lambda window_s: self.trace.lines(window_s))
 
     def _serve_core(self, core: ServingCore, *, restart_count: int, restart_reason: str | None,
                     metrics_endpoint: tuple[str, int] | None) -> None:
@@ -185,9 +202,14 @@ class EngineCoreProc:
         self.endpoints["telemetry"] = self.publisher.endpoint
         self.guard = core.telemetry_guard   # observability never stops serving
         self.feed = TelemetryFeed(core, self.publisher, self.role.dp_body)
+        self.trace = TraceBook(trace_header(core.config, model), core.config,
+                               core.config_version)
+        if self._trace_file is not None:
+            self.trace.use_file(self._trace_file, self._trace_path)
         self.control = LoopControl(core, self.profiles, self.publisher,
                                    config_path=self.config_path, stopping=lambda: self._stopping,
-                                   on_change=lambda: self.outlets.publish_kv_events(core))
+                                   on_change=lambda: self.outlets.publish_kv_events(core),
+                                   trace=self.trace)
         self.role.attach(LoopLinks(
             device=model["device"], submit_wave=self.publisher.submit_wave,
             submit_dp=self.publisher.submit_dp, changed=self._changed,
@@ -199,6 +221,7 @@ class EngineCoreProc:
         """Start the I/O threads (the busy loop then runs in the caller's thread)."""
         for t in self._threads:
             t.start()
+        self.trace.start()
         self.control_server.start()
         if self._watcher is not None:
             self._watcher.start()
@@ -281,6 +304,7 @@ class EngineCoreProc:
         outputs, scheduled = self.core.step()
         if self.core.last_step is not None:
             self.guard.run("step", self._record_step, self.core.last_step)
+        self._trace_step()
         if self.profiles.active is not None:
             self.profiles.after_step()
         self.intake.emit(outputs)
@@ -294,6 +318,13 @@ class EngineCoreProc:
     def _record_step(self, step: StepStats) -> None:
         self.publisher.record_step(step)
         self._stats_log.record(step)
+
+    def _trace_step(self) -> None:
+        """The step just run, and the requests it finished, to the request trace (O(1))."""
+        core = self.core
+        if core.last_step is not None:
+            self.guard.run("step", self.trace.add_step, core.last_step, core.last_finished,
+                           core.config_version)
 
     def _check_step_failures(self) -> None:
         """Model execution failed on ``max_consecutive_step_failures`` steps in a row: this
@@ -359,6 +390,7 @@ class EngineCoreProc:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while self.core.has_unfinished_requests() and time.monotonic() < deadline:
             outputs, _ = self.core.step()
+            self._trace_step()
             self.intake.emit(outputs)
         self.feed.submit_snapshot("draining")
         while self.control_server.is_alive():        # control: may wait on a queued call
@@ -366,6 +398,7 @@ class EngineCoreProc:
             self.control_server.join(0.05)
         self.output_queue.put(STOP)
         self._threads[1].join()                      # output: flushes everything queued first
+        self.trace.close()                           # the trace file gets its last lines
         self.outlets.close()
         if self._auth is not None:                   # its sockets live in this context
             self._auth.stop()

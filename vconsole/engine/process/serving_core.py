@@ -30,6 +30,7 @@ class ServingCore(Protocol):
     telemetry_guard: TelemetryGuard
     num_steps: int
     last_step: StepStats | None
+    last_finished: list[Request]       # the requests the latest step finished (request trace)
     consecutive_step_failures: int
     last_step_error: str | None
 
