@@ -14,7 +14,15 @@ from vconsole.engine.process.request_trace import TraceBook, open_trace_file
 from vconsole.engine.request import FinishReason, SamplingParams
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import StepStats
-from vconsole.telemetry.request_trace import TraceHeader, parse_lines, read_trace
+from vconsole.telemetry.request_trace import (
+    StepRecord,
+    TraceHeader,
+    parse_lines,
+    prompt_block_hashes,
+    read_trace,
+    request_line,
+    step_line,
+)
 
 BLOCK = 4
 
@@ -54,10 +62,10 @@ def test_the_busy_loops_call_only_appends_and_the_records_come_later(monkeypatch
             return fn(*a, **kw)
         return wrapper
 
-    monkeypatch.setattr(book_module, "prompt_block_hashes",
-                        counted("hash", book_module.prompt_block_hashes))
-    for name in ("request_line", "step_line", "header_line", "config_line"):
+    monkeypatch.setattr(book_module, "block_hashes", counted("hash", book_module.block_hashes))
+    for name in ("step_json", "header_line", "config_line"):
         monkeypatch.setattr(book_module, name, counted("line", getattr(book_module, name)))
+    monkeypatch.setattr(book_module._Kept, "line", counted("line", book_module._Kept.line))
     finished = [request(b, list(range(10)), 0.0, 0.5)]
     for i in range(10_000):
         b.add_step(step(b, i * 1e-5), finished if i % 10 == 9 else [], 1)
@@ -133,3 +141,23 @@ def test_a_trace_file_that_cannot_be_written_is_refused_with_the_reason(tmp_path
         open_trace_file(str(tmp_path / "missing" / "trace.jsonl"))
     with pytest.raises(OSError, match="Is a directory"):
         open_trace_file(str(tmp_path))
+
+
+def test_the_books_own_lines_and_hashes_are_the_formats_to_the_byte():
+    """The book serializes and hashes with faster twins of the format's functions (no deep
+    copy per record, one array per prompt): they must not drift from the originals."""
+    import random
+
+    rng = random.Random(3)
+    b = book()
+    for n in (0, 3, 4, 17, 64, 301):
+        ids = [rng.randrange(0, 1 << 31) for _ in range(n)]
+        for size in (1, 4, 16):
+            assert book_module.block_hashes(ids, size) == "".join(prompt_block_hashes(ids, size))
+        kept = b._keep(request(b, ids, rng.random(), 1.0 + rng.random(), output_len=5), 2.5, 3)
+        assert kept.line() == request_line(kept.full())
+    for period in (None, 0.0123456789):
+        s = StepRecord(t=1.23456789, dur=0.00123456789, execute=0.001, prefill=3, decode=4,
+                       reqs=5, running=6, waiting=7, context=8, prefill_attn=9, kv_used=2,
+                       period=period)
+        assert book_module.step_json(s) == step_line(s)
