@@ -181,7 +181,11 @@ class ControlServer:
         if req["op"] == "get_trace":
             if self._trace_view is None:
                 return control.error_reply("this engine keeps no request trace", rid)
-            return control.trace_reply(self._trace_view(req.get("window_s")), rid)
+            try:
+                return control.trace_reply(self._trace_view(req.get("window_s")), rid)
+            except Exception as e:      # the control thread keeps answering
+                log.exception("control: get_trace failed")
+                return control.error_reply(f"the request trace could not be made: {e}", rid)
         if not engine_key.key_matches(req.get("key"), self._key):
             log.warning("control: refused a %s without the control key", req["op"])
             return control.error_reply(engine_key.not_authorised(self.key_file), rid)

@@ -15,7 +15,7 @@ Who does what:
   applies, so a path that cannot be written refuses the change with the reason).
 - **the trace thread** (``request-trace``, `start` / `close`): a few times a second it takes
   what the busy loop handed over, in order, and turns it into records: a finished request's
-  prompt into its block hashes (`prompt_block_hashes`; the `Request` is then let go), a
+  prompt into its block hashes (`block_hashes`; the `Request` is then let go), a
   `StepStats` into a `StepRecord`. It forgets what left the window and, while a file is open,
   appends the new lines to it; it writes the file's header when it opens it and closes it
   when the key changes or at `close`.
@@ -278,10 +278,13 @@ class TraceBook:
                 if self._drain():
                     return
             except Exception:       # never let the trace thread die: the next pass goes on
-                self._failures += 1
-                if self._failures == 1:
-                    log.exception("request trace: a record could not be made (later failures "
-                                  "are only counted)")
+                self._failed()
+
+    def _failed(self) -> None:
+        self._failures += 1
+        if self._failures == 1:
+            log.exception("request trace: a record could not be made (it is left out; later "
+                          "failures are only counted)")
 
     def _drain(self) -> bool:
         """Turn everything handed over into records; True once told to stop."""
@@ -295,20 +298,23 @@ class TraceBook:
         while inbox:
             item = inbox.popleft()
             tag = item[0]
-            if tag is _STEP:
-                self._take_step(item[1], item[2], item[3], lines)
-                if item[2]:
-                    time.sleep(0)       # hashing is Python work: let the busy loop have the GIL
-            elif tag is _CONFIG:
-                t, version, config = item[1] - self.t0, item[2], item[3].to_dict()
-                self._configs.append((t, version, config))
-                if self._file is not None:
-                    lines.append((t, config_line(t, version, config)))
-            elif tag is _FILE:
-                self._switch_file(item[1], item[2], lines)
-            else:
-                self._switch_file(None, None, lines)
-                stop = True
+            try:
+                if tag is _STEP:
+                    self._take_step(item[1], item[2], item[3], lines)
+                    if item[2]:
+                        time.sleep(0)   # hashing is Python work: let the busy loop have the GIL
+                elif tag is _CONFIG:
+                    t, version, config = item[1] - self.t0, item[2], item[3].to_dict()
+                    self._configs.append((t, version, config))
+                    if self._file is not None:
+                        lines.append((t, config_line(t, version, config)))
+                elif tag is _FILE:
+                    self._switch_file(item[1], item[2], lines)
+                else:
+                    self._switch_file(None, None, lines)
+                    stop = True
+            except Exception:
+                self._failed()
         self._write(lines)
         self._forget(time.monotonic() - self.t0 - self.window_s)
         return stop
@@ -356,7 +362,10 @@ class TraceBook:
                   else step_end)
         record = request_record(req, t0=self.t0, finish=finish, config_version=version,
                                 block_hashes=[])
-        gaps = array("q", record.itl_us)
+        try:
+            gaps = array("I" if _UINT32 else "q", record.itl_us)   # 4 bytes a gap (< 71 min)
+        except OverflowError:
+            gaps = array("q", record.itl_us)
         record.itl_us = []
         hashes = block_hashes(req.prompt_token_ids, self.block_size)
         return _Kept(record, hashes, gaps)
