@@ -26,6 +26,7 @@ from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
+from vconsole.engine.worker import kv_quant
 from vconsole.engine.worker.model_runner import ModelRunner
 from vconsole.engine.worker.profiler import StepProfiler
 from vconsole.shared.config import ConfigUpdate, EngineConfig, apply_update
@@ -73,7 +74,18 @@ class EngineCore:
                 "model_path": self.runner.info.path,
                 "kv_cache_dtype": self.runner.kv_cache_dtype,
                 "kv_bytes_per_token": self.runner.kv_bytes_per_token,
+                "kv_bytes_per_token_by_dtype": self.kv_bytes_per_token_by_dtype(),
                 "kv_pool_bytes": self.runner.kv_pool_bytes}
+
+    def kv_bytes_per_token_by_dtype(self) -> dict[str, int]:
+        """Bytes per token of every KV format this model can store (``auto``: the model's
+        dtype), at this block size: the request trace's header carries them, so a what-if of
+        ``kv_cache_dtype`` sizes the same pool bytes in another format."""
+        r = self.runner
+        return {name: fmt.bytes_per_token(r.num_layers, r.num_kv_heads, r.head_dim,
+                                          r.dtype.itemsize, self.config.block_size)
+                for name, fmt in kv_quant.FORMATS.items()
+                if not (fmt.bits == 4 and r.head_dim % 2)}
 
     # --- requests -------------------------------------------------------------------------
     def make_request(self, request_id: str, *, prompt: str | None = None,

@@ -77,6 +77,8 @@ def test_the_trace_file_holds_every_request_and_the_steps_that_computed_them(eng
     trace = wait_trace(engine.trace_dir / "trace.jsonl", len(WORK))
     assert (trace.header.model, trace.header.block_size) == ("tiny", BLOCK)
     assert trace.header.num_kv_blocks == 64 and trace.header.vocab_size
+    by_dtype = trace.header.kv_bytes_per_token_by_dtype
+    assert by_dtype["auto"] == trace.header.kv_bytes_per_token > by_dtype["int8_per_token_head"]
     assert trace.header.config["request_trace"].endswith("trace.jsonl")
     by_key = {(r.prompt_len, r.max_tokens): r for r in trace.requests}
     assert len(trace.requests) == len(WORK) and set(by_key) == set(outputs)

@@ -433,4 +433,5 @@ def trace_header(config: EngineConfig, model: dict[str, Any]) -> TraceHeader:
         num_kv_blocks=model.get("num_kv_blocks"), vocab_size=model.get("vocab_size"),
         max_model_len=model.get("max_model_len"), kv_cache_dtype=model.get("kv_cache_dtype"),
         kv_bytes_per_token=model.get("kv_bytes_per_token"),
+        kv_bytes_per_token_by_dtype=dict(model.get("kv_bytes_per_token_by_dtype") or {}),
         kv_pool_bytes=model.get("kv_pool_bytes"), engine_id=config.engine_id)
