@@ -33,8 +33,10 @@ import json
 import math
 import os
 import random
+import sys
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -132,6 +134,10 @@ class Trace:
         return self.configs.get(version, self.header.config)
 
 
+_REQUEST_FIELDS = tuple(f.name for f in fields(RequestRecord))
+_STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
+
+
 # --- writing ----------------------------------------------------------------------------------
 
 def header_line(header: TraceHeader) -> str:
@@ -144,19 +150,23 @@ def config_line(t: float, version: int, config: dict[str, Any]) -> str:
 
 
 def request_line(r: RequestRecord) -> str:
-    d = asdict(r)
+    d: dict[str, Any] = {"kind": "request"}
+    for name in _REQUEST_FIELDS:       # a shallow dict: `asdict` deep-copies every list
+        d[name] = getattr(r, name)
     for key in ("arrival", "finish", "first_token"):
         if d[key] is not None:
             d[key] = round(d[key], 6)
-    return _line({"kind": "request", **d})
+    return json.dumps(d, separators=(",", ":")) + "\n"
 
 
 def step_line(s: StepRecord) -> str:
-    d = asdict(s)
+    d: dict[str, Any] = {"kind": "step"}
+    for name in _STEP_FIELDS:
+        d[name] = getattr(s, name)
     for key in ("t", "dur", "execute", "period"):
         if d[key] is not None:
             d[key] = round(d[key], 7)
-    return _line({"kind": "step", **d})
+    return json.dumps(d, separators=(",", ":")) + "\n"
 
 
 def _line(obj: dict[str, Any]) -> str:
@@ -183,13 +193,18 @@ def trace_lines(trace: Trace) -> Iterator[str]:
 def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[str]:
     """Chained hashes of the prompt's full blocks: block i's hash covers every token up to
     the end of block i, so two prompts share their first k hashes exactly when they share
-    their first k blocks' tokens. A one-way hash (BLAKE2b, 64 bits): no text is recoverable."""
-    out: list[str] = []
+    their first k blocks' tokens. A one-way hash (BLAKE2b, 64 bits, over the ids as
+    little-endian 4-byte integers): no text is recoverable."""
+    data = array("I", token_ids)        # OverflowError for an id beyond 32 bits
+    if data.itemsize != 4 or sys.byteorder != "little":     # rare platforms: byte by byte
+        data = array("B", b"".join(t.to_bytes(4, "little") for t in token_ids))
+    raw = memoryview(data).cast("B")
+    width = 4 * block_size
     parent = b""
+    out: list[str] = []
     for i in range(len(token_ids) // block_size):
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        h = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in block),
-                            digest_size=8)
+        h = hashlib.blake2b(parent, digest_size=8)
+        h.update(raw[i * width:(i + 1) * width])
         parent = h.digest()
         out.append(h.hexdigest())
     return out

@@ -15,13 +15,10 @@ from vconsole.engine.request import FinishReason, SamplingParams
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import StepStats
 from vconsole.telemetry.request_trace import (
-    StepRecord,
     TraceHeader,
     parse_lines,
     prompt_block_hashes,
     read_trace,
-    request_line,
-    step_line,
 )
 
 BLOCK = 4
@@ -62,8 +59,9 @@ def test_the_busy_loops_call_only_appends_and_the_records_come_later(monkeypatch
             return fn(*a, **kw)
         return wrapper
 
-    monkeypatch.setattr(book_module, "block_hashes", counted("hash", book_module.block_hashes))
-    for name in ("step_json", "header_line", "config_line"):
+    monkeypatch.setattr(book_module, "prompt_block_hashes",
+                        counted("hash", book_module.prompt_block_hashes))
+    for name in ("step_line", "header_line", "config_line"):
         monkeypatch.setattr(book_module, name, counted("line", getattr(book_module, name)))
     monkeypatch.setattr(book_module._Kept, "line", counted("line", book_module._Kept.line))
     finished = [request(b, list(range(10)), 0.0, 0.5)]
@@ -143,21 +141,20 @@ def test_a_trace_file_that_cannot_be_written_is_refused_with_the_reason(tmp_path
         open_trace_file(str(tmp_path))
 
 
-def test_the_books_own_lines_and_hashes_are_the_formats_to_the_byte():
-    """The book serializes and hashes with faster twins of the format's functions (no deep
-    copy per record, one array per prompt): they must not drift from the originals."""
+def test_prompt_hashes_are_the_chain_over_little_endian_ids():
+    """The format's hashes, byte for byte: block i's is BLAKE2b-64 of block i-1's digest and
+    block i's ids as 4-byte little-endian integers (so any reader can recompute them)."""
+    import hashlib
     import random
 
     rng = random.Random(3)
-    b = book()
-    for n in (0, 3, 4, 17, 64, 301):
+    for n in (0, 3, 4, 17, 64):
         ids = [rng.randrange(0, 1 << 31) for _ in range(n)]
         for size in (1, 4, 16):
-            assert book_module.block_hashes(ids, size) == "".join(prompt_block_hashes(ids, size))
-        kept = b._keep(request(b, ids, rng.random(), 1.0 + rng.random(), output_len=5), 2.5, 3)
-        assert kept.line() == request_line(kept.full())
-    for period in (None, 0.0123456789):
-        s = StepRecord(t=1.23456789, dur=0.00123456789, execute=0.001, prefill=3, decode=4,
-                       reqs=5, running=6, waiting=7, context=8, prefill_attn=9, kv_used=2,
-                       period=period)
-        assert book_module.step_json(s) == step_line(s)
+            want, parent = [], b""
+            for i in range(n // size):
+                block = b"".join(t.to_bytes(4, "little") for t in ids[i * size:(i + 1) * size])
+                h = hashlib.blake2b(parent + block, digest_size=8)
+                parent = h.digest()
+                want.append(h.hexdigest())
+            assert prompt_block_hashes(ids, size) == want

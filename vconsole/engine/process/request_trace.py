@@ -44,10 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
-import sys
 import threading
 import time
 from array import array
@@ -65,7 +62,9 @@ from vconsole.telemetry.request_trace import (
     config_line,
     header_line,
     prompt_block_hashes,
+    request_line,
     request_record,
+    step_line,
 )
 
 if TYPE_CHECKING:
@@ -84,8 +83,6 @@ KEY = "request_trace"       # the config key
 
 _STEP, _CONFIG, _FILE, _STOP = "step", "config", "file", "stop"
 _STOP_RULES = ("length", "stop")
-_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
-_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
 _UINT32 = array("I").itemsize == 4
 
 
@@ -122,56 +119,11 @@ class _Kept:
                                    itl_us=self.itl_us.tolist())
 
     def line(self) -> str:
-        """`request_line` of `full` (the same text, tested), without its deep copy: a
-        quarter of a millisecond a request with `dataclasses.asdict`, 50,000 of them."""
-        d: dict[str, Any] = {"kind": "request"}
-        rec = self.record
-        for name in _REQUEST_FIELDS:
-            d[name] = getattr(rec, name)
-        d["block_hashes"], d["itl_us"] = self._hashes(), self.itl_us.tolist()
-        for key in ("arrival", "finish", "first_token"):
-            if d[key] is not None:
-                d[key] = round(d[key], 6)
-        return json.dumps(d, separators=(",", ":")) + "\n"
+        return request_line(self.full())
 
     def _hashes(self) -> list[str]:
         h = self.hashes
         return [h[i:i + HASH_HEX] for i in range(0, len(h), HASH_HEX)]
-
-
-def step_json(s: StepRecord) -> str:
-    """`step_line` (the same text, tested), without `dataclasses.asdict`."""
-    d: dict[str, Any] = {"kind": "step"}
-    for name in _STEP_FIELDS:
-        d[name] = getattr(s, name)
-    for key in ("t", "dur", "execute", "period"):
-        if d[key] is not None:
-            d[key] = round(d[key], 7)
-    return json.dumps(d, separators=(",", ":")) + "\n"
-
-
-def block_hashes(token_ids: list[int], block_size: int) -> str:
-    """``"".join(prompt_block_hashes(token_ids, block_size))`` (the same hashes, tested): the
-    same BLAKE2b chain over the same little-endian 4-byte ids, read from one array instead of
-    a bytes object made per token (about ten times faster)."""
-    try:
-        data = array("I", token_ids) if _UINT32 else None
-    except OverflowError:
-        data = None
-    if data is None:
-        return "".join(prompt_block_hashes(token_ids, block_size))
-    if sys.byteorder != "little":
-        data.byteswap()
-    raw = memoryview(data).cast("B")
-    width = 4 * block_size
-    parent = b""
-    out = []
-    for i in range(len(token_ids) // block_size):
-        h = hashlib.blake2b(parent, digest_size=8)
-        h.update(raw[i * width:(i + 1) * width])
-        parent = h.digest()
-        out.append(h.hexdigest())
-    return "".join(out)
 
 
 class TraceBook:
@@ -260,7 +212,7 @@ class TraceBook:
                     later.append(entry)
             timed = [(k.record.finish, 0, k.line()) for k in self._requests
                      if k.record.finish >= cutoff]
-            timed += [(s.t, 1, step_json(s)) for s in self._steps if s.t >= cutoff]
+            timed += [(s.t, 1, step_line(s)) for s in self._steps if s.t >= cutoff]
             out = [header_line(dataclasses.replace(self.header, config_version=head[1],
                                                    config=head[2]))]
             out += [config_line(t, v, c) for t, v, c in later if v != head[1]]
@@ -343,7 +295,7 @@ class TraceBook:
         if stats.num_running + stats.num_waiting > 0:
             self._open_step, self._open_step_file = rec, self._file
         elif self._file is not None:
-            lines.append((rec.t, step_json(rec)))
+            lines.append((rec.t, step_line(rec)))
 
     def _settle(self, next_t: float | None, lines: list[tuple[float, str]]) -> None:
         """The open step's period is known now: ``next_t`` - its start (None: no period)."""
@@ -353,7 +305,7 @@ class TraceBook:
         if next_t is not None:
             rec.period = next_t - rec.t
         if self._open_step_file is not None and self._open_step_file is self._file:
-            lines.append((rec.t, step_json(rec)))
+            lines.append((rec.t, step_line(rec)))
         self._open_step = self._open_step_file = None
 
     def _keep(self, req: Request, step_end: float, version: int) -> _Kept:
@@ -367,7 +319,7 @@ class TraceBook:
         except OverflowError:
             gaps = array("q", record.itl_us)
         record.itl_us = []
-        hashes = block_hashes(req.prompt_token_ids, self.block_size)
+        hashes = "".join(prompt_block_hashes(req.prompt_token_ids, self.block_size))
         return _Kept(record, hashes, gaps)
 
     def _switch_file(self, handle: FileIO | None, path: str | None,
@@ -375,7 +327,7 @@ class TraceBook:
         old = self._file
         if old is not None:
             if self._open_step_file is old and self._open_step is not None:
-                lines.append((self._open_step.t, step_json(self._open_step)))   # period unknown
+                lines.append((self._open_step.t, step_line(self._open_step)))   # period unknown
                 self._open_step_file = None
             self._write(lines)
             try:
