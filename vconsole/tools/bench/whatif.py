@@ -15,7 +15,9 @@ For each workload:
 3. **Validate**: the baseline and each variant run on a real engine, the trace replayed on its
    timestamps (`vconsole.tools.whatif_validate`); the error of each figure is prediction over
    real minus one.
-4. **Speed**: the trace tiled to `SPEED_MINUTES` minutes, simulated once; ``speedup`` is trace
+4. **Block sizes** 8-128 at the pool's bytes, predicted: fragmentation and preemptions (the
+   KV compression issue's block-size question).
+5. **Speed**: the trace tiled to `SPEED_MINUTES` minutes, simulated once; ``speedup`` is trace
    seconds over simulation seconds (one core: the simulation is single-threaded Python).
 
 Goals (the issue's): medians (output tok/s, TTFT p50, ITL p50) within 5%, p99s and preemption
@@ -45,7 +47,7 @@ from vconsole.telemetry.request_trace import Trace, read_trace
 from vconsole.tools.demo import DEMO_ENGINE_DEFAULTS, DEMO_RATE, REAL_ENGINE_DEFAULTS, REAL_RATE
 from vconsole.tools.loadgen import LoadSpec, demo_rate, demo_spec, run_load
 from vconsole.tools.whatif_validate import validate
-from vconsole.whatif.predict import Baseline, whatif
+from vconsole.whatif.predict import Baseline, predicted, whatif
 
 MEDIANS = ("output_tok_s", "ttft_p50_s", "itl_p50_s")
 TAILS = ("ttft_p99_s", "itl_p99_s", "preemptions")
@@ -171,6 +173,27 @@ def speed(trace: Trace, minutes: float = SPEED_MINUTES) -> dict[str, Any]:
             "speedup": round(last / cpu, 1) if cpu else None}
 
 
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def block_sizes(trace: Trace) -> list[dict[str, Any]]:
+    """The pool's bytes at each block size (predicted only): blocks, fragmentation (mean over
+    busy steps of 1 - tokens stored / slots of the blocks in use), preemptions, TTFT p99."""
+    base = Baseline(trace)
+    rows = []
+    for B in BLOCK_SIZES:
+        try:
+            p = predicted(base.run({"block_size": B}))
+        except ValueError as e:            # a pool of less than one block
+            rows.append({"block_size": B, "error": str(e)})
+            continue
+        rows.append({"block_size": B, "num_kv_blocks": p["num_kv_blocks"],
+                     "fragmentation_mean": p["fragmentation_mean"],
+                     "preemptions": p["preemptions"], "ttft_p99_s": p["ttft_p99_s"],
+                     "output_tok_s": p["output_tok_s"], "rejected": p["rejected"]})
+    return rows
+
+
 def score(report: dict[str, Any]) -> dict[str, Any]:
     """Every validated figure's error, and the goals' verdict over the held-out variants."""
     rows = []
@@ -199,7 +222,7 @@ def whatif_bench(seconds: float = 90.0, workloads: tuple[str, ...] = ("demo", "s
             report = whatif(trace, held_out(config, trace))
             validate(trace, report, progress=log)
             out["workloads"][name] = {"config": config, "report": report, "score": score(report),
-                                      "speed": speed(trace)}
+                                      "speed": speed(trace), "block_sizes": block_sizes(trace)}
             if log:
                 s = out["workloads"][name]["score"]
                 log(f"{name}: worst median error {s['worst_median_error']}, worst tail error "
