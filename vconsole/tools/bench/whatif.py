@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import signal
 import socket
 import statistics
@@ -211,7 +212,12 @@ def score(report: dict[str, Any]) -> dict[str, Any]:
 
 def whatif_bench(seconds: float = 90.0, workloads: tuple[str, ...] = ("demo", "serve"),
                  log: Log = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"bench": "whatif", "seconds": seconds, "goals": {
+    # Every engine of the run (recorded and validating) gets the same torch threads, one core
+    # short of the machine's: the load client needs one, and OpenMP threads spin-waiting
+    # beside it slow steps at random (a step-time model measures the engine, not that).
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
+    out: dict[str, Any] = {"bench": "whatif", "seconds": seconds, "torch_threads": int(threads),
+                           "goals": {
         "median_error": GOAL_MEDIAN, "tail_error": GOAL_TAIL,
         "sim_s_per_10_min": GOAL_SPEED_S}, "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="vconsole-bench-whatif-") as tmp:

@@ -1,0 +1,112 @@
+"""What-if end to end, as an operator runs it: a live engine writes its request trace while
+`vconsole load` drives it, `vconsole whatif` predicts a change from that trace, and
+``--validate`` runs the real engine under the change on the same trace.
+
+The figures of a 2-core machine shared with other tests are noisy, so this checks the
+mechanism and the direction of each prediction (the goals' error bounds are measured by
+`vconsole bench whatif` on a quiet machine, docs/whatif.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from support.live_engine import ipc_endpoints
+from vconsole.cli import main as cli_main
+from vconsole.engine.launch.engine_process import EngineProcess
+from vconsole.telemetry.request_trace import read_trace
+
+pytestmark = pytest.mark.proc
+
+ENGINE = ["--num-kv-blocks", "40", "--block-size", "16", "--max-num-seqs", "6",
+          "--max-num-batched-tokens", "128", "--policy", "fcfs"]
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli_main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_engines():
+    """Every engine here (the recorded one and --validate's) runs torch on one thread: two
+    OpenMP threads spin-waiting beside this process's load client turn a 3 ms step into a
+    150 ms one at random, which no step-time model can predict (nor should)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def live_trace(tmp_path_factory, one_thread_engines):
+    """A trace of 48 requests (a third sharing a 32-token prefix) from a live tiny engine."""
+    d = tmp_path_factory.mktemp("whatif-live")
+    path = d / "trace.jsonl"
+    endpoints = ipc_endpoints(d)
+    with EngineProcess([*ENGINE, "--request-trace", str(path)], endpoints=endpoints,
+                       log_path=d / "engine.log"):
+        code = cli_main(["load", "--input", endpoints["input"], "--output",
+                         endpoints["output"], "--num", "48", "--rate", "30",
+                         "--prompt-len", "16:200", "--output-len", "8:64", "--json",
+                         "--priority-mix", "0:1,1:1"])
+        assert code == 0
+    return path
+
+
+def test_the_live_trace_holds_every_request_and_the_steps_behind_it(live_trace):
+    trace = read_trace(live_trace)
+    assert len(trace.requests) == 48
+    assert all(r.finish_reason == "length" and r.output_len == r.max_tokens
+               for r in trace.requests)
+    assert trace.header.model == "tiny" and trace.header.num_kv_blocks == 40
+    computed = sum(s.prefill + s.decode for s in trace.steps)
+    # Every prompt and output token was computed at least once (recompute adds more).
+    assert computed >= sum(r.prompt_len - r.num_cached_tokens + r.output_len - 1
+                           for r in trace.requests)
+
+
+def test_whatif_predicts_and_validate_runs_the_real_engine(live_trace, capsys):
+    code, out, err = _run(["whatif", str(live_trace), "--set", "max_num_seqs=1", "--json",
+                           "--validate"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    base, variant = report["baseline"], report["variants"][0]
+    assert variant["set"] == {"max_num_seqs": 1}
+    for entry in (base, variant):
+        assert entry["validated"]["output_tok_s"] > 0
+        assert set(entry["validation_error"]) >= {"output_tok_s", "ttft_p50_s", "itl_p50_s"}
+    # One seat queues requests: predicted and real agree that TTFT grows.
+    assert variant["predicted"]["ttft_p50_s"] > base["predicted"]["ttft_p50_s"]
+    assert variant["validated"]["ttft_p50_s"] > base["validated"]["ttft_p50_s"]
+    # The baseline replays the trace's own arrivals: its throughput is the arrivals' pace.
+    assert abs(base["error"]["output_tok_s"]) < 0.3
+    assert abs(base["validation_error"]["output_tok_s"]) < 0.3
+
+
+def test_the_table_fits_80_columns_and_names_each_variant(live_trace, capsys):
+    code, out, err = _run(["whatif", str(live_trace), "--set", "max_num_seqs=3",
+                           "--compare", "num_kv_blocks=20,policy=priority"], capsys)
+    assert code == 0, err
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "#1: max_num_seqs=3" in out and "#2: num_kv_blocks=20, policy=priority" in out
+    assert "TTFT p99 s" in out and "preemptions" in out
+
+
+def test_bad_input_is_refused_with_the_reason(live_trace, tmp_path, capsys):
+    code, _, err = _run(["whatif", str(live_trace), "--set", "telemetry_hz=2"], capsys)
+    assert code == 2 and "not predicted" in err
+    cut = tmp_path / "cut.jsonl"
+    text = live_trace.read_text()
+    cut.write_text(text[: len(text) // 2].rsplit("\n", 1)[0] + "\n" + '{"kind": "requ')
+    code, _, err = _run(["whatif", str(cut)], capsys)
+    assert code == 2 and "cut short" in err
+    other = tmp_path / "other.jsonl"
+    lines = text.splitlines(keepends=True)
+    header = json.loads(lines[0])
+    header["model"] = "small-gqa"
+    other.write_text(json.dumps(header) + "\n" + "".join(lines[1:]))
+    code, _, err = _run(["whatif", str(live_trace), "--costs", str(other)], capsys)
+    assert code == 2 and "small-gqa" in err and "tiny" in err
