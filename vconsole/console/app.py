@@ -19,6 +19,12 @@ a rank (``n``, the Ranks screen's cursor, the KV map's ``[`` ``]``), and the Ran
 (``6``), its tab and keys exist only while a group is watched (`is_dp`); on one engine ``6``
 says so in a notice.
 
+What-if (``app.whatif``, `vconsole.console.predictions.WhatIf`): the engine's recent trace,
+fetched over the control channel and simulated in this process. The confirmation box of a
+change the what-if models carries its predicted effect (`forecast`; a routine one-key change
+of a hot key it models is confirmed for that reason alone); the Advice and What-if screens ask
+with `predict_later`, in a thread worker that dies with the screen that asked.
+
 Test hooks: ``state`` and ``steering`` (the models), ``refreshes`` (how many batched applies
 ran), ``refresh_view(force=True)`` (apply now).
 """
@@ -32,15 +38,27 @@ from typing import Any
 
 from textual import on
 from textual.app import App
+from textual.dom import DOMNode
 from textual.message import Message
 from textual.timer import Timer
 from textual.worker import get_current_worker
 
 from vconsole.console import keymap
-from vconsole.console.control_link import Control
+from vconsole.console.control_link import Control, TraceChannel
 from vconsole.console.pacer import RefreshPacer
 from vconsole.console.palette import ConsoleCommands
-from vconsole.console.plans import Notice, Plan
+from vconsole.console.plans import ChangePlan, Notice, Plan, proposed
+from vconsole.console.predictions import (
+    FAILED,
+    NOT_PREDICTED,
+    Change,
+    Prediction,
+    WhatIf,
+    box_markup,
+    modelled,
+    pending,
+    unmodelled,
+)
 from vconsole.console.screens.advice import AdviceScreen
 from vconsole.console.screens.alerts import AlertsScreen
 from vconsole.console.screens.base import ConsoleScreen
@@ -52,13 +70,14 @@ from vconsole.console.screens.profile import ProfileScreen
 from vconsole.console.screens.ranks import RanksScreen
 from vconsole.console.screens.requests import RequestsScreen
 from vconsole.console.screens.trends import TrendsScreen
+from vconsole.console.screens.whatif import WhatIfScreen
 from vconsole.console.sources.stream import Source, ZmqSource
 from vconsole.console.state import ConsoleState, EngineState
 from vconsole.console.steering import Steering
 from vconsole.console.steering_host import Update
 from vconsole.console.theme import ANSI_THEME, LOW_COLOUR_SYSTEMS
 from vconsole.console.widgets.chrome import Frame, TooSmall
-from vconsole.console.widgets.confirmation import ConfirmScreen
+from vconsole.console.widgets.confirmation import ConfirmScreen, Forecast
 from vconsole.security.curve import ClientCurve
 from vconsole.telemetry.record import default_recordings_dir
 
@@ -76,7 +95,8 @@ class VConsoleApp(App[None]):
     CSS_PATH = "app.tcss"
     MODES = {"overview": OverviewScreen, "requests": RequestsScreen, "kv": KvScreen,
              "config": ConfigScreen, "alerts": AlertsScreen, "advice": AdviceScreen,
-             "trends": TrendsScreen, "profile": ProfileScreen, "dp": RanksScreen}
+             "trends": TrendsScreen, "profile": ProfileScreen, "whatif": WhatIfScreen,
+             "dp": RanksScreen}
     DEFAULT_MODE = "overview"
     BINDINGS = keymap.GLOBAL
     COMMANDS = App.COMMANDS | {ConsoleCommands}
@@ -102,6 +122,8 @@ class VConsoleApp(App[None]):
             source_readonly=source.readonly_reason if source.readonly else "",
             control_key=control_key, control_key_file=control_key_file,
             timeout_s=control_timeout_s, curve=curve, host=self)
+        control = self.steering.control
+        self.whatif = WhatIf(control.get_trace if isinstance(control, TraceChannel) else None)
         self._clock = clock
         self.pacer = RefreshPacer(refresh_hz)
         self.record_dir = Path(record_dir) if record_dir else default_recordings_dir()
@@ -288,6 +310,12 @@ class VConsoleApp(App[None]):
         return self.carry_out(self.steering.plan_advice(advice, self.current_engine()),
                               confirmed=confirmed)
 
+    def apply_edits(self, values: dict[str, str], *, confirmed: bool = False) -> str | None:
+        """Apply the What-if screen's edits of hot keys (key → text) as one change, after the
+        box; why not, or None."""
+        return self.carry_out(self.steering.plan_edits(values, self.current_engine()),
+                              confirmed=confirmed)
+
     def start_profile(self, steps: int) -> str | None:
         """Profile the engine's next ``steps`` steps (after the box); why not, or None."""
         return self.carry_out(self.steering.plan_profile(steps))
@@ -308,6 +336,12 @@ class VConsoleApp(App[None]):
             self.show_notice(plan.nothing_to_do)
             return None
         ask = plan.confirmation
+        change = proposed(plan) or {}
+        forecast = self.forecast(change) if change and not confirmed else None
+        if ask is None and forecast is not None and isinstance(plan, ChangePlan) \
+                and plan.hot and modelled(change):
+            plan.ask = True         # routine, but its effect is worth reading first
+            ask = plan.confirmation
         if ask is None or confirmed:
             self._send(plan)
             return None
@@ -317,12 +351,46 @@ class VConsoleApp(App[None]):
                 self._send(plan)
             elif plan.declined is not None:
                 self.show_notice(plan.declined)
-        self.push_screen(ConfirmScreen(ask.title, ask.text, ask.label), done)
+        self.push_screen(ConfirmScreen(ask.title, ask.text, ask.label, forecast), done)
         return None
 
     def _send(self, plan: Plan) -> None:
         self.steering.carry_out(plan)
         self.refresh_view(force=True)
+
+    # --- what-if ---------------------------------------------------------------------------------
+
+    def forecast(self, change: Change) -> Forecast | None:
+        """The confirmation box's lines for ``change``: its predicted effect (computed while
+        the operator reads, unless this trace already answered it), or why there is none;
+        None without a what-if (no trace channel)."""
+        whatif = self.whatif
+        if not whatif.available:
+            return None
+        reason = unmodelled(change)
+        if reason is not None:
+            return Forecast(box_markup(Prediction(NOT_PREDICTED, dict(change), reason)))
+        done = whatif.peek(change)
+        if done is not None:
+            return Forecast(box_markup(done))
+        return Forecast(box_markup(pending(change)),
+                        lambda: box_markup(whatif.predict([change])[0]))
+
+    def predict_later(self, owner: DOMNode, changes: list[Change],
+                      done: Callable[[list[Prediction]], None]) -> None:
+        """Predict ``changes`` in a thread worker of ``owner`` (a screen: the worker is
+        cancelled with it); ``done`` gets the predictions on the UI thread."""
+        whatif = self.whatif
+
+        def work() -> None:
+            try:
+                result = whatif.predict(changes)
+            except Exception as e:  # a failed simulation must not take the console down
+                result = [Prediction(FAILED, dict(c), f"{type(e).__name__}: {e}")
+                          for c in changes]
+            if not get_current_worker().is_cancelled:
+                self.call_from_thread(done, result)
+        owner.run_worker(work, thread=True, group="whatif")
 
     def show_notice(self, notice: Notice) -> None:
         self.notify(notice.text, title=notice.title, severity=notice.severity)

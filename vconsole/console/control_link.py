@@ -10,6 +10,10 @@ cancel) retried once: an engine restarted on the same endpoint writes a new key 
 `key_status` says which engine wrote the key held now (its owner record,
 `vconsole.security.key_owner`) and whether it still runs. ``curve``: the console's CURVE keys,
 for an engine started with them.
+
+`get_trace` (the engine's request trace of its last minutes, for the console's what-if,
+`vconsole.console.predictions`) is a seventh call outside `Control`: a channel that has it is
+a `TraceChannel`; one without it (a test's fake) has no what-if.
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ class Control(Protocol):
     def profile_status(self, profile_id: str) -> dict[str, Any]: ...
 
     def profile_cancel(self, profile_id: str) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class TraceChannel(Protocol):
+    """A control channel that hands out the engine's request trace (`ControlLink` does)."""
+
+    def get_trace(self, window_s: float | None = None) -> str: ...
+
+
+TRACE_TIMEOUT_S = 30.0   # minutes of trace, serialized on the engine's control thread
 
 
 class ControlLink:
@@ -84,6 +98,16 @@ class ControlLink:
 
     def profile_cancel(self, profile_id: str) -> dict[str, Any]:
         return self._keyed(lambda client: client.profile_cancel(profile_id))
+
+    def get_trace(self, window_s: float | None = None) -> str:
+        """The engine's request trace of the last ``window_s`` seconds (None: all it keeps) as
+        JSON lines. Open, like ``get_config``. ``get_config`` first, at the link's timeout, so
+        that an engine that is not there costs that, not the longer `TRACE_TIMEOUT_S` a big
+        trace may need."""
+        with self._client() as client:
+            client.get_config()
+            client.timeout_s = max(self.timeout_s, TRACE_TIMEOUT_S)
+            return str(client.get_trace(window_s))
 
     def _keyed(self, call: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         """A call that needs the key: refused, read the key file again and retry once."""

@@ -31,6 +31,7 @@ GLOBAL: list[BindingType] = [
     Binding("exclamation_mark", "show('alerts')", "Alerts", key_display="!", show=False),
     Binding("a", "show('advice')", "Advice", show=False),
     Binding("P", "show('profile')", "Profile", key_display="P", show=False),
+    Binding("w", "show('whatif')", "What-if", show=False),
     *(Binding(key, f"show('{mode}')", title, show=False) for mode, (key, title) in SCREENS.items()),
     *(Binding(key, f"show('{mode}')", title, show=False)
       for mode, (key, title) in DP_SCREEN.items()),
@@ -88,6 +89,7 @@ LETTER_SCREENS: dict[str, tuple[str, str]] = {
     "alerts": ("!", "Alerts"),
     "advice": ("a", "Advice"),
     "profile": ("P", "Profile"),
+    "whatif": ("w", "What-if"),
 }
 
 ALERTS: list[BindingType] = [
@@ -103,6 +105,16 @@ PROFILE: list[BindingType] = [
     Binding("s,enter", "start", "Start", key_display="s"),
     Binding("c", "cancel", "Cancel"),
     *_plus_minus("steps(1)", "More steps", "steps(-1)", "Fewer steps"),
+]
+
+# The What-if screen: its editor's inputs take every printable key while one has focus (esc
+# leaves them), so its actions are keys of the screen, not of the inputs.
+WHATIF: list[BindingType] = [
+    Binding("e", "edit", "Edit"),
+    Binding("r", "run", "Predict"),
+    Binding("x", "reset", "Reset"),
+    Binding("A", "apply", "Apply", key_display="A"),
+    Binding("escape", "leave", "Done editing"),
 ]
 
 TABLE: list[BindingType] = [
@@ -138,6 +150,12 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
     ("Profile", [("P", "profile the engine's next N steps: operators, step phases, layers"),
                  ("s / enter", "start (asks first: profiling slows the engine until done)"),
                  ("+ / -", "more / fewer steps (10 to 200)"), ("c", "cancel the profile")]),
+    ("What-if", [("w", "predict a config change from the engine's last minutes of traffic, "
+                       "simulated in the console: live | now | with the edits"),
+                 ("e", "edit the keys (tab moves, enter predicts, esc leaves the editor)"),
+                 ("r", "predict again (a fresh trace after 10 s)"),
+                 ("x", "reset the edits to the live config"),
+                 ("A", "apply the edits (hot keys; asks first)")]),
     ("Trends", [("5", "plots: throughput, step time, queues, KV, TTFT, ITL"),
                 ("t", "time range: last 1 / 5 / 15 minutes"),
                 ("v / → ←", "next / previous plots, when not all fit")]),

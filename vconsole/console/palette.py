@@ -31,6 +31,8 @@ class ConsoleCommands(Provider):
         yield "Help: keys and legend", app.action_help, "?"
         yield "Go to Alerts", partial(app.action_show, "alerts"), "!: every alert heard"
         yield "Go to Advice", partial(app.action_show, "advice"), "a: tuning advice"
+        yield ("What-if: predict a config change", partial(app.action_show, "whatif"),
+               "w: the engine's last minutes of traffic, simulated with your edits")
         if app.check_action("show", ("profile",)):
             yield ("Profile the engine's next steps", partial(app.action_show, "profile"),
                    "P: torch.profiler over N steps (slows the engine while it runs)")

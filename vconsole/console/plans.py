@@ -6,8 +6,14 @@ sent, the operator is told why), has nothing to do (``nothing_to_do``: a `Notice
 or is sent — after the operator confirmed its ``confirmation`` when it has one. ``declined`` is
 what the console says when the operator says no. Plans are plain data: no I/O, no Textual.
 
+`proposed` is the config change a plan would make (key → new value): the app asks the what-if
+(`vconsole.console.predictions`) for its predicted effect and shows it in the box. A one-key
+change the what-if can predict is confirmed even when it is routine (`ChangePlan.ask`), so the
+operator sees its effect before it is sent.
+
 - `ChangePlan`: one config key (the Config screen's editor, the palette's "Edit config").
 - `AdvicePlan`: an advisor's hot suggestion, all its keys in one ``set_config``.
+- `EditsPlan`: the What-if screen's edits of hot keys, all in one ``set_config``.
 - `ProfilePlan`: profile the engine's next N steps (`vconsole.console.profile_run`).
 - `ActionPlan`: one of a vLLM server's action routes (`vconsole.console.sources.vllm_actions`).
 """
@@ -31,6 +37,8 @@ from vconsole.console.profile_run import consequence as profile_consequence
 if TYPE_CHECKING:
     from vconsole.console.sources.vllm_actions import VllmAction
     from vconsole.console.state import ConfigView, EngineState
+
+ROUTINE = "Applied between two steps; nothing is preempted."
 
 Severity = Literal["information", "warning", "error"]   # Textual's notification severities
 INFO: Severity = "information"
@@ -59,9 +67,10 @@ class Confirmation:
 @dataclass
 class ChangePlan:
     """One config key: ``refused`` (not sent, with the reason), nothing to do
-    (``value == old``), or send ``value`` after confirming ``risk`` when there is one.
-    ``noted``: the record of a value refused here or equal to the current one (Steering keeps
-    it as the key's last answer; it was never sent)."""
+    (``value == old``), or send ``value`` after confirming ``risk`` when there is one (or when
+    ``ask``: the box then carries the change's predicted effect). ``noted``: the record of a
+    value refused here or equal to the current one (Steering keeps it as the key's last
+    answer; it was never sent). ``hot``: the engine applies the key live."""
 
     key: str
     old: Any = None
@@ -69,6 +78,8 @@ class ChangePlan:
     refused: str | None = None
     risk: str | None = None
     noted: ChangeRecord | None = None
+    hot: bool = True
+    ask: bool = False
 
     @property
     def unchanged(self) -> bool:
@@ -81,10 +92,10 @@ class ChangePlan:
 
     @property
     def confirmation(self) -> Confirmation | None:
-        if self.risk is None:
+        if self.risk is None and not self.ask:
             return None
         return Confirmation(f"Change {self.key}: {show_value(self.old)} → "
-                            f"{show_value(self.value)}?", self.risk)
+                            f"{show_value(self.value)}?", self.risk or ROUTINE)
 
     @property
     def declined(self) -> Notice | None:
@@ -110,8 +121,7 @@ class AdvicePlan:
 
     @property
     def confirmation(self) -> Confirmation:
-        text = "\n".join(self.risks) if self.risks else \
-            "Applied between two steps; nothing is preempted."
+        text = "\n".join(self.risks) if self.risks else ROUTINE
         text += f"\nSuggested by the advisor ({self.advice.title}): its reasons are on the " \
                 "Advice screen."
         return Confirmation(f"Apply advice: {self.advice.change_text()}?", text, "Apply advice")
@@ -119,6 +129,34 @@ class AdvicePlan:
     @property
     def declined(self) -> Notice | None:
         return Notice("Advice", f"advice not applied: {self.advice.change_text()}")
+
+
+@dataclass
+class EditsPlan:
+    """Several hot keys at once (the What-if screen's edits): ``refused``, or ``changes``
+    (key → (old, new); empty: already in force) in one all-or-nothing ``set_config``. Always
+    confirmed, with the ``risks`` of each change."""
+
+    changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    refused: str | None = None
+    risks: list[str] = field(default_factory=list)
+
+    def change_text(self) -> str:
+        return ", ".join(f"{k} {show_value(old)} → {show_value(new)}"
+                         for k, (old, new) in self.changes.items())
+
+    @property
+    def nothing_to_do(self) -> Notice | None:
+        return None if self.changes else Notice("What-if", "the edits are already in force")
+
+    @property
+    def confirmation(self) -> Confirmation:
+        text = "\n".join(self.risks) if self.risks else ROUTINE
+        return Confirmation(f"Apply {self.change_text()}?", text, "Apply changes")
+
+    @property
+    def declined(self) -> Notice | None:
+        return Notice("What-if", f"not applied: {self.change_text()}")
 
 
 @dataclass
@@ -157,7 +195,17 @@ class ActionPlan:
         return None if a is None else Confirmation(f"{a.title}?", a.consequence, a.title)
 
 
-Plan = ChangePlan | AdvicePlan | ProfilePlan | ActionPlan
+Plan = ChangePlan | AdvicePlan | EditsPlan | ProfilePlan | ActionPlan
+
+
+def proposed(plan: Plan) -> dict[str, Any] | None:
+    """The config change ``plan`` would make (key → new value), None for a plan that changes
+    no config (a profile, a vLLM action)."""
+    if isinstance(plan, ChangePlan):
+        return {plan.key: plan.value}
+    if isinstance(plan, AdvicePlan | EditsPlan):
+        return {k: new for k, (_, new) in plan.changes.items()}
+    return None
 
 
 def plan_change(cfg: ConfigView | None, key: str, text: str,
@@ -177,9 +225,36 @@ def plan_change(cfg: ConfigView | None, key: str, text: str,
         return ChangePlan(key, old, value, noted=ChangeRecord(
             key, old, value, status=UNCHANGED, reason="same as the current value"))
     sc, kvp = latest(engine)
+    hot = bool(row.get("hot", True))
     risk = consequence(key, old, value, num_running=sc.get("num_running"),
-                       num_cached=kvp.get("num_cached"), hot=bool(row.get("hot", True)))
-    return ChangePlan(key, old, value, risk=risk)
+                       num_cached=kvp.get("num_cached"), hot=hot)
+    return ChangePlan(key, old, value, risk=risk, hot=hot)
+
+
+def plan_edits(cfg: ConfigView | None, values: dict[str, str],
+               engine: EngineState | None) -> EditsPlan:
+    """``values`` (key → text) as changes to the current config, with the risks the
+    confirmation names. Restart-only keys are refused: the engine would change nothing."""
+    if cfg is None:
+        return EditsPlan(refused="the engine's config is not known yet")
+    plan = EditsPlan()
+    for key, text in values.items():
+        row = cfg.row(key)
+        if row is None:
+            return EditsPlan(refused=f"unknown key {key!r}")
+        if not row.get("hot", True):
+            return EditsPlan(refused=f"{key} is restart-only: restart the engine with --set "
+                                     f"{key}={text}")
+        value, reason = validate(key, text)
+        if reason is not None:
+            return EditsPlan(refused=f"{key}: {reason}")
+        if value != cfg.values.get(key):
+            plan.changes[key] = (cfg.values.get(key), value)
+    sc, kvp = latest(engine)
+    plan.risks = [r for k, (old, new) in plan.changes.items()
+                  if (r := consequence(k, old, new, num_running=sc.get("num_running"),
+                                       num_cached=kvp.get("num_cached"))) is not None]
+    return plan
 
 
 def plan_advice(cfg: ConfigView | None, advice: Any, engine: EngineState | None, *,

@@ -5,7 +5,8 @@ is read-only and why, the control link and the key it holds, the config fetch, a
 from plan to reply — config changes, applied advice, the profile run (start, progress, cancel)
 and a vLLM server's actions. Screens read it as ``app.steering``.
 
-One way for every action: `plan_change` / `plan_advice` / `plan_profile` / `plan_action`
+One way for every action: `plan_change` / `plan_advice` / `plan_edits` / `plan_profile` /
+`plan_action`
 return a plan (`vconsole.console.plans`: refused with a reason, nothing to do, or what the
 confirmation box must say); the app shows the box when the plan has one, then calls
 `carry_out`, and Steering sends, follows and takes the reply. The app only asks and draws.
@@ -34,11 +35,13 @@ from vconsole.console.plans import (
     ActionPlan,
     AdvicePlan,
     ChangePlan,
+    EditsPlan,
     Notice,
     Plan,
     ProfilePlan,
     plan_advice,
     plan_change,
+    plan_edits,
 )
 from vconsole.console.profile_run import ProfileRun, follow
 from vconsole.console.sources.vllm_actions import BY_KEY, ActionError
@@ -229,6 +232,12 @@ class Steering:
         return plan_advice(self.state.config, advice, engine,
                            steered=engine is None or engine is self.state.engine())
 
+    def plan_edits(self, values: dict[str, str], engine: EngineState | None) -> EditsPlan:
+        """The What-if screen's edits (key → text) as one change of hot keys."""
+        if self.readonly:
+            return EditsPlan(refused=f"read-only console ({self.readonly_reason})")
+        return plan_edits(self.state.config, values, engine)
+
     def plan_profile(self, steps: int) -> ProfilePlan:
         """Profile the engine's next ``steps`` steps: one run at a time."""
         if not self.can_profile:
@@ -252,6 +261,8 @@ class Steering:
             self.send_change(plan.key, plan.old, plan.value)
         elif isinstance(plan, AdvicePlan):
             self.send_advice(plan.advice, plan.changes)
+        elif isinstance(plan, EditsPlan):
+            self.send_edits(plan.changes)
         elif isinstance(plan, ProfilePlan):
             self.start_profile(plan.steps)
         else:
@@ -286,6 +297,12 @@ class Steering:
         outcome = self.start_advice(advice, changes)
         self._send(outcome.records, partial(self._advice_replied, outcome))
         return outcome
+
+    def send_edits(self, changes: dict[str, tuple[Any, Any]]) -> list[ChangeRecord]:
+        """Several keys in one all-or-nothing ``set_config``; each record takes the answer."""
+        recs = [self.start_change(k, old, new) for k, (old, new) in changes.items()]
+        self._send(recs, partial(self._edits_replied, recs))
+        return recs
 
     def _send(self, recs: list[ChangeRecord], replied: Callable[[bool], Update]) -> None:
         def work(cancelled: threading.Event) -> None:
@@ -338,6 +355,16 @@ class Steering:
                              f"{show_value(rec.new)}: {rec.summary()}", "information" if rec.ok
                              else "warning" if rec.status == "restart required" else "error"),
                       record=rec, readonly_changed=not key_ok)
+
+    def _edits_replied(self, recs: list[ChangeRecord], key_ok: bool) -> Update:
+        if not key_ok:
+            self.key_refused()
+        self.generation += 1
+        bad = next((r for r in recs if not r.ok), None)
+        text = ", ".join(f"{r.key} {show_value(r.old)} → {show_value(r.new)}" for r in recs)
+        return Update(Notice("Engine reply", f"{text}: {(bad or recs[0]).summary()}",
+                             "information" if bad is None else "error"),
+                      record=bad, readonly_changed=not key_ok)
 
     def _advice_replied(self, outcome: AdviceOutcome, key_ok: bool) -> Update:
         if not key_ok:

@@ -1,14 +1,26 @@
 """Advice: what the tuning advisor (`vconsole.console.advisor`) makes of the recent telemetry.
 
-One row per suggestion (the rule, the change, hot or restart-only); below it the selected one's
-reasons and figures, then what became of the suggestions applied from here. ``A`` (or enter)
-applies a hot suggestion through the app (`VConsoleApp.apply_advice`: Steering's plan, the
-confirmation, then one ``set_config``); restart-only ones are shown with the command that would apply them, never sent. Read-only hides
-the action. The advice is the same for a live engine and a replayed recording.
+One row per suggestion (the rule, the change and, under it, its predicted effect; hot or
+restart-only); below it the selected one's reasons, figures and whole prediction, then what
+became of the suggestions applied from here.
+
+Predictions (`vconsole.console.predictions`, the app's `predict_later`): each suggestion's
+``change`` simulated on the engine's last minutes of traffic, in a thread worker, when the
+screen is shown and when a suggestion appears or changes its values (at most every
+`REPREDICT_S`) — never per telemetry tick. Too little traffic, a key no simulation models or no
+control channel say so instead of a figure; so does advice for an engine the control channel
+does not steer (its trace is another engine's).
+
+``A`` (or enter) applies a hot suggestion through the app (`VConsoleApp.apply_advice`:
+Steering's plan, the confirmation, then one ``set_config``); restart-only ones are shown with
+the command that would apply them, never sent. Read-only hides the action. The advice is the
+same for a live engine and a replayed recording.
 """
 
 from __future__ import annotations
 
+import time
+from functools import partial
 from typing import Any
 
 from rich.text import Text
@@ -20,9 +32,26 @@ from textual.widgets import DataTable, Static
 from vconsole.console import format as fmt
 from vconsole.console.advisor import WINDOW_S, Advice
 from vconsole.console.keymap import ADVICE
+from vconsole.console.predictions import (
+    NOT_PREDICTED,
+    PENDING,
+    SHOWN,
+    Prediction,
+    pending,
+)
 from vconsole.console.screens.base import ConsoleScreen, row_table
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
+
+REPREDICT_S = 3.0     # a suggestion whose values move is predicted again at most this often
+OTHER_ENGINE = ("the what-if reads the trace of the engine the control channel steers; this "
+                "advice is for another")
+PredKey = tuple[str, str]
+
+
+def pred_key(advice: Advice) -> PredKey:
+    return advice.id, repr(sorted(advice.change.items()))
+
 
 RULES_WATCHED = ("scheduler share, KV fragmentation, KV pressure, TTFT, queue waiting for seats, "
                  "step time")
@@ -60,6 +89,10 @@ class AdviceScreen(ConsoleScreen):
         super().__init__()
         self.advice: list[Advice] = []
         self._ids: list[str] = []
+        self.predictions: dict[PredKey, Prediction] = {}
+        self._predicting = False
+        self._asked_at = -1e18
+        self._steered = True        # the advice is for the engine the control channel steers
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="adv-summary")
@@ -83,12 +116,14 @@ class AdviceScreen(ConsoleScreen):
 
     def apply(self, frame: Frame, state: ConsoleState) -> None:
         self.advice = state.advice(frame.engine)
+        self._steered = frame.engine is None or frame.engine is state.engine()
         ids = [a.id for a in self.advice]
         if ids != self._ids:
             self._rebuild(ids)
         else:  # same suggestions, maybe new figures: refresh the cells in place
             for a in self.advice:
-                self.table.update_cell(a.id, "change", fmt.clip(a.change_text(), 48))
+                self.table.update_cell(a.id, "change", self._suggests(a))
+        self._want_predictions()
         self._show_summary(frame)
         self._show_detail()
         self._show_history()
@@ -99,11 +134,59 @@ class AdviceScreen(ConsoleScreen):
         table.clear()
         for a in self.advice:
             mode = Text("hot", style="green") if a.hot else Text("restart", style="yellow")
-            table.add_row(a.title, fmt.clip(a.change_text(), 48), mode, key=a.id)
+            table.add_row(a.title, self._suggests(a), mode, key=a.id, height=2)
         self._ids = ids
         if keep in ids:
             table.move_cursor(row=ids.index(keep), animate=False)
         self.refresh_bindings()
+
+    # --- predictions ----------------------------------------------------------------------
+
+    def prediction(self, advice: Advice) -> Prediction | None:
+        if not self._steered:
+            return Prediction(NOT_PREDICTED, dict(advice.change), OTHER_ENGINE)
+        return self.predictions.get(pred_key(advice))
+
+    def _suggests(self, a: Advice) -> Text:
+        """The change, and under it its predicted effect (dim while there is no figure)."""
+        p = self.prediction(a)
+        text = Text(fmt.clip(a.change_text(), 48))
+        if p is not None:
+            text.append("\n")
+            text.append(fmt.clip(p.short(), 48), style="" if p.ready else "dim")
+        return text
+
+    def on_screen_resume(self) -> None:
+        super().on_screen_resume()
+        self._want_predictions(again=True)
+
+    def _want_predictions(self, again: bool = False) -> None:
+        """Ask for the suggestions not yet predicted (``again``: all of them, the screen was
+        just shown), one worker at a time, at most every `REPREDICT_S` unless shown anew."""
+        if not self.advice or self._predicting or not self._steered:
+            return
+        todo = {pred_key(a): a for a in self.advice
+                if again or pred_key(a) not in self.predictions}
+        now = time.monotonic()
+        if not todo or (not again and now - self._asked_at < REPREDICT_S):
+            return
+        self._predicting, self._asked_at = True, now
+        for k, a in todo.items():
+            self.predictions.setdefault(k, pending(a.change))
+        self.console.predict_later(self, [a.change for a in todo.values()],
+                                   partial(self._predicted, list(todo)))
+
+    def _predicted(self, keys: list[PredKey], predictions: list[Prediction]) -> None:
+        self._predicting = False
+        self.predictions.update(zip(keys, predictions, strict=True))
+        live = {pred_key(a) for a in self.advice}
+        for k in [k for k in self.predictions if k not in live]:
+            del self.predictions[k]         # suggestions gone: forget their predictions
+        for a in self.advice:
+            if a.id in self._ids:
+                self.table.update_cell(a.id, "change", self._suggests(a), update_width=True)
+        self._show_detail()
+        self._want_predictions()
 
     def _show_summary(self, frame: Frame) -> None:
         n = len(self.advice)
@@ -139,8 +222,19 @@ class AdviceScreen(ConsoleScreen):
             how = ("[$warning]restart-only[/]: shown, not sent (the engine would answer "
                    "'restart required')")
         box.update(Content.from_markup(
-            f"[b]{fmt.escape(a.change_text())}[/]  {how}\n{fmt.escape(a.message)}\n"
-            f"[$text-muted]{evidence_text(a.evidence)}[/]"))
+            f"[b]{fmt.escape(a.change_text())}[/]  {how}{self._prediction_text(a)}\n"
+            f"{fmt.escape(a.message)}\n[$text-muted]{evidence_text(a.evidence)}[/]"))
+
+    def _prediction_text(self, a: Advice) -> str:
+        p = self.prediction(a)
+        if p is None:
+            return ""
+        if not p.ready:
+            style = "$text-muted" if p.status == PENDING else "$warning"
+            return f"\n[{style}]{fmt.escape(p.headline())}[/]"
+        source = f" from the engine's last {p.trace.describe()}" if p.trace else ""
+        return (f"\n[b]predicted[/]: {fmt.escape(p.short(SHOWN))} "
+                f"[$text-muted](simulated{fmt.escape(source)})[/]")
 
     def _show_history(self) -> None:
         box = self.query_one("#adv-history", Static)

@@ -39,6 +39,9 @@ class HelpScreen(ModalScreen[None]):
                 keys = [("", "read-only: config changes are disabled")]
             if self.readonly and title == "Profile":
                 keys = [("", "read-only: profiling is disabled")]
+            if self.readonly and title == "What-if":
+                keys = [k for k in keys if k[0] != "A"] + [("", "read-only: predicts, never "
+                                                                "applies")]
             if self.readonly and title == "Advice":
                 keys = [("a", "tuning advice (read-only: shown, never applied)")]
             lines.append(f"\n[b $accent]{title}[/]")

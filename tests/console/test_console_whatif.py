@@ -1,0 +1,307 @@
+"""What-if in the console, driven by Pilot at 80x24: the confirmation box of a config change
+shows its predicted effect while the operator reads it, the Advice rows carry theirs, and the
+What-if screen compares live | now | with the edits.
+
+The engine's trace comes through the control channel's ``get_trace`` (here a `FakeControl`
+that has one, `TracingControl`), the same call the live console makes; the trace itself is
+made by the what-if simulator with a known step cost, so it is self-consistent and takes
+milliseconds. The expected figures are computed by `WhatIf` directly on the same text.
+(`test_console_whatif_live.py` does the same against a real engine.)
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from functools import cache
+from typing import Any
+
+import pytest
+from textual.widgets import Input, Static
+
+from support.console_testing import FakeControl, replay_app, until
+from support.synthetic import generate
+from vconsole.console.predictions import NO_CHANNEL, SHOWN, WhatIf, figure
+from vconsole.console.screens.advice import AdviceScreen
+from vconsole.console.screens.help import HelpScreen
+from vconsole.console.screens.whatif import WhatIfScreen
+from vconsole.console.widgets.confirmation import ConfirmScreen
+from vconsole.shared.config import EngineConfig
+from vconsole.telemetry.request_trace import RequestRecord, Trace, TraceHeader, trace_lines
+from vconsole.whatif.cost_model import StepCostModel
+from vconsole.whatif.simulate import simulate
+
+pytestmark = pytest.mark.slow
+
+BLOCKS, SEATS = 140, 32
+CONFIG = EngineConfig(num_kv_blocks=BLOCKS, max_num_seqs=SEATS)
+SLOW_SCHEDULER = {"duration_s": 20, "slow_window": (0, 2), "burst_window": (0, 0), "rate": 14}
+
+
+@cache
+def trace_text(n: int = 80, rate: float = 40.0, seed: int = 1) -> str:
+    """``n`` requests at ``rate``/s served by an engine of `CONFIG` whose steps cost what the
+    model below says: busy enough that max_num_seqs and the pool matter (it preempts)."""
+    header = TraceHeader(model="tiny", block_size=CONFIG.block_size, num_kv_blocks=BLOCKS,
+                         vocab_size=256, max_model_len=2048, config=CONFIG.to_dict())
+    rng = random.Random(seed)
+    t, reqs = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out = rng.randint(20, 80)
+        reqs.append(RequestRecord(arrival=t, finish=t, prompt_len=rng.randint(32, 256),
+                                  output_len=out, max_tokens=out, ignore_eos=True))
+    cost = StepCostModel({"const": 0.004, "prefill": 2e-5, "decode": 4e-4, "context": 1e-7,
+                          "prefill_attn": 0.0, "new_reqs": 2e-4},
+                         {"const": 0.0005, "reqs": 1e-5}, 0)
+    served = simulate(Trace(header, reqs), CONFIG, BLOCKS, cost, max_model_len=2048,
+                      vocab_size=256)
+    return "".join(trace_lines(Trace(header, served.requests, served.steps)))
+
+
+class TracingControl(FakeControl):
+    """A fake engine that also hands out its trace; ``gate`` (when given) holds ``get_trace``
+    until it is set, so a test sees what the console shows while it waits."""
+
+    def __init__(self, text: str, config: EngineConfig | None = CONFIG,
+                 gate: threading.Event | None = None) -> None:
+        super().__init__(config)
+        self.text = text
+        self.gate = gate
+
+    def get_trace(self, window_s: float | None = None) -> str:
+        self.calls.append(("get_trace", None))
+        if self.gate is not None:
+            self.gate.wait(10)
+        return self.text
+
+
+def expected(change: dict[str, Any], text: str | None = None) -> Any:
+    text = text or trace_text()
+    (p,) = WhatIf(lambda: text).predict([change])
+    assert p.ready, p.headline()
+    return p
+
+
+def text_of(widget: Static) -> str:
+    return str(widget.render())
+
+
+def sets(ctl: FakeControl) -> list[dict[str, Any]]:
+    return [values for op, values in ctl.calls if op == "set_config"]
+
+
+def traces(ctl: FakeControl) -> int:
+    return sum(1 for op, _ in ctl.calls if op == "get_trace")
+
+
+async def ask_change(pilot, app, key: str, value: str) -> ConfirmScreen:
+    await until(pilot, lambda: app.steering.config_fetches and app.state.config is not None)
+    assert app.request_change(key, value) is None
+    await pilot.pause()
+    box = app.screen
+    assert isinstance(box, ConfirmScreen)
+    return box
+
+
+def forecast(box: ConfirmScreen) -> str:
+    return text_of(box.query_one("#confirm-forecast", Static))
+
+
+# --- the confirmation box ----------------------------------------------------------------------
+
+async def test_the_box_shows_predicting_at_once_then_before_and_after_for_max_num_seqs():
+    ctl = TracingControl(trace_text(), gate=threading.Event())
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = await ask_change(pilot, app, "max_num_seqs", "8")
+        assert box.title_text == "Change max_num_seqs: 32 → 8?"
+        assert "predicting…" in forecast(box)          # at once, before the trace came
+        ctl.gate.set()
+        await until(pilot, lambda: "predicted" in forecast(box))
+        shown = forecast(box)
+        want = expected({"max_num_seqs": 8})
+        for key in SHOWN:
+            line = next(ln for ln in shown.splitlines() if ln.strip().startswith(
+                {"output_tok_s": "output tok/s", "ttft_p99_s": "TTFT p99",
+                 "itl_p99_s": "ITL p99", "preemptions": "preemptions"}[key]))
+            assert f"{figure(key, want.before[key])} → {figure(key, want.after[key])}" in line
+            assert figure(key, want.live[key]) in line
+        assert "80 requests over " in shown
+        assert want.before["preemptions"] > want.after["preemptions"]    # the point of it
+        # 80x24: the whole box, its buttons included, is on screen
+        assert box.query_one("#confirm-box").region.bottom <= 24
+        assert box.query_one("#confirm").region.bottom <= 24
+        await pilot.press("escape")
+    assert sets(ctl) == [] and traces(ctl) == 1
+
+
+async def test_a_routine_change_of_a_modelled_key_is_confirmed_and_never_waits_for_the_prediction():
+    ctl = TracingControl(trace_text(), gate=threading.Event())   # the trace never comes
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = await ask_change(pilot, app, "max_num_seqs", "40")
+        assert "Applied between two steps" in text_of(box.query_one("#confirm-text", Static))
+        assert "predicting…" in forecast(box)
+        await pilot.press("tab", "enter")                   # "Apply change", at once
+        await until(pilot, lambda: app.steering.replies.get("max_num_seqs") is not None
+                    and app.steering.replies["max_num_seqs"].done)
+        assert sets(ctl) == [{"max_num_seqs": 40}]
+        ctl.gate.set()
+        await pilot.pause(0.2)                              # the late answer goes nowhere
+        assert not isinstance(app.screen, ConfirmScreen)
+
+
+async def test_too_little_traffic_is_said_with_the_reason():
+    ctl = TracingControl(trace_text(n=5))
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = await ask_change(pilot, app, "max_num_seqs", "8")
+        await until(pilot, lambda: "predicting" not in forecast(box))
+        assert forecast(box).startswith("too little traffic to predict: 5 finished requests "
+                                        "(need 20)")
+        await pilot.press("escape")
+
+
+async def test_a_key_no_simulation_models_is_not_predicted_and_fetches_nothing():
+    ctl = TracingControl(trace_text())
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = await ask_change(pilot, app, "telemetry_max_requests", "0")   # a risky one
+        assert forecast(box) == ("not predicted: telemetry_max_requests changes neither "
+                                 "scheduling nor the KV pool's capacity")
+        await pilot.press("escape")
+    assert traces(ctl) == 0
+
+
+# --- the Advice screen ---------------------------------------------------------------------------
+
+async def test_an_advice_row_carries_its_predicted_effect():
+    ctl = TracingControl(trace_text(), config=None)    # FakeControl's: what the stream says
+    app = replay_app(records=list(generate(**SLOW_SCHEDULER)), control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.steering.config_fetches)
+        await pilot.press("a")
+        screen = app.screen
+        assert isinstance(screen, AdviceScreen)
+        await until(pilot, lambda: screen.advice and (p := screen.prediction(screen.advice[0]))
+                    is not None and p.ready)
+        (a,) = screen.advice
+        want = expected(a.change)
+        cell = str(screen.table.get_row(a.id)[1])
+        assert "policy fcfs → hybrid" in cell
+        assert (f"tok/s {want.before['output_tok_s']:.0f}→{want.after['output_tok_s']:.0f}"
+                in cell and "TTFT p99" in cell and "preempt" in cell)
+        detail = text_of(screen.query_one("#adv-detail", Static))
+        assert "predicted: tok/s" in detail and "(simulated from the engine's last 80 requests over" in detail and "ITL p99" in detail
+        assert screen.query_one("#adv-detail").region.bottom <= 23
+        # shown again: predicted again, from the cached trace (one fetch within 10 s)
+        await pilot.press("1", "a")
+        await until(pilot, lambda: not screen._predicting)
+        assert traces(ctl) == 1
+
+
+async def test_without_a_control_channel_advice_and_what_if_say_so():
+    app = replay_app(records=list(generate(**SLOW_SCHEDULER)))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("a")
+        screen = app.screen
+        assert isinstance(screen, AdviceScreen)
+        await until(pilot, lambda: screen.advice and screen.prediction(screen.advice[0])
+                    is not None and not screen._predicting)
+        app.refresh_view(force=True)
+        await pilot.pause()
+        assert NO_CHANNEL in text_of(screen.query_one("#adv-detail", Static))
+        await pilot.press("w")
+        assert isinstance(app.screen, WhatIfScreen)
+        await pilot.pause()
+        assert NO_CHANNEL in text_of(app.screen.query_one("#wi-summary", Static))
+
+
+# --- the What-if screen ----------------------------------------------------------------------------
+
+async def open_whatif(pilot, app) -> WhatIfScreen:
+    await until(pilot, lambda: app.steering.config_fetches and app.state.config is not None)
+    await pilot.press("w")
+    screen = app.screen
+    assert isinstance(screen, WhatIfScreen)
+    await until(pilot, lambda: screen.result is not None and screen.result.ready)
+    return screen
+
+
+def cells(screen: WhatIfScreen, figure_key: str) -> list[str]:
+    return [str(c) for c in screen.table.get_row(figure_key)]
+
+
+async def test_the_what_if_screen_edits_a_key_and_shows_live_now_and_with_the_edits():
+    ctl = TracingControl(trace_text())
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_whatif(pilot, app)
+        assert screen.query_one("#wi-max_num_seqs", Input).value == "32"   # the live config
+        assert [str(c.label) for c in screen.table.columns.values()] == [
+            "figure", "live", "now", "with edits", "change"]
+        summary = text_of(screen.query_one("#wi-summary", Static))
+        assert "80 requests over " in summary and "steps" in summary
+        base = expected({})
+        assert cells(screen, "ttft_p99_s")[1:4] == [figure("ttft_p99_s", base.live["ttft_p99_s"]),
+                                                    figure("ttft_p99_s", base.before["ttft_p99_s"]),
+                                                    "="]
+        await pilot.press("e")
+        box = screen.query_one("#wi-max_num_seqs", Input)
+        assert box.has_focus
+        await pilot.press("end", "backspace", "backspace", "8", "enter")
+        await until(pilot, lambda: screen.result is not None and screen.result.ready
+                    and screen.result.change == {"max_num_seqs": 8})
+        want = expected({"max_num_seqs": 8})
+        for key in ("output_tok_s", "ttft_p99_s", "preemptions"):
+            assert cells(screen, key)[1:4] == [figure(key, want.live[key]),
+                                               figure(key, want.before[key]),
+                                               figure(key, want.after[key])]
+        assert "with edits max_num_seqs=8" in text_of(screen.query_one("#wi-note", Static))
+        # the table and the note fit 80x24 above the footer
+        assert screen.query_one("#wi-note").region.bottom <= 23
+
+        # a value the config refuses: the reason, and nothing runs
+        await pilot.press("backspace", "0", "enter")
+        error = text_of(screen.query_one("#wi-error", Static))
+        assert error.startswith("✗ max_num_seqs:") and screen.result.change == {"max_num_seqs": 8}
+        # esc leaves the editor; x resets the edits to the live config and predicts again
+        await pilot.press("escape", "x")
+        assert screen.query_one("#wi-max_num_seqs", Input).value == "32"
+        await until(pilot, lambda: screen.result.ready and screen.result.change == {})
+        assert traces(ctl) == 1                     # one fetch served every run
+    assert sets(ctl) == []
+
+
+async def test_the_what_if_screens_apply_confirms_with_the_same_prediction():
+    ctl = TracingControl(trace_text())
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_whatif(pilot, app)
+        await pilot.press("e", "end", "backspace", "backspace", "8", "enter")
+        await until(pilot, lambda: screen.result.ready and screen.result.change)
+        await pilot.press("escape", "A")
+        box = app.screen
+        assert isinstance(box, ConfirmScreen) and "max_num_seqs 32 → 8" in box.title_text
+        assert "predicted" in forecast(box)         # known already: no second simulation
+        await pilot.press("tab", "enter")
+        await until(pilot, lambda: sets(ctl))
+    assert sets(ctl) == [{"max_num_seqs": 8}] and ctl.config.max_num_seqs == 8
+
+
+async def test_read_only_predicts_but_offers_no_apply_and_help_lists_what_if():
+    ctl = TracingControl(trace_text())
+    app = replay_app(control=ctl, readonly=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_whatif(pilot, app)
+        assert "A" not in screen.active_bindings
+        assert "read-only: predicts, never applies" in text_of(
+            screen.query_one("#wi-summary", Static))
+        await pilot.press("A")
+        assert app.screen is screen
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        help_text = text_of(app.screen.query_one("#help-text", Static))
+        assert "What-if" in help_text and "read-only: predicts, never applies" in help_text
+    assert sets(ctl) == []

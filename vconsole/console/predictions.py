@@ -1,0 +1,357 @@
+"""What-if in the console: the engine's recent traffic, and what a config change would do to it.
+
+The engine keeps the last minutes of its request trace in memory and hands it over the control
+channel (``get_trace``, `vconsole.console.control_link.ControlLink.get_trace`). `WhatIf` fetches
+it, parses it and keeps it for `TRACE_MAX_AGE_S`, so the confirmation box, the Advice rows and
+the What-if screen asked within seconds of each other share one fetch. The simulation
+(`vconsole.whatif.predict`: the engine's own scheduler and KV cache manager on a virtual clock,
+each step timed by a model fitted on the trace's own steps) runs here, in the console's
+process, never on the engine.
+
+Threads: `WhatIf.predict` and `WhatIf.trace` block (a fetch, seconds of simulation): the app
+runs them in Textual thread workers (`VConsoleApp.predict_later`). One simulation at a time
+(a lock: two on a two-core machine only halve each other). What was predicted on the trace in
+hand is kept, so a second ask for the same change (the confirmation box of an advice the Advice
+screen already predicted) is answered at once (`peek`).
+
+Honesty, never a guess: a change with a key no simulation models is "not predicted" with the
+reason (`vconsole.whatif.predict.check_key`); a trace with too little traffic says "too little
+traffic to predict" and why (`check_traffic`, `TooLittleTraffic`); a source without a control
+channel (a vLLM server, a replayed recording) says `NO_CHANNEL`.
+
+No Textual here: the formatting below returns Content markup strings.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vconsole.console import format as fmt
+from vconsole.telemetry.request_trace import Trace, TraceError, parse_lines
+from vconsole.whatif.predict import (
+    MODELLED,
+    Baseline,
+    TooLittleTraffic,
+    check_key,
+    check_traffic,
+    observed,
+    predicted,
+)
+
+NO_CHANNEL = "what-if needs a vconsole engine's control channel"
+TRACE_MAX_AGE_S = 10.0
+
+# The figures the confirmation box and the Advice detail show (the What-if screen shows
+# FIGURES); an Advice row, 48 columns, the three of ROW.
+SHOWN = ("output_tok_s", "ttft_p99_s", "itl_p99_s", "preemptions")
+ROW = ("output_tok_s", "ttft_p99_s", "preemptions")
+LABELS = {"output_tok_s": "output tok/s", "ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99",
+          "itl_p50_s": "ITL p50", "itl_p99_s": "ITL p99", "e2e_p50_s": "e2e p50",
+          "preemptions": "preemptions", "kv_usage_peak": "KV peak"}
+SHORT = {"output_tok_s": "tok/s", "ttft_p99_s": "TTFT p99", "itl_p99_s": "ITL p99",
+         "preemptions": "preempt"}
+
+PENDING, READY, NOT_PREDICTED, TOO_LITTLE, UNAVAILABLE, FAILED = (
+    "pending", "ready", "not predicted", "too little traffic", "unavailable", "failed")
+
+Change = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class TraceInfo:
+    """What the prediction stands on: the trace's size and how well the step costs fit."""
+
+    requests: int
+    steps: int
+    duration_s: float
+    model_error: float | None = None     # the step-time model's median relative error
+
+    def describe(self) -> str:
+        """``312 requests over 4.8 min``."""
+        span = (f"{self.duration_s / 60:.1f} min" if self.duration_s >= 90
+                else f"{self.duration_s:.0f} s")
+        return f"{self.requests:,} requests over {span}"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One change's predicted effect: ``before`` (the trace's own config, simulated), ``after``
+    (the change, simulated), ``live`` (what the trace observed); or a status with the reason
+    it holds no figures."""
+
+    status: str
+    change: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    before: dict[str, Any] = field(default_factory=dict)
+    after: dict[str, Any] = field(default_factory=dict)
+    live: dict[str, Any] = field(default_factory=dict)
+    trace: TraceInfo | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.status == READY
+
+    def headline(self) -> str:
+        """What a status without figures says (plain text)."""
+        if self.status == PENDING:
+            return "predicting… (the engine's last minutes, simulated here)"
+        if self.status == TOO_LITTLE:
+            return f"too little traffic to predict: {self.reason}"
+        if self.status == NOT_PREDICTED:
+            return f"not predicted: {self.reason}"
+        if self.status == UNAVAILABLE:
+            return self.reason or NO_CHANNEL
+        if self.status == FAILED:
+            return f"no prediction: {self.reason}"
+        return ""
+
+    def short(self, keys: tuple[str, ...] = ROW) -> str:
+        """One line (plain text): ``tok/s 52→48 · TTFT p99 3.9→2.1 s · preempt 26→3``, or the
+        status alone (`headline` says why)."""
+        if not self.ready:
+            return {PENDING: "predicting…", TOO_LITTLE: "too little traffic to predict",
+                    NOT_PREDICTED: "not predicted", UNAVAILABLE: "–"}.get(self.status,
+                                                                          "no prediction")
+        return " · ".join(f"{SHORT[k]} {before_after(k, self.before.get(k), self.after.get(k))}"
+                          for k in keys)
+
+
+def pending(change: Change) -> Prediction:
+    return Prediction(PENDING, dict(change))
+
+
+def unmodelled(change: Change) -> str | None:
+    """Why ``change`` cannot be predicted (a key no simulation models, or a value the config
+    table refuses), or None."""
+    for key, value in change.items():
+        if key not in MODELLED:
+            return f"{key} changes neither scheduling nor the KV pool's capacity"
+        try:
+            check_key(key, value)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def modelled(change: Change) -> bool:
+    """Any key of ``change`` is one a simulation models (a box worth a prediction)."""
+    return any(k in MODELLED for k in change)
+
+
+_TOO_LITTLE = re.compile(r"^too little traffic( to [^:]*)?:\s*")
+
+
+def _too_little(reason: str) -> str:
+    return _TOO_LITTLE.sub("", reason)
+
+
+def _key(change: Change) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, repr(v)) for k, v in change.items()))
+
+
+class WhatIf:
+    """The console's what-if: ``fetch`` returns the engine's trace as JSON lines (None: no
+    channel, every prediction `UNAVAILABLE` with ``unavailable`` as the reason)."""
+
+    def __init__(self, fetch: Callable[[], str] | None, *, unavailable: str = NO_CHANNEL,
+                 max_age_s: float = TRACE_MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.fetch = fetch
+        self.unavailable = unavailable
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self.fetches = 0                       # traces fetched (tests: the cache is shared)
+        self._lock = threading.Lock()          # one fetch or simulation at a time
+        self._trace: Trace | None = None
+        self._info: TraceInfo | None = None
+        self._error: Prediction | None = None  # the last fetch's failure, kept as long
+        self._fetched_at = -1e18
+        self._base: Baseline | None = None
+        self._before: dict[str, Any] = {}
+        self._live: dict[str, Any] = {}
+        self._memo: dict[tuple[tuple[str, str], ...], Prediction] = {}
+
+    @property
+    def available(self) -> bool:
+        return self.fetch is not None
+
+    @property
+    def trace_info(self) -> TraceInfo | None:
+        """The size of the trace last fetched (None before one was)."""
+        return self._info
+
+    def _fresh(self) -> bool:
+        return self.clock() - self._fetched_at < self.max_age_s
+
+    def peek(self, change: Change) -> Prediction | None:
+        """The prediction for ``change`` on the trace in hand, if there is one (no blocking:
+        the UI thread may ask)."""
+        if not self._fresh():
+            return None
+        try:
+            return self._memo.get(_key({k: check_key(k, v) for k, v in change.items()}))
+        except ValueError:
+            return None
+
+    # --- blocking: worker threads only -------------------------------------------------------
+
+    def _refresh(self) -> Prediction | None:
+        """Fetch and parse the trace unless the one in hand is fresh; the failure that makes
+        every prediction on it impossible, or None. Called under the lock."""
+        if self._fresh():
+            return self._error
+        assert self.fetch is not None
+        self._memo = {}
+        self._base, self._before, self._live = None, {}, {}
+        self._error = None
+        self._fetched_at = self.clock()
+        try:
+            text = self.fetch()
+            self.fetches += 1
+            trace = parse_lines(text.splitlines(keepends=True), "the engine's trace")
+        except TraceError as e:
+            self._trace, self._info = None, None
+            if "no finished request" in str(e):
+                self._error = Prediction(TOO_LITTLE, reason="no request finished in the "
+                                         "engine's last minutes")
+            else:
+                self._error = Prediction(FAILED, reason=f"the engine's trace is unusable: {e}")
+            return self._error
+        except Exception as e:   # TimeoutError, ControlError (an engine without get_trace)
+            self._trace, self._info = None, None
+            self._error = Prediction(FAILED, reason=f"cannot fetch the engine's trace: {e}")
+            return self._error
+        self._trace = trace
+        self._info = TraceInfo(len(trace.requests), len(trace.steps), trace.duration_s)
+        reason = check_traffic(trace)
+        if reason is not None:
+            self._error = Prediction(TOO_LITTLE, reason=_too_little(reason), trace=self._info)
+            return self._error
+        try:
+            self._base = Baseline(trace)
+            self._before = predicted(self._base.run({}))
+        except TooLittleTraffic as e:
+            self._error = Prediction(TOO_LITTLE, reason=_too_little(str(e)), trace=self._info)
+            return self._error
+        except ValueError as e:
+            self._error = Prediction(FAILED, reason=str(e), trace=self._info)
+            return self._error
+        self._live = observed(trace)
+        self._info = TraceInfo(len(trace.requests), len(trace.steps), trace.duration_s,
+                               self._base.model.rel_error)
+        return None
+
+    def predict(self, changes: list[Change]) -> list[Prediction]:
+        """Each change's prediction on the engine's recent trace (fetched when the one in hand
+        is older than ``max_age_s``). Blocks: a worker thread."""
+        if self.fetch is None:
+            return [Prediction(UNAVAILABLE, dict(c), self.unavailable) for c in changes]
+        out: list[Prediction] = []
+        with self._lock:
+            failed = self._refresh()
+            for change in changes:
+                out.append(self._one(dict(change), failed))
+        return out
+
+    def _one(self, change: dict[str, Any], failed: Prediction | None) -> Prediction:
+        reason = unmodelled(change)
+        if reason is not None:
+            return Prediction(NOT_PREDICTED, change, reason)
+        values = {k: check_key(k, v) for k, v in change.items()}
+        if failed is not None:
+            return Prediction(failed.status, change, failed.reason, trace=failed.trace)
+        key = _key(values)
+        done = self._memo.get(key)
+        if done is not None:
+            return done
+        assert self._base is not None
+        try:
+            after = predicted(self._base.run(values)) if values else dict(self._before)
+        except ValueError as e:
+            result = Prediction(NOT_PREDICTED, change, str(e), trace=self._info)
+        else:
+            result = Prediction(READY, change, before=self._before, after=after,
+                                live=self._live, trace=self._info)
+        self._memo[key] = result
+        return result
+
+
+# --- formatting (Content markup) -----------------------------------------------------------------
+
+def figure(key: str, value: Any) -> str:
+    """One figure in its unit: ``52.1`` tok/s, ``3.90 s`` / ``41 ms``, ``26``, ``85%``."""
+    if value is None:
+        return "–"
+    if key == "output_tok_s":
+        return fmt.num(float(value), 1)
+    if key.endswith("_s"):
+        v = float(value)
+        return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
+    if key == "kv_usage_peak":
+        return f"{float(value):.0%}"
+    return f"{int(value):,}"
+
+
+def before_after(key: str, before: Any, after: Any) -> str:
+    """``52.1→48.3``, ``3.9→2.1 s``, ``41→38 ms``: both sides in one unit, said once."""
+    if before is None or after is None:
+        return f"{figure(key, before)}→{figure(key, after)}"
+    if key == "output_tok_s":
+        return f"{float(before):.0f}→{float(after):.0f}"
+    if key.endswith("_s"):
+        b, a = float(before), float(after)
+        if max(b, a) < 1:
+            return f"{b * 1000:.0f}→{a * 1000:.0f} ms"
+        if min(b, a) >= 1:
+            return f"{b:.1f}→{a:.1f} s"
+    return f"{figure(key, before)}→{figure(key, after)}"
+
+
+def change_pct(before: Any, after: Any) -> str:
+    """``-7%`` / ``+12%`` / ``×30`` (2x and more) / ``≈`` (under 0.5%) / ``=``; empty when
+    either is missing or before is 0."""
+    if before is None or after is None:
+        return ""
+    if after == before:
+        return "="
+    if not before:
+        return ""
+    ratio = after / before
+    if ratio >= 2:
+        return f"×{ratio:.0f}" if ratio >= 10 else f"×{ratio:.1f}"
+    if abs(ratio - 1) < 0.005:
+        return "≈"
+    return f"{ratio - 1:+.0%}"
+
+
+# Lower is better for every figure but throughput: a change's colour says which way it went.
+_HIGHER_IS_BETTER = {"output_tok_s"}
+
+
+def change_style(key: str, before: Any, after: Any) -> str:
+    if before is None or after is None or before == after:
+        return "$text-muted"
+    better = (after > before) == (key in _HIGHER_IS_BETTER)
+    return "$success" if better else "$warning"
+
+
+def box_markup(p: Prediction) -> str:
+    """The confirmation box's lines: where the numbers come from, then before → after (and
+    the live figure) for `SHOWN`; or the status and its reason."""
+    if not p.ready:
+        style = "$text-muted" if p.status in (PENDING, UNAVAILABLE) else "$warning"
+        return f"[{style}]{fmt.escape(p.headline())}[/]"
+    source = p.trace.describe() if p.trace else "the engine's trace"
+    lines = [f"[b]predicted[/] [$text-muted]from the engine's last {source}:[/]",
+             f"[$text-muted]{'':14}{'now':>8}   {'after':<8} {'':6}{'live':>8}[/]"]
+    for k in SHOWN:
+        b, a, live = p.before.get(k), p.after.get(k), p.live.get(k)
+        lines.append(f"  {LABELS[k]:<12}{figure(k, b):>8} → {figure(k, a):<8} "
+                     f"[{change_style(k, b, a)}]{change_pct(b, a):>5}[/] "
+                     f"[$text-muted]{figure(k, live):>8}[/]")
+    return "\n".join(lines)

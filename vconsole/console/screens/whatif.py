@@ -1,0 +1,280 @@
+"""What-if (``w``): edit a few keys and see, side by side, what the engine's recent traffic did
+(live), what the simulation makes of it as it is (now) and with the edits.
+
+The numbers come from `vconsole.console.predictions.WhatIf` (``app.whatif``): the engine's
+trace of its last minutes, fetched over the control channel and kept 10 s, replayed through
+the engine's own scheduler in the console's process. "now" and "with the edits" are both
+simulated, so the simulation's own bias shows in neither comparison; "live" is what the trace
+observed, the yardstick for how far "now" is off.
+
+The editor's keys (`KEYS`) start at the live config and follow it until the operator types in
+one; each is checked with `vconsole.whatif.predict.check_key` before a run (a bad value is
+refused with the reason, nothing runs). Only the keys that differ from the live config form
+the variant. ``A`` applies the hot ones through the app (one ``set_config`` after the
+confirmation, which carries the same prediction); restart-only ones are named with the restart
+command; a read-only console predicts but offers no apply. Predictions run when the screen is
+shown (unless the last one is under 10 s old), on ``r`` or enter in the editor, and on ``x``
+(reset to live) — never on a telemetry tick.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.content import Content
+from textual.widgets import DataTable, Input, Label, Static
+
+from vconsole.console import format as fmt
+from vconsole.console.changes import show_value
+from vconsole.console.keymap import WHATIF
+from vconsole.console.predictions import (
+    LABELS,
+    PENDING,
+    TRACE_MAX_AGE_S,
+    Prediction,
+    change_pct,
+    change_style,
+    figure,
+    pending,
+)
+from vconsole.console.screens.base import ConsoleScreen
+from vconsole.console.state import ConsoleState
+from vconsole.console.widgets.chrome import Frame
+from vconsole.telemetry.request_trace import FIGURES
+from vconsole.whatif.predict import check_key
+
+KEYS = ("max_num_seqs", "max_num_batched_tokens", "policy", "num_kv_blocks", "block_size")
+
+
+class WhatIfScreen(ConsoleScreen):
+    MODE = "whatif"
+    TABLE = "wi-table"
+    COLUMNS = [("figure", "figure"), ("live", "live"), ("now", "now"),
+               ("with edits", "after"), ("change", "change")]
+    BINDINGS = WHATIF
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[str, Any] = {}          # the live config's values of KEYS
+        self.edited: set[str] = set()           # keys the operator typed in
+        self.variant: dict[str, Any] = {}       # what the last run asked for
+        self.result: Prediction | None = None   # its answer (PENDING while it runs)
+        self._ran_at = -1e18                    # when (monotonic) the last run was asked
+        self._filling = False                   # setting inputs ourselves: not an edit
+
+    def compose_body(self) -> ComposeResult:
+        yield Static(id="wi-summary")
+        with Vertical(id="wi-form"):
+            for key in KEYS:
+                with Horizontal(classes="wi-row"):
+                    yield Label(key, classes="wi-key")
+                    yield Input(id=f"wi-{key}", classes="wi-input", select_on_focus=False)
+                    yield Label("", id=f"wi-live-{key}", classes="wi-live")
+        yield Static(id="wi-error")
+        table: DataTable[Any] = DataTable(id="wi-table", cursor_type="none",
+                                          zebra_stripes=False)
+        yield table
+        yield Static(id="wi-note")
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "apply":
+            return not self.console.readonly
+        if action == "leave":           # the footer shows esc only while in the editor
+            return isinstance(self.focused, Input)
+        return True
+
+    def on_descendant_focus(self) -> None:
+        self.refresh_bindings()
+
+    def on_descendant_blur(self) -> None:
+        self.refresh_bindings()
+
+    def on_screen_resume(self) -> None:
+        """Shown: predict, unless the answer in hand stands on a trace still fresh."""
+        super().on_screen_resume()
+        if self.result is None or time.monotonic() - self._ran_at >= TRACE_MAX_AGE_S:
+            self.call_after_refresh(self.action_run)
+
+    # --- data ------------------------------------------------------------------------------
+
+    def apply(self, frame: Frame, state: ConsoleState) -> None:
+        cfg = state.config
+        live = {k: cfg.values.get(k) for k in KEYS} if cfg is not None else {}
+        if live != self.live:
+            self.live = live
+            self._fill()
+        self._show_summary(frame)
+
+    def _fill(self) -> None:
+        """Keys the operator has not typed in follow the live config."""
+        self._filling = True
+        try:
+            for key in KEYS:
+                value = self.live.get(key)
+                shown = "" if value is None else show_value(value)
+                self.query_one(f"#wi-live-{key}", Label).update(
+                    Content.from_markup(f"[$text-muted]live {fmt.escape(shown or '–')}[/]"))
+                box = self.query_one(f"#wi-{key}", Input)
+                if key not in self.edited and box.value != shown:
+                    box.value = shown
+        finally:
+            self._filling = False
+
+    def _show_summary(self, frame: Frame) -> None:
+        whatif = self.console.whatif
+        if not whatif.available:
+            text = f"[$warning]{fmt.escape(whatif.unavailable)}[/]"
+        else:
+            info = self.result.trace if self.result is not None else None
+            info = info or whatif.trace_info
+            if info is None:
+                text = "[$text-muted]the engine's last minutes of traffic: not fetched yet[/]"
+            else:
+                err = (f" · step-time model ±{info.model_error:.0%}"
+                       if info.model_error is not None else "")
+                text = (f"trace [b]{fmt.escape(info.describe())}[/] · {info.steps:,} steps"
+                        f"{err}")
+        if frame.readonly:
+            text += "\n[$text-muted]read-only: predicts, never applies[/]"
+        self.query_one("#wi-summary", Static).update(Content.from_markup(text))
+
+    # --- the editor ------------------------------------------------------------------------
+
+    @on(Input.Changed, ".wi-input")
+    def _changed(self, event: Input.Changed) -> None:
+        if self._filling or event.input.id is None:
+            return
+        key = event.input.id.removeprefix("wi-")
+        live = self.live.get(key)
+        if event.value == ("" if live is None else show_value(live)):
+            self.edited.discard(key)
+        else:
+            self.edited.add(key)
+
+    @on(Input.Submitted, ".wi-input")
+    def _submitted(self) -> None:
+        self.action_run()
+
+    def action_edit(self) -> None:
+        self.query_one(f"#wi-{KEYS[0]}", Input).focus()
+
+    def action_leave(self) -> None:
+        self.table.focus()
+
+    def action_reset(self) -> None:
+        self.edited.clear()
+        self.live = {}
+        self.console.refresh_view(force=True)   # refills every input from the live config
+        self.show_error(None)
+        self.action_run()
+
+    def edits(self) -> dict[str, Any] | None:
+        """The keys that differ from the live config, in their types; None (and the reason
+        shown) when a value is refused."""
+        out: dict[str, Any] = {}
+        for key in KEYS:
+            text = self.query_one(f"#wi-{key}", Input).value.strip()
+            if not text:
+                continue
+            try:
+                value = check_key(key, text)
+            except ValueError as e:
+                self.show_error(f"{key}: {e}")
+                return None
+            if value != self.live.get(key):
+                out[key] = value
+        self.show_error(None)
+        return out
+
+    def show_error(self, reason: str | None) -> None:
+        box = self.query_one("#wi-error", Static)
+        box.set_class(reason is not None, "-shown")
+        box.update(Content.from_markup(f"[$error]✗ {fmt.escape(reason)}[/]") if reason else "")
+
+    # --- predicting --------------------------------------------------------------------------
+
+    def action_run(self) -> None:
+        variant = self.edits()
+        if variant is None:
+            return
+        self.variant = variant
+        self._ran_at = time.monotonic()
+        self.result = pending(variant)
+        self._show_result()
+        self.console.predict_later(self, [variant], self._predicted)
+
+    def _predicted(self, predictions: list[Prediction]) -> None:
+        (p,) = predictions
+        if p.change != self.variant:
+            return                      # an older run's answer: a newer one is on its way
+        self.result = p
+        self._show_result()
+        self.console.refresh_view(force=True)
+
+    def _show_result(self) -> None:
+        """The answer in the table; while a run is pending the last answer stays, under
+        "predicting…"."""
+        table = self.table
+        p = self.result
+        note = self.query_one("#wi-note", Static)
+        if p is None:
+            note.update("")
+            return
+        if not p.ready:
+            if p.status != PENDING:
+                table.clear()
+            style = "$text-muted" if p.status == PENDING else "$warning"
+            note.update(Content.from_markup(f"[{style}]{fmt.escape(p.headline())}[/]"))
+            return
+        table.clear()
+        for k in FIGURES:
+            b, a = p.before.get(k), p.after.get(k)
+            pct = change_pct(b, a) if self.variant else ""
+            style = change_style(k, b, a).lstrip("$")
+            table.add_row(LABELS[k], figure(k, p.live.get(k)), figure(k, b),
+                          figure(k, a) if self.variant else "=",
+                          Text(pct, style={"success": "green", "warning": "yellow"}.get(
+                              style, "dim")), key=k)
+        note.update(Content.from_markup(self._note(p)))
+
+    def _note(self, p: Prediction) -> str:
+        if not self.variant:
+            return ("[$text-muted]no edits: e edits a key, enter predicts · now = the "
+                    "trace's own config, simulated[/]")
+        parts = [", ".join(f"{k}={show_value(v)}" for k, v in self.variant.items())]
+        before, after = p.before.get("num_kv_blocks"), p.after.get("num_kv_blocks")
+        if before != after:
+            parts.append(f"pool {before} → {after} blocks")
+        if p.after.get("rejected"):
+            parts.append(f"[$warning]{p.after['rejected']} requests never fit that pool "
+                         f"(left out)[/]")
+        return "[b]with edits[/] " + " · ".join(parts)
+
+    # --- applying ------------------------------------------------------------------------------
+
+    def action_apply(self) -> None:
+        if self.console.readonly:
+            return
+        variant = self.edits()
+        if variant is None:
+            return
+        if not variant:
+            self.notify("no edits: the live config is what runs", title="What-if")
+            return
+        cfg = self.console.state.config
+        hot = {k: show_value(v) for k, v in variant.items()
+               if cfg is not None and (row := cfg.row(k)) is not None and row.get("hot")}
+        restart = [k for k in variant if k not in hot]
+        if restart:
+            self.notify("restart-only, not sent: restart the engine with " + " ".join(
+                f"--set {k}={show_value(variant[k])}" for k in restart), title="What-if",
+                severity="warning")
+        if hot:
+            reason = self.console.apply_edits(hot)
+            if reason is not None:
+                self.notify(reason, title="What-if", severity="warning")
