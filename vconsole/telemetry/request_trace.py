@@ -32,7 +32,6 @@ import hashlib
 import json
 import math
 import os
-import random
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -359,22 +358,27 @@ def check_model(trace: Trace, model: str | None, block_size: int | None = None) 
 def synthetic_prompt(record: RequestRecord, index: int, block_size: int,
                      vocab_size: int) -> list[int]:
     """``record.prompt_len`` token ids whose full blocks share prefixes exactly as the
-    recorded prompts did: block i's tokens are drawn from a generator seeded with its chained
-    hash, so equal hashes give equal tokens (and distinct hashes, almost surely, distinct
-    ones). The tokens after the last hashed block are the request's own (seeded with
-    ``index``). Ids stay clear of the low ids where tokenizers keep their special tokens."""
+    recorded prompts did: block i's tokens are drawn from its chained hash (SHAKE-256 of the
+    hash, 4 bytes a token), so equal hashes give equal tokens (and distinct hashes, almost
+    surely, distinct ones). ``block_size`` is the trace's, the size the hashes cover. The
+    tokens after the last hashed block are the request's own (drawn from ``index``). Ids stay
+    clear of the low ids where tokenizers keep their special tokens."""
     lo = min(100, vocab_size // 4)
     span = vocab_size - lo
     out: list[int] = []
     for h in record.block_hashes:
         if len(out) + block_size > record.prompt_len:
             break
-        rng = random.Random(int(h, 16))
-        out.extend(lo + rng.randrange(span) for _ in range(block_size))
-    rng = random.Random(f"request:{index}")
-    while len(out) < record.prompt_len:
-        out.append(lo + rng.randrange(span))
+        out.extend(_draw(bytes.fromhex(h), block_size, lo, span))
+    rest = record.prompt_len - len(out)
+    if rest > 0:
+        out.extend(_draw(f"request:{index}".encode(), rest, lo, span))
     return out
+
+
+def _draw(key: bytes, n: int, lo: int, span: int) -> list[int]:
+    words = array("I", hashlib.shake_256(key).digest(4 * n))
+    return [lo + w % span for w in words]
 
 
 def finished_normally(record: RequestRecord) -> bool:
