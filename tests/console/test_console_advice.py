@@ -54,9 +54,10 @@ async def test_the_advice_screen_lists_a_replayed_streams_advice_with_its_eviden
         (a,) = screen.advice
         assert a.rule == "sched_share" and a.hot
         assert screen.table.row_count == 1
-        row = screen.table.get_row(a.id)
-        assert str(row[0]) == "Scheduler overhead" and "policy fcfs → hybrid" in str(row[1])
-        assert str(row[2]) == "hot"
+        def cell(key: str) -> str:
+            return str(screen.table.get_cell(a.id, key))
+        assert cell("rule") == "Scheduler overhead" and "policy fcfs → hybrid" in cell("change")
+        assert cell("mode") == "hot"
         assert "1 suggestion" in text_of(screen.query_one("#adv-summary"))
         detail = text_of(screen.query_one("#adv-detail"))
         assert "of step time" in detail and "held in" in detail and "sched_share" in detail
@@ -137,7 +138,7 @@ async def test_a_restart_only_suggestion_is_shown_with_why_and_never_sent():
     async with app.run_test(size=(80, 24)) as pilot:
         screen = await open_advice(pilot, app)
         (a,) = [x for x in screen.advice if x.rule == "fragmentation"]
-        assert not a.hot and str(screen.table.get_row(a.id)[2]) == "restart"
+        assert not a.hot and str(screen.table.get_cell(a.id, "mode")) == "restart"
         screen.table.move_cursor(row=screen.advice.index(a), animate=False)
         await pilot.pause()
         detail = text_of(screen.query_one("#adv-detail"))

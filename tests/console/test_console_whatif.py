@@ -188,7 +188,7 @@ async def test_an_advice_row_carries_its_predicted_effect():
                     is not None and p.ready)
         (a,) = screen.advice
         want = expected(a.change)
-        cell = str(screen.table.get_row(a.id)[1])
+        cell = str(screen.table.get_cell(a.id, "change"))
         assert "policy fcfs → hybrid" in cell
         assert (f"tok/s {want.before['output_tok_s']:.0f}→{want.after['output_tok_s']:.0f}"
                 in cell and "TTFT p99" in cell and "preempt" in cell)

@@ -82,7 +82,8 @@ def why_not_applied(advice: Advice) -> str:
 class AdviceScreen(ConsoleScreen):
     MODE = "advice"
     TABLE = "adv-table"
-    COLUMNS = [("rule", "rule"), ("suggests", "change"), ("applies", "mode")]
+    # "suggests" last: its second line (the prediction) may run past 80 columns, the rest not.
+    COLUMNS = [("rule", "rule"), ("applies", "mode"), ("suggests", "change")]
     BINDINGS = ADVICE
 
     def __init__(self) -> None:
@@ -134,7 +135,7 @@ class AdviceScreen(ConsoleScreen):
         table.clear()
         for a in self.advice:
             mode = Text("hot", style="green") if a.hot else Text("restart", style="yellow")
-            table.add_row(a.title, self._suggests(a), mode, key=a.id, height=2)
+            table.add_row(a.title, mode, self._suggests(a), key=a.id, height=2)
         self._ids = ids
         if keep in ids:
             table.move_cursor(row=ids.index(keep), animate=False)
