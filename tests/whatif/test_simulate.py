@@ -205,3 +205,16 @@ def test_a_csv_trace_needs_a_trace_for_its_step_costs():
 def test_kv_dtype_the_trace_does_not_size_is_refused():
     with pytest.raises(ValueError, match="int4_kivi"):
         Baseline(make_trace()).sized({"kv_cache_dtype": "int4"})
+
+
+def test_step_noise_is_the_trace_s_own_spread_and_repeatable():
+    steps = random_steps(500, noise=0.0)
+    for s in steps[::10]:                   # one step in ten takes 3x: a mean 1.2x the typical
+        s.dur *= 3
+    model = fit(steps)
+    assert model.ratios.mean() == pytest.approx(1.2, abs=0.03)
+    draws = [f for f, _ in zip(model.noise(seed=7), range(5000), strict=False)]
+    assert sum(draws) / len(draws) == pytest.approx(1.2, abs=0.05)
+    trace = make_trace(rate=40.0)
+    one, two = Baseline(trace).run({}), Baseline(trace).run({})
+    assert figures(one.requests) == figures(two.requests)     # seeded: the same every run

@@ -16,7 +16,14 @@ A step's cost is linear in what it computes (each coefficient fitted, none assum
   telemetry, inputs), per step and per request.
 
 ``dur`` is fitted on every step; the between-steps overhead on the steps that were followed at
-once by another (``period`` set). Fitting is least squares with the coefficients kept
+once by another (``period`` set).
+
+**Noise.** The same batch does not always take the same time: a real engine's step times have a
+right tail (another process on the core, a page fault, the allocator), so their *mean* is above
+the typical step, and throughput, queues and the ITL's tail follow the mean and the tail, not
+the median. So the fit keeps the ratio actual / fitted of every step of the trace (``ratios``),
+and the simulator multiplies each step's fitted time by one of them, drawn at random with a
+fixed seed (`noise`): the trace's own spread, resampled. Fitting is least squares with the coefficients kept
 non-negative (a feature whose coefficient would be negative is dropped and the rest refitted)
 weighted by 1/duration (relative errors: short decode steps count as much as long prefill
 ones), and robust to the odd slow step of a shared machine (residuals beyond 4 median absolute
@@ -25,6 +32,7 @@ deviations are dropped once and the fit repeated).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +55,14 @@ class StepCostModel:
     num_steps: int
     rel_error: float = 0.0          # median |residual| / median dur of the fit
     notes: list[str] = field(default_factory=list)
+    ratios: np.ndarray = field(default_factory=lambda: np.ones(1))   # actual / fitted, per step
+
+    def noise(self, seed: int = 0, chunk: int = 65_536) -> Iterator[float]:
+        """Endless factors for successive steps, drawn from ``ratios`` (see the module
+        docstring); the same seed gives the same factors."""
+        rng = np.random.default_rng(seed)
+        while True:
+            yield from self.ratios[rng.integers(0, len(self.ratios), chunk)].tolist()
 
     def dur(self, prefill: int, decode: int, context: int, prefill_attn: int,
             new_reqs: int) -> float:
@@ -60,8 +76,13 @@ class StepCostModel:
         return o["const"] + o["reqs"] * reqs
 
     def to_dict(self) -> dict[str, object]:
+        r = self.ratios
         return {"coef": self.coef, "overhead": self.overhead, "num_steps": self.num_steps,
-                "rel_error": round(self.rel_error, 4), "notes": self.notes}
+                "rel_error": round(self.rel_error, 4),
+                "noise": {"mean": round(float(r.mean()), 4),
+                          "p90": round(float(np.percentile(r, 90)), 4),
+                          "p99": round(float(np.percentile(r, 99)), 4)},
+                "notes": self.notes}
 
 
 def _rows(steps: list[StepRecord]) -> np.ndarray:
@@ -86,6 +107,7 @@ def fit(steps: list[StepRecord]) -> StepCostModel:
     coef = dict(zip(FEATURES, (float(b) for b in beta), strict=True))
     pred = X @ beta
     rel = float(np.median(np.abs(pred - y)) / max(np.median(y), 1e-9))
+    ratios = np.clip(y / np.maximum(pred, 1e-9), 0.05, 50.0)
     notes = [f"{name} dropped (no effect measurable)" for name, u in zip(FEATURES, used,
                                                                            strict=True)
              if not u and name != "const"]
@@ -94,12 +116,12 @@ def fit(steps: list[StepRecord]) -> StepCostModel:
     if len(chained) >= MIN_STEPS // 2:
         Xo = np.array([(1.0, s.reqs) for s in chained])
         yo = np.array([s.period - s.dur for s in chained])   # type: ignore[operator]
-        bo, _ = _nnls_robust(Xo, yo)
+        bo, _ = _nnls(Xo, yo)        # the mean: every gap of the loop adds up
         overhead = {"const": float(bo[0]), "reqs": float(bo[1])}
     else:
         overhead = {"const": 0.0, "reqs": 0.0}
         notes.append("no back-to-back steps: the busy loop's work between steps is taken as 0")
-    return StepCostModel(coef, overhead, len(busy), rel, notes)
+    return StepCostModel(coef, overhead, len(busy), rel, notes, ratios)
 
 
 def _nnls_robust(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, list[bool]]:

@@ -8,7 +8,8 @@ over synthetic prompts that share the recorded prefixes), on a virtual clock. Pe
 1. requests whose arrival time has come are added (in the engine, a request that arrives
    during a step waits for it to end, as here);
 2. ``schedule()`` at the step's start; the step lasts the model's ``dur`` for what it
-   scheduled; every row that reached its last token samples a token (a placeholder id: the
+   scheduled, times a factor drawn from the trace's own spread (`StepCostModel.noise`, seeded:
+   the same run gives the same figures); every row that reached its last token samples a token (a placeholder id: the
    simulated requests ignore EOS and stop at their recorded output length);
 3. ``update_from_output`` at ``start + dur`` (its clock stamps first tokens and gaps, as the
    engine's does);
@@ -61,7 +62,8 @@ def engine_config(values: dict[str, Any]) -> EngineConfig:
 
 def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: StepCostModel,
              *, max_model_len: int, vocab_size: int,
-             config_changes: list[tuple[float, EngineConfig]] | None = None) -> SimResult:
+             config_changes: list[tuple[float, EngineConfig]] | None = None,
+             seed: int = 0) -> SimResult:
     """Run ``trace``'s requests under ``config`` with ``num_kv_blocks`` blocks of
     ``config.block_size``. ``config_changes``: (time, config) applied from that time on, as
     the engine applied hot changes (the baseline replays the trace's own)."""
@@ -83,6 +85,7 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
     i = 0
     t = pending[0].arrival if pending else 0.0
     version = trace.header.config_version
+    noise = model.noise(seed)
 
     def finish(req: Request) -> None:
         records.append(request_record(req, t0=0.0, finish=clock[0], config_version=version,
@@ -109,7 +112,8 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
         so = sched.schedule()
         ran = so.total_num_scheduled_tokens
         dur = model.dur(so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
-                        so.prefill_attention, len(so.scheduled_new_reqs)) if ran else 0.0
+                        so.prefill_attention, len(so.scheduled_new_reqs)) * next(noise) \
+            if ran else 0.0
         clock[0] = t + dur
         out = ModelRunnerOutput(sampled=dict.fromkeys(so.num_scheduled_tokens, PLACEHOLDER_TOKEN))
         for req, res in sched.update_from_output(so, out):
