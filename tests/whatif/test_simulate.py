@@ -218,3 +218,27 @@ def test_step_noise_is_the_trace_s_own_spread_and_repeatable():
     trace = make_trace(rate=40.0)
     one, two = Baseline(trace).run({}), Baseline(trace).run({})
     assert figures(one.requests) == figures(two.requests)     # seeded: the same every run
+
+
+def test_a_pool_too_small_for_the_last_requests_rejects_them_and_ends():
+    trace = make_trace(num_requests=30)
+    longest = max(trace.requests, key=lambda r: r.prompt_len + r.output_len)
+    longest.arrival = max(r.arrival for r in trace.requests) + 1.0     # it arrives last
+    trace.requests.sort(key=lambda r: r.arrival)
+    need = -(-(longest.prompt_len + longest.output_len - 1) // 16)
+    result = Baseline(trace).run({"num_kv_blocks": need - 1})
+    assert result.rejected >= 1
+    assert len(result.requests) == 30 - result.rejected
+    report = whatif(trace, [{"num_kv_blocks": need - 1}])
+    assert report["variants"][0]["predicted"]["rejected"] == result.rejected
+
+
+def test_a_capacity_key_must_have_a_value_and_timeouts_are_counted_apart():
+    with pytest.raises(ValueError, match="give a value"):
+        check_key("num_kv_blocks", "none")
+    trace = make_trace(rate=60.0)
+    pred = whatif(trace, [{"max_num_seqs": 1, "max_holding_seconds": 0.2}])
+    variant = pred["variants"][0]["predicted"]
+    assert variant["timed_out"] > 0
+    # The figures are over the requests that ran to their end, as the trace's observed ones.
+    assert variant["ttft_p50_s"] is not None and variant["ttft_p50_s"] < 0.2 + 0.5

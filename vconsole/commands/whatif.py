@@ -32,6 +32,8 @@ def main(args: argparse.Namespace) -> int:
         report = whatif(trace, variants, costs=costs)
     except (TooLittleTraffic, ValueError) as e:
         return fail("whatif", e, 2)
+    except RuntimeError as e:        # a variant under which the simulation stalls
+        return fail("whatif", e, 1)
     if args.validate:
         from vconsole.tools.whatif_validate import validate
 

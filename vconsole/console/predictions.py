@@ -241,6 +241,11 @@ class WhatIf:
         except ValueError as e:
             self._error = Prediction(FAILED, reason=str(e), trace=self._info)
             return self._error
+        except Exception as e:   # a simulator bug: said, never a half-filled "now" column
+            self._base, self._before = None, {}
+            self._error = Prediction(FAILED, reason=f"the simulation failed: "
+                                     f"{type(e).__name__}: {e}", trace=self._info)
+            return self._error
         self._live = observed(trace)
         self._info = TraceInfo(len(trace.requests), len(trace.steps), trace.duration_s,
                                self._base.model.rel_error)
@@ -262,7 +267,10 @@ class WhatIf:
         reason = unmodelled(change)
         if reason is not None:
             return Prediction(NOT_PREDICTED, change, reason)
-        values = {k: check_key(k, v) for k, v in change.items()}
+        try:
+            values = {k: check_key(k, v) for k, v in change.items()}
+        except ValueError as e:
+            return Prediction(NOT_PREDICTED, change, str(e))
         if failed is not None:
             return Prediction(failed.status, change, failed.reason, trace=failed.trace)
         key = _key(values)
@@ -274,6 +282,9 @@ class WhatIf:
             after = predicted(self._base.run(values)) if values else dict(self._before)
         except ValueError as e:
             result = Prediction(NOT_PREDICTED, change, str(e), trace=self._info)
+        except Exception as e:   # this change only: the batch's other predictions stand
+            result = Prediction(FAILED, change, f"the simulation failed: "
+                                f"{type(e).__name__}: {e}", trace=self._info)
         else:
             result = Prediction(READY, change, before=self._before, after=after,
                                 live=self._live, trace=self._info)

@@ -65,6 +65,7 @@ class TraceHeader:
     started_unix: float = 0.0
     config_version: int = 1
     config: dict[str, Any] = field(default_factory=dict)
+    records_lost: int = 0           # steps or requests the engine could not keep (a hole)
     source: str = "vconsole"        # or "csv" (public traces: no steps, no prefixes)
     version: int = TRACE_VERSION
 
@@ -189,11 +190,13 @@ def trace_lines(trace: Trace) -> Iterator[str]:
         yield line
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[str]:
+def prompt_block_hashes(token_ids: list[int], block_size: int, *,
+                        key: bytes = b"") -> list[str]:
     """Chained hashes of the prompt's full blocks: block i's hash covers every token up to
     the end of block i, so two prompts share their first k hashes exactly when they share
     their first k blocks' tokens. A one-way hash (BLAKE2b, 64 bits, over the ids as
-    little-endian 4-byte integers): no text is recoverable."""
+    little-endian 4-byte integers); the engine keys it per trace (``key``), so its hashes
+    compare only with each other: no one can test a guessed prompt against them."""
     data = array("I", token_ids)        # OverflowError for an id beyond 32 bits
     if data.itemsize != 4 or sys.byteorder != "little":     # rare platforms: byte by byte
         data = array("B", b"".join(t.to_bytes(4, "little") for t in token_ids))
@@ -202,7 +205,7 @@ def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[str]:
     parent = b""
     out: list[str] = []
     for i in range(len(token_ids) // block_size):
-        h = hashlib.blake2b(parent, digest_size=8)
+        h = hashlib.blake2b(parent, digest_size=8, key=key)
         h.update(raw[i * width:(i + 1) * width])
         parent = h.digest()
         out.append(h.hexdigest())

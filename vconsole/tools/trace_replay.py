@@ -22,6 +22,9 @@ What is not replayed, counted by reason in ``skipped`` and never sent:
   prediction describe the same requests.
 - ``too_long``: ``prompt_len + output_len`` beyond the engine's ``max_model_len`` (a trace from
   an engine with a longer context); the engine would refuse it.
+- ``never_fits``: more KV blocks than the engine's whole pool (its hello's ``num_kv_blocks``
+  and ``block_size``; a smaller pool than the trace's): the engine would refuse it, and
+  `vconsole whatif` counts it as ``rejected``.
 
 Refused before anything is sent (`TraceError`, exit 2): a trace recorded on another model than
 the engine serves (`check_model`; the engine's model is its hello's ``model``, over HTTP the
@@ -52,6 +55,7 @@ from vconsole.tools.loadgen import TimedRequest
 SKIP_REASONS = {
     "not_finished": "did not finish normally in the trace (aborted, error, timeout)",
     "too_long": "prompt_len + output_len beyond the engine's max_model_len",
+    "never_fits": "needs more KV blocks than the engine's whole pool",
 }
 
 
@@ -100,6 +104,10 @@ def plan_replay(trace: Trace, engine_info: dict[str, Any], *, speed: float = 1.0
         raise TraceError(why)
     vocab = int(engine_info["vocab_size"])
     max_len = int(engine_info.get("max_model_len") or 0) or None
+    # The engine's pool, where it says (its hello does; an HTTP server may not): a request
+    # that needs more blocks than all of them would be refused, as the simulator rejects it.
+    pool_blocks = int(engine_info.get("num_kv_blocks") or 0)
+    engine_block = int(engine_info.get("block_size") or 0)
     plan = ReplayPlan(str(file), trace, speed, vocab)
     skipped: Counter[str] = Counter()
     kept = []
@@ -108,6 +116,9 @@ def plan_replay(trace: Trace, engine_info: dict[str, Any], *, speed: float = 1.0
             skipped["not_finished"] += 1
         elif max_len is not None and rec.prompt_len + rec.output_len > max_len:
             skipped["too_long"] += 1
+        elif pool_blocks and engine_block and \
+                -(-(rec.prompt_len + rec.output_len - 1) // engine_block) > pool_blocks:
+            skipped["never_fits"] += 1
         else:
             kept.append(rec)
     plan.skipped = {k: skipped[k] for k in SKIP_REASONS if skipped[k]}

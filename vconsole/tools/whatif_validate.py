@@ -80,7 +80,13 @@ def run_real(trace: Trace, config_view: dict[str, Any], *,
 
 def validate(trace: Trace, report: dict[str, Any], *,
              progress: Callable[[str], None] | None = None) -> None:
-    """Fill ``validated`` / ``validation_error`` into ``report`` (see the module docstring)."""
+    """Fill ``validated`` / ``validation_error`` into ``report`` (see the module docstring).
+    A trace whose config changed while it ran is refused: the prediction replays those
+    changes at their times, a validation engine would run one config."""
+    if len(trace.configs) > 1:
+        raise ValueError(f"the trace's config changed while it ran (config versions "
+                         f"{', '.join(map(str, sorted(trace.configs)))}): a validation runs "
+                         f"one config; validate on a trace recorded under one")
     entries = [("baseline", report["baseline"])] + [
         (", ".join(f"{k}={v}" for k, v in e["set"].items()), e) for e in report["variants"]]
     for i, (label, entry) in enumerate(entries, 1):

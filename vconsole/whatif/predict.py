@@ -50,6 +50,9 @@ def check_key(key: str, value: Any) -> Any:
     """The value in its type, or ValueError: an unknown key, a bad value, or a key whose
     effect a simulation cannot predict."""
     value = coerce_value(key, value)
+    if value is None and key in CAPACITY_KEYS:
+        raise ValueError(f"{key}: give a value (unset means 'sized from memory', which a "
+                         f"what-if cannot know)")
     if key not in MODELLED:
         raise ValueError(f"{key}: not predicted (a what-if models {', '.join(MODELLED)}; "
                          f"{key} changes neither scheduling nor the pool's capacity)")
@@ -149,7 +152,11 @@ class Baseline:
 
 
 def predicted(result: SimResult) -> dict[str, Any]:
-    out = figures(result.requests, result.steps, result.num_kv_blocks)
+    """The figures over the requests that ran to their end, as `observed` counts them; the
+    ones a variant's ``max_holding_seconds`` timed out are counted apart (``timed_out``)."""
+    done = [r for r in result.requests if finished_normally(r)]
+    out = figures(done, result.steps, result.num_kv_blocks)
+    out["timed_out"] = sum(1 for r in result.requests if r.finish_reason == "timeout")
     out["num_kv_blocks"] = result.num_kv_blocks
     out["fragmentation_mean"] = round(result.fragmentation_mean, 4)
     out["rejected"] = result.rejected

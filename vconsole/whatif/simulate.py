@@ -41,6 +41,7 @@ from vconsole.whatif.cost_model import StepCostModel
 
 PLACEHOLDER_TOKEN = 1
 IDLE_WAIT_S = 0.005     # the engine's wait after a step that scheduled nothing
+MAX_IDLE_STEPS = 100_000   # in a row: a config under which nothing can ever run again
 
 
 @dataclass
@@ -86,6 +87,7 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
     t = pending[0].arrival if pending else 0.0
     version = trace.header.config_version
     noise = model.noise(seed)
+    idle_steps = 0
 
     def finish(req: Request) -> None:
         records.append(request_record(req, t0=0.0, finish=clock[0], config_version=version,
@@ -107,7 +109,9 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
             except ValueError:
                 rejected += 1
         if not sched.has_requests():
-            t = pending[i].arrival
+            if i >= len(pending):
+                break           # the last arrivals could never run (rejected): done
+            t = max(t, pending[i].arrival)
             continue
         so = sched.schedule()
         ran = so.total_num_scheduled_tokens
@@ -134,11 +138,15 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
                 new_reqs=len(so.scheduled_new_reqs), preempted=len(so.preempted_req_ids),
                 kv_used=used, period=dur + gap if more else None))
             t = t + dur + gap
+            idle_steps = 0
         else:
-            # Nothing could run (every waiting request blocked): the engine waits briefly.
+            # Nothing ran (a timeout reported, or every waiting request blocked): the engine
+            # waits briefly for input, as its busy loop does.
             t = t + IDLE_WAIT_S
-            if i < len(pending) and not sched.num_running:
-                t = max(t, min(pending[i].arrival, t))
+            idle_steps += 1
+            if idle_steps > MAX_IDLE_STEPS:
+                raise RuntimeError(f"the simulation stalled at t={t:.3f} s: {sched.num_waiting} "
+                                   f"requests wait and none can be scheduled")
     return SimResult(records, steps, num_kv_blocks, B, rejected,
                      frag_sum / frag_n if frag_n else 0.0, time.perf_counter() - wall0)
 

@@ -61,9 +61,8 @@ def test_the_busy_loops_call_only_appends_and_the_records_come_later(monkeypatch
 
     monkeypatch.setattr(book_module, "prompt_block_hashes",
                         counted("hash", book_module.prompt_block_hashes))
-    for name in ("step_line", "header_line", "config_line"):
+    for name in ("step_line", "request_line", "header_line", "config_line"):
         monkeypatch.setattr(book_module, name, counted("line", getattr(book_module, name)))
-    monkeypatch.setattr(book_module._Kept, "line", counted("line", book_module._Kept.line))
     finished = [request(b, list(range(10)), 0.0, 0.5)]
     for i in range(10_000):
         b.add_step(step(b, i * 1e-5), finished if i % 10 == 9 else [], 1)
@@ -158,3 +157,35 @@ def test_prompt_hashes_are_the_chain_over_little_endian_ids():
                 parent = h.digest()
                 want.append(h.hexdigest())
             assert prompt_block_hashes(ids, size) == want
+
+
+def test_a_snapshot_copies_made_lines_and_the_hashes_are_keyed_per_book():
+    """``get_trace`` joins lines the trace thread already made (the lock is held for a
+    copy, not for serializing the window); two books hash the same prompt differently, each
+    consistently, so prefix sharing shows within a trace and nothing can be tested against
+    a guessed prompt."""
+    b, other = book(), book()
+    ids = list(range(40))
+    for bk in (b, other):
+        finished = [request(bk, ids, 0.0, 0.5), request(bk, ids + [7] * 8, 0.1, 0.6)]
+        bk.add_step(step(bk, 1e-3), finished, 1)
+        bk._drain()
+    made = {"n": 0}
+    real = book_module.request_line
+
+    def counting(r):
+        made["n"] += 1
+        return real(r)
+
+    book_module.request_line = counting
+    try:
+        first = parse_lines(b.lines().splitlines(keepends=True))
+    finally:
+        book_module.request_line = real
+    assert made["n"] == 0                       # nothing serialized again for a snapshot
+    second = parse_lines(other.lines().splitlines(keepends=True))
+    a, c = first.requests
+    assert a.block_hashes == c.block_hashes[:len(a.block_hashes)]   # shared prefix: equal
+    assert a.block_hashes != second.requests[0].block_hashes          # another book's key
+    assert a.block_hashes != prompt_block_hashes(ids, BLOCK)          # not the unkeyed hash
+    assert first.header.records_lost == 0

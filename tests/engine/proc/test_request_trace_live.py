@@ -164,6 +164,13 @@ def test_record_writes_the_engines_trace_beside_the_recording(engine, tmp_path, 
     assert record_cmd.main(args) == 0
     assert "note: no request trace" in capsys.readouterr().err
     assert not (tmp_path / "alone.vrec.trace.jsonl").exists()
+    # Another engine's telemetry without its --control: the default control endpoint may be
+    # a different engine, so no trace is fetched from it.
+    args = build_parser().parse_args(["record", str(tmp_path / "other.vrec"), "--duration",
+                                      "0.5", "--telemetry", eps["telemetry"]])
+    assert record_cmd.main(args) == 0
+    assert "give --control" in capsys.readouterr().err
+    assert not (tmp_path / "other.vrec.trace.jsonl").exists()
 
 
 def test_an_engine_whose_trace_file_cannot_be_written_does_not_start(tmp_path):

@@ -14,13 +14,14 @@ Who does what:
   after ``request_trace`` changed (the file is opened by `open_trace_file` before the change
   applies, so a path that cannot be written refuses the change with the reason).
 - **the trace thread** (``request-trace``, `start` / `close`): a few times a second it takes
-  what the busy loop handed over, in order, and turns it into records: a finished request's
-  prompt into its block hashes (`block_hashes`; the `Request` is then let go), a
-  `StepStats` into a `StepRecord`. It forgets what left the window and, while a file is open,
+  what the busy loop handed over, in order, and turns it into lines: a finished request into
+  its record and line, its prompt into block hashes keyed for this book (the `Request` is then
+  let go), a `StepStats` into a `StepRecord` and, once its period is known, its line. It forgets what left the window and, while a file is open,
   appends the new lines to it; it writes the file's header when it opens it and closes it
   when the key changes or at `close`.
-- **the control thread**: `lines(window_s)` for ``get_trace``: the trace of the last
-  ``window_s`` seconds as JSON lines, serialized there (never on the busy loop).
+- **the control thread**: `lines(window_s)` for ``get_trace``: the kept lines of the last
+  ``window_s`` seconds, copied under the lock and joined outside it (never on the busy loop,
+  and never seconds of serializing while the busy loop waits for the GIL).
 
 A step's ``period`` is its start to the next step's start when the engine went straight on
 (requests were left after it and the next step scheduled tokens); it is set when that next
@@ -45,9 +46,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
-from array import array
 from collections import deque
 from collections.abc import Sequence
 from io import FileIO
@@ -55,7 +56,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vconsole.telemetry.request_trace import (
-    HASH_HEX,
     RequestRecord,
     StepRecord,
     TraceHeader,
@@ -83,7 +83,6 @@ KEY = "request_trace"       # the config key
 
 _STEP, _CONFIG, _FILE, _STOP = "step", "config", "file", "stop"
 _STOP_RULES = ("length", "stop")
-_UINT32 = array("I").itemsize == 4
 
 
 def trace_file_path(path: str, config: EngineConfig) -> str:
@@ -105,27 +104,6 @@ def open_trace_file(path: str) -> FileIO:
                       f"{e.strerror or e}") from None
 
 
-@dataclasses.dataclass(slots=True)
-class _Kept:
-    """A finished request as the book keeps it: its record with the two lists held compactly
-    (its block hashes as one string, its gaps as an array) and expanded when serialized."""
-
-    record: RequestRecord          # block_hashes and itl_us empty
-    hashes: str
-    itl_us: array[int]
-
-    def full(self) -> RequestRecord:
-        return dataclasses.replace(self.record, block_hashes=self._hashes(),
-                                   itl_us=self.itl_us.tolist())
-
-    def line(self) -> str:
-        return request_line(self.full())
-
-    def _hashes(self) -> list[str]:
-        h = self.hashes
-        return [h[i:i + HASH_HEX] for i in range(0, len(h), HASH_HEX)]
-
-
 class TraceBook:
     """See the module docstring. ``header``: the model's fields (config and version are
     filled in per file and snapshot); ``config`` / ``config_version``: those in force now."""
@@ -144,8 +122,13 @@ class TraceBook:
         self.dropped = 0                        # items the busy loop could not hand over
         # The trace thread's (and a snapshot's) state, under _lock.
         self._lock = threading.Lock()
-        self._requests: deque[_Kept] = deque(maxlen=max_requests)
-        self._steps: deque[StepRecord] = deque(maxlen=max_steps)
+        # Finished lines, (time, JSON line), in the order they were made: a snapshot only
+        # copies and joins them (`lines`), so ``get_trace`` holds the lock for a copy.
+        self._requests: deque[tuple[float, str]] = deque(maxlen=max_requests)
+        self._steps: deque[tuple[float, str]] = deque(maxlen=max_steps)
+        # The prompts' block hashes are keyed per book: equal within this trace, which is all a
+        # replay needs, and no use to anyone testing a guessed prompt against them.
+        self._hash_key = os.urandom(16)
         self._configs: list[tuple[float, int, dict[str, Any]]] = [
             (0.0, config_version, config.to_dict())]
         self._open_step: StepRecord | None = None   # its period waits for the next step
@@ -198,25 +181,32 @@ class TraceBook:
     def lines(self, window_s: float | None = None) -> str:
         """The trace of the last ``window_s`` seconds (default and at most the whole window)
         as JSON lines: the header (the config in force at the window's start), the config
-        changes since, then request and step lines in time order."""
+        changes since, then request and step lines in time order. The lock is held only to
+        take in what is pending and copy the finished lines; filtering, sorting and joining
+        happen after."""
         with self._lock:
             self._drain_locked()
             span = self.window_s if window_s is None else min(max(window_s, 0.0), self.window_s)
             cutoff = time.monotonic() - self.t0 - span
-            head = self._configs[0]
-            later = []
-            for entry in self._configs:
-                if entry[0] <= cutoff:
-                    head = entry
-                else:
-                    later.append(entry)
-            timed = [(k.record.finish, 0, k.line()) for k in self._requests
-                     if k.record.finish >= cutoff]
-            timed += [(s.t, 1, step_line(s)) for s in self._steps if s.t >= cutoff]
-            out = [header_line(dataclasses.replace(self.header, config_version=head[1],
-                                                   config=head[2]))]
-            out += [config_line(t, v, c) for t, v, c in later if v != head[1]]
+            configs = list(self._configs)
+            requests, steps = list(self._requests), list(self._steps)
+            if self._open_step is not None:          # its period is not known yet
+                steps.append((self._open_step.t, step_line(self._open_step)))
+            lost = self.dropped + self._failures
+        head = configs[0]
+        later = []
+        for entry in configs:
+            if entry[0] <= cutoff:
+                head = entry
+            else:
+                later.append(entry)
+        timed = [(t, 0, line) for t, line in requests if t >= cutoff]
+        timed += [(t, 1, line) for t, line in steps if t >= cutoff]
         timed.sort(key=lambda x: (x[0], x[1]))
+        header = dataclasses.replace(self.header, config_version=head[1], config=head[2],
+                                     records_lost=lost)
+        out = [header_line(header)]
+        out += [config_line(t, v, c) for t, v, c in later if v != head[1]]
         out += [line for _, _, line in timed]
         return "".join(out)
 
@@ -275,10 +265,11 @@ class TraceBook:
                    lines: list[tuple[float, str]]) -> None:
         end = (stats.start_ns + stats.total_ns) / 1e9
         for req in finished:
-            kept = self._keep(req, end, version)
-            self._requests.append(kept)
+            record = self._keep(req, end, version)
+            entry = (record.finish, request_line(record))
+            self._requests.append(entry)
             if self._file is not None:
-                lines.append((kept.record.finish, kept.line()))
+                lines.append(entry)
         if stats.num_prefill_tokens + stats.num_decode_tokens == 0:
             self._settle(None, lines)       # the engine waited: no period for the one before
             return
@@ -291,11 +282,10 @@ class TraceBook:
             preempted=stats.num_preempted, finished=stats.num_finished,
             kv_used=stats.kv_used_blocks)
         self._settle(rec.t, lines)
-        self._steps.append(rec)
         if stats.num_running + stats.num_waiting > 0:
             self._open_step, self._open_step_file = rec, self._file
-        elif self._file is not None:
-            lines.append((rec.t, step_line(rec)))
+        else:
+            self._finish_step(rec, self._file, lines)
 
     def _settle(self, next_t: float | None, lines: list[tuple[float, str]]) -> None:
         """The open step's period is known now: ``next_t`` - its start (None: no period)."""
@@ -304,23 +294,23 @@ class TraceBook:
             return
         if next_t is not None:
             rec.period = next_t - rec.t
-        if self._open_step_file is not None and self._open_step_file is self._file:
-            lines.append((rec.t, step_line(rec)))
+        self._finish_step(rec, self._open_step_file, lines)
         self._open_step = self._open_step_file = None
 
-    def _keep(self, req: Request, step_end: float, version: int) -> _Kept:
+    def _finish_step(self, rec: StepRecord, file: FileIO | None,
+                     lines: list[tuple[float, str]]) -> None:
+        entry = (rec.t, step_line(rec))
+        self._steps.append(entry)
+        if file is not None and file is self._file:
+            lines.append(entry)
+
+    def _keep(self, req: Request, step_end: float, version: int) -> RequestRecord:
         last = req.last_token_time
         finish = (last if last is not None and str(req.finish_reason) in _STOP_RULES
                   else step_end)
-        record = request_record(req, t0=self.t0, finish=finish, config_version=version,
-                                block_hashes=[])
-        try:
-            gaps = array("I" if _UINT32 else "q", record.itl_us)   # 4 bytes a gap (< 71 min)
-        except OverflowError:
-            gaps = array("q", record.itl_us)
-        record.itl_us = []
-        hashes = "".join(prompt_block_hashes(req.prompt_token_ids, self.block_size))
-        return _Kept(record, hashes, gaps)
+        hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size, key=self._hash_key)
+        return request_record(req, t0=self.t0, finish=finish, config_version=version,
+                              block_hashes=hashes)
 
     def _switch_file(self, handle: FileIO | None, path: str | None,
                      lines: list[tuple[float, str]]) -> None:
@@ -369,9 +359,9 @@ class TraceBook:
     def _forget(self, cutoff: float) -> None:
         """Drop what finished or started before ``cutoff``; the config in force then stays."""
         reqs, steps = self._requests, self._steps
-        while reqs and reqs[0].record.finish < cutoff:
+        while reqs and reqs[0][0] < cutoff:
             reqs.popleft()
-        while steps and steps[0].t < cutoff:
+        while steps and steps[0][0] < cutoff:
             steps.popleft()
         configs = self._configs
         while len(configs) > 1 and configs[1][0] <= cutoff:
