@@ -250,10 +250,7 @@ def plan_edits(cfg: ConfigView | None, values: dict[str, str],
             return EditsPlan(refused=f"{key}: {reason}")
         if value != cfg.values.get(key):
             plan.changes[key] = (cfg.values.get(key), value)
-    sc, kvp = latest(engine)
-    plan.risks = [r for k, (old, new) in plan.changes.items()
-                  if (r := consequence(k, old, new, num_running=sc.get("num_running"),
-                                       num_cached=kvp.get("num_cached"))) is not None]
+    plan.risks = risks_of(plan.changes, engine)
     return plan
 
 
@@ -275,11 +272,16 @@ def plan_advice(cfg: ConfigView | None, advice: Any, engine: EngineState | None,
             return AdvicePlan(advice, f"{key}: {reason}")
         if value != cfg.values.get(key):
             plan.changes[key] = (cfg.values.get(key), value)
-    sc, kvp = latest(engine)
-    plan.risks = [r for k, (old, new) in plan.changes.items()
-                  if (r := consequence(k, old, new, num_running=sc.get("num_running"),
-                                       num_cached=kvp.get("num_cached"))) is not None]
+    plan.risks = risks_of(plan.changes, engine)
     return plan
+
+
+def risks_of(changes: dict[str, tuple[Any, Any]], engine: EngineState | None) -> list[Any]:
+    """What the confirmation names for these (old, new) changes on the engine as it is now."""
+    sc, kvp = latest(engine)
+    return [r for k, (old, new) in changes.items()
+            if (r := consequence(k, old, new, num_running=sc.get("num_running"),
+                                 num_cached=kvp.get("num_cached"))) is not None]
 
 
 def latest(engine: EngineState | None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -215,12 +215,6 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
     tasks: set[asyncio.Task[None]] = set()
     stop = stop or threading.Event()
 
-    async def ticker() -> None:
-        while True:
-            await asyncio.sleep(PROGRESS_INTERVAL_S)
-            if on_progress:
-                on_progress(run.progress())
-
     async def start_one() -> bool:
         ids, max_tokens, priority = workload.next()
         while cap is not None:
@@ -243,7 +237,7 @@ async def run_load(client: AsyncEngineClient, spec: LoadSpec, *, rate_fn: RateFn
             task.add_done_callback(lambda _: cap.release())
         return True
 
-    tick = asyncio.create_task(ticker())
+    tick = asyncio.create_task(_ticker(run, on_progress))
     try:
         i = 0
         while (spec.num is None or i < spec.num) and not stop.is_set() \
@@ -304,13 +298,7 @@ async def run_timed(client: AsyncEngineClient, requests: Sequence[TimedRequest],
     tasks: set[asyncio.Task[None]] = set()
     stop = stop or threading.Event()
 
-    async def ticker() -> None:
-        while True:
-            await asyncio.sleep(PROGRESS_INTERVAL_S)
-            if on_progress:
-                on_progress(run.progress())
-
-    tick = asyncio.create_task(ticker())
+    tick = asyncio.create_task(_ticker(run, on_progress))
     run.started = time.monotonic()
     try:
         for r in sorted(requests, key=lambda r: r.at):
@@ -333,6 +321,14 @@ async def run_timed(client: AsyncEngineClient, requests: Sequence[TimedRequest],
         if on_progress:
             on_progress(run.progress())
     return run
+
+
+async def _ticker(run: LoadRun, on_progress: ProgressFn | None) -> None:
+    """Tell ``on_progress`` the run's progress every `PROGRESS_INTERVAL_S`, until cancelled."""
+    while True:
+        await asyncio.sleep(PROGRESS_INTERVAL_S)
+        if on_progress:
+            on_progress(run.progress())
 
 
 def _constant(rate: float) -> RateFn:
