@@ -20,7 +20,8 @@ hashes mean equal prefixes, as the prefix cache sees them), so a replay can buil
 prompts that share exactly the prefixes the real ones shared (`synthetic_prompt`).
 
 `read_trace` refuses a file that is empty, cut short (a last line that is not whole JSON: the
-writer only ever writes whole lines) or of another version, with the reason. `read_csv` reads
+writer only ever writes whole lines) or of another version, with the reason; a field it does
+not know (a newer writer's addition within the version) is left unread. `read_csv` reads
 public traces (Vidur's / Azure's CSV columns): arrivals and token counts only, no steps and no
 shared prefixes.
 """
@@ -136,6 +137,8 @@ class Trace:
 
 _REQUEST_FIELDS = tuple(f.name for f in fields(RequestRecord))
 _STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
+_KNOWN = {"header": {f.name for f in fields(TraceHeader)}, "request": set(_REQUEST_FIELDS),
+          "step": set(_STEP_FIELDS)}
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -248,6 +251,9 @@ def parse_lines(lines: Iterable[str], name: str = "trace") -> Trace:
         if not isinstance(obj, dict) or "kind" not in obj:
             raise TraceError(f"{name}: line {n} is not a trace record (no 'kind')")
         kind = obj.pop("kind")
+        known = _KNOWN.get(kind)
+        if known is not None:       # a newer writer's added fields: not ours to read
+            obj = {k: v for k, v in obj.items() if k in known}
         try:
             if kind == "header":
                 if trace is not None:
