@@ -212,7 +212,9 @@ def score(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def whatif_bench(seconds: float = 90.0, workloads: tuple[str, ...] = ("demo", "serve"),
-                 log: Log = None) -> dict[str, Any]:
+                 log: Log = None, trace_dir: str | None = None) -> dict[str, Any]:
+    """See the module docstring; ``trace_dir``: keep the recorded traces there (default: a
+    temporary folder, removed)."""
     # Every engine of the run (recorded and validating) gets the same torch threads, one core
     # short of the machine's: the load client needs one, and OpenMP threads spin-waiting
     # beside it slow steps at random (a step-time model measures the engine, not that).
@@ -221,7 +223,8 @@ def whatif_bench(seconds: float = 90.0, workloads: tuple[str, ...] = ("demo", "s
                            "goals": {
         "median_error": GOAL_MEDIAN, "tail_error": GOAL_TAIL,
         "sim_s_per_10_min": GOAL_SPEED_S}, "workloads": {}}
-    with tempfile.TemporaryDirectory(prefix="vconsole-bench-whatif-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vconsole-bench-whatif-") as tmp_dir:
+        tmp = trace_dir or tmp_dir
         for name in workloads:
             path = Path(tmp) / f"{name}.jsonl"
             config = (record_demo if name == "demo" else record_serve)(seconds, path, log)
