@@ -123,6 +123,11 @@ PLANTED = [
     pytest.param("engine/worker/sampler.py", "from vconsole.engine.kv import block_pool",
                  "worker", "vconsole.engine.worker.sampler -> vconsole.engine.kv.block_pool",
                  id="worker-imports-kv"),
+    pytest.param("whatif/simulate.py", "import torch", "whatif",
+                 "vconsole.whatif.simulate -> torch", id="whatif-imports-torch"),
+    pytest.param("console/predictions.py", "from vconsole.engine.kv import block_pool",
+                 "console", "vconsole.console.predictions -> vconsole.engine.kv.block_pool",
+                 id="console-imports-kv-beside-whatif"),
     pytest.param("cli.py", "from vconsole.engine.worker import tiny_model", "cli",
                  "vconsole.cli -> vconsole.engine.worker.tiny_model", id="cli-imports-worker"),
 ]
