@@ -196,8 +196,12 @@ def block_sizes(trace: Trace) -> list[dict[str, Any]]:
     return rows
 
 
-def score(report: dict[str, Any]) -> dict[str, Any]:
-    """Every validated figure's error, and the goals' verdict over the held-out variants."""
+def score(report: dict[str, Any], spread: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every validated figure's error, and the goals' verdict over the held-out variants.
+    With ``spread`` (two real runs of the baseline: how far apart they were, per figure):
+    ``within_real_spread``, the share of (run, figure) errors no larger than the goal or the
+    real engine's own spread on that figure, whichever is larger: an error below the spread is
+    as close as the real engine comes to itself."""
     rows = []
     for entry in [report["baseline"], *report["variants"]]:
         err = entry.get("validation_error") or {}
@@ -205,7 +209,13 @@ def score(report: dict[str, Any]) -> dict[str, Any]:
     worst_med = max((abs(r[k]) for r in rows for k in MEDIANS if r[k] is not None), default=None)
     worst_tail = max((abs(r[k]) for r in rows for k in TAILS if r[k] is not None), default=None)
     med = [abs(r[k]) for r in rows for k in MEDIANS if r[k] is not None]
+    judged = [(k, abs(r[k])) for r in rows for k in MEDIANS + TAILS if r[k] is not None]
+    floor = {k: max(GOAL_MEDIAN if k in MEDIANS else GOAL_TAIL,
+                    abs((spread or {}).get(k) or 0.0)) for k in MEDIANS + TAILS}
+    within = sum(1 for k, e in judged if e <= floor[k])
     return {"errors": rows, "worst_median_error": worst_med, "worst_tail_error": worst_tail,
+            "within_real_spread": round(within / len(judged), 3) if judged else None,
+            "bound_per_figure": {k: round(v, 4) for k, v in floor.items()},
             "mean_median_error": round(statistics.fmean(med), 4) if med else None,
             "medians_within_goal": worst_med is not None and worst_med <= GOAL_MEDIAN,
             "tails_within_goal": worst_tail is not None and worst_tail <= GOAL_TAIL}
@@ -235,7 +245,8 @@ def whatif_bench(seconds: float = 90.0, workloads: tuple[str, ...] = ("demo", "s
                 log(f"{name}: the baseline replayed once more (the real engine's own spread)")
             again = observed(run_real(trace, report["baseline"]["config"]))
             spread = errors(report["baseline"]["validated"], again)
-            out["workloads"][name] = {"config": config, "report": report, "score": score(report),
+            out["workloads"][name] = {"config": config, "report": report,
+                                      "score": score(report, spread),
                                       "real_spread": {"second_run": again, "difference": spread},
                                       "speed": speed(trace), "block_sizes": block_sizes(trace)}
             if log:
