@@ -47,14 +47,13 @@ def main(args: argparse.Namespace) -> int:
 def _save_trace(args: argparse.Namespace, elapsed_s: float, curve: ClientCurve | None) -> None:
     """The engine's request trace of the recording's time (at most the engine's last five
     minutes), beside the recording."""
-    control = getattr(args, "control", None)
-    telemetry = getattr(args, "telemetry", None)
-    if control is None and telemetry not in (None, DEFAULT_TELEMETRY):
+    control = getattr(args, "control", None) or DEFAULT_CONTROL
+    telemetry = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY
+    if control == DEFAULT_CONTROL and telemetry != DEFAULT_TELEMETRY:
         # Another engine's telemetry: the default control endpoint may be a different engine.
         print("note: no request trace beside the recording: give --control of the engine "
               "recorded (its telemetry is not the default endpoint)", file=sys.stderr)
         return
-    control = control or DEFAULT_CONTROL
     path = trace_path(args.file)
     try:
         text = fetch_trace(control, elapsed_s + 1.0, curve=curve)

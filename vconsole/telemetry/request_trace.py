@@ -163,13 +163,15 @@ def request_line(r: RequestRecord) -> str:
 
 
 def step_line(s: StepRecord) -> str:
-    d: dict[str, Any] = {"kind": "step"}
-    for name in _STEP_FIELDS:
-        d[name] = getattr(s, name)
-    for key in ("t", "dur", "execute", "period"):
-        if d[key] is not None:
-            d[key] = round(d[key], 7)
-    return json.dumps(d, separators=(",", ":")) + "\n"
+    """A step's line, formatted directly (there are many: a few microseconds each, against
+    ~15 for a dict through `json.dumps`); times to 0.1 us; the JSON `parse_lines` reads."""
+    period = "null" if s.period is None else f"{s.period:.7f}"
+    return (f'{{"kind":"step","t":{s.t:.7f},"dur":{s.dur:.7f},"execute":{s.execute:.7f},'
+            f'"prefill":{s.prefill},"decode":{s.decode},"reqs":{s.reqs},'
+            f'"running":{s.running},"waiting":{s.waiting},"context":{s.context},'
+            f'"prefill_attn":{s.prefill_attn},"new_reqs":{s.new_reqs},'
+            f'"preempted":{s.preempted},"finished":{s.finished},"kv_used":{s.kv_used},'
+            f'"period":{period}}}\n')
 
 
 def _line(obj: dict[str, Any]) -> str:

@@ -19,9 +19,10 @@ Who does what:
   let go), a `StepStats` into a `StepRecord` and, once its period is known, its line. It forgets what left the window and, while a file is open,
   appends the new lines to it; it writes the file's header when it opens it and closes it
   when the key changes or at `close`.
-- **the control thread**: `lines(window_s)` for ``get_trace``: the kept lines of the last
-  ``window_s`` seconds, copied under the lock and joined outside it (never on the busy loop,
-  and never seconds of serializing while the busy loop waits for the GIL).
+- **the control thread**: `lines(window_s)` for ``get_trace``: the request lines and step
+  records of the last ``window_s`` seconds, copied under the lock; outside it, the steps are
+  formatted (`step_line`, a few microseconds each: under a second for a full window) and all
+  joined (never on the busy loop).
 
 A step's ``period`` is its start to the next step's start when the engine went straight on
 (requests were left after it and the next step scheduled tokens); it is set when that next
@@ -125,7 +126,9 @@ class TraceBook:
         # Finished lines, (time, JSON line), in the order they were made: a snapshot only
         # copies and joins them (`lines`), so ``get_trace`` holds the lock for a copy.
         self._requests: deque[tuple[float, str]] = deque(maxlen=max_requests)
-        self._steps: deque[tuple[float, str]] = deque(maxlen=max_steps)
+        # Steps stay records (a step is a few microseconds to serialize, and there are many:
+        # made into lines only for a file or a snapshot, never for nothing).
+        self._steps: deque[StepRecord] = deque(maxlen=max_steps)
         # The prompts' block hashes are keyed per book: equal within this trace, which is all a
         # replay needs, and no use to anyone testing a guessed prompt against them.
         self._hash_key = os.urandom(16)
@@ -191,7 +194,7 @@ class TraceBook:
             configs = list(self._configs)
             requests, steps = list(self._requests), list(self._steps)
             if self._open_step is not None:          # its period is not known yet
-                steps.append((self._open_step.t, step_line(self._open_step)))
+                steps.append(dataclasses.replace(self._open_step))
             lost = self.dropped + self._failures
         head = configs[0]
         later = []
@@ -201,7 +204,7 @@ class TraceBook:
             else:
                 later.append(entry)
         timed = [(t, 0, line) for t, line in requests if t >= cutoff]
-        timed += [(t, 1, line) for t, line in steps if t >= cutoff]
+        timed += [(st.t, 1, step_line(st)) for st in steps if st.t >= cutoff]
         timed.sort(key=lambda x: (x[0], x[1]))
         header = dataclasses.replace(self.header, config_version=head[1], config=head[2],
                                      records_lost=lost)
@@ -299,10 +302,9 @@ class TraceBook:
 
     def _finish_step(self, rec: StepRecord, file: FileIO | None,
                      lines: list[tuple[float, str]]) -> None:
-        entry = (rec.t, step_line(rec))
-        self._steps.append(entry)
+        self._steps.append(rec)
         if file is not None and file is self._file:
-            lines.append(entry)
+            lines.append((rec.t, step_line(rec)))
 
     def _keep(self, req: Request, step_end: float, version: int) -> RequestRecord:
         last = req.last_token_time
@@ -361,7 +363,7 @@ class TraceBook:
         reqs, steps = self._requests, self._steps
         while reqs and reqs[0][0] < cutoff:
             reqs.popleft()
-        while steps and steps[0][0] < cutoff:
+        while steps and steps[0].t < cutoff:
             steps.popleft()
         configs = self._configs
         while len(configs) > 1 and configs[1][0] <= cutoff:
