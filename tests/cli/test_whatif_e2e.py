@@ -42,14 +42,14 @@ def one_thread_engines():
 
 @pytest.fixture(scope="module")
 def live_trace(tmp_path_factory, one_thread_engines):
-    """A trace of 48 requests (a third sharing a 32-token prefix) from a live tiny engine."""
+    """A trace of 32 requests from a live tiny engine (1 thread: see one_thread_engines)."""
     d = tmp_path_factory.mktemp("whatif-live")
     path = d / "trace.jsonl"
     endpoints = ipc_endpoints(d)
     with EngineProcess([*ENGINE, "--request-trace", str(path)], endpoints=endpoints,
                        log_path=d / "engine.log"):
         code = cli_main(["load", "--input", endpoints["input"], "--output",
-                         endpoints["output"], "--num", "48", "--rate", "30",
+                         endpoints["output"], "--num", "32", "--rate", "40",
                          "--prompt-len", "16:200", "--output-len", "8:64", "--json",
                          "--priority-mix", "0:1,1:1"])
         assert code == 0
@@ -58,7 +58,7 @@ def live_trace(tmp_path_factory, one_thread_engines):
 
 def test_the_live_trace_holds_every_request_and_the_steps_behind_it(live_trace):
     trace = read_trace(live_trace)
-    assert len(trace.requests) == 48
+    assert len(trace.requests) == 32
     assert all(r.finish_reason == "length" and r.output_len == r.max_tokens
                for r in trace.requests)
     assert trace.header.model == "tiny" and trace.header.num_kv_blocks == 40
@@ -69,16 +69,16 @@ def test_the_live_trace_holds_every_request_and_the_steps_behind_it(live_trace):
 
 
 def test_whatif_predicts_and_validate_runs_the_real_engine(live_trace, capsys):
-    code, out, err = _run(["whatif", str(live_trace), "--set", "max_num_seqs=1", "--json",
+    code, out, err = _run(["whatif", str(live_trace), "--set", "max_num_seqs=2", "--json",
                            "--validate"], capsys)
     assert code == 0, err
     report = json.loads(out)
     base, variant = report["baseline"], report["variants"][0]
-    assert variant["set"] == {"max_num_seqs": 1}
+    assert variant["set"] == {"max_num_seqs": 2}
     for entry in (base, variant):
         assert entry["validated"]["output_tok_s"] > 0
         assert set(entry["validation_error"]) >= {"output_tok_s", "ttft_p50_s", "itl_p50_s"}
-    # One seat queues requests: predicted and real agree that TTFT grows.
+    # Two seats queue requests: predicted and real agree that TTFT grows.
     assert variant["predicted"]["ttft_p50_s"] > base["predicted"]["ttft_p50_s"]
     assert variant["validated"]["ttft_p50_s"] > base["validated"]["ttft_p50_s"]
     # The baseline replays the trace's own arrivals: its throughput is the arrivals' pace.
