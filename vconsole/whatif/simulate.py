@@ -22,6 +22,7 @@ own trace uses, so predicted and observed figures are computed alike (`figures`)
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +69,6 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
     """Run ``trace``'s requests under ``config`` with ``num_kv_blocks`` blocks of
     ``config.block_size``. ``config_changes``: (time, config) applied from that time on, as
     the engine applied hot changes (the baseline replays the trace's own)."""
-    import time
-
     wall0 = time.perf_counter()
     clock = [0.0]
     B = config.block_size

@@ -154,6 +154,7 @@ def test_a_converted_gguf_is_reused_not_converted_again(ggufs, caplog):
     path = ggufs["qwen2"]
     target = resolve_model_path(path)                 # converted by now (or here)
     stamps = {p.name: p.stat().st_mtime_ns for p in [target, *target.iterdir()]}
+    caplog.clear()          # the first call may have converted (and said so): not this one
     with caplog.at_level(logging.WARNING, logger=gguf_model.__name__):
         again = resolve_model_path(str(path))
     assert again == target
