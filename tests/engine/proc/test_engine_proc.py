@@ -508,6 +508,9 @@ def test_log_stats_logs_a_stats_line_every_interval_and_the_toggle_is_hot(tmp_pa
         assert len(STATS_LINE.findall(proc.log_text())) == len(lines), "log_stats=false logs"
 
 
+STARVED_S = 0.1   # a heartbeat received this late: the test process was not running
+
+
 def test_a_client_that_stops_reading_holds_back_no_other_clients_output(tmp_path):
     """Measured in engine steps, not seconds: while a client that never reads fills its send
     queue and is dropped, another client's stream gets its token of every step as the step
@@ -566,8 +569,14 @@ def test_a_client_that_stops_reading_holds_back_no_other_clients_output(tmp_path
             f"the stuck client's queue never filled:\n{proc.log_tail()}"
         first, last = arrivals[0][0], arrivals[-1][0]
         lags = []
-        for _t, _topic, p in tel.messages:
+        # Telemetry stamps receipt on the monotonic clock; heartbeats carry wall time.
+        wall_minus_mono = time.time() - time.monotonic()
+        for got_at, _topic, p in tel.messages:
             if _topic == "health" and first < p["ts"] < last:
+                if got_at + wall_minus_mono - p["ts"] > STARVED_S:
+                    # This process itself was not running (a loaded machine): its tokens came
+                    # late for the same reason, which says nothing about the engine.
+                    continue
                 received = max(n for when, n in arrivals if when <= p["ts"])
                 lags.append(p["steps"] - received)
         assert len(lags) > 20
