@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 TRACE_VERSION = 1
-HASH_HEX = 16                 # a block hash: 64 bits as 16 hex digits
 
 
 class TraceError(ValueError):
