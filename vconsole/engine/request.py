@@ -8,6 +8,7 @@ that rule; when it has caught up, the model samples the next token.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,56 @@ MAX_LOGPROBS = 20      # top logprobs per token, at most (OpenAI's limit)
 TokenLogprobs = tuple[float, list[int], list[float]]
 
 
+# What a structured-output spec may constrain the output to (vLLM's ``structured_outputs``
+# fields). Their index + 1 is the ``constraint`` code of the request table (0: none).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A request's structured-output constraint, as plain text (hashable: the engine caches
+    compiled grammars by it; `vconsole.engine.structured` compiles it).
+
+    ``value`` per ``kind``: ``json`` the JSON Schema as JSON text; ``json_object`` "" (any JSON
+    object); ``regex`` the pattern; ``choice`` a JSON array of strings as text (the output is
+    exactly one of them); ``grammar`` a Lark grammar (llguidance's dialect) or GBNF text."""
+
+    kind: str
+    value: str
+
+    def validate(self) -> None:
+        """Raise ValueError with the reason unless the spec is well formed (whether its
+        grammar compiles is `vconsole.engine.structured.grammar.check_spec`'s question)."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output: kind must be one of "
+                             f"{', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.value, str):
+            raise ValueError(f"structured output: value must be a string, got "
+                             f"{type(self.value).__name__}")
+        if self.kind == "choice":
+            choices = self.choices()
+            if not choices:
+                raise ValueError("structured output: choice needs at least one string")
+        elif self.kind in ("json", "regex", "grammar") and not self.value.strip():
+            raise ValueError(f"structured output: {self.kind} needs a non-empty value")
+
+    def choices(self) -> list[str]:
+        """A ``choice`` spec's strings; ValueError unless ``value`` is a JSON list of them."""
+        try:
+            choices = json.loads(self.value)
+        except ValueError:
+            raise ValueError("structured output: choice must be a JSON array of strings") \
+                from None
+        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+            raise ValueError("structured output: choice must be a JSON array of strings")
+        return choices
+
+    @property
+    def code(self) -> int:
+        """The request table's ``constraint`` code: 1 + the kind's index (0 means none)."""
+        return STRUCTURED_KINDS.index(self.kind) + 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. temperature 0 (or below `SAMPLING_EPS`) = greedy; top_k 0 and
@@ -67,6 +118,9 @@ class SamplingParams:
     # ``prompt_logprobs``), from the forward pass that prefills the prompt. Such a request
     # does not read the prefix cache (every position is computed; it still writes the cache).
     prompt_logprobs: int | None = None
+    # Constrain the output to a JSON schema, a regex, a choice or a grammar (see
+    # `StructuredSpec`); the engine compiles it before the request is scheduled.
+    structured: StructuredSpec | None = None
 
     def validate(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -107,6 +161,14 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                              f"{self.prompt_logprobs!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredSpec):
+                raise ValueError(f"structured must be a StructuredSpec, got "
+                                 f"{type(self.structured).__name__}")
+            self.structured.validate()
+            if self.ignore_eos:
+                raise ValueError("structured output and ignore_eos cannot be combined: the "
+                                 "grammar decides where the output ends")
 
     @property
     def penalised(self) -> bool:

@@ -52,7 +52,7 @@ import msgpack
 import numpy as np
 
 from vconsole.engine.outputs import PromptLogprobs, RequestOutput
-from vconsole.engine.request import SamplingParams
+from vconsole.engine.request import SamplingParams, StructuredSpec
 
 PROTOCOL_VERSION = 1
 INLINE_MAX = 16
@@ -71,7 +71,7 @@ WAVE_EVENTS = ("start", "complete")
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids",
                  "ignore_eos", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logprobs", "prompt_logprobs")
+                 "repetition_penalty", "logprobs", "prompt_logprobs", "structured")
 
 Frames = list[Any]  # bytes / numpy arrays on send; bytes / memoryviews on receive
 
@@ -182,9 +182,22 @@ def sampling_to_wire(sampling: SamplingParams | dict[str, Any] | None) -> dict[s
     if sampling is None:
         return {}
     if isinstance(sampling, SamplingParams):
-        return {k: (list(v) if k == "stop_token_ids" else v)
+        return {k: _wire_value(k, v)
                 for k in SAMPLING_KEYS if (v := getattr(sampling, k)) is not None}
-    return dict(sampling)
+    out = dict(sampling)
+    if isinstance(out.get("structured"), StructuredSpec):
+        out["structured"] = _wire_value("structured", out["structured"])
+    return out
+
+
+def _wire_value(key: str, value: Any) -> Any:
+    """A sampling field as msgpack carries it: lists, and the structured-output spec as the map
+    ``{"kind": ..., "value": ...}``."""
+    if key == "stop_token_ids":
+        return list(value)
+    if key == "structured" and isinstance(value, StructuredSpec):
+        return {"kind": value.kind, "value": value.value}
+    return value
 
 
 def encode_hello() -> Frames:
@@ -252,6 +265,17 @@ def _token_ids(value: Any, what: str, rid: str | None) -> list[int]:
     return ids
 
 
+def _structured(raw: Any, rid: str | None) -> StructuredSpec:
+    """``{"kind": str, "value": str}``, exactly those keys (the spec's own checks follow in
+    `SamplingParams.validate`)."""
+    if not isinstance(raw, dict) or set(raw) != {"kind", "value"}:
+        raise ProtocolError("structured must be a map with exactly 'kind' and 'value'", rid)
+    kind, value = raw["kind"], raw["value"]
+    if not isinstance(kind, str) or not isinstance(value, str):
+        raise ProtocolError("structured 'kind' and 'value' must be strings", rid)
+    return StructuredSpec(kind, value)
+
+
 def parse_sampling(raw: Any, rid: str | None) -> SamplingParams:
     if not isinstance(raw, dict):
         raise ProtocolError("sampling must be a map", rid)
@@ -280,6 +304,8 @@ def parse_sampling(raw: Any, rid: str | None) -> SamplingParams:
         if not isinstance(raw["ignore_eos"], bool):
             raise ProtocolError("ignore_eos must be a boolean", rid)
         kw["ignore_eos"] = raw["ignore_eos"]
+    if raw.get("structured") is not None:
+        kw["structured"] = _structured(raw["structured"], rid)
     params = SamplingParams(**kw)
     try:
         params.validate()

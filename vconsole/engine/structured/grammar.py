@@ -1,0 +1,76 @@
+"""A `StructuredSpec` as llguidance grammar text, and whether it compiles.
+
+No tokenizer is needed here: `check_spec` is what the HTTP server calls to answer a spec that
+can never compile with a 400 before anything streams; the engine compiles the same text
+against its tokenizer (`vconsole.engine.structured.compiler`).
+
+JSON schemas compile without free whitespace (``whitespace_flexible: false``: ``{"a":1}``, not
+``{ "a" : 1 }``), so outputs stay short and a model cannot wander off into blanks; a schema
+may say otherwise with llguidance's ``"x-guidance"`` key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+from llguidance import LLMatcher
+from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+from vconsole.engine.request import StructuredSpec
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+PREFIX = "structured output: "
+# JSON compile options applied before the schema's own "x-guidance" (llguidance's defaults).
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
+ANY_OBJECT_SCHEMA = '{"type": "object"}'
+_GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][\w-]*\s*::=")
+
+
+def is_gbnf(text: str) -> bool:
+    """GBNF (llama.cpp's: ``root ::= ...``) rather than llguidance's Lark (``start: ...``)."""
+    return not is_lark_syntax(text) and _GBNF_RULE.search(text) is not None
+
+
+def to_grammar(spec: StructuredSpec) -> str:
+    """The llguidance grammar for ``spec``. Raises ValueError (``"structured output: ..."``)
+    when the spec is malformed or its text cannot be converted; whether the grammar compiles
+    is `check_spec`'s (or the matcher's) question."""
+    spec.validate()
+    kind, value = spec.kind, spec.value
+    if kind == "json" or kind == "json_object":
+        schema = value if kind == "json" else ANY_OBJECT_SCHEMA
+        try:
+            json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"{PREFIX}the JSON schema is not valid JSON: {e}") from None
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        except ValueError as e:
+            raise ValueError(f"{PREFIX}{e}") from None
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        # Lark string literals take JSON's escapes: each choice is matched exactly.
+        lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                      for c in spec.choices())
+        return LLMatcher.grammar_from_lark(lark)
+    # grammar: GBNF converted to Lark, or Lark as given
+    if is_gbnf(value):
+        try:
+            value = gbnf_to_lark(value)
+        except Exception as e:   # the converter raises its own error types
+            raise ValueError(f"{PREFIX}the GBNF grammar does not convert: {e}") from None
+    return LLMatcher.grammar_from_lark(value)
+
+
+def check_spec(spec: StructuredSpec) -> None:
+    """Raise ValueError (``"structured output: <reason>"``) unless ``spec`` compiles. Needs
+    no tokenizer (llguidance validates the grammar alone); a few ms for a typical schema."""
+    grammar = to_grammar(spec)
+    error = LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise ValueError(PREFIX + error.strip())
