@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name clients use (default: --model's value)")
     g.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template, instead of the tokenizer's own")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\": the model calls tools when it wants, "
+                        "read from its text by --tool-call-parser (as vLLM's flag)")
+    g.add_argument("--tool-call-parser", metavar="NAME",
+                   help="how tool calls are read from the text: hermes (<tool_call> blocks, "
+                        "the format of Qwen2, Hermes and SmolLM-family templates)")
     g.add_argument("--engine-ready-file", metavar="PATH",
                    help="front the engine that wrote this ready file (`vconsole engine "
                         "--ready-file PATH`) instead of starting one")
@@ -228,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
     p.add_argument("name", choices=["throughput", "scheduler", "kvmap", "telemetry", "console",
                                     "dp", "soak", "serve", "quality", "kv-ideas",
-                                    "kv-grouping", "whatif"],
+                                    "kv-grouping", "whatif", "structured"],
                    help="which benchmark: model throughput against transformers, the "
                         "scheduler's per-step cost, the KV map's engine-to-console round trip, "
                         "telemetry's cost to throughput, the console's lag and CPU, 2 "
@@ -238,12 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformers' on real text (exit 1 unless it meets the targets), or "
                         "the KV memory ideas (near-duplicate blocks, block sizes, KV dtypes at "
                         "equal memory), or the what-if's prediction errors against the real "
-                        "engine (exit 1 unless within the goals)")
+                        "engine (exit 1 unless within the goals), or requests under a JSON "
+                        "schema against the same requests unconstrained")
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
     p.add_argument("--num-requests", type=int,
                    help="throughput: override the workload size; telemetry, console: requests "
                         "in the engine (default 12000 / 10000); kv-ideas: requests in the "
-                        "demo's workload (default 40)")
+                        "demo's workload (default 40); structured: requests per side (default "
+                        "64)")
     p.add_argument("--sizes", type=int_list, default=None, metavar="N,N,...",
                    help="scheduler: waiting-queue sizes (default 100,1000,10000,50000)")
     p.add_argument("--steps", type=int, default=300,
@@ -252,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvmap: blocks in the pool (default 1000000)")
     p.add_argument("--rounds", type=int, default=None,
                    help="kvmap: measured round trips (default 30); telemetry: rounds per mode "
-                        "(default 10); serve: rounds per level and client (default 2)")
+                        "(default 10); serve: rounds per level and client (default 2); "
+                        "structured: rounds per level and side (default 1)")
     p.add_argument("--seconds", type=float, default=None,
                    help="telemetry: seconds per round (default 1); console: seconds per "
                         "measurement (default 4); whatif: seconds of each recorded workload "
@@ -261,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="throughput, serve: the built-in model to run: tiny (default), "
                         "small-gqa or smollm2")
     p.add_argument("--concurrency", type=int_list, default=None, metavar="N,N,...",
-                   help="serve: concurrency levels (default 1,8,32)")
+                   help="serve: concurrency levels (default 1,8,32); structured: (default "
+                        "1,32)")
     p.add_argument("--no-transformers", action="store_true",
                    help="serve: skip the comparison with `transformers serve "
                         "--continuous-batching` (run where transformers' CLI and accelerate "
@@ -281,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=8.0,
                    help="soak: the demo's mean request rate, req/s (default 8)")
     p.add_argument("--model", default="smollm2", metavar="M",
-                   help="quality: the model, a built-in name, a GGUF file or a model directory "
-                        "(default smollm2)")
+                   help="quality, structured: the model, a built-in name, a GGUF file or a "
+                        "model directory (default smollm2)")
     p.add_argument("--windows", type=int, default=64, metavar="N",
                    help="quality: perplexity windows of the pydoc text (default 64)")
     p.add_argument("--window-tokens", type=int, default=512, metavar="N",

@@ -53,6 +53,10 @@ def main(args: argparse.Namespace) -> int:
     except RemoteBindRefused as e:
         _say(e)
         return exit_codes.CANNOT_START
+    problem = _tool_flags_problem(args)
+    if problem:
+        _say(problem)
+        return exit_codes.CANNOT_START
     chat_template = None
     if args.chat_template:
         try:
@@ -68,6 +72,21 @@ def main(args: argparse.Namespace) -> int:
         return exit_codes.CANNOT_START
     with sock:
         return _run(args, sock, api_key, chat_template)
+
+
+def _tool_flags_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--enable-auto-tool-choice`` / ``--tool-call-parser`` cannot serve (None: they
+    can): an unknown parser, or auto tool choice without one (vLLM's rule)."""
+    from vconsole.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+
+    parser = args.tool_call_parser
+    if parser is not None and parser not in TOOL_CALL_PARSERS:
+        return (f"--tool-call-parser {parser!r} is not one this server has: "
+                f"{', '.join(TOOL_CALL_PARSERS)}")
+    if args.enable_auto_tool_choice and parser is None:
+        return ("--enable-auto-tool-choice needs --tool-call-parser (hermes): it reads the "
+                "calls out of the model's text")
+    return None
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -153,7 +172,9 @@ def _serve_http(args: argparse.Namespace, sock: socket.socket, endpoints: dict[s
 
     serving = OpenAIServing(EngineLink(endpoints["input"], endpoints["output"]),
                             model_name=args.served_model_name or args.model,
-                            chat_template=chat_template)
+                            chat_template=chat_template,
+                            tool_call_parser=(args.tool_call_parser
+                                              if args.enable_auto_tool_choice else None))
     app = build_app(serving, api_key=api_key, engine_metrics_url=metrics_url,
                     version=_version())
     print(f"vconsole serve: http://{args.host}:{args.port}/v1 in front of the engine at "

@@ -10,9 +10,11 @@ too.
 Rule: a field the server does not honour is refused with a 400 that names it (``param``), never
 silently dropped. vLLM ignores unknown fields with a warning; here a field no model declares is
 refused too (`StrictBody.refuse_unknown`), with the reason for the known ones this server
-cannot do yet (`NOT_SUPPORTED`: tools, structured output, guided decoding, ...). A field sent
-as ``null``, ``tool_choice: "none"`` and ``response_format: {"type": "text"}`` ask for nothing
-and pass. Fields declared but not honoured in every combination (``logit_bias``, ``suffix``,
+cannot do (`NOT_SUPPORTED`: beam search, the deprecated ``functions``, tools outside chat, ...).
+A field sent as ``null`` and ``tool_choice: "none"`` ask for nothing and pass. Structured
+output (``response_format``, ``structured_outputs``, ``guided_*``) and chat's tools are
+declared here and read, key by key, by `vconsole.entrypoints.openai.structured` and
+`vconsole.entrypoints.openai.tools`. Fields declared but not honoured in every combination (``logit_bias``, ``suffix``,
 ``best_of`` other than ``n``, ``prompt_logprobs`` with ``stream`` (as vLLM), ``max_tokens: 0``
 without ``echo``, ``stream_options`` without ``stream``) are refused by each request's
 `unsupported`.
@@ -50,16 +52,14 @@ class BadRequest(ValueError):
                           "code": self.status}}
 
 
-# Fields the server knows it cannot do yet: what each asks for (the 400's message says it).
-_TOOLS = "tool calling"
-_STRUCTURED = "structured output (guided decoding)"
+# Fields the server knows it cannot do (here): what each asks for (the 400's message says it).
+# Tool calling is chat's (`ChatCompletionRequest` declares those fields): elsewhere it is refused.
+_TOOLS = "tool calling outside /v1/chat/completions"
 NOT_SUPPORTED: dict[str, str] = {
     "tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS,
-    "functions": _TOOLS, "function_call": _TOOLS,
-    "response_format": _STRUCTURED, "structured_outputs": _STRUCTURED,
-    "guided_json": _STRUCTURED, "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED, "guided_decoding_backend": _STRUCTURED,
-    "guided_whitespace_pattern": _STRUCTURED,
+    "functions": "the deprecated `functions` API (send `tools`)",
+    "function_call": "the deprecated `function_call` API (send `tool_choice`)",
+    "guided_whitespace_pattern": "a whitespace pattern for guided decoding",
     "use_beam_search": "beam search",
     "length_penalty": "beam search", "logits_processors": "logits processors",
     "allowed_token_ids": "restricting the vocabulary", "bad_words": "banned words",
@@ -68,9 +68,7 @@ NOT_SUPPORTED: dict[str, str] = {
     "lora_request": "LoRA adapters",
 }
 # Values of those fields that ask for nothing this server lacks (OpenAI's defaults).
-ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
-    "tool_choice": ("none",), "response_format": ({"type": "text"},),
-}
+ASKS_NOTHING: dict[str, tuple[Any, ...]] = {"tool_choice": ("none",)}
 
 
 def refusal(name: str) -> str:
@@ -129,6 +127,15 @@ class SamplingFields(StrictBody):
     stream_options: StreamOptions | None = None
     user: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # Structured output (`vconsole.entrypoints.openai.structured` reads them): their values
+    # are checked there, so a 400 names the exact key.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -137,6 +144,10 @@ class SamplingFields(StrictBody):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured_fields(self) -> dict[str, Any]:
+        """The structured-output fields as sent (nulls included)."""
+        return {name: getattr(self, name) for name in STRUCTURED_FIELDS}
 
     def unsupported(self) -> None:
         """Refuse what the server cannot do yet, naming the field."""
@@ -187,6 +198,8 @@ class SamplingFields(StrictBody):
         return out
 
 
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar", "guided_decoding_backend")
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
@@ -235,20 +248,61 @@ class CompletionRequest(SamplingFields):
             raise BadRequest("best_of is not supported", param="best_of")
 
 
+class ToolCallFunction(StrictBody):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(StrictBody):
+    """A call in an assistant message of the history (what the server returned earlier)."""
+
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+    def template_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": self.type,
+                "function": {"name": self.function.name, "arguments": self.function.arguments}}
+
+
 class ChatMessage(StrictBody):
     """One message: ``role``, ``content`` and ``name`` (passed to the chat template, as vLLM
-    does); other fields (``tool_calls``, ``tool_call_id``, ...) are refused unless null."""
+    does); an assistant's ``tool_calls`` and a tool message's ``tool_call_id`` (rendered as
+    `vconsole.entrypoints.openai.tools.template_messages` says); other fields are refused
+    unless null."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
 
     def template_dict(self) -> dict[str, Any]:
         """What the chat template sees of this message."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+    def refuse_unknown(self, where: str = "") -> None:
+        super().refuse_unknown(where)
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise BadRequest(f"{where}tool_calls: only an assistant message carries tool "
+                                 "calls", param=f"{where}tool_calls")
+            for i, call in enumerate(self.tool_calls):
+                call.refuse_unknown(f"{where}tool_calls.{i}.")
+                call.function.refuse_unknown(f"{where}tool_calls.{i}.function.")
+                if call.type != "function":
+                    raise BadRequest(f"{where}tool_calls.{i}.type: only function calls",
+                                     param=f"{where}tool_calls.{i}.type")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise BadRequest(f"{where}tool_call_id: only a tool message answers a call",
+                             param=f"{where}tool_call_id")
 
     def text(self) -> str:
         """The content as text (a list of parts: its text parts, joined)."""
@@ -274,6 +328,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tools (`vconsole.entrypoints.openai.tools` checks them, naming the exact key).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> None:
         super().unsupported()

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vconsole.engine.outputs import PromptLogprobs
+from vconsole.engine.request import StructuredSpec
+from vconsole.entrypoints.openai import structured
 from vconsole.entrypoints.openai.engine_link import EngineLink, engine_refusal
 from vconsole.entrypoints.openai.logprobs import (
     Entry,
@@ -46,6 +48,13 @@ from vconsole.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from vconsole.entrypoints.openai.text import TextStream
+from vconsole.entrypoints.openai.tool_calls import (
+    HermesCalls,
+    NamedCall,
+    RequiredCalls,
+    ToolCallStream,
+)
+from vconsole.entrypoints.openai.tools import ToolPlan, plan_tools, takes_tools, template_messages
 
 DONE = "data: [DONE]\n\n"
 
@@ -66,6 +75,7 @@ class Choice:
     logprobs: list[Entry] = field(default_factory=list)   # one per token, when asked
     lp_sent: int = 0                                        # of them, streamed so far
     prompt_logprobs: PromptLogprobs | None = None           # the prompt's, when asked
+    tools: ToolCallStream | None = None                     # its tool calls, when parsed
 
     @property
     def limit(self) -> int | None:
@@ -79,13 +89,18 @@ class OpenAIServing:
     ``--model`` value, as vLLM's does."""
 
     def __init__(self, engine: EngineLink, *, model_name: str | None = None,
-                 chat_template: str | None = None, tokenizer: Any = None) -> None:
+                 chat_template: str | None = None, tokenizer: Any = None,
+                 tool_call_parser: str | None = None) -> None:
+        """``tool_call_parser``: what reads ``tool_choice: "auto"``'s calls out of the text
+        (``hermes``); None (no ``--enable-auto-tool-choice``): auto is refused."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name or ""
         self.max_model_len = 0
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
+        self._takes_tools: dict[str, bool] = {}     # per template: it renders tools itself
 
     async def start(self) -> None:
         """The engine's ``ready`` (`TimeoutError` when none answers), then the tokenizer."""
@@ -142,18 +157,28 @@ class OpenAIServing:
 
     def chat_prompt(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
-                    kwargs: dict[str, Any] | None = None) -> list[int]:
+                    kwargs: dict[str, Any] | None = None,
+                    tools: ToolPlan | None = None) -> list[int]:
         """The chat template's rendering, tokenized as it is: no BOS or other special token
-        that the template does not write itself."""
+        that the template does not write itself. The tools the model may call, and the
+        history's calls and results, as `template_messages` renders them for this template."""
         if not self.chat_template:
             raise BadRequest("this model has no chat template: start the server with "
                              "--chat-template FILE, or use /v1/completions", param="messages")
-        convo = [m.template_dict() for m in messages]
+        template = self.chat_template
+        if template not in self._takes_tools:
+            self._takes_tools[template] = takes_tools(template)
+        convo, tool_list = template_messages([m.template_dict() for m in messages],
+                                             tools.shown() if tools else [],
+                                             self._takes_tools[template])
+        extra = dict(kwargs or {})
+        if tool_list is not None:
+            extra["tools"] = tool_list
         try:
             text = self.tokenizer.apply_chat_template(
-                convo, chat_template=self.chat_template, tokenize=False,
+                convo, chat_template=template, tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **(kwargs or {}))
+                continue_final_message=continue_final_message, **extra)
         except Exception as e:  # a template that raises on these messages (jinja errors)
             raise BadRequest(f"the chat template failed on these messages: {e}",
                              param="messages") from None
@@ -166,6 +191,7 @@ class OpenAIServing:
         """``request_id``: the client's ``x-request-id``, the engine's id for the request."""
         self.check_model(req.model)
         req.unsupported()
+        spec = await self._constraint(req)
         prompts: list[tuple[str | None, list[int]]] = []      # (text or None, token ids)
         for prompt in req.prompts():
             if isinstance(prompt, str):
@@ -176,12 +202,13 @@ class OpenAIServing:
         rid = self.engine.new_id("cmpl", request_id)
         if req.stream:
             return self._stream_completion(req, rid, _response_id("cmpl", rid, request_id),
-                                           prompts, max_tokens)
+                                           prompts, max_tokens, spec)
         choices: list[dict[str, Any]] = []
         usage = _Usage()
         for p, ((text, ids), limit) in enumerate(zip(prompts, max_tokens, strict=True)):
             echo = (text if text is not None else self.tokenizer.decode(ids)) if req.echo else ""
-            done = await self._collect(_prompt_id(rid, p, len(prompts)), ids, req, limit)
+            done = await self._collect(_prompt_id(rid, p, len(prompts)), ids, req, limit,
+                                       spec=spec)
             usage.add(len(ids), done)
             texts = self._prompt_texts(req, ids, echo)      # shared by the n samples
             choices += [{"index": p * req.n + c.index, "text": echo + c.text.text,
@@ -195,7 +222,8 @@ class OpenAIServing:
 
     async def _stream_completion(self, req: CompletionRequest, rid: str, resp_id: str,
                                  prompts: list[tuple[str | None, list[int]]],
-                                 max_tokens: list[int]) -> AsyncIterator[str]:
+                                 max_tokens: list[int],
+                                 spec: StructuredSpec | None) -> AsyncIterator[str]:
         usage = _Usage()
         choices: list[Choice] = []
         out = _Chunks(resp_id, "text_completion", self.model_name, req,
@@ -213,7 +241,7 @@ class OpenAIServing:
                     for i in range(req.n):
                         yield out.chunk(p * req.n + i, None, text=echo)
                 async for c, delta in self._run(_prompt_id(rid, p, len(prompts)), ids, req,
-                                                limit, choices):
+                                                limit, choices, spec=spec):
                     if c.index in echo_later:
                         echo_later.discard(c.index)
                         yield out.chunk(p * req.n + c.index, None, text=echo, logprobs=(
@@ -237,29 +265,41 @@ class OpenAIServing:
                    ) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(req.model)
         req.unsupported()
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                          auto_enabled=self.tool_call_parser is not None)
+        spec = await self._constraint(req, plan)
         ids = self.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
-                               kwargs=req.chat_template_kwargs)
+                               kwargs=req.chat_template_kwargs, tools=plan)
         limit = self._max_tokens(ids, req.requested_max_tokens())
         rid = self.engine.new_id("chatcmpl", request_id)
         if req.stream:
             return self._stream_chat(req, rid, _response_id("chatcmpl", rid, request_id), ids,
-                                     limit)
-        done = await self._collect(rid, ids, req, limit)
+                                     limit, spec, plan)
+        done = await self._collect(rid, ids, req, limit, spec=spec, tools=self._parser(plan))
         usage = _Usage()
         usage.add(len(ids), done)
+        choices = []
+        for c in done:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text.text}
+            if c.tools is not None:
+                c.tools.feed(c.text.text)
+                c.tools.finish()
+                message["content"], calls = c.tools.result()
+                if calls:
+                    message["tool_calls"] = calls
+                c.finish_reason = _tool_finish(plan, c.finish_reason, bool(calls))
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(req, c),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": _response_id("chatcmpl", rid, request_id), "object": "chat.completion",
                 "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": c.index,
-                             "message": {"role": "assistant", "content": c.text.text},
-                             "logprobs": self._chat_logprobs(req, c),
-                             "finish_reason": c.finish_reason,
-                             "stop_reason": c.stop_reason} for c in done],
+                "model": self.model_name, "choices": choices,
                 "usage": usage.body(), **self._prompt_logprobs_field(req, done[0], ids)}
 
     async def _stream_chat(self, req: ChatCompletionRequest, rid: str, resp_id: str,
-                           ids: list[int], limit: int) -> AsyncIterator[str]:
+                           ids: list[int], limit: int, spec: StructuredSpec | None,
+                           plan: ToolPlan) -> AsyncIterator[str]:
         usage = _Usage()
         usage.prompt_tokens = len(ids)
         choices: list[Choice] = []
@@ -268,8 +308,12 @@ class OpenAIServing:
         try:
             for i in range(req.n):
                 yield out.chunk(i, None, delta={"role": "assistant", "content": ""})
-            async for c, delta in self._run(rid, ids, req, limit, choices):
-                if delta or c.finish_reason:
+            async for c, delta in self._run(rid, ids, req, limit, choices, spec=spec,
+                                            tools=self._parser(plan)):
+                if c.tools is not None:
+                    for chunk in self._tool_chunks(req, out, c, delta, plan):
+                        yield chunk
+                elif delta or c.finish_reason:
                     yield out.chunk(c.index, c, delta={"content": delta} if delta else {},
                                     logprobs=self._chat_logprobs(req, c, stream=True))
             if req.include_usage():
@@ -278,26 +322,89 @@ class OpenAIServing:
             yield sse(e.body())
         yield DONE
 
+    def _tool_chunks(self, req: ChatCompletionRequest, out: _Chunks, c: Choice, delta: str,
+                     plan: ToolPlan) -> list[str]:
+        """A tool-parsed choice's chunks for its new text: content and ``tool_calls`` deltas
+        in order (the logprobs so far on the first), then the finish alone."""
+        assert c.tools is not None
+        events = c.tools.feed(delta) if delta else []
+        if c.finish_reason:
+            events += c.tools.finish()
+        if not events and not c.finish_reason:
+            return []
+        logprobs = self._chat_logprobs(req, c, stream=True)
+        chunks = []
+        for kind, value in events:
+            chunks.append(out.chunk(c.index, None, logprobs=logprobs, delta={
+                "content": value} if kind == "content" else {"tool_calls": value}))
+            logprobs = None
+        if c.finish_reason:
+            c.finish_reason = _tool_finish(plan, c.finish_reason, bool(c.tools.calls))
+            chunks.append(out.chunk(c.index, c, delta={}, logprobs=logprobs))
+        return chunks
+
+    def _parser(self, plan: ToolPlan) -> Callable[[], ToolCallStream] | None:
+        """What reads each choice's tool calls (None: the text is the answer)."""
+        if plan.named is not None:
+            name = plan.named.name
+            return lambda: NamedCall(name)
+        if plan.choice == "required":
+            return RequiredCalls
+        if plan.choice == "auto":
+            assert self.tool_call_parser == "hermes"
+            parallel = plan.parallel
+            return lambda: HermesCalls(parallel)
+        return None
+
+    async def _constraint(self, req: SamplingFields,
+                          plan: ToolPlan | None = None) -> StructuredSpec | None:
+        """The request's one structured-output constraint (its fields, or its tool choice),
+        checked to compile (off the event loop: a large schema takes milliseconds)."""
+        asked = [a for a in [structured.spec_of(req.structured_fields())] if a is not None]
+        tool_spec = plan.spec() if plan is not None else None
+        if tool_spec is not None:
+            asked.append(("tool_choice", tool_spec))
+        one = structured.only_one(asked)
+        if one is None:
+            return None
+        field, spec = one
+        if req.ignore_eos:
+            raise BadRequest(f"ignore_eos: a constrained output ({field}) ends where its "
+                             "grammar does; it cannot be combined with ignore_eos",
+                             param="ignore_eos")
+        await asyncio.to_thread(structured.check, "tools" if field == "tool_choice" else field,
+                                spec)
+        return spec
+
     # --- one prompt's samples ------------------------------------------------------------------
 
-    async def _collect(self, rid: str, ids: list[int], req: SamplingFields,
-                       limit: int) -> list[Choice]:
+    async def _collect(self, rid: str, ids: list[int], req: SamplingFields, limit: int, *,
+                       spec: StructuredSpec | None = None,
+                       tools: Callable[[], ToolCallStream] | None = None) -> list[Choice]:
         choices: list[Choice] = []
-        async for _ in self._run(rid, ids, req, limit, choices):
+        async for _ in self._run(rid, ids, req, limit, choices, spec=spec, tools=tools):
             pass
         return choices
 
     async def _run(self, rid: str, ids: list[int], req: SamplingFields, limit: int,
-                   choices: list[Choice]) -> AsyncIterator[tuple[Choice, str]]:
+                   choices: list[Choice], *, spec: StructuredSpec | None = None,
+                   tools: Callable[[], ToolCallStream] | None = None
+                   ) -> AsyncIterator[tuple[Choice, str]]:
         """(choice, new text) as the ``n`` samples of one prompt progress; ``choices`` fills
-        with them. An engine that refuses the request raises `BadRequest` with its reason."""
+        with them (each with its own tool-call reader from ``tools``). Each sample carries the
+        structured-output ``spec``. An engine that refuses the request raises `BadRequest`
+        with its reason."""
         stops = req.stop_strings()
         choices[:] = [Choice(i, TextStream(self.tokenizer, stops,
                                            include_stop_str_in_output=req.include_stop_str_in_output,
-                                           skip_special_tokens=req.skip_special_tokens))
+                                           skip_special_tokens=req.skip_special_tokens),
+                             tools=tools() if tools else None)
                       for i in range(req.n)]
         # ``limit`` 0 (echo only): the engine samples one token, which is not returned.
         sampling = [req.engine_sampling(max(limit, 1), i) for i in range(req.n)]
+        if spec is not None:
+            for params in sampling:
+                params["structured"] = structured.engine_field(spec)
         stopped: set[int] = set()            # hit a stop string: `samples` aborts them
         async for i, out in self.engine.samples(rid, ids, sampling, req.priority,
                                                 stopped=stopped):
@@ -405,6 +512,14 @@ class OpenAIServing:
                              f"messages, {requested or 0} in the completion). Please reduce the "
                              "length of the messages or completion.", param="max_tokens")
         return requested if requested is not None else room
+
+
+def _tool_finish(plan: ToolPlan, reason: str | None, called: bool) -> str | None:
+    """``tool_calls`` for an output that ended by itself with calls, as vLLM: with
+    ``tool_choice`` auto or required (a named function's call ends with ``stop``)."""
+    if reason == "stop" and called and plan.choice in ("auto", "required"):
+        return "tool_calls"
+    return reason
 
 
 def _prompt_id(rid: str, p: int, num_prompts: int) -> str:
