@@ -126,6 +126,10 @@ def _run(args: argparse.Namespace, sock: socket.socket, api_key: str | None,
             return exit_codes.CANNOT_START
         endpoints, metrics_url = record["endpoints"], record.get("metrics")
     else:
+        # transformers' import (the server's tokenizer) takes seconds: done while the engine
+        # loads its model, not after.
+        threading.Thread(target=_import_tokenizers, name="import-transformers",
+                         daemon=True).start()
         try:
             engine = _start_engine(args)
         except (ConfigError, ValueError, OSError) as e:
@@ -141,6 +145,11 @@ def _run(args: argparse.Namespace, sock: socket.socket, api_key: str | None,
         if engine is not None:
             code = engine.stop()
             log.info("engine stopped (exit code %s)", code)
+
+
+def _import_tokenizers() -> None:
+    with contextlib.suppress(Exception):      # the server imports it again, and says why
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
 
 def _start_engine(args: argparse.Namespace) -> EngineProcess:
