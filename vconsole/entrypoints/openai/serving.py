@@ -12,6 +12,12 @@ a sample's first output; ``max_tokens: 0`` with ``echo`` runs the engine for one
 always samples one, as vLLM) and returns none of it: the prompt, its logprobs, no completion
 tokens.
 
+Structured output (`structured`): the request's one constraint, from its fields or chat's
+``tool_choice`` (`tools`), is checked to compile before anything reaches the engine and rides in
+each sample's sampling arguments (``structured``). A chat request whose output holds tool calls
+gives each choice a `ToolCallStream` that turns its text into content and ``tool_calls`` (whole,
+or streamed as OpenAI's deltas); ``finish_reason`` is then ``tool_calls`` as vLLM sets it.
+
 Token accounting follows vLLM: ``prompt_tokens`` counts each prompt once however many samples it
 has, ``completion_tokens`` every sample's tokens. ``finish_reason``: ``stop`` (EOS, a stop token
 or a stop string; ``stop_reason`` names the string or token id), ``length``, or ``abort``.
