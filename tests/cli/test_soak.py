@@ -1,4 +1,4 @@
-"""`vconsole bench soak`: the demo's workload against a real supervised engine process for 45
+"""`vconsole bench soak`: the demo's workload against a real supervised engine process for 30
 seconds through the real client (the crash this guards against came at 18–80 s; the stateful
 tests in tests/engine/sched/test_busy_loop_state_machines.py find its cause in under a second, and
 `vconsole bench soak --minutes 10` is the long run). Passing means no restart, no request error, no telemetry
@@ -14,8 +14,8 @@ from vconsole.tools.bench.soak import soak_bench
 
 @pytest.mark.proc
 @pytest.mark.slow
-def test_a_45_second_soak_of_the_demo_workload_passes():
-    out = soak_bench(0.75)
+def test_a_30_second_soak_of_the_demo_workload_passes():
+    out = soak_bench(0.5)
     assert out["checks"] == {
         "no_restarts": True, "no_request_errors": True, "no_telemetry_errors": True,
         "engine_idle_at_end": True, "tokens_equal_counters": True, "preemptions_seen": True,

@@ -23,7 +23,9 @@ from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.telemetry.control import ControlClient
 from vconsole.telemetry.request_trace import Trace, TraceError, parse_lines, read_trace
 
-pytestmark = [pytest.mark.proc, pytest.mark.slow]
+# One worker runs the whole module: its tests share the engine and read what earlier ones wrote
+# into its trace (the hot-key test reads the start-up file the first test filled).
+pytestmark = [pytest.mark.proc, pytest.mark.slow, pytest.mark.xdist_group("request-trace-live")]
 
 BLOCK = 8
 SHARED = [(5 * j) % 200 + 20 for j in range(5 * BLOCK)]         # five blocks in common
