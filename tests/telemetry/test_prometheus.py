@@ -435,7 +435,8 @@ def test_the_step_topic_carries_cumulative_tokens_per_step_and_phase_seconds(pub
     # cumulative: a later message holds every step so far, not only its own window's
     assert body["steps"] <= 1 and body["iteration_tokens"]["sum"] == sum(tokens) + 3
     assert body["phase_s_total"] == pytest.approx(
-        {"schedule": 2.0 + 6 * 1e-6, "execute": 7 * 2e-5, "update": 7 * 3e-6})
+        {"schedule": 2.0 + 6 * 1e-6, "execute": 7 * 2e-5, "update": 7 * 3e-6,
+         "structured": 0.0})
 
 
 def test_a_scrape_over_http_equals_the_last_messages_the_publisher_sent(publisher):

@@ -119,7 +119,8 @@ def test_a_subscriber_gets_every_topic_with_the_submitted_numbers(ctx, make_pub)
         (60, 3, "priority", 17)
     assert s["requests"][2] == {"id": "req-2", "state": "running", "priority": 2,
                                 "num_prompt_tokens": 22, "num_output_tokens": 2,
-                                "num_blocks": 2, "age_s": 1.0}
+                                "num_blocks": 2, "age_s": 1.0, "constraint": 0,
+                                "compile_ms": 0.0}
     k = by_topic["kv"][0]
     assert k.payload["num_used"] == 12 and k.payload["prefix_hit_rate"] == 0.25
     np.testing.assert_array_equal(k.block_states(), kv.block_states)

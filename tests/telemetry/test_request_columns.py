@@ -23,7 +23,7 @@ from vconsole.telemetry.schema import (
 
 ROWS = [{"id": f"req-{i}", "state": REQUEST_STATES[i % 3], "priority": i % 5 - 2,
          "num_prompt_tokens": 100 + i, "num_output_tokens": i, "num_blocks": i // 3,
-         "age_s": i / 4} for i in range(40)]
+         "age_s": i / 4, "constraint": i % 6, "compile_ms": i / 2} for i in range(40)]
 
 
 def sched(requests: object) -> dict[str, object]:
@@ -52,8 +52,8 @@ def test_a_request_table_travels_as_typed_buffers_and_decodes_to_the_same_rows()
     dtypes = {k: wire[k]["dtype"] for k in ("state", *REQUEST_NUMERIC)}
     assert dtypes == {"state": "uint8", "priority": "int32", "num_prompt_tokens": "int32",
                       "num_output_tokens": "int32", "num_blocks": "int32",
-                      "age_s": "float64"}
-    assert len(frames) == 2 + 6                     # one raw frame per typed column
+                      "age_s": "float64", "constraint": "uint8", "compile_ms": "float32"}
+    assert len(frames) == 2 + 8                     # one raw frame per typed column
     got = decode([bytes(f) for f in frames]).payload["requests"]
     assert isinstance(got, RequestColumns) and len(got) == 40
     assert got.rows() == ROWS and list(got) == ROWS and got[7] == ROWS[7]

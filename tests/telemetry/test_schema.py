@@ -29,7 +29,7 @@ def env(seq=0):
 
 ROWS = [{"id": f"r{i}", "state": "running" if i % 2 else "waiting", "priority": i % 3,
          "num_prompt_tokens": 10 + i, "num_output_tokens": i, "num_blocks": i // 4,
-         "age_s": i / 10} for i in range(25)]
+         "age_s": i / 10, "constraint": i % 6, "compile_ms": i / 4} for i in range(25)]
 
 def _latency_sample() -> dict:
     lat = LatencyStats(60.0)

@@ -9,6 +9,14 @@ A model execution that raises fails that step's requests only (finish reason ``e
 exception in ``error``) and `step()` returns normally; `consecutive_step_failures` tells the
 caller when the failures no longer stop (see `_execute_model`).
 
+Structured outputs (`vconsole.engine.structured`): a request with a spec is added to the
+scheduler ``compiling`` and its grammar compiles on the compile threads; at the start of the
+step after its compile finished it is queued (or finished with ``error``). Each step the core
+fills the bitmask of the constrained rows that sample (`SchedulerOutput.grammar`), the runner
+applies it, and the core advances their matchers before `Scheduler.update_from_output` (which
+finishes a request whose grammar is complete). `set_wakeup` lets a sleeping busy loop hear
+that a compile finished.
+
 `step()` never detokenizes: a finished output's ``text`` is made by whoever reads it, with
 `detokenize` — the offline path (`vconsole.engine.offline.run_batch`) for every finished
 request, the engine process on its output thread, off the busy loop.
@@ -26,6 +34,7 @@ from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
+from vconsole.engine.structured.manager import StructuredOutputs
 from vconsole.engine.worker import kv_quant
 from vconsole.engine.worker.model_runner import ModelRunner
 from vconsole.engine.worker.profiler import StepProfiler
@@ -62,6 +71,8 @@ class EngineCore:
         self.consecutive_step_failures = 0          # model executions that raised, in a row
         self.last_step_error: str | None = None     # the latest one's "Type: message"
         self.profiler: StepProfiler | None = None   # armed by start_profile; see profiling
+        self.structured = StructuredOutputs(self.tokenizer, self.runner.vocab_size,
+                                            self.runner.eos_token_ids)
         logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
                     "(kv %s, %d bytes per token)", config.model, self.runner.device,
                     self.runner.dtype, self.num_kv_blocks, config.block_size,
@@ -118,13 +129,16 @@ class EngineCore:
     def add_request(self, req: Request) -> RequestOutput | None:
         """Queue a request. Returns None when accepted, or its final error output when it can
         never run (the engine keeps serving everyone else)."""
+        constrained = req.sampling.structured is not None
         try:
-            self.scheduler.add_request(req)
+            self.scheduler.add_request(req, compiling=constrained)
         except ValueError as e:
             req.finish_reason = FinishReason.ERROR
             return RequestOutput(request_id=req.request_id, finished=True,
                                  finish_reason=FinishReason.ERROR.value, error=str(e), text="",
                                  num_prompt_tokens=req.num_prompt_tokens)
+        if constrained:
+            self.structured.start(req)   # compiles off the loop; held until then
         return None
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -132,6 +146,25 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_requests()
+
+    def has_ready_requests(self) -> bool:
+        """Whether a step has anything to do now: False when every unfinished request waits
+        for its grammar to compile (the engine process then sleeps until `set_wakeup`'s
+        callback or an input wakes it)."""
+        return self.scheduler.has_ready_requests() or self.structured.has_ready()
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """``wake()`` is called, from a compile thread, whenever a grammar compile finishes."""
+        self.structured.wake = wake
+
+    def _take_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; finish those whose grammar failed."""
+        sched = self.scheduler
+        for req, error in self.structured.take_ready():
+            if error is not None:
+                sched.finish_requests([req.request_id], FinishReason.ERROR, error=error)
+            elif not sched.grammar_ready(req.request_id):
+                self.structured.forget([req.request_id])   # aborted or expired meanwhile
 
     # --- the loop -------------------------------------------------------------------------
     def step(self) -> tuple[dict[bytes, list[RequestOutput]], bool]:
@@ -142,13 +175,27 @@ class EngineCore:
         if profiler is not None:
             profiler.begin_step(self.num_steps)
         t0 = time.monotonic_ns()
+        structured = self.structured
+        if structured.has_ready():
+            self._take_compiled()
         scheduler_output = self.scheduler.schedule()
-        t1 = time.monotonic_ns()
+        t1 = t_scheduled = time.monotonic_ns()
+        structured_ns = 0           # an unconstrained batch: none, not even a timer
+        if structured.active:       # constrained requests exist: their rows' bitmask
+            scheduler_output.grammar = structured.fill(scheduler_output)
+            t1b = time.monotonic_ns()
+            structured_ns, t1 = t1b - t1, t1b
         if scheduler_output.has_work():
             model_output = self._execute_model(scheduler_output)
         else:
             model_output = ModelRunnerOutput()
         t2 = time.monotonic_ns()
+        execute_ns = t2 - t1 - model_output.structured_ns   # the mask's application: ours
+        if scheduler_output.grammar is not None:
+            structured.advance(model_output)
+            t2b = time.monotonic_ns()
+            structured_ns += t2b - t2 + model_output.structured_ns
+            t2 = t2b
         results = self.scheduler.update_from_output(scheduler_output, model_output)
         outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
         finished: list[Request] = []
@@ -156,19 +203,23 @@ class EngineCore:
             if out.finished:
                 finished.append(req)
             outputs[req.client_id].append(out)
+        if finished and (structured.active or structured.num_compiling):
+            structured.forget(r.request_id for r in finished)
         t3 = time.monotonic_ns()
 
         self.num_steps += 1
         sched, so = self.scheduler, scheduler_output
         self.last_finished = finished
         self.last_step = StepStats(
-            schedule_ns=t1 - t0, execute_ns=t2 - t1, update_ns=t3 - t2, total_ns=t3 - t0,
+            schedule_ns=t_scheduled - t0, execute_ns=execute_ns, update_ns=t3 - t2,
+            total_ns=t3 - t0,
             num_prefill_tokens=so.num_prefill_tokens, num_decode_tokens=so.num_decode_tokens,
             num_reqs=so.num_scheduled_reqs, num_preempted=len(so.preempted_req_ids),
             num_finished=len(finished), start_ns=t0, num_context_tokens=so.num_context_tokens,
             prefill_attention=so.prefill_attention, num_new_reqs=len(so.scheduled_new_reqs),
             num_running=sched.num_running, num_waiting=sched.num_waiting,
-            kv_used_blocks=sched.kv.pool.num_used_blocks)
+            kv_used_blocks=sched.kv.pool.num_used_blocks,
+            structured_ns=structured_ns)
         if profiler is not None:
             profiler.end_step(self.last_step, self.num_steps)
         return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0
@@ -222,7 +273,13 @@ class EngineCore:
         return update
 
     def scheduler_stats(self, max_rows: int) -> SchedulerStats:
-        return self.scheduler.stats(max_rows)
+        stats = self.scheduler.stats(max_rows)
+        c = self.structured.compiler
+        stats.structured_compiles_total = c.num_compiles
+        stats.structured_compile_cache_hits_total = c.num_cache_hits
+        stats.structured_compile_errors_total = c.num_errors
+        stats.structured_compile_seconds_total = c.compile_seconds
+        return stats
 
     def token_lists(self, request_ids: Iterable[str]) -> list[tuple[str, list[int], list[int]]]:
         """Telemetry's request text (``publish_request_text``): per live request, its prompt

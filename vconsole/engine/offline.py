@@ -78,6 +78,9 @@ def run_batch(core: EngineCore, requests: Sequence[Request | RequestOutput],
             running[req.request_id] = req
     log: list[Any] = []
     while core.has_unfinished_requests():
+        if not core.has_ready_requests():   # only grammars compiling: wait, do not spin
+            core.structured.wait_ready(0.05)
+            continue
         outputs, _ = core.step()
         if keep_step_log and core.last_step is not None:
             log.append(core.last_step)

@@ -12,6 +12,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.IntEnum):
@@ -19,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2  # waiting again after its blocks were taken back; will recompute
     FINISHED = 3
+    COMPILING = 4  # its structured-output grammar compiles (off the busy loop); not schedulable
 
     @property
     def label(self) -> str:
@@ -213,6 +215,18 @@ class Request:
     last_token_time: float | None = None
     # The gaps between its output tokens after the first (s): the request trace's ITLs.
     token_gaps: list[float] = field(default_factory=list)
+    # Structured output: how long its grammar took to compile, or to come out of the cache
+    # (ms; 0 until compiled); its grammar state (`vconsole.engine.structured.manager`'s, owned
+    # by the request while it lives).
+    compile_ms: float = 0.0
+    grammar: Any = None
+
+    @property
+    def constraint(self) -> int:
+        """The request table's ``constraint`` code: 0 none, else 1 + the index of its
+        structured-output kind in `STRUCTURED_KINDS`."""
+        spec = self.sampling.structured
+        return 0 if spec is None else spec.code
 
     @property
     def all_token_ids(self) -> list[int]:

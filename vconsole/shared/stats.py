@@ -29,7 +29,13 @@ class StepStats:
     wire. ``num_context_tokens``: positions the scheduled rows attend to (start + n each);
     ``prefill_attention``: n x (start + n) over prefill chunks; ``num_new_reqs``: requests
     sent whole to the runner (new or resumed); ``num_running`` / ``num_waiting`` /
-    ``kv_used_blocks``: after the step (blocks referenced by at least one request)."""
+    ``kv_used_blocks``: after the step (blocks referenced by at least one request).
+
+    ``structured_ns`` (last, so positional construction stays as it was) is a fourth phase:
+    structured output's work in the step (the next-token bitmask of the constrained rows
+    filled, applied to their logits, the matchers advanced with the sampled tokens); 0 when no
+    row is constrained. ``schedule_ns + execute_ns + structured_ns + update_ns == total_ns``
+    (the bitmask's application, inside the model runner, is moved from execute to it)."""
 
     schedule_ns: int
     execute_ns: int
@@ -47,25 +53,34 @@ class StepStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_used_blocks: int = 0
+    structured_ns: int = 0
 
 
 @dataclass
 class RequestRow:
     id: str
-    state: str           # waiting / running / preempted
+    state: str           # waiting / running / preempted / compiling
     priority: int
     num_prompt_tokens: int
     num_output_tokens: int
     num_blocks: int
     age_s: float
+    constraint: int = 0      # 0 none, else 1 + the index in CONSTRAINT_KINDS
+    compile_ms: float = 0.0  # its grammar's compile (or cache) time; 0 until compiled
 
 
 # A request's state as a small code (uint8 on the wire): the index here, which is also
 # `vconsole.engine.request.RequestStatus`'s value (tests/engine/sched/test_request_rows.py checks it).
-REQUEST_STATES = ("waiting", "running", "preempted")
+# A row is never "finished"; "compiling": its structured-output grammar is being compiled.
+REQUEST_STATES = ("waiting", "running", "preempted", "finished", "compiling")
+# A request's structured-output constraint as the ``constraint`` column's code: 0 none, else
+# 1 + the index here (`vconsole.engine.request.STRUCTURED_KINDS`, the same names: checked by
+# tests/engine/structured/test_spec.py).
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # The numeric columns of a `RequestTable` and their dtypes (those of the ``sched`` wire form).
 REQUEST_NUMERIC = {"priority": np.int32, "num_prompt_tokens": np.int32,
-                   "num_output_tokens": np.int32, "num_blocks": np.int32, "age_s": np.float64}
+                   "num_output_tokens": np.int32, "num_blocks": np.int32, "age_s": np.float64,
+                   "constraint": np.uint8, "compile_ms": np.float32}
 
 
 class RequestTable(Sequence[RequestRow]):
@@ -92,7 +107,7 @@ class RequestTable(Sequence[RequestRow]):
             return RequestTable({c: v[i] for c, v in self.columns.items()})
         c = self.columns
         return RequestRow(c["id"][i], REQUEST_STATES[int(c["state"][i])],
-                          *(c[k][i].item() for k in REQUEST_NUMERIC))
+                          *(c[k][i].item() for k in REQUEST_NUMERIC if k in c))
 
 
 @dataclass
@@ -111,6 +126,15 @@ class SchedulerStats:
     num_generation_tokens_total: int = 0
     requests: Sequence[RequestRow] = field(default_factory=list)  # list or RequestTable
     requests_truncated: bool = False
+    # Structured outputs: requests whose grammar compiles now (not yet schedulable), and
+    # since start: grammars compiled, requests served from the compile cache, compiles that
+    # failed (their requests finished with ``error``), seconds spent compiling (on the
+    # engine's compile thread, off the busy loop).
+    num_compiling: int = 0
+    structured_compiles_total: int = 0
+    structured_compile_cache_hits_total: int = 0
+    structured_compile_errors_total: int = 0
+    structured_compile_seconds_total: float = 0.0
 
 
 @dataclass

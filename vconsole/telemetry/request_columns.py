@@ -193,7 +193,8 @@ def to_wire(requests: Any) -> dict[str, Any]:
         out: dict[str, Any] = {"id": cols["id"], "state": cols["state"],
                                "state_names": list(REQUEST_STATES)}
         for k, dt in REQUEST_NUMERIC.items():
-            out[k] = np.asarray(cols[k], dtype=dt)
+            if k in cols:   # a table made before a column existed lacks it
+                out[k] = np.asarray(cols[k], dtype=dt)
         return out
     if isinstance(requests, RequestColumns):
         rc = requests

@@ -612,6 +612,12 @@ class _IdleCore:
     def has_unfinished_requests(self) -> bool:
         return False
 
+    def has_ready_requests(self) -> bool:
+        return False
+
+    def set_wakeup(self, wake) -> None:
+        pass
+
     def abort_requests(self, ids) -> None:
         pass
 

@@ -86,6 +86,7 @@ log = logging.getLogger("vconsole.engine")
 IO_POLL_MS = 200          # how often an idle I/O thread checks for shutdown
 DRAIN_TIMEOUT_S = 5.0     # steps run at shutdown to deliver the final (abort) outputs
 STALL_WAIT_S = 0.005      # a step that scheduled nothing is followed by this wait (no spin)
+HELD_WAIT_S = 0.5         # asleep with only compiling requests: look at their timeouts so often
 
 
 class EngineCoreProc:
@@ -173,6 +174,7 @@ class EngineCoreProc:
                     metrics_endpoint: tuple[str, int] | None) -> None:
         """The core exists: intake, threads, telemetry (opened last of what may fail), control."""
         self.core = core
+        core.set_wakeup(lambda: self.input_queue.put(inputs.Wake()))
         self.intake = RequestIntake(core, self.input_queue, self.output_queue)
         model = core.model_info()
         self.ready_info = {
@@ -266,11 +268,17 @@ class EngineCoreProc:
         idle = not self.core.has_unfinished_requests()
         if idle:
             self._set_state("idle")
-        if idle and not self.role.in_wave:
+        # Every request waits for its grammar to compile: sleep as when idle; the compile
+        # thread's `inputs.Wake` ends the wait (checked after the queue was, so none is lost:
+        # the ready list is filled before the wake-up is queued).
+        held = not idle and not self.core.has_ready_requests()
+        if (idle or held) and not self.role.in_wave:
             wait = 1.0 / self.core.config.telemetry_hz if self.feed.dirty else None
             stats_wait = self._stats_log.wait_s(self.core.config)
             if stats_wait is not None:
                 wait = stats_wait if wait is None else min(wait, stats_wait)
+            if held and self.core.config.max_holding_seconds is not None:
+                wait = HELD_WAIT_S if wait is None else min(wait, HELD_WAIT_S)  # timeouts
             try:
                 self._handle_input(self.input_queue.get(timeout=wait))
             except queue.Empty:
@@ -368,6 +376,8 @@ class EngineCoreProc:
                 self.control.reload(reason)
             case inputs.FrontEnd(kind, value) if self._stopping is None:  # leaving: no group
                 self.role.on_front_end(kind, value)
+            case inputs.Wake():
+                pass        # a grammar is ready: the next step takes it
             case inputs.Shutdown(reason) if self._stopping is None:
                 log.info("%s: draining", reason)
                 self._stopping = reason

@@ -72,9 +72,16 @@ class FrontEnd:
 
 
 @dataclass(frozen=True, slots=True)
+class Wake:
+    """A grammar finished compiling (a compile thread): the loop, asleep while every request
+    waited for its grammar, looks again."""
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """Drain and stop (a signal, a client, or the loop itself)."""
     reason: str
 
 
-LoopInput = Add | AddReady | Reject | Abort | Control | ClientGone | Reload | FrontEnd | Shutdown
+LoopInput = (Add | AddReady | Reject | Abort | Control | ClientGone | Reload | FrontEnd | Wake
+             | Shutdown)

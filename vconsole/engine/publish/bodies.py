@@ -41,7 +41,9 @@ def aggregate_steps(steps: list[StepStats], window_s: float) -> dict[str, Any]:
         "window_s": window_s,
         "phase_s": {"schedule": sched_ns / 1e9,
                     "execute": sum(s.execute_ns for s in steps) / 1e9,
-                    "update": sum(s.update_ns for s in steps) / 1e9},
+                    "update": sum(s.update_ns for s in steps) / 1e9,
+                    # structured output: bitmask filled and applied, matchers advanced
+                    "structured": sum(s.structured_ns for s in steps) / 1e9},
         "busy_s": total_ns / 1e9,
         "step_time_p50_s": float(np.median(totals)) / 1e9 if n else 0.0,
         "step_time_max_s": int(totals.max()) / 1e9 if n else 0.0,
@@ -92,6 +94,13 @@ def sched_body(s: SchedulerStats, max_rows: int) -> dict[str, Any]:
         "max_num_batched_tokens": s.max_num_batched_tokens, "policy": s.policy,
         "requests": request_columns(rows[:max_rows] if len(rows) > max_rows else rows),
         "requests_truncated": truncated,
+        # Structured outputs: requests whose grammar compiles now; since start, compiles,
+        # cache hits, failed compiles and compile seconds (`SchedulerStats`).
+        "num_compiling": s.num_compiling,
+        "structured_compiles_total": s.structured_compiles_total,
+        "structured_compile_cache_hits_total": s.structured_compile_cache_hits_total,
+        "structured_compile_errors_total": s.structured_compile_errors_total,
+        "structured_compile_seconds_total": s.structured_compile_seconds_total,
     }
 
 

@@ -85,7 +85,7 @@ class Inbox:
         self._totals_lock = threading.Lock()
         self._iter_buckets = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self._iter_tokens = 0
-        self._phase_ns = [0, 0, 0]        # schedule, execute, update
+        self._phase_ns = [0, 0, 0, 0]     # schedule, execute, update, structured
         self._lock = threading.Lock()     # guards the slots below
         self._latest: Snapshot | None = None
         self._text: list[TokenLists] | None = None
@@ -113,6 +113,7 @@ class Inbox:
             phase[0] += stats.schedule_ns
             phase[1] += stats.execute_ns
             phase[2] += stats.update_ns
+            phase[3] += stats.structured_ns
         self._steps.append(stats)
         self.steps_recorded += 1
         self.last_step_t = time.monotonic()
@@ -212,13 +213,13 @@ class Inbox:
         with self._totals_lock:
             buckets = self._iter_buckets.copy()
             tokens = self._iter_tokens
-            schedule, execute, update = self._phase_ns
+            schedule, execute, update, structured = self._phase_ns
         counts = list(itertools.accumulate(buckets))
         return {
             "iteration_tokens": {"bounds": [*ITERATION_TOKENS_BUCKETS, math.inf],
                                  "counts": counts, "count": counts[-1], "sum": tokens},
             "phase_s_total": {"schedule": schedule / 1e9, "execute": execute / 1e9,
-                              "update": update / 1e9},
+                              "update": update / 1e9, "structured": structured / 1e9},
         }
 
     def wake(self) -> None:

@@ -50,7 +50,7 @@ from vconsole.telemetry.vllm_names import LATENCY_HISTOGRAMS
 LABELS = ("model_name", "engine")
 ALERT_LEVEL_VALUES = {WARNING: 1.0, CRITICAL: 2.0}   # anything else (ok): 0
 
-PHASES = ("schedule", "execute", "update")
+PHASES = ("schedule", "execute", "update", "structured")
 KV_BLOCK_STATES = {"free": "num_free", "used": "num_used", "cached": "num_cached",
                    "shared": "num_shared"}
 
@@ -212,7 +212,8 @@ def _step(r: _Rank, b: dict[str, Any]) -> None:
     phases = b.get("phase_s_total")
     if phases is not None:
         r.per(CounterMetricFamily, "vconsole:step_phase_seconds",
-              "Engine step time by phase (schedule, execute, update), seconds.", "phase",
+              "Engine step time by phase (schedule, execute, update, structured), seconds.",
+              "phase",
               ((p, phases[p]) for p in PHASES if p in phases))
     r.gauge("vconsole:scheduler_share",
             "Schedule time / step time over the last telemetry window (0 when idle).",

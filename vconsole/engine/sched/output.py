@@ -25,6 +25,7 @@ Invariants, for every request id ``r`` in ``num_scheduled_tokens``:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vconsole.engine.outputs import PromptLogprobs
 from vconsole.engine.request import SamplingParams
@@ -63,6 +64,19 @@ class CachedRequestData:
         return len(self.req_ids)
 
 
+@dataclass(slots=True)
+class GrammarBatch:
+    """Structured output's part of a step (`vconsole.engine.structured.manager`): the
+    next-token bitmask of every constrained request that samples this step, filled before the
+    runner runs. Row ``rows[r]`` of ``bitmask`` is request ``r``'s: bit ``t`` (word ``t // 32``,
+    bit ``t % 32``) set iff token ``t`` may come next; tokens past the bitmask's width never may.
+    ``bitmask``: an int32 CPU tensor of (len(rows), words) — the one torch object of this
+    module's contract, typed Any so the scheduler's side stays torch-free."""
+
+    rows: dict[str, int]
+    bitmask: Any
+
+
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -78,6 +92,9 @@ class SchedulerOutput:
     # (n > 1) of n x (start + n).
     num_context_tokens: int = 0
     prefill_attention: int = 0
+    # The constrained rows' bitmask (None when no sampled row is constrained: the runner does
+    # no structured-output work at all).
+    grammar: GrammarBatch | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -108,3 +125,10 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[float, list[int], list[float]]] = field(default_factory=dict)
     # The whole prompt's logprobs, for requests that asked, in the step of their first token.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Host time the runner spent applying ``SchedulerOutput.grammar`` (ns; the step's
+    # structured phase, not its execute phase).
+    structured_ns: int = 0
+    # Set by the engine core after advancing the matchers: request id -> None when its grammar
+    # is complete with the sampled token (it finishes with ``stop``), or the matcher's error
+    # (it finishes with ``error``). `Scheduler.update_from_output` applies them.
+    structured_ends: dict[str, str | None] = field(default_factory=dict)

@@ -57,7 +57,8 @@ class _StayColumns:
 
     _COLUMNS = {"counter": np.int64, "key": np.float64, "started": np.uint8, "seq": np.int64,
                 "state": np.uint8, "priority": np.int32, "num_prompt_tokens": np.int32,
-                "num_output_tokens": np.int32, "arrival": np.float64, "id": object}
+                "num_output_tokens": np.int32, "arrival": np.float64, "id": object,
+                "constraint": np.uint8, "compile_ms": np.float32}
 
     def __init__(self, capacity: int = 1024) -> None:
         self.cols: dict[str, np.ndarray] = {c: np.zeros(capacity, dt)
@@ -81,6 +82,7 @@ class _StayColumns:
             req.status, req.priority, req.arrival_time)
         c["num_prompt_tokens"][slot] = len(req.prompt_token_ids)
         c["num_output_tokens"][slot] = len(req.output_token_ids)
+        c["constraint"][slot], c["compile_ms"][slot] = req.constraint, req.compile_ms
         c["id"][slot] = req.request_id
         return slot
 
@@ -275,7 +277,8 @@ class WaitingQueue:
         cols = self._stays.cols
         slots = slots[cols["counter"][slots] == counters]
         out = {c: cols[c][slots] for c in ("state", "priority", "num_prompt_tokens",
-                                           "num_output_tokens", "arrival")}
+                                           "num_output_tokens", "arrival", "constraint",
+                                           "compile_ms")}
         out["id"] = cols["id"][slots].tolist()
         return out
 

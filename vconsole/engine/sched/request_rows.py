@@ -38,7 +38,8 @@ from vconsole.engine.request import Request
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.shared.stats import RequestTable
 
-_NUMERIC = ("priority", "num_prompt_tokens", "num_output_tokens", "num_blocks")
+_NUMERIC = ("priority", "num_prompt_tokens", "num_output_tokens", "num_blocks", "constraint",
+            "compile_ms")
 REFRESH_S = 1.0
 MAX_REBUILD_SHARE = 0.01
 REFRESH_CHUNK = 4096    # positions of the queue order a timed refresh reads per snapshot
@@ -55,6 +56,8 @@ def _columns(reqs: list[Request], blocks: list[int] | None = None) -> dict[str, 
         "num_output_tokens": np.fromiter((len(r.output_token_ids) for r in reqs), np.int32, n),
         # a waiting request holds no blocks
         "num_blocks": np.zeros(n, np.int32) if blocks is None else np.array(blocks, np.int32),
+        "constraint": np.fromiter((r.constraint for r in reqs), np.uint8, n),
+        "compile_ms": np.fromiter((r.compile_ms for r in reqs), np.float32, n),
     }
 
 
@@ -97,7 +100,7 @@ class _Refresh:
         ids = parts[0]["id"] if len(parts) == 1 else [i for p in parts for i in p["id"]]
         cols = {c: parts[0][c] if len(parts) == 1 else np.concatenate([p[c] for p in parts])
                 for c in ("state", "priority", "num_prompt_tokens", "num_output_tokens",
-                          "arrival")}
+                          "arrival", "constraint", "compile_ms")}
         arrival = cols.pop("arrival")
         cols["num_blocks"] = np.zeros(len(ids), np.int32)   # a waiting request holds none
         return {"id": ids, **cols}, arrival
@@ -189,7 +192,9 @@ class WaitingRows:
 
     def table(self, running: list[Request], tables: dict[str, list[int]],
               waiting: WaitingQueue, max_waiting: int, now: float) -> RequestTable:
-        """Running rows (fresh) followed by up to ``max_waiting`` waiting rows."""
+        """Running rows (fresh) followed by up to ``max_waiting`` waiting rows. ``running``
+        may end with requests that are neither (compiling: the scheduler's head rows, built
+        fresh as the running ones are)."""
         head = _columns(running, [len(tables.get(r.request_id, ())) for r in running])
         head_age = np.maximum(now - np.fromiter((r.arrival_time for r in running), np.float64,
                                                 len(running)), 0.0)

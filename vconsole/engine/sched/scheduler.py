@@ -20,6 +20,13 @@ Each step:
 
 Per-step cost is O(running + admitted * log waiting), never O(waiting).
 
+A request with a structured-output spec is added ``compiling`` (`add_request(...,
+compiling=True)`): it waits beside the queue, not in it, until the engine core says its grammar
+is ready (`grammar_ready`), and is then queued like any other (its place by arrival). While it
+compiles it counts as a request (`has_requests`), can be aborted, expires by
+``max_holding_seconds`` as a waiting request does, and shows in the request rows (state
+``compiling``) and ``num_compiling``; nothing waits for it.
+
 Call `update_from_output` after every `schedule()` (with an empty `ModelRunnerOutput` when
 nothing ran): it is also where requests finished by abort or timeout are reported, and those
 of a step whose model execution raised (`fail_step`: that step's requests finish with
@@ -82,7 +89,9 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.waiting = WaitingQueue(config.policy, config.hybrid_aging_s)
         self.running: list[Request] = []
-        self._requests: dict[str, Request] = {}       # waiting or running
+        self._requests: dict[str, Request] = {}       # waiting, running or compiling
+        self.compiling: dict[str, Request] = {}       # grammar compiling: not in the queue yet
+        self._compiling_since: dict[str, float] = {}  # when each began to, on our clock
         self._finished: dict[str, Request] = {}       # finished, not yet reported
         self._num_reported: dict[str, int] = {}       # output tokens already sent
         self._runner_view: dict[str, tuple[int, int]] = {}  # id -> (tokens, blocks) it holds
@@ -117,6 +126,11 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self._requests or self._finished)
 
+    def has_ready_requests(self) -> bool:
+        """Anything a step can do now: requests to run or finished ones to report (compiling
+        requests alone are not: they wait for their grammar)."""
+        return len(self._requests) > len(self.compiling) or bool(self._finished)
+
     def _reject_reason(self, req: Request) -> str | None:
         if req.request_id in self._requests or req.request_id in self._finished:
             return f"duplicate request id {req.request_id!r}"
@@ -138,9 +152,10 @@ class Scheduler:
                     f"(block_size {self.block_size})")
         return None
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, *, compiling: bool = False) -> None:
         """Queue a request, or raise ValueError(reason) if it can never run. A rejected request
-        is marked finished with ``error`` (and is not queued); the others are unaffected."""
+        is marked finished with ``error`` (and is not queued); the others are unaffected.
+        ``compiling``: hold it aside until `grammar_ready` (see the module docstring)."""
         reason = self._reject_reason(req)
         if reason is not None:
             if not reason.startswith("duplicate"):
@@ -152,7 +167,23 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self._requests[req.request_id] = req
         self._num_reported[req.request_id] = len(req.output_token_ids)
+        if compiling:
+            req.status = RequestStatus.COMPILING
+            self.compiling[req.request_id] = req
+            self._compiling_since[req.request_id] = self.clock()
+            return
         self.waiting.add(req, self.clock())
+
+    def grammar_ready(self, request_id: str) -> bool:
+        """A compiling request's grammar is ready: queue it. False when it is no longer
+        compiling (aborted or expired meanwhile)."""
+        req = self.compiling.pop(request_id, None)
+        if req is None:
+            return False
+        del self._compiling_since[request_id]
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req, self.clock())
+        return True
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         """Finish waiting or running requests with ``abort``; unknown or finished ids are
@@ -173,6 +204,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.COMPILING:
+                del self.compiling[rid], self._compiling_since[rid]
             else:
                 self._leave_waiting(req)
             if error is not None:
@@ -326,6 +359,12 @@ class Scheduler:
         deadline = None if limit is None else now - limit
         for req in self.waiting.pop_expired(deadline):
             self._finish(req, FinishReason.TIMEOUT)
+        if deadline is not None and self.compiling:
+            since = self._compiling_since
+            for rid in [r for r, t in since.items() if t < deadline]:
+                req = self.compiling.pop(rid)
+                del since[rid]
+                self._finish(req, FinishReason.TIMEOUT)
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
         out = SchedulerOutput(preempted_req_ids=step.preempted,
@@ -423,6 +462,7 @@ class Scheduler:
 
         finished_now = False
         sampled, logprobs, prompt_lps = out.sampled, out.logprobs, out.prompt_logprobs
+        ends = out.structured_ends
         max_model_len = self.max_model_len
         reported = self._num_reported
         now = self.clock()
@@ -461,6 +501,14 @@ class Scheduler:
                         or token in sp.stop_token_ids
                         or len(outputs) >= sp.max_tokens or computed + 1 >= max_model_len):
                     reason = self._check_stop(req, token)
+                if ends and rid in ends:
+                    # Its grammar is complete (the output is whole: stop), or the matcher
+                    # failed on the token.
+                    error = ends[rid]
+                    if error is None:
+                        reason = FinishReason.STOP
+                    else:
+                        req.error, reason = error, FinishReason.ERROR
             if reason is not None:
                 self._finish(req, reason, report_later=False)
                 finished_now = True
@@ -552,10 +600,12 @@ class Scheduler:
         queue order; the waiting rows are cached and refreshed every second or so
         (`vconsole.engine.sched.request_rows`): for telemetry, not per step."""
         cfg, now = self.config, self.clock()
-        total = len(self.running) + len(self.waiting)
-        running = self.running[:max(0, max_rows)]
-        rest = max(0, max_rows - len(running))
-        rows = self._waiting_rows.table(running, self.kv.tables, self.waiting, rest, now)
+        total = len(self.running) + len(self.compiling) + len(self.waiting)
+        head = self.running[:max(0, max_rows)]
+        if self.compiling and len(head) < max_rows:
+            head = head + list(self.compiling.values())[:max_rows - len(head)]
+        rest = max(0, max_rows - len(head))
+        rows = self._waiting_rows.table(head, self.kv.tables, self.waiting, rest, now)
         return SchedulerStats(
             num_waiting=len(self.waiting), num_running=len(self.running),
             num_preempted=self._num_preempted_waiting,
@@ -564,7 +614,8 @@ class Scheduler:
             policy=cfg.policy, num_finished_total=self.num_finished_total,
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
-            requests=rows, requests_truncated=total > min(max_rows, total))
+            requests=rows, requests_truncated=total > min(max_rows, total),
+            num_compiling=len(self.compiling))
 
     def kv_stats(self) -> KVStats:
         return self.kv.kv_stats()

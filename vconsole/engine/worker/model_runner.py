@@ -19,20 +19,21 @@ device -> host sync is reading the sampled tokens back.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from vconsole.engine.sched.output import GrammarBatch, ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.worker import attention_kernel, kv_quant, paged_attention, prompt_logprobs
 from vconsole.engine.worker.fused_decoder import FusedDecoder
 from vconsole.engine.worker.kv_open_blocks import OpenBlocks
 from vconsole.engine.worker.model_loader import load_model
 from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from vconsole.engine.worker.prompt_logprobs import PromptRows
-from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
-from vconsole.engine.worker.sampler import Sampler, SamplingBatch
+from vconsole.engine.worker.request_state import CachedRequestState, RequestStates, ScheduledSeq
+from vconsole.engine.worker.sampler import Sampler, SamplingBatch, apply_token_bitmask
 from vconsole.shared.config import EngineConfig
 
 _GIB = 1 << 30
@@ -266,6 +267,9 @@ class ModelRunner:
             if logits is None:
                 return ModelRunnerOutput()
             states = [s.state for s in step.sample_seqs]
+            structured_ns = 0
+            if so.grammar is not None:
+                structured_ns = self._apply_grammar(logits, states, so.grammar)
             batch = SamplingBatch.build([st.sampling for st in states],
                                         [st.num_output_tokens for st in states],
                                         self.vocab_size, self.device,
@@ -283,7 +287,23 @@ class ModelRunner:
                 logprobs = {states[i].req_id: entry for i, entry in zip(
                     rows, self.sampler.logprobs(logits, sampled, rows, top), strict=True)}
         return ModelRunnerOutput({st.req_id: t for st, t in zip(states, tokens, strict=True)},
-                                 logprobs, prompt_lps)
+                                 logprobs, prompt_lps, structured_ns)
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, states: Sequence[CachedRequestState],
+                       grammar: GrammarBatch) -> int:
+        """Mask the constrained rows' logits with their grammar's bitmask, in place; returns
+        the host time it took (ns)."""
+        t0 = time.monotonic_ns()
+        where = grammar.rows
+        pairs = [(i, where[st.req_id]) for i, st in enumerate(states) if st.req_id in where]
+        if pairs:
+            rows, mask_rows = zip(*pairs, strict=True)
+            bitmask = grammar.bitmask
+            if list(mask_rows) != list(range(bitmask.shape[0])):
+                bitmask = bitmask.index_select(0, torch.tensor(mask_rows, dtype=torch.int64))
+            apply_token_bitmask(logits, rows, bitmask)
+        return time.monotonic_ns() - t0
 
     def _prompt_logprobs(self, step: PreparedStep) -> dict[str, prompt_logprobs.PromptLogprobs]:
         """Score this step's prompt rows into their requests' states; the prompts completed

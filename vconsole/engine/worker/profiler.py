@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 LABEL = "vconsole.layer::"
 TOP_OPS = 20
-PHASES = ("schedule", "execute", "update")
+PHASES = ("schedule", "execute", "update", "structured")
 LAYER_NAMES = {"embed_tokens": "embedding", "wte": "embedding", "self_attn": "attention",
                "attn": "attention", "mlp": "mlp", "feed_forward": "mlp",
                "rotary_emb": "rotary", "lm_head": "lm_head"}
@@ -136,6 +136,7 @@ class StepProfiler:
             self._phase_ns["schedule"] += stats.schedule_ns
             self._phase_ns["execute"] += stats.execute_ns
             self._phase_ns["update"] += stats.update_ns
+            self._phase_ns["structured"] += stats.structured_ns
         self.steps_done += 1
         self._close_open_ranges()      # a model execution that raised left its ranges open
         if self.steps_done < self.num_steps:
