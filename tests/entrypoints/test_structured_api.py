@@ -326,6 +326,7 @@ class ScriptedEngine:
         self.in_flight = 0
         self.script, self.finish_reason = "", "stop"
         self.sent: list[dict[str, Any]] = []
+        self.prompts: list[str] = []
 
     async def connect(self) -> None:
         pass
@@ -344,6 +345,7 @@ class ScriptedEngine:
                       stopped: set[int] | None = None
                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         self.sent += sampling
+        self.prompts.append(self.tokenizer.decode(prompt_token_ids))
         ids = self.tokenizer(self.script, add_special_tokens=False).input_ids
         for i in range(len(sampling)):
             for k, t in enumerate(ids):
@@ -402,11 +404,18 @@ def test_a_named_function_and_auto_over_the_app(app_engine: Any) -> None:
     assert "structured" not in engine.sent[-1]
     assert r.choices[0].message.content == "Sure." and r.choices[0].finish_reason == "tool_calls"
     assert r.choices[0].message.tool_calls[0].function.arguments == "{}"
+    assert "<tools>" in engine.prompts[-1] and '"name": "get_time"' in engine.prompts[-1]
     engine.script = "Just text."
     r = client.chat.completions.create(model="tiny", messages=HI, tools=[TIME],
                                        tool_choice="auto", stream=False)
     assert (r.choices[0].message.content, r.choices[0].message.tool_calls,
             r.choices[0].finish_reason) == ("Just text.", None, "stop")
+    engine.script = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    r = client.chat.completions.create(model="tiny", messages=HI, tools=[TIME],
+                                       tool_choice="none")
+    assert "structured" not in engine.sent[-1] and "<tools>" not in engine.prompts[-1]
+    assert r.choices[0].message.content == engine.script    # not read for calls
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
 
 
 def test_structured_fields_reach_the_engine_and_bad_specs_never_do(app_engine: Any) -> None:
