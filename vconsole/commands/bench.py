@@ -80,6 +80,14 @@ def main(args: argparse.Namespace) -> int:
         from vconsole.tools.bench.dp import dp_bench
 
         out = dp_bench(args.num_requests or 32, args.rounds or 3, log=log)
+    elif args.name == "structured":
+        from vconsole.tools.bench.structured import structured_bench
+
+        try:
+            out = structured_bench(args.model, args.num_requests or 64,
+                                   args.concurrency or [1, 32], args.rounds or 1, log=log)
+        except ValueError as e:         # a model that cannot load
+            return fail("bench", str(e), 2)
     else:  # torch and transformers are imported only for the benchmark that needs them
         from vconsole.tools.bench.throughput import throughput
 
