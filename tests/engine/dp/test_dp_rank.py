@@ -37,7 +37,8 @@ from vconsole.shared.config import EngineConfig
 from vconsole.telemetry import schema
 
 # The group tests run in order on one two-rank group (waves 0, 1, 2 ...): under pytest-xdist the
-# module stays on one worker (`make test` runs --dist loadgroup), or a worker given only the
+# module stays on one worker (`make test` runs --dist loadscope; the mark keeps it so under
+# --dist loadgroup too), or a worker given only the
 # later ones starts a fresh group whose first wave is 0.
 pytestmark = pytest.mark.xdist_group("dp-rank-group")
 
