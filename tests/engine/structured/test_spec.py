@@ -7,6 +7,7 @@ import pytest
 from vconsole.engine.client import protocol
 from vconsole.engine.request import STRUCTURED_KINDS, SamplingParams, StructuredSpec
 from vconsole.engine.structured.grammar import check_spec, is_gbnf, to_grammar
+from vconsole.shared.stats import CONSTRAINT_KINDS
 
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
 GOOD = [StructuredSpec("json", SCHEMA), StructuredSpec("json_object", ""),
@@ -17,6 +18,7 @@ GOOD = [StructuredSpec("json", SCHEMA), StructuredSpec("json_object", ""),
 
 def test_kinds_and_codes() -> None:
     assert STRUCTURED_KINDS == ("json", "json_object", "regex", "choice", "grammar")
+    assert CONSTRAINT_KINDS == STRUCTURED_KINDS     # the request table's names, by code - 1
     assert [StructuredSpec(k, "").code for k in STRUCTURED_KINDS] == [1, 2, 3, 4, 5]
 
 

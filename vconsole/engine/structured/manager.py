@@ -11,13 +11,13 @@ A request's life here:
    which queues it in the scheduler, or finishes it with ``error`` when the grammar did not
    compile.
 3. Each step, `fill` writes the next-token bitmask of every constrained request that samples in
-   it into one int32 bitmask (llguidance's `LLExecutor` fills the rows in parallel in Rust
-   threads, the GIL dropped); the runner applies it to
-   the logits before sampling (`vconsole.engine.worker.sampler.apply_token_bitmask`).
+   it into one int32 bitmask (with 4 cores or more llguidance's `LLExecutor` fills the rows
+   in parallel in Rust threads, the GIL dropped; else one call a row); the runner applies it
+   to the logits before sampling (`vconsole.engine.worker.sampler.apply_token_bitmask`).
 4. `advance` consumes each of those rows' sampled token. A matcher that is stopped afterwards
    (the grammar is complete; an EOS it allowed is one way) ends its request with ``stop``; one
    that refused the token ends it with ``error``.
-5. `release`, when the request finishes, drops its matcher.
+5. `forget`, when the request finishes, drops its matcher.
 
 Preemption and recompute need nothing: the matcher has consumed exactly the request's output
 tokens (which the engine keeps), and only a step that samples a *new* token advances it — a
@@ -29,6 +29,7 @@ for the runner).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from collections import deque
@@ -45,11 +46,13 @@ from vconsole.engine.sched.output import GrammarBatch, ModelRunnerOutput, Schedu
 from vconsole.engine.structured.compiler import CompiledGrammar, GrammarCompiler, build_tokenizer
 from vconsole.engine.structured.grammar import PREFIX
 
-# Rows from which the bitmask is filled by LLExecutor's threads rather than one call per row
-# (measured on 2 shared cores, tiny's byte vocabulary, a JSON schema: per row 74 us one by
-# one vs 13 us by the executor for 1 row, 46 vs 20 us for 8, 63 vs 16 us for 32).
-PAR_MIN_ROWS = 1
-EXECUTOR_THREADS = 4
+# The bitmask is filled by LLExecutor's Rust threads (the GIL dropped) only where cores are
+# free beside the forward's: on 2 shared cores one-by-one fills were as fast or faster
+# (docs/structured.md, "Why llguidance": 2.5 ms one by one vs 3.4 ms batched for 32 rows
+# on smollm2's vocabulary; torch's threads already hold both cores).
+_CPUS = os.cpu_count() or 1
+PAR_MIN_ROWS = 2 if _CPUS >= 4 else 1 << 30
+EXECUTOR_THREADS = max(2, min(8, _CPUS // 2))
 
 
 class GrammarState:
