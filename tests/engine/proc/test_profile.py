@@ -34,7 +34,7 @@ ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "64", "--block-size", "8",
                "--set", "telemetry_hz=20"]
 PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(10 + i)] for i in range(12)]
 MAX_TOKENS = 24
-PHASES = ("schedule", "execute", "update")
+PHASES = ("schedule", "execute", "update", "structured")
 EPS_S = 1e-6      # float rounding of sums of nanoseconds / 1e9; far below one step's phases
 
 
