@@ -73,6 +73,9 @@ class EngineCore:
         self.profiler: StepProfiler | None = None   # armed by start_profile; see profiling
         self.structured = StructuredOutputs(self.tokenizer, self.runner.vocab_size,
                                             self.runner.eos_token_ids)
+        # On a GPU the bitmask is filled on a thread while the forward runs (llguidance drops
+        # the GIL; the forward only launches kernels); on a CPU both would want the same cores.
+        self.overlap_bitmask = self.runner.device.type == "cuda"
         logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
                     "(kv %s, %d bytes per token)", config.model, self.runner.device,
                     self.runner.dtype, self.num_kv_blocks, config.block_size,
@@ -182,7 +185,8 @@ class EngineCore:
         t1 = t_scheduled = time.monotonic_ns()
         structured_ns = 0           # an unconstrained batch: none, not even a timer
         if structured.active:       # constrained requests exist: their rows' bitmask
-            scheduler_output.grammar = structured.fill(scheduler_output)
+            scheduler_output.grammar = structured.fill(scheduler_output,
+                                                       overlap=self.overlap_bitmask)
             t1b = time.monotonic_ns()
             structured_ns, t1 = t1b - t1, t1b
         if scheduler_output.has_work():

@@ -270,3 +270,22 @@ def test_through_the_engine_process(shared_engine: Any) -> None:
     assert done.finish_reason == "stop", (done.text, done.error)
     jsonschema.validate(json.loads(done.text), small)
     assert bad.finish_reason == "error" and bad.error.startswith("structured output: ")
+
+
+def test_a_bitmask_filled_beside_the_forward_is_awaited(core: EngineCore,
+                                                        monkeypatch) -> None:
+    """The GPU path (fill on a thread while the forward runs), forced on the CPU: the runner
+    waits for the fill, so outputs are as valid; the fill itself made slow to prove the wait."""
+    real = manager_module.StructuredOutputs._fill_rows
+
+    def slow_fill(self: Any, matchers: Any, bitmask: Any) -> None:
+        time.sleep(0.01)
+        real(self, matchers, bitmask)
+
+    monkeypatch.setattr(manager_module.StructuredOutputs, "_fill_rows", slow_fill)
+    monkeypatch.setattr(core, "overlap_bitmask", True)
+    specs = [StructuredSpec("regex", REGEX), StructuredSpec("choice", json.dumps(CHOICES)),
+             None, StructuredSpec("grammar", GBNF)]
+    outs = sampled(core, specs, max_tokens=40)
+    assert re.fullmatch(REGEX, outs[0].text) and outs[1].text in CHOICES
+    assert outs[3].finish_reason == "stop" and outs[3].text.startswith("("), outs[3].text

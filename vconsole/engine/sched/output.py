@@ -71,10 +71,13 @@ class GrammarBatch:
     runner runs. Row ``rows[r]`` of ``bitmask`` is request ``r``'s: bit ``t`` (word ``t // 32``,
     bit ``t % 32``) set iff token ``t`` may come next; tokens past the bitmask's width never may.
     ``bitmask``: an int32 CPU tensor of (len(rows), words) — the one torch object of this
-    module's contract, typed Any so the scheduler's side stays torch-free."""
+    module's contract, typed Any so the scheduler's side stays torch-free. ``ready``: None when
+    the bitmask is filled already, else a future the runner waits on before it reads the
+    bitmask (filled on another thread while the forward runs, as vLLM overlaps it on GPUs)."""
 
     rows: dict[str, int]
     bitmask: Any
+    ready: Any = None
 
 
 @dataclass

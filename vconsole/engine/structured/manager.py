@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -78,6 +78,7 @@ class StructuredOutputs:
         self._ready_event = threading.Event()
         self.wake: Callable[[], None] | None = None   # the busy loop's wake-up, if it sleeps
         self._executor: LLExecutor | None = None
+        self._fill_thread: ThreadPoolExecutor | None = None
         self._bitmask: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
 
@@ -153,9 +154,11 @@ class StructuredOutputs:
             pending.pop(rid, None)
 
     # --- each step ----------------------------------------------------------------------------
-    def fill(self, so: SchedulerOutput) -> GrammarBatch | None:
+    def fill(self, so: SchedulerOutput, *, overlap: bool = False) -> GrammarBatch | None:
         """The bitmask of this step's constrained rows that sample (None if there are none).
-        Call after `schedule` (computed tokens are still the step's start positions)."""
+        Call after `schedule` (computed tokens are still the step's start positions).
+        ``overlap``: fill it on the fill thread while the forward runs (the matchers are only
+        read until `advance`); the batch's ``ready`` says when it is done."""
         scheduled = so.num_scheduled_tokens
         rows: dict[str, int] = {}
         matchers: list[tuple[LLMatcher, int]] = []
@@ -168,6 +171,15 @@ class StructuredOutputs:
         if not rows:
             return None
         bitmask = self._bitmask_rows(len(rows))
+        if overlap:
+            if self._fill_thread is None:
+                self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="vconsole-mask")
+            return GrammarBatch(rows, bitmask, self._fill_thread.submit(
+                self._fill_rows, matchers, bitmask))
+        self._fill_rows(matchers, bitmask)
+        return GrammarBatch(rows, bitmask)
+
+    def _fill_rows(self, matchers: list[tuple[LLMatcher, int]], bitmask: torch.Tensor) -> None:
         if len(matchers) >= PAR_MIN_ROWS:
             if self._executor is None:
                 self._executor = LLExecutor(EXECUTOR_THREADS)
@@ -175,7 +187,6 @@ class StructuredOutputs:
         else:
             for matcher, row in matchers:
                 fill_next_token_bitmask(matcher, bitmask, row)
-        return GrammarBatch(rows, bitmask)
 
     def _bitmask_rows(self, n: int) -> torch.Tensor:
         """The first ``n`` rows of one reused int32 bitmask (grown by doubling). Reuse is
@@ -205,3 +216,5 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self.compiler.close()
+        if self._fill_thread is not None:
+            self._fill_thread.shutdown(wait=False)

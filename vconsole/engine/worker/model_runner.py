@@ -295,6 +295,8 @@ class ModelRunner:
         """Mask the constrained rows' logits with their grammar's bitmask, in place; returns
         the host time it took (ns)."""
         t0 = time.monotonic_ns()
+        if grammar.ready is not None:
+            grammar.ready.result()     # filled beside the forward: what is left of it counts
         where = grammar.rows
         pairs = [(i, where[st.req_id]) for i, st in enumerate(states) if st.req_id in where]
         if pairs:
