@@ -76,6 +76,11 @@ VCONSOLE_NAMES = {
     "vconsole:telemetry_errors": "counter",
     "vconsole:engine_up": "gauge",
     "vconsole:config_version": "gauge",
+    "vconsole:structured_output_requests_compiling": "gauge",
+    "vconsole:structured_output_compiles": "counter",
+    "vconsole:structured_output_compile_cache_hits": "counter",
+    "vconsole:structured_output_compile_errors": "counter",
+    "vconsole:structured_output_compile_seconds": "counter",
 }
 
 
@@ -127,7 +132,11 @@ def hand_made_bodies() -> dict[str, dict[str, Any]]:
     sched = SchedulerStats(num_waiting=7, num_running=3, num_preempted=2,
                            num_preemptions_total=11, max_num_seqs=8,
                            max_num_batched_tokens=256, policy="fcfs", num_finished_total=40,
-                           num_prompt_tokens_total=1234, num_generation_tokens_total=567)
+                           num_prompt_tokens_total=1234, num_generation_tokens_total=567,
+                           num_compiling=2, structured_compiles_total=9,
+                           structured_compile_cache_hits_total=30,
+                           structured_compile_errors_total=1,
+                           structured_compile_seconds_total=0.125)
     kv = KVStats(num_blocks=64, block_size=16, num_free=40, num_used=20, num_cached=4,
                  num_shared=5, usage=20 / 64, token_usage=0.27, fragmentation=0.125,
                  prefix_queries=900, prefix_hits=300, block_states=np.zeros(64, np.uint8))
@@ -205,6 +214,11 @@ def test_gauges_and_counters_equal_the_payload_fields():
             for p in ("schedule", "execute", "update")} == {
         "schedule": 0.5, "execute": 12.25, "update": 0.75}
     assert s.value("vconsole:scheduler_share") == 0.04
+    assert s.value("vconsole:structured_output_requests_compiling") == 2
+    assert s.value("vconsole:structured_output_compiles_total") == 9
+    assert s.value("vconsole:structured_output_compile_cache_hits_total") == 30
+    assert s.value("vconsole:structured_output_compile_errors_total") == 1
+    assert s.value("vconsole:structured_output_compile_seconds_total") == 0.125
     levels = {n: s.value("vconsole:alert_level", alert=n) for n in RULES}
     assert levels == {**dict.fromkeys(RULES, 0.0), "waiting": 2.0, "fragmentation": 1.0}
     assert s.value("vconsole:engine_restarts_total") == 2

@@ -33,7 +33,7 @@ from typing import Any
 
 IMBALANCE_WARN = 1.5
 IMBALANCE_MIN_LOAD = 4
-PHASES = ("schedule", "execute", "update")
+PHASES = ("schedule", "execute", "update", "structured")
 
 Bodies = Mapping[str, Mapping[str, Any]]
 

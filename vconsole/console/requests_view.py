@@ -10,7 +10,8 @@ Filter syntax (every word must match, case-insensitive):
 
 - ``abc`` — a substring of the request id or its state;
 - ``state:running`` / ``id:req-12`` — a substring of that column;
-- ``prio>0``, ``age>=30``, ``blocks<4``, ``output=0`` — a numeric comparison on a column.
+- ``prio>0``, ``age>=30``, ``blocks<4``, ``output=0`` — a numeric comparison on a column;
+  ``grammar>0`` keeps the structured-output requests, ``compile>=10`` the slow compiles.
 
 A word without ``< > = !`` is a substring search. A word with one that is not a comparison
 of a numeric column with a number (``prio>>x``, ``age>soon``, ``state>3``, ``foo>1``) is not
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from vconsole.shared.stats import CONSTRAINT_KINDS
 from vconsole.telemetry.schema import RequestColumns
 
 Row = dict[str, Any]
@@ -50,12 +52,15 @@ COLUMNS = (
     Column("num_prompt_tokens", "prompt", 7),
     Column("num_output_tokens", "output", 7),
     Column("num_blocks", "blocks", 7),
+    # A structured-output request's constraint and its grammar's compile time (`grammar_label`).
+    Column("constraint", "grammar", 12),
     Column("age_s", "age", 8),
 )
 SORT_KEYS = [c.key for c in COLUMNS]
 ALIASES = {"prio": "priority", "priority": "priority", "prompt": "num_prompt_tokens",
            "output": "num_output_tokens", "out": "num_output_tokens", "blocks": "num_blocks",
-           "age": "age_s", "id": "id", "state": "state"}
+           "age": "age_s", "id": "id", "state": "state", "grammar": "constraint",
+           "constraint": "constraint", "compile": "compile_ms", "compile_ms": "compile_ms"}
 TITLES = {c.key: c.title for c in COLUMNS}
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
     ">=": operator.ge, "<=": operator.le, "!=": operator.ne, ">": operator.gt, "<": operator.lt,
@@ -66,7 +71,21 @@ _DIGITS = re.compile(r"(\d+)")
 
 
 _OP_CHARS = frozenset("<>=!")
-NUMERIC_KEYS = frozenset(c.key for c in COLUMNS if c.numeric)
+NUMERIC_KEYS = frozenset(c.key for c in COLUMNS if c.numeric) | {"compile_ms"}
+
+
+def grammar_label(row: Row) -> str:
+    """``json 3ms``: a row's structured-output constraint (the ``constraint`` code, 0 none, else
+    1 + its index in `CONSTRAINT_KINDS`) and its grammar's compile time once compiled (a
+    cache hit reads ``<1ms``); empty for an unconstrained row (or a source without the column)."""
+    code = row.get("constraint")
+    if not code or not 0 < int(code) <= len(CONSTRAINT_KINDS):
+        return ""
+    kind = CONSTRAINT_KINDS[int(code) - 1].replace("json_object", "object")
+    ms = row.get("compile_ms")
+    if row.get("state") == "compiling" or ms is None:
+        return kind
+    return f"{kind} {ms:.0f}ms" if ms >= 1 else f"{kind} <1ms"
 
 
 def _understood(word: str) -> bool:

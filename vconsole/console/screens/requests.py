@@ -99,6 +99,8 @@ class RequestsScreen(FilteredScreen):
             parts = [f"[$warning]{fmt.count(sc.get('num_waiting'))}[/] waiting",
                      f"[$success]{fmt.count(sc.get('num_running'))}[/] running",
                      f"[$error]{fmt.count(sc.get('num_preempted'))}[/] preempted"]
+            if sc.get("num_compiling"):     # structured outputs whose grammar compiles now
+                parts.append(f"[$accent]{fmt.count(sc.get('num_compiling'))}[/] compiling")
             view = f"{shown:,} of {self.total_rows:,} shown" if self.filter_text else \
                 f"{self.total_rows:,} rows"
             if sc.get("requests_truncated"):

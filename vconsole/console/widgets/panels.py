@@ -159,18 +159,22 @@ def phases(eng: EngineState, now: float, width: int, limits: Mapping[str, float]
                      f"{_muted('finished')} {fmt.count(_num(st, 'num_finished'))}"],
                     width, "  ")])
     ph = st.get("phase_s") or {}
-    total = sum(float(ph.get(k) or 0) for k in ("schedule", "execute", "update"))
+    # structured: the bitmask of the constrained rows and their matchers (shown while > 0)
+    names = [n for n in ("schedule", "execute", "update", "structured")
+             if n != "structured" or float(ph.get(n) or 0) > 0]
+    total = sum(float(ph.get(k) or 0) for k in names)
     share = _num(st, "sched_share")
     thr = limits["alert_sched_share_warning"]
     if steps == 0 or total <= 0:
         return _waiting("idle: no steps in the last window")
     bar_w = max(4, width - 9 - 7 - 9)
     lines = []
-    for name in ("schedule", "execute", "update"):
+    for name in names:
         part = float(ph.get(name) or 0) / total
         lvl = fmt.level(share, thr) if name == "schedule" else ""
         bar = fmt.styled(fmt.bar(part, bar_w), lvl or "$accent")
-        lines.append(f"{_muted(f'{name:<9}')}{bar}{fmt.styled(f'{fmt.pct(part):>7}', lvl)}"
+        label = "grammar" if name == "structured" else name
+        lines.append(f"{_muted(f'{label:<9}')}{bar}{fmt.styled(f'{fmt.pct(part):>7}', lvl)}"
                      f"{fmt.ms(float(ph.get(name) or 0) / steps):>9}")
     p50 = _num(st, "step_time_p50_s")
     p50_lvl = fmt.level(p50, limits["alert_step_time_warning_s"],

@@ -18,6 +18,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
+from vconsole.console.requests_view import grammar_label
 from vconsole.telemetry.request_text import (
     HOW_TO_TURN_ON,
     OUTPUT_TAIL_CHARS,
@@ -26,7 +27,8 @@ from vconsole.telemetry.request_text import (
     RequestText,
 )
 
-_STATE_STYLE = {"running": "$success", "waiting": "$warning", "preempted": "$error"}
+_STATE_STYLE = {"running": "$success", "waiting": "$warning", "preempted": "$error",
+                "compiling": "$accent"}
 
 
 def _one_line(text: str) -> str:
@@ -43,9 +45,11 @@ def figures(row: dict[str, Any], gone: bool) -> str:
     first = " · ".join([f"[b]{fmt.escape(str(row.get('id', '?')))}[/]", state_text,
                         f"prio {fmt.count(row.get('priority'))}",
                         f"age {fmt.duration(row.get('age_s'))}"])
+    grammar = grammar_label(row)
     second = " · ".join([f"prompt {fmt.count(row.get('num_prompt_tokens'))} tok",
                          f"output {fmt.count(row.get('num_output_tokens'))} tok",
-                         f"{fmt.count(row.get('num_blocks'))} KV blocks"])
+                         f"{fmt.count(row.get('num_blocks'))} KV blocks",
+                         *([f"grammar {fmt.escape(grammar)}"] if grammar else [])])
     return f"{first}\n[$text-muted]{second}[/]"
 
 

@@ -25,14 +25,17 @@ from textual.strip import Strip
 
 from vconsole.console import format as fmt
 from vconsole.console.keymap import TABLE
-from vconsole.console.requests_view import Column, layout
+from vconsole.console.requests_view import Column, grammar_label, layout
 from vconsole.telemetry.schema import RequestColumns
 
 STATE_CLASSES = {"running": "request-table--running", "waiting": "request-table--waiting",
-                 "preempted": "request-table--preempted"}
+                 "preempted": "request-table--preempted",
+                 "compiling": "request-table--compiling"}
 
 
 def cell_text(col: Column, value: Any, width: int) -> str:
+    if col.key == "constraint":
+        return f"{fmt.clip(str(value or ''), width - 1):<{width}}"
     if value is None:
         text = "–"
     elif col.key == "age_s":
@@ -100,7 +103,7 @@ class RowsView(Sequence[dict[str, Any]]):
 class RequestTable(ScrollView, can_focus=True):
     COMPONENT_CLASSES = {"request-table--cursor", "request-table--running",
                          "request-table--waiting", "request-table--preempted",
-                         "request-table--muted"}
+                         "request-table--compiling", "request-table--muted"}
     BINDINGS = TABLE
 
     cursor: reactive[int] = reactive(0, repaint=False)
@@ -178,7 +181,7 @@ class RequestTable(ScrollView, can_focus=True):
                       else Style(underline=True))
         segments = []
         for col, w in layout(width):
-            value = row.get(col.key)
+            value = grammar_label(row) if col.key == "constraint" else row.get(col.key)
             style = base
             if col.key == "state":
                 cls = STATE_CLASSES.get(str(value))

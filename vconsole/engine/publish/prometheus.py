@@ -178,6 +178,22 @@ def _sched(r: _Rank, b: dict[str, Any]) -> None:
     if "num_generation_tokens_total" in b:
         r.counter("vllm:generation_tokens", "Number of generation tokens processed.",
                   b["num_generation_tokens_total"])
+    if "structured_compiles_total" in b:     # structured outputs (the engine's compile threads)
+        r.gauge("vconsole:structured_output_requests_compiling",
+                "Requests waiting for their structured-output grammar to compile.",
+                b["num_compiling"])
+        r.counter("vconsole:structured_output_compiles",
+                  "Structured-output grammars compiled (cache misses).",
+                  b["structured_compiles_total"])
+        r.counter("vconsole:structured_output_compile_cache_hits",
+                  "Structured-output requests served a grammar from the compile cache.",
+                  b["structured_compile_cache_hits_total"])
+        r.counter("vconsole:structured_output_compile_errors",
+                  "Structured-output grammars that failed to compile (their requests failed).",
+                  b["structured_compile_errors_total"])
+        r.counter("vconsole:structured_output_compile_seconds",
+                  "Seconds spent compiling structured-output grammars, off the busy loop.",
+                  b["structured_compile_seconds_total"])
 
 
 def _kv(r: _Rank, b: dict[str, Any]) -> None:
