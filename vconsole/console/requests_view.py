@@ -53,7 +53,7 @@ COLUMNS = (
     Column("num_output_tokens", "output", 7),
     Column("num_blocks", "blocks", 7),
     # A structured-output request's constraint and its grammar's compile time (`grammar_label`).
-    Column("constraint", "grammar", 12),
+    Column("constraint", "grammar", 12, numeric=False),   # a code on the wire, text on screen
     Column("age_s", "age", 8),
 )
 SORT_KEYS = [c.key for c in COLUMNS]
@@ -71,7 +71,7 @@ _DIGITS = re.compile(r"(\d+)")
 
 
 _OP_CHARS = frozenset("<>=!")
-NUMERIC_KEYS = frozenset(c.key for c in COLUMNS if c.numeric) | {"compile_ms"}
+NUMERIC_KEYS = frozenset(c.key for c in COLUMNS if c.numeric) | {"constraint", "compile_ms"}
 
 
 def grammar_label(row: Row) -> str:
