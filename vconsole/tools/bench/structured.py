@@ -12,7 +12,8 @@ next in.
 "value": schema}`` (no ``ignore_eos``: the engine refuses it with a grammar); it stops where
 the grammar ends. Unconstrained: the same prompts with ``max_tokens`` set to the length of the
 constrained output of the same request, and ``ignore_eos``, so both sides compute exactly the
-same tokens and the ratio of their output tok/s is the cost of the grammar alone (a small
+same tokens (the engine runs without its prefix cache, else the second side would find the
+first side's prompts cached) and the ratio of their output tok/s is the cost of the grammar alone (a small
 model left free talks to max_tokens, and a ratio over different lengths would measure the
 lengths). The first round runs constrained first (its lengths are the twins'); with
 ``--rounds`` > 1 later rounds alternate the order, and tok/s is the rounds' median.
@@ -20,7 +21,8 @@ lengths). The first round runs constrained first (its lengths are the twins'); w
 **Figures per level.** ``validity``: each constrained output through ``json.loads`` and
 ``jsonschema.validate``, the count of failures by kind and an example of each;
 ``constrained`` / ``unconstrained``: output tokens, elapsed, tok/s, finish reasons, the
-engine's own step records of the run (its request trace: all steps, and the decode-only steps
+engine's own step records of the run (its request trace: all steps and their summed time
+``busy_s``, and the decode-only steps
 at the run's steady batch, at least 3/4 of its widest, whose median is one step's cost) and
 ``structured_share_of_step``: the ``structured`` phase (bitmask filled and applied, matchers
 advanced) over the busy time of the run's steps, from the engine's ``step`` telemetry;
@@ -332,7 +334,8 @@ def step_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
     widest = max(s["decode"] for s in steps)
     steady = [s for s in steps if s["prefill"] == 0 and s["decode"] >= 0.75 * widest]
     out: dict[str, Any] = {
-        "steps": len(steps), "step_ms_median": round(statistics.median(s["dur"] for s in steps)
+        "steps": len(steps), "busy_s": round(sum(s["dur"] for s in steps), 3),
+        "step_ms_median": round(statistics.median(s["dur"] for s in steps)
                                                       * 1e3, 3),
         "steady_steps": len(steady), "steady_rows_median": statistics.median(
             s["decode"] for s in steady) if steady else None,
@@ -615,7 +618,8 @@ def structured_bench(model: str = "smollm2", num_requests: int = 64,
     probe_marks: dict[str, list[tuple[float, float]]] = {}
     t_bg = t_end = 0.0
     say(f"starting an engine ({model}) ...")
-    args = ["--model", model, "--max-num-seqs", str(max(64, *levels)),
+    # No prefix cache: the side that runs second would find the first side's prompts cached.
+    args = ["--model", model, "--max-num-seqs", str(max(64, *levels)), "--no-prefix-caching",
             "--request-trace", str(trace_path)]
     try:
         with EngineProcess(args) as engine:
