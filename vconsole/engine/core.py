@@ -261,6 +261,11 @@ class EngineCore:
         self.consecutive_step_failures = 0
         return out
 
+    def close(self) -> None:
+        """Stop the core's own threads (the grammar compiler's; queued compiles are dropped).
+        The process wrapper calls it on shutdown; a core used in-process may too."""
+        self.structured.close()
+
     def detokenize(self, token_ids: list[int]) -> str:
         """A request's text (special tokens skipped). Only reads the tokenizer, so the engine
         process calls it off the busy loop."""

@@ -171,6 +171,11 @@ class SamplingParams:
             if self.ignore_eos:
                 raise ValueError("structured output and ignore_eos cannot be combined: the "
                                  "grammar decides where the output ends")
+            # min_tokens bans EOS and the stop tokens after the grammar's mask: where the
+            # grammar allows only those, no token would be left to sample.
+            if self.min_tokens:
+                raise ValueError("structured output and min_tokens cannot be combined: the "
+                                 "grammar decides where the output ends")
 
     @property
     def penalised(self) -> bool:

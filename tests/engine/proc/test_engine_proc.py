@@ -615,6 +615,9 @@ class _IdleCore:
     def has_ready_requests(self) -> bool:
         return False
 
+    def close(self) -> None:
+        pass
+
     def set_wakeup(self, wake) -> None:
         pass
 

@@ -121,6 +121,10 @@ def test_constrained_and_free_rows_share_a_batch_with_logprobs(core: EngineCore)
     for out in outs:   # logprobs of the masked logits: the sampled token's is finite
         assert out.logprobs is not None
         assert all(lp > float("-inf") for lp, _ids, _lps in out.logprobs)
+        # ... and a top list holds no token the grammar forbids (none at -inf)
+        assert all(v > float("-inf") for _lp, _ids, lps in out.logprobs for v in lps)
+    # a choice allows one token at most places: its top-2 lists are often shorter
+    assert any(len(ids) < 2 for _lp, ids, _lps in outs[0].logprobs)
 
 
 def test_a_spec_that_does_not_compile_finishes_with_error_and_nothing_else_changes(
@@ -131,6 +135,7 @@ def test_a_spec_that_does_not_compile_finishes_with_error_and_nothing_else_chang
         assert out.finish_reason == "error" and out.new_token_ids == []
         assert out.error is not None and out.error.startswith("structured output: ")
         assert "strin" in out.error
+        assert "\n" not in out.error and len(out.error) < 300   # no parser state, no grammar
     assert re.fullmatch(REGEX, outs[1].text) and len(outs[2].new_token_ids) == 8
     before = core.structured.compiler.num_errors
     sampled(core, [bad], max_tokens=8)    # cached: the same error at once, no new compile
@@ -229,6 +234,52 @@ def test_an_aborted_compiling_request_finishes_once(core: EngineCore) -> None:
     assert core.structured.wait_ready(5.0)
     core.step()
     assert not core.has_unfinished_requests() and not core.structured.active
+
+
+def test_an_id_reused_while_its_first_compile_runs_waits_for_its_own(core: EngineCore,
+                                                                      monkeypatch) -> None:
+    """Aborted while compiling, the same id comes back with another spec: the first compile's
+    end must not hand over the second (whose compile still runs), nor block a step on it."""
+    real = GrammarCompiler.build_matcher
+
+    def slow(tokenizer: Any, grammar: str) -> LLMatcher:
+        time.sleep(0.6 if "first" in grammar else 1.5)
+        return real(tokenizer, grammar)
+
+    monkeypatch.setattr(GrammarCompiler, "build_matcher", staticmethod(slow))
+    first = core.make_request("again", prompt="x", sampling=SamplingParams(
+        max_tokens=8, structured=StructuredSpec("regex", "first[0-9]{2}")))
+    assert core.add_request(first) is None
+    core.abort_requests(["again"])
+    core.step()
+    second = core.make_request("again", prompt="x", sampling=SamplingParams(
+        max_tokens=12, structured=StructuredSpec("regex", "second[a-c]{3}")))
+    assert core.add_request(second) is None
+    assert core.structured.wait_ready(5.0)       # the first compile's end
+    t0 = time.monotonic()
+    core.step()
+    assert time.monotonic() - t0 < 0.5, "a step waited for the second compile"
+    assert second.status is RequestStatus.COMPILING
+    text: list[int] = []
+    while core.has_unfinished_requests():
+        if not core.has_ready_requests():
+            assert core.structured.wait_ready(5.0)
+            continue
+        outputs, _ = core.step()
+        text += [t for o in outputs.get(b"", []) for t in o.new_token_ids]
+    assert second.finish_reason == "stop"
+    assert re.fullmatch("second[a-c]{3}", core.detokenize(text))
+
+
+def test_close_drops_the_compiles_still_queued(monkeypatch) -> None:
+    """Shutting down waits for no queued compile (the threads run what they hold only)."""
+    compiler = GrammarCompiler(lambda: None)    # type: ignore[arg-type, return-value]
+    monkeypatch.setattr(GrammarCompiler, "build_matcher",
+                        staticmethod(lambda tok, grammar: time.sleep(1.0)))
+    futures = [compiler.submit(StructuredSpec("regex", f"q{i}"))[0] for i in range(4)]
+    time.sleep(0.3)                                     # the first two are running
+    compiler.close()
+    assert sum(f.cancelled() for f in futures) == 2     # two threads: two were running
 
 
 def test_preemption_and_recompute_keep_outputs_valid() -> None:

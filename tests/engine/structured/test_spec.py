@@ -40,6 +40,14 @@ def test_structured_with_ignore_eos_is_refused() -> None:
         SamplingParams(structured=GOOD[0], ignore_eos=True).validate()
 
 
+def test_structured_with_min_tokens_is_refused() -> None:
+    """min_tokens bans EOS after the grammar's mask: where the grammar allows only EOS, no
+    token would be left (a refused token was sampled before this was refused)."""
+    with pytest.raises(ValueError, match="structured output and min_tokens"):
+        SamplingParams(structured=GOOD[0], min_tokens=1, max_tokens=4).validate()
+    SamplingParams(structured=GOOD[0], min_tokens=0).validate()
+
+
 @pytest.mark.parametrize("spec", GOOD, ids=lambda s: s.kind)
 def test_good_specs_check(spec: StructuredSpec) -> None:
     check_spec(spec)

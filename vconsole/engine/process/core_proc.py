@@ -272,6 +272,10 @@ class EngineCoreProc:
         # thread's `inputs.Wake` ends the wait (checked after the queue was, so none is lost:
         # the ready list is filled before the wake-up is queued).
         held = not idle and not self.core.has_ready_requests()
+        if held and not self.role.in_wave:
+            # Waiting on the compile threads is not a stuck step: the hang watchdog must not
+            # kill an engine whose only requests compile (the next beat says busy again).
+            self._beat(busy=False)
         if (idle or held) and not self.role.in_wave:
             wait = 1.0 / self.core.config.telemetry_hz if self.feed.dirty else None
             stats_wait = self._stats_log.wait_s(self.core.config)
@@ -409,6 +413,7 @@ class EngineCoreProc:
         self.output_queue.put(STOP)
         self._threads[1].join()                      # output: flushes everything queued first
         self.trace.close()                           # the trace file gets its last lines
+        self.core.close()                            # grammar compiles still queued: dropped
         self.outlets.close()
         if self._auth is not None:                   # its sockets live in this context
             self._auth.stop()

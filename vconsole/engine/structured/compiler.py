@@ -35,6 +35,12 @@ CACHE_SIZE = 256
 COMPILE_THREADS = 2
 
 
+def first_line(error: str) -> str:
+    """llguidance's error without what follows its first line (the parser's state and the
+    whole grammar: a JSON schema request would get its schema echoed back)."""
+    return error.strip().split("\n", 1)[0].strip()
+
+
 @dataclass(frozen=True, slots=True)
 class CompiledGrammar:
     """A spec compiled against the model's tokenizer: a fresh matcher to copy, or why not."""
@@ -104,7 +110,7 @@ class GrammarCompiler:
             matcher = self.build_matcher(tokenizer, to_grammar(spec))
         except ValueError as e:
             return self._count(CompiledGrammar(None, str(e), time.perf_counter() - t0))
-        error = PREFIX + matcher.get_error().strip() if matcher.is_error() else None
+        error = PREFIX + first_line(matcher.get_error()) if matcher.is_error() else None
         return self._count(CompiledGrammar(None if error else matcher, error,
                                            time.perf_counter() - t0))
 

@@ -43,7 +43,12 @@ from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_pa
 
 from vconsole.engine.request import Request
 from vconsole.engine.sched.output import GrammarBatch, ModelRunnerOutput, SchedulerOutput
-from vconsole.engine.structured.compiler import CompiledGrammar, GrammarCompiler, build_tokenizer
+from vconsole.engine.structured.compiler import (
+    CompiledGrammar,
+    GrammarCompiler,
+    build_tokenizer,
+    first_line,
+)
 from vconsole.engine.structured.grammar import PREFIX
 
 # The bitmask is filled by LLExecutor's Rust threads (the GIL dropped) only where cores are
@@ -74,7 +79,8 @@ class StructuredOutputs:
         self.active: dict[str, Request] = {}   # compiled, waiting or running: have a matcher
         # Compiling: request, its future, when it was submitted, whether the cache had it.
         self._pending: dict[str, tuple[Request, Future[CompiledGrammar], float, bool]] = {}
-        self._ready: deque[str] = deque()      # appended by the pool's threads
+        # (id, its compile), appended by the pool's threads
+        self._ready: deque[tuple[str, Future[CompiledGrammar]]] = deque()
         self._ready_event = threading.Event()
         self.wake: Callable[[], None] | None = None   # the busy loop's wake-up, if it sleeps
         self._executor: LLExecutor | None = None
@@ -92,9 +98,11 @@ class StructuredOutputs:
         self._pending[rid] = (req, fut, time.perf_counter(), hit)
         fut.add_done_callback(functools.partial(self._on_done, rid))
 
-    def _on_done(self, rid: str, _fut: object = None) -> None:
-        """A pool thread (or the loop, for a cached grammar): ``rid`` can be taken."""
-        self._ready.append(rid)
+    def _on_done(self, rid: str, fut: Future[CompiledGrammar]) -> None:
+        """A pool thread (or the loop, for a cached grammar): ``rid``'s compile ``fut`` is
+        done. The future goes with the id: an id aborted while compiling may come back with
+        another spec before this compile ends, and only its own compile may release it."""
+        self._ready.append((rid, fut))
         self._ready_event.set()
         wake = self.wake
         if wake is not None:
@@ -122,10 +130,13 @@ class StructuredOutputs:
         matcher, and ``compile_ms``) or the reason its grammar cannot be used."""
         out: list[tuple[Request, str | None]] = []
         ready = self._ready
+        pending = self._pending
         while ready:
-            entry = self._pending.pop(ready.popleft(), None)
-            if entry is None:
-                continue
+            rid, done = ready.popleft()
+            entry = pending.get(rid)
+            if entry is None or entry[1] is not done:
+                continue        # finished meanwhile, or the id was reused for a new compile
+            del pending[rid]
             req, fut, submitted, hit = entry
             if fut.cancelled():
                 out.append((req, f"{PREFIX}the engine stopped compiling grammars"))
@@ -208,7 +219,7 @@ class StructuredOutputs:
                 continue     # the step failed: nothing sampled, nothing consumed
             matcher = active[rid].grammar.matcher
             if not matcher.consume_token(token):
-                ends[rid] = PREFIX + (matcher.get_error().strip()
+                ends[rid] = PREFIX + (first_line(matcher.get_error())
                                       or f"token {token} is not allowed here")
             elif matcher.is_stopped():
                 ends[rid] = None

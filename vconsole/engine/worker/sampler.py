@@ -241,14 +241,23 @@ class Sampler:
                  top: Sequence[int]) -> list[tuple[float, list[int], list[float]]]:
         """For each of ``rows``: the sampled token's logprob and the ``top[i]`` most likely
         tokens with theirs, from the raw logits (before temperature, penalties or filters, as
-        vLLM's default), in one batched log-softmax and top-k."""
+        vLLM's default; a structured-output row's logits are already masked by its grammar),
+        in one batched log-softmax and top-k. A top list holds no token of logprob -inf (a
+        grammar that allows fewer tokens than asked lists fewer)."""
         index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
         lp = logits.index_select(0, index).float().log_softmax(dim=-1)
         chosen = lp.gather(1, tokens.index_select(0, index)[:, None]).squeeze(1).tolist()
         k = max(top)
         top_lp, top_ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
         top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
-        return [(chosen[j], top_id_rows[j][:n], top_lp_rows[j][:n]) for j, n in enumerate(top)]
+        out = []
+        for j, n in enumerate(top):
+            ids, lps = top_id_rows[j][:n], top_lp_rows[j][:n]
+            if lps and lps[-1] == float("-inf"):     # sorted: only a masked tail is -inf
+                keep = sum(1 for v in lps if v != float("-inf"))
+                ids, lps = ids[:keep], lps[:keep]
+            out.append((chosen[j], ids, lps))
+        return out
 
     def _noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         q = torch.empty_like(probs)
