@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import StructuredSpec
+from vconsole.engine.structured.grammar import check_spec
 from vconsole.engine.worker.tiny_model import build_byte_tokenizer
 from vconsole.entrypoints.openai.api_server import build_app
 from vconsole.entrypoints.openai.protocol import BadRequest
@@ -142,20 +143,53 @@ def test_required_is_an_array_of_named_calls_with_each_functions_parameters() ->
         jsonschema.validate(good, one)
 
 
-def test_a_named_function_is_its_parameters_and_defs_are_lifted_for_required() -> None:
+def test_a_named_function_is_its_parameters() -> None:
     plan = plan_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}},
                       None, auto_enabled=False)
     assert plan.spec() == StructuredSpec("json", json.dumps(
         TIME["function"]["parameters"], separators=(",", ":")))
-    with_defs = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
-                 "$defs": {"P": {"type": "integer"}}}
-    schema = required_schema([Function("f", parameters=with_defs)])
-    assert schema["$defs"] == {"P": {"type": "integer"}}
-    jsonschema.validate([{"name": "f", "parameters": {"p": 3}}], schema)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate([{"name": "f", "parameters": {"p": "x"}}], schema)
     assert plan_tools([], None, None, auto_enabled=False).spec() is None
     assert plan_tools([WEATHER], "none", None, auto_enabled=False).shown() == []
+
+
+RECURSIVE = {"type": "object", "properties": {"child": {"$ref": "#"}, "n": {"type": "integer"}},
+             "additionalProperties": False}
+WITH_DEFS = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+             "required": ["p"], "$defs": {"P": {"type": "integer"}}}
+DRAFT7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+          "properties": {"p": {"$ref": "#/definitions/P"},
+                         "default": {"$ref": "#/definitions/Q"}},   # a property so named
+          "required": ["p"], "definitions": {"P": {"type": "string", "default": {"$ref": "#"}},
+                                             "Q": {"enum": [{"$ref": "#"}]}}}
+
+
+def test_required_keeps_each_functions_references_its_own() -> None:
+    """The required schema takes exactly the calls whose parameters their own function's
+    schema takes: a recursive ``#``, ``$defs`` and draft-07 ``definitions``, two functions
+    with the same def name, and llguidance compiles it."""
+    functions = [Function("tree", parameters=RECURSIVE), Function("defs", parameters=WITH_DEFS),
+                 Function("d7.x-1", parameters=DRAFT7),
+                 Function("other", parameters={"type": "object", "properties": {
+                     "p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "boolean"}}})]
+    schema = required_schema(functions)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    check_spec(StructuredSpec("json", json.dumps(schema)))
+    instances = [{}, {"child": {}}, {"child": {"child": {"n": 1}}}, {"child": {"x": 1}},
+                 {"child": 3}, {"n": "1"}, {"p": 3}, {"p": "x"}, {"p": True}, {"p": None},
+                 {"p": "x", "default": {"$ref": "#"}}, {"p": "x", "default": 1}]
+    for fn in functions:
+        own = jsonschema.Draft202012Validator(fn.parameters)     # type: ignore[arg-type]
+        for args in instances:
+            ok = own.is_valid(args)
+            assert jsonschema.Draft202012Validator(schema).is_valid(
+                [{"name": fn.name, "parameters": args}]) == ok, (fn.name, args, ok)
+    assert any(jsonschema.Draft202012Validator(f.parameters).is_valid(a)   # type: ignore
+               for f in functions for a in instances)
+    assert jsonschema.Draft202012Validator(schema).is_valid(
+        [{"name": "tree", "parameters": {"child": {}}}])        # the reviewer's case
+    one = required_schema([Function("tree", parameters=RECURSIVE)], parallel=False)
+    check_spec(StructuredSpec("json", json.dumps(one)))
+    assert one["maxItems"] == 1 and RECURSIVE["properties"]["child"] == {"$ref": "#"}
 
 
 @pytest.mark.parametrize(("tools", "choice", "param", "words"), [
@@ -176,12 +210,32 @@ def test_a_named_function_is_its_parameters_and_defs_are_lifted_for_required() -
     ([{"type": "function", "function": {"name": "f", "returns": {}}}], "required",
      "tools.0.function.returns", "not supported"),
     ([{"type": "function"}], "required", "tools.0.function", "needed"),
+    ([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}, "bogus": 1},
+     "tool_choice.bogus", "not supported"),
+    ([WEATHER, TIME], {"type": "function", "function": {"name": "get_time", "strict": True}},
+     "tool_choice.function.strict", "not supported"),
+    ([WEATHER, {"type": "function", "function": {**TIME["function"], "strict": True}}], "auto",
+     "tools.1.function.strict", "need tool_choice \"required\" or a named"),
+    ([{"type": "function", "function": {**TIME["function"], "strict": True}}], None,
+     "tools.0.function.strict", "\"auto\" does not constrain"),
+    ([{"type": "function", "function": {**TIME["function"], "strict": "yes"}}], "required",
+     "tools.0.function.strict", "true or false"),
 ])
 def test_tool_requests_the_server_cannot_serve_are_400s(tools: Any, choice: Any, param: str,
                                                         words: str) -> None:
     with pytest.raises(BadRequest, match=words) as e:
-        plan_tools(tools, choice, None, auto_enabled=False)
+        plan_tools(tools, choice, None, auto_enabled="strict" in param)
     assert e.value.param == param
+
+
+def test_strict_is_taken_where_the_arguments_are_constrained() -> None:
+    strict = {"type": "function", "function": {**TIME["function"], "strict": True}}
+    assert plan_tools([strict], "required", None, auto_enabled=True).spec() is not None
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert plan_tools([strict], named, None, auto_enabled=True).spec() is not None
+    assert plan_tools([strict], "none", None, auto_enabled=True).spec() is None
+    plain = {"type": "function", "function": {**TIME["function"], "strict": False}}
+    assert plan_tools([plain], "auto", None, auto_enabled=True).choice == "auto"
 
 
 def test_a_template_without_tools_gets_them_in_a_hermes_system_message() -> None:
@@ -277,15 +331,56 @@ def test_hermes_text_without_calls_is_all_content_even_what_looked_like_a_tag(se
     assert _stream(HermesCalls(), text, seed) == (text, {})
 
 
+def _whole(reader: ToolCallStream, text: str) -> tuple[str, list[tuple[str, str]]]:
+    reader.feed(text)
+    reader.finish()
+    content, bodies = reader.result()
+    return content or "", [(b["function"]["name"], b["function"]["arguments"]) for b in bodies]
+
+
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+HERMES_TEXTS = {            # text: (content, [(name, arguments)]) as both answers read it
+    '<tool_call>[{"name":"get_time","arguments":{}}]</tool_call>':
+        ('<tool_call>[{"name":"get_time","arguments":{}}]</tool_call>', []),
+    "Let me check. <tool_call>oops not json</tool_call> done":
+        ("Let me check. <tool_call>oops not json</tool_call> done", []),
+    ' x <tool_call>{"name": 1}</tool_call>\n': (' x <tool_call>{"name": 1}</tool_call>\n', []),
+    "<tool_call>not closed, no name <tool_": ("<tool_call>not closed, no name <tool_", []),
+    "<tool_call>": ("<tool_call>", []),
+    '<tool_call>{"name": "f", "arguments": {"a": 1}} trailing junk</tool_call> ok':
+        ("ok", [("f", '{"a": 1}')]),
+    '<tool_call>{"name": "f", "arguments": {"a": 1}}': ("", [("f", '{"a": 1}')]),
+    '<tool_call>{"name": "f", "arguments": {"a": [1, 2': ("", [("f", '{"a": [1, 2')]),
+    '<tool_call>{"name": "f"}</tool_call>': ("", [("f", "{}")]),
+    f"Sure. {CALL}\n\nDone.  ": ("Sure.Done.", [("get_time", '{"zone": "UTC"}')]),
+    f"A <tool_call>bad</tool_call> B {CALL} C <tool_call>{{}}</tool_call>":
+        ("A <tool_call>bad</tool_call> BC <tool_call>{}</tool_call>",
+         [("get_time", '{"zone": "UTC"}')]),
+    f"{CALL}{CALL}": ("", [("get_time", '{"zone": "UTC"}')] * 2),
+    "no calls < here <tool_call": ("no calls < here <tool_call", []),
+}
+
+
+@pytest.mark.parametrize("text", list(HERMES_TEXTS))
+def test_hermes_streams_what_the_whole_answer_reads(text: str) -> None:
+    """In any pieces, the stream's content and calls are the non-streamed answer's: a block
+    that names no call is content as written, one that names a call is that call whatever
+    follows in it (cut or with junk after its object)."""
+    expected = HERMES_TEXTS[text]
+    assert _whole(HermesCalls(), text) == expected
+    for seed in range(12):
+        content, calls = _stream(HermesCalls(), text, seed)
+        assert (content, [(c["name"], c["arguments"]) for c in calls.values()]) == expected
+
+
 def test_hermes_odd_outputs() -> None:
     one = HermesCalls(parallel=False)
     one.feed(HERMES)
     one.finish()
     assert [c["function"]["name"] for c in one.result()[1]] == ["get_weather"]
-    bad = HermesCalls()          # a block that is not a call: the whole answer is text
-    bad.feed('x <tool_call>{"name": 1}</tool_call>')
-    bad.finish()
-    assert bad.result() == ('x <tool_call>{"name": 1}</tool_call>', [])
+    first_bad = HermesCalls(parallel=False)    # a block that is not a call is no first call
+    assert _whole(first_bad, f"<tool_call>x</tool_call>{CALL}{CALL}") == (
+        "<tool_call>x</tool_call>", [("get_time", '{"zone": "UTC"}')])
     cut = HermesCalls()          # the output ended inside a block: the call so far
     cut.feed('<tool_call>{"name": "f", "arguments": {"a": 1}}')
     cut.finish()
@@ -310,6 +405,7 @@ def test_required_arrays_and_named_arguments_stream_in_any_pieces(seed: int) -> 
     empty.feed('[{"na')
     empty.finish()
     assert empty.result() == ('[{"na', [])
+    assert _stream(RequiredCalls(), '[{"na', seed) == ('[{"na', {})      # streamed too
 
 
 # --- the app, over a scripted engine ------------------------------------------------------------
@@ -385,6 +481,30 @@ def test_required_tool_calls_come_back_whole_and_streamed(app_engine: Any) -> No
     assert json.loads("".join(d.function.arguments for d in deltas)) == {"city": "Paris"}
     assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
     assert chunks[-1].choices[0].delta.tool_calls is None
+    assert chunks[0].choices[0].delta.role == "assistant"     # null, as OpenAI sends it
+    assert chunks[0].choices[0].delta.content is None
+
+
+def test_the_first_delta_is_null_content_only_for_answers_that_are_calls(
+        app_engine: Any) -> None:
+    _, engine, http = app_engine
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for script, fields, first in (
+            ('{"zone": "UTC"}', {"tools": [TIME], "tool_choice": named}, None),
+            ('[{"name":"get_time","parameters":{}}]', {"tools": [TIME],
+                                                      "tool_choice": "required"}, None),
+            ("Hi.", {"tools": [TIME]}, ""),                 # auto: it may be text
+            ("Hi.", {"tools": [TIME], "tool_choice": "none"}, ""),
+            ("Hi.", {}, "")):
+        engine.script = script
+        with http.stream("POST", "/v1/chat/completions",
+                         json={"messages": HI, "stream": True, **fields}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+        delta = json.loads(lines[0][6:])["choices"][0]["delta"]
+        assert delta == {"role": "assistant", "content": first}, fields
+        text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in lines)
+        assert text == ("Hi." if first == "" else ""), fields
 
 
 def test_a_named_function_and_auto_over_the_app(app_engine: Any) -> None:

@@ -312,8 +312,10 @@ class OpenAIServing:
         out = _Chunks(resp_id, "chat.completion.chunk", self.model_name, req,
                       lambda: usage.body(choices))
         try:
+            # an answer constrained to tool calls has no content: null, as OpenAI sends it
+            first = None if plan.choice in ("required", "named") else ""
             for i in range(req.n):
-                yield out.chunk(i, None, delta={"role": "assistant", "content": ""})
+                yield out.chunk(i, None, delta={"role": "assistant", "content": first})
             async for c, delta in self._run(rid, ids, req, limit, choices, spec=spec,
                                             tools=self._parser(plan)):
                 if c.tools is not None:

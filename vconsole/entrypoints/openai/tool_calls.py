@@ -15,10 +15,12 @@ Three kinds, by ``tool_choice``:
 - `HermesCalls` (``"auto"`` with ``--tool-call-parser hermes``): ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>`` blocks anywhere in the text; the text outside them is the
   content. Text that could be the start of a tag is held back until it is known not to be
-  (as a stop string is); whitespace around the blocks is not content. A block that is not a
-  JSON object with a name makes the whole answer content in `result`, as vLLM's parser does
-  (a stream cannot take back what it sent). With ``parallel_tool_calls: false`` blocks after
-  the first are dropped.
+  (as a stop string is); whitespace around the call blocks is not content. A block is a call
+  once its object's name is read (its head is then streamed: a stream cannot take it back),
+  whatever follows in the block; a block that ends (or the output ends) with no name read
+  (not JSON, not an object, a name that is not a string) is content, tags and all, with the
+  whitespace around it, as it was written. With ``parallel_tool_calls: false`` blocks after
+  the first call are dropped.
 
 The JSON is read by `_CallScanner`, a character state machine resumed on each piece: O(new
 text) per step, never a reparse of the whole text.
@@ -247,12 +249,9 @@ class RequiredCalls(ToolCallStream):
         return self._deltas(self.scanner.calls)
 
     def finish(self) -> list[Event]:
-        return self._deltas(self.scanner.calls, final=True)
-
-    def result(self) -> tuple[str | None, list[dict[str, Any]]]:
         """No call in the text (an output cut before its first name): the text, as content."""
-        content, calls = super().result()
-        return (content if calls else "".join(self.text) or None), calls
+        events = self._deltas(self.scanner.calls, final=True)
+        return events if self.calls else self._content("".join(self.text))
 
 
 class HermesCalls(ToolCallStream):
@@ -263,38 +262,26 @@ class HermesCalls(ToolCallStream):
     def __init__(self, parallel: bool = True) -> None:
         super().__init__()
         self.parallel = parallel
-        self.text: list[str] = []      # everything fed (the content when a block is bad)
         self.buf = ""                  # not yet read: a tag may start here
         self.block: _CallScanner | None = None   # inside a block: its reader
-        self.blocks: list[tuple[_CallScanner, list[str]]] = []   # each block and its text
+        self.raw: list[str] = []       # the block's text so far, its start tag and all
+        self.ws_before = ""            # the whitespace held before the block
         self.pending_ws = ""           # whitespace held: content only if more content follows
-        self.after_block = False       # whitespace right after a block is not content
-        self.skipping = False          # a block beyond the first with parallel false
+        self.after_block = False       # whitespace right after a call block is not content
+        self.skipping = False          # a block after the first call with parallel false
 
     def feed(self, text: str) -> list[Event]:
-        self.text.append(text)
         self.buf += text
         return self._read(final=False)
 
     def finish(self) -> list[Event]:
         events = self._read(final=True)
-        if self.block is not None:              # a block the output never closed
-            events += self._close_block(final=True)
-        if not self.blocks and self.pending_ws:
+        if self.block is not None or self.skipping:   # a block the output never closed
+            events += self._close_block(end="")
+        if not self.calls and self.pending_ws:     # no call: the text is all content
             events += self._content(self.pending_ws)
         self.pending_ws = ""
         return events
-
-    def result(self) -> tuple[str | None, list[dict[str, Any]]]:
-        for scanner, raw in self.blocks:
-            try:
-                body = json.loads("".join(raw))
-            except ValueError:
-                body = None
-            if not (isinstance(body, dict) and isinstance(body.get("name"), str)
-                    and scanner.calls):
-                return "".join(self.text), []      # not calls after all: all of it is text
-        return super().result()
 
     def _read(self, final: bool) -> list[Event]:
         events: list[Event] = []
@@ -309,14 +296,13 @@ class HermesCalls(ToolCallStream):
             piece, self.buf = self.buf[:at], self.buf[at + len(tag):]
             events += self._piece(piece)
             if tag == self.START:
-                self.pending_ws = ""
-                if self.parallel or not self.blocks:
-                    self.block = _CallScanner("arguments", depth=1)
-                    self.blocks.append((self.block, []))
+                self.ws_before, self.pending_ws = self.pending_ws, ""
+                if self.parallel or not self.calls:
+                    self.block, self.raw = _CallScanner("arguments", depth=1), [tag]
                 else:
                     self.skipping = True
             else:
-                events += self._close_block(final=False)
+                events += self._close_block(end=tag)
 
     def _piece(self, piece: str) -> list[Event]:
         if not piece:
@@ -324,7 +310,7 @@ class HermesCalls(ToolCallStream):
         if self.skipping:
             return []
         if self.block is not None:
-            self.blocks[-1][1].append(piece)
+            self.raw.append(piece)
             self.block.feed(piece)
             return self._deltas(self.block.calls[:1])
         if self.after_block:
@@ -337,11 +323,20 @@ class HermesCalls(ToolCallStream):
         self.pending_ws = piece[len(body):]
         return self._content(body)
 
-    def _close_block(self, final: bool) -> list[Event]:
+    def _close_block(self, end: str) -> list[Event]:
+        """The block ended (at ``end``, its end tag, or with the output): its call's last
+        deltas, or, when it named none, its text as content."""
         events: list[Event] = []
-        if self.block is not None:
-            events = self._deltas(self.block.calls[:1], final=True)
-        self.block, self.skipping, self.after_block = None, False, True
+        block, self.block, self.skipping = self.block, None, False
+        if block is None:                       # a block dropped (parallel false)
+            self.after_block = True
+        elif block.calls and block.calls[0].name is not None:
+            events = self._deltas(block.calls[:1], final=True)
+            self.after_block = True
+        else:                                   # not a call: the text as it was written
+            events = self._content(self.ws_before + "".join(self.raw) + end)
+            self.after_block = False
+        self.raw, self.ws_before = [], ""
         return events
 
 

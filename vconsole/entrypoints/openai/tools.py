@@ -60,6 +60,7 @@ class Function:
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool = False
 
     def tool(self) -> dict[str, Any]:
         """As the request gave it (what a chat template or the system prompt shows)."""
@@ -129,6 +130,14 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
                              f"{AUTO_FLAGS} (vconsole serve --enable-auto-tool-choice "
                              "--tool-call-parser hermes); send \"required\" or a named function "
                              "instead, or tool_choice \"none\"", param="tool_choice")
+        if tool_choice == "auto":
+            for i, fn in enumerate(functions):
+                if fn.strict:
+                    raise BadRequest(
+                        f"tools.{i}.function.strict: strict arguments need tool_choice "
+                        "\"required\" or a named function (where the arguments are "
+                        "constrained to the schema); \"auto\" does not constrain them",
+                        param=f"tools.{i}.function.strict")
         return ToolPlan(tool_choice, functions, parallel=parallel)
     name = _named(tool_choice)
     if name not in names:
@@ -140,29 +149,51 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
 
 def required_schema(functions: list[Function], parallel: bool = True) -> dict[str, Any]:
     """``tool_choice: "required"``'s JSON Schema: an array of 1+ (1 when not ``parallel``)
-    ``{"name", "parameters"}`` objects, one shape per function; the functions' ``$defs`` are
-    lifted to the top (where their ``#/$defs/...`` references point from there)."""
+    ``{"name", "parameters"}`` objects, one shape per function. Each function's parameters are
+    the top's ``$defs/<name>`` (the call's ``parameters`` a ``$ref`` to it), their own
+    references rewritten to point there: ``#`` to ``#/$defs/<name>``, ``#/...`` (their
+    ``$defs``, draft-07's ``definitions``, any pointer) to ``#/$defs/<name>/...``."""
     defs: dict[str, Any] = {}
     shapes = []
     for fn in functions:
-        params = dict(fn.parameters or EMPTY_PARAMETERS)
-        for key, value in (params.pop("$defs", None) or {}).items():
-            if key in defs and defs[key] != value:
-                raise BadRequest(f"tools: two functions define $defs.{key} differently; the "
-                                 "required tool call's schema cannot hold both",
-                                 param="tools")
-            defs[key] = value
+        params = {k: v for k, v in (fn.parameters or EMPTY_PARAMETERS).items()
+                  if k != "$schema"}     # the dialect of a root, not of a subschema
+        defs[fn.name] = _rebase(params, f"#/$defs/{fn.name}")
         shapes.append({"type": "object",
                        "properties": {"name": {"type": "string", "enum": [fn.name]},
-                                      "parameters": params},
+                                      "parameters": {"$ref": f"#/$defs/{fn.name}"}},
                        "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": shapes[0] if len(shapes) == 1 else {"anyOf": shapes}}
     if not parallel:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
+    schema["$defs"] = defs
     return schema
+
+
+VALUE_KEYWORDS = ("const", "enum", "default", "examples")   # instances, not schemas
+NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions",
+                 "dependentSchemas")   # a name -> schema map (a property named "$ref" is one)
+
+
+def _rebase(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref``s (``#``, ``#/...``) pointing under ``base``."""
+    if isinstance(schema, list):
+        return [_rebase(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#"
+                                                          or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in VALUE_KEYWORDS:
+            out[key] = value
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebase(v, base) for name, v in value.items()}
+        else:
+            out[key] = _rebase(value, base)
+    return out
 
 
 def takes_tools(template: str) -> bool:
@@ -268,7 +299,11 @@ def _function(i: int, tool: Any) -> Function:
     if description is not None and not isinstance(description, str):
         raise BadRequest(f"{where}.function.description: a string",
                          param=f"{where}.function.description")
-    return Function(name, description, params)
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise BadRequest(f"{where}.function.strict: true or false",
+                         param=f"{where}.function.strict")
+    return Function(name, description, params, bool(strict))
 
 
 def _named(choice: Any) -> str:
@@ -278,6 +313,14 @@ def _named(choice: Any) -> str:
         raise BadRequest("tool_choice: one of \"none\", \"auto\", \"required\" or a named function "
                          "{\"type\": \"function\", \"function\": {\"name\": ...}}",
                          param="tool_choice")
+    for key, value in choice.items():
+        if key not in ("type", "function") and value is not None:
+            raise BadRequest(f"tool_choice.{key}: not supported by this server",
+                             param=f"tool_choice.{key}")
+    for key, value in fn.items():
+        if key != "name" and value is not None:
+            raise BadRequest(f"tool_choice.function.{key}: not supported by this server",
+                             param=f"tool_choice.function.{key}")
     return str(fn["name"])
 
 
