@@ -551,6 +551,7 @@ def test_structured_fields_reach_the_engine_and_bad_specs_never_do(app_engine: A
             ({"response_format": {"type": "json_schema", "json_schema": {
                 "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
             ({"guided_json": SCHEMA, "ignore_eos": True}, "ignore_eos"),
+            ({"guided_choice": ["a", "b"], "min_tokens": 2}, "min_tokens"),
             ({"tools": [WEATHER], "tool_choice": "required",
               "response_format": {"type": "json_object"}}, "tool_choice"),
             ({"tools": [{"type": "function", "function": {

@@ -380,6 +380,10 @@ class OpenAIServing:
             raise BadRequest(f"ignore_eos: a constrained output ({field}) ends where its "
                              "grammar does; it cannot be combined with ignore_eos",
                              param="ignore_eos")
+        if req.min_tokens:      # the engine's rule: EOS banned where the grammar may end
+            raise BadRequest(f"min_tokens: a constrained output ({field}) ends where its "
+                             "grammar does; it cannot be combined with min_tokens",
+                             param="min_tokens")
         await asyncio.to_thread(structured.check, "tools" if field == "tool_choice" else field,
                                 spec)
         return spec
