@@ -62,12 +62,13 @@ demo: install
 # make test-fast: the same checks, then only the unit layer (no engine processes, nothing slow).
 # Two pytest workers (pytest-xdist): most tests wait on engine processes, so two share two cores
 # well (10-11 min instead of 15 on 2 cores). TEST_WORKERS=0 runs them in one process.
-# --dist loadscope: each module runs whole on one worker, so a module's engine or server
-# fixture starts once (shared out test by test, most of them started on both workers: a minute
-# of the suite) and tests that build on each other (one DP group's waves) stay in order.
+# --dist loadgroup: tests are shared out one by one (the workers stay balanced to the end),
+# except a group, kept on one worker: a module that marks itself (tests that build on each
+# other: one DP group's waves), and every module whose tests share a module-scoped fixture (an
+# engine or a server starts once, not on both workers: tests/conftest.py groups them).
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+	$(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test-fast: lint
 	$(PY) -m pytest -q -m "not proc and not slow"

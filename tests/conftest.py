@@ -81,3 +81,20 @@ def smollm2_hf(smollm2_dir):
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+# --- pytest-xdist: a module with a module-scoped fixture runs on one worker -------------------
+
+@pytest.hookimpl(tryfirst=True)     # before xdist turns the marks into group names
+def pytest_collection_modifyitems(config, items):
+    """`make test` shares tests out one by one (``--dist loadgroup``), which balances the two
+    workers to the end; but a module whose tests share a module-scoped fixture (an engine or a
+    server: 5-35 s to start) would start it on both. Such a module's tests are put in one
+    xdist group (the module's path), unless they are grouped already; the rest stay loose."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d and d[-1].scope == "module" for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))

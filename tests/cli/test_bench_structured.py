@@ -17,12 +17,12 @@ from vconsole.tools.bench.structured import SCHEMAS, check_output, heavy_schema,
 @pytest.mark.proc
 def test_bench_structured_on_tiny_validates_every_constrained_output() -> None:
     proc = subprocess.run([sys.executable, "-m", "vconsole", "bench", "structured", "--model",
-                           "tiny", "--num-requests", "8", "--concurrency", "4", "--json"],
+                           "tiny", "--num-requests", "4", "--concurrency", "2", "--json"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["model"] == "tiny" and out["num_requests"] == 8
-    level = out["concurrency"]["4"]
+    assert out["model"] == "tiny" and out["num_requests"] == 4
+    level = out["concurrency"]["2"]
     assert level["validity"]["valid_rate"] == 1.0 == out["valid_rate"], level["validity"]
     constrained, free = level["constrained"], level["unconstrained"]
     assert constrained["output_tokens"] == free["output_tokens"] > 0      # the same work
@@ -30,7 +30,7 @@ def test_bench_structured_on_tiny_validates_every_constrained_output() -> None:
     assert level["ratio"] == out["ratio_at_top"] and level["ratio"] > 0
     assert constrained["steps"]["steps"] > 0 and free["steps"]["steps"] > 0
     assert free["structured_share_of_step"] in (0.0, None)
-    assert level["engine_compiles"]["compiles"] + level["engine_compiles"]["cache_hits"] == 8
+    assert level["engine_compiles"]["compiles"] + level["engine_compiles"]["cache_hits"] == 4
     assert set(out["compile"]["schemas"]) == {c.name for c in SCHEMAS} | {"probe"}
     for figures in out["compile"]["schemas"].values():
         assert figures["cold_ms"] > 0 and figures["cached_ms"] >= 0

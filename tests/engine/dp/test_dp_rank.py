@@ -37,9 +37,8 @@ from vconsole.shared.config import EngineConfig
 from vconsole.telemetry import schema
 
 # The group tests run in order on one two-rank group (waves 0, 1, 2 ...): under pytest-xdist the
-# module stays on one worker (`make test` runs --dist loadscope; the mark keeps it so under
-# --dist loadgroup too), or a worker given only the later ones starts a fresh group whose
-# first wave is 0.
+# module stays on one worker (`make test` runs --dist loadgroup), or a worker given only the
+# later ones starts a fresh group whose first wave is 0.
 pytestmark = pytest.mark.xdist_group("dp-rank-group")
 
 WORK = [([5, 9, 13, 2, 7], 6), ([40, 41, 42], 9), ([100] * 11, 5), ([3, 1, 4, 1, 5, 9, 2], 7)]
