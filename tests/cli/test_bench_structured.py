@@ -15,6 +15,7 @@ from vconsole.tools.bench.structured import SCHEMAS, check_output, heavy_schema,
 
 
 @pytest.mark.proc
+@pytest.mark.long           # make test-long (25-35 s); the engine's tests cover what it measures
 def test_bench_structured_on_tiny_validates_every_constrained_output() -> None:
     proc = subprocess.run([sys.executable, "-m", "vconsole", "bench", "structured", "--model",
                            "tiny", "--num-requests", "4", "--concurrency", "2", "--json"],

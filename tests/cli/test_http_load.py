@@ -240,6 +240,7 @@ async def test_ctrl_c_aborts_what_is_in_flight_without_calling_it_a_failure() ->
 
 @pytest.mark.proc
 @pytest.mark.slow
+@pytest.mark.long   # make test-long (20-30 s): the scripted server above covers every kind
 def test_a_load_over_http_whose_engine_is_killed_reports_the_cut_requests_and_exits_1(
         tmp_path: Path) -> None:
     # Long requests (ignore_eos, 1,500-2,000 tokens) so that they are still streaming when the

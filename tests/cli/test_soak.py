@@ -14,6 +14,7 @@ from vconsole.tools.bench.soak import soak_bench
 
 @pytest.mark.proc
 @pytest.mark.slow
+@pytest.mark.long           # make test-long; `vconsole bench soak` is the soak itself
 def test_a_30_second_soak_of_the_demo_workload_passes():
     out = soak_bench(0.5)
     assert out["checks"] == {
