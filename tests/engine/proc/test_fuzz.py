@@ -50,8 +50,8 @@ pytestmark = [pytest.mark.proc, pytest.mark.slow]
 ENGINE_ARGS = ["--model", "tiny", "--no-supervisor", "--num-kv-blocks", "256", "--block-size", "8",
                "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--policy", "priority",
                "--set", "telemetry_hz=20", "--set", "heartbeat_interval_s=0.25"]
-EXAMPLES = 60            # x 52 messages: hypothesis overruns its choice budget near 100 a batch
-MIN_MESSAGES = 3_000
+EXAMPLES = 100            # x 52 messages: hypothesis overruns its choice budget near 100 a batch
+MIN_MESSAGES = 5_000
 # Resident memory may end this much above the warm baseline. The allocator keeps some freed
 # memory (glibc arenas of three I/O threads, pymalloc pools) and the tiny model's activations
 # vary with batch shapes, which costs a few MiB to a few tens of MiB; a leak of the fuzz
