@@ -1,8 +1,13 @@
-"""`vconsole attach` and `vconsole replay`: start the console on live endpoints or a file."""
+"""`vconsole attach` and `vconsole replay`: start the console on live endpoints or a file, or
+serve it to browsers (`vconsole attach --web`, `vconsole.console.web`)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
+import socket
+import sys
 from pathlib import Path
 
 from vconsole.commands import fail
@@ -13,10 +18,18 @@ from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
 
 def main(args: argparse.Namespace) -> int:
     """Attach to a running engine (plus any extra telemetry endpoints, e.g. DP ranks)."""
-    from vconsole.console.app import VConsoleApp
-
+    if getattr(args, "web", False):
+        return _attach_web(args)
+    web_flags = [flag for flag, given in (
+        ("--host", getattr(args, "host", None) is not None),
+        ("--port", getattr(args, "port", None) is not None),
+        ("--no-token", bool(getattr(args, "no_token", False)))) if given]
+    if web_flags:
+        return fail("attach", f"{', '.join(web_flags)}: only with --web", 2)
     if getattr(args, "vllm", None):
         return _attach_vllm(args)
+    from vconsole.console.app import VConsoleApp
+
     try:
         curve = client_curve(args)
     except CurveKeyError as e:
@@ -47,6 +60,98 @@ def _attach_vllm(args: argparse.Namespace) -> int:
         return fail("attach", f"--vllm: {e}", 2)
     VConsoleApp(source=source, readonly=bool(getattr(args, "readonly", False))).run()
     return 0
+
+
+def console_argv(args: argparse.Namespace) -> list[str]:
+    """The `vconsole attach` command line a browser tab runs: this command's own way to the
+    engine (endpoints already resolved, key and CURVE files as absolute paths), no --web."""
+    argv = [sys.executable, "-m", "vconsole", "attach"]
+    if getattr(args, "vllm", None):
+        argv += ["--vllm", args.vllm]
+        for flag in ("kv_events", "kv_events_replay"):
+            if getattr(args, flag, None):
+                argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    else:
+        argv += ["--telemetry", getattr(args, "telemetry", None) or DEFAULT_TELEMETRY,
+                 "--control", getattr(args, "control", None) or DEFAULT_CONTROL]
+        for ep in getattr(args, "extra_telemetry", None) or []:
+            argv += ["--extra-telemetry", ep]
+        for flag in ("control_key_file", "curve_server_public", "curve_client_key"):
+            if getattr(args, flag, None):
+                argv += [f"--{flag.replace('_', '-')}", os.path.abspath(getattr(args, flag))]
+    if getattr(args, "readonly", False):
+        argv.append("--readonly")
+    return argv
+
+
+def _attach_web(args: argparse.Namespace) -> int:
+    """Serve the console to browsers until Ctrl+C; print the one line with the token."""
+    try:
+        from vconsole.console.web import DEFAULT_HOST, DEFAULT_PORT, WebConsole
+    except ModuleNotFoundError as e:
+        return fail("attach", f"--web needs textual-serve ({e.name} is missing): "
+                              "pip install 'vconsole[web]'", 2)
+    from vconsole.security.bind_policy import RemoteBindRefused
+
+    if not getattr(args, "vllm", None):
+        try:
+            client_curve(args)          # a wrong key file: said once here, not in every tab
+        except CurveKeyError as e:
+            return fail("attach", e, 2)
+    host = getattr(args, "host", None) or DEFAULT_HOST
+    port = DEFAULT_PORT if getattr(args, "port", None) is None else args.port
+    token = None if getattr(args, "no_token", False) else secrets.token_urlsafe(24)
+    try:
+        server = WebConsole(console_argv(args), host=host, port=port, token=token,
+                            title="vconsole attach")
+    except RemoteBindRefused as e:
+        return fail("attach", e, 2)
+
+    def ready(bound_host: str, bound_port: int) -> None:
+        for line in _web_banner(args, server.loopback, bound_host, bound_port, token):
+            print(line, flush=True)
+
+    try:
+        server.serve_until_stopped(ready)
+    except OSError as e:
+        return fail("attach", f"--web: cannot serve on {host}:{port}: {e}", 1)
+    return 0
+
+
+def _web_banner(args: argparse.Namespace, loopback: bool, host: str, port: int,
+                token: str | None) -> list[str]:
+    """What the operator needs at start: the URLs, who may steer and why (the token's only
+    appearance anywhere)."""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.getfqdn()
+    base = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+    lines = [f"vconsole attach --web: the console on {base} (one console per browser tab; "
+             "Ctrl+C stops)"]
+    if loopback:
+        lines.append(f"  read-only tab:  {base}")
+    else:
+        lines.append("  beyond loopback every tab needs the token; plain HTTP: the token and "
+                     "the screen cross the network in clear (prefer an SSH tunnel)")
+    if token is not None:
+        lines.append(f"  steering tab:   {base}?token={token}   ({_steering_note(args)})")
+    else:
+        lines.append("  --no-token: every tab is read-only")
+    return lines
+
+
+def _steering_note(args: argparse.Namespace) -> str:
+    """Whether a tab opened with the token can change the config, as its console will find."""
+    if getattr(args, "readonly", False):
+        return "--readonly: read-only too"
+    if getattr(args, "vllm", None):
+        return "a vLLM server's actions"
+    from vconsole.security.control_key import control_key_file, load_control_key
+
+    control = getattr(args, "control", None) or DEFAULT_CONTROL
+    path = control_key_file(control, getattr(args, "control_key_file", None))
+    if load_control_key(control, path) is None:
+        return f"read-only until the engine's control key is readable here: {path}"
+    return "this side holds the engine's control key: it can change the config"
 
 
 def main_replay(args: argparse.Namespace) -> int:
