@@ -147,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefix cache's contents")
     p.add_argument("--kv-events-replay", metavar="ENDPOINT",
                    help="with --kv-events: the server's replay endpoint, to catch up a gap")
+    g = p.add_argument_group("web (the console in a browser: one console process per tab)")
+    g.add_argument("--web", action="store_true",
+                   help="serve this console to browsers (textual-serve) instead of running it "
+                        "here; prints the URLs, one with a token for tabs that may steer")
+    g.add_argument("--host", metavar="HOST",
+                   help="with --web: the address (default 127.0.0.1; beyond loopback every tab "
+                        "needs the token)")
+    g.add_argument("--port", type=port, metavar="PORT",
+                   help="with --web: the port (default 8765; 0: a free one)")
+    g.add_argument("--no-token", action="store_true",
+                   help="with --web: no token, every tab read-only (loopback only)")
 
     p = cmd("generate", "vconsole.commands.generate:main", "offline batch inference from a JSONL file",
             "Run every line of FILE.jsonl as one request and write one result line per input "
@@ -230,6 +241,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for every topic (default 10)")
+
+    p = cmd("stacks", "vconsole.commands.stacks:main",
+            "every thread of the engine process and its Python stack, now",
+            "Print each thread of the engine process (its pid from the engine's health "
+            "telemetry, found by the endpoint flags as for `top`) with its Python frames, the "
+            "busy loop's thread first: by py-spy where the OS lets it read the engine, else by "
+            "the engine's own dump (SIGUSR2). The first line says which. Run it on the "
+            "engine's host.")
+    add_client_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--native", action="store_true",
+                   help="C/C++ frames too (needs py-spy and ptrace permission)")
+    p.add_argument("--method", choices=["auto", "py-spy", "signal"], default="auto",
+                   help="auto (default): py-spy, else the engine's SIGUSR2 dump")
+    p.add_argument("--pid", type=int, metavar="PID",
+                   help="this engine process instead of the one the telemetry names")
+    p.add_argument("--rank", type=int, metavar="R",
+                   help="data parallel: rank R's process (default: the first heard)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                   help="seconds to wait for the engine's health telemetry (default 10)")
 
     p = cmd("bench", "vconsole.commands.bench:main", "benchmarks, printing JSON")
     p.add_argument("name", choices=["throughput", "scheduler", "kvmap", "telemetry", "console",
