@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from vconsole.engine.config_source import ConfigSource
 from vconsole.engine.dp.rank.choose import process_role
-from vconsole.engine.launch import exit_codes
+from vconsole.engine.launch import exit_codes, stack_dump
 from vconsole.engine.launch.launch import ChildOfSupervisor, EngineLaunch, Supervision
 from vconsole.engine.launch.supervisor import EngineSupervisor
 from vconsole.engine.process.core_proc import EngineCoreProc
@@ -140,6 +140,7 @@ def _serve(launch: EngineLaunch, *, escalate: bool = True, curve: Any = True,
     failure_file = launch.child.failure_file if launch.child else None
     q: queue.SimpleQueue[LoopInput] = queue.SimpleQueue()
     _install_signal_handlers(q, escalate=escalate)
+    stack_dump.install()        # SIGUSR2: its own stacks, for `vconsole stacks` and the watchdog
     try:
         proc = EngineCoreProc(
             launch.config, dict(launch.endpoints), role=process_role(launch.config),
@@ -158,6 +159,7 @@ def _serve(launch: EngineLaunch, *, escalate: bool = True, curve: Any = True,
         _fatal(failure_file, f"cannot start: {e}")
         return 1
     proc.start()
+    stack_dump.refresh_names()
     ep = proc.endpoints
     print(f"vconsole engine {launch.config.engine_id} ready (pid {os.getpid()}): "
           f"input={ep['input']} output={ep['output']} telemetry={ep['telemetry']} "

@@ -20,7 +20,11 @@ while no child answers gets the last figures with ``vconsole:engine_up 0``.
 A child that hangs without dying — alive, work pending, no pass of its busy loop for
 ``hang_timeout_s`` (`vconsole.engine.launch.liveness`: the child stamps a shared file on every
 pass) — is killed (SIGKILL) and restarted like one that died, with reason
-``hung: no step for N s``. ``hang_timeout_s`` None or 0: never.
+``hung: no step for N s in FUNCTION; stacks: PATH``. ``hang_timeout_s`` None or 0: never.
+Before the kill it captures every thread's stack of the child (`vconsole.shared.stacks`:
+py-spy where the OS lets it read the child, else the child's own SIGUSR2 dump), writes them to
+the engine log (this process's stderr) and to ``PATH`` (`stacks.hang_dir`), and names the busy
+loop's innermost function in the reason, so the restart event says where it hung.
 
 It gives up — exit code `exit_codes.GAVE_UP`, a message saying how often and why — after more
 than ``max_restarts`` failures within ``window_s``. It never restarts a start that cannot
@@ -69,7 +73,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import zmq
 
-from vconsole.engine.launch import exit_codes, liveness
+from vconsole.engine.launch import exit_codes, liveness, stack_dump
 from vconsole.engine.launch.child import ChildProcess, engine_command
 from vconsole.engine.launch.exit_codes import describe_exit
 from vconsole.engine.launch.launch import ChildOfSupervisor
@@ -82,6 +86,7 @@ from vconsole.engine.launch.ready_file import (
 )
 from vconsole.engine.launch.restart_policy import RestartPolicy
 from vconsole.engine.publish.beacon import HealthBeacon
+from vconsole.shared import stacks
 from vconsole.telemetry.alerts import restart_event
 
 if TYPE_CHECKING:
@@ -271,6 +276,7 @@ class EngineSupervisor:
             relay.join(STDERR_JOIN_S)
             self._child = None
             self._child_metrics = None
+            stack_dump.remove_dead(child.pid)     # a killed child left its dump folder
         return child.proc.returncode, self._last_words(tail)
 
     def _last_words(self, tail: collections.deque[str]) -> str:
@@ -305,9 +311,32 @@ class EngineSupervisor:
             age = liveness.hung_for(self._liveness_file, self.hang_timeout_s)
             if age is not None:
                 self._hung = f"hung: no step for {age:.0f} s"
-                log.error("the engine (pid %d) is %s with work pending: killing it", child.pid,
-                          self._hung)
+                log.error("the engine (pid %d) is %s with work pending: capturing its stacks, "
+                          "then killing it", child.pid, self._hung)
+                self._hung += self._capture_stacks(child.pid)
                 self._kill_child()
+
+    def _capture_stacks(self, pid: int) -> str:
+        """The hung child's stacks into the log and a file; what the reason adds: `` in
+        FUNCTION; stacks: PATH`` (as much of it as could be had)."""
+        try:
+            report = stacks.capture(pid)
+        except stacks.StacksError as e:
+            log.error("could not capture the hung engine's stacks: %s", e)
+            return ""
+        text = report.render()
+        log.error("stacks of the hung engine (pid %d):\n%s", pid, text)
+        busy = report.busy_loop
+        where = f" in {busy.top}" if busy is not None and busy.top else ""
+        path = stacks.hang_dir() / (f"hang-{self.engine_id}-{pid}-"
+                                    f"{time.strftime('%Y%m%dT%H%M%S')}.txt")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"engine {self.engine_id} (pid {pid}) {self._hung}{where}\n{text}\n")
+        except OSError as e:
+            log.error("could not write the stacks to %s: %s", path, e)
+            return where
+        return f"{where}; stacks: {path}"
 
     def _announce(self, record: dict[str, Any]) -> None:
         """The child is serving: keep its concrete endpoints for every later child and

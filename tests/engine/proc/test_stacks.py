@@ -1,0 +1,119 @@
+"""`vconsole stacks`: a live engine's threads and their stacks, the busy loop's first, by py-spy
+where it may read the engine and by the engine's own SIGUSR2 dump where it may not; each report
+says which, and why when py-spy was refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from vconsole import cli
+from vconsole.shared import stacks
+
+
+def run_stacks(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["stacks", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.proc
+@pytest.mark.parametrize("method", ["auto", "signal"])
+def test_stacks_of_a_live_engine_put_its_busy_loop_first(shared_engine, capsys, method):
+    code, out, err = run_stacks(capsys, "--telemetry", shared_engine.endpoints["telemetry"],
+                                "--method", method, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    child = shared_engine.ready["child_pid"] if "child_pid" in shared_engine.ready \
+        else shared_engine.ready["pid"]
+    assert report["pid"] == child          # the engine process, from its health telemetry
+    busy = report["threads"][0]
+    assert busy["busy_loop"] and busy["name"] == "MainThread"
+    functions = [f["function"] for f in busy["frames"]]
+    assert any(f.endswith("run_busy_loop") for f in functions), functions
+    assert not any("_on_signal" in f for f in functions), "the dump shows the loop, not itself"
+    names = {t["name"] for t in report["threads"]}
+    assert {"engine-input", "engine-output", "engine-control"} <= names
+    if method == "signal":
+        assert report["method"] == stacks.PYTHON_DUMP
+
+
+@pytest.mark.proc
+def test_where_py_spy_is_refused_the_engine_dumps_itself_and_the_report_says_why(
+        shared_engine, capsys, monkeypatch):
+    monkeypatch.setattr(stacks, "pyspy_binary", lambda: "/bin/false")   # py-spy fails
+    code, out, err = run_stacks(capsys, "--telemetry", shared_engine.endpoints["telemetry"])
+    assert code == 0, err
+    head = out.splitlines()[:2]
+    assert f"by {stacks.PYTHON_DUMP}" in head[0]
+    assert "py-spy cannot read pid" in head[1] and "CAP_SYS_PTRACE" in head[1]
+    assert 'Thread "MainThread"' in out.split("\n\n")[1] and "[busy loop" in out
+    code, _, err = run_stacks(capsys, "--telemetry", shared_engine.endpoints["telemetry"],
+                              "--native")
+    assert code == 1 and "CAP_SYS_PTRACE" in err        # --native needs py-spy: no fallback
+
+
+TOY = textwrap.dedent('''
+    import ctypes, signal, threading, time
+    from vconsole.engine.launch import stack_dump
+
+    stack_dump.install()
+
+    def helper():
+        while True:
+            time.sleep(1)
+
+    threading.Thread(target=helper, name="helper", daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})   # a helper thread takes it
+
+    def hold_the_gil_in_native_code():
+        print("ready", flush=True)
+        ctypes.PyDLL(None).sleep(30)      # C code, GIL held: no Python handler can run
+
+    hold_the_gil_in_native_code()
+''')
+
+
+@pytest.mark.proc
+def test_a_loop_stuck_in_native_code_still_answers_through_faulthandler():
+    proc = subprocess.Popen([sys.executable, "-c", TOY], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        report = stacks.capture(proc.pid, method="signal", python_wait_s=0.5)
+        assert report.method == stacks.FAULTHANDLER
+        assert "did not run Python" in (report.note or "")
+        busy = report.threads[0]
+        assert busy.busy_loop and busy.name == "MainThread"
+        assert busy.top == "hold_the_gil_in_native_code"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert stacks.live_dir(proc.pid).exists()   # SIGKILL: left for the supervisor to remove
+
+
+def test_no_stacks_say_why(capsys):
+    code, _, err = run_stacks(capsys, "--pid", "1", "--method", "signal")
+    assert code == 1 and "has no stack dump handler" in err
+    code, _, err = run_stacks(capsys, "--pid", "999999999")
+    assert code == 1 and "no process 999999999" in err
+    code, _, err = run_stacks(capsys, "--pid", "1", "--method", "signal", "--native")
+    assert code == 1 and "--native needs py-spy" in err
+    code, _, err = run_stacks(capsys, "--pid", "0")
+    assert code == 2
+
+
+def test_faulthandler_text_is_read_with_the_names_last_seen():
+    text = ('Thread 0x00000000000000aa (most recent call first):\n'
+            '  File "/x/threading.py", line 320 in wait\n\n'
+            'Current thread 0x00000000000000bb (most recent call first):\n'
+            '  File "/x/vconsole/engine/core.py", line 12 in step\n'
+            '  File "/x/vconsole/engine/process/core_proc.py", line 250 in run_busy_loop\n')
+    threads = stacks.ordered(stacks.parse_faulthandler(text, {0xbb: "MainThread"}))
+    assert [t.name for t in threads] == ["MainThread", "thread 0x00000000000000aa"]
+    assert threads[0].busy_loop and threads[0].top == "step"
+    assert threads[0].frames[1] == stacks.Frame("run_busy_loop",
+                                                "/x/vconsole/engine/process/core_proc.py", 250)
