@@ -35,7 +35,7 @@ from vconsole.engine.request import FinishReason, Request, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.engine.structured.manager import StructuredOutputs
-from vconsole.engine.worker import kv_quant
+from vconsole.engine.worker import kv_quant, nvtx
 from vconsole.engine.worker.model_runner import ModelRunner
 from vconsole.engine.worker.profiler import StepProfiler
 from vconsole.shared.config import ConfigUpdate, EngineConfig, apply_update
@@ -76,6 +76,7 @@ class EngineCore:
         # On a GPU the bitmask is filled on a thread while the forward runs (llguidance drops
         # the GIL; the forward only launches kernels); on a CPU both would want the same cores.
         self.overlap_bitmask = self.runner.device.type == "cuda"
+        nvtx.configure(config.nvtx, self.runner.device.type)
         logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
                     "(kv %s, %d bytes per token)", config.model, self.runner.device,
                     self.runner.dtype, self.num_kv_blocks, config.block_size,
@@ -177,11 +178,23 @@ class EngineCore:
         profiler = self.profiler if self.profiler is not None and not self.profiler.done else None
         if profiler is not None:
             profiler.begin_step(self.num_steps)
+        nvtx.push("step")
+        try:
+            return self._step(profiler)
+        finally:
+            nvtx.pop()
+
+    def _step(self, profiler: StepProfiler | None) -> tuple[dict[bytes, list[RequestOutput]],
+                                                             bool]:
         t0 = time.monotonic_ns()
         structured = self.structured
         if structured.has_ready():
             self._take_compiled()
-        scheduler_output = self.scheduler.schedule()
+        nvtx.push("schedule")
+        try:
+            scheduler_output = self.scheduler.schedule()
+        finally:
+            nvtx.pop()
         t1 = t_scheduled = time.monotonic_ns()
         structured_ns = 0           # an unconstrained batch: none, not even a timer
         if structured.active:       # constrained requests exist: their rows' bitmask
@@ -190,7 +203,11 @@ class EngineCore:
             t1b = time.monotonic_ns()
             structured_ns, t1 = t1b - t1, t1b
         if scheduler_output.has_work():
-            model_output = self._execute_model(scheduler_output)
+            nvtx.push("execute")
+            try:
+                model_output = self._execute_model(scheduler_output)
+            finally:
+                nvtx.pop()
         else:
             model_output = ModelRunnerOutput()
         t2 = time.monotonic_ns()
@@ -200,7 +217,11 @@ class EngineCore:
             t2b = time.monotonic_ns()
             structured_ns += t2b - t2 + model_output.structured_ns
             t2 = t2b
-        results = self.scheduler.update_from_output(scheduler_output, model_output)
+        nvtx.push("update")
+        try:
+            results = self.scheduler.update_from_output(scheduler_output, model_output)
+        finally:
+            nvtx.pop()
         outputs: dict[bytes, list[RequestOutput]] = defaultdict(list)
         finished: list[Request] = []
         for req, out in results:
@@ -279,6 +300,7 @@ class EngineCore:
             self.config = update.config
             self.config_version += 1
             self.scheduler.update_config(self.config)
+            nvtx.configure(self.config.nvtx, self.runner.device.type)
         return update
 
     def scheduler_stats(self, max_rows: int) -> SchedulerStats:

@@ -195,6 +195,11 @@ class EngineConfig:
                                             "the engine exits (code 3) to be restarted.",
                                             hot=True, lo=1, hi=1_000_000)
 
+    # --- hot: profiling ------------------------------------------------------------------------
+    nvtx: bool = _f(False, "NVTX ranges around each step's schedule, execute and update and "
+                    "each decoder layer, for Nsight Systems (CUDA only; no cost when off).",
+                    hot=True)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

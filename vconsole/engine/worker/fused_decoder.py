@@ -34,12 +34,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vconsole.engine.worker import nvtx
 from vconsole.engine.worker.paged_attention import PagedAttentionMetadata, paged_attention_forward
 from vconsole.engine.worker.weight_quant import Int8Linear, SliceOf
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 FUSABLE_MODEL_TYPES = ("llama", "qwen2", "mistral")
+_LAYER_RANGES = tuple(f"layer {i}" for i in range(256))    # NVTX range names, made once
 
 
 @dataclass
@@ -165,9 +167,25 @@ class FusedDecoder:
         h = self.embed(input_ids)                                    # (T, hidden)
         cos, sin = self.rotary(h[None], positions[None])             # (1, T, hd) each
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]            # (T, 1, hd)
+        if nvtx.ON:                 # checked once a step: the plain loop runs without ranges
+            return self._forward_in_ranges(h, cos, sin, meta, rows)
         for layer in self.layers:
             h = h + self.attention(layer, self.norm(h, layer.ln1, layer.ln1_eps), cos, sin, meta)
             h = h + self.mlp(layer, self.norm(h, layer.ln2, layer.ln2_eps))
+        return self.norm(h.index_select(0, rows), self.norm_w, self.norm_eps)
+
+    def _forward_in_ranges(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           meta: PagedAttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """`forward`'s layers, each in an NVTX range ``layer I`` (`vconsole.engine.worker.
+        nvtx`)."""
+        for i, layer in enumerate(self.layers):
+            nvtx.push(_LAYER_RANGES[i] if i < len(_LAYER_RANGES) else f"layer {i}")
+            try:
+                h = h + self.attention(layer, self.norm(h, layer.ln1, layer.ln1_eps), cos, sin,
+                                       meta)
+                h = h + self.mlp(layer, self.norm(h, layer.ln2, layer.ln2_eps))
+            finally:
+                nvtx.pop()
         return self.norm(h.index_select(0, rows), self.norm_w, self.norm_eps)
 
     # The pieces are methods so that the profiler can label them (`StepProfiler` wraps them on

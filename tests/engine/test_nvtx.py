@@ -1,0 +1,105 @@
+"""NVTX ranges (`vconsole.engine.worker.nvtx`): no-ops while ``nvtx`` is off, each step's phases
+and each decoder layer in balanced ranges once it is turned on (hot), off again when turned off.
+
+A real engine core on the CPU, real steps; the one stand-in is the NVTX module itself (a
+recorder in place of ``torch.cuda.nvtx``, which needs CUDA), put in through `nvtx.use_backend`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vconsole.engine.core import EngineCore
+from vconsole.engine.request import SamplingParams
+from vconsole.engine.worker import nvtx
+from vconsole.shared.config import EngineConfig
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+class RecordingNvtx:
+    """``torch.cuda.nvtx``'s range functions and the capture range, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def range_push(self, name: str) -> int:
+        self.calls.append(f"push {name}")
+        return 0
+
+    def range_pop(self) -> int:
+        self.calls.append("pop")
+        return 0
+
+    def profiler_start(self) -> None:
+        self.calls.append("profiler start")
+
+    def profiler_stop(self) -> None:
+        self.calls.append("profiler stop")
+
+
+@pytest.fixture(scope="module")
+def core() -> EngineCore:
+    c = EngineCore(EngineConfig(model="tiny", device="cpu", num_kv_blocks=32, block_size=8))
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def recorder():
+    rec = RecordingNvtx()
+    nvtx.use_backend(rec)
+    yield rec
+    nvtx.use_backend(None)
+
+
+def run_one_request(core: EngineCore, rid: str) -> int:
+    core.add_request(core.make_request(rid, prompt_token_ids=PROMPT, sampling=SamplingParams(
+        max_tokens=3, ignore_eos=True)))
+    steps = 0
+    while core.has_unfinished_requests():
+        core.step()
+        steps += 1
+    return steps
+
+
+def test_ranges_are_no_ops_while_off(core, recorder):
+    assert not core.config.nvtx
+    run_one_request(core, "off")
+    assert recorder.calls == []
+    assert nvtx.push is nvtx._push_nothing and not nvtx.ON
+
+
+def test_turned_on_hot_every_phase_and_layer_is_a_balanced_range(core, recorder):
+    assert core.apply_config({"nvtx": True}).applied
+    try:
+        steps = run_one_request(core, "on")
+    finally:
+        assert core.apply_config({"nvtx": False}).applied
+    calls = recorder.calls
+    assert calls.count("push step") == steps == 3          # a prefill, then two decodes
+    layers = [f"push layer {i}" for i in range(core.runner.num_layers)]
+    first = calls[:calls.index("pop", calls.index("push update")) + 2]
+    assert [c for c in first if c != "pop"] == ["push step", "push schedule", "push execute",
+                                                *layers, "push update"]
+    depth = 0
+    for c in calls:                      # balanced: never below zero, zero at the end
+        depth += -1 if c == "pop" else 1
+        assert depth >= 0
+    assert depth == 0
+    recorder.calls.clear()
+    run_one_request(core, "off-again")
+    assert recorder.calls == [], "off again: nothing emitted"
+
+
+def test_on_a_cpu_engine_without_nvtx_the_key_changes_nothing(core, caplog):
+    assert nvtx.available("cpu") is not None
+    assert core.apply_config({"nvtx": True}).applied
+    try:
+        assert not nvtx.ON and nvtx.pop is nvtx._pop_nothing
+        assert "NVTX ranges need CUDA" in caplog.text
+        run_one_request(core, "cpu")             # and it serves as before
+        with pytest.raises(ValueError, match="needs CUDA"):
+            nvtx.capture_start("cpu")
+    finally:
+        core.apply_config({"nvtx": False})
