@@ -231,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_args(p, control_key=True)
     p.add_argument("--steps", type=int, default=20, metavar="N",
                    help="steps to profile (default 20, at most 200)")
+    p.add_argument("--nsys", action="store_true",
+                   help="open Nsight Systems' capture range (cudaProfilerStart/Stop) around "
+                        "the next N steps instead, for an engine run under `nsys profile "
+                        "--capture-range=cudaProfilerApi` (CUDA only)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="give up (and cancel the profile) after S seconds (default 120)")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from vconsole import cli
 from vconsole.engine.core import EngineCore
+from vconsole.engine.process.profile_book import ProfileBook
 from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker import nvtx
 from vconsole.shared.config import EngineConfig
@@ -103,3 +105,36 @@ def test_on_a_cpu_engine_without_nvtx_the_key_changes_nothing(core, caplog):
             nvtx.capture_start("cpu")
     finally:
         core.apply_config({"nvtx": False})
+
+
+# --- `vconsole profile --nsys`: the capture range around the next N steps ----------------------
+
+def test_an_nsys_capture_range_opens_now_and_closes_after_n_steps(core, recorder):
+    book = ProfileBook()
+    status = book.start(core, 2, nsys=True)
+    assert status["state"] == "running" and status["kind"] == "nsys"
+    assert recorder.calls == ["profiler start"]          # open at once, between two steps
+    core.add_request(core.make_request("cap", prompt_token_ids=PROMPT,
+                                       sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
+    for _ in range(3):
+        core.step()
+        book.after_step()
+    while core.has_unfinished_requests():
+        core.step()
+    assert recorder.calls == ["profiler start", "profiler stop"]    # closed after step 2
+    done = book.view(status["id"])
+    assert done["state"] == "done" and book.active is None
+    assert done["result"]["kind"] == "nsys" and done["result"]["steps"] == 2
+    cancelled = book.start(core, 5, nsys=True)
+    book.cancel(None)
+    assert recorder.calls[-1] == "profiler stop"
+    assert book.view(cancelled["id"])["state"] == "cancelled"
+
+
+@pytest.mark.proc
+def test_profile_nsys_on_a_cpu_engine_is_refused_with_the_reason(shared_engine, capsys):
+    code = cli.main(["profile", "--nsys", "--steps", "2",
+                     "--control", shared_engine.endpoints["control"],
+                     "--control-key-file", str(shared_engine.control_key_file)])
+    err = capsys.readouterr().err
+    assert code == 1 and "an nsys capture range needs CUDA; this engine runs on cpu" in err

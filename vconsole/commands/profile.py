@@ -6,6 +6,11 @@ time per layer type and the top operators by self time (or, with ``--json``, the
 engine sent it). The engine profiles only while it runs steps, so an idle engine makes this wait;
 ``--timeout`` bounds the wait, after which (as on Ctrl-C) the profile is cancelled.
 
+``--nsys``: no torch.profiler; the engine opens Nsight Systems' capture range
+(``cudaProfilerStart``) now and closes it (``cudaProfilerStop``) after N steps, for an engine run
+under ``nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi``; with ``--set nvtx=true``
+the steps' phases and layers are named ranges on that timeline. A CPU engine refuses it.
+
 Exit codes as `vconsole set`: 0 the profile is done, 1 refused (no key, one already running),
 failed, timed out or no engine answering (the reason on stderr), 2 a usage error caught before
 anything was sent.
@@ -45,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
         return fail("profile", e)
     with client:
         try:
-            status = client.profile_start(args.steps)
+            status = client.profile_start(args.steps, nsys=getattr(args, "nsys", False))
         except (TimeoutError, ControlError) as e:
             return fail("profile", e)
         try:
@@ -61,8 +66,20 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(render(result))
+        print(render_nsys(result) if result.get("kind") == "nsys" else render(result))
     return 0
+
+
+def render_nsys(result: dict[str, Any]) -> str:
+    """An nsys capture range: which steps it held, and how to read them."""
+    ranges = ("NVTX ranges on: step, schedule, execute, update and each layer are named"
+              if result.get("nvtx_ranges") else
+              "NVTX ranges off: `vconsole set nvtx=true` names the steps' phases and layers")
+    return "\n".join([
+        f"profile {result.get('id', '?')}: nsys capture range (cudaProfilerStart/Stop) held "
+        f"{result['steps']} steps (engine steps {result['first_step'] + 1}-"
+        f"{result['last_step']}) on {result['device']}, {result['wall_s']:.2f} s wall",
+        ranges, f"note: {result['note']}"])
 
 
 def _wait(client: ControlClient, status: dict[str, Any], timeout_s: float,

@@ -28,7 +28,8 @@ key says who may change the engine.
 
 Profiling on demand (`vconsole.engine.process.profile_book`): ``{"op": "profile_start", "steps": n}``
 (the control key required, like ``set_config``; ``1 <= n <= PROFILE_MAX_STEPS``) arms
-``torch.profiler`` over the engine's next ``n`` steps and answers at once;
+``torch.profiler`` over the engine's next ``n`` steps and answers at once (with ``"nsys": true``:
+Nsight Systems' capture range, ``cudaProfilerStart/Stop``, around them instead);
 ``{"op": "profile_status", "profile": pid}`` (open, like ``get_config``) and
 ``{"op": "profile_cancel", "profile": pid}`` (key required) follow it. Their replies carry every
 field above plus ``profile``: the profile's status, with its ``result`` once it is done
@@ -115,6 +116,9 @@ def decode_request(data: bytes | memoryview) -> dict[str, Any]:
                 or not 1 <= steps <= PROFILE_MAX_STEPS):
             raise ControlError(f"profile_start needs 'steps': an integer from 1 to "
                                f"{PROFILE_MAX_STEPS}, got {steps!r}")
+        if not isinstance(req.get("nsys", False), bool):
+            raise ControlError(f"profile_start 'nsys' must be true or false, got "
+                               f"{req['nsys']!r}")
     if op in ("profile_status", "profile_cancel") and not isinstance(req.get("profile"), str):
         raise ControlError(f"{op} needs 'profile': the id profile_start answered")
     if op == "get_trace" and req.get("window_s") is not None:
@@ -290,10 +294,13 @@ class ControlClient:
             raise ControlError(error)
         return reply["profile"]
 
-    def profile_start(self, steps: int) -> dict[str, Any]:
+    def profile_start(self, steps: int, *, nsys: bool = False) -> dict[str, Any]:
         """Profile the engine's next ``steps`` steps; the new profile's status (its ``id``).
-        Raises NotAuthorised without the key, ControlError when refused (one is running)."""
-        return self._profile_op("profile_start", {"steps": steps})
+        ``nsys``: open Nsight Systems' capture range around them instead (``cudaProfilerStart/
+        Stop``), no torch.profiler. Raises NotAuthorised without the key, ControlError when
+        refused (one is running; nsys on an engine without CUDA)."""
+        return self._profile_op("profile_start", {"steps": steps, **({"nsys": True} if nsys
+                                                                      else {})})
 
     def profile_status(self, profile_id: str) -> dict[str, Any]:
         """``state`` (running / done / cancelled / failed), ``steps_done`` of ``steps``, and

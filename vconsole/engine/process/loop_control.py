@@ -93,8 +93,8 @@ class LoopControl:
         if self._stopping() is not None:
             return control.error_reply(protocol.SHUTTING_DOWN, request_id)
         try:
-            return control.profile_reply(self.profiles.start(self.core, fields["steps"]),
-                                         request_id)
+            return control.profile_reply(self.profiles.start(
+                self.core, fields["steps"], nsys=bool(fields.get("nsys"))), request_id)
         except ValueError as e:
             return control.error_reply(str(e), request_id)
 

@@ -7,6 +7,12 @@ it (`cancel`). The profiler settles a profile (`_settle`: its result, or why it 
 thread that builds its report. The control thread answers ``profile_status`` from `view` at any
 time, without waiting for a step boundary.
 
+``nsys``: instead of torch.profiler, an `NsysCapture` opens Nsight Systems' capture range
+(``cudaProfilerStart``, `vconsole.engine.worker.nvtx`) at once, between two steps, and closes it
+(``cudaProfilerStop``) after the N-th step; under ``nsys profile --capture-range=cudaProfilerApi``
+only those steps are recorded, with the NVTX ranges of the hot key ``nvtx``. It has the same
+status and life as a torch profile (one at a time, cancel closes the range).
+
 Invariants: only the busy loop calls `start`, `after_step` and `cancel`; everything is read and
 written under one lock; a status is plain data (msgpack-able), replaced whole and never changed
 in place, so `view` may hand it out as is; at most one profile runs at a time (``active``) and
@@ -20,6 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -33,21 +40,63 @@ KEEP = 8                      # finished profiles kept for profile_status
 RUNNING, DONE, CANCELLED, FAILED = "running", "done", "cancelled", "failed"
 SLOWER = ("the engine keeps serving while it profiles, but each profiled step runs slower "
           "(torch.profiler records every operator and each layer is labelled)")
+NSYS_NOTE = ("Nsight Systems records only inside the capture range when the engine runs under "
+             "`nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi "
+             "--capture-range-end=stop vconsole engine ...`; elsewhere the range is a no-op")
+
+
+class NsysCapture:
+    """The next ``num_steps`` steps inside ``cudaProfilerStart/Stop``; the `StepProfiler`
+    fields `ProfileBook` reads (``steps_done``, ``num_steps``, ``reporting``, ``result``,
+    ``error``, `cancel`). Opens the range in the constructor: ValueError without CUDA."""
+
+    reporting = False
+
+    def __init__(self, core: ServingCore, num_steps: int,
+                 on_done: Callable[[], None]) -> None:
+        from vconsole.engine.worker import nvtx
+
+        self._nvtx = nvtx
+        self.device = core.model_info()["device"]
+        self.device_type = str(self.device).split(":", 1)[0]
+        self.num_steps = num_steps
+        self.steps_done = 0
+        self.result: dict[str, Any] | None = None
+        self.error: str | None = None
+        self._on_done = on_done
+        self._first_step = int(getattr(core, "num_steps", 0))
+        self._ranges = bool(core.config.nvtx) and nvtx.ON
+        nvtx.capture_start(self.device_type)       # raises ValueError: no CUDA
+        self._t0 = time.monotonic()
+
+    def after_step(self) -> None:
+        self.steps_done += 1
+        if self.steps_done >= self.num_steps:
+            self._nvtx.capture_stop(self.device_type)
+            self.result = {
+                "kind": "nsys", "steps": self.steps_done, "first_step": self._first_step,
+                "last_step": self._first_step + self.steps_done,
+                "wall_s": time.monotonic() - self._t0, "device": str(self.device),
+                "nvtx_ranges": self._ranges, "note": NSYS_NOTE}
+            self._on_done()
+
+    def cancel(self) -> None:
+        self._nvtx.capture_stop(self.device_type)
 
 
 class ProfileBook:
     def __init__(self) -> None:
-        self._lock = threading.Lock()       # guards everything below
+        self._lock = threading.RLock()      # guards everything below (re-entered: `_settle`)
         self._status: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._ids = itertools.count(1)
-        self._profiler: StepProfiler | None = None   # the running one
+        self._profiler: StepProfiler | NsysCapture | None = None   # the running one
         self.active: str | None = None      # the running profile's id
 
     # --- busy loop ----------------------------------------------------------------------------
 
-    def start(self, core: ServingCore, steps: int) -> dict[str, Any]:
-        """Arm a profile of the next ``steps`` steps; its status. Raises ValueError with the
-        reason (one is running)."""
+    def start(self, core: ServingCore, steps: int, *, nsys: bool = False) -> dict[str, Any]:
+        """Arm a profile of the next ``steps`` steps (``nsys``: an `NsysCapture`); its
+        status. Raises ValueError with the reason (one is running; nsys without CUDA)."""
         with self._lock:
             if self.active is not None:
                 prof = self._profiler
@@ -57,13 +106,20 @@ class ProfileBook:
                 raise ValueError(f"profile {self.active} is running ({what}); wait for it or "
                                  "cancel it")
             pid = f"p{next(self._ids)}"
-            self._profiler = core.start_profile(steps, on_done=partial(self._settle, pid))
+            on_done = partial(self._settle, pid)
+            self._profiler = (NsysCapture(core, steps, on_done) if nsys
+                              else core.start_profile(steps, on_done=on_done))
             self.active = pid
             self._put(pid, {"id": pid, "state": RUNNING, "steps": steps, "steps_done": 0,
                             "profiling": True, "started_ts": time.time(), "finished_ts": None,
-                            "slowdown_note": SLOWER, "result": None, "error": None})
-        log.warning("profile %s: profiling the next %d steps with torch.profiler; %s", pid,
-                    steps, SLOWER)
+                            "slowdown_note": NSYS_NOTE if nsys else SLOWER, "result": None,
+                            "error": None, "kind": "nsys" if nsys else "torch"})
+        if nsys:
+            log.warning("profile %s: nsys capture range open (cudaProfilerStart) for the next "
+                        "%d steps", pid, steps)
+        else:
+            log.warning("profile %s: profiling the next %d steps with torch.profiler; %s", pid,
+                        steps, SLOWER)
         return self.view(pid) or {}
 
     def after_step(self) -> None:
@@ -72,6 +128,10 @@ class ProfileBook:
             prof, pid = self._profiler, self.active
             if prof is None or pid is None:
                 return
+            if isinstance(prof, NsysCapture):
+                prof.after_step()             # may settle it: the lock is re-entrant
+                if self.active != pid:
+                    return
             if prof.steps_done != self._status[pid]["steps_done"]:
                 self._status[pid] = {**self._status[pid], "steps_done": prof.steps_done}
 
@@ -107,7 +167,10 @@ class ProfileBook:
                 self._finish(pid, DONE, result={"id": pid, **prof.result})
             else:
                 self._finish(pid, FAILED, error=prof.error or "the profiler stopped")
-        if prof.result is not None:
+        if prof.result is not None and isinstance(prof, NsysCapture):
+            log.info("profile %s: nsys capture range closed (cudaProfilerStop) after %d steps",
+                     pid, prof.steps_done)
+        elif prof.result is not None:
             r = prof.result
             log.info("profile %s done: %d steps in %.2f s (mean step %.1f ms, profiled)", pid,
                      r["steps"], r["wall_s"], r["mean_step_s"] * 1e3)
