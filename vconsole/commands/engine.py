@@ -80,6 +80,8 @@ def launch_from_args(args: argparse.Namespace) -> EngineLaunch:
                                                         args.metrics_port),
         allow_remote_metrics=args.allow_remote_metrics, dp_rank_host=args.dp_rank_host,
         dp_curve_dir=args.dp_curve_dir,
+        dp_backend=getattr(args, "data_parallel_backend", None) or "mp",
+        ray_address=getattr(args, "ray_address", None),
         supervision=Supervision(enabled=not args.no_supervisor, max_restarts=args.max_restarts,
                                 restart_window_s=args.restart_window,
                                 restart_backoff_s=args.restart_backoff,
@@ -118,6 +120,11 @@ def main(args: argparse.Namespace) -> int:
     one_rank = launch.one_rank
     if not one_rank and _torchrun_world() > 1:
         return _torchrun_rank(launch)
+    if launch.dp_backend == "ray" and not one_rank:
+        return _launch_ray_ranks(launch)
+    if launch.ray_address is not None and not one_rank:
+        _say("--ray-address is for --data-parallel-backend ray")
+        return exit_codes.CANNOT_START
     multi_host = [f for f, v in (("--dp-rank-host", launch.dp_rank_host),
                                  ("--dp-curve-dir", launch.dp_curve_dir)) if v]
     if not one_rank and multi_host:
@@ -231,6 +238,41 @@ def _launch_ranks(launch: EngineLaunch) -> int:
     try:
         return DPLauncher(launch, curve=curve).run()
     except (RemoteBindRefused, OSError) as e:
+        _say(e)
+        return exit_codes.CANNOT_START
+
+
+def ray_missing() -> str | None:
+    """Why ``--data-parallel-backend ray`` cannot run here (None: Ray is installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return "--data-parallel-backend ray needs Ray, which is not installed: " \
+               "pip install 'vconsole[ray]'"
+    return None
+
+
+def _launch_ray_ranks(launch: EngineLaunch) -> int:
+    """N ranks as Ray actors behind one front end here: `vconsole.engine.dp.ray.launcher`."""
+    missing = ray_missing()
+    if missing:
+        _say(missing)
+        return exit_codes.CANNOT_START
+    if launch.config.data_parallel_size < 2:
+        _say("--data-parallel-backend ray needs --data-parallel-size 2 or more")
+        return exit_codes.CANNOT_START
+    if launch.dp_rank_host:
+        _say("--dp-rank-host is for torchrun workers; a Ray rank binds its own node's address")
+        return exit_codes.CANNOT_START
+    try:
+        curve = launch.server_curve()
+    except (ValueError, CurveKeyError) as e:
+        _say(e)
+        return exit_codes.CANNOT_START
+    from vconsole.engine.dp.ray.launcher import RayLauncher
+    try:
+        return RayLauncher(launch, curve=curve, ray_address=launch.ray_address).run()
+    except (RemoteBindRefused, CurveKeyError, OSError) as e:   # ConnectionError: Ray
         _say(e)
         return exit_codes.CANNOT_START
 

@@ -78,12 +78,20 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="rendezvous host (default 127.0.0.1, or torchrun's MASTER_ADDR)")
     g.add_argument("--dp-master-port", type=int, metavar="PORT",
                    help="rendezvous port (default: a free one, or torchrun's MASTER_PORT)")
+    g.add_argument("--data-parallel-backend", choices=("mp", "ray"), default="mp",
+                   help="how the ranks run: mp (default) local processes, each under its own "
+                   "supervisor; ray: each rank a Ray actor in a placement group of its own, on "
+                   "this machine or a cluster (--ray-address; needs pip install 'vconsole[ray]')")
+    g.add_argument("--ray-address", metavar="auto|HOST:PORT",
+                   help="with --data-parallel-backend ray: join this Ray cluster (`ray start "
+                   "--head` on one node, `ray start --address HEAD:PORT` on the others); "
+                   "default: start a local Ray with this machine's CPUs, stopped with the engine")
     g.add_argument("--dp-rank-host", metavar="HOST",
                    help="torchrun: the IPv4 address this node's ranks bind their private endpoints "
                    "on, one the front end's host can reach (default 127.0.0.1; beyond loopback "
                    "needs --dp-curve-dir)")
     g.add_argument("--dp-curve-dir", metavar="DIR",
-                   help="torchrun: CURVE keys between the front end and the ranks, a `vconsole "
+                   help="torchrun, or Ray ranks on other nodes: CURVE keys between the front end and the ranks, a `vconsole "
                    "keys DIR` folder copied to every host (ranks: server.key_secret + "
                    "authorized_clients/; the front end: client.key_secret + server.key)")
 

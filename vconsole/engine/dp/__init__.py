@@ -12,7 +12,8 @@ Front-end side (`front`) — the public endpoints of the group: `torchrun` (the 
 torchrun's global rank 0), `stack` (the public sockets as one object), `requests` (requests),
 `router` and `request_map` (which rank, which id), `control_fanout` (config for N ranks),
 `telemetry_proxy` (every rank's telemetry on one endpoint). `launcher` (single host: store,
-supervised ranks, front end) starts both sides.
+supervised ranks, front end) starts both sides;
+`ray` runs the ranks as Ray actors instead (``--data-parallel-backend ray``).
 
 `choose`, `wave` and `rendezvous` import no torch at load time (a lone engine reads `DPEnv` to
 learn that it is not a rank, before its sockets are bound).

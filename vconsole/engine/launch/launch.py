@@ -80,6 +80,8 @@ class EngineLaunch:
     allow_remote_metrics: bool = False
     dp_rank_host: str | None = None
     dp_curve_dir: str | None = None
+    dp_backend: str = "mp"                         # --data-parallel-backend: mp | ray
+    ray_address: str | None = None
     supervision: Supervision = Supervision()
     child: ChildOfSupervisor | None = None         # set: run by a supervisor
 
@@ -130,6 +132,10 @@ class EngineLaunch:
                             ("--dp-curve-dir", self.dp_curve_dir)):
             if value is not None:
                 out += [flag, value]
+        if self.dp_backend != "mp":
+            out += ["--data-parallel-backend", self.dp_backend]
+        if self.ray_address is not None:
+            out += ["--ray-address", self.ray_address]
         if self.allow_remote:
             out.append("--allow-remote-telemetry")
         if self.metrics is not None:

@@ -7,7 +7,8 @@ metrics port, Prometheus over every rank (`vconsole.engine.publish.prometheus.Ra
 the rank's ready record (endpoints, control key file, pid) and `rank_exit(r, reason, ...)`;
 it keeps the public ready file up to date (written once every rank was ready and answered the
 front end's ``hello``, so a client of the ready file reaches a group that routes to every rank;
-with ``ranks`` ``[{rank, pid, ready_file}]``). With ``rank_curve`` (torchrun over several hosts) every
+with ``ranks`` ``[{rank, pid, ready_file}]``, plus a Ray actor rank's ``placement``: ``node``,
+``node_ip``, ``node_id``, ``actor``, ``actor_id``). With ``rank_curve`` (torchrun over several hosts) every
 connection to a rank is a CURVE client, and a rank's control key comes with its ``ready``
 (the front end hands it to the fan-out) instead of from its key file. Used by the single-host launcher
 (`vconsole.engine.dp.launcher`) and by torchrun's global rank 0
@@ -160,7 +161,8 @@ class FrontEndStack:
         self.proxy.rank_up(rank)
         with self._lock:
             self.ranks[rank].update(pid=record.get("pid"),
-                                    ready_file=ready_file or self.ranks[rank]["ready_file"])
+                                    ready_file=ready_file or self.ranks[rank]["ready_file"],
+                                    **(record.get("placement") or {}))
             self._write_ready_if_all()
 
     def _rank_answered(self, rank: int, control_key: str | None) -> None:

@@ -33,8 +33,10 @@ class RankRole:
     rank: DPRank          # set by `join`
     _links: LoopLinks     # set by `attach`
 
-    def __init__(self, env: DPEnv) -> None:
+    def __init__(self, env: DPEnv, placement: dict[str, Any] | None = None) -> None:
+        """``placement``: where the rank runs, for its ``dp`` topic (`DPRank`)."""
         self.env = env
+        self.placement = placement
 
     @property
     def in_wave(self) -> bool:
@@ -44,7 +46,7 @@ class RankRole:
         """The rank's config (its own values); connects to the store (`RendezvousError`, an
         OSError, when it cannot be reached) and splits the CPU threads between the ranks."""
         config = self.env.apply(config)
-        self.rank = DPRank(self.env, config)
+        self.rank = DPRank(self.env, config, placement=self.placement)
         threads = split_cpu_threads(self.env, config)
         log.info("data-parallel rank %d of %d%s", self.env.rank, self.env.world_size,
                  f" ({threads} CPU threads)" if threads else "")

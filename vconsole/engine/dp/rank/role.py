@@ -25,13 +25,15 @@ The busy loop's contract (the design of issue #12, vLLM's DP wave protocol):
 Counters: ``steps_total`` counts every step this process ran (real and dummy), in a wave or not;
 ``sync_s_per_step`` is the all-reduce time spread over those steps (the coordination overhead);
 ``dummy_share`` in the ``dp`` topic is the dummy share of the steps run since the previous
-``dp`` message (0.0 when none ran).
+``dp`` message (0.0 when none ran). The ``dp`` body also says where the rank runs: ``node``
+(the host, or the Ray node) and ``actor`` (the Ray actor's name; None for a process rank).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -70,8 +72,13 @@ class DPRank:
     is_rank = True
 
     def __init__(self, env: DPEnv, config: EngineConfig, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 placement: Mapping[str, Any] | None = None) -> None:
+        """``placement``: where this rank runs, for the ``dp`` topic (``node``, ``actor``; a
+        Ray actor rank's come from `vconsole.engine.dp.ray.actor`); by default this host's
+        name and no actor."""
         self.env = env
+        self.placement = {"node": socket.gethostname(), "actor": None, **(placement or {})}
         self.timeout_s = config.dp_group_timeout_s
         self.sync_every = config.dp_sync_every
         self.wave = WaveState(config.dp_sync_every)
@@ -209,6 +216,7 @@ class DPRank:
             "sync_every": self.sync_every, "sync_count_total": self.sync_count,
             "sync_s_total": self.sync_s,
             "sync_s_per_step": self.sync_s / steps if steps else 0.0,
+            **self.placement,
         }
 
 

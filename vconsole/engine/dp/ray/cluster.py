@@ -1,0 +1,209 @@
+"""RayCluster: the Ray this engine runs its ranks on — joined, or started and owned.
+
+``--ray-address auto|HOST:PORT`` joins a running cluster (``ray start --head`` on one box,
+``ray start --address HEAD:PORT`` on the others); without it the engine starts a local Ray of its
+own (`start_head`: ``ray start --head --block`` on loopback, in a session of its own): this
+machine's CPUs (at least one per rank), no dashboard, no usage report, its session files in a
+short private temporary folder, shut down with the engine. Ray's own logging stays at
+WARNING; the ranks' output reaches this process's stderr (Ray prefixes each line with the
+actor).
+
+Each engine works in a namespace of its own (``vconsole-<engine id>-<random>``), so two engines
+in one cluster never see each other's actors or placement groups.
+
+Invariant: after `close` an owned Ray has no process left (its session folder is the marker:
+every process it started has it on its command line, `processes_of`), and a joined cluster keeps
+nothing of this engine's: the launcher removes its actors and placement groups first, and this
+driver's disconnect makes Ray drop whatever is left (the actors are not detached).
+
+``ray`` is imported here and in the other modules of this package only, and only when a Ray
+backend is used: `require_ray` turns its absence into `RayMissing` with the install hint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from vconsole.engine.launch.child import ChildProcess
+
+log = logging.getLogger("vconsole.engine.dp")
+
+LOOPBACK = "127.0.0.1"
+HEAD_READY = "will now block"     # `ray start --block`'s line once the head runs
+
+INSTALL_HINT = "pip install 'vconsole[ray]'"
+# Variables a rank needs from the launcher's environment (a cluster's raylet started elsewhere
+# has its own): offline model loading, the model/kernel caches, vconsole's own settings.
+ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "VCONSOLE_", "TOKENIZERS_", "TORCHINDUCTOR_")
+
+
+class RayMissing(RuntimeError):
+    """``--data-parallel-backend ray`` without the ``ray`` package."""
+
+
+def require_ray() -> ModuleType:
+    try:
+        import ray
+    except ImportError:
+        raise RayMissing("--data-parallel-backend ray needs Ray: "
+                         f"{INSTALL_HINT}") from None
+    return ray
+
+
+def rank_env_vars(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What each rank actor's runtime environment carries over from this process."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k.startswith(ENV_PREFIXES)}
+
+
+def processes_of(temp_dir: str | os.PathLike[str]) -> list[int]:
+    """PIDs of the processes an owned Ray started (their command lines name its session
+    folder): empty once it is shut down."""
+    import psutil
+
+    marker = str(temp_dir)
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error, TypeError):
+            if any(marker in part for part in p.info["cmdline"] or ()):
+                out.append(p.info["pid"])
+    return out
+
+
+def use_token_if_any() -> None:
+    """Ray's token authentication (on by default for clusters started by Ray >= 2.5x, the token
+    in ``~/.ray/auth_token`` or ``$RAY_AUTH_TOKEN``/``$RAY_AUTH_TOKEN_PATH``): a driver that
+    joins sends it only in token mode, which Ray does not infer for a joining driver. Unless
+    ``RAY_AUTH_MODE`` says otherwise, a token present here turns it on."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return
+    if (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").is_file()):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        with contextlib.suppress(Exception):     # Ray reads its config once, at import
+            from ray._raylet import Config  # type: ignore[attr-defined]
+
+            Config.initialize("")
+
+
+class LocalHead:
+    """``ray start --head --block`` as a child in a session of its own: a signal to the
+    engine's process group (a terminal's Ctrl-C, a ``killpg``) never reaches Ray's processes,
+    so the launcher can still drain and remove its actors; `stop` ends the session (SIGTERM
+    to its group: ``ray start --block`` stops what it started; SIGKILL after a grace period),
+    and the engine's death does too (the child's parent-death signal)."""
+
+    def __init__(self, child: ChildProcess, port: int, log_path: Path) -> None:
+        self.child = child
+        self.port = port
+        self.log_path = log_path
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        self.child.stop(grace_s)
+
+
+def start_head(temp_dir: Path, num_cpus: int, timeout_s: float = 120.0) -> LocalHead:
+    """A local Ray head on loopback with ``num_cpus`` CPUs and no dashboard, its session in
+    ``temp_dir``; raises ``ConnectionError`` with the tail of its log if it does not start."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        port = int(s.getsockname()[1])
+    exe = Path(sys.executable).with_name("ray")
+    command = [str(exe) if exe.exists() else (shutil.which("ray") or "ray"), "start", "--head",
+               "--block", "--node-ip-address", LOOPBACK, "--port", str(port),
+               "--num-cpus", str(num_cpus), "--include-dashboard", "false",
+               "--disable-usage-stats", "--temp-dir", str(temp_dir)]
+    log_path = temp_dir / "ray-start.log"
+    with open(log_path, "wb") as out:
+        child = ChildProcess(command, stdout=out, stderr=subprocess.STDOUT, own_group=True,
+                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    deadline = time.monotonic() + timeout_s
+    while HEAD_READY not in log_path.read_text(errors="replace"):
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.stop(5.0)
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            raise ConnectionError(f"a local Ray did not start (`{' '.join(command)}`):\n{tail}")
+        time.sleep(0.2)
+    return LocalHead(child, port, log_path)
+
+
+class RayCluster:
+    """`connect` joins or starts Ray in this process (the driver); `close` undoes it."""
+
+    def __init__(self, ray: ModuleType, namespace: str, temp_dir: Path | None = None,
+                 head: LocalHead | None = None) -> None:
+        self.ray = ray
+        self.head = head
+        self.namespace = namespace
+        self.temp_dir = temp_dir          # set: this Ray is ours (started here)
+        self.node_id: str = ray.get_runtime_context().get_node_id()
+
+    @property
+    def owned(self) -> bool:
+        return self.temp_dir is not None
+
+    @classmethod
+    def connect(cls, address: str | None, *, engine_id: str, min_cpus: int = 1) -> RayCluster:
+        """Join the cluster at ``address`` (``auto`` or ``HOST:PORT``), or start a local Ray with
+        max(cores, ``min_cpus``) CPUs. Raises `RayMissing`, or `ConnectionError` with Ray's
+        reason when the cluster cannot be reached."""
+        ray = require_ray()
+        namespace = f"vconsole-{engine_id}-{uuid.uuid4().hex[:8]}"
+        common: dict[str, Any] = dict(namespace=namespace, log_to_driver=True,
+                                      logging_level=logging.WARNING,
+                                      runtime_env={"env_vars": rank_env_vars()})
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if address:
+            use_token_if_any()
+            try:
+                ray.init(address=address, **common)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise ConnectionError(f"cannot join the Ray cluster at {address}: "
+                                      f"{str(e).splitlines()[0] if str(e) else e!r}") from None
+            return cls(ray, namespace, None)
+        # Short: Ray's unix sockets live under it (a socket path has ~107 characters).
+        temp_dir = Path(tempfile.mkdtemp(prefix="vcray-", dir="/tmp"))
+        try:
+            head = start_head(temp_dir, max(os.cpu_count() or 1, min_cpus))
+            try:
+                use_token_if_any()           # `ray start` made one (Ray's default)
+                ray.init(address=f"{LOOPBACK}:{head.port}", **common)
+            except BaseException:
+                head.stop()
+                raise
+        except BaseException:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+        log.info("started a local Ray (%s, session folder %s)", namespace, temp_dir)
+        return cls(ray, namespace, temp_dir, head)
+
+    def gpus(self) -> int:
+        return int(self.ray.cluster_resources().get("GPU", 0))
+
+    def close(self) -> None:
+        """Disconnect; an owned Ray is shut down and its session folder removed."""
+        with contextlib.suppress(Exception):
+            self.ray.shutdown()
+        if self.head is not None:
+            self.head.stop()
+        if self.temp_dir is not None:
+            left = processes_of(self.temp_dir)
+            if left:     # ray.shutdown kills what it started; make sure of it
+                import psutil
+                for pid in left:
+                    with contextlib.suppress(psutil.Error):
+                        psutil.Process(pid).kill()
+                log.warning("killed %d Ray process(es) left after shutdown", len(left))
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
