@@ -69,6 +69,7 @@ from vconsole.console.screens.overview import OverviewScreen
 from vconsole.console.screens.profile import ProfileScreen
 from vconsole.console.screens.ranks import RanksScreen
 from vconsole.console.screens.requests import RequestsScreen
+from vconsole.console.screens.stacks import StacksScreen
 from vconsole.console.screens.trends import TrendsScreen
 from vconsole.console.screens.whatif import WhatIfScreen
 from vconsole.console.sources.stream import Source, ZmqSource
@@ -96,7 +97,7 @@ class VConsoleApp(App[None]):
     MODES = {"overview": OverviewScreen, "requests": RequestsScreen, "kv": KvScreen,
              "config": ConfigScreen, "alerts": AlertsScreen, "advice": AdviceScreen,
              "trends": TrendsScreen, "profile": ProfileScreen, "whatif": WhatIfScreen,
-             "dp": RanksScreen}
+             "dp": RanksScreen, "stacks": StacksScreen}
     DEFAULT_MODE = "overview"
     BINDINGS = keymap.GLOBAL
     COMMANDS = App.COMMANDS | {ConsoleCommands}

@@ -32,6 +32,7 @@ GLOBAL: list[BindingType] = [
     Binding("a", "show('advice')", "Advice", show=False),
     Binding("P", "show('profile')", "Profile", key_display="P", show=False),
     Binding("w", "show('whatif')", "What-if", show=False),
+    Binding("S", "show('stacks')", "Stacks", key_display="S", show=False),
     *(Binding(key, f"show('{mode}')", title, show=False) for mode, (key, title) in SCREENS.items()),
     *(Binding(key, f"show('{mode}')", title, show=False)
       for mode, (key, title) in DP_SCREEN.items()),
@@ -97,6 +98,12 @@ ALERTS: list[BindingType] = [
     Binding("escape", "clear_filter", "Clear filter", show=False),
 ]
 
+# The Stacks screen (``S``, a tool for a slow engine rather than a view of its figures) has no
+# tab: the help lists it.
+STACKS: list[BindingType] = [
+    Binding("r", "refresh", "Read again"),
+]
+
 ADVICE: list[BindingType] = [
     Binding("A,enter", "apply", "Apply", key_display="A"),
 ]
@@ -156,6 +163,9 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
                  ("r", "predict again (a fresh trace after 10 s)"),
                  ("x", "reset the edits to the live config"),
                  ("A", "apply the edits (hot keys; asks first)")]),
+    ("Stacks", [("S", "every thread of the engine process and its Python stack, the busy "
+                      "loop's first, read every 2 s (py-spy, else the engine's own dump)"),
+                ("r", "read them again now")]),
     ("Trends", [("5", "plots: throughput, step time, queues, KV, TTFT, ITL"),
                 ("t", "time range: last 1 / 5 / 15 minutes"),
                 ("v / → ←", "next / previous plots, when not all fit")]),

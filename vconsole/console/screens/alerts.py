@@ -6,10 +6,15 @@ figure, its value against the threshold and the engine's message. The selected a
 message sits below the table, since a long one does not fit a row at 80 columns. ``/`` filters
 (words match the name, level, engine or message), ``esc`` clears. Engine restarts and the
 outcome of advice applied from this console are listed too; they are events, never active.
+A restart of a hung engine names the file its supervisor wrote the stacks into (``stacks:
+PATH``); when that file is readable here (the console on the engine's host), the detail adds
+the busy loop's innermost frames from it: where the engine hung.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -28,6 +33,36 @@ from vconsole.telemetry.printable import printable
 
 LEVEL_STYLE = {"critical": "bold red", "warning": "yellow", "ok": "green"}
 LEVEL_MARKUP = {"critical": "$error", "warning": "$warning", "ok": "$success"}
+_STACKS = re.compile(r"stacks: (\S+)")
+_FRAME = re.compile(r"^    (\S.*) \((.*)\)$")
+
+
+def stacks_path(message: str) -> str | None:
+    """The stacks file a hung engine's restart event names, if any."""
+    m = _STACKS.search(message)
+    return m.group(1) if m else None
+
+
+def busy_loop_frames(path: str, limit: int = 3) -> list[str]:
+    """``function (file:line)`` of the busy loop's innermost frames in a stacks file (the
+    first thread: `vconsole.shared.stacks.StackReport.render` puts it there); [] when the file
+    cannot be read here."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return []
+    frames: list[str] = []
+    in_first = False
+    for line in text.splitlines():
+        if line.startswith('Thread "'):
+            if in_first:
+                break
+            in_first = "busy loop" in line
+        elif in_first and (m := _FRAME.match(line)):
+            frames.append(f"{m.group(1)} ({m.group(2)})")
+            if len(frames) >= limit:
+                break
+    return frames
 
 
 def matches(alert: Alert, words: list[str]) -> bool:
@@ -150,7 +185,14 @@ class AlertsScreen(FilteredScreen):
                 f"[$text-muted]{fmt.escape(a.engine)} rank {a.rank} · "
                 f"{fmt.duration(max(0.0, now - a.recv_ts))} ago"
                 + (f" · value / threshold {fmt.escape(fig)}" if fig else "") + "[/]")
-        box.update(Content.from_markup(f"{head}\n{fmt.escape(a.message)}"))
+        text = f"{head}\n{fmt.escape(a.message)}"
+        path = stacks_path(a.message)
+        if path is not None:
+            frames = busy_loop_frames(path)
+            text += ("\n[b]busy loop:[/] " + " ← ".join(fmt.escape(f) for f in frames)
+                     if frames else f"\n[$text-muted]stacks file not readable here: "
+                     f"{fmt.escape(path)}[/]")
+        box.update(Content.from_markup(text))
 
     @on(DataTable.RowHighlighted, "#alert-table")
     def _highlighted(self) -> None:
