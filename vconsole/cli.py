@@ -323,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="soak: how long the load runs (default 10)")
     p.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                    help="soak: run the engine as N data-parallel ranks (default 1)")
+    p.add_argument("--data-parallel-backend", choices=["mp", "ray"], default="mp",
+                   help="soak: how the ranks run (mp processes, or ray actors); dp: ray "
+                        "compares a 2-rank group of Ray actors with the mp one (start-up "
+                        "time, tokens/s)")
     p.add_argument("--rate", type=float, default=8.0,
                    help="soak: the demo's mean request rate, req/s (default 8)")
     p.add_argument("--model", default="smollm2", metavar="M",

@@ -39,7 +39,8 @@ def main(args: argparse.Namespace) -> int:
         from vconsole.tools.bench.soak import soak_bench
 
         out = soak_bench(args.minutes, data_parallel_size=args.data_parallel_size or 1,
-                         rate=args.rate, log=log)
+                         rate=args.rate, log=log,
+                         data_parallel_backend=args.data_parallel_backend)
         print(json.dumps(out, indent=None if args.json else 2))
         return 0 if out["passed"] else 1
     elif args.name == "serve":
@@ -79,7 +80,8 @@ def main(args: argparse.Namespace) -> int:
     elif args.name == "dp":
         from vconsole.tools.bench.dp import dp_bench
 
-        out = dp_bench(args.num_requests or 32, args.rounds or 3, log=log)
+        out = dp_bench(args.num_requests or 32, args.rounds or 3, log=log,
+                       backend=args.data_parallel_backend)
     elif args.name == "structured":
         from vconsole.tools.bench.structured import structured_bench
 

@@ -21,6 +21,8 @@ How each figure combines (the choice is part of the contract):
   ``dummy_share_total`` is Σ dummy steps / Σ steps since the ranks started;
 - wave: the highest wave any rank is in (``waves_agree`` False while ranks differ, e.g. one
   rank has not heard a wave start yet); ``wave_running`` if any rank is in a wave;
+- placement: each rank's ``node`` and ``actor`` (a Ray actor rank's name; None for processes),
+  as its ``dp`` body says;
 - load imbalance: max / mean of each rank's waiting + running (1.0 is perfectly even; None
   with fewer than two ranks). ``imbalanced`` once it reaches `IMBALANCE_WARN` with at least
   `IMBALANCE_MIN_LOAD` requests on the busiest rank (1 request against 0 is not a problem).
@@ -125,4 +127,25 @@ def aggregate(bodies_by_rank: Mapping[int, Bodies]) -> dict[str, Any]:
     out["imbalanced"] = is_imbalanced(list(loads.values()))
     out["ranks_with"] = {t: sum(1 for b in per if t in b)
                          for t in ("sched", "step", "kv", "dp")}
+    out["placement"] = placement(bodies_by_rank)
     return out
+
+
+def placement(bodies_by_rank: Mapping[int, Bodies]) -> dict[str, dict[str, Any]]:
+    """Where each rank runs, from its ``dp`` body: ``{"<rank>": {"node", "actor"}}`` (``actor``
+    the Ray actor's name, None for a process rank; ranks that sent no ``dp`` are left out)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in sorted(bodies_by_rank):
+        dp = bodies_by_rank[r].get("dp")
+        if dp and ("node" in dp or "actor" in dp):
+            out[str(r)] = {"node": dp.get("node"), "actor": dp.get("actor")}
+    return out
+
+
+def placement_line(where: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The Ranks screen's line parts for Ray actor ranks (empty for process ranks: their node
+    is this host): ``r0 vconsole_dp_rank_0 on node-a``."""
+    if not any(p.get("actor") for p in where.values()):
+        return []
+    return [f"r{r} {p.get('actor') or 'process'} on {p.get('node') or '?'}"
+            for r, p in where.items()]

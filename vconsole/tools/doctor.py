@@ -21,6 +21,7 @@ import shutil
 import socket
 import stat
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -313,9 +314,39 @@ def check_kv_cache(endpoints: dict[str, str] | None = None, where: str = "the de
     return Check("kv cache", OK, ", ".join(parts) + f" (kv_cache_dtype={configured})")
 
 
+RAY_CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+
+
+def check_ray(current_cluster: Path = RAY_CURRENT_CLUSTER) -> Check:
+    """``--data-parallel-backend ray``: Ray installed (its version, its ``ray`` command), and a
+    cluster that ``ray start`` left running here (``--ray-address auto`` joins it) and Ray's
+    auth token. Nothing is started and ``ray`` is not imported (seconds): the package's
+    metadata and Ray's own files say it."""
+    try:
+        version = metadata.version("ray")
+    except metadata.PackageNotFoundError:
+        return Check("ray", OK, "not installed: --data-parallel-backend ray needs "
+                                "pip install 'vconsole[ray]' (mp and torchrun do not)")
+    exe = Path(sys.executable).with_name("ray")
+    if not exe.exists() and shutil.which("ray") is None:
+        return Check("ray", WARN, f"{version} installed but its `ray` command is not on PATH: "
+                                  "--data-parallel-backend ray starts its local Ray with it")
+    parts = [f"{version}: --data-parallel-backend ray starts a local Ray"]
+    try:
+        address = current_cluster.read_text().strip()
+    except OSError:
+        address = ""
+    if address:
+        parts.append(f"a cluster started with `ray start` at {address} (join it with "
+                     "--ray-address auto)")
+    if (Path.home() / ".ray" / "auth_token").is_file():
+        parts.append("auth token ~/.ray/auth_token (copy it to nodes that join)")
+    return Check("ray", OK, "; ".join(parts))
+
+
 CHECKS: tuple[Callable[[], Check], ...] = (
     check_python, check_packages, check_torch, check_attention_kernel, check_real_model,
-    check_nvml,
+    check_nvml, check_ray,
     check_ports, check_kv_cache, check_cache, check_run_dir, check_control_key)
 
 

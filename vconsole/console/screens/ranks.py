@@ -5,7 +5,9 @@ usage, phases, dummy-step share, wave, process-group state) and how unevenly the
 (max / mean of waiting + running, highlighted past `vconsole.console.ranks.IMBALANCE_WARN`).
 Below, one row per rank, scrolling when there are more ranks than lines (8 ranks fit at 80x24);
 the cursor row is the selected engine, so every other screen shows that rank, and ``enter``
-opens its KV map. A rank the group's size names but that was never heard shows as such.
+opens its KV map. A rank the group's size names but that was never heard shows as such. Ranks
+that are Ray actors (``--data-parallel-backend ray``) get one more line: each rank's actor and
+node; a restarted actor shows as any restarted rank does (``restarting``, reason, count).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from textual.widgets import Static
 
 from vconsole.console import format as fmt
 from vconsole.console.keymap import RANKS
-from vconsole.console.ranks import rank_load
+from vconsole.console.ranks import placement, placement_line, rank_load
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState, EngineState
 from vconsole.console.widgets import dp_panels
@@ -46,6 +48,11 @@ class RanksScreen(ConsoleScreen):
         yield Static(id="dp-header")
         # Not focusable: the screen's keys move the cursor, and scroll to keep it in view.
         yield VerticalScroll(id="dp-rows", can_focus=False)
+        where = Static(id="dp-where")      # Ray actor ranks: which actor, on which node
+        where.styles.height = 1
+        where.styles.padding = (0, 1)
+        where.display = False
+        yield where
         yield Static(id="dp-hint")
 
     @property
@@ -80,6 +87,11 @@ class RanksScreen(ConsoleScreen):
                 eng.key in self.rank_keys:   # selected elsewhere (n, the KV map's [ ])
             self.cursor = self.rank_keys.index(eng.key)
         self._show_cursor()
+        where = placement_line(placement({e.rank: e.latest for e in ranks}))
+        box = self.query_one("#dp-where", Static)
+        box.display = bool(where)
+        if where:
+            box.update(Content(fmt.fit(["Ray actors:", *where], width, "  ")))
         self.query_one("#dp-hint", Static).update(Content.from_markup(fmt.fit([
             f"[$text-muted]{len(ranks)} of {size} ranks heard[/]",
             "[$text-muted]↑↓ select · enter KV map · [ ] on the KV map cycles ranks[/]"],

@@ -14,6 +14,9 @@ I/O) that one process runs on one core, so two ranks can beat one engine even on
 and a lone engine's threads suffer most from other load on the machine; with a real model on
 one device per rank the ratio is what data parallelism buys.
 
+``--data-parallel-backend ray`` compares backends instead (`backends_bench`): the same 2-rank
+group as processes and as Ray actors, start-up seconds and tokens/s.
+
 The overhead comes from the group's own ``dp`` telemetry over the measured rounds (its
 counters' growth, summed over ranks): ``sync_s_per_step`` = all-reduce seconds / steps (real
 and dummy), ``dummy_share`` = dummy steps / steps, ``syncs_per_step``.
@@ -73,8 +76,63 @@ class DPCounters:
         self._listener.close(None)
 
 
+def _started(args: list[str], say: Callable[[str], None], name: str) -> tuple[EngineProcess,
+                                                                                 float]:
+    """An engine started now, and its start-up seconds (launch to ready file)."""
+    t0 = time.perf_counter()
+    engine = EngineProcess(args).start(timeout_s=600)
+    elapsed = time.perf_counter() - t0
+    say(f"{name}: ready in {elapsed:.1f} s")
+    return engine, elapsed
+
+
+def backends_bench(num_requests: int = 32, rounds: int = 3, max_tokens: int = 32,
+                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`vconsole bench dp --data-parallel-backend ray`: a 2-rank group of processes (``mp``)
+    against the same group of Ray actors (``ray``, on a local Ray it starts): start-up time
+    (launch to ready, one after the other, the Ray one including starting Ray) and tokens/s
+    of the same bursts, in alternating order."""
+    say = log or (lambda _m: None)
+    work = [[(7 * i + j) % 250 + 3 for j in range(24)] for i in range(num_requests)]
+    two = [*ENGINE_ARGS, "--data-parallel-size", "2"]
+    mp, mp_s = _started(two, say, "mp")
+    try:
+        ray, ray_s = _started([*two, "--data-parallel-backend", "ray"], say, "ray")
+        try:
+            peers = {"mp": mp, "ray": ray}
+            for engine in peers.values():       # warm-up: first forwards, connections
+                _round(engine.endpoints, work[:4], 4)
+            tps: dict[str, list[float]] = {n: [] for n in peers}
+            for i in range(rounds):
+                for n in (["mp", "ray"] if i % 2 == 0 else ["ray", "mp"]):
+                    tps[n].append(_round(peers[n].endpoints, work, max_tokens))
+                    say(f"round {i + 1}: {n} {tps[n][-1]:.1f} tokens/s")
+        finally:
+            t0 = time.perf_counter()
+            ray.stop(grace_s=60)
+            ray_stop_s = time.perf_counter() - t0
+    finally:
+        t0 = time.perf_counter()
+        mp.stop(grace_s=60)
+        mp_stop_s = time.perf_counter() - t0
+    a, b = statistics.median(tps["mp"]), statistics.median(tps["ray"])
+    return {
+        "bench": "dp-backends", "data_parallel_size": 2,
+        "startup_s_mp": round(mp_s, 2), "startup_s_ray": round(ray_s, 2),
+        "stop_s_mp": round(mp_stop_s, 2), "stop_s_ray": round(ray_stop_s, 2),
+        "tokens_per_s_mp": round(a, 1), "tokens_per_s_ray": round(b, 1),
+        "ratio_ray_vs_mp": round(b / a, 3) if a else None,
+        "tokens_per_s_mp_rounds": [round(x, 1) for x in tps["mp"]],
+        "tokens_per_s_ray_rounds": [round(x, 1) for x in tps["ray"]],
+        "rounds": rounds, "num_requests": num_requests, "max_tokens": max_tokens,
+    }
+
+
 def dp_bench(num_requests: int = 32, rounds: int = 3, max_tokens: int = 32,
-             log: Callable[[str], None] | None = None) -> dict[str, Any]:
+             log: Callable[[str], None] | None = None, backend: str = "mp") -> dict[str, Any]:
+    """The bench (module docstring); ``backend`` ``ray``: `backends_bench` instead."""
+    if backend == "ray":
+        return backends_bench(num_requests, rounds, max_tokens, log)
     say = log or (lambda _m: None)
     work = [[(7 * i + j) % 250 + 3 for j in range(24)] for i in range(num_requests)]
     say("starting a lone engine and a 2-rank group (tiny model)...")

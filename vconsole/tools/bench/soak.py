@@ -117,13 +117,19 @@ def _tree_rss(pid: int) -> int:
 
 
 def soak_bench(minutes: float, *, data_parallel_size: int = 1, rate: float = 8.0,
-               seed: int = 0, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the soak (see the module docstring) and return its JSON report."""
+               seed: int = 0, log: Callable[[str], None] | None = None,
+               data_parallel_backend: str = "mp") -> dict[str, Any]:
+    """Run the soak (see the module docstring) and return its JSON report.
+    ``data_parallel_backend`` ``ray``: the ranks are Ray actors on a local Ray the engine
+    starts (their memory is then not in ``rss_*``: they are Ray's children, not the
+    engine's)."""
     say = log or (lambda _m: None)
     duration = minutes * 60.0
     engine_args = list(DEMO_ENGINE_ARGS)
     if data_parallel_size > 1:
         engine_args += ["--data-parallel-size", str(data_parallel_size)]
+        if data_parallel_backend != "mp":
+            engine_args += ["--data-parallel-backend", data_parallel_backend]
     engine = EngineProcess(engine_args, env=engine_env_beside_clients(data_parallel_size))
     say(f"soak: starting the engine ({' '.join(engine_args)})")
     engine.start(timeout_s=300)
@@ -199,6 +205,7 @@ def soak_bench(minutes: float, *, data_parallel_size: int = 1, rate: float = 8.0
         "bench": "soak",
         "minutes": minutes,
         "data_parallel_size": data_parallel_size,
+        "data_parallel_backend": data_parallel_backend if data_parallel_size > 1 else None,
         "engine_args": engine_args,
         "rate": rate,
         "passed": all(checks.values()),
