@@ -13,14 +13,20 @@ parity with transformers' ``generate`` on small-gqa in float32 (token for token)
 (first divergence reported: bf16 kernels may round differently); engine throughput on CUDA
 against transformers' static batched ``generate`` (same workload as ``bench throughput``);
 ``vconsole profile`` over a live CUDA engine (the profiler's CUDA path); two data-parallel
-ranks sharing the one GPU serving requests; ``vconsole bench serve`` on CUDA.
+ranks sharing the one GPU serving requests; ``vconsole bench serve`` on CUDA; NVTX ranges
+(``--set nvtx=true``) and ``vconsole profile --nsys`` on a CUDA engine under load, inside
+``nsys profile --capture-range=cudaProfilerApi`` when nsys is installed (then ``nsys stats``
+must list the engine's ranges), else without it (the report says which), and ``vconsole
+stacks`` of that engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -207,6 +213,75 @@ def check_bench_serve(left: float) -> dict[str, Any]:
     return {"ok": True, "report": json.loads(r.stdout)}
 
 
+def _nsys() -> str | None:
+    found = shutil.which("nsys") or sorted(glob.glob("/opt/nvidia/nsight-systems/*/bin/nsys")
+                                           + glob.glob("/usr/local/cuda*/bin/nsys"))
+    return (found[-1] if isinstance(found, list) and found else found) or None
+
+
+def check_nvtx_nsys(left: float) -> dict[str, Any]:
+    """A CUDA engine with ``nvtx=true`` under load; ``vconsole profile --nsys`` opens and
+    closes the capture range around 10 steps; under nsys (when present) its report must hold
+    the ranges. Also ``vconsole stacks`` of the same engine (py-spy, else the signal dump)."""
+    port, nsys = 28300, _nsys()
+    out_dir = Path(os.environ.get("OUT") or ".")
+    report_base = out_dir / "vconsole_nvtx"
+    engine_cmd = [PY, "-m", "vconsole", "engine", "--device", DEVICE, "--base-port", str(port),
+                  "--model", "small-gqa", "--set", "nvtx=true", "--no-supervisor"]
+    if nsys:
+        engine_cmd = [nsys, "profile", "-t", "cuda,nvtx", "--capture-range=cudaProfilerApi",
+                      "--capture-range-end=stop", "-o", str(report_base), "--force-overwrite",
+                      "true", *engine_cmd]
+    eng = subprocess.Popen(engine_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+    result: dict[str, Any] = {"nsys": nsys or "not installed: ranges and the capture range "
+                              "run without a recorder"}
+    try:
+        if not _wait_up(port, min(left, 180)):
+            return {**result, "ok": False, "error": "the CUDA engine did not come up"}
+        load = subprocess.Popen([PY, "-m", "vconsole", "load", "--base-port", str(port),
+                                 "--num", "200", "--concurrency", "16"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        r = _vconsole("profile", "--nsys", "--base-port", str(port), "--steps", "10", "--json",
+                      timeout=min(left, 120))
+        st = _vconsole("stacks", "--base-port", str(port), "--json", timeout=60)
+        load.terminate()            # it only had to keep the engine stepping
+        load.wait(30)
+        if DEVICE == "cpu":      # trying the script: the refusal is the expected outcome
+            result.update(ok=r.returncode == 1 and "needs CUDA" in r.stderr,
+                          refused=r.stderr.strip()[-300:])
+        else:
+            body = json.loads(r.stdout) if r.returncode == 0 else {"stderr": r.stderr[-2000:]}
+            result.update(ok=r.returncode == 0 and body.get("nvtx_ranges") is True,
+                          capture=body)
+        if st.returncode == 0:
+            stacks = json.loads(st.stdout)
+            busy = stacks["threads"][0]
+            result["stacks"] = {"method": stacks["method"], "threads": len(stacks["threads"]),
+                                "busy_loop": busy["busy_loop"],
+                                "top": [f["function"] for f in busy["frames"][:4]]}
+        else:
+            result.update(ok=False, stacks_error=st.stderr[-1000:])
+    finally:
+        eng.terminate()
+        try:
+            eng.wait(120)           # nsys writes its report once the engine exits
+        except subprocess.TimeoutExpired:
+            eng.kill()
+    if nsys and DEVICE == "cuda":
+        rep = report_base.with_suffix(".nsys-rep")
+        stats = subprocess.run([nsys, "stats", "--report", "nvtx_sum", "--format", "csv",
+                                str(rep)], capture_output=True, text=True, timeout=180)
+        ranges = {n for n in ("step", "schedule", "execute", "update", "layer 0")
+                  if f'"{n}"' in stats.stdout or f",{n}\n" in stats.stdout
+                  or f",{n}," in stats.stdout}
+        result.update(report=str(rep), report_exists=rep.exists(),
+                      ranges_in_report=sorted(ranges), nsys_stats_tail=stats.stdout[-1500:]
+                      or stats.stderr[-1500:])
+        result["ok"] = bool(result.get("ok")) and {"execute", "layer 0"} <= ranges
+    return result
+
+
 CHECKS: list[tuple[str, Callable[[float], dict[str, Any]], bool]] = [
     # (name, check, needs CUDA)
     ("env", check_env, False),
@@ -217,6 +292,7 @@ CHECKS: list[tuple[str, Callable[[float], dict[str, Any]], bool]] = [
     ("throughput_small_gqa_bf16", check_throughput, True),
     ("profile_cuda", check_profile, True),
     ("dp_two_ranks_one_gpu", check_dp_one_gpu, True),
+    ("nvtx_nsys", check_nvtx_nsys, True),
     ("bench_serve", check_bench_serve, True),
 ]
 

@@ -35,4 +35,9 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
     || python3 -m pip install -q --no-index --no-deps --no-build-isolation --user .
 export PYTHONPATH=/tmp/vc:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if command -v nsys >/dev/null || ls /opt/nvidia/nsight-systems/*/bin/nsys >/dev/null 2>&1; then
+    echo "nsys: present (the NVTX check records under nsys profile)" >&2
+else
+    echo "nsys: not installed (the NVTX check runs the ranges and capture range without it)" >&2
+fi
 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" --budget-s "${BUDGET_S:-500}"
