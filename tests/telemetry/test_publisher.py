@@ -1,4 +1,6 @@
-"""TelemetryPublisher over real PUB/SUB sockets on 127.0.0.1, with its real thread."""
+"""TelemetryPublisher over real PUB/SUB sockets on 127.0.0.1, with its real thread — in this
+process, and in a publisher process (``process=True``, as the engine process runs it): every
+test here runs on both, so a subscriber sees the same telemetry from either."""
 
 import threading
 import time
@@ -18,13 +20,14 @@ FAST = dict(telemetry_hz=20.0, heartbeat_interval_s=0.1, config_interval_s=0.3)
 
 
 
-@pytest.fixture
-def make_pub(ctx):
+@pytest.fixture(params=["thread", "process"])
+def make_pub(ctx, request):
     pubs = []
 
     def make(kv_format=None, **cfg):
         pub = TelemetryPublisher(ctx, "tcp://127.0.0.1:*", "engine-7", 2,
-                                 EngineConfig(**{**FAST, **cfg}), kv_format=kv_format)
+                                 EngineConfig(**{**FAST, **cfg}), kv_format=kv_format,
+                                 process=request.param == "process")
         pub.start()
         pubs.append(pub)
         return pub

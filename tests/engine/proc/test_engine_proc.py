@@ -645,10 +645,13 @@ class _IdleCore:
 
 def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path, monkeypatch):
     from vconsole.engine.process import core_proc, telemetry_outlets
+    from vconsole.engine.publish import publisher_process
     from vconsole.engine.publish.publish_loop import PublishLoop
 
     release = threading.Event()
     monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
+    # The publisher runs as a thread here: its process cannot start (the engine falls back).
+    monkeypatch.setattr(publisher_process, "CHILD_MODULE", "vconsole.no_such_module")
     monkeypatch.setattr(PublishLoop, "run", lambda self, *a: release.wait())
     monkeypatch.setattr(telemetry_outlets, "PUBLISHER_CLOSE_S", 0.3)
     core = _IdleCore()
@@ -662,6 +665,26 @@ def test_shutdown_does_not_hang_when_the_telemetry_thread_does_not_stop(tmp_path
         assert not t.is_alive(), "shutdown hung (ctx.term() with the telemetry socket open)"
     finally:
         release.set()
+    assert proc.ctx.closed
+
+
+def test_shutdown_does_not_hang_when_the_publisher_process_does_not_stop(tmp_path, monkeypatch):
+    from vconsole.engine.process import core_proc, telemetry_outlets
+
+    monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setattr(telemetry_outlets, "PUBLISHER_CLOSE_S", 0.3)
+    core = _IdleCore()
+    proc = core_proc.EngineCoreProc(core.config, _ipc_endpoints(tmp_path), core=core)
+    child = proc.publisher.child
+    assert child is not None and child.is_alive()      # the engine's publisher is a process
+    os.kill(child.pid, signal.SIGSTOP)                 # it will not answer the stop
+    proc.start()
+    proc.request_shutdown("test")
+    t = threading.Thread(target=proc.run_busy_loop, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "shutdown hung on a publisher process that does not stop"
+    assert not child.is_alive(), "the stopped publisher process was left behind"
     assert proc.ctx.closed
 
 

@@ -20,6 +20,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ MAX_BUFFERED_STEPS = 1 << 16  # steps kept between two publish windows; older on
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 Snapshot = tuple[SchedulerStats, KVStats, int, float]   # sched, kv, steps, wall time
+# A snapshot's request text: its rows' token id lists, or (from a publisher process) decoded.
+Text = list[TokenLists] | dict[str, list[str]]
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Handoff:
     step and error counts as they stood then."""
 
     snapshot: Snapshot | None = None
-    text: list[TokenLists] | None = None      # the snapshot's request text, when published
+    text: Text | None = None                  # the snapshot's request text, when published
     config: EngineConfig | None = None
     latency: dict[str, Any] | None = None
     dp: dict[str, Any] | None = None
@@ -88,7 +91,7 @@ class Inbox:
         self._phase_ns = [0, 0, 0, 0]     # schedule, execute, update, structured
         self._lock = threading.Lock()     # guards the slots below
         self._latest: Snapshot | None = None
-        self._text: list[TokenLists] | None = None
+        self._text: Text | None = None
         self._latency: dict[str, Any] | None = None
         self._dp: dict[str, Any] | None = None
         self._waves: list[dict[str, Any]] = []
@@ -98,12 +101,15 @@ class Inbox:
         self._pending_config: EngineConfig | None = None
         self._announce: tuple[int, dict[str, Any]] | None = None
         self._wake = threading.Event()
+        # The engine's own step count and last step time, read for each take (a publisher
+        # process's: `publisher_process.LiveCounters`); None: this inbox's own.
+        self.live: Callable[[], tuple[int, float | None]] | None = None
 
     # --- engine thread ----------------------------------------------------------------------
 
-    def record_step(self, stats: StepStats) -> None:
+    def record_step(self, stats: StepStats, t: float | None = None) -> None:
         """O(1): buffer one step's stats for the next ``step`` window and add it to the
-        cumulative totals."""
+        cumulative totals. ``t``: when the step ended (monotonic; default now)."""
         tokens = stats.num_prefill_tokens + stats.num_decode_tokens
         bucket = bisect.bisect_left(ITERATION_TOKENS_BUCKETS, tokens)  # bounds are inclusive
         with self._totals_lock:
@@ -116,7 +122,7 @@ class Inbox:
             phase[3] += stats.structured_ns
         self._steps.append(stats)
         self.steps_recorded += 1
-        self.last_step_t = time.monotonic()
+        self.last_step_t = time.monotonic() if t is None else t
 
     def snapshot_due(self) -> bool:
         """True at most ``telemetry_hz`` times a second: time to build and submit a snapshot."""
@@ -127,9 +133,13 @@ class Inbox:
         return True
 
     def submit_snapshot(self, sched: SchedulerStats, kv: KVStats, state: str,
-                        num_steps: int, text: list[TokenLists] | None = None) -> None:
+                        num_steps: int, text: Text | None = None,
+                        wall: float | None = None) -> None:
+        """``text``: token id lists (decoded on the publisher thread), or the decoded map
+        itself (a publisher process's: decoded in the engine); ``wall``: when the engine took
+        the snapshot (unix seconds; default now)."""
         with self._lock:
-            self._latest = (sched, kv, num_steps, time.time())
+            self._latest = (sched, kv, num_steps, time.time() if wall is None else wall)
             self._text = text
             self._state = state
         self._wake.set()
@@ -170,6 +180,15 @@ class Inbox:
             self._pending_config = config
         self._wake.set()
 
+    def continue_count(self, steps_recorded: int, engine_errors: int = 0) -> None:
+        """Count on from an earlier publisher's figures (a restarted publisher process)."""
+        self.steps_recorded = self._steps_seen = steps_recorded
+        self._engine_errors = engine_errors
+
+    def count_lost(self, steps: int) -> None:
+        """Steps the engine recorded that never reached this inbox (``steps_dropped``)."""
+        self.steps_recorded += steps
+
     @property
     def engine_errors(self) -> int:
         return self._engine_errors
@@ -178,12 +197,17 @@ class Inbox:
 
     def take(self) -> Handoff:
         """Everything the engine thread handed over since the last call, at once."""
+        steps, last_step_t = self.steps_recorded, self.last_step_t
+        if self.live is not None:
+            live_steps, live_t = self.live()
+            if live_steps >= steps:
+                steps, last_step_t = live_steps, live_t
         with self._lock:
             h = Handoff(snapshot=self._latest, text=self._text, config=self._pending_config,
                         latency=self._latency, dp=self._dp, waves=self._waves,
                         announce=self._announce, state=self._state, errors=self._error_reports,
-                        steps_recorded=self.steps_recorded, steps_dropped=self._steps_dropped(),
-                        last_step_t=self.last_step_t, engine_errors=self._engine_errors)
+                        steps_recorded=steps, steps_dropped=self._steps_dropped(),
+                        last_step_t=last_step_t, engine_errors=self._engine_errors)
             self._latest = self._pending_config = self._latency = self._dp = None
             self._text = None
             self._announce = None
@@ -192,6 +216,13 @@ class Inbox:
 
     def steps_pending(self) -> bool:
         return bool(self._steps)
+
+    def sent_all(self) -> bool:
+        """Nothing handed over is still waiting for the publisher thread (steps, a snapshot,
+        a latency or dp body, waves, a config announcement)."""
+        with self._lock:
+            return not (self._steps or self._latest or self._latency or self._dp
+                        or self._waves or self._announce)
 
     def _steps_dropped(self) -> int:
         """Steps lost to the bounded deque before the publisher thread drained them."""

@@ -36,8 +36,8 @@ from vconsole.engine.publish.bodies import (
     kv_body,
     sched_body,
 )
-from vconsole.engine.publish.inbox import Handoff, Inbox, Snapshot
-from vconsole.engine.publish.request_text import TextBook, TokenLists
+from vconsole.engine.publish.inbox import Handoff, Inbox, Snapshot, Text
+from vconsole.engine.publish.request_text import TextBook
 from vconsole.engine.publish.sender import Sender
 from vconsole.shared.config import EngineConfig
 from vconsole.telemetry.alerts import AlertEvaluator, AlertEvent, telemetry_error_event
@@ -70,6 +70,8 @@ class LoopStart:
     detokenize: Callable[[list[int]], str] | None = None   # request text; None: never any
     text_refusal: str | None = None     # why this socket may not carry request text
     kv_format: KVFormat | None = None   # the pool's storage, in every kv body; None: unknown
+    pid: int | None = None              # the engine process (health); None: this one
+    text_decoded: bool = False          # request text arrives decoded (a publisher process)
 
 
 @dataclass
@@ -105,7 +107,7 @@ class PublishLoop:
         self.last_handoff = Handoff(steps_recorded=start.steps_recorded, engine_errors=0)
         # The snapshot slot.
         self.snapshot: Snapshot | None = None
-        self.text_lists: list[TokenLists] | None = None    # the snapshot's, when published
+        self.text_lists: Text | None = None    # the snapshot's, when published
         self.text_body: dict[str, list[str]] | None = None  # ...and decoded
         self.text_book = TextBook(start.detokenize) if start.detokenize is not None else None
         self.have_new = False
@@ -235,11 +237,13 @@ class PublishLoop:
     def text_allowed(self) -> bool:
         """Request text goes out: asked for, allowed on this socket, and decodable."""
         return (self.cfg.publish_request_text and self.start.text_refusal is None
-                and self.text_book is not None)
+                and (self.text_book is not None or self.start.text_decoded))
 
     def _request_text(self) -> dict[str, list[str]] | None:
         if not self.text_allowed() or self.text_lists is None:
             return None
+        if isinstance(self.text_lists, dict):      # decoded in the engine process
+            return self.text_lists
         assert self.text_book is not None
         return self.text_book.body(self.text_lists)
 
@@ -282,7 +286,7 @@ class PublishLoop:
             else self.state
         self.health_steps = num_steps
         self.sender.send("health", health_body(
-            state, uptime_s=now - start.t0, steps=num_steps,
+            state, uptime_s=now - start.t0, steps=num_steps, pid=start.pid,
             interval_s=self.cfg.heartbeat_interval_s, started_ts=start.t0_wall,
             send_drops=self.sender.send_drops, steps_dropped=h.steps_dropped,
             alerts_active=self.evaluator.active(),

@@ -25,15 +25,23 @@ Invariants:
   step then reports an empty window.
 - Objects handed to `submit_snapshot` belong to the publisher afterwards: the engine must not
   mutate them (in particular ``KVStats.block_states``, which is sent without a copy).
+
+Where the thread runs: in this process (the default, and a CURVE engine's: its keys and ZAP
+handler live in the engine's context), or with ``process=True`` in a child process
+(`publisher_process`: the engine process keeps only the hand-off, through a `ChildLink` with
+the same engine-thread methods as the `Inbox`, and ``/metrics`` moves there too). The engine
+process runs it in a child (`vconsole.engine.process.telemetry_outlets`): a second Python
+thread in the engine process costs the busy loop the GIL whenever torch gives it up.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -41,6 +49,7 @@ from vconsole.engine.publish.bodies import KVFormat
 from vconsole.engine.publish.host import HostProbe
 from vconsole.engine.publish.inbox import Inbox
 from vconsole.engine.publish.publish_loop import LoopStart, Probe, PublishLoop
+from vconsole.engine.publish.publisher_process import ChildLink, ChildSpec
 from vconsole.engine.publish.request_text import TokenLists
 from vconsole.engine.publish.sender import Sender
 from vconsole.shared.config import EngineConfig, describe_config
@@ -53,6 +62,28 @@ from vconsole.telemetry.request_text import turns_on
 log = logging.getLogger(__name__)
 
 LOOP_RETRY_S = 1.0            # after this thread's own loop raised, it starts over after this
+
+
+class Handover(Protocol):
+    """The engine thread's side of the hand-off: an `Inbox` (this process's publisher thread)
+    or a `ChildLink` (a publisher process)."""
+
+    config: EngineConfig
+    steps_recorded: int
+
+    @property
+    def engine_errors(self) -> int: ...
+    def record_step(self, stats: StepStats) -> None: ...
+    def snapshot_due(self) -> bool: ...
+    def submit_snapshot(self, sched: SchedulerStats, kv: KVStats, state: str,
+                        num_steps: int, text: list[TokenLists] | None = None) -> None: ...
+    def submit_latency(self, body: dict[str, Any]) -> None: ...
+    def submit_dp(self, body: dict[str, Any]) -> None: ...
+    def submit_wave(self, body: dict[str, Any]) -> None: ...
+    def report_error(self, part: str, message: str) -> None: ...
+    def set_state(self, state: str) -> None: ...
+    def publish_config(self, version: int, values: dict[str, Any]) -> None: ...
+    def update_config(self, config: EngineConfig) -> None: ...
 
 
 class TelemetryPublisher:
@@ -68,7 +99,13 @@ class TelemetryPublisher:
     ``text_refusal`` says why this socket may never carry it
     (`vconsole.security.bind_policy.request_text_refusal`): then none is sent, whatever the
     config says. ``kv_format`` (the pool's dtype and bytes per token) goes into every ``kv``
-    body; None leaves those fields null."""
+    body; None leaves those fields null. ``announce_restart``: the first loop sends the
+    supervisor's restart as an ``alert`` event (not again by a restarted publisher process).
+
+    ``process=True`` runs the thread in a child process (see the module docstring; not with
+    ``secure``): ``metrics`` (host, port) starts ``/metrics`` there too (`metrics_url` once
+    started), labelled with ``model_name``; `sent` and `send_drops` are the child's, known
+    once it closed, and `last_bodies` is empty here."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, engine_id: str, rank: int,
                  config: EngineConfig, *, gpu_probe: Probe | None = None,
@@ -76,8 +113,14 @@ class TelemetryPublisher:
                  secure: Callable[[zmq.Socket], None] | None = None,
                  restart_count: int = 0, restart_reason: str | None = None,
                  detokenize: Callable[[list[int]], str] | None = None,
-                 text_refusal: str | None = None, kv_format: KVFormat | None = None) -> None:
+                 text_refusal: str | None = None, kv_format: KVFormat | None = None,
+                 announce_restart: bool = True, process: bool = False,
+                 metrics: tuple[str, int] | None = None, model_name: str = "") -> None:
+        if process and secure is not None:
+            raise ValueError("a CURVE publisher runs in the engine process (its keys and ZAP "
+                             "handler are the engine context's)")
         self._ctx = ctx
+        self.announce_restart = announce_restart
         self.kv_format = kv_format
         self.detokenize = detokenize
         self.text_refusal = text_refusal
@@ -100,23 +143,35 @@ class TelemetryPublisher:
         self.config_schema = describe_config()
         self.t0_wall = time.time()
         self.t0 = time.monotonic()
+        self.pid = os.getpid()             # the engine process, named in health
+        self.text_decoded = False          # request text arrives decoded (a publisher process)
+        self.child: ChildLink | None = None
+        if process:
+            self.child = ChildLink(ctx, ChildSpec(
+                handoff="", answers="", parent_pid=self.pid, endpoint=endpoint, engine_id=engine_id,
+                rank=rank, config=config, announced=self.inbox.announced, state="idle",
+                steps_recorded=0, engine_errors=0, restart_count=restart_count,
+                restart_reason=restart_reason, kv_format=kv_format, t0=self.t0,
+                t0_wall=self.t0_wall, pid=self.pid, metrics=metrics, model_name=model_name,
+                text_decoded=True), detokenize=detokenize if text_refusal is None else None)
+        self._to: Handover = self.child if self.child is not None else self.inbox
 
     # --- engine thread: hand-offs to the inbox -------------------------------------------------
 
     def record_step(self, stats: StepStats) -> None:
         """O(1): buffer one step's stats for the next ``step`` window and add it to the
         cumulative totals."""
-        self.inbox.record_step(stats)
+        self._to.record_step(stats)
 
     def snapshot_due(self) -> bool:
         """True at most ``telemetry_hz`` times a second: time to build and submit a snapshot."""
-        return self.inbox.snapshot_due()
+        return self._to.snapshot_due()
 
     def submit_snapshot(self, sched: SchedulerStats, kv: KVStats, state: str,
                         num_steps: int, text: list[TokenLists] | None = None) -> None:
         """Hand over the latest scheduler and KV state (and its rows' request text, as token
         ids: `wants_text`); replaces any not yet sent."""
-        self.inbox.submit_snapshot(sched, kv, state, num_steps, text)
+        self._to.submit_snapshot(sched, kv, state, num_steps, text)
 
     def refuses_text(self, values: dict[str, Any]) -> str | None:
         """Why a config change that turns request text on is refused here (`text_refusal`),
@@ -125,63 +180,73 @@ class TelemetryPublisher:
 
     def wants_text(self) -> bool:
         """Whether the next snapshot should bring its rows' token ids for request text."""
-        return (self.inbox.config.publish_request_text and self.text_refusal is None
+        return (self._to.config.publish_request_text and self.text_refusal is None
                 and self.detokenize is not None)
 
     def submit_latency(self, body: dict[str, Any]) -> None:
         """Hand over a ``latency`` body (`vconsole.engine.latency`); sent at once."""
-        self.inbox.submit_latency(body)
+        self._to.submit_latency(body)
 
     def submit_dp(self, body: dict[str, Any]) -> None:
         """Hand over a data-parallel rank's ``dp`` body (at the snapshot rate); sent at once,
         then repeated every heartbeat while nothing newer comes (an idle rank submits none)."""
-        self.inbox.submit_dp(body)
+        self._to.submit_dp(body)
 
     def submit_wave(self, body: dict[str, Any]) -> None:
         """Queue a ``wave`` event (a wave started or completed on this rank); sent at once,
         in order, each once."""
-        self.inbox.submit_wave(body)
+        self._to.submit_wave(body)
 
     def report_error(self, part: str, message: str) -> None:
         """A telemetry failure the busy loop survived (`vconsole.engine.telemetry_guard`):
         counted in ``health.telemetry_errors`` and raised as a ``telemetry_error`` alert (at
         most one per part every `ERROR_ALERT_EVERY_S`)."""
-        self.inbox.report_error(part, message)
+        self._to.report_error(part, message)
 
     def set_state(self, state: str) -> None:
         """Announce idle/running/draining without a snapshot (shows in the next health)."""
-        self.inbox.set_state(state)
+        self._to.set_state(state)
 
     def publish_config(self, version: int, values: dict[str, Any]) -> None:
         """Announce the effective config now (and then every ``config_interval_s``)."""
-        self.inbox.publish_config(version, values)
+        self._to.publish_config(version, values)
 
     def update_config(self, config: EngineConfig) -> None:
         """Take new hot telemetry and alert settings (rates, row cap, thresholds)."""
-        self.inbox.update_config(config)
+        self._to.update_config(config)
 
     # --- what was sent ----------------------------------------------------------------------------
 
     @property
     def config(self) -> EngineConfig:
-        return self.inbox.config
+        return self._to.config
 
     @property
     def steps_recorded(self) -> int:
-        return self.inbox.steps_recorded
+        return self._to.steps_recorded
 
     @property
     def telemetry_errors(self) -> int:
-        return self.inbox.engine_errors + self.loop_errors
+        return self._to.engine_errors + self.loop_errors
 
     @property
     def sent(self) -> dict[str, int]:
-        """Messages sent per topic (none before the socket is bound)."""
+        """Messages sent per topic (none before the socket is bound; a publisher process's
+        once it closed)."""
+        if self.child is not None:
+            return {**dict.fromkeys(schema.TOPICS, 0), **self.child.sent}
         return self._sender.sent if self._sender else dict.fromkeys(schema.TOPICS, 0)
 
     @property
     def send_drops(self) -> int:
+        if self.child is not None:
+            return self.child.send_drops
         return self._sender.send_drops if self._sender else 0
+
+    @property
+    def metrics_url(self) -> str | None:
+        """A publisher process's ``/metrics`` URL (port 0 resolved), once started."""
+        return self.child.metrics_url if self.child is not None else None
 
     @property
     def encode_errors(self) -> int:
@@ -198,6 +263,11 @@ class TelemetryPublisher:
         """Start the thread and bind; raises here (e.g. address in use) if binding fails."""
         if self._thread is not None:
             raise RuntimeError("publisher already started")
+        if self.child is not None:
+            self.child.start()
+            self.endpoint = self.child.endpoint
+            self._thread = threading.Thread()    # started: a second start raises
+            return
         self._thread = threading.Thread(target=self._run, name=f"telemetry-{self.engine_id}",
                                         daemon=True)
         self._thread.start()
@@ -207,13 +277,19 @@ class TelemetryPublisher:
             raise self._start_error
 
     def close(self, timeout: float = 5.0) -> None:
+        if self.child is not None:
+            self.child.close(timeout)
+            return
         self._stop.set()
         self.inbox.wake()
         if self._thread is not None:
             self._thread.join(timeout)
 
     def is_alive(self) -> bool:
-        """Whether the publisher thread still runs (e.g. after a `close` that timed out)."""
+        """Whether the publisher thread (or process) still runs (e.g. after a `close` that
+        timed out)."""
+        if self.child is not None:
+            return self.child.is_alive()
         return self._thread is not None and self._thread.is_alive()
 
     def __enter__(self) -> TelemetryPublisher:
@@ -248,7 +324,8 @@ class TelemetryPublisher:
                          steps_recorded=inbox.steps_recorded, t0=self.t0, t0_wall=self.t0_wall,
                          restart_count=self.restart_count, restart_reason=self.restart_reason,
                          loop_errors=self.loop_errors, detokenize=self.detokenize,
-                         text_refusal=self.text_refusal, kv_format=self.kv_format)
+                         text_refusal=self.text_refusal, kv_format=self.kv_format,
+                         pid=self.pid, text_decoded=self.text_decoded)
 
     def _run(self) -> None:
         try:
@@ -262,7 +339,7 @@ class TelemetryPublisher:
         gpu = self._gpu_probe if self._gpu_probe is not None else GpuProbe()
         host = self._host_probe if self._host_probe is not None else HostProbe()
         try:
-            if self.restart_count:      # the restart is an event, not only a health state
+            if self.restart_count and self.announce_restart:   # an event, not only a state
                 sender.send("alert", restart_event(
                     self.restart_count, self.restart_reason, back=True).payload())
             while not self._stop.is_set():

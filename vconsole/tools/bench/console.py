@@ -3,8 +3,9 @@
 Engine side (this process): the real `Scheduler` and KV cache manager of `bench scheduler` —
 256 running, the rest of ``num_requests`` (10,000) plus 10% waiting, model execution replaced by a token
 per request and a 5 ms sleep (the forward's time, during which a real engine's CPU is the
-device's) — drives a real `TelemetryPublisher` on 127.0.0.1 exactly as the engine process does:
-`record_step` each step, ``sched`` (a 10,000-row request table) and ``kv`` snapshots at 10 Hz.
+device's) — drives a real `TelemetryPublisher` on 127.0.0.1 exactly as the engine process does
+(in its publisher process: `vconsole.engine.publish.publisher_process`): `record_step` each
+step, ``sched`` (a 10,000-row request table) and ``kv`` snapshots at 10 Hz.
 
 Console side: a real console *process* (``python -m vconsole.tools.bench.console --child``): the
 Textual app (`VConsoleApp`, headless through ``App.run_test``) on the Requests screen, its own
@@ -72,7 +73,9 @@ class _Engine:
         self.max_rows = num_requests
         self.config = EngineConfig(telemetry_hz=REFRESH_HZ, telemetry_max_requests=num_requests)
         ctx: zmq.Context = zmq.Context.instance()
-        self.pub = TelemetryPublisher(ctx, "tcp://127.0.0.1:*", "bench-console", 0, self.config)
+        # As the engine process runs it: in a publisher process (`publisher_process`).
+        self.pub = TelemetryPublisher(ctx, "tcp://127.0.0.1:*", "bench-console", 0, self.config,
+                                      process=True)
         self.pub.start()
         self.endpoint = self.pub.endpoint
         self.steps = 0

@@ -1,0 +1,155 @@
+"""The hand-off's wire form: what the busy loop sends its publisher process, as ZeroMQ frames.
+
+Why a form of its own: the busy loop must pay no more than a pack and a non-blocking send, and
+the publisher process must rebuild exactly the objects an in-process `Inbox` would have been
+handed. So the two hot messages are cheap to pack: a snapshot is one small pickle (the
+scheduler and KV dataclasses without their big parts, the steps since the last one as plain
+tuples) plus raw frames — every numpy column of the request table and the KV block map out of
+band (pickle protocol 5 buffers: a memcpy each, no per-row Python), and the request ids joined
+into one string (one C pass; a list pickled instead in the rare case an id holds the
+separator). Everything else (config, latency, dp, wave, errors, state) is rare and small: a
+pickle each.
+
+Frames: ``[kind, pickle, *raw]``. Only our own two processes speak it, over an ``ipc://``
+socket in a folder only this user can open, so pickle is safe here; it is never a public wire.
+
+Invariant: `decode` of `snapshot_frames` / `steps_frames` gives the same `SchedulerStats`,
+`KVStats` and step records (field for field, the same column dtypes) that were packed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+
+from vconsole.shared.stats import (
+    REQUEST_NUMERIC,
+    REQUEST_STATES,
+    KVStats,
+    RequestRow,
+    RequestTable,
+    SchedulerStats,
+    StepStats,
+)
+
+# Kinds, engine -> publisher process.
+SNAPSHOT = b"snap"
+STEPS = b"steps"
+CALL = b"call"      # a rare hand-off: (method name, args), applied to the Inbox as it is
+STOP = b"stop"
+# Kinds, publisher process -> engine.
+READY = b"ready"
+FAILED = b"failed"
+CLOSED = b"closed"
+
+ID_SEP = "\0"
+# What a step record carries across: the fields the ``step`` topic aggregates and the end of
+# the step (`StepStats.start_ns` + ``total_ns``, monotonic: one clock for both processes).
+STEP_FIELDS = ("schedule_ns", "execute_ns", "update_ns", "total_ns", "num_prefill_tokens",
+               "num_decode_tokens", "num_reqs", "num_preempted", "num_finished",
+               "structured_ns", "start_ns")
+_step_tuple = attrgetter(*STEP_FIELDS)
+
+StepRecord = tuple[int, ...]      # STEP_FIELDS, in order
+
+
+def step_records(steps: Sequence[StepStats]) -> list[StepRecord]:
+    return [_step_tuple(s) for s in steps]
+
+
+def step_stats(record: Sequence[int]) -> tuple[StepStats, float | None]:
+    """The `StepStats` a record came from (the fields the publisher reads) and when the step
+    ended (monotonic seconds; None when the core did not stamp it)."""
+    fields = dict(zip(STEP_FIELDS, record, strict=True))
+    start = fields["start_ns"]
+    end = (start + fields["total_ns"]) / 1e9 if start else None
+    return StepStats(**fields), end
+
+
+@dataclasses.dataclass
+class Steps:
+    """Step records since the last hand-off; ``lost``: steps the engine recorded that never
+    crossed (a hand-off refused at the high-water mark), counted since start."""
+
+    records: list[StepRecord]
+    lost: int = 0
+
+
+@dataclasses.dataclass
+class Snapshot:
+    sched: SchedulerStats
+    kv: KVStats
+    state: str
+    num_steps: int
+    wall: float
+    text: dict[str, list[str]] | None
+    steps: Steps
+
+
+def snapshot_frames(snap: Snapshot) -> list[Any]:
+    """Frames for one snapshot. Takes ``snap.sched.requests`` apart (objects handed to the
+    publisher belong to it)."""
+    sched = snap.sched
+    if not isinstance(sched.requests, RequestTable) and sched.requests:
+        sched.requests = as_table(sched.requests)
+    rows = sched.requests
+    ids_blob: bytes | None = None
+    if isinstance(rows, RequestTable):
+        ids = rows.columns["id"]
+        joined = ID_SEP.join(ids)
+        if len(ids) <= 1 or joined.count(ID_SEP) == len(ids) - 1:
+            ids_blob = joined.encode("utf-8", "surrogatepass")
+            sched.requests = RequestTable({**rows.columns, "id": None})
+    raw: list[Any] = []
+    head = pickle.dumps(snap, protocol=5, buffer_callback=raw.append)
+    if ids_blob is not None:
+        sched.requests = rows    # as it was: the caller may still read it
+    return [SNAPSHOT, head, b"" if ids_blob is None else b"\1" + ids_blob,
+            *(b.raw() for b in raw)]
+
+
+_STATE_CODES = {name: code for code, name in enumerate(REQUEST_STATES)}
+
+
+def as_table(rows: Sequence[RequestRow]) -> RequestTable:
+    """Request rows as the columns the scheduler's own table has (what a stand-in core or a
+    test hands over: a column per field costs less to cross than a pickled object per row)."""
+    n = len(rows)
+    cols: dict[str, Any] = {
+        "id": [r.id for r in rows],
+        "state": np.fromiter((_STATE_CODES[r.state] for r in rows), np.uint8, n)}
+    for name, dtype in REQUEST_NUMERIC.items():
+        cols[name] = np.array([getattr(r, name) for r in rows], dtype=dtype)
+    return RequestTable(cols)
+
+
+def steps_frames(steps: Steps) -> list[Any]:
+    return [STEPS, pickle.dumps(steps, protocol=5)]
+
+
+def call_frames(method: str, *args: Any) -> list[Any]:
+    return [CALL, pickle.dumps((method, args), protocol=5)]
+
+
+def message_frames(kind: bytes, body: Any = None) -> list[Any]:
+    return [kind, pickle.dumps(body, protocol=5)]
+
+
+def decode(frames: Sequence[Any]) -> tuple[bytes, Any]:
+    """``(kind, body)``: a `Snapshot`, `Steps`, ``(method, args)`` or a message's body."""
+    kind = bytes(frames[0])
+    if kind != SNAPSHOT:
+        return kind, pickle.loads(frames[1]) if len(frames) > 1 else None
+    snap: Snapshot = pickle.loads(frames[1], buffers=frames[3:])
+    ids = bytes(frames[2])
+    if ids:
+        table = snap.sched.requests
+        assert isinstance(table, RequestTable)
+        names = ids[1:].decode("utf-8", "surrogatepass").split(ID_SEP)
+        table.columns["id"] = [] if not ids[1:] and not len(table.columns["state"]) else names
+    return kind, snap
