@@ -101,7 +101,11 @@ class WebConsole(Server):
     # --- access -----------------------------------------------------------------------------
 
     def _check_host(self, request: web.Request) -> None:
-        if self.loopback and not loopback_host(request.url.host or ""):
+        try:
+            name = request.url.host or ""
+        except ValueError:
+            raise web.HTTPBadRequest(text="bad Host header\n") from None
+        if self.loopback and not loopback_host(name):
             raise web.HTTPForbidden(text=f"this console answers only to loopback names, not "
                                          f"{request.host!r}\n")
 
