@@ -1,0 +1,76 @@
+"""`vconsole attach --web` without a browser: which hosts count as loopback, the command line a
+tab's console runs, and the flags refused before anything binds. (The browser test:
+tests/console/test_attach_web.py.)"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+pytest.importorskip("textual_serve", reason="textual-serve is not installed (the web extra)")
+
+from vconsole.cli import build_parser, main  # noqa: E402
+from vconsole.commands.attach import console_argv  # noqa: E402
+from vconsole.console.web import WebConsole, check_web_host, loopback_host  # noqa: E402
+from vconsole.security.bind_policy import RemoteBindRefused  # noqa: E402
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.9.8.7", "localhost", "::1", "[::1]"])
+def test_loopback_hosts(host):
+    assert loopback_host(host)
+    check_web_host(host, None)          # served without a token: read-only tabs, local only
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "10.1.2.3", "gpu-box"])
+def test_beyond_loopback_the_token_is_required(host):
+    assert not loopback_host(host)
+    check_web_host(host, "a-token")
+    with pytest.raises(RemoteBindRefused, match="without its token"):
+        check_web_host(host, None)
+    with pytest.raises(RemoteBindRefused):
+        WebConsole(["vconsole"], host=host, token=None)
+
+
+@pytest.mark.parametrize("flags", [["--port", "0"], ["--host", "127.0.0.1"], ["--no-token"]])
+def test_web_flags_need_web(flags, capsys):
+    assert main(["attach", *flags]) == 2
+    assert f"{flags[0]}: only with --web" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_said_plainly(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["attach", "--web", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"--web: cannot serve on 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+def test_a_tab_runs_attach_with_this_commands_way_to_the_engine(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args([
+        "attach", "--web", "--base-port", "6000", "--extra-telemetry", "tcp://127.0.0.1:7002",
+        "--control-key-file", "k.key", "--host", "0.0.0.0", "--port", "9000"])
+    from vconsole.cli import apply_base_port
+    apply_base_port(args)
+    argv = console_argv(args)
+    assert argv[:4] == [sys.executable, "-m", "vconsole", "attach"]
+    pairs = dict(zip(argv[4::2], argv[5::2]))
+    assert pairs == {"--telemetry": "tcp://127.0.0.1:6002", "--control": "tcp://127.0.0.1:6003",
+                     "--extra-telemetry": "tcp://127.0.0.1:7002",
+                     "--control-key-file": os.path.join(tmp_path, "k.key")}
+    web = WebConsole(argv, token="t")
+    assert web.command_for(True).split()[-1] != "--readonly"
+    assert web.command_for(False).endswith(" --readonly")       # a tab without the token
+    assert "t" not in web.command_for(True).split()             # the token is no argument
+
+
+def test_readonly_makes_every_tab_read_only():
+    args = build_parser().parse_args(["attach", "--web", "--readonly"])
+    web = WebConsole(console_argv(args), token="t")
+    assert web.command_for(True).endswith(" --readonly")
+    assert web.command_for(False).count("--readonly") == 1
