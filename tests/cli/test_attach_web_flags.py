@@ -59,7 +59,7 @@ def test_a_tab_runs_attach_with_this_commands_way_to_the_engine(tmp_path, monkey
     apply_base_port(args)
     argv = console_argv(args)
     assert argv[:4] == [sys.executable, "-m", "vconsole", "attach"]
-    pairs = dict(zip(argv[4::2], argv[5::2]))
+    pairs = dict(zip(argv[4::2], argv[5::2], strict=True))
     assert pairs == {"--telemetry": "tcp://127.0.0.1:6002", "--control": "tcp://127.0.0.1:6003",
                      "--extra-telemetry": "tcp://127.0.0.1:7002",
                      "--control-key-file": os.path.join(tmp_path, "k.key")}
