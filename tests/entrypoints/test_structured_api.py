@@ -548,6 +548,10 @@ def test_structured_fields_reach_the_engine_and_bad_specs_never_do(app_engine: A
     assert engine.sent[-1]["structured"]["kind"] == "json"
     for body, param in (
             ({"guided_regex": "("}, "guided_regex"),
+            # only the model's vocabulary can refuse these two: the check has it
+            ({"guided_grammar": "start: <[99999999]>", "stream": True}, "guided_grammar"),
+            ({"structured_outputs": {"grammar": "start: <|no-such-token|>"}},
+             "structured_outputs.grammar"),
             ({"response_format": {"type": "json_schema", "json_schema": {
                 "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
             ({"guided_json": SCHEMA, "ignore_eos": True}, "ignore_eos"),

@@ -29,16 +29,10 @@ from typing import Any
 from llguidance import LLMatcher, LLTokenizer
 
 from vconsole.engine.request import StructuredSpec
-from vconsole.engine.structured.grammar import PREFIX, to_grammar
+from vconsole.engine.structured.grammar import PREFIX, first_line, to_grammar
 
 CACHE_SIZE = 256
 COMPILE_THREADS = 2
-
-
-def first_line(error: str) -> str:
-    """llguidance's error without what follows its first line (the parser's state and the
-    whole grammar: a JSON schema request would get its schema echoed back)."""
-    return error.strip().split("\n", 1)[0].strip()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """A `StructuredSpec` as llguidance grammar text, and whether it compiles.
 
-No tokenizer is needed here: `check_spec` is what the HTTP server calls to answer a spec that
-can never compile with a 400 before anything streams; the engine compiles the same text
-against its tokenizer (`vconsole.engine.structured.compiler`).
+`check_spec` is what the HTTP server calls to answer a spec that can never compile with a 400
+before anything streams; given the model's tokenizer it also checks what only the vocabulary
+decides (a token range past its end, a special token it lacks). The engine compiles the same
+text against its tokenizer (`vconsole.engine.structured.compiler`).
 
 JSON schemas compile without free whitespace (``whitespace_flexible: false``: ``{"a":1}``, not
 ``{ "a" : 1 }``), so outputs stay short and a model cannot wander off into blanks; a schema
@@ -21,6 +22,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 from vconsole.engine.request import StructuredSpec
 
 if TYPE_CHECKING:
+    from llguidance import LLTokenizer
     from llguidance._lib import JsonCompileOptions
 
 PREFIX = "structured output: "
@@ -67,10 +69,17 @@ def to_grammar(spec: StructuredSpec) -> str:
     return LLMatcher.grammar_from_lark(value)
 
 
-def check_spec(spec: StructuredSpec) -> None:
-    """Raise ValueError (``"structured output: <reason>"``) unless ``spec`` compiles. Needs
-    no tokenizer (llguidance validates the grammar alone); a few ms for a typical schema."""
+def check_spec(spec: StructuredSpec, tokenizer: LLTokenizer | None = None) -> None:
+    """Raise ValueError (``"structured output: <reason>"``) unless ``spec`` compiles: the
+    grammar alone without ``tokenizer``, against its vocabulary with it (the model's, as
+    `compiler.build_tokenizer` makes it); a few ms for a typical schema."""
     grammar = to_grammar(spec)
-    error = LLMatcher.validate_grammar(grammar, None)
+    error = LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
-        raise ValueError(PREFIX + error.strip())
+        raise ValueError(PREFIX + first_line(error))
+
+
+def first_line(error: str) -> str:
+    """llguidance's message without the lines after the first (the parser's state, the
+    whole grammar: a JSON schema request would get its schema echoed back)."""
+    return error.strip().split("\n", 1)[0].strip()

@@ -47,9 +47,8 @@ from vconsole.engine.structured.compiler import (
     CompiledGrammar,
     GrammarCompiler,
     build_tokenizer,
-    first_line,
 )
-from vconsole.engine.structured.grammar import PREFIX
+from vconsole.engine.structured.grammar import PREFIX, first_line
 
 # The bitmask is filled by LLExecutor's Rust threads (the GIL dropped) only where cores are
 # free beside the forward's: on 2 shared cores one-by-one fills were as fast or faster

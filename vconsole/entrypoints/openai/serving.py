@@ -107,6 +107,7 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
         self._takes_tools: dict[str, bool] = {}     # per template: it renders tools itself
+        self._spec_checker = structured.SpecChecker(self._grammar_tokenizer)
 
     async def start(self) -> None:
         """The engine's ``ready`` (`TimeoutError` when none answers), then the tokenizer."""
@@ -120,6 +121,14 @@ class OpenAIServing:
         self.model_name = self.model_name or str(info.get("model") or info["model_path"])
         self.max_model_len = int(info["max_model_len"])
         self.chat_template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+
+    def _grammar_tokenizer(self) -> Any:
+        """llguidance's view of the model's vocabulary, as the engine builds it (a grammar's
+        token ranges and special tokens are checked against it)."""
+        from vconsole.engine.structured.compiler import build_tokenizer
+
+        vocab = int(self.engine.info.get("vocab_size") or len(self.tokenizer))
+        return build_tokenizer(self.tokenizer, vocab, ())
 
     # --- models, tokens ------------------------------------------------------------------------
 
@@ -384,8 +393,8 @@ class OpenAIServing:
             raise BadRequest(f"min_tokens: a constrained output ({field}) ends where its "
                              "grammar does; it cannot be combined with min_tokens",
                              param="min_tokens")
-        await asyncio.to_thread(structured.check, "tools" if field == "tool_choice" else field,
-                                spec)
+        await asyncio.to_thread(self._spec_checker.check,
+                                "tools" if field == "tool_choice" else field, spec)
         return spec
 
     # --- one prompt's samples ------------------------------------------------------------------

@@ -16,14 +16,17 @@ Chat's ``tools`` with ``tool_choice: "required"`` or a named function constrain 
 (`vconsole.entrypoints.openai.tools`): any two constraints in one request are a 400, as is
 anything here the engine does not do (``structural_tag``, ``whitespace_pattern``, ...), naming
 the field. A spec that cannot compile is refused before anything is sent to the engine
-(`check`, cached per spec), so a bad schema is one 400, never a stream that ends in an error.
+(`SpecChecker`: the engine's own check against the model's tokenizer, cached per spec), so a
+bad schema, or a grammar naming a token the model lacks, is one 400, never a stream that ends
+in an error.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Iterable
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vconsole.engine.request import StructuredSpec
@@ -73,23 +76,44 @@ def only_one(asked: Iterable[tuple[str, StructuredSpec]]) -> tuple[str, Structur
     return asked[0] if asked else None
 
 
-def check(field: str, spec: StructuredSpec) -> None:
-    """`BadRequest` (naming ``field``) when ``spec`` cannot compile: the engine's own check,
-    without a tokenizer, remembered per spec."""
-    error = _compile_error(spec)
-    if error is not None:
-        raise BadRequest(error, param=field)
+class SpecChecker:
+    """Whether a spec compiles, as the engine will compile it: llguidance's check against the
+    model's tokenizer (``make_tokenizer``, built once, on the first check: token ranges and
+    special tokens are checked against the vocabulary too). The last `CHECK_CACHE` specs'
+    answers are remembered (a client resends its schemas). Called off the event loop."""
 
+    def __init__(self, make_tokenizer: Callable[[], Any]) -> None:
+        self._make_tokenizer = make_tokenizer
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+        self._answers: OrderedDict[StructuredSpec, str | None] = OrderedDict()
 
-@functools.lru_cache(maxsize=CHECK_CACHE)
-def _compile_error(spec: StructuredSpec) -> str | None:
-    from vconsole.engine.structured.grammar import check_spec
+    def check(self, field: str, spec: StructuredSpec) -> None:
+        """`BadRequest` naming ``field`` when ``spec`` cannot compile for this model."""
+        error = self._error(spec)
+        if error is not None:
+            raise BadRequest(error, param=field)
 
-    try:
-        check_spec(spec)
-    except ValueError as e:
-        return str(e)
-    return None
+    def _error(self, spec: StructuredSpec) -> str | None:
+        from vconsole.engine.structured.grammar import check_spec
+
+        with self._lock:
+            if spec in self._answers:
+                self._answers.move_to_end(spec)
+                return self._answers[spec]
+            if self._tokenizer is None:
+                self._tokenizer = self._make_tokenizer()
+            tokenizer = self._tokenizer
+        try:
+            check_spec(spec, tokenizer)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        with self._lock:
+            self._answers[spec] = error
+            while len(self._answers) > CHECK_CACHE:
+                self._answers.popitem(last=False)
+        return error
 
 
 def engine_field(spec: StructuredSpec) -> dict[str, str]:
