@@ -248,6 +248,10 @@ def signal_dump(pid: int, *, python_wait_s: float = PYTHON_WAIT_S) -> StackRepor
     if not fault.exists():
         raise StacksError(f"pid {pid} has no stack dump handler ({folder} is missing): it is "
                           "not a vconsole engine process, or one started before this version")
+    recorded = (_read_json(folder / NAMES_FILE) or {}).get("start")
+    if recorded is not None and recorded != process_start(pid):
+        raise StacksError(f"pid {pid} is not the engine that left {folder} (that one was "
+                          "killed and its pid reused); not signalling it")
     offset = _size(fault)
     seq = _json_seq(js)
     try:
@@ -342,6 +346,16 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def _json_seq(path: Path) -> int:
     data = _read_json(path)
     return int(data.get("seq", 0)) if data else 0
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat field 22): with
+    the pid, it names one process for good. None where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[-1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _proc_state(pid: int) -> str:

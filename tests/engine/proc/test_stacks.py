@@ -117,3 +117,22 @@ def test_faulthandler_text_is_read_with_the_names_last_seen():
     assert threads[0].busy_loop and threads[0].top == "step"
     assert threads[0].frames[1] == stacks.Frame("run_busy_loop",
                                                 "/x/vconsole/engine/process/core_proc.py", 250)
+
+
+def test_a_reused_pid_is_never_signalled():
+    """A killed engine's folder outlives it; a new process that got its pid is left alone."""
+    proc = subprocess.Popen(["sleep", "30"])
+    folder = stacks.live_dir(proc.pid)
+    try:
+        folder.mkdir(parents=True)
+        (folder / stacks.FAULT_FILE).write_text("")
+        (folder / stacks.NAMES_FILE).write_text(json.dumps({"main": 1, "start": 1, "names": {}}))
+        with pytest.raises(stacks.StacksError, match="pid reused"):
+            stacks.capture(proc.pid, method="signal")
+        assert proc.poll() is None, "SIGUSR2 would have killed it"
+    finally:
+        proc.kill()
+        proc.wait()
+        for f in folder.glob("*"):
+            f.unlink()
+        folder.rmdir()

@@ -33,7 +33,14 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from vconsole.shared.stacks import FAULT_FILE, JSON_FILE, NAMES_FILE, SIGNAL, live_dir
+from vconsole.shared.stacks import (
+    FAULT_FILE,
+    JSON_FILE,
+    NAMES_FILE,
+    SIGNAL,
+    live_dir,
+    process_start,
+)
 
 _installed: StackDumper | None = None
 
@@ -43,6 +50,7 @@ class StackDumper:
         self.folder = folder
         self.seq = 0
         self.main = threading.main_thread().ident
+        self.start = process_start(os.getpid())     # a reader tells a reused pid by it
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(folder.parent, 0o700)
         self._fault: IO[bytes] = open(folder / FAULT_FILE, "ab")  # noqa: SIM115 - until close
@@ -53,7 +61,8 @@ class StackDumper:
     def refresh_names(self) -> None:
         """Write the thread names by id (for the C-level dump, which knows ids only)."""
         names = {str(t.ident): t.name for t in threading.enumerate() if t.ident is not None}
-        _write_atomic(self.folder / NAMES_FILE, {"main": self.main, "names": names})
+        _write_atomic(self.folder / NAMES_FILE, {"main": self.main, "start": self.start,
+                                                 "names": names})
 
     def _on_signal(self, _signum: int, interrupted: FrameType | None) -> None:
         with contextlib.suppress(OSError):
