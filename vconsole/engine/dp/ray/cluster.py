@@ -54,6 +54,11 @@ class RayMissing(RuntimeError):
 
 
 def require_ray() -> ModuleType:
+    """``ray``, imported with our log settings: every rank's lines kept (no "repeated 2x across
+    cluster" folding of two ranks' equal lines) and no colour codes in a log file."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         import ray
     except ImportError:

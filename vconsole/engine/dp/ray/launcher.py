@@ -4,7 +4,8 @@ The same group as the single-host launcher (`vconsole.engine.dp.launcher`) — o
 the public endpoints (`FrontEndStack`), the rendezvous store, N ranks running the rank loop —
 except that each rank is a Ray actor (`vconsole.engine.dp.ray.actor.RankActor`) placed by a
 placement group of its own: ``STRICT_PACK``, named ``dp_rank_{r}``, one bundle of the rank's
-CPUs (and its GPU when the cluster has GPUs and ``--device`` is not ``cpu``), the actor on it.
+CPUs (and its GPU when the cluster has GPUs and ``--device`` is not ``cpu``; a share of one when
+there are fewer GPUs than ranks), the actor on it.
 Ray is joined or started by `vconsole.engine.dp.ray.cluster.RayCluster` (``--ray-address``).
 
 Restarts — one mechanism, ours: the actors are created with Ray's ``max_restarts=0`` and each
@@ -305,8 +306,13 @@ class RayLauncher:
         cluster), and one GPU when there are GPUs and the device allows them."""
         cpus = (max(1, (os.cpu_count() or 1) // self.world_size) if self.cluster.owned else 1)
         bundle: dict[str, float] = {"CPU": float(cpus)}
-        if self.config.device != "cpu" and self.cluster.gpus() > 0:
+        gpus = self.cluster.gpus() if self.config.device != "cpu" else 0
+        if gpus >= self.world_size:
             bundle["GPU"] = 1.0
+        elif gpus > 0:      # fewer devices than ranks: they share (as mp's rank r mod count)
+            log.warning("%d ranks share %d GPU(s): %.2f GPU per rank", self.world_size, gpus,
+                        gpus / self.world_size)
+            bundle["GPU"] = round(gpus / self.world_size, 4)
         return bundle
 
     def rank_launch(self, rank: int) -> EngineLaunch:
