@@ -197,15 +197,18 @@ def pyspy_dump(pid: int, *, native: bool = False,
     if exe is None:
         raise StacksError("py-spy is not installed (pip install py-spy)")
     cmd = [exe, "dump", "--pid", str(pid), "--json", *(["--native"] if native else [])]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                             check=False)
-    except subprocess.TimeoutExpired:
-        raise StacksError(f"py-spy did not answer within {timeout_s:g} s") from None
+    for attempt in range(2):    # a second reader attached at the same moment: try once more
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                                 check=False)
+        except subprocess.TimeoutExpired:
+            raise StacksError(f"py-spy did not answer within {timeout_s:g} s") from None
+        if out.returncode == 0 or attempt:
+            break
+        time.sleep(0.2)
     if out.returncode != 0:
-        said = (out.stderr.strip() or out.stdout.strip()).splitlines()
-        last = said[-1] if said else f"exit code {out.returncode}"
-        raise StacksError(f"py-spy cannot read pid {pid} ({last}): {ptrace_hint()}")
+        why = pyspy_error(out.stderr + "\n" + out.stdout) or f"exit code {out.returncode}"
+        raise StacksError(f"py-spy cannot read pid {pid} ({why}): {ptrace_hint()}")
     try:
         return StackReport(pid, PY_SPY, ordered(parse_pyspy(json.loads(out.stdout), pid)))
     except (ValueError, KeyError, TypeError) as e:
@@ -224,6 +227,21 @@ def parse_pyspy(data: Any, pid: int) -> list[ThreadStack]:
         threads.append(ThreadStack(str(name), int(t.get("thread_id") or 0), frames,
                                    state=state))
     return threads
+
+
+def pyspy_error(text: str) -> str:
+    """py-spy's error and its causes on one line (``Error: …`` and the ``Caused by`` items,
+    without its backtrace)."""
+    parts: list[str] = []
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("Stack backtrace"):
+            break
+        if s.startswith("Error:"):
+            parts.append(s[len("Error:"):].strip())
+        elif parts and (m := re.match(r"^\d+: (.*)$", s)):
+            parts.append(m.group(1))
+    return "; ".join(dict.fromkeys(parts))
 
 
 def ptrace_hint() -> str:

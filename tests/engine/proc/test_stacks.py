@@ -136,3 +136,13 @@ def test_a_reused_pid_is_never_signalled():
         for f in folder.glob("*"):
             f.unlink()
         folder.rmdir()
+
+
+def test_py_spy_errors_are_read_as_one_line_without_the_backtrace():
+    said = ("Process 1: python\n\nError: Failed to get stack traces\n\nCaused by:\n"
+            "    0: Failed to suspend process\n    1: EPERM: Operation not permitted\n"
+            "    2: EPERM: Operation not permitted\n\nStack backtrace:\n   0: main\n")
+    assert stacks.pyspy_error(said) == ("Failed to get stack traces; Failed to suspend process; "
+                                        "EPERM: Operation not permitted")
+    assert stacks.pyspy_error("Error: Failed to find python version from target process\n") \
+        == "Failed to find python version from target process"
