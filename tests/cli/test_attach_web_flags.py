@@ -74,3 +74,19 @@ def test_readonly_makes_every_tab_read_only():
     web = WebConsole(console_argv(args), token="t")
     assert web.command_for(True).endswith(" --readonly")
     assert web.command_for(False).count("--readonly") == 1
+
+
+def test_a_vllm_server_is_watched_the_same_way():
+    args = build_parser().parse_args(["attach", "--web", "--vllm", "http://127.0.0.1:8000",
+                                      "--kv-events", "tcp://127.0.0.1:5557"])
+    assert console_argv(args)[4:] == ["--vllm", "http://127.0.0.1:8000",
+                                      "--kv-events", "tcp://127.0.0.1:5557"]
+
+
+def test_a_bad_flag_is_said_once_at_start(tmp_path, capsys):
+    assert main(["attach", "--web", "--vllm", "http://127.0.0.1:8000",
+                 "--kv-events", "tcp://127.0.0.1:x"]) == 2
+    assert "--kv-events" in capsys.readouterr().err
+    assert main(["attach", "--web", "--curve-server-public", str(tmp_path / "none.key"),
+                 "--curve-client-key", str(tmp_path / "none.key_secret")]) == 2
+    assert "vconsole attach:" in capsys.readouterr().err

@@ -93,9 +93,19 @@ def _attach_web(args: argparse.Namespace) -> int:
                               "pip install 'vconsole[web]'", 2)
     from vconsole.security.bind_policy import RemoteBindRefused
 
-    if not getattr(args, "vllm", None):
+    # A wrong flag is said once, here, not by every tab's console as it dies.
+    if getattr(args, "vllm", None):
+        from vconsole.telemetry.kv_wire import offset_endpoint
+
         try:
-            client_curve(args)          # a wrong key file: said once here, not in every tab
+            for ep in (getattr(args, "kv_events", None), getattr(args, "kv_events_replay", None)):
+                if ep:
+                    offset_endpoint(ep, 1)
+        except ValueError as e:
+            return fail("attach", f"--kv-events: {e}", 2)
+    else:
+        try:
+            client_curve(args)
         except CurveKeyError as e:
             return fail("attach", e, 2)
     host = getattr(args, "host", None) or DEFAULT_HOST
