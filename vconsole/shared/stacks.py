@@ -45,6 +45,7 @@ PYSPY_TIMEOUT_S = 5.0     # one py-spy dump (it reads memory; never slow unless 
 PYTHON_WAIT_S = 1.0       # the engine's Python-level answer to the signal
 FAULT_SETTLE_S = 0.2      # then the faulthandler text is complete (it is written in the handler)
 METHODS = ("auto", "py-spy", "signal")
+METHOD_ENV = "VCONSOLE_STACKS_METHOD"   # what "auto" means here (e.g. signal: never ptrace)
 PY_SPY, PYTHON_DUMP, FAULTHANDLER = "py-spy", "signal (engine's Python dump)", "signal (faulthandler)"
 BUSY_LOOP_FUNCTION = "run_busy_loop"
 
@@ -161,9 +162,13 @@ def hang_dir() -> Path:
 def capture(pid: int, *, method: str = "auto", native: bool = False,
             python_wait_s: float = PYTHON_WAIT_S) -> StackReport:
     """Every thread of process ``pid`` (see the module docstring). ``native``: C frames too,
-    which needs py-spy. Raises `StacksError` with the reason and what to change."""
+    which needs py-spy. ``auto`` is ``$VCONSOLE_STACKS_METHOD`` when set (the supervisor's hang
+    captures follow it too). Raises `StacksError` with the reason and what to change."""
+    if method == "auto":
+        method = os.environ.get(METHOD_ENV, "").strip() or "auto"
     if method not in METHODS:
-        raise StacksError(f"unknown method {method!r}: one of {', '.join(METHODS)}")
+        raise StacksError(f"unknown stacks method {method!r} (--method, ${METHOD_ENV}): one "
+                          f"of {', '.join(METHODS)}")
     if not _exists(pid):
         raise StacksError(f"no process {pid} on this machine (stacks are read locally: run "
                           "this on the engine's host)")

@@ -4,7 +4,9 @@ the hung child before it kills it, into the engine log, a stacks file and the re
 The hang is injected for real: a ``sitecustomize`` on the engine's PYTHONPATH (this test's own
 folder; the product has no fault hook) wraps the model runner of the supervised child so that,
 once the test creates a trigger file, its next model execution sleeps forever in
-``hang_in_the_injected_fault``. The watchdog then sees work pending and no step.
+``hang_in_the_injected_fault``. The watchdog then sees work pending and no step. The capture
+goes through the engine's own SIGUSR2 dump (``VCONSOLE_STACKS_METHOD=signal``), the way that
+works on every machine (py-spy needs ptrace; `test_stacks` reads a live engine both ways).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def test_a_hung_engine_leaves_its_stacks_in_the_log_the_file_and_the_restart_eve
     engine = EngineProcess(ENGINE_ARGS, endpoints=ipc_endpoints(tmp_path),
                            log_path=tmp_path / "engine.log",
                            env={"PYTHONPATH": str(hook), "VCONSOLE_CACHE": str(cache),
-                                "VCONSOLE_TEST_HANG_TRIGGER": str(trigger)})
+                                "VCONSOLE_TEST_HANG_TRIGGER": str(trigger),
+                                stacks.METHOD_ENV: "signal"})
     with engine:
         first = read_ready_file(engine.ready_path)["child_pid"]
         telemetry = Telemetry(engine.endpoints["telemetry"])
@@ -76,6 +79,7 @@ def test_a_hung_engine_leaves_its_stacks_in_the_log_the_file_and_the_restart_eve
             path = Path(reason.split("stacks: ", 1)[1])
             assert path.parent == cache / "stacks" and path.exists()
             text = path.read_text()
+            assert f"by {stacks.PYTHON_DUMP}" in text
             # The busy loop's thread first, hung in the injected function, its callers below.
             busy = text.split('Thread "', 2)[1]
             assert busy.startswith("MainThread") and "[busy loop" in busy
