@@ -17,8 +17,9 @@ that rank's in-flight requests with ``data-parallel rank R died: <reason>`` (e.g
 vconsole_dp_rank_1 killed by ray.kill``), routes new ones to the other ranks and publishes
 ``health`` ``restarting`` with the reason and count; the new actor starts with that count and
 reason (its own ``health`` says them), and once it is ready the front end regroups every rank —
-the wave numbering carries on. A rank that fails beyond the rules, or whose first start fails,
-stops the group (exit code 4, or 2 when it could never start).
+the wave numbering carries on. A restart that fails to start counts as one more failure. A rank
+that fails beyond the rules, or whose first start fails, stops the group (exit code 4, or 2 when
+it could never start).
 
 Stopping (SIGTERM/SIGINT): every actor drains (`RankActor.stop`), then is killed and its
 placement group removed; an owned Ray is shut down. A second signal kills the actors at once.
@@ -85,6 +86,10 @@ class RankFailed(Exception):
         self.code = code
 
 
+class RestartFailed(Exception):
+    """A restarted actor that did not start: counted as one more failure of its rank."""
+
+
 class RankKeeper:
     """Rank ``rank``'s placement group and actor, kept alive in a thread of the launcher."""
 
@@ -111,13 +116,18 @@ class RankKeeper:
             self._place()
             reason: str | None = None
             while not self._stop.is_set():
-                record = self._start_actor(reason)
-                if record is None:
-                    break
-                self.launcher.stack.rank_ready(self.rank, record)
-                reason = self._serve()
-                if reason is None:
-                    break
+                try:
+                    record = self._start_actor(reason)
+                except RestartFailed as e:      # one more failure, under the same rules
+                    self._kill_actor()
+                    reason = str(e)
+                else:
+                    if record is None:
+                        break
+                    self.launcher.stack.rank_ready(self.rank, record)
+                    reason = self._serve()
+                    if reason is None:
+                        break
                 now = time.monotonic()
                 delay = self.policy.on_failure(now)
                 self.launcher.stack.rank_exit(self.rank, reason, restarting=delay is not None,
@@ -181,8 +191,8 @@ class RankKeeper:
             if self.restart_count == 0:
                 raise RankFailed(f"data-parallel rank {self.rank} cannot start: "
                                  f"{_task_error(record)}", exit_codes.CANNOT_START)
-            raise RankFailed(f"data-parallel rank {self.rank} failed to restart: "
-                             f"{_task_error(record)}", exit_codes.FAILED)
+            raise RestartFailed(f"Ray actor {actor_name(self.rank)} failed to restart: "
+                                f"{_task_error(record)}")
         assert isinstance(record, dict)
         return record
 
@@ -223,15 +233,18 @@ class RankKeeper:
                     return e
         return None
 
-    def _clean_up(self) -> None:
-        from ray.util import remove_placement_group
-
+    def _kill_actor(self) -> None:
         if self.actor is not None:
             try:
                 self.ray.kill(self.actor, no_restart=True)
             except Exception as e:
                 log.debug("rank %d: ray.kill: %s", self.rank, e)
             self.actor = None
+
+    def _clean_up(self) -> None:
+        from ray.util import remove_placement_group
+
+        self._kill_actor()
         if self.group is not None:
             try:
                 remove_placement_group(self.group)
