@@ -15,6 +15,7 @@ chromedriver is missing (`make install-test` installs them as root).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -106,7 +107,8 @@ def load(engine) -> Iterator[None]:
             while not stop.is_set():
                 ids = [c.submit(prompt_token_ids=[3 + (i + k) % 200] * (8 + k), max_tokens=16,
                                 ignore_eos=True) for k in range(4)]
-                c.gather(ids, timeout_s=30)
+                with contextlib.suppress(TimeoutError):   # a crowded machine: never mind
+                    c.gather(ids, timeout_s=30)
                 i += 4
 
     thread = threading.Thread(target=run, daemon=True)
