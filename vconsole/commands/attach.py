@@ -133,7 +133,7 @@ def _web_banner(args: argparse.Namespace, loopback: bool, host: str, port: int,
     """What the operator needs at start: the URLs, who may steer and why (the token's only
     appearance anywhere)."""
     if host in ("", "0.0.0.0", "::"):
-        host = socket.getfqdn()
+        host = socket.gethostname()     # a name the team can reach, not 0.0.0.0
     base = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
     lines = [f"vconsole attach --web: the console on {base} (one console per browser tab; "
              "Ctrl+C stops)"]
