@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from vconsole import cli
+from vconsole.engine.launch import stack_dump
 from vconsole.shared import stacks
 
 
@@ -80,9 +81,13 @@ TOY = textwrap.dedent('''
 
 @pytest.mark.proc
 def test_a_loop_stuck_in_native_code_still_answers_through_faulthandler():
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stacks.live_dir(gone.pid).mkdir(parents=True)        # an engine killed without cleanup
     proc = subprocess.Popen([sys.executable, "-c", TOY], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        assert not stacks.live_dir(gone.pid).exists(), "swept by the next engine's install"
         report = stacks.capture(proc.pid, method="signal", python_wait_s=0.5)
         assert report.method == stacks.FAULTHANDLER
         assert "did not run Python" in (report.note or "")
@@ -92,7 +97,8 @@ def test_a_loop_stuck_in_native_code_still_answers_through_faulthandler():
     finally:
         proc.kill()
         proc.wait()
-    assert stacks.live_dir(proc.pid).exists()   # SIGKILL: left for the supervisor to remove
+    assert stacks.live_dir(proc.pid).exists()   # SIGKILL: left for the supervisor to remove,
+    stack_dump.remove_dead(proc.pid)            # or the next engine that starts here
 
 
 def test_no_stacks_say_why(capsys):

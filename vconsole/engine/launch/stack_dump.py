@@ -39,6 +39,7 @@ from vconsole.shared.stacks import (
     NAMES_FILE,
     SIGNAL,
     live_dir,
+    live_root,
     process_start,
 )
 
@@ -101,6 +102,7 @@ def install() -> StackDumper | None:
         return _installed
     if threading.current_thread() is not threading.main_thread():
         return None
+    _sweep_dead()
     try:
         _installed = StackDumper(live_dir(os.getpid()))
     except OSError:
@@ -120,6 +122,24 @@ def refresh_names() -> None:
 def remove_dead(pid: int) -> None:
     """A killed engine (SIGKILL) could not clean up: its supervisor removes the folder."""
     shutil.rmtree(live_dir(pid), ignore_errors=True)
+
+
+def _sweep_dead() -> None:
+    """Remove the folders of engines that died without cleaning up (SIGKILL with no
+    supervisor left to do it): a stale folder could otherwise outlive its pid."""
+    try:
+        entries = list(live_root().iterdir())
+    except OSError:
+        return
+    for folder in entries:
+        if not folder.name.isdigit():
+            continue
+        try:
+            os.kill(int(folder.name), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass
 
 
 def _write_atomic(path: Path, data: dict[str, Any]) -> None:
