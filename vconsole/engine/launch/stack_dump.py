@@ -51,6 +51,7 @@ class StackDumper:
         self.folder = folder
         self.seq = 0
         self.main = threading.main_thread().ident
+        self.pid = os.getpid()
         self.start = process_start(os.getpid())     # a reader tells a reused pid by it
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(folder.parent, 0o700)
@@ -87,6 +88,8 @@ class StackDumper:
             self.refresh_names()
 
     def close(self) -> None:
+        if os.getpid() != self.pid:     # a forked child exiting: the folder is the parent's
+            return
         with contextlib.suppress(Exception):
             faulthandler.unregister(SIGNAL)
             signal.signal(SIGNAL, signal.SIG_IGN)
