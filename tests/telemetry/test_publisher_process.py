@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from vconsole.engine.publish import handoff_wire as wire
+from vconsole.engine.publish.handoff_ring import HandoffRing
 from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, RequestTable, SchedulerStats, StepStats
@@ -81,6 +82,33 @@ def test_a_snapshot_crosses_the_handoff_field_for_field(ids):
     (first, end), (second, no_end) = (wire.step_stats(r) for r in got.steps.records)
     assert (first.total_ns, first.num_finished, end) == (8_500_001, 1, 5.008500001)
     assert (second.total_ns, no_end) == (8_500_002, None) and got.steps.lost == 3
+
+
+def test_a_snapshot_crosses_through_the_shared_slots_and_an_overwritten_one_is_dropped():
+    engine_side = HandoffRing(slots=2, slot_bytes=1 << 20)
+    child_side = HandoffRing(os.dup(engine_side.fd), 2, 1 << 20)   # as the child maps it
+    try:
+        sent = []
+        for i in range(3):      # the third overwrites the first's slot
+            sched, kv = snapshot([f"r{i}-{j}" for j in range(100)])
+            frames = wire.snapshot_frames(wire.Snapshot(sched, kv, "running", i, 0.0, None,
+                                                        wire.Steps([], lost=i)), engine_side)
+            assert frames[0] == wire.SNAPSHOT_RING and len(frames) == 4   # the bulk is shared
+            sent.append(frames)
+        kind, first = wire.decode(sent[0], child_side)
+        assert (kind, first.lost) == (wire.STEPS, 0)   # its slot was reused: its steps only
+        for i in (1, 2):
+            kind, got = wire.decode(sent[i], child_side)
+            assert kind == wire.SNAPSHOT and got.num_steps == i and got.steps.lost == i
+            assert got.sched.requests.columns["id"] == [f"r{i}-{j}" for j in range(100)]
+        # What does not fit in a slot crosses the socket instead.
+        sched, kv = snapshot([f"a-much-longer-request-id-{j}" for j in range(40_000)])
+        frames = wire.snapshot_frames(wire.Snapshot(sched, kv, "running", 9, 0.0, None,
+                                                    wire.Steps([])), engine_side)
+        assert frames[0] == wire.SNAPSHOT and wire.decode(frames)[1].num_steps == 9
+    finally:
+        child_side.close()
+        engine_side.close()
 
 
 def test_the_publisher_process_imports_no_torch():

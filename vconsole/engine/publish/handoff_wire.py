@@ -10,8 +10,10 @@ into one string (one C pass; a list pickled instead in the rare case an id holds
 separator). Everything else (config, latency, dp, wave, errors, state) is rare and small: a
 pickle each.
 
-Frames: ``[kind, pickle, *raw]``. Only our own two processes speak it, over an ``ipc://``
-socket in a folder only this user can open, so pickle is safe here; it is never a public wire.
+Frames: ``[kind, pickle, *raw]``; a snapshot's are ``[kind, steps, head, *bulk]``, or with
+shared slots (`handoff_ring`) ``[kind, steps, head, slot descriptor]`` with the bulk in the
+slot. Only our own two processes speak it, over an ``ipc://`` socket in a folder only this user
+can open, so pickle is safe here; it is never a public wire.
 
 Invariant: `decode` of `snapshot_frames` / `steps_frames` gives the same `SchedulerStats`,
 `KVStats` and step records (field for field, the same column dtypes) that were packed.
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from vconsole.engine.publish.handoff_ring import HandoffRing
 from vconsole.shared.stats import (
     REQUEST_NUMERIC,
     REQUEST_STATES,
@@ -39,6 +42,7 @@ from vconsole.shared.stats import (
 
 # Kinds, engine -> publisher process.
 SNAPSHOT = b"snap"
+SNAPSHOT_RING = b"snapr"    # its bulk in a shared slot
 STEPS = b"steps"
 CALL = b"call"      # a rare hand-off: (method name, args), applied to the Inbox as it is
 STOP = b"stop"
@@ -88,12 +92,13 @@ class Snapshot:
     num_steps: int
     wall: float
     text: dict[str, list[str]] | None
-    steps: Steps
+    steps: Steps | None      # crosses in its own frame: a snapshot dropped keeps its steps
 
 
-def snapshot_frames(snap: Snapshot) -> list[Any]:
-    """Frames for one snapshot. Takes ``snap.sched.requests`` apart (objects handed to the
-    publisher belong to it)."""
+def snapshot_frames(snap: Snapshot, ring: HandoffRing | None = None) -> list[Any]:
+    """Frames for one snapshot, its bulk in ``ring`` when it fits. Replaces a list of rows
+    by a `RequestTable` (objects handed to the publisher belong to it)."""
+    steps, snap.steps = snap.steps, None
     sched = snap.sched
     if not isinstance(sched.requests, RequestTable) and sched.requests:
         sched.requests = as_table(sched.requests)
@@ -109,8 +114,14 @@ def snapshot_frames(snap: Snapshot) -> list[Any]:
     head = pickle.dumps(snap, protocol=5, buffer_callback=raw.append)
     if ids_blob is not None:
         sched.requests = rows    # as it was: the caller may still read it
-    return [SNAPSHOT, head, b"" if ids_blob is None else b"\1" + ids_blob,
-            *(b.raw() for b in raw)]
+    snap.steps = steps
+    steps_frame = pickle.dumps(steps, protocol=5)
+    bulk = [b"" if ids_blob is None else b"\1" + ids_blob, *(b.raw() for b in raw)]
+    if ring is not None:
+        desc = ring.put(bulk)
+        if desc is not None:
+            return [SNAPSHOT_RING, steps_frame, head, pickle.dumps(desc, protocol=5)]
+    return [SNAPSHOT, steps_frame, head, *bulk]
 
 
 _STATE_CODES = {name: code for code, name in enumerate(REQUEST_STATES)}
@@ -140,16 +151,25 @@ def message_frames(kind: bytes, body: Any = None) -> list[Any]:
     return [kind, pickle.dumps(body, protocol=5)]
 
 
-def decode(frames: Sequence[Any]) -> tuple[bytes, Any]:
-    """``(kind, body)``: a `Snapshot`, `Steps`, ``(method, args)`` or a message's body."""
+def decode(frames: Sequence[Any], ring: HandoffRing | None = None) -> tuple[bytes, Any]:
+    """``(kind, body)``: a `Snapshot`, `Steps`, ``(method, args)`` or a message's body. A
+    snapshot whose slot was overwritten before it was read comes back as its `Steps` only."""
     kind = bytes(frames[0])
-    if kind != SNAPSHOT:
+    if kind not in (SNAPSHOT, SNAPSHOT_RING):
         return kind, pickle.loads(frames[1]) if len(frames) > 1 else None
-    snap: Snapshot = pickle.loads(frames[1], buffers=frames[3:])
-    ids = bytes(frames[2])
+    steps: Steps = pickle.loads(frames[1])
+    bulk: Sequence[Any] | None = frames[3:]
+    if kind == SNAPSHOT_RING:
+        bulk = ring.take(pickle.loads(frames[3])) if ring is not None else None
+        if bulk is None:
+            return STEPS, steps
+    assert bulk is not None
+    snap: Snapshot = pickle.loads(frames[2], buffers=bulk[1:])
+    snap.steps = steps
+    ids = bytes(bulk[0])
     if ids:
         table = snap.sched.requests
         assert isinstance(table, RequestTable)
         names = ids[1:].decode("utf-8", "surrogatepass").split(ID_SEP)
         table.columns["id"] = [] if not ids[1:] and not len(table.columns["state"]) else names
-    return kind, snap
+    return SNAPSHOT, snap

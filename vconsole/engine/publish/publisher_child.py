@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 
 from vconsole.engine.publish import handoff_wire as wire
+from vconsole.engine.publish.handoff_ring import HandoffRing
 from vconsole.engine.publish.host import HostProbe
 from vconsole.engine.publish.prometheus import MetricsServer, TelemetryCollector
 from vconsole.engine.publish.publisher import TelemetryPublisher
@@ -94,7 +95,8 @@ class Feed:
 
     def apply(self, kind: bytes, body: Any) -> None:
         if kind == wire.SNAPSHOT:
-            self.steps(body.steps)
+            if body.steps is not None:
+                self.steps(body.steps)
             self.pub.inbox.submit_snapshot(body.sched, body.kv, body.state, body.num_steps,
                                            body.text, wall=body.wall)
         elif kind == wire.STEPS:
@@ -106,7 +108,7 @@ class Feed:
 
 
 def serve(link: zmq.Socket, pub: TelemetryPublisher, parent_pid: int,
-          restarted: str | None = None) -> None:
+          restarted: str | None = None, ring: HandoffRing | None = None) -> None:
     """Until ``stop`` or the parent is gone. ``restarted``: why the previous publisher process
     is gone, reported (``telemetry_error``) once subscribers had time to reconnect."""
     feed = Feed(pub)
@@ -121,7 +123,7 @@ def serve(link: zmq.Socket, pub: TelemetryPublisher, parent_pid: int,
                 return
             continue
         frames = link.recv_multipart(copy=False)
-        kind, body = wire.decode([f.buffer for f in frames])
+        kind, body = wire.decode([f.buffer for f in frames], ring)
         if kind == wire.STOP:         # the engine's last snapshot goes out first
             deadline = time.monotonic() + STOP_DRAIN_S
             while not pub.inbox.sent_all() and time.monotonic() < deadline:
@@ -165,7 +167,8 @@ def main() -> int:
         "endpoint": pub.endpoint, "metrics": metrics.url if metrics else None,
         "metrics_bind": (metrics.host, metrics.port) if metrics else None}))
     try:
-        serve(link, pub, spec.parent_pid, spec.restarted)
+        ring = None if spec.ring is None else HandoffRing(*spec.ring)
+        serve(link, pub, spec.parent_pid, spec.restarted, ring)
     finally:
         if metrics is not None:
             metrics.close()

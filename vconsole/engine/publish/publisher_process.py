@@ -50,6 +50,7 @@ import zmq
 
 from vconsole.engine.publish import handoff_wire as wire
 from vconsole.engine.publish.bodies import KVFormat
+from vconsole.engine.publish.handoff_ring import HandoffRing
 from vconsole.engine.publish.request_text import TextBook, TokenLists
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
@@ -93,6 +94,7 @@ class ChildSpec:
     model_name: str
     text_decoded: bool
     restarted: str | None = None
+    ring: tuple[int, int, int] | None = None    # shared slots: (inherited fd, slots, bytes)
 
 
 class ChildStartError(RuntimeError):
@@ -126,6 +128,7 @@ class ChildLink:
         self._text_book = TextBook(detokenize) if detokenize is not None else None
         self._dir = tempfile.mkdtemp(prefix="vconsole-pub-")   # 0700: only this user
         self._live = LiveCounters(os.path.join(self._dir, LIVE_FILE), create=True)
+        self._ring = HandoffRing() if HandoffRing.supported() else None
         self._sock: zmq.Socket | None = None     # PUSH: hand-offs to the child
         self._back: zmq.Socket | None = None     # PULL: the child's answers
         self._proc: subprocess.Popen[bytes] | None = None
@@ -147,8 +150,11 @@ class ChildLink:
             answers = f"ipc://{os.path.join(self._dir, 'answers')}"
             sock.bind(handoff)
             back.bind(answers)
+            ring = self._ring
             self._spec = _replace(self._spec, handoff=handoff, answers=answers,
-                                  parent_pid=os.getpid())
+                                  parent_pid=os.getpid(),
+                                  ring=None if ring is None else (ring.fd, ring.slots,
+                                                                  ring.slot_bytes))
             proc = self._spawn(self._spec)
             ready = self._await(proc, timeout)
         except BaseException:
@@ -219,7 +225,8 @@ class ChildLink:
             body = self._text_book.body(text)
         steps = self._take_steps()
         self._send(wire.snapshot_frames(wire.Snapshot(
-            sched, kv, state, num_steps, time.time(), body, steps)), len(steps.records))
+            sched, kv, state, num_steps, time.time(), body, steps), self._ring),
+            len(steps.records))
 
     def submit_latency(self, body: dict[str, Any]) -> None:
         self._call("submit_latency", body)
@@ -277,8 +284,9 @@ class ChildLink:
     # --- the child ------------------------------------------------------------------------------
 
     def _spawn(self, spec: ChildSpec) -> subprocess.Popen[bytes]:
+        fds = () if self._ring is None else (self._ring.fd,)
         proc = subprocess.Popen([sys.executable, "-m", CHILD_MODULE], stdin=subprocess.PIPE,
-                                close_fds=True)
+                                close_fds=True, pass_fds=fds)
         assert proc.stdin is not None
         try:
             proc.stdin.write(pickle.dumps(spec, protocol=5))
@@ -357,6 +365,9 @@ class ChildLink:
                 sock.close(0)
         self._sock = self._back = None
         self._live.close()
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
