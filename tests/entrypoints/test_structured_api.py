@@ -485,6 +485,24 @@ def test_required_tool_calls_come_back_whole_and_streamed(app_engine: Any) -> No
     assert chunks[0].choices[0].delta.content is None
 
 
+def test_tokenize_renders_tools_as_the_chat_request_does(app_engine: Any) -> None:
+    client, engine, http = app_engine
+    engine.script = '[{"name":"get_weather","parameters":{"city":"Paris"}}]'
+    client.chat.completions.create(model="tiny", messages=HI, tools=[WEATHER, TIME],
+                                   tool_choice="required")
+    r = http.post("/tokenize", json={"messages": HI, "tools": [WEATHER, TIME]})
+    assert r.status_code == 200, r.text
+    shown = engine.tokenizer.decode(r.json()["tokens"])
+    assert shown == engine.prompts[-1] and "get_weather" in shown and "<tools>" in shown
+    bare = http.post("/tokenize", json={"messages": HI}).json()["tokens"]
+    assert len(bare) < r.json()["count"] and "get_weather" not in engine.tokenizer.decode(bare)
+    for body, param in (({"prompt": "x", "tools": [WEATHER]}, "tools"),
+                        ({"messages": HI, "tools": [{"type": "function", "function": {}}]},
+                         "tools.0.function.name")):
+        bad = http.post("/tokenize", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
 def test_the_first_delta_is_null_content_only_for_answers_that_are_calls(
         app_engine: Any) -> None:
     _, engine, http = app_engine

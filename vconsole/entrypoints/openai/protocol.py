@@ -351,6 +351,7 @@ class TokenizeRequest(StrictBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None      # with messages: rendered as chat shows them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -151,8 +151,15 @@ class OpenAIServing:
             message.refuse_unknown(f"messages.{i}.")
         if (req.prompt is None) == (req.messages is None):
             raise BadRequest("give exactly one of prompt or messages", param="prompt")
+        if req.tools and req.messages is None:
+            raise BadRequest("tools are rendered into a chat prompt: send messages with them",
+                             param="tools")
         if req.messages is not None:
-            ids = self.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt)
+            # The functions shown as a chat request with these tools shows them.
+            plan = plan_tools(req.tools, "required" if req.tools else None, None,
+                              auto_enabled=True)
+            ids = self.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                   tools=plan)
         else:
             ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len,
