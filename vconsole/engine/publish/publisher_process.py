@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 60.0        # a child's start (imports, binds) on a loaded machine
 HANDOFF_HWM = 256             # messages queued for the child before sends are refused
 MAX_PENDING_STEPS = 4096      # steps held between two snapshots before they go on their own
-FLUSH_PERIODS = 1.5           # ...or snapshot periods since the last hand-off
+FLUSH_PERIODS = 2.0           # ...or snapshot periods since the last hand-off
 LIVE_FILE = "live"            # the live counters' file, in the hand-off's folder
 RESTART_BACKOFF_S = (0.5, 10.0)   # first wait after a death, doubling to the second
 CHILD_MODULE = "vconsole.engine.publish.publisher_child"
@@ -134,6 +134,9 @@ class ChildLink:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()       # the keeper and close: who owns the child
         self._closing = False
+        self._ready_once = False            # a child was ready once: restarts from then on
+        self._spawned = threading.Event()   # the keeper spawned the first child (or failed)
+        self._spawn_error: BaseException | None = None
         self._keeper: threading.Thread | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -155,18 +158,29 @@ class ChildLink:
                                   parent_pid=os.getpid(),
                                   ring=None if ring is None else (ring.fd, ring.slots,
                                                                   ring.slot_bytes))
-            proc = self._spawn(self._spec)
-            ready = self._await(proc, timeout)
+            # The keeper spawns every child: the kernel's parent-death signal follows the
+            # thread that spawned, and the keeper lives as long as the link.
+            self._keeper = threading.Thread(target=self._keep, name="telemetry-keeper",
+                                            daemon=True)
+            self._keeper.start()
+            self._spawned.wait()
+            if self._proc is None:
+                raise ChildStartError(f"could not start the telemetry publisher process: "
+                                      f"{self._spawn_error}")
+            ready = self._await(self._proc, timeout)
         except BaseException:
+            with self._lock:
+                self._closing = True
             self._stop_child(0.0)
+            if self._keeper is not None:
+                self._keeper.join(5.0)
             self._cleanup()
             raise
-        self.endpoint, self.metrics_url = ready["endpoint"], ready.get("metrics")
-        self._spec = _replace(self._spec, endpoint=self.endpoint,
-                              metrics=ready.get("metrics_bind") or self._spec.metrics)
-        self._keeper = threading.Thread(target=self._keep, name="telemetry-keeper",
-                                        daemon=True)
-        self._keeper.start()
+        with self._lock:
+            self.endpoint, self.metrics_url = ready["endpoint"], ready.get("metrics")
+            self._spec = _replace(self._spec, endpoint=self.endpoint,
+                                  metrics=ready.get("metrics_bind") or self._spec.metrics)
+            self._ready_once = True
 
     def close(self, timeout: float = 5.0) -> None:
         """The steps not yet handed over go first; then the child stops (killed if it does not
@@ -200,8 +214,8 @@ class ChildLink:
     # --- engine thread: the Inbox's methods ---------------------------------------------------
 
     def record_step(self, stats: StepStats) -> None:
-        """O(1): the step joins the next hand-off (the next snapshot's, or on its own a period
-        and a half after the last one); the live counters say at once that it ran."""
+        """O(1): the step joins the next hand-off (the next snapshot's, or on its own two periods
+        after the last hand-off); the live counters say at once that it ran."""
         now = time.monotonic()
         n = self.steps_recorded = self.steps_recorded + 1
         self._live.write(n, now)
@@ -314,7 +328,15 @@ class ChildLink:
                               f"{timeout:g} s")
 
     def _keep(self) -> None:
-        """Keeper thread: wait on the child; restart it when it dies (not when closing)."""
+        """Keeper thread: spawn the child, wait on it, restart it when it dies after it was
+        ready once (not when closing)."""
+        try:
+            self._spawn(self._spec)
+        except BaseException as e:
+            self._spawn_error = e
+            return
+        finally:
+            self._spawned.set()
         backoff = RESTART_BACKOFF_S[0]
         while True:
             proc = self._proc
@@ -322,13 +344,13 @@ class ChildLink:
             started = time.monotonic()
             code = proc.wait()
             with self._lock:
-                if self._closing:
+                if self._closing or not self._ready_once:
                     return
+            if time.monotonic() - started > 60.0:     # it had been serving: start over
+                backoff = RESTART_BACKOFF_S[0]
             why = _exit_reason(code)
             log.error("the telemetry publisher process %d died (%s); restarting it in %g s "
                       "(the engine keeps serving)", proc.pid, why, backoff)
-            if time.monotonic() - started > 60.0:
-                backoff = RESTART_BACKOFF_S[0]
             time.sleep(backoff)
             backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
             with self._lock:
