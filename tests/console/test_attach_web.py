@@ -177,12 +177,18 @@ def server(engine) -> Iterator[WebServer]:
 
 
 def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    status, body, _ = http_response(url, headers)
+    return status, body
+
+
+def http_response(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, Any]:
+    """Status, body and headers of a GET."""
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
                                     timeout=10) as r:
-            return r.status, r.read().decode()
+            return r.status, r.read().decode(), r.headers
     except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+        return e.code, e.read().decode(), e.headers
 
 
 def websocket_status(url: str) -> int:
@@ -368,8 +374,10 @@ def test_beyond_loopback_every_page_needs_the_token(engine, capsys):
         local = "http://127.0.0.1:" + web.base.rsplit(":", 1)[1]   # PORT/
         status, body = http_get(local)
         assert status == 403 and "open it with its token" in body
-        status, body = http_get(f"{local}?token={web.token}")
+        status, body, headers = http_response(f"{local}?token={web.token}")
         assert status == 200 and "/ws/" in body
+        assert headers["Referrer-Policy"] == "no-referrer"     # the token stays in the tab
+        assert headers["X-Frame-Options"] == "DENY"
     finally:
         assert web.stop() == 0
 

@@ -89,7 +89,6 @@ class WebConsole(Server):
         self.loopback = loopback_host(host)
         self._tickets: dict[str, Ticket] = {}
         self._sockets: set[web.WebSocketResponse] = set()
-        self.consoles_started = 0
 
     def command_for(self, steer: bool) -> str:
         """The console's command line for a tab: read-only unless its page had the token."""
@@ -166,6 +165,8 @@ class WebConsole(Server):
         response = aiohttp_jinja2.render_template("app_index.html", request, context)
         response.headers["Cache-Control"] = "no-store"
         response.headers["Referrer-Policy"] = "no-referrer"   # the token stays in this tab
+        response.headers["X-Frame-Options"] = "DENY"          # no other site frames a console
+        response.headers["Content-Security-Policy"] = "frame-ancestors 'none'"
         return response
 
     async def handle_websocket(self, request: web.Request) -> web.WebSocketResponse:
@@ -192,7 +193,6 @@ class WebConsole(Server):
                                      write_str=websocket.send_str, close=close,
                                      download_manager=self.download_manager)
             await app_service.start(width, height)
-            self.consoles_started += 1
             await self._process_messages(websocket, app_service)
         except asyncio.CancelledError:
             await websocket.close()
