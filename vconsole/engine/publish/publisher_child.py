@@ -11,8 +11,9 @@ prometheus_client).
 It lives as long as the engine process: it stops on the engine's ``stop`` (answering
 ``closed`` with what it sent), and on its parent's death — SIGKILL from the kernel where
 ``PR_SET_PDEATHSIG`` exists (Linux), else noticed within a poll (`POLL_MS`) by its parent pid
-changing. SIGINT and SIGHUP (a terminal's, sent to the whole process group) are ignored: the
-engine decides when it stops.
+changing. SIGINT, SIGHUP and SIGTERM are ignored — a terminal's, or a launcher's sent to the
+engine's whole process group: the engine decides when its publisher stops (after its last
+snapshot), and SIGKILL or the engine's death still end it.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def serve(link: zmq.Socket, pub: TelemetryPublisher, parent_pid: int,
 def main() -> int:
     spec: ChildSpec = pickle.loads(sys.stdin.buffer.read())
     _die_with_parent(spec.parent_pid)
-    for sig in (signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

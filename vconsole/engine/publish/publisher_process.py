@@ -192,7 +192,11 @@ class ChildLink:
             self._flush_steps()
             self._send([wire.STOP])
             deadline = time.monotonic() + timeout
-            while back.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            while time.monotonic() < deadline:
+                if not back.poll(50):
+                    if self._proc.poll() is not None:    # gone: nobody will answer
+                        break
+                    continue
                 with contextlib.suppress(zmq.ZMQError, pickle.UnpicklingError, EOFError):
                     kind, body = wire.decode(back.recv_multipart())
                     if kind == wire.CLOSED:       # (a restarted child's ready is skipped)

@@ -21,7 +21,10 @@ mode runs back to back (in alternating order); a run's ``ratio`` is the median o
 of the pair's ``on / off``, which cancels the machine's drift; ``tokens_per_s_off`` / ``_on``
 are the medians of each mode and ``ratio_of_medians`` their ratio.
 ``busy_loop_feed_share``: the share of an on round the busy loop itself spent recording steps,
-building and handing over snapshots (median over the run's on rounds). ``cpu_ratio`` is
+building and handing over snapshots (median over the run's on rounds);
+``busy_loop_feed_cpu_share`` the same in the busy loop thread's CPU time over the round's
+(on a loaded machine the wall-clock share also counts the time the loop was preempted while
+it fed: the CPU share is what the feed itself cost). ``cpu_ratio`` is
 the same pairwise median for tokens per CPU second of this process (all its threads, the
 publisher's included): on a machine shared with other work, wall time mostly measures the
 wait for a core, CPU time what the engine itself spent. Torch runs on one thread here: its
@@ -113,15 +116,18 @@ class _Telemetry:
                     raise
                 time.sleep(0.1)
         self.feed = TelemetryFeed(core, self.pub, lambda: None)
-        self.feed_ns = 0    # busy-loop time spent feeding the publisher
+        self.feed_ns = 0       # busy-loop time spent feeding the publisher
+        self.feed_cpu_ns = 0   # ...in this thread's CPU time
 
     def after_step(self) -> None:
+        c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         core = self.core
         if core.last_step is not None:
             self.pub.record_step(core.last_step)
         self.feed.maybe_snapshot("running")
         self.feed_ns += time.perf_counter_ns() - t0
+        self.feed_cpu_ns += time.thread_time_ns() - c0
 
     def close(self) -> dict[str, int]:
         self.pub.close()
@@ -129,11 +135,13 @@ class _Telemetry:
 
 
 def _round(core: EngineCore, seconds: float,
-           telemetry: _Telemetry | None) -> tuple[int, int, float, float]:
-    """Steps for ``seconds``: (tokens sampled, steps, elapsed, this process's CPU seconds)."""
+           telemetry: _Telemetry | None) -> tuple[int, int, float, float, float]:
+    """Steps for ``seconds``: (tokens sampled, steps, elapsed, this process's CPU seconds,
+    this thread's)."""
     sched = core.scheduler
     tokens0, steps = sched.num_generation_tokens_total, 0
     cpu0 = time.process_time()
+    thread0 = time.thread_time()
     t0 = time.perf_counter()
     end = t0 + seconds
     while time.perf_counter() < end:
@@ -142,7 +150,8 @@ def _round(core: EngineCore, seconds: float,
         if telemetry is not None:
             telemetry.after_step()
     elapsed = time.perf_counter() - t0
-    return sched.num_generation_tokens_total - tokens0, steps, elapsed, time.process_time() - cpu0
+    return (sched.num_generation_tokens_total - tokens0, steps, elapsed,
+            time.process_time() - cpu0, time.thread_time() - thread0)
 
 
 def telemetry_bench(num_requests: int = 12_000, rounds: int = 10, round_s: float = 1.0,
@@ -172,8 +181,10 @@ def telemetry_bench(num_requests: int = 12_000, rounds: int = 10, round_s: float
     return {**median_run, "ratio_median": ratio_median, "ratio_worst": ratios[0],
             "busy_loop_feed_share_max": feed_max,
             "runs": [{k: r[k] for k in ("ratio", "ratio_of_medians", "cpu_ratio",
-                                        "busy_loop_feed_share", "tokens_per_s_off",
-                                        "tokens_per_s_on", "requests_in_engine_min")}
+                                        "busy_loop_feed_share", "busy_loop_feed_cpu_share",
+                                        "tokens_per_s_off",
+                                        "tokens_per_s_on", "requests_in_engine_min",
+                                        "load_average")}
                      for r in results],
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "goal": {"ratio_min": GOAL_RATIO, "worst_min": GOAL_WORST,
@@ -198,6 +209,7 @@ def _run(model_dir: str, num_requests: int, rounds: int, round_s: float, log: An
     cpu_off: list[float] = []   # tokens per CPU second of this process (every thread)
     cpu_on: list[float] = []
     feed_share: list[float] = []   # of an on round's wall time, spent feeding the publisher
+    feed_cpu_share: list[float] = []   # ...of its busy loop's CPU time
     sent: dict[str, int] = {}
     sched = core.scheduler
     min_in_engine = sched.num_waiting + sched.num_running
@@ -207,12 +219,13 @@ def _run(model_dir: str, num_requests: int, rounds: int, round_s: float, log: An
                 telemetry = _Telemetry(core, endpoint) if mode == "on" else None
                 if telemetry is not None:
                     time.sleep(0.2)              # the subscriber (re)connects
-                tokens, n, elapsed, cpu = _round(core, round_s, telemetry)
+                tokens, n, elapsed, cpu, thread_cpu = _round(core, round_s, telemetry)
                 steps += n
                 (cpu_on if mode == "on" else cpu_off).append(tokens / cpu)
                 min_in_engine = min(min_in_engine, sched.num_waiting + sched.num_running)
                 if telemetry is not None:
                     feed_share.append(telemetry.feed_ns / 1e9 / elapsed)
+                    feed_cpu_share.append(telemetry.feed_cpu_ns / 1e9 / max(thread_cpu, 1e-9))
                     for topic, n in telemetry.close().items():
                         sent[topic] = sent.get(topic, 0) + n
                 (on if mode == "on" else off).append(tokens / elapsed)
@@ -231,9 +244,11 @@ def _run(model_dir: str, num_requests: int, rounds: int, round_s: float, log: An
             "cpu_ratio": round(statistics.median(
                 y / x for x, y in zip(cpu_off, cpu_on, strict=True)), 3),
             "busy_loop_feed_share": round(statistics.median(feed_share), 4),
+            "busy_loop_feed_cpu_share": round(statistics.median(feed_cpu_share), 4),
             "rounds": rounds, "round_s": round_s, "steps": steps,
             "telemetry_hz": core.config.telemetry_hz, "request_text": request_text,
             "request_rows_min": min(max_rows, min_in_engine),
             "requests_in_engine_min": min_in_engine,
             "messages_sent": sent, "rounds_off": [round(x, 1) for x in off],
-            "rounds_on": [round(x, 1) for x in on]}
+            "rounds_on": [round(x, 1) for x in on],
+            "load_average": [round(x, 2) for x in os.getloadavg()]}   # 1/5/15 min, at its end
