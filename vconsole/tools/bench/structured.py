@@ -48,9 +48,14 @@ others' p90 and than their max (goal: no typical compile's step longer than the 
 ``first_masks``: the steps after a probe's admission, where its first masks run on the busy
 loop.
 
+**Paired steps** (``paired_steps``, at the top concurrency, after the engine stopped): the
+same workload on two cores in this process stepped in turn, constrained and unconstrained, the
+same batch at every step (`structured_paired`): the grammar's cost per step with the machine's
+drift cancelled, and the throughput ratio it implies (goal ≥ 0.95).
+
 The machine's load average at the start and end is in the JSON: on shared cores the tok/s of
-two runs swing by more than the goal's 5%, so read the steady step ratio and the structured
-share beside the ratio.
+two runs swing by more than the goal's 5%, so read the steady step ratio, the structured
+share and the paired steps beside the ratio.
 """
 
 from __future__ import annotations
@@ -601,6 +606,7 @@ def structured_bench(model: str = "smollm2", num_requests: int = 64,
                      max_tokens: int = MAX_TOKENS, probes: int | None = None,
                      log: Log = None) -> dict[str, Any]:
     from vconsole.engine.launch.engine_process import EngineProcess
+    from vconsole.tools.bench.structured_paired import paired_steps
     from vconsole.tools.prompts import load_renderer
 
     say = log or (lambda _m: None)
@@ -686,6 +692,7 @@ def structured_bench(model: str = "smollm2", num_requests: int = 64,
             load.append(os.getloadavg()[0])
         say("compile times in this process ...")
         compile_times = compile_figures(model_path)
+        paired = paired_steps(model_path, jobs, levels[-1], say) if levels[-1] > 1 else None
         started, steps = read_steps(trace_path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -722,8 +729,10 @@ def structured_bench(model: str = "smollm2", num_requests: int = 64,
         "valid_rate": min(v["validity"]["valid_rate"] for v in out_levels.values()),
         "ratio_at_top": out_levels[top]["ratio"],
         "steady_step_ratio_at_top": out_levels[top]["steady_step_ratio"],
+        "paired_steps": paired,
         "compile": compile_times,
         "compile_probe": stalls,
         "goals": {"valid_rate": "== 1.0", "ratio_at_top": ">= 0.95",
+                  "paired_steps.throughput_ratio": ">= 0.95",
                   "compile_probe.typical.while_compiling_over_other_max": "== 0"},
     }
