@@ -50,14 +50,16 @@ async def test_a_recording_has_no_stacks_and_says_so():
         assert "a recording has none" in text_of(app.screen, "#stacks-summary")
 
 
-async def test_a_hung_engines_restart_alert_shows_where_it_hung(tmp_path):
+async def test_a_hung_engines_restart_alert_shows_where_it_hung(tmp_path, monkeypatch):
+    monkeypatch.setenv("VCONSOLE_CACHE", str(tmp_path))    # the hang folder: tmp_path/stacks
     report = stacks.StackReport(4242, stacks.PY_SPY, stacks.ordered([
         stacks.ThreadStack("engine-output", 2, (stacks.Frame("run", "/x/output_thread.py", 9),)),
         stacks.ThreadStack("MainThread", 1, (
             stacks.Frame("hang_here", "/x/vconsole/engine/core.py", 12),
             stacks.Frame("EngineCoreProc.run_busy_loop", "/x/vconsole/engine/process/x.py", 3),
         ))]))
-    path = tmp_path / "hang.txt"
+    path = stacks.hang_dir() / "hang-e-4242-20260101T000000.txt"
+    path.parent.mkdir()
     path.write_text(report.render())
     message = f"engine restarting (1): hung: no step for 3 s in hang_here; stacks: {path}"
     alert = frames("alert", {"name": "engine_restart", "level": "critical", "previous": "ok",

@@ -4,8 +4,11 @@ The engine is found as every client command finds it (the endpoint flags, ``--ba
 its process id read from its ``health`` telemetry; ``--pid`` skips that. The stacks come from
 `vconsole.shared.stacks`: py-spy where the OS allows it to read the engine (``--native`` adds
 C frames and needs it), else the engine's own dump through SIGUSR2. The first line says which
-method was used; the busy loop's thread comes first. Stacks are read on the engine's host: a
-process id from a remote engine is refused with that reason.
+method was used; the busy loop's thread comes first. Stacks are read on the engine's host: the
+engine's ``health`` names its machine (``host``: host name and boot id) and its process's start
+(``pid_start``), and both are checked before either way reads the pid, so a remote engine's
+pid, or a pid reused here by another process, is refused with that reason ("the engine runs on
+HOST, not here: run vconsole stacks there"). ``--pid`` is taken as given.
 
 Exit codes: 0 printed, 1 no stacks (no engine answering, the OS refused; the reason and what to
 change on stderr), 2 a usage error.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 import zmq
 
@@ -31,16 +35,19 @@ def main(args: argparse.Namespace) -> int:
     pid = args.pid
     if pid is not None and pid <= 0:
         return fail("stacks", f"--pid must be a process id, got {pid}", 2)
+    host: Any = None
+    start: int | None = None
     if pid is None:
         try:
-            pid = engine_pid(args.telemetry or DEFAULT_TELEMETRY, args.timeout,
-                             client_curve(args), rank=args.rank)
+            pid, host, start = engine_identity(args.telemetry or DEFAULT_TELEMETRY, args.timeout,
+                                               client_curve(args), rank=args.rank)
         except CurveKeyError as e:
             return fail("stacks", e, 2)
         except LookupError as e:
             return fail("stacks", e)
     try:
-        report = stacks.capture(pid, method=args.method, native=args.native)
+        report = stacks.capture(pid, method=args.method, native=args.native, host=host,
+                                start=start)
     except stacks.StacksError as e:
         return fail("stacks", e)
     if args.json:
@@ -50,10 +57,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def engine_pid(telemetry: str, timeout_s: float, curve: ClientCurve | None = None, *,
-               rank: int | None = None) -> int:
-    """The engine process's id from its ``health`` heartbeat (rank ``rank``'s in a
-    data-parallel group, else the first heard). LookupError says why there is none."""
+def engine_identity(telemetry: str, timeout_s: float, curve: ClientCurve | None = None, *,
+                    rank: int | None = None) -> tuple[int, Any, int | None]:
+    """The engine process's id, machine and start (``pid``, ``host``, ``pid_start``; the last
+    two None from an engine that does not send them) from its ``health`` heartbeat (rank
+    ``rank``'s in a data-parallel group, else the first heard). LookupError says why there is
+    none."""
     w = Watcher(telemetry, zmq.Context.instance(), curve)
     deadline = time.monotonic() + timeout_s
     try:
@@ -68,7 +77,9 @@ def engine_pid(telemetry: str, timeout_s: float, curve: ClientCurve | None = Non
                 raise LookupError(f"the engine on {telemetry} is restarting (no engine process "
                                   "runs right now); try again in a moment")
             if isinstance(body.get("pid"), int):
-                return int(body["pid"])
+                start = body.get("pid_start")
+                return (int(body["pid"]), body.get("host"),
+                        start if isinstance(start, int) else None)
     finally:
         w.close()
     which = f"rank {rank}'s " if rank is not None else ""

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from vconsole.shared.procs import pid_alive
+
 KERNEL_CACHE_ENV = "VCONSOLE_KERNEL_CACHE"
 ENTRY_PREFIX = "paged_attention-"
 BUILDING = "building.json"        # {"pid", "since"}: written by the builder while it builds
@@ -34,16 +36,6 @@ def cache_root(environ: Mapping[str, str] | None = None) -> Path:
     env = environ.get("VCONSOLE_CACHE")
     base = Path(env).expanduser() if env else Path.home() / ".cache" / "vconsole"
     return base / "kernels"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def build_in_progress(root: Path | None = None) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -40,12 +41,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vconsole.shared.procs import host_identity, pid_alive, process_start, same_host
+
+__all__ = ["process_start"]    # re-exported: the engine's dump records its own start
+
 SIGNAL = signal.SIGUSR2
 PYSPY_TIMEOUT_S = 5.0     # one py-spy dump (it reads memory; never slow unless refused)
 PYTHON_WAIT_S = 1.0       # the engine's Python-level answer to the signal
 FAULT_SETTLE_S = 0.2      # then the faulthandler text is complete (it is written in the handler)
 METHODS = ("auto", "py-spy", "signal")
 METHOD_ENV = "VCONSOLE_STACKS_METHOD"   # what "auto" means here (e.g. signal: never ptrace)
+DIR_ENV = "VCONSOLE_STACKS_DIR"         # the live dumps' root instead of $TMPDIR/vconsole-stacks-UID
+HANG_KEEP = 50                          # hang files kept in `hang_dir` (the newest)
 PY_SPY, PYTHON_DUMP, FAULTHANDLER = "py-spy", "signal (engine's Python dump)", "signal (faulthandler)"
 BUSY_LOOP_FUNCTION = "run_busy_loop"
 
@@ -142,7 +149,31 @@ def ordered(threads: Sequence[ThreadStack], main_ident: int | None = None) -> tu
 # --- where an engine keeps its dumps -------------------------------------------------------------
 
 def live_root() -> Path:
+    """``$VCONSOLE_STACKS_DIR`` if set (a test's private folder), else
+    ``$TMPDIR/vconsole-stacks-UID``."""
+    own = os.environ.get(DIR_ENV)
+    if own:
+        return Path(own).expanduser()
     return Path(tempfile.gettempdir()) / f"vconsole-stacks-{os.getuid()}"
+
+
+def untrusted(folder: Path) -> str | None:
+    """Why ``folder`` may not hold dumps (None: it may): it must be a real directory (no
+    symlink), owned by this user and writable by no one else. A shared temp folder lets anyone
+    create the name first; such a folder is refused, never used or removed."""
+    try:
+        st = os.lstat(folder)
+    except OSError as e:
+        return f"{folder}: {e.strerror or e}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{folder} is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{folder} is not a directory"
+    if st.st_uid != os.getuid():
+        return f"{folder} belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"{folder} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 def live_dir(pid: int) -> Path:
@@ -157,19 +188,72 @@ def hang_dir() -> Path:
     return (Path(base).expanduser() if base else Path.home() / ".cache" / "vconsole") / "stacks"
 
 
+HANG_READ_MAX = 1 << 20                 # bytes of a hang file a reader takes at most
+
+
+def prune_hang_files(folder: Path | None = None, keep: int = HANG_KEEP) -> None:
+    """Keep the newest ``keep`` hang files (``hang-*.txt``, regular files) in ``folder``
+    (`hang_dir`); an engine hanging in a loop must not fill the disk."""
+    folder = hang_dir() if folder is None else folder
+    found: list[tuple[float, Path]] = []
+    try:
+        for p in folder.iterdir():
+            if p.name.startswith("hang-") and p.name.endswith(".txt"):
+                with contextlib.suppress(OSError):
+                    st = os.lstat(p)
+                    if stat.S_ISREG(st.st_mode):
+                        found.append((st.st_mtime, p))
+    except OSError:
+        return
+    found.sort(key=lambda x: (x[0], x[1].name), reverse=True)
+    for _, p in found[keep:]:
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
+def read_hang_file(path: str | Path, folder: Path | None = None) -> str | None:
+    """The text of a hang file a message names, or None: only a regular file (no symlink,
+    FIFO or device) directly in ``folder`` (`hang_dir`), at most `HANG_READ_MAX` bytes, opened
+    non-blocking: a name in a telemetry message can never make the reader block or read
+    elsewhere."""
+    folder = hang_dir() if folder is None else folder
+    p = Path(path)
+    try:
+        if os.path.realpath(p.parent) != os.path.realpath(folder):
+            return None
+        if not stat.S_ISREG(os.lstat(p).st_mode):
+            return None
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):      # swapped since the lstat
+            return None
+        return os.read(fd, HANG_READ_MAX).decode(errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 # --- the ways in --------------------------------------------------------------------------------
 
 def capture(pid: int, *, method: str = "auto", native: bool = False,
-            python_wait_s: float = PYTHON_WAIT_S) -> StackReport:
+            python_wait_s: float = PYTHON_WAIT_S, host: Any = None,
+            start: int | None = None) -> StackReport:
     """Every thread of process ``pid`` (see the module docstring). ``native``: C frames too,
     which needs py-spy. ``auto`` is ``$VCONSOLE_STACKS_METHOD`` when set (the supervisor's hang
-    captures follow it too). Raises `StacksError` with the reason and what to change."""
+    captures follow it too). ``host`` and ``start``: the engine's ``health`` fields ``host`` and
+    ``pid_start``; when given, a pid of another machine, or a pid reused by another process
+    here, is refused before either way reads it (`check_identity`). Raises `StacksError` with
+    the reason and what to change."""
     if method == "auto":
         method = os.environ.get(METHOD_ENV, "").strip() or "auto"
     if method not in METHODS:
         raise StacksError(f"unknown stacks method {method!r} (--method, ${METHOD_ENV}): one "
                           f"of {', '.join(METHODS)}")
-    if not _exists(pid):
+    check_identity(pid, host, start)
+    if not pid_alive(pid):
         raise StacksError(f"no process {pid} on this machine (stacks are read locally: run "
                           "this on the engine's host)")
     if native and method == "signal":
@@ -188,6 +272,24 @@ def capture(pid: int, *, method: str = "auto", native: bool = False,
         report = StackReport(report.pid, report.method, report.threads, report.taken_ts,
                              f"{report.note}; {note}" if report.note else note)
     return report
+
+
+def check_identity(pid: int, host: Any = None, start: int | None = None) -> None:
+    """Refuse (`StacksError`) unless pid ``pid`` here is the engine that reported ``host``
+    (`vconsole.shared.procs.host_identity`) and ``start`` (its process start); None: not
+    known (an engine older than these fields, or ``--pid``), not checked."""
+    if host is not None and not same_host(host):
+        name = host.get("name") if isinstance(host, dict) else None
+        here = host_identity()["name"]
+        where = (f"the engine runs on {name}, not here ({here})" if name and name != here
+                 else f"the engine runs on another machine (or boot) than this one ({here})")
+        raise StacksError(f"{where}: run vconsole stacks there (stacks are read on the "
+                          f"engine's host; pid {pid} here is another process)")
+    if start is not None:
+        here_start = process_start(pid)
+        if here_start != start:
+            raise StacksError(f"pid {pid} is not the engine that reported it (that process "
+                              "exited and its pid was reused, or it is gone); not reading it")
 
 
 def pyspy_binary() -> str | None:
@@ -268,6 +370,8 @@ def signal_dump(pid: int, *, python_wait_s: float = PYTHON_WAIT_S) -> StackRepor
     """Ask engine ``pid`` to dump its own stacks (SIGUSR2; see the module docstring)."""
     folder = live_dir(pid)
     fault, js = folder / FAULT_FILE, folder / JSON_FILE
+    if folder.exists() and (why := untrusted(live_root()) or untrusted(folder)):
+        raise StacksError(f"not trusting the stack dump folder of pid {pid}: {why}")
     if not fault.exists():
         raise StacksError(f"pid {pid} has no stack dump handler ({folder} is missing): it is "
                           "not a vconsole engine process, or one started before this version")
@@ -330,16 +434,6 @@ def parse_faulthandler(text: str, names: dict[int, str]) -> list[ThreadStack]:
 
 # --- small helpers ------------------------------------------------------------------------------
 
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -369,16 +463,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def _json_seq(path: Path) -> int:
     data = _read_json(path)
     return int(data.get("seq", 0)) if data else 0
-
-
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat field 22): with
-    the pid, it names one process for good. None where it cannot be read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[-1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _proc_state(pid: int) -> str:

@@ -5,6 +5,7 @@ says which, and why when py-spy was refused."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -79,11 +80,19 @@ TOY = textwrap.dedent('''
 ''')
 
 
+@pytest.fixture
+def private_root(tmp_path, monkeypatch):
+    """The test's own dump root (inherited by its processes), not the one in /tmp that other
+    engines on this machine share."""
+    monkeypatch.setenv(stacks.DIR_ENV, str(tmp_path / "stacks-root"))
+
+
 @pytest.mark.proc
-def test_a_loop_stuck_in_native_code_still_answers_through_faulthandler():
+def test_a_loop_stuck_in_native_code_still_answers_through_faulthandler(private_root):
     gone = subprocess.Popen(["true"])
     gone.wait()
-    stacks.live_dir(gone.pid).mkdir(parents=True)        # an engine killed without cleanup
+    stacks.live_dir(gone.pid).mkdir(parents=True, mode=0o700)   # killed without cleanup
+    os.chmod(stacks.live_root(), 0o700)
     proc = subprocess.Popen([sys.executable, "-c", TOY], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
@@ -125,12 +134,13 @@ def test_faulthandler_text_is_read_with_the_names_last_seen():
                                                 "/x/vconsole/engine/process/core_proc.py", 250)
 
 
-def test_a_reused_pid_is_never_signalled():
+def test_a_reused_pid_is_never_signalled(private_root):
     """A killed engine's folder outlives it; a new process that got its pid is left alone."""
     proc = subprocess.Popen(["sleep", "30"])
     folder = stacks.live_dir(proc.pid)
     try:
-        folder.mkdir(parents=True)
+        folder.mkdir(parents=True, mode=0o700)
+        os.chmod(folder.parent, 0o700)
         (folder / stacks.FAULT_FILE).write_text("")
         (folder / stacks.NAMES_FILE).write_text(json.dumps({"main": 1, "start": 1, "names": {}}))
         with pytest.raises(stacks.StacksError, match="pid reused"):

@@ -8,7 +8,8 @@ message sits below the table, since a long one does not fit a row at 80 columns.
 outcome of advice applied from this console are listed too; they are events, never active.
 A restart of a hung engine names the file its supervisor wrote the stacks into (``stacks:
 PATH``); when that file is readable here (the console on the engine's host), the detail adds
-the busy loop's innermost frames from it: where the engine hung.
+the busy loop's innermost frames from it: where the engine hung. Only a regular file in
+the hang folder (`vconsole.shared.stacks.hang_dir`) is read, size-capped and non-blocking.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from vconsole.console.screens.base import row_table
 from vconsole.console.screens.filtered import FilteredScreen
 from vconsole.console.state import ALERT_HISTORY, Alert, ConsoleState
 from vconsole.console.widgets.chrome import Frame
+from vconsole.shared import stacks
 from vconsole.telemetry.printable import printable
 
 LEVEL_STYLE = {"critical": "bold red", "warning": "yellow", "ok": "green"}
@@ -43,13 +45,13 @@ def stacks_path(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def busy_loop_frames(path: str, limit: int = 3) -> list[str]:
+def busy_loop_frames(path: str, limit: int = 3, folder: Path | None = None) -> list[str]:
     """``function (file:line)`` of the busy loop's innermost frames in a stacks file (the
     first thread: `vconsole.shared.stacks.StackReport.render` puts it there); [] when the file
-    cannot be read here."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
+    cannot be read here. Only a regular file in the hang folder is read
+    (`vconsole.shared.stacks.read_hang_file`): the path comes from a telemetry message."""
+    text = stacks.read_hang_file(path, folder)
+    if text is None:
         return []
     frames: list[str] = []
     in_first = False

@@ -6,8 +6,11 @@ from the engine's ``health``) through `vconsole.shared.stacks` — py-spy where 
 the engine, else the engine's own SIGUSR2 dump — and the screen shows them, the busy loop's
 thread on top, each thread's name and then its frames (function, file:line), innermost first.
 The line above says which method read them and when; where the OS refused py-spy it says what to
-change. ``r`` reads them again now. Stacks are read on the engine's host: a console attached to
-a remote engine, or to a recording, says so instead.
+change. ``r`` reads them again now. Stacks are read on the engine's host: the engine's health
+names its machine and its process's start (``host``, ``pid_start``), checked before the pid is
+read (`vconsole.shared.stacks.check_identity`), so a console attached to a remote engine says
+so ("the engine runs on HOST, not here") instead of showing a local process; a recording has
+none.
 """
 
 from __future__ import annotations
@@ -30,15 +33,19 @@ from vconsole.shared import stacks
 REFRESH_S = 2.0
 
 
-def engine_pid(frame: Frame) -> int | None:
-    """The watched engine process's id, from its health (None before the first heartbeat or
-    while its supervisor restarts it)."""
+def engine_identity(frame: Frame) -> tuple[int, Any, int | None] | None:
+    """(pid, host, pid_start) of the watched engine process from its health (host and start
+    None from an engine that does not send them); None before the first heartbeat or while its
+    supervisor restarts it."""
     eng = frame.engine
     if eng is None:
         return None
     health = eng.latest.get("health", {})
     pid = health.get("pid")
-    return pid if isinstance(pid, int) and health.get("state") != "restarting" else None
+    if not isinstance(pid, int) or health.get("state") == "restarting":
+        return None
+    start = health.get("pid_start")
+    return pid, health.get("host"), start if isinstance(start, int) else None
 
 
 def report_lines(report: stacks.StackReport, width: int) -> list[str]:
@@ -70,6 +77,7 @@ class StacksScreen(ConsoleScreen):
         self.report: stacks.StackReport | None = None
         self.error: str | None = None
         self.pid: int | None = None
+        self.ident: tuple[int, Any, int | None] | None = None
         self.fetching = False
         self._last_fetch = 0.0
         self._shown: tuple[Any, ...] = ()
@@ -85,30 +93,33 @@ class StacksScreen(ConsoleScreen):
     # --- data ------------------------------------------------------------------------------
 
     def apply(self, frame: Frame, state: ConsoleState) -> None:
-        pid = engine_pid(frame) if frame.live else None
-        if pid != self.pid:
-            self.pid, self.report, self.error = pid, None, None
+        ident = engine_identity(frame) if frame.live else None
+        pid = ident[0] if ident is not None else None
+        if pid != self.pid or ident != self.ident:
+            self.pid, self.ident, self.report, self.error = pid, ident, None, None
             self._last_fetch = 0.0
         now = time.monotonic()
-        if (pid is not None and not frame.paused and not self.fetching
+        if (ident is not None and not frame.paused and not self.fetching
                 and now - self._last_fetch >= REFRESH_S):
-            self._fetch(pid)
+            self._fetch(ident)
         self._draw(frame)
 
     def action_refresh(self) -> None:
-        if self.pid is not None and not self.fetching:
-            self._fetch(self.pid)
+        if self.ident is not None and not self.fetching:
+            self._fetch(self.ident)
 
-    def _fetch(self, pid: int) -> None:
+    def _fetch(self, ident: tuple[int, Any, int | None]) -> None:
         self.fetching = True
         self._last_fetch = time.monotonic()
-        self.run_worker(lambda: self._read(pid), thread=True, group="stacks", exclusive=True)
+        self.run_worker(lambda: self._read(ident), thread=True, group="stacks", exclusive=True)
 
-    def _read(self, pid: int) -> None:
-        """Worker thread: read the stacks, hand them to the UI thread."""
+    def _read(self, ident: tuple[int, Any, int | None]) -> None:
+        """Worker thread: read the stacks (the engine's machine and start checked first),
+        hand them to the UI thread."""
+        pid, host, start = ident
         report, error = None, None
         try:
-            report = stacks.capture(pid)
+            report = stacks.capture(pid, host=host, start=start)
         except stacks.StacksError as e:
             error = str(e)
         except Exception as e:  # never take the console down

@@ -14,8 +14,14 @@ supervisor's hang watchdog and `vconsole stacks` can read the stacks where py-sp
   and by `refresh_names`).
 
 Cost: nothing until a signal comes; a dump holds the busy loop for about a millisecond.
+The handler never raises into the code it interrupted (a failed dump is counted in ``errors``)
+and a signal arriving during a dump is ignored; it takes no lock (thread names are copied from
+``threading``'s registries, not through ``threading.enumerate``).
 Invariant: the folder exists only while the handler is installed (removed at exit), since its
-existence is what lets a reader send the signal at all.
+existence is what lets a reader send the signal at all. The root (``$TMPDIR/vconsole-stacks-UID``,
+or ``$VCONSOLE_STACKS_DIR``) and the folder are created 0700 and used only when they are real
+directories of this user that no one else may write (no dump otherwise); the sweep of dead
+engines' folders removes only folders holding nothing but the dump's files.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import atexit
 import contextlib
 import faulthandler
 import json
+import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -33,6 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from vconsole.shared.procs import pid_alive, process_start
 from vconsole.shared.stacks import (
     FAULT_FILE,
     JSON_FILE,
@@ -40,8 +47,12 @@ from vconsole.shared.stacks import (
     SIGNAL,
     live_dir,
     live_root,
-    process_start,
+    untrusted,
 )
+
+log = logging.getLogger(__name__)
+OUR_FILES = frozenset({FAULT_FILE, JSON_FILE, NAMES_FILE} | {f + ".tmp" for f in (JSON_FILE,
+                                                                                 NAMES_FILE)})
 
 _installed: StackDumper | None = None
 
@@ -53,8 +64,17 @@ class StackDumper:
         self.main = threading.main_thread().ident
         self.pid = os.getpid()
         self.start = process_start(os.getpid())     # a reader tells a reused pid by it
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(folder.parent, 0o700)
+        self._busy = False
+        self.errors = 0                             # dumps that failed (never raised)
+        root = folder.parent
+        with contextlib.suppress(FileExistsError):
+            root.mkdir(parents=True, mode=0o700)
+        if why := untrusted(root):
+            raise UntrustedFolder(why)
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+        if why := untrusted(folder):
+            raise UntrustedFolder(why)
         self._fault: IO[bytes] = open(folder / FAULT_FILE, "ab")  # noqa: SIM115 - until close
         self.refresh_names()
         signal.signal(SIGNAL, self._on_signal)     # first: faulthandler chains to it
@@ -62,30 +82,43 @@ class StackDumper:
 
     def refresh_names(self) -> None:
         """Write the thread names by id (for the C-level dump, which knows ids only)."""
-        names = {str(t.ident): t.name for t in threading.enumerate() if t.ident is not None}
         _write_atomic(self.folder / NAMES_FILE, {"main": self.main, "start": self.start,
-                                                 "names": names})
+                                                 "names": {str(k): v for k, v in
+                                                           _thread_names().items()}})
 
     def _on_signal(self, _signum: int, interrupted: FrameType | None) -> None:
-        with contextlib.suppress(OSError):
-            self.seq += 1
-            names = {t.ident: t.name for t in threading.enumerate()}
-            here = threading.get_ident()
-            threads = []
-            for ident, frame in sys._current_frames().items():
-                frames = []
-                # This thread: from the frame the signal interrupted, not this handler's.
-                f: FrameType | None = interrupted if ident == here else frame
-                while f is not None:
-                    frames.append({"function": f.f_code.co_qualname,
-                                   "file": f.f_code.co_filename, "line": f.f_lineno or 0})
-                    f = f.f_back
-                threads.append({"name": names.get(ident, f"thread {ident:#x}"),
-                                "ident": ident, "frames": frames})
-            _write_atomic(self.folder / JSON_FILE,
-                          {"seq": self.seq, "main": self.main, "threads": threads})
-            self._fault.truncate(0)
-            self.refresh_names()
+        """Never raises, never runs twice at once: it interrupts the busy loop anywhere (a
+        signal storm nests it in itself), so a failed dump is counted, not thrown."""
+        if self._busy:
+            return
+        self._busy = True
+        try:
+            self._dump(interrupted)
+        except BaseException:   # noqa: BLE001 - RecursionError, a reentrant file call, ...
+            self.errors += 1
+        finally:
+            self._busy = False
+
+    def _dump(self, interrupted: FrameType | None) -> None:
+        self.seq += 1
+        names = _thread_names()
+        here = threading.get_ident()
+        threads = []
+        for ident, frame in sys._current_frames().items():
+            frames = []
+            # This thread: from the frame the signal interrupted, not this handler's.
+            f: FrameType | None = interrupted if ident == here else frame
+            while f is not None:
+                frames.append({"function": f.f_code.co_qualname,
+                               "file": f.f_code.co_filename, "line": f.f_lineno or 0})
+                f = f.f_back
+            threads.append({"name": names.get(ident, f"thread {ident:#x}"),
+                            "ident": ident, "frames": frames})
+        _write_atomic(self.folder / JSON_FILE,
+                      {"seq": self.seq, "main": self.main, "threads": threads})
+        self._fault.truncate(0)
+        _write_atomic(self.folder / NAMES_FILE, {"main": self.main, "start": self.start,
+                                                 "names": {str(k): v for k, v in names.items()}})
 
     def close(self) -> None:
         if os.getpid() != self.pid:     # a forked child exiting: the folder is the parent's
@@ -94,12 +127,13 @@ class StackDumper:
             faulthandler.unregister(SIGNAL)
             signal.signal(SIGNAL, signal.SIG_IGN)
         self._fault.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        _remove_ours(self.folder)
 
 
 def install() -> StackDumper | None:
     """Install the handler for this process (once; main thread only). None where it cannot
-    be (not the main thread, an unwritable temp folder): stacks then need py-spy."""
+    be (not the main thread, an unwritable temp folder, a folder someone else could have
+    planted: `vconsole.shared.stacks.untrusted`): stacks then need py-spy."""
     global _installed
     if _installed is not None:
         return _installed
@@ -108,6 +142,9 @@ def install() -> StackDumper | None:
     _sweep_dead()
     try:
         _installed = StackDumper(live_dir(os.getpid()))
+    except UntrustedFolder as e:
+        log.warning("no SIGUSR2 stack dumps (stacks then need py-spy): %s", e)
+        return None
     except OSError:
         return None
     atexit.register(_installed.close)
@@ -124,25 +161,64 @@ def refresh_names() -> None:
 
 def remove_dead(pid: int) -> None:
     """A killed engine (SIGKILL) could not clean up: its supervisor removes the folder."""
-    shutil.rmtree(live_dir(pid), ignore_errors=True)
+    _remove_ours(live_dir(pid))
 
 
 def _sweep_dead() -> None:
     """Remove the folders of engines that died without cleaning up (SIGKILL with no
-    supervisor left to do it): a stale folder could otherwise outlive its pid."""
+    supervisor left to do it): a stale folder could otherwise outlive its pid. Only in a
+    trusted root, and only folders that are ours (`_remove_ours`)."""
+    root = live_root()
+    if untrusted(root) is not None:
+        return
     try:
-        entries = list(live_root().iterdir())
+        entries = list(root.iterdir())
     except OSError:
         return
     for folder in entries:
-        if not folder.name.isdigit():
-            continue
-        try:
-            os.kill(int(folder.name), 0)
-        except ProcessLookupError:
-            shutil.rmtree(folder, ignore_errors=True)
-        except (PermissionError, OverflowError):
-            pass
+        if folder.name.isdigit() and not pid_alive(int(folder.name)):
+            _remove_ours(folder)
+
+
+def _remove_ours(folder: Path) -> None:
+    """Remove a dump folder if it is one: a real directory of this user's holding nothing but
+    the dump's own files (never follows a link, never removes anything else)."""
+    if untrusted(folder.parent) is not None or untrusted(folder) is not None:
+        return
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    if not set(names) <= OUR_FILES:
+        return
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(folder / name)        # unlink never follows a link
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+def _thread_names() -> dict[int, str]:
+    """Thread names by id without `threading.enumerate`, which takes a lock the interrupted
+    main thread may hold (a signal handler taking it again would deadlock): copies of the
+    module's registries, read without the lock."""
+    out: dict[int, str] = {}
+    for registry in (getattr(threading, "_limbo", {}), getattr(threading, "_active", {})):
+        for _ in range(3):          # a dict changed by another thread while copied: again
+            try:
+                items = list(registry.items())
+                break
+            except RuntimeError:
+                items = []
+        for key, t in items:
+            ident = getattr(t, "ident", None)
+            if isinstance(ident, int):
+                out[ident] = str(getattr(t, "name", key))
+    return out
+
+
+class UntrustedFolder(OSError):
+    """The dump folder may have been planted by someone else: not used."""
 
 
 def _write_atomic(path: Path, data: dict[str, Any]) -> None:

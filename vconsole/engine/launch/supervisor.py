@@ -333,6 +333,7 @@ class EngineSupervisor:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(f"engine {self.engine_id} (pid {pid}) {self._hung}{where}\n{text}\n")
+            stacks.prune_hang_files(path.parent)    # the newest stacks.HANG_KEEP stay
         except OSError as e:
             log.error("could not write the stacks to %s: %s", path, e)
             return where

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from vconsole.shared.procs import host_identity, process_start
 from vconsole.shared.stats import KVStats, RequestTable, SchedulerStats, StepStats
 from vconsole.telemetry import schema
 
@@ -69,10 +70,15 @@ def health_body(state: str, *, uptime_s: float, steps: int, interval_s: float,
     ``restart_reason``: how often the supervisor restarted this engine and why it did the last
     time (0 and None: never restarted, or not supervised). ``telemetry_errors``: telemetry
     failures this engine process survived (`vconsole.engine.telemetry_guard`, and this
-    publisher's own loop)."""
+    publisher's own loop). ``host`` and ``pid_start`` name the process ``pid`` for good (the
+    machine and boot, the process's start): a reader of its stacks checks them
+    (`vconsole.shared.stacks.check_identity`); read here, so a publisher running in a child
+    process of the engine (same machine) reports the engine's."""
+    pid = os.getpid() if pid is None else pid
     return {
         "state": state, "uptime_s": uptime_s, "steps": steps, "interval_s": interval_s,
-        "pid": os.getpid() if pid is None else pid, "started_ts": started_ts,
+        "pid": pid, "host": dict(host_identity()), "pid_start": process_start(pid),
+        "started_ts": started_ts,
         "send_drops": send_drops, "steps_dropped": steps_dropped,
         "alerts_active": {} if alerts_active is None else alerts_active,
         "last_step_age_s": last_step_age_s,

@@ -52,7 +52,6 @@ from vconsole.engine.kernel_cache import (  # noqa: F401  (re-exported: one plac
     ENTRY_PREFIX,
     build_in_progress,
     cache_root,
-    pid_alive,
 )
 from vconsole.engine.worker import file_lock
 
