@@ -65,11 +65,28 @@ def run_one_request(core: EngineCore, rid: str) -> int:
     return steps
 
 
-def test_ranges_are_no_ops_while_off(core, recorder):
+def test_ranges_are_no_ops_while_off(core, recorder, monkeypatch):
+    """Both ways NVTX could be reached lead to the recorder while the key is off: the backend
+    (`use_backend`) and CUDA's own module (``torch.cuda.nvtx``, bound to the recorder's
+    functions here), so an off path that pushed any range would be seen."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", recorder.range_push)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", recorder.range_pop)
+    torch.cuda.nvtx.range_push("probe")
+    torch.cuda.nvtx.range_pop()
+    assert recorder.calls == ["push probe", "pop"], "the recorder sees CUDA's NVTX calls"
+    recorder.calls.clear()
     assert not core.config.nvtx
-    run_one_request(core, "off")
-    assert recorder.calls == []
+    steps = run_one_request(core, "off")
+    assert steps == 3 and recorder.calls == []
     assert nvtx.push is nvtx._push_nothing and not nvtx.ON
+    assert core.apply_config({"nvtx": True}).applied          # the same bindings, on: seen
+    try:
+        run_one_request(core, "on-once")
+    finally:
+        assert core.apply_config({"nvtx": False}).applied
+    assert recorder.calls.count("push step") == 3
 
 
 def test_turned_on_hot_every_phase_and_layer_is_a_balanced_range(core, recorder):

@@ -94,8 +94,8 @@ class StackDumper:
         self._busy = True
         try:
             self._dump(interrupted)
-        except BaseException:   # noqa: BLE001 - RecursionError, a reentrant file call, ...
-            self.errors += 1
+        except Exception:   # noqa: BLE001 - RecursionError, a reentrant file call, ...
+            self.errors += 1    # (KeyboardInterrupt / SystemExit of a nested handler pass)
         finally:
             self._busy = False
 

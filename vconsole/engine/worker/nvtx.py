@@ -1,9 +1,13 @@
 """NVTX ranges for Nsight Systems: the step's phases and each decoder layer, named on the timeline.
 
 With the hot key ``nvtx`` on (``--set nvtx=true``) on a CUDA engine, `EngineCore.step` wraps
-``step``, ``schedule``, ``execute`` and ``update`` and the fused decoder wraps each layer
-(``layer 0`` …) and ``lm_head`` in NVTX ranges, so ``nsys profile -t cuda,nvtx`` shows where
-every kernel of a step belongs. `capture_start` / `capture_stop` are
+``step``, ``schedule``, ``execute`` and ``update`` in NVTX ranges, and, inside ``execute``, the
+fused decoder (`vconsole.engine.worker.fused_decoder`, the Llama family's forward) wraps each
+layer (``layer 0`` …), so ``nsys profile -t cuda,nvtx`` shows where every kernel of a step
+belongs. Layer ranges exist only on that fused path: a model run through transformers' own
+forward (another architecture, ``VCONSOLE_FORWARD=transformers``) has the four phase ranges
+only. The final norm and the logits (``lm_head``) have no range of their own: they fall in
+``execute``. `capture_start` / `capture_stop` are
 ``cudaProfilerStart/Stop``: with ``nsys profile --capture-range=cudaProfilerApi`` only the steps
 between them are recorded (`vconsole profile --nsys`, `vconsole.engine.process.profile_book`).
 
@@ -81,7 +85,8 @@ def configure(on: bool, device_type: str) -> bool:
     else:
         push, pop = _push_nothing, _pop_nothing
     if on != ON:
-        log.info("NVTX ranges %s", "on (step, schedule, execute, update, each layer)"
+        log.info("NVTX ranges %s", "on (step, schedule, execute, update; each layer on the "
+                 "fused decoder)"
                  if on else "off")
     ON = on
     return on
