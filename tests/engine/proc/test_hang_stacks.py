@@ -7,6 +7,11 @@ once the test creates a trigger file, its next model execution sleeps forever in
 ``hang_in_the_injected_fault``. The watchdog then sees work pending and no step. The capture
 goes through the engine's own SIGUSR2 dump (``VCONSOLE_STACKS_METHOD=signal``), the way that
 works on every machine (py-spy needs ptrace; `test_stacks` reads a live engine both ways).
+
+The hang timeout (`HANG_TIMEOUT_S`) is several seconds, not one: on a loaded 2-core machine a
+pause of the engine before it reaches the injected function (a scheduling gap, a GC) must not be
+taken for the hang, or the reason names another function. The dump folders are the test's own
+(``$VCONSOLE_STACKS_DIR``), not the one other engines on this machine share.
 """
 
 from __future__ import annotations
@@ -43,24 +48,28 @@ if "--supervised-child" in sys.argv:
     model_runner.ModelRunner.execute_model = execute_model
 '''
 
+HANG_TIMEOUT_S = 5.0
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "64", "--block-size", "16",
-               "--set", "heartbeat_interval_s=0.2", "--hang-timeout", "1.5",
+               "--set", "heartbeat_interval_s=0.2", "--hang-timeout", str(HANG_TIMEOUT_S),
                "--restart-backoff", "1"]
 
 
 @pytest.mark.proc
 @pytest.mark.slow
-def test_a_hung_engine_leaves_its_stacks_in_the_log_the_file_and_the_restart_event(tmp_path):
+def test_a_hung_engine_leaves_its_stacks_in_the_log_the_file_and_the_restart_event(
+        tmp_path, monkeypatch):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOOK)
     trigger = tmp_path / "hang-now"
     cache = tmp_path / "cache"
+    monkeypatch.setenv(stacks.DIR_ENV, str(tmp_path / "stacks-root"))   # the engine's, too
     engine = EngineProcess(ENGINE_ARGS, endpoints=ipc_endpoints(tmp_path),
                            log_path=tmp_path / "engine.log",
                            env={"PYTHONPATH": str(hook), "VCONSOLE_CACHE": str(cache),
                                 "VCONSOLE_TEST_HANG_TRIGGER": str(trigger),
-                                stacks.METHOD_ENV: "signal"})
+                                stacks.METHOD_ENV: "signal",
+                                stacks.DIR_ENV: str(tmp_path / "stacks-root")})
     with engine:
         first = read_ready_file(engine.ready_path)["child_pid"]
         telemetry = Telemetry(engine.endpoints["telemetry"])
