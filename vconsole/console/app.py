@@ -282,6 +282,11 @@ class VConsoleApp(App[None]):
         self.refresh_view(force=True)
 
     def action_toggle_recording(self) -> None:
+        if self.steering.readonly_reason == "--readonly":
+            # A read-only console (a browser tab without the token) writes nothing to disk.
+            self.notify("not recorded: --readonly writes no files (run the console without "
+                        "--readonly to record)", title="Record", severity="error")
+            return
         said, ok = self.source.toggle_recording(self.record_dir)
         self.notify(said, title="Record", severity="information" if ok else "error")
         if ok:

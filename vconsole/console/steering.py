@@ -90,10 +90,13 @@ class Steering:
         a vLLM server — ``source_readonly`` says why), the key from ``control_key`` or its file,
         and the read-only reason if any."""
         path = None
+        if readonly:
+            control_key = None      # --readonly holds no key at all, not only a UI that hides it
         if control is None and control_endpoint and not source_readonly:
-            path = key_file_for(control_endpoint, control_key_file)
-            if control_key is None:
-                control_key = load_control_key(control_endpoint, path)
+            if not readonly:
+                path = key_file_for(control_endpoint, control_key_file)
+                if control_key is None:
+                    control_key = load_control_key(control_endpoint, path)
             control = ControlLink(control_endpoint, timeout_s=timeout_s, key=control_key,
                                   key_file=path, curve=curve)
         if readonly:
