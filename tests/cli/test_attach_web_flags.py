@@ -63,10 +63,25 @@ def test_a_tab_runs_attach_with_this_commands_way_to_the_engine(tmp_path, monkey
     assert pairs == {"--telemetry": "tcp://127.0.0.1:6002", "--control": "tcp://127.0.0.1:6003",
                      "--extra-telemetry": "tcp://127.0.0.1:7002",
                      "--control-key-file": os.path.join(tmp_path, "k.key")}
-    web = WebConsole(argv, token="t")
+    token = "tok-Zq8vXw3-distinctive-7741"
+    web = WebConsole(argv, token=token)
     assert web.command_for(True).split()[-1] != "--readonly"
     assert web.command_for(False).endswith(" --readonly")       # a tab without the token
-    assert "t" not in web.command_for(True).split()             # the token is no argument
+    for steer in (True, False):                                 # the token is no argument
+        assert token not in web.command_for(steer)
+        assert not any(token in a for a in web.argv_for(steer))
+    # nor in a console's environment (the live one: tests/cli/test_attach_web_server.py)
+    from textual_serve.download_manager import DownloadManager
+
+    from vconsole.console.web import ConsoleProcess
+
+    async def nothing(*_: object) -> None:
+        return None
+
+    env = ConsoleProcess(web.argv_for(True), write_bytes=nothing, write_str=nothing,
+                         close=nothing, download_manager=DownloadManager()
+                         )._build_environment(80, 24)
+    assert not any(token in k or token in v for k, v in env.items())
 
 
 def test_readonly_makes_every_tab_read_only():
@@ -87,6 +102,11 @@ def test_a_bad_flag_is_said_once_at_start(tmp_path, capsys):
     assert main(["attach", "--web", "--vllm", "http://127.0.0.1:8000",
                  "--kv-events", "tcp://127.0.0.1:x"]) == 2
     assert "--kv-events" in capsys.readouterr().err
+    assert main(["attach", "--web", "--vllm", "ftp://127.0.0.1:8000"]) == 2
+    err = capsys.readouterr().err
+    assert "--vllm: not an http(s) URL" in err and len(err.strip().splitlines()) == 1
+    assert main(["attach", "--vllm", "ftp://127.0.0.1:8000"]) == 2      # the same without --web
+    assert "--vllm: not an http(s) URL" in capsys.readouterr().err
     assert main(["attach", "--web", "--curve-server-public", str(tmp_path / "none.key"),
                  "--curve-client-key", str(tmp_path / "none.key_secret")]) == 2
     assert "vconsole attach:" in capsys.readouterr().err

@@ -9,11 +9,15 @@ import secrets
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
+
+if TYPE_CHECKING:
+    from vconsole.console.sources.vllm import VllmSource
 
 
 def main(args: argparse.Namespace) -> int:
@@ -45,19 +49,33 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _attach_vllm(args: argparse.Namespace) -> int:
-    from vconsole.console.app import VConsoleApp
+def _vllm_source(args: argparse.Namespace) -> VllmSource:
+    """The `VllmSource` the flags name (nothing is contacted yet); ValueError saying what is
+    wrong with ``--vllm`` or a ``--kv-events*`` endpoint."""
     from vconsole.console.sources.vllm import VllmSource
     from vconsole.telemetry.kv_wire import offset_endpoint
 
-    try:
-        for ep in (getattr(args, "kv_events", None), getattr(args, "kv_events_replay", None)):
-            if ep:
+    for flag in ("kv_events", "kv_events_replay"):
+        ep = getattr(args, flag, None)
+        if ep:
+            try:
                 offset_endpoint(ep, 1)   # rank r listens on port + r: it needs a port
-        source = VllmSource(args.vllm, kv_events=getattr(args, "kv_events", None),
-                            kv_events_replay=getattr(args, "kv_events_replay", None))
+            except ValueError as e:
+                raise ValueError(f"--{flag.replace('_', '-')}: {e}") from None
+    try:
+        return VllmSource(args.vllm, kv_events=getattr(args, "kv_events", None),
+                          kv_events_replay=getattr(args, "kv_events_replay", None))
     except ValueError as e:
-        return fail("attach", f"--vllm: {e}", 2)
+        raise ValueError(f"--vllm: {e}") from None
+
+
+def _attach_vllm(args: argparse.Namespace) -> int:
+    from vconsole.console.app import VConsoleApp
+
+    try:
+        source = _vllm_source(args)
+    except ValueError as e:
+        return fail("attach", e, 2)
     VConsoleApp(source=source, readonly=bool(getattr(args, "readonly", False))).run()
     return 0
 
@@ -95,14 +113,10 @@ def _attach_web(args: argparse.Namespace) -> int:
 
     # A wrong flag is said once, here, not by every tab's console as it dies.
     if getattr(args, "vllm", None):
-        from vconsole.telemetry.kv_wire import offset_endpoint
-
         try:
-            for ep in (getattr(args, "kv_events", None), getattr(args, "kv_events_replay", None)):
-                if ep:
-                    offset_endpoint(ep, 1)
+            _vllm_source(args)           # built and dropped: the tabs' consoles build their own
         except ValueError as e:
-            return fail("attach", f"--kv-events: {e}", 2)
+            return fail("attach", e, 2)
     else:
         try:
             client_curve(args)
