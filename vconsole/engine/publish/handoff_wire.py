@@ -5,9 +5,8 @@ the publisher process must rebuild exactly the objects an in-process `Inbox` wou
 handed. So the two hot messages are cheap to pack: a snapshot is one small pickle (the
 scheduler and KV dataclasses without their big parts, the steps since the last one as plain
 tuples) plus raw frames — every numpy column of the request table and the KV block map out of
-band (pickle protocol 5 buffers: a memcpy each, no per-row Python), and the request ids joined
-into one string (one C pass; a list pickled instead in the rare case an id holds the
-separator). Everything else (config, latency, dp, wave, errors, state) is rare and small: a
+band (pickle protocol 5 buffers: a memcpy each, no per-row Python), and the request ids as
+what changed since the last snapshot (`handoff_ids`), or joined into one string. Everything else (config, latency, dp, wave, errors, state) is rare and small: a
 pickle each.
 
 Frames: ``[kind, pickle, *raw]``; a snapshot's are ``[kind, steps, head, *bulk]``, or with
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from vconsole.engine.publish.handoff_ids import IdsDecoder, IdsEncoder
 from vconsole.engine.publish.handoff_ring import HandoffRing
 from vconsole.shared.stats import (
     REQUEST_NUMERIC,
@@ -51,7 +51,6 @@ READY = b"ready"
 FAILED = b"failed"
 CLOSED = b"closed"
 
-ID_SEP = "\0"
 # What a step record carries across: the fields the ``step`` topic aggregates and the end of
 # the step (`StepStats.start_ns` + ``total_ns``, monotonic: one clock for both processes).
 STEP_FIELDS = ("schedule_ns", "execute_ns", "update_ns", "total_ns", "num_prefill_tokens",
@@ -95,28 +94,27 @@ class Snapshot:
     steps: Steps | None      # crosses in its own frame: a snapshot dropped keeps its steps
 
 
-def snapshot_frames(snap: Snapshot, ring: HandoffRing | None = None) -> list[Any]:
-    """Frames for one snapshot, its bulk in ``ring`` when it fits. Replaces a list of rows
-    by a `RequestTable` (objects handed to the publisher belong to it)."""
+def snapshot_frames(snap: Snapshot, ring: HandoffRing | None = None,
+                    ids: IdsEncoder | None = None) -> list[Any]:
+    """Frames for one snapshot, its bulk in ``ring`` when it fits, its ids through ``ids``
+    (None: whole). Replaces a list of rows by a `RequestTable` (objects handed to the
+    publisher belong to it)."""
     steps, snap.steps = snap.steps, None
     sched = snap.sched
     if not isinstance(sched.requests, RequestTable) and sched.requests:
         sched.requests = as_table(sched.requests)
     rows = sched.requests
-    ids_blob: bytes | None = None
+    ids_frame = b""
     if isinstance(rows, RequestTable):
-        ids = rows.columns["id"]
-        joined = ID_SEP.join(ids)
-        if len(ids) <= 1 or joined.count(ID_SEP) == len(ids) - 1:
-            ids_blob = joined.encode("utf-8", "surrogatepass")
-            sched.requests = RequestTable({**rows.columns, "id": None})
+        encoder = ids if ids is not None else IdsEncoder()
+        ids_frame = pickle.dumps(encoder.encode(rows.columns["id"]), protocol=5)
+        sched.requests = RequestTable({**rows.columns, "id": None})
     raw: list[Any] = []
     head = pickle.dumps(snap, protocol=5, buffer_callback=raw.append)
-    if ids_blob is not None:
-        sched.requests = rows    # as it was: the caller may still read it
+    sched.requests = rows    # as it was: the caller may still read it
     snap.steps = steps
     steps_frame = pickle.dumps(steps, protocol=5)
-    bulk = [b"" if ids_blob is None else b"\1" + ids_blob, *(b.raw() for b in raw)]
+    bulk = [ids_frame, *(b.raw() for b in raw)]
     if ring is not None:
         desc = ring.put(bulk)
         if desc is not None:
@@ -151,9 +149,11 @@ def message_frames(kind: bytes, body: Any = None) -> list[Any]:
     return [kind, pickle.dumps(body, protocol=5)]
 
 
-def decode(frames: Sequence[Any], ring: HandoffRing | None = None) -> tuple[bytes, Any]:
+def decode(frames: Sequence[Any], ring: HandoffRing | None = None,
+           ids: IdsDecoder | None = None) -> tuple[bytes, Any]:
     """``(kind, body)``: a `Snapshot`, `Steps`, ``(method, args)`` or a message's body. A
-    snapshot whose slot was overwritten before it was read comes back as its `Steps` only."""
+    snapshot whose slot was overwritten before it was read, or whose ids are a delta on a
+    list ``ids`` does not hold, comes back as its `Steps` only."""
     kind = bytes(frames[0])
     if kind not in (SNAPSHOT, SNAPSHOT_RING):
         return kind, pickle.loads(frames[1]) if len(frames) > 1 else None
@@ -166,10 +166,11 @@ def decode(frames: Sequence[Any], ring: HandoffRing | None = None) -> tuple[byte
     assert bulk is not None
     snap: Snapshot = pickle.loads(frames[2], buffers=bulk[1:])
     snap.steps = steps
-    ids = bytes(bulk[0])
-    if ids:
+    if len(bulk[0]):
+        names = (ids if ids is not None else IdsDecoder()).decode(pickle.loads(bulk[0]))
+        if names is None:
+            return STEPS, steps
         table = snap.sched.requests
         assert isinstance(table, RequestTable)
-        names = ids[1:].decode("utf-8", "surrogatepass").split(ID_SEP)
-        table.columns["id"] = [] if not ids[1:] and not len(table.columns["state"]) else names
+        table.columns["id"] = names
     return SNAPSHOT, snap

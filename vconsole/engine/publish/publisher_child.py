@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 
 from vconsole.engine.publish import handoff_wire as wire
+from vconsole.engine.publish.handoff_ids import IdsDecoder
 from vconsole.engine.publish.handoff_ring import HandoffRing
 from vconsole.engine.publish.host import HostProbe
 from vconsole.engine.publish.prometheus import MetricsServer, TelemetryCollector
@@ -113,6 +114,7 @@ def serve(link: zmq.Socket, pub: TelemetryPublisher, parent_pid: int,
     """Until ``stop`` or the parent is gone. ``restarted``: why the previous publisher process
     is gone, reported (``telemetry_error``) once subscribers had time to reconnect."""
     feed = Feed(pub)
+    ids = IdsDecoder()
     report_at = time.monotonic() + RESTART_REPORT_S
     while True:
         if restarted is not None and time.monotonic() >= report_at:
@@ -124,7 +126,7 @@ def serve(link: zmq.Socket, pub: TelemetryPublisher, parent_pid: int,
                 return
             continue
         frames = link.recv_multipart(copy=False)
-        kind, body = wire.decode([f.buffer for f in frames], ring)
+        kind, body = wire.decode([f.buffer for f in frames], ring, ids)
         if kind == wire.STOP:         # the engine's last snapshot goes out first
             deadline = time.monotonic() + STOP_DRAIN_S
             while not pub.inbox.sent_all() and time.monotonic() < deadline:

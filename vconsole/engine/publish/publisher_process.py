@@ -50,6 +50,7 @@ import zmq
 
 from vconsole.engine.publish import handoff_wire as wire
 from vconsole.engine.publish.bodies import KVFormat
+from vconsole.engine.publish.handoff_ids import IdsEncoder
 from vconsole.engine.publish.handoff_ring import HandoffRing
 from vconsole.engine.publish.request_text import TextBook, TokenLists
 from vconsole.shared.config import EngineConfig
@@ -129,6 +130,8 @@ class ChildLink:
         self._dir = tempfile.mkdtemp(prefix="vconsole-pub-")   # 0700: only this user
         self._live = LiveCounters(os.path.join(self._dir, LIVE_FILE), create=True)
         self._ring = HandoffRing() if HandoffRing.supported() else None
+        self._ids = IdsEncoder()
+        self._restarts_seen = 0
         self._sock: zmq.Socket | None = None     # PUSH: hand-offs to the child
         self._back: zmq.Socket | None = None     # PULL: the child's answers
         self._proc: subprocess.Popen[bytes] | None = None
@@ -242,9 +245,13 @@ class ChildLink:
         if text is not None and self._text_book is not None:
             body = self._text_book.body(text)
         steps = self._take_steps()
-        self._send(wire.snapshot_frames(wire.Snapshot(
-            sched, kv, state, num_steps, time.time(), body, steps), self._ring),
-            len(steps.records))
+        if self.restarts != self._restarts_seen:     # a new child holds no earlier ids
+            self._restarts_seen = self.restarts
+            self._ids.reset()
+        if not self._send(wire.snapshot_frames(wire.Snapshot(
+                sched, kv, state, num_steps, time.time(), body, steps), self._ring, self._ids),
+                len(steps.records)):
+            self._ids.reset()                        # the child never got these ids
 
     def submit_latency(self, body: dict[str, Any]) -> None:
         self._call("submit_latency", body)
@@ -287,17 +294,19 @@ class ChildLink:
     def _call(self, method: str, *args: Any) -> None:
         self._send(wire.call_frames(method, *args))
 
-    def _send(self, frames: list[Any], steps: int = 0) -> None:
+    def _send(self, frames: list[Any], steps: int = 0) -> bool:
         """One non-blocking send; refused (no child listening, or the queue full): dropped,
-        its ``steps`` counted as lost."""
+        its ``steps`` counted as lost, False."""
         sock = self._sock
         try:
             if sock is None:
                 raise zmq.Again()
             sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            return True
         except zmq.ZMQError:     # zmq.Again, or a socket closed at shutdown
             self.handoff_drops += 1
             self._lost += steps
+            return False
 
     # --- the child ------------------------------------------------------------------------------
 
