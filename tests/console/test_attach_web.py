@@ -181,11 +181,16 @@ def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]
     return status, body
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None          # a 303 is the answer the test reads, not a page to go on to
+
+
 def http_response(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, Any]:
-    """Status, body and headers of a GET."""
+    """Status, body and headers of a GET (a redirect is answered, not followed)."""
+    opener = urllib.request.build_opener(_NoRedirect)
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
-                                    timeout=10) as r:
+        with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
             return r.status, r.read().decode(), r.headers
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(), e.headers
@@ -331,6 +336,7 @@ def test_a_tab_opened_with_the_token_changes_the_config(browser, server, engine,
     new = value + 27
     tab = browser.open(f"{server.base}?token={server.token}")
     assert "read-only" not in tab.shows(started_config["engine_id"]).splitlines()[0]
+    assert tab.driver.current_url == server.base      # the token left the URL for a cookie
     tab.press("4")
     tab.shows("config v")
     tab.filter(KEY)
@@ -374,17 +380,45 @@ def test_beyond_loopback_every_page_needs_the_token(engine, capsys):
         local = "http://127.0.0.1:" + web.base.rsplit(":", 1)[1]   # PORT/
         status, body = http_get(local)
         assert status == 403 and "open it with its token" in body
-        status, body, headers = http_response(f"{local}?token={web.token}")
+        status, _, headers = http_response(f"{local}?token={web.token}")
+        assert status == 303 and headers["Location"] == "/"   # the token leaves the URL
+        cookie = headers["Set-Cookie"].split(";", 1)[0]
+        status, body, headers = http_response(local, {"Cookie": cookie})
         assert status == 200 and "/ws/" in body
         assert headers["Referrer-Policy"] == "no-referrer"     # the token stays in the tab
         assert headers["X-Frame-Options"] == "DENY"
+        assert "frame-ancestors 'none'" in headers["Content-Security-Policy"]
     finally:
         assert web.stop() == 0
 
 
-def test_stopping_the_server_ends_every_console(readonly_tab, server):
-    consoles = server.consoles()
-    assert consoles, "the open tab's console runs under the server"
-    assert server.stop() == 0
+def test_stopping_the_server_ends_every_console(engine):
+    """On a server of its own (the module's stays up for the tests after it), with one console
+    started by a websocket as a page's would, without the browser."""
+    import aiohttp
+
+    web = WebServer(["--port", "0", "--telemetry", engine.endpoints["telemetry"],
+                     "--control", engine.endpoints["control"]]).wait_ready()
+
+    async def run() -> list[psutil.Process]:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(web.base) as r:
+                m = re.search(r'data-session-websocket-url="([^"]+)"', await r.text())
+            assert m is not None
+            async with s.ws_connect(m.group(1)) as ws:
+                # the console's first screen: it runs, and reads its stdin (the quit)
+                msg = await ws.receive(timeout=60)
+                assert msg.type == aiohttp.WSMsgType.BINARY, msg
+                consoles = web.consoles()
+                assert consoles, "the socket's console runs under the server"
+                started = time.monotonic()
+                assert await asyncio.to_thread(web.stop) == 0
+                assert time.monotonic() - started < 5, "a running console quits when told"
+                return consoles
+
+    try:
+        consoles = asyncio.run(run())
+    finally:
+        web.stop()
     gone, alive = psutil.wait_procs(consoles, timeout=10)
     assert not alive, f"consoles left running: {[p.pid for p in alive]}"
