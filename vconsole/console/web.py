@@ -285,7 +285,8 @@ class WebConsole(Server):
         """textual-serve's page, its websocket URL carrying a fresh ticket."""
         self._check_host(request)
         if request.headers.get("Sec-Fetch-Site") == "cross-site":
-            raise web.HTTPForbidden(text="a console is not opened from another site\n")
+            raise web.HTTPForbidden(text="a console is not opened from another site: paste "
+                                         "its URL into the address bar\n")
         steer = self.may_steer(request)
         if "token" in request.query:
             # The token leaves the URL (history, screen shares): a cookie carries it on.
