@@ -2,25 +2,37 @@
 
 One engine for the module, on a local Ray it starts itself (its default: this machine's CPUs,
 no dashboard): the tests run in order against it — 200 requests with a lone engine's greedy
-outputs, waves and dummy steps, a rank actor killed with ``ray.kill`` under load — and the last
-stops it and checks that no actor, placement group or Ray process of it is left. The test
-process joins the engine's Ray (the address is in the ready file) only to look and to kill.
+outputs, waves and dummy steps, its Ray's private token and no secret in Ray's files, a rank
+actor killed with ``ray.kill`` under load, a rank whose loop ends with exit code 3, a Ray call
+that times out — and the last stops it and checks that no actor, placement group or Ray
+process of it is left. The test process joins the engine's Ray (the address is in the ready
+file, the token in its session folder) only to look and to kill.
+
+A second engine (long) is stopped while its Ray starts.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.live_engine import Telemetry, reference_outputs
 from vconsole.engine.client.client import EngineClient
-from vconsole.engine.dp.ray.cluster import processes_of, use_token_if_any
+from vconsole.engine.dp.ray.cluster import RAY_DIR, TOKEN_FILE, processes_of, use_token_file
+from vconsole.engine.dp.ray.launcher import STOPPED, TIMED_OUT, wait_for
+from vconsole.engine.launch import exit_codes
+from vconsole.engine.launch.child import engine_command
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.launch.ready_file import read_ready_file
 
@@ -31,12 +43,16 @@ pytestmark = [pytest.mark.proc, pytest.mark.slow]
 ENGINE_ARGS = ["--data-parallel-size", "2", "--data-parallel-backend", "ray",
                "--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "16",
                "--restart-backoff", "0.2", "--set", "heartbeat_interval_s=0.2"]
+# In the engine's environment: none of it may reach a rank's runtime env or Ray's logs.
+SECRETS = {"HF_TOKEN": "hf_secret_0b5e1c", "VCONSOLE_API_KEY": "vc_secret_77d2a9"}
+AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
 
 
 class RayDP:
-    def __init__(self, engine: EngineProcess, telemetry: Telemetry) -> None:
+    def __init__(self, engine: EngineProcess, telemetry: Telemetry, session: Path) -> None:
         self.engine = engine
         self.telemetry = telemetry
+        self.session = session          # the engine's Ray's session folder
         self.stopped: int | None = None
 
     def client(self) -> EngineClient:
@@ -60,18 +76,26 @@ class RayDP:
 
 @pytest.fixture(scope="module")
 def dp() -> Iterator[RayDP]:
-    engine = EngineProcess(ENGINE_ARGS).start(timeout_s=240)
+    engine = EngineProcess(ENGINE_ARGS, env=SECRETS).start(timeout_s=240)
     telemetry = Telemetry(engine.endpoints["telemetry"])
     rank0 = engine.ready["ranks"][0]
-    use_token_if_any()       # the engine's Ray made a token (Ray's default): join with it
+    session = re.search(r"session folder (\S+)\)", engine.log_text())
+    assert session, engine.log_tail(40)
+    saved = {k: os.environ.get(k) for k in AUTH_ENV}
+    use_token_file(Path(session.group(1)) / TOKEN_FILE)    # the engine's Ray's own token
     ray.init(address=rank0["ray_address"], namespace=rank0["namespace"], log_to_driver=False,
              logging_level="ERROR")
-    state = RayDP(engine, telemetry)
+    state = RayDP(engine, telemetry, Path(session.group(1)))
     try:
         yield state
     finally:
         telemetry.close()
         ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if state.stopped is None:
             engine.stop(grace_s=30)
 
@@ -169,6 +193,80 @@ def test_a_rank_actor_killed_with_ray_kill_fails_its_requests_comes_back_and_say
     assert dp.groups() == {"dp_rank_0": "CREATED", "dp_rank_1": "CREATED"}
 
 
+def test_the_engines_ray_runs_with_its_private_token_and_no_secret_reaches_ray(
+        dp: RayDP) -> None:
+    token = dp.session / TOKEN_FILE
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    # Ray makes its --temp-dir 0777: it is a subfolder of ours, which no other user enters.
+    assert stat.S_IMODE(dp.session.stat().st_mode) == 0o700 and (dp.session / RAY_DIR).is_dir()
+    import psutil
+
+    servers = {}
+    for pid in processes_of(dp.session):
+        with_env = psutil.Process(pid)
+        name = with_env.name()
+        if name in ("gcs_server", "raylet"):
+            servers[name] = with_env.environ()
+    assert set(servers) == {"gcs_server", "raylet"}, servers.keys()
+    for env in servers.values():     # token auth on, with our token (whatever ~/.ray holds)
+        assert env.get("RAY_AUTH_MODE") == "token" and env.get("RAY_AUTH_TOKEN_PATH") == \
+            str(token) and "RAY_AUTH_TOKEN" not in env
+    actor = ray.get_actor("vconsole_dp_rank_0")
+    rank_env = ray.get(actor.__ray_call__.remote(lambda _: dict(os.environ)), timeout=30)
+    assert rank_env.get("HF_HUB_OFFLINE") == "1"        # what a model load needs: there
+    leaked = [k for k, v in rank_env.items() if v in SECRETS.values()]
+    assert leaked == [], leaked
+    for path in dp.session.rglob("*"):      # Ray's logs (runtime_env_agent.log, ...) too
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            assert not any(v.encode() in data for v in SECRETS.values()), path
+
+
+def test_a_rank_whose_loop_ends_with_an_error_exit_code_is_restarted(dp: RayDP) -> None:
+    def _end_the_loop_with_exit_code_3(actor: Any) -> None:     # in the actor (by value)
+        actor.proc.exit_code = exit_codes.STEP_FAILURES        # as after failed steps
+        actor.stop("the test: the loop ends with STEP_FAILURES")
+
+    before = next(r for r in dp.ranks() if r["rank"] == 1)
+    restarts = dp.last("health", 1)["restart_count"]
+    since = time.monotonic()
+    ray.get(ray.get_actor("vconsole_dp_rank_1").__ray_call__.remote(
+        _end_the_loop_with_exit_code_3), timeout=30)
+    down = dp.telemetry.wait_for("health", lambda p: p["rank"] == 1
+                                 and p["state"] == "restarting", timeout_s=30, since=since)
+    assert down["restart_count"] == restarts + 1
+    assert f"engine exit code {exit_codes.STEP_FAILURES}" in down["restart_reason"], down
+    deadline = time.monotonic() + 120
+    while (now := next(r for r in dp.ranks() if r["rank"] == 1))["actor_id"] in (
+            None, before["actor_id"]) or now["pid"] is None:
+        assert dp.engine.child.poll() is None, dp.engine.log_tail(40)    # the group goes on
+        assert time.monotonic() < deadline, f"rank 1 was not restarted: {dp.engine.log_tail(40)}"
+        time.sleep(0.2)
+    with dp.client() as c:
+        again = [c.submit(prompt_token_ids=[4, 5, i], max_tokens=8) for i in range(6)]
+        done = c.gather(again, timeout_s=120)
+    assert [done[i].finish_reason for i in again] == ["length"] * 6
+    assert dp.groups() == {"dp_rank_0": "CREATED", "dp_rank_1": "CREATED"}
+
+
+def test_a_ray_call_that_times_out_is_not_taken_for_a_stop(dp: RayDP) -> None:
+    def nap(seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    task = ray.remote(num_cpus=0)(nap)      # the ranks' bundles hold every CPU
+    stop = threading.Event()
+    refs = [task.remote(30), task.remote(30)]
+    try:
+        assert wait_for(ray, refs[0], 1.0, stop.is_set) is TIMED_OUT
+        stop.set()
+        assert wait_for(ray, refs[1], 30, stop.is_set) is STOPPED
+        assert wait_for(ray, task.remote(0), 60, lambda: False) == 0
+    finally:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+
+
 def test_a_clean_stop_leaves_no_actor_placement_group_or_ray_process_behind(dp: RayDP) -> None:
     session = re.search(r"session folder (\S+)\)", dp.engine.log_text())
     assert session, dp.engine.log_tail(40)
@@ -182,6 +280,57 @@ def test_a_clean_stop_leaves_no_actor_placement_group_or_ray_process_behind(dp: 
     while (left := processes_of(session.group(1))) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert left == [], left
+    assert not Path(session.group(1)).exists()
+
+
+def _ray_start_of(pid: int) -> Path | None:
+    """The private folder of the ``ray start`` that engine ``pid`` runs, once it runs."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return None
+    for child in children:
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:
+            continue
+        if "start" in cmd and "--temp-dir" in cmd:
+            return Path(cmd[cmd.index("--temp-dir") + 1]).parent
+    return None
+
+
+@pytest.mark.long
+def test_a_sigterm_while_ray_starts_stops_the_engine_before_any_rank_starts(
+        tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    with open(log, "wb") as out:
+        engine = subprocess.Popen(
+            engine_command([*ENGINE_ARGS, "--ready-file", str(tmp_path / "ready.json")]),
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        deadline = time.monotonic() + 120
+        while (session := _ray_start_of(engine.pid)) is None:
+            assert engine.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        assert "started a local Ray" not in log.read_text()      # still starting
+        engine.send_signal(signal.SIGTERM)
+        code = engine.wait(timeout=90)
+    finally:
+        if engine.poll() is None:
+            os.killpg(engine.pid, signal.SIGKILL)
+            engine.wait()
+    text = log.read_text()
+    assert code == 0, text
+    assert " ready (Ray actor" not in text, text                 # no rank started
+    deadline = time.monotonic() + 10
+    while (left := processes_of(session)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], left
+    assert not session.exists(), text
 
 
 def test_the_ray_backend_without_ray_installed_exits_2_with_the_install_hint() -> None:

@@ -65,11 +65,24 @@ def test_top_json_aggregate_carries_each_ranks_node_and_actor() -> None:
 
 
 def test_doctor_reports_ray_and_a_cluster_ray_start_left(tmp_path: Path) -> None:
-    current = tmp_path / "ray_current_cluster"
-    check = doctor.check_ray(current)
+    current, token = tmp_path / "ray_current_cluster", tmp_path / "no_token"
+    check = doctor.check_ray(current, token)
     assert check.status == doctor.OK and "--data-parallel-backend ray" in check.detail
     assert "`ray start`" not in check.detail
     current.write_text("10.0.0.1:6379\n")
-    check = doctor.check_ray(current)
+    check = doctor.check_ray(current, token)
     assert "10.0.0.1:6379" in check.detail and "--ray-address auto" in check.detail
     assert doctor.check_ray in doctor.CHECKS
+
+
+def test_doctor_warns_of_a_ray_token_file_others_can_read(tmp_path: Path) -> None:
+    current, token = tmp_path / "ray_current_cluster", tmp_path / "auth_token"
+    token.write_text("secret")
+    token.chmod(0o600)
+    check = doctor.check_ray(current, token)
+    assert check.status == doctor.OK and f"auth token {token}" in check.detail
+    for mode, who in ((0o644, "group and others"), (0o640, "group"), (0o604, "others")):
+        token.chmod(mode)
+        check = doctor.check_ray(current, token)
+        assert check.status == doctor.WARN, check
+        assert f"readable by {who} (mode {mode:o}): chmod 600 {token}" in check.detail

@@ -35,7 +35,10 @@ from vconsole.security.endpoints import DEFAULTS
 from vconsole.shared.config import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from vconsole.engine.dp.front.torchrun import TorchrunFrontEnd
+    from vconsole.security.curve_server import ServerCurve
 
 
 def _install_signal_handlers(q: queue.SimpleQueue[LoopInput], *,
@@ -227,19 +230,26 @@ def _torchrun_rank(launch: EngineLaunch) -> int:
     return _serve(rank, curve=rank_curve, front=front, escalate=False)
 
 
-def _launch_ranks(launch: EngineLaunch) -> int:
-    """N ranks behind one front end on this host: `vconsole.engine.dp.launcher`."""
+def _run_group(launch: EngineLaunch, run: Callable[[ServerCurve | None], int]) -> int:
+    """A data-parallel launcher's ``run(curve)`` with the public endpoints' CURVE keys; a key,
+    bind or Ray (``ConnectionError``) refusal before any rank starts exits 2 with its message."""
     try:
         curve = launch.server_curve()
     except (ValueError, CurveKeyError) as e:
         _say(e)
         return exit_codes.CANNOT_START
-    from vconsole.engine.dp.launcher import DPLauncher
     try:
-        return DPLauncher(launch, curve=curve).run()
-    except (RemoteBindRefused, OSError) as e:
+        return run(curve)
+    except (RemoteBindRefused, CurveKeyError, OSError) as e:
         _say(e)
         return exit_codes.CANNOT_START
+
+
+def _launch_ranks(launch: EngineLaunch) -> int:
+    """N ranks behind one front end on this host: `vconsole.engine.dp.launcher`."""
+    from vconsole.engine.dp.launcher import DPLauncher
+
+    return _run_group(launch, lambda curve: DPLauncher(launch, curve=curve).run())
 
 
 def ray_missing() -> str | None:
@@ -264,17 +274,10 @@ def _launch_ray_ranks(launch: EngineLaunch) -> int:
     if launch.dp_rank_host:
         _say("--dp-rank-host is for torchrun workers; a Ray rank binds its own node's address")
         return exit_codes.CANNOT_START
-    try:
-        curve = launch.server_curve()
-    except (ValueError, CurveKeyError) as e:
-        _say(e)
-        return exit_codes.CANNOT_START
     from vconsole.engine.dp.ray.launcher import RayLauncher
-    try:
-        return RayLauncher(launch, curve=curve, ray_address=launch.ray_address).run()
-    except (RemoteBindRefused, CurveKeyError, OSError) as e:   # ConnectionError: Ray
-        _say(e)
-        return exit_codes.CANNOT_START
+
+    return _run_group(launch, lambda curve: RayLauncher(
+        launch, curve=curve, ray_address=launch.ray_address).run())
 
 
 def _supervise(launch: EngineLaunch) -> int:

@@ -317,11 +317,19 @@ def check_kv_cache(endpoints: dict[str, str] | None = None, where: str = "the de
 RAY_CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
 
 
-def check_ray(current_cluster: Path = RAY_CURRENT_CLUSTER) -> Check:
+def ray_token_file() -> Path:
+    """The token file Ray uses here: ``$RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    return Path(path).expanduser() if path else Path.home() / ".ray" / "auth_token"
+
+
+def check_ray(current_cluster: Path = RAY_CURRENT_CLUSTER,
+              token_file: Path | None = None) -> Check:
     """``--data-parallel-backend ray``: Ray installed (its version, its ``ray`` command), and a
     cluster that ``ray start`` left running here (``--ray-address auto`` joins it) and Ray's
-    auth token. Nothing is started and ``ray`` is not imported (seconds): the package's
-    metadata and Ray's own files say it."""
+    auth token (``warn`` when its file is readable by group or others: the token lets anyone
+    who reaches the cluster's ports run code as you). Nothing is started and ``ray`` is not
+    imported (seconds): the package's metadata and Ray's own files say it."""
     try:
         version = metadata.version("ray")
     except metadata.PackageNotFoundError:
@@ -339,9 +347,25 @@ def check_ray(current_cluster: Path = RAY_CURRENT_CLUSTER) -> Check:
     if address:
         parts.append(f"a cluster started with `ray start` at {address} (join it with "
                      "--ray-address auto)")
-    if (Path.home() / ".ray" / "auth_token").is_file():
-        parts.append("auth token ~/.ray/auth_token (copy it to nodes that join)")
-    return Check("ray", OK, "; ".join(parts))
+    status = OK
+    token = token_file or ray_token_file()
+    shown = str(token).replace(str(Path.home()), "~", 1)
+    try:
+        mode = stat.S_IMODE(token.stat().st_mode)
+    except OSError:
+        mode = None
+    if mode is not None and mode & 0o044:
+        status = WARN
+        who = " and ".join(w for bit, w in ((0o040, "group"), (0o004, "others")) if mode & bit)
+        parts.append(f"auth token {shown} is readable by {who} (mode {mode:o}): "
+                     f"chmod 600 {shown}")
+    elif mode is not None:
+        parts.append(f"auth token {shown} (copy it to nodes that join)")
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        status = WARN
+        parts.append("RAY_AUTH_MODE=disabled: a cluster you `ray start` here takes anyone's "
+                     "code (vconsole's own local Ray keeps token authentication on)")
+    return Check("ray", status, "; ".join(parts))
 
 
 CHECKS: tuple[Callable[[], Check], ...] = (

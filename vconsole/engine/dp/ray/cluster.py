@@ -2,11 +2,14 @@
 
 ``--ray-address auto|HOST:PORT`` joins a running cluster (``ray start --head`` on one box,
 ``ray start --address HEAD:PORT`` on the others); without it the engine starts a local Ray of its
-own (`start_head`: ``ray start --head --block`` on loopback, in a session of its own): this
-machine's CPUs (at least one per rank), no dashboard, no usage report, its session files in a
-short private temporary folder, shut down with the engine. Ray's own logging stays at
-WARNING; the ranks' output reaches this process's stderr (Ray prefixes each line with the
-actor).
+own (`start_head`: ``ray start --head --block`` with loopback as its node address, in a
+session of its own): this machine's CPUs (at least one per rank), no dashboard, no usage
+report, shut down with the engine. Its files live in a short private temporary folder (0700;
+Ray's own in a subfolder of it, as Ray makes its temporary folder world-writable). Its GCS and
+raylet ports listen on every interface (Ray 2.60 cannot bind them to loopback); Ray's token
+authentication is forced on for it, with a token of its own in that folder (mode 0600). Ray's
+own logging stays at WARNING; the ranks' output reaches this process's stderr (Ray prefixes
+each line with the actor).
 
 Each engine works in a namespace of its own (``vconsole-<engine id>-<random>``), so two engines
 in one cluster never see each other's actors or placement groups.
@@ -25,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -45,8 +50,21 @@ HEAD_READY = "will now block"     # `ray start --block`'s line once the head run
 
 INSTALL_HINT = "pip install 'vconsole[ray]'"
 # Variables a rank needs from the launcher's environment (a cluster's raylet started elsewhere
-# has its own): offline model loading, the model/kernel caches, vconsole's own settings.
-ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "VCONSOLE_", "TOKENIZERS_", "TORCHINDUCTOR_")
+# has its own): offline model loading, the model/kernel caches, vconsole's own settings that a
+# rank's engine reads. An allow-list, because Ray writes a runtime environment into its
+# ``runtime_env_agent.log`` (readable by all) and copies it to every node: no token or key
+# (``HF_TOKEN``, ``VCONSOLE_API_KEY``) ever goes there.
+RANK_ENV = frozenset({
+    "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT",
+    "TRANSFORMERS_OFFLINE", "TRANSFORMERS_CACHE", "TOKENIZERS_PARALLELISM",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "VCONSOLE_CACHE", "VCONSOLE_KERNEL_CACHE", "VCONSOLE_ATTENTION_KERNEL", "VCONSOLE_CPU_LINEAR",
+    "VCONSOLE_FORWARD", "VCONSOLE_STACKS_METHOD", "VCONSOLE_RUNTIME_DIR",
+})
+SECRET_LIKE = re.compile(r"(^|_)(TOKEN|KEY|PASSWORD|PASSWD|CREDENTIALS?|AUTH)(_|$)|SECRET",
+                         re.IGNORECASE)            # never forwarded, even if listed above
+TOKEN_FILE = "auth_token"          # an owned Ray's token, in its private folder
+RAY_DIR = "r"       # an owned Ray's --temp-dir, inside our 0700 folder: Ray makes it 0777
 
 
 class RayMissing(RuntimeError):
@@ -70,7 +88,14 @@ def require_ray() -> ModuleType:
 def rank_env_vars(environ: dict[str, str] | None = None) -> dict[str, str]:
     """What each rank actor's runtime environment carries over from this process."""
     env = os.environ if environ is None else environ
-    return {k: v for k, v in env.items() if k.startswith(ENV_PREFIXES)}
+    return {k: v for k, v in env.items() if k in RANK_ENV and not SECRET_LIKE.search(k)}
+
+
+def head_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Ray we start: this process's, less anything secret-like (every
+    rank's worker process inherits it from the raylet)."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if not SECRET_LIKE.search(k)}
 
 
 def processes_of(temp_dir: str | os.PathLike[str]) -> list[int]:
@@ -103,6 +128,33 @@ def use_token_if_any() -> None:
             Config.initialize("")
 
 
+def write_token(temp_dir: Path) -> Path:
+    """A fresh Ray auth token for a Ray we start, in ``temp_dir`` (private: 0700) with mode
+    0600: not ``~/.ray/auth_token``, which every Ray of this user would share."""
+    path = temp_dir / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(16))
+    return path
+
+
+def token_env(token_path: Path) -> dict[str, str]:
+    """The environment that turns Ray's token authentication on with the token in
+    ``token_path`` (whatever ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN`` the operator has set)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+
+
+def use_token_file(token_path: Path) -> None:
+    """This process (a driver) authenticates with the token in ``token_path``."""
+    os.environ.pop("RAY_AUTH_TOKEN", None)        # Ray reads it before the path
+    os.environ.update(token_env(token_path))
+    with contextlib.suppress(Exception):     # Ray reads its config once, at import
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+
 class LocalHead:
     """``ray start --head --block`` as a child in a session of its own: a signal to the
     engine's process group (a terminal's Ctrl-C, a ``killpg``) never reaches Ray's processes,
@@ -122,9 +174,17 @@ class LocalHead:
         self.child.stop(grace_s)
 
 
-def start_head(temp_dir: Path, num_cpus: int, timeout_s: float = 120.0) -> LocalHead:
-    """A local Ray head on loopback with ``num_cpus`` CPUs and no dashboard, its session in
-    ``temp_dir``; raises ``ConnectionError`` with the tail of its log if it does not start."""
+def start_head(temp_dir: Path, num_cpus: int, token_path: Path,
+               timeout_s: float = 120.0) -> LocalHead:
+    """A local Ray head with ``num_cpus`` CPUs and no dashboard; raises ``ConnectionError``
+    with the tail of its log if it does not start. ``temp_dir`` is our private (0700) folder:
+    Ray's own session files go to ``temp_dir/r`` (Ray makes its temp dir 0777; the private
+    parent keeps other users out of its logs and sockets), the token beside it.
+
+    Its node address is loopback, but Ray 2.60 has no option to bind its GCS and raylet gRPC
+    ports to it: they listen on every interface. What guards them is Ray's token
+    authentication, forced on here (``RAY_AUTH_MODE=token`` even when the operator's
+    environment says ``disabled``) with the token in ``token_path``."""
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         port = int(s.getsockname()[1])
@@ -132,11 +192,12 @@ def start_head(temp_dir: Path, num_cpus: int, timeout_s: float = 120.0) -> Local
     command = [str(exe) if exe.exists() else (shutil.which("ray") or "ray"), "start", "--head",
                "--block", "--node-ip-address", LOOPBACK, "--port", str(port),
                "--num-cpus", str(num_cpus), "--include-dashboard", "false",
-               "--disable-usage-stats", "--temp-dir", str(temp_dir)]
+               "--disable-usage-stats", "--temp-dir", str(temp_dir / RAY_DIR)]
     log_path = temp_dir / "ray-start.log"
     with open(log_path, "wb") as out:
         child = ChildProcess(command, stdout=out, stderr=subprocess.STDOUT, own_group=True,
-                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                             env={**head_env(), "RAY_USAGE_STATS_ENABLED": "0",
+                                  **token_env(token_path)})
     deadline = time.monotonic() + timeout_s
     while HEAD_READY not in log_path.read_text(errors="replace"):
         if child.poll() is not None or time.monotonic() > deadline:
@@ -180,15 +241,22 @@ class RayCluster:
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConnectionError(f"cannot join the Ray cluster at {address}: "
                                       f"{str(e).splitlines()[0] if str(e) else e!r}") from None
+            except BaseException:       # e.g. SIGTERM inside ray.init (its handler exits)
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                raise
             return cls(ray, namespace, None)
         # Short: Ray's unix sockets live under it (a socket path has ~107 characters).
         temp_dir = Path(tempfile.mkdtemp(prefix="vcray-", dir="/tmp"))
         try:
-            head = start_head(temp_dir, max(os.cpu_count() or 1, min_cpus))
+            token_path = write_token(temp_dir)
+            head = start_head(temp_dir, max(os.cpu_count() or 1, min_cpus), token_path)
             try:
-                use_token_if_any()           # `ray start` made one (Ray's default)
+                use_token_file(token_path)
                 ray.init(address=f"{LOOPBACK}:{head.port}", **common)
             except BaseException:
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
                 head.stop()
                 raise
         except BaseException:

@@ -5,7 +5,7 @@ the public endpoints (`FrontEndStack`), the rendezvous store, N ranks running th
 except that each rank is a Ray actor (`vconsole.engine.dp.ray.actor.RankActor`) placed by a
 placement group of its own: ``STRICT_PACK``, named ``dp_rank_{r}``, one bundle of the rank's
 CPUs (and its GPU when the cluster has GPUs and ``--device`` is not ``cpu``; a share of one when
-there are fewer GPUs than ranks), the actor on it.
+there are fewer GPUs than ranks, `gpu_share`), the actor on it.
 Ray is joined or started by `vconsole.engine.dp.ray.cluster.RayCluster` (``--ray-address``).
 
 Restarts — one mechanism, ours: the actors are created with Ray's ``max_restarts=0`` and each
@@ -17,12 +17,15 @@ that rank's in-flight requests with ``data-parallel rank R died: <reason>`` (e.g
 vconsole_dp_rank_1 killed by ray.kill``), routes new ones to the other ranks and publishes
 ``health`` ``restarting`` with the reason and count; the new actor starts with that count and
 reason (its own ``health`` says them), and once it is ready the front end regroups every rank —
-the wave numbering carries on. A restart that fails to start counts as one more failure. A rank
-that fails beyond the rules, or whose first start fails, stops the group (exit code 4, or 2 when
-it could never start).
+the wave numbering carries on. A rank whose loop ends with an error (an exit code such as
+``STEP_FAILURES``, or ``run`` raising) is restarted the same way (its actor is killed first: it
+still holds its name and bundle). A restart that fails to start, or does not start within
+``START_TIMEOUT_S``, counts as one more failure. A rank that fails beyond the rules, or whose
+first start fails or times out, stops the group (exit code 4, or 2 when it could never start).
 
 Stopping (SIGTERM/SIGINT): every actor drains (`RankActor.stop`), then is killed and its
 placement group removed; an owned Ray is shut down. A second signal kills the actors at once.
+A signal while Ray starts (before any rank) is kept: no rank starts, Ray is shut down.
 Invariant: when `run` returns, no actor or placement group of this engine is left, and no
 process of a Ray it started.
 """
@@ -30,11 +33,13 @@ process of a Ray it started.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +65,49 @@ STOP_GRACE_S = 30.0
 
 def group_name(rank: int) -> str:
     return f"dp_rank_{rank}"
+
+
+def gpu_share(gpus: int, world: int) -> float:
+    """One rank's GPU request: a whole GPU when there are enough, else the largest share (4
+    decimals, rounded down) of which ``ceil(world / gpus)`` fit on one GPU — Ray places a
+    fractional request on a single GPU, so 3 ranks on 2 GPUs get 0.5 each (2 + 1), not
+    0.6667 (which leaves no room for a second rank on either), and 6 on 1 GPU 0.1666 (six
+    fit), not 0.1667 (1.0002 > 1). Like mp (rank r on GPU r mod count), at most
+    ``ceil(world / gpus)`` ranks share a GPU; which GPU each gets is Ray's choice."""
+    if gpus <= 0:
+        return 0.0
+    if gpus >= world:
+        return 1.0
+    return math.floor(1e4 / math.ceil(world / gpus)) / 1e4
+
+
+class Stopped:
+    """`wait_for`'s answer when it stopped waiting because the rank is stopping."""
+
+
+class TimedOut:
+    """`wait_for`'s answer when the call did not finish within its time."""
+
+
+STOPPED, TIMED_OUT = Stopped(), TimedOut()
+
+
+def wait_for(ray: Any, ref: Any, timeout_s: float, stopping: Callable[[], bool]) -> Any:
+    """``ref``'s value, or the Ray error it raised; `STOPPED` as soon as ``stopping()``,
+    `TIMED_OUT` when not done within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if stopping():
+            return STOPPED
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return TIMED_OUT
+        ready, _ = ray.wait([ref], timeout=min(POLL_S, remaining))
+        if ready:
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayError as e:
+                return e
 
 
 def death_reason(error: BaseException, rank: int) -> str:
@@ -106,6 +154,8 @@ class RankKeeper:
         self.failure: RankFailed | None = None
         self._stop = threading.Event()
         self._kill = threading.Event()
+        if launcher._stop_signal is not None:      # a keeper made after a stop starts stopped
+            self._stop.set()
         self.thread = threading.Thread(target=self._run, name=f"dp-ray-rank-{rank}",
                                        daemon=True)
 
@@ -113,6 +163,8 @@ class RankKeeper:
 
     def _run(self) -> None:
         try:
+            if self._stop.is_set():
+                return
             self._place()
             reason: str | None = None
             while not self._stop.is_set():
@@ -128,6 +180,9 @@ class RankKeeper:
                     reason = self._serve()
                     if reason is None:
                         break
+                    # The loop ended with an error: its actor is still alive, holding the
+                    # rank's name and bundle, which the next one needs.
+                    self._kill_actor()
                 now = time.monotonic()
                 delay = self.policy.on_failure(now)
                 self.launcher.stack.rank_exit(self.rank, reason, restarting=delay is not None,
@@ -185,8 +240,14 @@ class RankKeeper:
                 time.sleep(0.1)
         ref = self.actor.start.remote()
         record = self._wait(ref, START_TIMEOUT_S)
-        if record is None:
+        if record is STOPPED:
             return None
+        if record is TIMED_OUT:
+            what = f"did not start within {START_TIMEOUT_S:g} s"
+            if self.restart_count == 0:
+                raise RankFailed(f"data-parallel rank {self.rank} {what}",
+                                 exit_codes.CANNOT_START)
+            raise RestartFailed(f"Ray actor {actor_name(self.rank)} {what}")
         if isinstance(record, BaseException):
             if self.restart_count == 0:
                 raise RankFailed(f"data-parallel rank {self.rank} cannot start: "
@@ -219,19 +280,9 @@ class RankKeeper:
             return f"Ray actor {actor_name(self.rank)}: engine exit code {code}"
 
     def _wait(self, ref: Any, timeout_s: float, *, stoppable: bool = True) -> Any:
-        """``ref``'s value, or the error it raised; None when stopped (``stoppable``) or
-        not done within ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._kill.is_set() or (stoppable and self._stop.is_set()):
-                return None
-            ready, _ = self.ray.wait([ref], timeout=POLL_S)
-            if ready:
-                try:
-                    return self.ray.get(ref)
-                except self.ray.exceptions.RayError as e:
-                    return e
-        return None
+        """`wait_for` stopping on a kill, or (``stoppable``) on a stop."""
+        return wait_for(self.ray, ref, timeout_s,
+                        lambda: self._kill.is_set() or (stoppable and self._stop.is_set()))
 
     def _kill_actor(self) -> None:
         if self.actor is not None:
@@ -296,8 +347,17 @@ class RayLauncher:
                                   is_master=True, wait_for_workers=False)
             self.store_port = store.port
             t0 = time.monotonic()
-            self.cluster = RayCluster.connect(self.ray_address, engine_id=self.config.engine_id,
-                                              min_cpus=self.world_size)
+            try:
+                self.cluster = RayCluster.connect(self.ray_address,
+                                                  engine_id=self.config.engine_id,
+                                                  min_cpus=self.world_size)
+            except SystemExit as e:
+                # SIGTERM inside ray.init (whose own handler exits at once): a stop; `connect`
+                # has undone what it started.
+                if e.code != signal.SIGTERM:
+                    raise
+                log.info("stopped (SIGTERM) while Ray started")
+                return exit_codes.OK
             log.info("Ray %s in %.1f s (namespace %s)",
                      "started" if self.cluster.owned else f"joined at {self.ray_address}",
                      time.monotonic() - t0, self.cluster.namespace)
@@ -320,12 +380,12 @@ class RayLauncher:
         cpus = (max(1, (os.cpu_count() or 1) // self.world_size) if self.cluster.owned else 1)
         bundle: dict[str, float] = {"CPU": float(cpus)}
         gpus = self.cluster.gpus() if self.config.device != "cpu" else 0
-        if gpus >= self.world_size:
-            bundle["GPU"] = 1.0
-        elif gpus > 0:      # fewer devices than ranks: they share (as mp's rank r mod count)
-            log.warning("%d ranks share %d GPU(s): %.2f GPU per rank", self.world_size, gpus,
-                        gpus / self.world_size)
-            bundle["GPU"] = round(gpus / self.world_size, 4)
+        share = gpu_share(gpus, self.world_size)
+        if share:
+            bundle["GPU"] = share
+        if 0 < share < 1:      # fewer devices than ranks: they share
+            log.warning("%d ranks share %d GPU(s): %g GPU per rank (at most %d on one)",
+                        self.world_size, gpus, share, math.ceil(self.world_size / gpus))
         return bundle
 
     def rank_launch(self, rank: int) -> EngineLaunch:
@@ -338,7 +398,12 @@ class RayLauncher:
         return replace(launch, control_key_file=None, ready_file=None, child=None)
 
     def _run_ranks(self) -> int:
+        if self._stop_signal is not None:       # stopped while Ray started: no rank starts
+            log.info("stopped (signal %d) before any rank started", self._stop_signal)
+            return exit_codes.OK
         self.keepers = [RankKeeper(self, r) for r in range(self.world_size)]
+        if self._stop_signal is not None:       # ... or while the keepers were made
+            return exit_codes.OK
         for k in self.keepers:
             k.thread.start()
         failed: RankFailed | None = None
