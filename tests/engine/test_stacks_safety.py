@@ -221,3 +221,36 @@ def test_a_pid_is_read_only_when_it_is_the_engines_on_this_machine():
 def test_pid_alive():
     assert procs.pid_alive(os.getpid()) and procs.pid_alive(1)
     assert not procs.pid_alive(dead_pid()) and not procs.pid_alive(2**40)
+
+
+def test_vconsole_stacks_refuses_a_remote_engines_pid(tmp_path, capsys):
+    """The health of an engine on another machine names a pid that exists here (this test's
+    own): `vconsole stacks` says where to run it instead of dumping this process."""
+    import zmq
+
+    from vconsole import cli
+    from vconsole.engine.publish.beacon import HealthBeacon
+
+    endpoint = f"ipc://{tmp_path}/telemetry"
+    beacon = HealthBeacon(zmq.Context.instance(), endpoint, "remote-engine", 0)
+    body = {**health_body("idle", uptime_s=1.0, steps=0, interval_s=0.1, started_ts=0.0),
+            "host": {"name": "gpu-node-7", "boot_id": "0000"}}
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            beacon._send("health", body)
+            stop.wait(0.05)
+
+    sender = threading.Thread(target=beat, daemon=True)
+    sender.start()
+    try:
+        code = cli.main(["stacks", "--telemetry", endpoint, "--timeout", "10",
+                         "--method", "signal"])
+    finally:
+        stop.set()
+        sender.join()
+        beacon.close()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "the engine runs on gpu-node-7, not here" in err and "run vconsole stacks there" in err

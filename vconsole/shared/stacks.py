@@ -7,12 +7,15 @@ Two ways in, tried in this order (``method="auto"``):
    the OS to allow reading another process's memory (``ptrace``): Yama's ``ptrace_scope`` 0 or
    root, and ``CAP_SYS_PTRACE`` in a container. Where that is refused it fails, and:
 2. **the engine's own dump** through a signal (`SIGNAL`, SIGUSR2): every engine process installs
-   `vconsole.engine.launch.stack_dump` at start, before it loads its model. The signal runs
-   ``faulthandler``'s C-level dump of every thread into ``faulthandler.txt`` (works even while the
-   busy loop holds the GIL in native code, but knows thread ids only), then, at the main thread's
-   next bytecode, a Python handler that writes ``stacks.json`` (thread names, qualified function
-   names). The reader takes the JSON when it comes within `PYTHON_WAIT_S`, else the faulthandler
-   text with the names last seen (``threads.json``).
+   `vconsole.engine.launch.stack_dump` at start, before it loads its model. The signal runs, at
+   the main thread's next bytecode, a Python handler that writes ``stacks.json`` (thread names,
+   qualified function names). The reader takes the JSON when it comes within `PYTHON_WAIT_S`
+   (signalling again every `RESIGNAL_S`: one request amid a burst of others can be folded into
+   theirs); else it sends `FAULT_SIGNAL` (SIGUSR1), whose ``faulthandler`` C-level dump of every
+   thread goes into ``faulthandler.txt`` (works even while the busy loop holds the GIL in native
+   code, but knows thread ids only), read with the names last seen (``threads.json``). Two
+   signals, not faulthandler chained to the Python handler: a chained faulthandler takes its
+   signal nested in itself (SA_NODEFER), and a burst of signals then overflows its stack.
 
 Files live in `live_dir` (``$TMPDIR/vconsole-stacks-UID/PID``, mode 0700): the directory's
 existence is the engine's promise that SIGUSR2 is handled, so nothing here ever signals a pid
@@ -45,9 +48,11 @@ from vconsole.shared.procs import host_identity, pid_alive, process_start, same_
 
 __all__ = ["process_start"]    # re-exported: the engine's dump records its own start
 
-SIGNAL = signal.SIGUSR2
+SIGNAL = signal.SIGUSR2           # the engine's Python dump
+FAULT_SIGNAL = signal.SIGUSR1     # its faulthandler dump (the fallback)
 PYSPY_TIMEOUT_S = 5.0     # one py-spy dump (it reads memory; never slow unless refused)
 PYTHON_WAIT_S = 1.0       # the engine's Python-level answer to the signal
+RESIGNAL_S = 0.3         # no answer yet: signal again (the engine answers once per burst)
 FAULT_SETTLE_S = 0.2      # then the faulthandler text is complete (it is written in the handler)
 METHODS = ("auto", "py-spy", "signal")
 METHOD_ENV = "VCONSOLE_STACKS_METHOD"   # what "auto" means here (e.g. signal: never ptrace)
@@ -379,7 +384,6 @@ def signal_dump(pid: int, *, python_wait_s: float = PYTHON_WAIT_S) -> StackRepor
     if recorded is not None and recorded != process_start(pid):
         raise StacksError(f"pid {pid} is not the engine that left {folder} (that one was "
                           "killed and its pid reused); not signalling it")
-    offset = _size(fault)
     seq = _json_seq(js)
     try:
         os.kill(pid, SIGNAL)
@@ -389,21 +393,28 @@ def signal_dump(pid: int, *, python_wait_s: float = PYTHON_WAIT_S) -> StackRepor
         raise StacksError(f"not allowed to signal pid {pid} (another user's engine): run "
                           "this as that user, or as root") from None
     deadline = time.monotonic() + python_wait_s
+    again = time.monotonic() + RESIGNAL_S
     while time.monotonic() < deadline:
-        data = _read_json(js)
-        if data is not None and data.get("seq", 0) > seq:
-            threads = [ThreadStack(str(t["name"]), int(t["ident"]),
-                                   tuple(Frame(f["function"], f["file"], int(f["line"]))
-                                         for f in t["frames"])) for t in data["threads"]]
-            return StackReport(pid, PYTHON_DUMP, ordered(threads, data.get("main")))
+        if time.monotonic() >= again:       # a request that came amid others' can be lost
+            again += RESIGNAL_S
+            with contextlib.suppress(OSError):
+                os.kill(pid, SIGNAL)
+        if (report := _python_report(pid, js, seq)) is not None:
+            return report
         time.sleep(0.02)
+    offset = _size(fault)
+    with contextlib.suppress(OSError):
+        os.kill(pid, FAULT_SIGNAL)
     time.sleep(FAULT_SETTLE_S)
+    if (late := _python_report(pid, js, seq)) is not None:
+        return late
     text = _read_from(fault, offset)
     if not text.strip():
         state = _proc_state(pid)
         why = ("it is stopped (SIGSTOP or a debugger): `kill -CONT` it" if state == "T"
                else f"process state {state or 'unknown'}")
-        raise StacksError(f"pid {pid} did not answer {signal.Signals(SIGNAL).name} within "
+        raise StacksError(f"pid {pid} did not answer {signal.Signals(SIGNAL).name} nor "
+                          f"{signal.Signals(FAULT_SIGNAL).name} within "
                           f"{python_wait_s + FAULT_SETTLE_S:g} s: {why}")
     names = _read_json(folder / NAMES_FILE) or {}
     threads = parse_faulthandler(text, {int(k): v for k, v in names.get("names", {}).items()})
@@ -411,6 +422,17 @@ def signal_dump(pid: int, *, python_wait_s: float = PYTHON_WAIT_S) -> StackRepor
                        note=f"the busy loop did not run Python within {python_wait_s:g} s "
                             "(stuck in native code holding the GIL?): faulthandler's dump, "
                             "function names without their class, thread names as last seen")
+
+
+def _python_report(pid: int, js: Path, seq: int) -> StackReport | None:
+    """The engine's Python dump, if one newer than ``seq`` is there."""
+    data = _read_json(js)
+    if data is None or data.get("seq", 0) <= seq:
+        return None
+    threads = [ThreadStack(str(t["name"]), int(t["ident"]),
+                           tuple(Frame(f["function"], f["file"], int(f["line"]))
+                                 for f in t["frames"])) for t in data["threads"]]
+    return StackReport(pid, PYTHON_DUMP, ordered(threads, data.get("main")))
 
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):")

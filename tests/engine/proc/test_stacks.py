@@ -70,7 +70,8 @@ TOY = textwrap.dedent('''
             time.sleep(1)
 
     threading.Thread(target=helper, name="helper", daemon=True).start()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})   # a helper thread takes it
+    # A helper thread takes both signals (the C sleep below is not interrupted by them).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2, signal.SIGUSR1})
 
     def hold_the_gil_in_native_code():
         print("ready", flush=True)

@@ -1,21 +1,26 @@
-"""StackDumper: the engine process's answer to SIGUSR2 — its own stacks, for whoever asks.
+"""StackDumper: the engine process's answer to SIGUSR2 (and SIGUSR1) — its own stacks, for whoever asks.
 
 Installed first thing in every engine process (`install`, before the model loads), so the
 supervisor's hang watchdog and `vconsole stacks` can read the stacks where py-spy may not attach
 (`vconsole.shared.stacks` reads them; the file formats are described there):
 
-- ``faulthandler.register(SIGUSR2, all_threads=True, chain=True)`` writes every thread's frames
-  from the C signal handler into ``faulthandler.txt``: it needs no GIL and no Python code, so a
-  busy loop stuck in native code still answers;
-- chained after it, a Python handler (it runs in the main thread at the next bytecode) writes
-  ``stacks.json``: thread names and qualified function names, and empties ``faulthandler.txt``
-  (its dump was not needed) so the file never grows with repeated dumps;
+- SIGUSR2 (`SIGNAL`): a Python handler (it runs in the main thread at the next bytecode)
+  writes ``stacks.json``: thread names and qualified function names, and empties
+  ``faulthandler.txt`` (an earlier fallback dump is not needed any more) so the file never
+  grows with repeated dumps;
+- SIGUSR1 (`FAULT_SIGNAL`, sent by a reader only when the Python dump did not come):
+  ``faulthandler.register(SIGUSR1, all_threads=True)`` writes every thread's frames from the C
+  signal handler into ``faulthandler.txt``: it needs no GIL and no Python code, so a busy loop
+  stuck in native code still answers. Not chained to the Python handler on one signal: a
+  chained faulthandler handler runs nested in itself (SA_NODEFER) and a burst of signals
+  overflowed its stack (SIGSEGV); unchained, the kernel holds a second SIGUSR1 until the dump
+  is done;
 - ``threads.json``: the thread names by id, for the faulthandler text (refreshed at each dump
   and by `refresh_names`).
 
 Cost: nothing until a signal comes; a dump holds the busy loop for about a millisecond.
 The handler never raises into the code it interrupted (a failed dump is counted in ``errors``)
-and a signal arriving during a dump is ignored; it takes no lock (thread names are copied from
+and a signal arriving during a dump makes it dump again once done; it takes no lock (thread names are copied from
 ``threading``'s registries, not through ``threading.enumerate``).
 Invariant: the folder exists only while the handler is installed (removed at exit), since its
 existence is what lets a reader send the signal at all. The root (``$TMPDIR/vconsole-stacks-UID``,
@@ -42,6 +47,7 @@ from typing import IO, Any
 from vconsole.shared.procs import pid_alive, process_start
 from vconsole.shared.stacks import (
     FAULT_FILE,
+    FAULT_SIGNAL,
     JSON_FILE,
     NAMES_FILE,
     SIGNAL,
@@ -51,6 +57,7 @@ from vconsole.shared.stacks import (
 )
 
 log = logging.getLogger(__name__)
+MAX_ROUNDS = 4      # dumps one handler call makes for signals that came during its own
 OUR_FILES = frozenset({FAULT_FILE, JSON_FILE, NAMES_FILE} | {f + ".tmp" for f in (JSON_FILE,
                                                                                  NAMES_FILE)})
 
@@ -65,6 +72,7 @@ class StackDumper:
         self.pid = os.getpid()
         self.start = process_start(os.getpid())     # a reader tells a reused pid by it
         self._busy = False
+        self._pending = False                       # a signal came during a dump
         self.errors = 0                             # dumps that failed (never raised)
         root = folder.parent
         with contextlib.suppress(FileExistsError):
@@ -77,8 +85,8 @@ class StackDumper:
             raise UntrustedFolder(why)
         self._fault: IO[bytes] = open(folder / FAULT_FILE, "ab")  # noqa: SIM115 - until close
         self.refresh_names()
-        signal.signal(SIGNAL, self._on_signal)     # first: faulthandler chains to it
-        faulthandler.register(SIGNAL, file=self._fault, all_threads=True, chain=True)
+        signal.signal(SIGNAL, self._on_signal)
+        faulthandler.register(FAULT_SIGNAL, file=self._fault, all_threads=True, chain=False)
 
     def refresh_names(self) -> None:
         """Write the thread names by id (for the C-level dump, which knows ids only)."""
@@ -88,14 +96,23 @@ class StackDumper:
 
     def _on_signal(self, _signum: int, interrupted: FrameType | None) -> None:
         """Never raises, never runs twice at once: it interrupts the busy loop anywhere (a
-        signal storm nests it in itself), so a failed dump is counted, not thrown."""
+        signal storm nests it in itself), so a failed dump is counted, not thrown. A signal
+        arriving during a dump is not lost: it marks the dump pending and the running one
+        dumps again when done (at most `MAX_ROUNDS` times per call, so a storm cannot hold the
+        loop; a later signal calls the handler anew)."""
         if self._busy:
+            self._pending = True
             return
         self._busy = True
         try:
-            self._dump(interrupted)
-        except Exception:   # noqa: BLE001 - RecursionError, a reentrant file call, ...
-            self.errors += 1    # (KeyboardInterrupt / SystemExit of a nested handler pass)
+            for _ in range(MAX_ROUNDS):
+                self._pending = False
+                try:
+                    self._dump(interrupted)
+                except Exception:   # noqa: BLE001 - RecursionError, a reentrant file call, ...
+                    self.errors += 1    # (KeyboardInterrupt / SystemExit pass)
+                if not self._pending:
+                    break
         finally:
             self._busy = False
 
@@ -124,7 +141,8 @@ class StackDumper:
         if os.getpid() != self.pid:     # a forked child exiting: the folder is the parent's
             return
         with contextlib.suppress(Exception):
-            faulthandler.unregister(SIGNAL)
+            faulthandler.unregister(FAULT_SIGNAL)
+            signal.signal(FAULT_SIGNAL, signal.SIG_IGN)
             signal.signal(SIGNAL, signal.SIG_IGN)
         self._fault.close()
         _remove_ours(self.folder)
