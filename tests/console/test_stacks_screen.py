@@ -73,3 +73,46 @@ async def test_a_hung_engines_restart_alert_shows_where_it_hung(tmp_path, monkey
         detail = text_of(app.screen, "#alert-detail")
         assert "stacks:" in detail and path.name in detail.replace("\n", "")
         assert "busy loop: hang_here (vconsole/engine/core.py:12)" in detail.replace("\n", " ")
+
+
+async def test_a_remote_engines_pid_is_not_read_here(tmp_path):
+    """The health of an engine on another machine names a pid that exists here (this test's
+    own): the screen says where to read its stacks instead of showing this process."""
+    import os
+    import threading
+
+    import zmq
+
+    from vconsole.engine.publish.beacon import HealthBeacon
+    from vconsole.engine.publish.bodies import health_body
+
+    endpoint = f"ipc://{tmp_path}/telemetry"
+    beacon = HealthBeacon(zmq.Context.instance(), endpoint, "remote-engine", 0)
+    body = {**health_body("idle", uptime_s=1.0, steps=0, interval_s=0.1, started_ts=0.0),
+            "host": {"name": "gpu-node-7", "boot_id": "0000"}}
+    assert body["pid"] == os.getpid()
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            beacon._send("health", body)
+            stop.wait(0.05)
+
+    sender = threading.Thread(target=beat, daemon=True)
+    sender.start()
+    try:
+        app = VConsoleApp(telemetry_endpoints=[endpoint])
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("S")
+            screen = app.screen
+            assert isinstance(screen, StacksScreen)
+            await until(pilot, lambda: screen.report is not None or screen.error, timeout=20)
+            assert screen.report is None
+            assert "the engine runs on gpu-node-7, not here" in (screen.error or "")
+            await pilot.pause()
+            assert "run vconsole stacks there" in text_of(screen, "#stacks-summary").replace(
+                "\n", " ")
+    finally:
+        stop.set()
+        sender.join()
+        beacon.close()
