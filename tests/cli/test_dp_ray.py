@@ -13,8 +13,10 @@ A second engine (long) is stopped while its Ray starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -237,9 +239,11 @@ def test_a_rank_whose_loop_ends_with_an_error_exit_code_is_restarted(dp: RayDP) 
     assert down["restart_count"] == restarts + 1
     assert f"engine exit code {exit_codes.STEP_FAILURES}" in down["restart_reason"], down
     deadline = time.monotonic() + 120
-    while (now := next(r for r in dp.ranks() if r["rank"] == 1))["actor_id"] in (
-            None, before["actor_id"]) or now["pid"] is None:
+    while True:
         assert dp.engine.child.poll() is None, dp.engine.log_tail(40)    # the group goes on
+        now = next(r for r in dp.ranks() if r["rank"] == 1)
+        if now["actor_id"] not in (None, before["actor_id"]) and now["pid"] is not None:
+            break
         assert time.monotonic() < deadline, f"rank 1 was not restarted: {dp.engine.log_tail(40)}"
         time.sleep(0.2)
     with dp.client() as c:
@@ -310,6 +314,7 @@ def test_a_sigterm_while_ray_starts_stops_the_engine_before_any_rank_starts(
             engine_command([*ENGINE_ARGS, "--ready-file", str(tmp_path / "ready.json")]),
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    session: Path | None = None
     try:
         deadline = time.monotonic() + 120
         while (session := _ray_start_of(engine.pid)) is None:
@@ -320,9 +325,15 @@ def test_a_sigterm_while_ray_starts_stops_the_engine_before_any_rank_starts(
         engine.send_signal(signal.SIGTERM)
         code = engine.wait(timeout=90)
     finally:
-        if engine.poll() is None:
+        if engine.poll() is None:       # the test failed: leave nothing of it behind
             os.killpg(engine.pid, signal.SIGKILL)
             engine.wait()
+            for pid in processes_of(session) if session else ():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            if session:
+                shutil.rmtree(session, ignore_errors=True)
+    assert session is not None
     text = log.read_text()
     assert code == 0, text
     assert " ready (Ray actor" not in text, text                 # no rank started
