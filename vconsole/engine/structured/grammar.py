@@ -81,5 +81,11 @@ def check_spec(spec: StructuredSpec, tokenizer: LLTokenizer | None = None) -> No
 
 def first_line(error: str) -> str:
     """llguidance's message without the lines after the first (the parser's state, the
-    whole grammar: a JSON schema request would get its schema echoed back)."""
-    return error.strip().split("\n", 1)[0].strip()
+    whole grammar: a JSON schema request would get its schema echoed back), except the
+    reason a regex parser gives on a later ``error: ...`` line (``regex parse error:
+    unclosed character class``)."""
+    lines = [line.strip() for line in error.strip().splitlines()]
+    head = lines[0] if lines else ""
+    reason = next((line[len("error:"):].strip() for line in lines[1:]
+                   if line.startswith("error:")), None)
+    return f"{head} {reason}" if reason and head.endswith(":") else head
