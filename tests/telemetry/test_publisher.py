@@ -106,16 +106,20 @@ def test_a_subscriber_gets_every_topic_with_the_submitted_numbers(ctx, make_pub)
         assert all(m.engine == "engine-7" and m.rank == 2 for m in ms)
         assert missing_fields(t, ms[-1].payload) == [], t
 
-    steps = by_topic["step"]
-    assert sum(m.payload["steps"] for m in steps) == 40
-    full = next(m.payload for m in steps if m.payload["steps"] == 40)
-    assert full["num_prefill_tokens"] == 40 * 32 and full["num_decode_tokens"] == 40 * 4
-    assert full["phase_s"]["execute"] == pytest.approx(40 * 0.008)
-    assert full["step_time_max_s"] == pytest.approx(0.009039)
-    assert full["step_time_p50_s"] == pytest.approx(0.0090195)
-    assert full["sched_share"] == pytest.approx(40 * 100_000 / sum(9_000_000 + i * 1000
-                                                                   for i in range(40)))
-    assert full["tokens_per_s"] == pytest.approx(40 * 36 / full["window_s"])
+    steps = [m.payload for m in by_topic["step"] if m.payload["steps"]]
+    assert sum(m["steps"] for m in steps) == 40
+    # Every step is counted once, whether one message carries the 40 or a stall of this
+    # process between two record_step calls let the publisher send the first ones alone.
+    assert sum(m["num_prefill_tokens"] for m in steps) == 40 * 32
+    assert sum(m["num_decode_tokens"] for m in steps) == 40 * 4
+    assert sum(m["phase_s"]["execute"] for m in steps) == pytest.approx(40 * 0.008)
+    assert max(m["step_time_max_s"] for m in steps) == pytest.approx(0.009039)
+    full = next((m for m in steps if m["steps"] == 40), None)
+    if full is not None:     # the window's own figures, over all 40
+        assert full["step_time_p50_s"] == pytest.approx(0.0090195)
+        assert full["sched_share"] == pytest.approx(40 * 100_000 / sum(9_000_000 + i * 1000
+                                                                       for i in range(40)))
+        assert full["tokens_per_s"] == pytest.approx(40 * 36 / full["window_s"])
 
     s = by_topic["sched"][0].payload
     assert (s["num_waiting"], s["num_running"], s["policy"], s["num_finished_total"]) == \
@@ -264,8 +268,11 @@ def test_engine_side_calls_never_wait_on_subscribers(ctx, make_pub):
             pub.submit_snapshot(sched, kv, "running", i)
             worst_submit = max(worst_submit, time.perf_counter() - ts)
     per_step = (time.perf_counter() - t0) / 20_000
-    assert per_step < 50e-6, per_step
-    assert worst_submit < 0.01, worst_submit
+    # Bounds far above the real cost (a few µs a step, a ms or two a snapshot) and far below
+    # a wait on the stuck subscriber (which would last until the test's end): a loaded
+    # 2-core machine stalls this process for 10-20 ms now and then.
+    assert per_step < 100e-6, per_step
+    assert worst_submit < 0.1, worst_submit
     # The publisher thread is not wedged either: a fresh subscriber still gets heartbeats.
     fresh = subscribe(ctx, pub, topics=(b"health",))
     assert collect(fresh, 3, until=lambda ms: len(ms) >= 2)
