@@ -78,6 +78,7 @@ def test_scheduler_bench_measures_the_seeds_time_wheel_against_the_heap():
 
 
 @pytest.mark.slow
+@pytest.mark.long   # make test-long, as the other benches' own tests
 def test_telemetry_bench_alternates_rounds_with_a_subscriber_and_a_full_table():
     out = bench("telemetry", "--num-requests", "300", "--rounds", "1", "--seconds", "0.1")
     assert out["tokens_per_s_off"] > 0 and out["tokens_per_s_on"] > 0

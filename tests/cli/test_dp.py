@@ -300,6 +300,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.long   # make test-long: test_dp_curve launches torchrun ranks too
 def test_torchrun_launches_two_ranks_that_serve_behind_rank_0s_front_end(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     eps = ipc_endpoints(tmp_path)

@@ -153,6 +153,7 @@ def free_port() -> int:
 @pytest.mark.proc
 @pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("curl"), reason="needs curl, as the README's reader does")
+@pytest.mark.long   # make test-long: test_serve runs serve through the SDK and curl's routes
 def test_the_readme_serve_block_runs_as_written(tmp_path):
     """As it stands, except port 8000 (maybe taken on this machine) for a free one."""
     block = serve_block()

@@ -68,6 +68,7 @@ def test_the_live_trace_holds_every_request_and_the_steps_behind_it(live_trace):
                            for r in trace.requests)
 
 
+@pytest.mark.long   # make test-long: the real engine's replay; `bench whatif` measures it
 def test_whatif_predicts_and_validate_runs_the_real_engine(live_trace, capsys):
     code, out, err = _run(["whatif", str(live_trace), "--set", "max_num_seqs=2", "--json",
                            "--validate"], capsys)

@@ -286,7 +286,9 @@ def test_record_step_is_cheap_with_nobody_listening(make_pub):
     t0 = time.perf_counter()
     for _ in range(50_000):
         pub.record_step(s)
-    assert (time.perf_counter() - t0) / 50_000 < 20e-6
+    # A list append and a 16-byte write: microseconds; a loaded machine stalls a process
+    # for milliseconds now and then, so the bound is loose (a send per step would be ~ms).
+    assert (time.perf_counter() - t0) / 50_000 < 100e-6
 
 
 def test_hot_config_update_changes_row_cap_and_thresholds(ctx, make_pub):

@@ -291,6 +291,7 @@ class Alerts(Health):
 
 @pytest.mark.proc
 @pytest.mark.slow
+@pytest.mark.long   # make test-long: test_hang_stacks kills a hung engine, test_compile_liveness the idle stamp
 def test_a_hung_engine_is_killed_and_restarted_but_an_idle_one_is_left_alone(tmp_path):
     """SIGSTOP freezes the child (alive, never stepping). Idle, it is left alone past the hang
     timeout; with a request in flight, the supervisor kills it and restarts it with reason
