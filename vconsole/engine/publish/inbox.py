@@ -38,6 +38,21 @@ Snapshot = tuple[SchedulerStats, KVStats, int, float]   # sched, kv, steps, wall
 Text = list[TokenLists] | dict[str, list[str]]
 
 
+class SnapshotClock:
+    """When the busy loop next builds a snapshot: at most ``hz`` times a second (the in-process
+    publisher's and the publisher process's feed alike). Engine thread only."""
+
+    def __init__(self) -> None:
+        self._next_due = 0.0
+
+    def due(self, hz: float) -> bool:
+        now = time.monotonic()
+        if now < self._next_due:
+            return False
+        self._next_due = now + 1.0 / hz
+        return True
+
+
 @dataclass
 class Handoff:
     """What the engine thread handed over since the last `Inbox.take`, all at once, and its
@@ -81,7 +96,7 @@ class Inbox:
         self.steps_recorded = 0           # written by the engine thread only
         self._steps_seen = 0              # drained by the publisher thread (its thread only)
         self.last_step_t: float | None = None
-        self._next_due = 0.0              # engine thread only (snapshot_due)
+        self._snapshots = SnapshotClock()  # engine thread only (snapshot_due)
         # Cumulative since start, every recorded step (none lost to the bounded deque): tokens
         # per step (per bucket, not cumulative) and their sum, phase ns. Guarded by _totals_lock
         # (held for a few additions or one copy), so one step is in all of them or in none.
@@ -126,11 +141,7 @@ class Inbox:
 
     def snapshot_due(self) -> bool:
         """True at most ``telemetry_hz`` times a second: time to build and submit a snapshot."""
-        now = time.monotonic()
-        if now < self._next_due:
-            return False
-        self._next_due = now + 1.0 / self.config.telemetry_hz
-        return True
+        return self._snapshots.due(self.config.telemetry_hz)
 
     def submit_snapshot(self, sched: SchedulerStats, kv: KVStats, state: str,
                         num_steps: int, text: Text | None = None,

@@ -52,6 +52,7 @@ from vconsole.engine.publish import handoff_wire as wire
 from vconsole.engine.publish.bodies import KVFormat
 from vconsole.engine.publish.handoff_ids import IdsEncoder
 from vconsole.engine.publish.handoff_ring import HandoffRing
+from vconsole.engine.publish.inbox import SnapshotClock
 from vconsole.engine.publish.request_text import TextBook, TokenLists
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
@@ -124,7 +125,7 @@ class ChildLink:
         self._state = spec.state
         self._steps: list[StepStats] = []
         self._lost = 0
-        self._next_due = 0.0
+        self._snapshots = SnapshotClock()
         self._flush_at = 0.0          # steps not handed over by then go on their own
         self._text_book = TextBook(detokenize) if detokenize is not None else None
         self._dir = tempfile.mkdtemp(prefix="vconsole-pub-")   # 0700: only this user
@@ -232,11 +233,7 @@ class ChildLink:
             self._flush_steps()
 
     def snapshot_due(self) -> bool:
-        now = time.monotonic()
-        if now < self._next_due:
-            return False
-        self._next_due = now + 1.0 / self.config.telemetry_hz
-        return True
+        return self._snapshots.due(self.config.telemetry_hz)
 
     def submit_snapshot(self, sched: SchedulerStats, kv: KVStats, state: str,
                         num_steps: int, text: list[TokenLists] | None = None) -> None:
