@@ -340,20 +340,20 @@ def test_request_ids_are_scoped_per_client(engine):
 
 def test_a_duplicate_id_from_one_client_leaves_its_request_running(engine):
     """The engine answers a duplicate with an ``in_flight`` error, never a second final output.
-    300 tokens (most of the 320-token pool): still running when a CPU-starved test sends the
-    duplicate (40 were over by then once, in CI)."""
+    The duplicate is sent right behind the original on the same socket, so the engine reads it
+    while the original (300 tokens) is surely in flight: once the test waited for the first
+    token and a CPU-starved CI machine finished all 300 before the duplicate was sent."""
     with client(engine) as a:
         rid = a.submit(prompt_token_ids=[11] * 4, max_tokens=300, ignore_eos=True)
-        first = next(a.stream(rid))
-        with pytest.raises(ValueError, match="in flight"):
-            a.submit(prompt_token_ids=[1, 2], request_id=rid)  # the client's own guard
         a._in.send_multipart(protocol.encode_add(rid, prompt_token_ids=[1, 2],
-                                                 sampling={"max_tokens": 1}))  # bypass it
+                                                 sampling={"max_tokens": 1}))  # past the guard
         bad = protocol.encode_add(rid, prompt_token_ids=np.arange(20, dtype=np.int32))
         a._in.send_multipart([*bad, b"x"] * 3)  # too many frames, naming the same request
+        with pytest.raises(ValueError, match="in flight"):
+            a.submit(prompt_token_ids=[1, 2], request_id=rid)  # the client's own guard
         rest = a.gather()[rid]
         assert rest.finish_reason == "length"
-        assert len(first.new_token_ids) + len(rest.output_token_ids) == 300
+        assert len(rest.output_token_ids) == 300
         assert sum("duplicate" in e for e in a.protocol_errors) == 1
         assert sum("too many frames" in e for e in a.protocol_errors) == 1
 
