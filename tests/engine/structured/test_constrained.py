@@ -14,6 +14,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from llguidance import LLMatcher
 
 from vconsole.engine.core import EngineCore
@@ -340,3 +341,26 @@ def test_a_bitmask_filled_beside_the_forward_is_awaited(core: EngineCore,
     outs = sampled(core, specs, max_tokens=40)
     assert re.fullmatch(REGEX, outs[0].text) and outs[1].text in CHOICES
     assert outs[3].finish_reason == "stop" and outs[3].text.startswith("("), outs[3].text
+
+
+def test_llguidances_thread_pool_fills_the_same_masks_as_row_by_row(core: EngineCore,
+                                                                    monkeypatch) -> None:
+    """Machines with 4 cores or more fill the bitmask with llguidance's executor (one call for
+    every row); here it is forced on, and each row's mask must equal the one-by-one fill's."""
+    specs = [StructuredSpec("regex", REGEX), StructuredSpec("choice", json.dumps(CHOICES)),
+             spec_json(), StructuredSpec("grammar", GBNF)]
+    compiled = [core.structured.compiler.submit(s)[0].result() for s in specs]
+    matchers = [(c.matcher.deep_copy(), row) for row, c in enumerate(compiled)]
+    assert matchers[2][0].consume_tokens(  # inside a string: a mask unlike the others
+        core.tokenizer.encode('{"name":"ab', add_special_tokens=False))
+    words = (core.structured.compiler.vocab_size + 31) // 32
+    one_by_one = torch.zeros((len(specs) + 2, words), dtype=torch.int32)
+    together = torch.zeros_like(one_by_one)
+    monkeypatch.setattr(manager_module, "PAR_MIN_ROWS", 1 << 30)
+    core.structured._fill_rows(matchers, one_by_one[:len(specs)])
+    monkeypatch.setattr(manager_module, "PAR_MIN_ROWS", 2)
+    core.structured._fill_rows(matchers, together[:len(specs)])
+    assert torch.equal(one_by_one, together)
+    assert all(one_by_one[r].any() for r in range(len(specs)))   # every row allows something
+    assert not one_by_one[len(specs):].any()                      # and nothing past the rows
+    assert not torch.equal(one_by_one[0], one_by_one[1])

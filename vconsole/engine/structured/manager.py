@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from llguidance import LLExecutor, LLMatcher
-from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from vconsole.engine.request import Request
 from vconsole.engine.sched.output import GrammarBatch, ModelRunnerOutput, SchedulerOutput
@@ -190,13 +189,20 @@ class StructuredOutputs:
         return GrammarBatch(rows, bitmask)
 
     def _fill_rows(self, matchers: list[tuple[LLMatcher, int]], bitmask: torch.Tensor) -> None:
+        """llguidance writes each row's mask straight into ``bitmask`` (a contiguous CPU int32
+        tensor of ours). Called as ``llguidance.torch``'s fill functions do, without importing
+        that module: its ``@torch.compile`` kernel pulls in torch's dynamo and inductor, 2.2 s
+        of CPU at every engine start for a function the engine never calls."""
+        row_bytes = bitmask.shape[1] * bitmask.element_size()
         if len(matchers) >= PAR_MIN_ROWS:
             if self._executor is None:
                 self._executor = LLExecutor(EXECUTOR_THREADS)
-            fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+            self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes,
+                                                   bitmask.shape[0])
         else:
+            base = bitmask.data_ptr()
             for matcher, row in matchers:
-                fill_next_token_bitmask(matcher, bitmask, row)
+                matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
 
     def _bitmask_rows(self, n: int) -> torch.Tensor:
         """The first ``n`` rows of one reused int32 bitmask (grown by doubling). Reuse is
