@@ -82,6 +82,8 @@ def free_base_port() -> int:
     raise RuntimeError("no four free consecutive ports")
 
 
+@pytest.mark.long   # make test-long: each of its commands has its own test in make test (test_control_cli,
+# test_loadgen, test_console_live, test_record and test_cli, test_generate_cli); this is the text
 @pytest.mark.proc
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("script") and shutil.which("jq")),

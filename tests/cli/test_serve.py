@@ -85,6 +85,7 @@ def test_serve_starts_its_engine_answers_the_sdk_and_ctrl_c_stops_both(tmp_path:
     assert left == []                     # no engine process (supervisor or child) is left
 
 
+@pytest.mark.long   # make test-long: a dead engine's 503 and the restart are test_a_stream_fails_as_soon...
 @pytest.mark.proc
 def test_a_frozen_engine_turns_health_503_without_failing_the_stream_it_resumes(
         tmp_path: Path) -> None:

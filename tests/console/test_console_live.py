@@ -419,6 +419,8 @@ async def test_a_key_the_engine_refuses_makes_the_console_read_only(engine, tmp_
         assert ctl.set_config({key: before["values"][key]})["ok"]
 
 
+@pytest.mark.long   # make test-long: ENGINE DOWN and its recovery on screen are test_console_app's
+# (synthetic beats); the restart itself is test_supervisor's
 async def test_killed_engine_is_shown_down_then_the_console_recovers(spawn):
     first = spawn(engine_args("live-kill"))
     app = console_for(first)

@@ -122,6 +122,7 @@ def vconsole(*argv: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
+@pytest.mark.long   # make test-long: the stale-key rules are the unit tests above, on real processes
 @pytest.mark.proc
 @pytest.mark.slow
 def test_a_killed_engine_leaves_a_stale_key_that_clients_name_and_the_next_engine_replaces(

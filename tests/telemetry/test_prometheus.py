@@ -631,6 +631,7 @@ def test_a_scrape_of_a_live_engine_equals_its_telemetry_and_what_clients_receive
     assert scrape.value("vconsole:config_version") == after["config"]["version"]
 
 
+@pytest.mark.long   # make test-long: the relay's last values while down are the next test's
 @pytest.mark.proc
 @pytest.mark.slow
 def test_a_restarted_engine_serves_metrics_on_the_same_port(engine, served):

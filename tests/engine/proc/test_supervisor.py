@@ -209,6 +209,8 @@ def test_sigterm_to_the_supervisor_drains_the_engine_and_leaves_no_process(tmp_p
         assert "draining" in engine.log_text() and "died" not in engine.log_text()
 
 
+@pytest.mark.long   # make test-long: giving up is RestartPolicy's, tested above; a live restart is the
+# killed-engine test's
 @pytest.mark.proc
 @pytest.mark.slow
 def test_an_engine_that_keeps_dying_is_given_up_after_max_restarts(tmp_path):

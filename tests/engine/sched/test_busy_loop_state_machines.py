@@ -634,9 +634,9 @@ def is_subsequence(xs: list[str], ys: list[str]) -> bool:
 # No explain phase: its tracer (Python < 3.12) makes each replay of a failing run many times
 # slower, and the shrunk steps already say what happened.
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
-BusyLoop.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
+BusyLoop.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None,
                                       database=None, phases=PHASES)
-WaitingRowsUnderChurn.TestCase.settings = settings(max_examples=250, stateful_step_count=40,
+WaitingRowsUnderChurn.TestCase.settings = settings(max_examples=120, stateful_step_count=40,
                                                    deadline=None, database=None, phases=PHASES)
 TestBusyLoop = BusyLoop.TestCase
 TestWaitingRowsUnderChurn = WaitingRowsUnderChurn.TestCase
