@@ -74,13 +74,16 @@ demo: install
 # make test: ruff, the import contracts ([tool.importlinter] in pyproject.toml), mypy, every
 # test but the long ones (make test-long).
 # make test-fast: the same checks, then only the unit layer (no engine processes, nothing slow).
-# Two pytest workers (pytest-xdist): most tests wait on engine processes, so two share two cores
-# well (10-11 min instead of 15 on 2 cores). TEST_WORKERS=0 runs them in one process.
+# Three pytest workers (pytest-xdist) on 2 cores: many tests wait on engine processes, timers
+# and heartbeats, and with two workers the cores stood idle a fifth of the time (measured: the
+# suite's processes used 78% of 2 cores; with three, 547 s where two took 592 s). Every engine
+# a test starts gets one torch thread (tests/conftest.py). TEST_WORKERS=0 runs them in one
+# process.
 # --dist loadgroup: tests are shared out one by one (the workers stay balanced to the end),
 # except a group, kept on one worker: a module that marks itself (tests that build on each
 # other: one DP group's waves), and every module whose tests share a module-scoped fixture (an
-# engine or a server starts once, not on both workers: tests/conftest.py groups them).
-TEST_WORKERS ?= 2
+# engine or a server starts once, not on every worker: tests/conftest.py groups them).
+TEST_WORKERS ?= 3
 # The package's bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (our development
 # machines) every process would compile the modules it imports anew, 0.1-0.15 s of CPU for
 # each of the suite's several hundred engine, server, console and CLI processes.

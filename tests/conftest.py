@@ -5,7 +5,8 @@ several pytest-xdist workers, the cores split between them.
 Why the split: torch's OpenMP threads (one per core by default) spin-wait for each other, and
 beside another busy process they slow down many times over (an engine's 10,000-request test:
 13 s alone, 97 s and more beside the other worker's tests). Each worker, and every engine process
-it starts, gets ``cores // workers`` threads unless ``OMP_NUM_THREADS`` is already set."""
+it starts, gets ``cores // workers`` threads (at least one) unless ``OMP_NUM_THREADS`` is already
+set."""
 
 import os
 import tempfile

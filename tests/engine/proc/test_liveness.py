@@ -40,6 +40,9 @@ def test_a_handshaken_client_hears_heartbeats_while_the_engine_is_idle(tmp_path)
     assert kinds[0] == "ready" and kinds[1:] == ["heartbeat"] * 3
 
 
+@pytest.mark.long   # make test-long: test_serve's dead-engine test kills -9 under a stream (the
+# server's EngineClient fails it at once, then serves the restarted engine); test_supervisor's
+# restart test
 def test_kill_9_fails_pending_requests_then_the_client_reconnects_to_a_new_engine(tmp_path):
     eps = ipc_endpoints(tmp_path)
     engine = EngineProcess(ARGS, endpoints=eps).start()

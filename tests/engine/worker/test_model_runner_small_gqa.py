@@ -36,9 +36,9 @@ def test_small_gqa_by_name_matches_hf_generate(cache: Path) -> None:
     path = resolve_model_path("small-gqa")
     assert path.parent == cache and path.name.startswith("small-gqa-")
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(2, 90))] for _ in range(34)]
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(2, 90))] for _ in range(16)]
     core = EngineCore(EngineConfig(model="small-gqa", device="cpu", dtype="float32",
-                                   max_num_seqs=34, max_num_batched_tokens=256))
+                                   max_num_seqs=16, max_num_batched_tokens=256))
     info = core.runner.info
     assert (info.num_layers, info.hidden_size, info.num_heads, info.num_kv_heads) == (8, 512, 8, 2)
     result = run_batch(core, greedy_requests(core, prompts, MAX_TOKENS))
