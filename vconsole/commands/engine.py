@@ -27,7 +27,7 @@ from vconsole.engine.dp.rank.choose import process_role
 from vconsole.engine.launch import exit_codes, stack_dump
 from vconsole.engine.launch.launch import ChildOfSupervisor, EngineLaunch, Supervision
 from vconsole.engine.launch.supervisor import EngineSupervisor
-from vconsole.engine.process.core_proc import EngineCoreProc
+from vconsole.engine.process.core_proc import EngineCoreProc, freeze_startup_heap
 from vconsole.engine.process.loop_inputs import LoopInput, Reload, Shutdown
 from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.security.curve import CurveKeyError
@@ -168,6 +168,7 @@ def _serve(launch: EngineLaunch, *, escalate: bool = True, curve: Any = True,
     except ValueError as e:  # the model or the KV pool: the loader says why
         _fatal(failure_file, f"cannot start: {e}")
         return 1
+    freeze_startup_heap()
     proc.start()
     stack_dump.refresh_names()
     ep = proc.endpoints

@@ -364,3 +364,19 @@ def test_llguidances_thread_pool_fills_the_same_masks_as_row_by_row(core: Engine
     assert all(one_by_one[r].any() for r in range(len(specs)))   # every row allows something
     assert not one_by_one[len(specs):].any()                      # and nothing past the rows
     assert not torch.equal(one_by_one[0], one_by_one[1])
+
+
+def test_a_bitmask_llguidance_could_write_past_is_refused(core: EngineCore) -> None:
+    """llguidance writes the masks to raw memory: a row past the tensor, a view with gaps or
+    another dtype would be written over blindly, so the fill refuses them first."""
+    matcher = core.structured.compiler.submit(StructuredSpec("regex", REGEX))[0].result().matcher
+    words = (core.structured.compiler.vocab_size + 31) // 32
+    ok = torch.zeros((2, words), dtype=torch.int32)
+    for matchers, bitmask in (([(matcher, 2)], ok), ([(matcher, -1)], ok),
+                              ([(matcher, 0)], ok.to(torch.int64)),
+                              ([(matcher, 0)], torch.zeros((2, 2 * words), dtype=torch.int32)[:, ::2])):
+        with pytest.raises(ValueError, match="contiguous CPU int32"):
+            core.structured._fill_rows(matchers, bitmask)
+    assert not ok.any()
+    core.structured._fill_rows([(matcher, 1)], ok)
+    assert ok[1].any() and not ok[0].any()

@@ -230,11 +230,6 @@ class EngineCoreProc:
             self._watcher.start()
         self.control.publish_config()
         self._set_state("idle")
-        # What start-up built (the model, the caches, torch's and transformers' modules) lives
-        # as long as the process: frozen out of the cyclic collector, as vLLM does once its
-        # engine is up, no collection walks it again (an exit's final one took ~1 s of CPU).
-        gc.collect()
-        gc.freeze()
         record = ready_record(pid=os.getpid(), endpoints=self.endpoints,
                               control_key_file=self.control_server.key_file, **self.ready_info,
                               **self.outlets.ready_fields())
@@ -445,6 +440,16 @@ class EngineCoreProc:
                 self._handle_input(self.input_queue.get_nowait())
             except queue.Empty:
                 return
+
+
+def freeze_startup_heap() -> None:
+    """For a process that is the engine (``vconsole engine``, a Ray rank actor), once its core
+    is built: what start-up made (the model, the caches, torch's and transformers' modules)
+    lives as long as the process, so it is frozen out of the cyclic collector, as vLLM does once
+    its engine is up. No collection walks it again; the exit's final one had taken ~1 s of CPU.
+    Not called by `EngineCoreProc` itself: a process that embeds one keeps its collector."""
+    gc.collect()
+    gc.freeze()
 
 
 def _load_core(config: EngineConfig) -> ServingCore:

@@ -193,12 +193,16 @@ class StructuredOutputs:
         tensor of ours). Called as ``llguidance.torch``'s fill functions do, without importing
         that module: its ``@torch.compile`` kernel pulls in torch's dynamo and inductor, 2.2 s
         of CPU at every engine start for a function the engine never calls."""
+        rows = bitmask.shape[0]
+        if (bitmask.dtype != torch.int32 or bitmask.device.type != "cpu"
+                or not bitmask.is_contiguous() or any(not 0 <= r < rows for _, r in matchers)):
+            raise ValueError("the bitmask must be a contiguous CPU int32 tensor holding every "
+                             "row: llguidance writes to its memory directly")
         row_bytes = bitmask.shape[1] * bitmask.element_size()
         if len(matchers) >= PAR_MIN_ROWS:
             if self._executor is None:
                 self._executor = LLExecutor(EXECUTOR_THREADS)
-            self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes,
-                                                   bitmask.shape[0])
+            self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, rows)
         else:
             base = bitmask.data_ptr()
             for matcher, row in matchers:

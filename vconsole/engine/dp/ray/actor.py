@@ -75,7 +75,7 @@ class RankActor:
         """Bind, join the group's store, load the model, start the I/O threads; the rank's
         ready record (plus ``placement``). Raises what a rank's start raises (a refused bind,
         an unreachable store, a model that does not load)."""
-        from vconsole.engine.process.core_proc import EngineCoreProc
+        from vconsole.engine.process.core_proc import EngineCoreProc, freeze_startup_heap
 
         where = self.placement()
         host = LOOPBACK if where["node_id"] == self.front_node_id else where["node_ip"]
@@ -91,6 +91,7 @@ class RankActor:
             config_path=launch.source.config_file, control_key_file=None,
             input_queue=self.queue, curve=curve, restart_count=self.restart_count,
             restart_reason=self.restart_reason)
+        freeze_startup_heap()       # this actor's process is the rank
         self.proc.start()
         ep = self.proc.endpoints
         print(f"vconsole engine {launch.config.engine_id} rank {launch.config.dp_rank} ready "
