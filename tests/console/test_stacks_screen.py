@@ -8,6 +8,7 @@ import pytest
 from textual.widgets import Static
 
 from support.console_testing import frames, replay_app, until
+from support.remote_engine import remote_engine_beats
 from vconsole.console.app import VConsoleApp
 from vconsole.console.screens.alerts import AlertsScreen
 from vconsole.console.screens.stacks import StacksScreen
@@ -79,28 +80,10 @@ async def test_a_remote_engines_pid_is_not_read_here(tmp_path):
     """The health of an engine on another machine names a pid that exists here (this test's
     own): the screen says where to read its stacks instead of showing this process."""
     import os
-    import threading
-
-    import zmq
-
-    from vconsole.engine.publish.beacon import HealthBeacon
-    from vconsole.engine.publish.bodies import health_body
 
     endpoint = f"ipc://{tmp_path}/telemetry"
-    beacon = HealthBeacon(zmq.Context.instance(), endpoint, "remote-engine", 0)
-    body = {**health_body("idle", uptime_s=1.0, steps=0, interval_s=0.1, started_ts=0.0),
-            "host": {"name": "gpu-node-7", "boot_id": "0000"}}
-    assert body["pid"] == os.getpid()
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.is_set():
-            beacon._send("health", body)
-            stop.wait(0.05)
-
-    sender = threading.Thread(target=beat, daemon=True)
-    sender.start()
-    try:
+    with remote_engine_beats(endpoint) as body:
+        assert body["pid"] == os.getpid()
         app = VConsoleApp(telemetry_endpoints=[endpoint])
         async with app.run_test(size=(80, 24)) as pilot:
             await pilot.press("S")
@@ -112,7 +95,3 @@ async def test_a_remote_engines_pid_is_not_read_here(tmp_path):
             await pilot.pause()
             assert "run vconsole stacks there" in text_of(screen, "#stacks-summary").replace(
                 "\n", " ")
-    finally:
-        stop.set()
-        sender.join()
-        beacon.close()

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from support.remote_engine import remote_engine_beats
 from vconsole.console.screens.alerts import busy_loop_frames
 from vconsole.engine.launch import stack_dump
 from vconsole.engine.publish.bodies import health_body
@@ -226,31 +227,12 @@ def test_pid_alive():
 def test_vconsole_stacks_refuses_a_remote_engines_pid(tmp_path, capsys):
     """The health of an engine on another machine names a pid that exists here (this test's
     own): `vconsole stacks` says where to run it instead of dumping this process."""
-    import zmq
-
     from vconsole import cli
-    from vconsole.engine.publish.beacon import HealthBeacon
 
     endpoint = f"ipc://{tmp_path}/telemetry"
-    beacon = HealthBeacon(zmq.Context.instance(), endpoint, "remote-engine", 0)
-    body = {**health_body("idle", uptime_s=1.0, steps=0, interval_s=0.1, started_ts=0.0),
-            "host": {"name": "gpu-node-7", "boot_id": "0000"}}
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.is_set():
-            beacon._send("health", body)
-            stop.wait(0.05)
-
-    sender = threading.Thread(target=beat, daemon=True)
-    sender.start()
-    try:
+    with remote_engine_beats(endpoint):
         code = cli.main(["stacks", "--telemetry", endpoint, "--timeout", "10",
                          "--method", "signal"])
-    finally:
-        stop.set()
-        sender.join()
-        beacon.close()
     err = capsys.readouterr().err
     assert code == 1
     assert "the engine runs on gpu-node-7, not here" in err and "run vconsole stacks there" in err
