@@ -19,10 +19,10 @@ from support.live_engine import Telemetry, ipc_endpoints, reference_outputs
 from support.scheduling import make_request, make_scheduler
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.core import EngineCore
-from vconsole.engine.latency import LatencyStats
+from vconsole.engine.latency import LatencyLog
 from vconsole.engine.process.core_proc import EngineCoreProc
 from vconsole.engine.sched.output import ModelRunnerOutput
-from vconsole.engine.sched.request_rows import WaitingRows
+from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.engine.telemetry_guard import TelemetryGuard
 from vconsole.shared.config import EngineConfig
 
@@ -93,7 +93,7 @@ def test_latency_that_raises_inside_a_step_costs_no_token(monkeypatch):
     def run(fault: bool) -> dict[str, list[int]]:
         s = make_scheduler(num_blocks=64, max_num_seqs=4)
         if fault:
-            monkeypatch.setattr(LatencyStats, "observe_many",
+            monkeypatch.setattr(LatencyLog, "observe_many",
                                 lambda *a: (_ for _ in ()).throw(InjectedFault("itl")))
         for i in range(4):
             s.add_request(make_request(f"r{i}", 5, max_tokens=4))
@@ -134,22 +134,22 @@ MAX_TOKENS = 12
 @pytest.mark.proc
 @pytest.mark.slow
 def test_an_injected_snapshot_failure_leaves_serving_untouched(tmp_path, monkeypatch):
-    """The real busy loop, real sockets (ipc://), the tiny model: the waiting-row table raises
+    """The real busy loop, real sockets (ipc://), the tiny model: the scheduler's snapshot raises
     on every other snapshot and latency on every observation, while eight requests share two
     seats. Each request's greedy output equals the reference; health counts the failures and
     an alert says so."""
     expected = reference_outputs([(p, MAX_TOKENS) for p in PROMPTS], block_size=4)
     calls = {"n": 0}
-    real_table = WaitingRows.table
+    real_stats = Scheduler.stats
 
-    def flaky_table(self, *args):
+    def flaky_stats(self, *args):
         calls["n"] += 1
         if calls["n"] % 2:
             raise InjectedFault(f"snapshot {calls['n']}")
-        return real_table(self, *args)
+        return real_stats(self, *args)
 
-    monkeypatch.setattr(WaitingRows, "table", flaky_table)
-    monkeypatch.setattr(LatencyStats, "observe",
+    monkeypatch.setattr(Scheduler, "stats", flaky_stats)
+    monkeypatch.setattr(LatencyLog, "observe",
                         lambda *a: (_ for _ in ()).throw(InjectedFault("ttft")))
     monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
     core = EngineCore(EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, block_size=4,
@@ -187,16 +187,16 @@ def test_a_failed_snapshot_of_the_drained_engine_is_sent_again_not_left_stale(tm
     """The snapshot that shows an engine gone idle is the last one before the loop blocks: when
     a part of it raises, the loop wakes once more and sends it, so a console never keeps the
     busy picture of an idle engine."""
-    real_table = WaitingRows.table
+    real_stats = Scheduler.stats
     failed = {"idle": 0}
 
-    def table_failing_once_idle(self, running, *args):
-        if not running and core.scheduler.num_finished_total == 1 and not failed["idle"]:
+    def stats_failing_once_idle(self, *args):
+        if not self.running and self.num_finished_total == 1 and not failed["idle"]:
             failed["idle"] += 1
             raise InjectedFault("first snapshot of the drained engine")
-        return real_table(self, running, *args)
+        return real_stats(self, *args)
 
-    monkeypatch.setattr(WaitingRows, "table", table_failing_once_idle)
+    monkeypatch.setattr(Scheduler, "stats", stats_failing_once_idle)
     monkeypatch.setenv("VCONSOLE_RUNTIME_DIR", str(tmp_path / "run"))
     core = EngineCore(EngineConfig(model="tiny", device="cpu", num_kv_blocks=32, block_size=4,
                                    max_num_seqs=2, telemetry_hz=20))

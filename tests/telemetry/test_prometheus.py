@@ -26,7 +26,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vconsole.engine.client.client import EngineClient
-from vconsole.engine.latency import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, LatencyStats
+from vconsole.engine.latency import (
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    LatencyLog,
+    LatencyStats,
+)
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.launch.ready_file import read_ready_file
 from vconsole.engine.process.core_proc import EngineCoreProc
@@ -468,9 +473,9 @@ def test_a_scrape_over_http_equals_the_last_messages_the_publisher_sent(publishe
                      prefix_queries=50, prefix_hits=10, block_states=np.zeros(16, np.uint8))
         publisher.record_step(step_stats(24))
         publisher.submit_snapshot(sched, kv, "running", 1)
-        lat = LatencyStats(60.0)
+        lat = LatencyLog()
         lat.observe("ttft_s", 0.05, priority=0, now=1.0)
-        publisher.submit_latency(lat.snapshot(1.0))
+        publisher.submit_latency(lat.drain(1.0, 60.0))
         publisher.publish_config(3, {"max_num_seqs": 8})
         sub.wait_for("latency")
         sub.wait_for("config", lambda p: p["version"] == 3)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from vconsole.engine.latency import LatencyStats
+from vconsole.engine.latency import LatencyLog, LatencyStats
 from vconsole.engine.publish.bodies import KVFormat
 from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.shared.config import EngineConfig
@@ -92,9 +92,9 @@ def test_a_subscriber_gets_every_topic_with_the_submitted_numbers(ctx, make_pub)
         pub.record_step(step(i))
     sched, kv = snapshot(num_waiting=60)  # over alert_waiting_warning (50)
     pub.submit_snapshot(sched, kv, "running", 40)
-    lat = LatencyStats(60.0)
+    lat = LatencyLog()
     lat.observe("ttft_s", 0.3, priority=0, now=5.0)
-    pub.submit_latency(lat.snapshot(5.0))
+    pub.submit_latency(lat.drain(5.0, 60.0))
     lone = set(TOPICS) - set(DP_TOPICS)   # a lone engine sends every topic but the DP ones
     msgs = collect(sub, 3, until=lambda ms: {m.topic for m in ms} == lone
                    and sum(m.payload["steps"] for m in ms if m.topic == "step") >= 40)
@@ -143,6 +143,37 @@ def test_a_subscriber_gets_every_topic_with_the_submitted_numbers(ctx, make_pub)
     assert by_topic["health"][-1].payload["state"] == "running"
     assert by_topic["health"][-1].payload["steps"] == 40
     sub.close()
+
+
+def test_latency_is_aggregated_by_the_publisher_from_the_engines_batches(ctx, make_pub):
+    """The busy loop hands raw observations (`LatencyLog.drain`); the publisher (thread or
+    process) keeps the histograms and windows: two batches publish what one `LatencyStats`
+    that saw every observation publishes."""
+    pub = make_pub()
+    sub = subscribe(ctx, pub)
+    wait_connected(sub)
+    log, whole = LatencyLog(), LatencyStats(60.0)
+    for name, value, prio, now in (("ttft_s", 0.3, 0, 5.0), ("itl_s", 0.02, 2, 5.0),
+                                   ("ttft_s", 0.9, 2, 5.5)):
+        log.observe(name, value, prio, now)
+        whole.observe(name, value, prio, now)
+    log.finish("stop")
+    whole.finish("stop")
+    pub.submit_latency(log.drain(6.0, 60.0))
+    assert collect(sub, 3, until=lambda ms: any(m.topic == "latency" for m in ms))
+    log.observe_many("itl_s", [0.01, 0.05, 0.2], [0, 0, 2], 7.0)
+    whole.observe_many("itl_s", [0.01, 0.05, 0.2], [0, 0, 2], 7.0)
+    log.finish("length")
+    whole.finish("length")
+    pub.submit_latency(log.drain(8.0, 60.0))
+    msgs = collect(sub, 3, until=lambda ms: any(
+        m.topic == "latency" and m.payload["finished"] == {"stop": 1, "length": 1} for m in ms))
+    body = next(m.payload for m in msgs if m.topic == "latency"
+                and m.payload["finished"] == {"stop": 1, "length": 1})
+    expected = whole.snapshot(8.0)
+    assert body["overall"]["histograms"]["itl_s"]["count"] == 4
+    assert body["overall"] == expected["overall"]
+    assert body["priority"] == expected["priority"]
 
 
 @pytest.mark.parametrize("kv_format", [KVFormat("int4_per_token_head", 320), None],

@@ -4,7 +4,6 @@ the engine — with real processes and sockets. (What a subscriber sees from it 
 tests/telemetry/test_publisher.py, run on both the thread and the process.)"""
 
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -16,10 +15,12 @@ import numpy as np
 import pytest
 import zmq
 
+from support.scheduling import make_request
 from vconsole.engine.publish import handoff_wire as wire
-from vconsole.engine.publish.handoff_ids import FULL_EVERY, IdsDecoder, IdsEncoder
-from vconsole.engine.publish.handoff_ring import HandoffRing
 from vconsole.engine.publish.publisher import TelemetryPublisher
+from vconsole.engine.sched.queue_mirror import MirroredTable, SyncSender
+from vconsole.engine.sched.request_queue import WaitingQueue
+from vconsole.engine.sched.request_rows import QueueRows, WaitingRows, head_columns, head_rows
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, RequestTable, SchedulerStats, StepStats
 from vconsole.telemetry.schema import decode
@@ -86,52 +87,84 @@ def test_a_snapshot_crosses_the_handoff_field_for_field(ids):
     assert (second.total_ns, no_end) == (8_500_002, None) and got.steps.lost == 3
 
 
-def test_a_snapshot_crosses_through_the_shared_slots_and_an_overwritten_one_is_dropped():
-    engine_side = HandoffRing(slots=2, slot_bytes=1 << 20)
-    child_side = HandoffRing(os.dup(engine_side.fd), 2, 1 << 20)   # as the child maps it
-    try:
-        sent = []
-        for i in range(3):      # the third overwrites the first's slot
-            sched, kv = snapshot([f"r{i}-{j}" for j in range(100)])
-            frames = wire.snapshot_frames(wire.Snapshot(sched, kv, "running", i, 0.0, None,
-                                                        wire.Steps([], lost=i)), engine_side)
-            assert frames[0] == wire.SNAPSHOT_RING and len(frames) == 4   # the bulk is shared
-            sent.append(frames)
-        kind, first = wire.decode(sent[0], child_side)
-        assert (kind, first.lost) == (wire.STEPS, 0)   # its slot was reused: its steps only
-        for i in (1, 2):
-            kind, got = wire.decode(sent[i], child_side)
-            assert kind == wire.SNAPSHOT and got.num_steps == i and got.steps.lost == i
-            assert got.sched.requests.columns["id"] == [f"r{i}-{j}" for j in range(100)]
-        # What does not fit in a slot crosses the socket instead.
-        sched, kv = snapshot([f"a-much-longer-request-id-{j}" for j in range(40_000)])
-        frames = wire.snapshot_frames(wire.Snapshot(sched, kv, "running", 9, 0.0, None,
-                                                    wire.Steps([])), engine_side)
-        assert frames[0] == wire.SNAPSHOT and wire.decode(frames)[1].num_steps == 9
-    finally:
-        child_side.close()
-        engine_side.close()
+def queue_of(n):
+    q = WaitingQueue("fcfs")
+    for i in range(n):
+        q.add(make_request(f"req-{i}", 4 + i % 7, priority=i % 3, arrival=float(i)), 0.0)
+    return q
 
 
-def test_ids_cross_as_what_changed_and_a_lost_base_waits_for_the_whole_list():
-    enc, dec = IdsEncoder(), IdsDecoder()
-    waiting = [f"req-{i}" for i in range(200, 3000)]
-    running = [f"run-{i}" for i in range(32)]
-    kinds, sizes = [], {}
-    for i in range(2 * FULL_EVERY + 2):
-        ids = running + waiting[:2000]
-        code = enc.encode(ids)
-        kinds.append(code[0])
-        sizes.setdefault(code[0], []).append(len(pickle.dumps(code)))
-        if i == 3:                                  # this one never arrives
-            continue
-        got = dec.decode(code)
-        assert got == (None if 3 < i < FULL_EVERY + 1 else ids), i
-        admitted, waiting = waiting[:3], waiting[3:]
-        running = running[2:] + admitted + ([f"odd\0id-{i}"] if i % 4 == 0 else [])
-    assert [i for i, k in enumerate(kinds) if k == "full"] == [0, FULL_EVERY + 1]
-    # A delta carries the changed ids only: a fraction of the whole list's bytes.
-    assert max(sizes["delta"]) * 10 < min(sizes["full"])
+def head():
+    r = make_request("run-0", 12, arrival=0.5)
+    r.output_token_ids = [5, 6]
+    return head_rows([r], {"run-0": [1, 2]})
+
+
+def cross(q, sender, mirror, now, ok=True):
+    """One snapshot whose waiting rows are left to the mirror: (the table the process joined,
+    the frames' bytes). ``ok``: whether the send went."""
+    sched, kv = snapshot()
+    sched.requests = RequestTable(parts=QueueRows(head(), q, 5000, now))
+    frames = wire.snapshot_frames(wire.Snapshot(sched, kv, "running", 1, 0.0, None,
+                                                wire.Steps([])), sender)
+    sender.sent(ok)
+    size = sum(len(f) for f in frames)
+    if not ok:
+        return None, size
+    kind, got = wire.decode(frames, mirror)
+    assert kind == wire.SNAPSHOT
+    return got.sched.requests, size
+
+
+def same_rows(a, b):
+    ca, cb = a.columns, b.columns
+    assert list(ca) == list(cb) and ca["id"] == cb["id"]
+    for c in ca:
+        if c != "id":
+            assert ca[c].dtype == cb[c].dtype, c
+            np.testing.assert_array_equal(ca[c], cb[c], err_msg=c)
+
+
+def test_the_waiting_rows_are_joined_from_a_mirror_of_the_queue():
+    """The process joins, from its mirror, the table the engine's own cached rows make (same
+    refresh points), while each snapshot carries only what changed in the queue: admissions,
+    removals from the middle, arrivals, a re-keying policy change, a refused send."""
+    q = queue_of(5000)
+    sender, mirror = SyncSender(), MirroredTable(refresh_s=3600)
+    engine_rows = WaitingRows(refresh_s=3600)       # what the engine process would send
+
+    def check(now, ok=True):
+        got, size = cross(q, sender, mirror, now, ok)
+        if got is not None:
+            same_rows(got, engine_rows.joined(head_columns(head(), now), q, 5000, now))
+        return got, size
+
+    got, first = check(10.0)
+    assert len(got) == 5001 and got.columns["id"][:2] == ["run-0", "req-0"]
+    assert got.columns["age_s"][1] == 10.0
+    q.pop()
+    q.pop()                                            # admitted
+    q.remove("req-100")
+    q.remove("req-4000")                               # aborted from the middle
+    got, size = check(11.5)
+    assert got.columns["id"][1] == "req-2" and "req-100" not in got.columns["id"]
+    assert size * 50 < first                           # what changed, not the rows
+    for i in range(5000, 5010):                        # arrivals (shown after a refresh)
+        q.add(make_request(f"req-{i}", 4, arrival=float(i)), 0.0)
+    q.pop()
+    check(12.0, ok=False)                              # refused: the next carries it too
+    q.pop()
+    got, size = check(12.5)
+    assert got.columns["id"][1] == "req-4" and size * 50 < first
+    q.set_policy("priority", 5.0)                      # every stay re-keyed
+    engine_rows.invalidate()                           # (as the scheduler does)
+    got, _ = check(13.0)
+    assert got.columns["priority"][1:200].tolist() == [0] * 199
+    sender.reset()                                     # a restarted process: all again
+    mirror = MirroredTable(refresh_s=3600)
+    engine_rows = WaitingRows(refresh_s=3600)
+    _, size = check(14.0)
+    assert size * 2 > first
 
 
 def test_the_publisher_process_imports_no_torch():

@@ -13,7 +13,7 @@ import zmq
 
 import vconsole.telemetry.subscriber as example
 from vconsole.commands import top as top_cmd
-from vconsole.engine.latency import LatencyStats
+from vconsole.engine.latency import LatencyLog
 from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, RequestRow, SchedulerStats, StepStats
@@ -31,7 +31,7 @@ def start_engine_side(ctx, **cfg):
         SchedulerStats(2, 1, 0, 0, 64, 512, "fcfs",
                        requests=[RequestRow("a", "running", 0, 8, 1, 1, 0.1)]),
         KVStats(10, 16, 4, 4, 2, 1, 0.4, 0.3, 0.1, 10, 5, states), "running", 1)
-    pub.submit_latency(LatencyStats(60.0).snapshot(1.0))
+    pub.submit_latency(LatencyLog().drain(1.0, 60.0))
     return pub
 
 

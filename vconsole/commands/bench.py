@@ -29,7 +29,7 @@ def main(args: argparse.Namespace) -> int:
     elif args.name == "telemetry":
         from vconsole.tools.bench.telemetry import telemetry_bench
 
-        out = telemetry_bench(args.num_requests or 12_000, args.rounds or 10,
+        out = telemetry_bench(args.num_requests or 16_000, args.rounds or 20,
                               args.seconds or 1.0, log)
     elif args.name == "console":
         from vconsole.tools.bench.console import console_bench

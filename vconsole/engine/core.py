@@ -30,6 +30,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from vconsole.engine.latency import LatencyBatch
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -303,8 +304,10 @@ class EngineCore:
             nvtx.configure(self.config.nvtx, self.runner.device.type)
         return update
 
-    def scheduler_stats(self, max_rows: int) -> SchedulerStats:
-        stats = self.scheduler.stats(max_rows)
+    def scheduler_stats(self, max_rows: int, mirrored: bool = False) -> SchedulerStats:
+        """``mirrored``: the waiting rows are left to the publisher process's mirror of the
+        queue (`Scheduler.stats`)."""
+        stats = self.scheduler.stats(max_rows, mirrored)
         c = self.structured.compiler
         stats.structured_compiles_total = c.num_compiles
         stats.structured_compile_cache_hits_total = c.num_cache_hits
@@ -325,8 +328,8 @@ class EngineCore:
                 out.append((rid, req.prompt_token_ids, req.output_token_ids))
         return out
 
-    def latency_snapshot(self) -> dict[str, Any]:
-        return self.scheduler.latency_snapshot()
+    def latency_batch(self) -> LatencyBatch:
+        return self.scheduler.latency_batch()
 
     def kv_stats(self) -> KVStats:
         return self.scheduler.kv_stats()

@@ -22,13 +22,17 @@ counts are cumulative (``counts[i]`` = observations <= ``bounds[i]``, the last b
 a window holds only observations younger than ``window_s`` and at most ``MAX_WINDOW_SAMPLES`` per
 series (beyond that it keeps a uniform sample), so memory is bounded at any token rate.
 
-Cost on the busy loop. The scheduler records two series per sampled token (overall and its
-priority's), 256+ per step. `LatencyStats` therefore only *appends* each observation (value,
-priority, time) to a per-series pending buffer; buckets, sums and windows are brought up to date
-in bulk with numpy when a snapshot is taken (or the buffer reaches ``MAX_PENDING``). The published
-figures are those of observing one value at a time: the same bucket counts, the same sums (added
-in observation order, `numpy.add.accumulate` is sequential), the same windows below
-``MAX_WINDOW_SAMPLES``; beyond it, still a uniform sample of the second.
+Who does what. The busy loop only records: the scheduler appends each observation (value,
+priority, time) to a `LatencyLog` — two series per sampled token, 256+ per step, so no numpy
+and no histogram there — and the telemetry feed drains it once a second (and when the engine
+goes idle) as one `LatencyBatch`. The publisher folds the batches into a `LatencyStats` (in its
+own process: `vconsole.engine.publish.inbox.Inbox.take`) — buckets, sums and windows in bulk
+with numpy, then the percentiles — as vLLM's front end aggregates its engine core's stats. The
+published figures are those of observing one value at a time: the same bucket counts, the same
+sums (added in observation order, `numpy.add.accumulate` is sequential), the same windows below
+``MAX_WINDOW_SAMPLES``; beyond it, still a uniform sample of the second. A restarted publisher
+process starts its histograms over (a counter reset, as a restarted exporter's; the finish
+counts are the engine's and carry on).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import bisect
 import math
 import random
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -201,15 +206,88 @@ class _Pending:
         self.nows: list[float] = []
 
 
+@dataclass
+class LatencyBatch:
+    """Observations recorded since the last batch, per series as three equally long arrays
+    (``values`` float64, ``priorities`` int64, ``nows`` float64, in observation order), the
+    finish reasons counted since start, and the recorder's clock and window when it was taken.
+    What the busy loop hands its publisher (`LatencyLog.drain`); `LatencyStats.add` folds it."""
+
+    series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    finished: dict[str, int]
+    now: float
+    window_s: float
+    overflow: LatencyStats | None = None    # older ones, folded (`LatencyLog`)
+
+
+class LatencyLog:
+    """The engine's side: observations are appended (O(1) per call, no numpy) until `drain`
+    takes them as one `LatencyBatch`. Histograms, windows and percentiles are the publisher's
+    (`LatencyStats`, on its own thread or process): the busy loop only records.
+
+    Bounded: a series with `MAX_PENDING` observations nobody drained (an engine without a
+    publisher: the offline `LLM`, a bench) is folded into a `LatencyStats` here
+    (``overflow``), which the next batch carries for the publisher to merge."""
+
+    def __init__(self) -> None:
+        self._pending = {name: _Pending() for name in SERIES}
+        self._overflow: LatencyStats | None = None
+        self.finished: dict[str, int] = {}   # finish reason -> requests
+
+    def observe(self, name: str, value: float, priority: int, now: float,
+                times: int = 1) -> None:
+        """Record ``value`` for series ``name`` (``times`` identical observations)."""
+        p = self._pending[name]
+        p.values.extend([value] * times)
+        p.priorities.extend([priority] * times)
+        p.nows.extend([now] * times)
+        if len(p.values) >= MAX_PENDING:
+            self._fold(name)
+
+    def observe_many(self, name: str, values: list[float], priorities: list[int],
+                     now: float) -> None:
+        """Record ``values[i]`` (of class ``priorities[i]``) for series ``name``, all at ``now``:
+        one step's tokens in one call."""
+        p = self._pending[name]
+        p.values.extend(values)
+        p.priorities.extend(priorities)
+        p.nows.extend([now] * len(values))
+        if len(p.values) >= MAX_PENDING:
+            self._fold(name)
+
+    def finish(self, reason: str) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def _take(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        p = self._pending[name]
+        self._pending[name] = _Pending()
+        return (np.asarray(p.values, dtype=np.float64), np.asarray(p.priorities, dtype=np.int64),
+                np.asarray(p.nows, dtype=np.float64))
+
+    def _fold(self, name: str) -> None:
+        if self._overflow is None:
+            self._overflow = LatencyStats(math.inf)   # never read here: no pruning
+        self._overflow._apply(name, *self._take(name))
+
+    def drain(self, now: float, window_s: float) -> LatencyBatch:
+        """Everything recorded since the last drain, taken out."""
+        series = {name: self._take(name) for name in SERIES if self._pending[name].values}
+        batch = LatencyBatch(series, dict(self.finished), now, window_s, self._overflow)
+        self._overflow = None
+        return batch
+
+
 class LatencyStats:
-    """Every latency series, overall and per priority class. Fed by the scheduler; observations
-    wait in a pending buffer until `snapshot` (see the module docstring)."""
+    """Every latency series, overall and per priority class: the publisher's aggregate of the
+    engine's `LatencyBatch` es (`add`). `observe` / `observe_many` / `finish` record here
+    directly (a `LatencyLog` of its own, folded in at `snapshot`: tests, synthetic streams)."""
 
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
         self._overall = self._new_group()
         self._by_priority: dict[int, dict[str, _Series]] = {}
-        self._pending = {name: _Pending() for name in SERIES}
+        self._log = LatencyLog()
+        self._recorded = False               # observed or finished here (not by `add`)
         self.finished: dict[str, int] = {}   # finish reason -> requests
 
     def _new_group(self) -> dict[str, _Series]:
@@ -223,36 +301,53 @@ class LatencyStats:
 
     def observe(self, name: str, value: float, priority: int, now: float,
                 times: int = 1) -> None:
-        """Record ``value`` for series ``name`` (``times`` identical observations)."""
-        p = self._pending[name]
-        p.values.extend([value] * times)
-        p.priorities.extend([priority] * times)
-        p.nows.extend([now] * times)
-        if len(p.values) >= MAX_PENDING:
-            self._apply(name)
+        self._recorded = True
+        self._log.observe(name, value, priority, now, times)
 
     def observe_many(self, name: str, values: list[float], priorities: list[int],
                      now: float) -> None:
-        """Record ``values[i]`` (of class ``priorities[i]``) for series ``name``, all at ``now``:
-        one step's tokens in one call."""
-        p = self._pending[name]
-        p.values.extend(values)
-        p.priorities.extend(priorities)
-        p.nows.extend([now] * len(values))
-        if len(p.values) >= MAX_PENDING:
-            self._apply(name)
+        self._recorded = True
+        self._log.observe_many(name, values, priorities, now)
 
-    def _apply(self, name: str) -> None:
-        """Fold series ``name``'s pending observations into its histograms and windows."""
-        p = self._pending[name]
-        if not p.values:
+    def add(self, batch: LatencyBatch) -> LatencyStats:
+        """Fold a batch in: its observations into the histograms and windows, its window and
+        finish counts taken as they stood when it was drained."""
+        if batch.window_s != self.window_s:
+            self.set_window(batch.window_s)
+        if batch.overflow is not None:
+            self.merge(batch.overflow)
+        for name, (values, prios, nows) in batch.series.items():
+            self._apply(name, values, prios, nows)
+        self.finished = dict(batch.finished)
+        return self
+
+    def merge(self, other: LatencyStats) -> None:
+        """Fold in what ``other`` holds (observed after what this one holds): histogram counts
+        and sums added, its window samples added as observed (within the sample bound)."""
+        groups: list[tuple[dict[str, _Series], dict[str, _Series]]] = [
+            (self._overall, other._overall)]
+        for prio, group in other._by_priority.items():
+            if prio not in self._by_priority:
+                self._by_priority[prio] = self._new_group()
+            groups.append((self._by_priority[prio], group))
+        for mine, group in groups:
+            for name, series in group.items():
+                hist, into = series.hist, mine[name].hist
+                into.buckets = [a + b for a, b in zip(into.buckets, hist.buckets, strict=True)]
+                into.count += hist.count
+                into.sum += hist.sum
+                for second, chunks, _ in series.window._bins:
+                    if chunks:
+                        mine[name].window._add_run(second, np.concatenate(chunks))
+
+    def _apply(self, name: str, values: np.ndarray, prios: np.ndarray,
+               nows: np.ndarray) -> None:
+        """Fold observations of series ``name`` into its histograms and windows."""
+        if not values.size:
             return
-        values = np.maximum(np.asarray(p.values, dtype=np.float64), 0.0)
-        prios = np.asarray(p.priorities, dtype=np.int64)
-        nows = np.asarray(p.nows, dtype=np.float64)
-        self._pending[name] = _Pending()
+        values = np.maximum(values, 0.0)
         self._overall[name].add(values, nows)
-        classes = sorted(set(p.priorities))
+        classes = np.unique(prios).tolist()
         for prio in classes:
             group = self._by_priority.get(prio)
             if group is None:
@@ -264,13 +359,14 @@ class LatencyStats:
                 group[name].add(values[mask], nows[mask])
 
     def finish(self, reason: str) -> None:
-        self.finished[reason] = self.finished.get(reason, 0) + 1
+        self._recorded = True
+        self._log.finish(reason)
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """The ``latency`` topic payload: histograms and window percentiles, overall and by
         priority (keys are the priority values as strings)."""
-        for name in SERIES:
-            self._apply(name)
+        if self._recorded:          # what was recorded here, not added
+            self.add(self._log.drain(now, self.window_s))
 
         def group(g: dict[str, _Series]) -> dict[str, Any]:
             return {"histograms": {n: s.hist.to_dict() for n, s in g.items()},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 import numpy as np
 
@@ -83,20 +83,49 @@ REQUEST_NUMERIC = {"priority": np.int32, "num_prompt_tokens": np.int32,
                    "constraint": np.uint8, "compile_ms": np.float32}
 
 
+class TableParts(Protocol):
+    """Where a `RequestTable` built on demand gets its columns (the scheduler's cached waiting
+    rows behind fresh running rows: `vconsole.engine.sched.request_rows.JoinedRows`)."""
+
+    def __len__(self) -> int: ...
+    def columns(self) -> dict[str, Any]: ...
+
+
 class RequestTable(Sequence[RequestRow]):
     """Request rows kept by column, as the ``sched`` topic sends them: ten thousand rows are
     a list of ids and six numpy arrays, not ten thousand objects, and the publisher sends the
     arrays as raw buffers without touching a row. ``columns``: ``id`` a list of str, ``state``
     uint8 codes (`REQUEST_STATES`), the `REQUEST_NUMERIC` columns arrays of those dtypes, all
-    equally long. Reads as a sequence of `RequestRow` (built on access, Python values)."""
+    equally long. Reads as a sequence of `RequestRow` (built on access, Python values).
 
-    __slots__ = ("columns",)
+    ``parts`` instead of ``columns``: the columns are built from them at first use (`parts`
+    stays readable until then, so a hand-off can send the parts rather than the rows)."""
 
-    def __init__(self, columns: dict[str, Any]) -> None:
-        self.columns = columns
+    __slots__ = ("_columns", "parts")
+
+    def __init__(self, columns: dict[str, Any] | None = None,
+                 parts: TableParts | None = None) -> None:
+        if (columns is None) == (parts is None):
+            raise ValueError("a RequestTable has columns or parts")
+        self._columns = columns
+        self.parts = parts
+
+    @property
+    def columns(self) -> dict[str, Any]:
+        if self._columns is None:
+            assert self.parts is not None
+            self._columns, self.parts = self.parts.columns(), None
+        return self._columns
+
+    @columns.setter
+    def columns(self, value: dict[str, Any]) -> None:
+        self._columns, self.parts = value, None
 
     def __len__(self) -> int:
-        return len(self.columns["id"])
+        if self._columns is None:
+            assert self.parts is not None
+            return len(self.parts)
+        return len(self._columns["id"])
 
     @overload
     def __getitem__(self, i: int) -> RequestRow: ...

@@ -624,13 +624,13 @@ class _IdleCore:
     def abort_requests(self, ids) -> None:
         pass
 
-    def scheduler_stats(self, max_rows):
+    def scheduler_stats(self, max_rows, mirrored=False):
         return None
 
     def kv_stats(self):
         return None
 
-    def latency_snapshot(self):
+    def latency_batch(self):
         return None
 
     def enable_kv_events(self) -> None:

@@ -27,8 +27,8 @@ step, the queue and running list against the live requests, pool invariants and 
 against the block tables, fill counters and block states against a recount, prefix hashes and
 the KV slots against the tokens, the runner's copy against `_runner_view` and the block tables,
 streamed tokens and counters against the requests, no telemetry failure swallowed by the guard.
-The snapshots (``stats``, ``latency_snapshot``) do change the caches (a snapshot patches the
-cached rows and folds the pending latency samples), so they are rules, taken at random moments
+The snapshots (``stats``, ``latency_batch``) do change the caches (a snapshot patches the
+cached rows and drains the pending latency samples, folded here as the publisher folds them), so they are rules, taken at random moments
 and each checked in full against the model: the waiting rows are the queue's first rows at the
 last rebuild minus every request that left the queue since, even if it came back.
 """
@@ -49,7 +49,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from support.scheduling import BLOCK_SIZE as B
 from support.scheduling import make_request, make_scheduler
 from vconsole.engine.kv.block_pool import hash_block_tokens
-from vconsole.engine.latency import QUANTILES, SERIES
+from vconsole.engine.latency import QUANTILES, SERIES, LatencyStats
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -196,6 +196,7 @@ class BusyLoopModel(RuleBasedStateMachine):
         self.finished: Counter[str] = Counter()
         self.finish_seen: set[Request] = set()
         self.latency = LatencyModel()
+        self.published = LatencyStats()        # the publisher's aggregate of the batches
         self.prefix_queries = self.prefix_hits = 0
         self.next_token_id = 2000              # prompt tails: distinct from everything else
         # The waiting rows as of the last rebuild: (request, its preemptions then), in order.
@@ -419,7 +420,8 @@ class BusyLoopModel(RuleBasedStateMachine):
     def snapshot_latency(self) -> None:
         window_s = self.s.config.latency_window_s
         self.latency.prune(self.clock.t, window_s)
-        self.latency.check(self.s.latency_snapshot(), window_s, self.finished)
+        self.published.add(self.s.latency_batch())
+        self.latency.check(self.published.snapshot(self.s.clock()), window_s, self.finished)
 
     # --- after every rule: the recounts that change no cache -----------------------------------
     # Requests in and steps: the two rules every machine drives; the rest are the subclasses'.

@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from support.scheduling import make_request, make_scheduler
 from vconsole.engine.latency import (
     ITL_BUCKETS,
@@ -57,7 +59,7 @@ def test_the_scheduler_records_ttft_itl_and_request_times_on_its_clock():
         so = s.schedule()
         clock.t += gap
         s.update_from_output(so, ModelRunnerOutput({r: 7 for r in so.num_scheduled_tokens}))
-    snap = s.latency_snapshot()
+    snap = LatencyStats().add(s.latency_batch()).snapshot(clock.t)
     overall, prio0 = snap["overall"], snap["priority"]["0"]
     assert overall["histograms"]["ttft_s"]["count"] == 2         # one first token each
     assert abs(prio0["histograms"]["ttft_s"]["sum"] - 0.7) < 1e-9   # queued 0.5 + step 0.2
@@ -78,7 +80,7 @@ def test_a_request_that_never_produced_a_token_has_no_ttft():
     clock.t += 1.0
     s.abort_requests("gone")
     s.update_from_output(s.schedule(), ModelRunnerOutput())
-    snap = s.latency_snapshot()["overall"]
+    snap = LatencyStats().add(s.latency_batch()).snapshot(clock.t)["overall"]
     assert snap["histograms"]["ttft_s"]["count"] == 0
     assert snap["histograms"]["e2e_s"]["count"] == 1
 
@@ -120,3 +122,24 @@ def test_a_steps_tokens_recorded_at_once_publish_what_one_by_one_would():
     assert snap["overall"]["window"]["itl_s"] == window.percentiles(t)
     assert snap["priority"]["5"]["histograms"]["itl_s"] == hist5.to_dict()
     assert snap["priority"]["5"]["window"]["itl_s"] == window5.percentiles(t)
+
+
+def test_an_undrained_log_stays_bounded_and_its_batch_still_carries_everything(monkeypatch):
+    """An engine nobody drains (no publisher) folds a full series into its overflow instead
+    of growing; the next batch merges into the publisher's aggregate as if it had observed
+    each value itself."""
+    from vconsole.engine import latency
+
+    monkeypatch.setattr(latency, "MAX_PENDING", 64)
+    log, hist, window = latency.LatencyLog(), Histogram(ITL_BUCKETS), SlidingWindow(60.0)
+    for i in range(1000):
+        value, now = (i % 37) * 0.01, 100.0 + i * 0.01
+        log.observe("itl_s", value, i % 2, now)
+        hist.observe(value)
+        window.observe(now, value)
+        assert len(log._pending["itl_s"].values) < 64
+    snap = LatencyStats(60.0).add(log.drain(110.0, 60.0)).snapshot(110.0)["overall"]
+    got = snap["histograms"]["itl_s"]
+    assert got["count"] == 1000 and got["counts"] == hist.to_dict()["counts"]
+    assert got["sum"] == pytest.approx(hist.sum)
+    assert snap["window"]["itl_s"] == window.percentiles(110.0)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from vconsole.engine.sched.request_rows import QueueRows
 from vconsole.shared.stats import RequestTable, SchedulerStats
 from vconsole.telemetry.request_text import TEXT_ROWS
 
@@ -58,16 +59,16 @@ class TelemetryFeed:
         now = time.monotonic()
         # Idle: this is the last snapshot before the loop blocks, so latency goes too.
         if now >= self._next_latency or not core.has_unfinished_requests():
-            body = run("latency", core.latency_snapshot)
-            if body is not None:
-                self.publisher.submit_latency(body)
+            batch = run("latency", core.latency_batch)
+            if batch is not None:
+                self.publisher.submit_latency(batch)
             self._next_latency = now + LATENCY_INTERVAL_S
 
     def submit_snapshot(self, state: str) -> bool:
         """Send the scheduler and KV snapshot; False when a guarded part failed."""
         core, run = self.core, self.guard.run
         max_rows = core.config.telemetry_max_requests
-        sched = run("sched", core.scheduler_stats, max_rows)
+        sched = run("sched", core.scheduler_stats, max_rows, self.publisher.mirrors_queue)
         kv = run("kv", core.kv_stats)
         if sched is None or kv is None:
             return False
@@ -80,9 +81,12 @@ class TelemetryFeed:
 
 def request_ids_for_text(sched: SchedulerStats, max_rows: int) -> list[str]:
     """The ids of the rows that carry request text: the first `TEXT_ROWS` the ``sched``
-    message sends (running first, then the head of the waiting queue)."""
+    message sends (running first, then the head of the waiting queue; with the waiting rows
+    left to a publisher process, the queue's head now)."""
     n = min(TEXT_ROWS, max_rows)
     rows = sched.requests
     if isinstance(rows, RequestTable):
+        if isinstance(rows.parts, QueueRows):
+            return rows.parts.first_ids(n)
         return list(rows.columns["id"][:n])
     return [r.id for r in rows[:n]]

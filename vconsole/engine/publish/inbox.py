@@ -7,6 +7,10 @@ here is written by the engine thread and taken by the publisher thread under one
 empties them at once into a `Handoff`); the steps go through a bounded deque the publisher
 thread drains when its ``step`` window closes (`drain_window`).
 
+Latency comes as the engine's raw observations (`vconsole.engine.latency.LatencyBatch`): they
+queue here and `take` folds them into this inbox's `LatencyStats` on the publisher's side, so
+the histograms, windows and percentiles never cost the busy loop.
+
 Invariant: objects handed over belong to the publisher afterwards (the engine must not mutate
 them; ``KVStats.block_states`` is sent without a copy).
 """
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vconsole.engine.latency import LatencyBatch, LatencyStats
 from vconsole.engine.publish.request_text import TokenLists
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
@@ -107,7 +112,8 @@ class Inbox:
         self._lock = threading.Lock()     # guards the slots below
         self._latest: Snapshot | None = None
         self._text: Text | None = None
-        self._latency: dict[str, Any] | None = None
+        self._latency: list[LatencyBatch] = []
+        self.latency = LatencyStats(config.latency_window_s)   # publisher thread only (take)
         self._dp: dict[str, Any] | None = None
         self._waves: list[dict[str, Any]] = []
         self._engine_errors = 0           # `report_error` calls
@@ -155,9 +161,10 @@ class Inbox:
             self._state = state
         self._wake.set()
 
-    def submit_latency(self, body: dict[str, Any]) -> None:
+    def submit_latency(self, batch: LatencyBatch) -> None:
+        """The latency observations since the last batch (folded in and published at once)."""
         with self._lock:
-            self._latency = body
+            self._latency.append(batch)
         self._wake.set()
 
     def submit_dp(self, body: dict[str, Any]) -> None:
@@ -214,16 +221,30 @@ class Inbox:
             if live_steps >= steps:
                 steps, last_step_t = live_steps, live_t
         with self._lock:
+            batches, self._latency = self._latency, []
             h = Handoff(snapshot=self._latest, text=self._text, config=self._pending_config,
-                        latency=self._latency, dp=self._dp, waves=self._waves,
+                        dp=self._dp, waves=self._waves,
                         announce=self._announce, state=self._state, errors=self._error_reports,
                         steps_recorded=steps, steps_dropped=self._steps_dropped(),
                         last_step_t=last_step_t, engine_errors=self._engine_errors)
-            self._latest = self._pending_config = self._latency = self._dp = None
+            self._latest = self._pending_config = self._dp = None
             self._text = None
             self._announce = None
             self._waves, self._error_reports = [], {}
+        if batches:
+            h.latency = self._fold(batches)
         return h
+
+    def _fold(self, batches: list[LatencyBatch]) -> dict[str, Any]:
+        """The ``latency`` body after ``batches`` (publisher thread). A fold that raises leaves
+        the aggregate to start over (a half-folded batch would count twice or not at all)."""
+        try:
+            for batch in batches:
+                self.latency.add(batch)
+            return self.latency.snapshot(batches[-1].now)
+        except Exception:
+            self.latency = LatencyStats(self.config.latency_window_s)
+            raise
 
     def steps_pending(self) -> bool:
         return bool(self._steps)

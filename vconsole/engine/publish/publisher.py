@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from vconsole.engine.latency import LatencyBatch
 from vconsole.engine.publish.bodies import KVFormat
 from vconsole.engine.publish.host import HostProbe
 from vconsole.engine.publish.inbox import Inbox
@@ -77,7 +78,7 @@ class Handover(Protocol):
     def snapshot_due(self) -> bool: ...
     def submit_snapshot(self, sched: SchedulerStats, kv: KVStats, state: str,
                         num_steps: int, text: list[TokenLists] | None = None) -> None: ...
-    def submit_latency(self, body: dict[str, Any]) -> None: ...
+    def submit_latency(self, batch: LatencyBatch) -> None: ...
     def submit_dp(self, body: dict[str, Any]) -> None: ...
     def submit_wave(self, body: dict[str, Any]) -> None: ...
     def report_error(self, part: str, message: str) -> None: ...
@@ -155,6 +156,9 @@ class TelemetryPublisher:
                 t0_wall=self.t0_wall, pid=self.pid, metrics=metrics, model_name=model_name,
                 text_decoded=True), detokenize=detokenize if text_refusal is None else None)
         self._to: Handover = self.child if self.child is not None else self.inbox
+        # The two calls of every step go straight to the hand-off (one call frame less each).
+        self.record_step = self._to.record_step      # type: ignore[method-assign]
+        self.snapshot_due = self._to.snapshot_due    # type: ignore[method-assign]
 
     # --- engine thread: hand-offs to the inbox -------------------------------------------------
 
@@ -173,6 +177,12 @@ class TelemetryPublisher:
         ids: `wants_text`); replaces any not yet sent."""
         self._to.submit_snapshot(sched, kv, state, num_steps, text)
 
+    @property
+    def mirrors_queue(self) -> bool:
+        """Whether snapshots leave the waiting rows to the publisher process's mirror of the
+        queue (`vconsole.engine.sched.queue_mirror`): a publisher process does."""
+        return self.child is not None
+
     def refuses_text(self, values: dict[str, Any]) -> str | None:
         """Why a config change that turns request text on is refused here (`text_refusal`),
         or None (nothing refused, or the change does not turn it on)."""
@@ -183,9 +193,11 @@ class TelemetryPublisher:
         return (self._to.config.publish_request_text and self.text_refusal is None
                 and self.detokenize is not None)
 
-    def submit_latency(self, body: dict[str, Any]) -> None:
-        """Hand over a ``latency`` body (`vconsole.engine.latency`); sent at once."""
-        self._to.submit_latency(body)
+    def submit_latency(self, batch: LatencyBatch) -> None:
+        """Hand over the latency observations since the last batch (`LatencyLog.drain`): the
+        publisher folds them into its histograms and windows and sends the ``latency`` body at
+        once."""
+        self._to.submit_latency(batch)
 
     def submit_dp(self, body: dict[str, Any]) -> None:
         """Hand over a data-parallel rank's ``dp`` body (at the snapshot rate); sent at once,

@@ -31,12 +31,11 @@ from typing import Any
 import zmq
 
 from vconsole.engine.publish import handoff_wire as wire
-from vconsole.engine.publish.handoff_ids import IdsDecoder
-from vconsole.engine.publish.handoff_ring import HandoffRing
 from vconsole.engine.publish.host import HostProbe
 from vconsole.engine.publish.prometheus import MetricsServer, TelemetryCollector
 from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.engine.publish.publisher_process import LIVE_FILE, ChildSpec, LiveCounters
+from vconsole.engine.sched.queue_mirror import MirroredTable
 
 log = logging.getLogger("vconsole.telemetry.publisher")
 
@@ -110,11 +109,11 @@ class Feed:
 
 
 def serve(link: zmq.Socket, pub: TelemetryPublisher, parent_pid: int,
-          restarted: str | None = None, ring: HandoffRing | None = None) -> None:
+          restarted: str | None = None) -> None:
     """Until ``stop`` or the parent is gone. ``restarted``: why the previous publisher process
     is gone, reported (``telemetry_error``) once subscribers had time to reconnect."""
     feed = Feed(pub)
-    ids = IdsDecoder()
+    table = MirroredTable()     # the engine's waiting queue, mirrored
     report_at = time.monotonic() + RESTART_REPORT_S
     while True:
         if restarted is not None and time.monotonic() >= report_at:
@@ -126,7 +125,7 @@ def serve(link: zmq.Socket, pub: TelemetryPublisher, parent_pid: int,
                 return
             continue
         frames = link.recv_multipart(copy=False)
-        kind, body = wire.decode([f.buffer for f in frames], ring, ids)
+        kind, body = wire.decode([f.buffer for f in frames], table)
         if kind == wire.STOP:         # the engine's last snapshot goes out first
             deadline = time.monotonic() + STOP_DRAIN_S
             while not pub.inbox.sent_all() and time.monotonic() < deadline:
@@ -170,8 +169,7 @@ def main() -> int:
         "endpoint": pub.endpoint, "metrics": metrics.url if metrics else None,
         "metrics_bind": (metrics.host, metrics.port) if metrics else None}))
     try:
-        ring = None if spec.ring is None else HandoffRing(*spec.ring)
-        serve(link, pub, spec.parent_pid, spec.restarted, ring)
+        serve(link, pub, spec.parent_pid, spec.restarted)
     finally:
         if metrics is not None:
             metrics.close()

@@ -44,16 +44,17 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from time import monotonic
 from typing import Any
 
 import zmq
 
+from vconsole.engine.latency import LatencyBatch
 from vconsole.engine.publish import handoff_wire as wire
 from vconsole.engine.publish.bodies import KVFormat
-from vconsole.engine.publish.handoff_ids import IdsEncoder
-from vconsole.engine.publish.handoff_ring import HandoffRing
 from vconsole.engine.publish.inbox import SnapshotClock
 from vconsole.engine.publish.request_text import TextBook, TokenLists
+from vconsole.engine.sched.queue_mirror import SyncSender
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
 
@@ -96,7 +97,6 @@ class ChildSpec:
     model_name: str
     text_decoded: bool
     restarted: str | None = None
-    ring: tuple[int, int, int] | None = None    # shared slots: (inherited fd, slots, bytes)
 
 
 class ChildStartError(RuntimeError):
@@ -130,8 +130,8 @@ class ChildLink:
         self._text_book = TextBook(detokenize) if detokenize is not None else None
         self._dir = tempfile.mkdtemp(prefix="vconsole-pub-")   # 0700: only this user
         self._live = LiveCounters(os.path.join(self._dir, LIVE_FILE), create=True)
-        self._ring = HandoffRing() if HandoffRing.supported() else None
-        self._ids = IdsEncoder()
+        self._live_write = self._live.write
+        self._queue = SyncSender()           # how far the child's mirror of the queue is
         self._restarts_seen = 0
         self._sock: zmq.Socket | None = None     # PUSH: hand-offs to the child
         self._back: zmq.Socket | None = None     # PULL: the child's answers
@@ -157,11 +157,8 @@ class ChildLink:
             answers = f"ipc://{os.path.join(self._dir, 'answers')}"
             sock.bind(handoff)
             back.bind(answers)
-            ring = self._ring
             self._spec = _replace(self._spec, handoff=handoff, answers=answers,
-                                  parent_pid=os.getpid(),
-                                  ring=None if ring is None else (ring.fd, ring.slots,
-                                                                  ring.slot_bytes))
+                                  parent_pid=os.getpid())
             # The keeper spawns every child: the kernel's parent-death signal follows the
             # thread that spawned, and the keeper lives as long as the link.
             self._keeper = threading.Thread(target=self._keep, name="telemetry-keeper",
@@ -224,9 +221,9 @@ class ChildLink:
     def record_step(self, stats: StepStats) -> None:
         """O(1): the step joins the next hand-off (the next snapshot's, or on its own two periods
         after the last hand-off); the live counters say at once that it ran."""
-        now = time.monotonic()
+        now = monotonic()
         n = self.steps_recorded = self.steps_recorded + 1
-        self._live.write(n, now)
+        self._live_write(n, now)
         steps = self._steps
         steps.append(stats)
         if now >= self._flush_at or len(steps) >= MAX_PENDING_STEPS:
@@ -242,16 +239,15 @@ class ChildLink:
         if text is not None and self._text_book is not None:
             body = self._text_book.body(text)
         steps = self._take_steps()
-        if self.restarts != self._restarts_seen:     # a new child holds no earlier ids
+        if self.restarts != self._restarts_seen:     # a new child holds no mirror
             self._restarts_seen = self.restarts
-            self._ids.reset()
-        if not self._send(wire.snapshot_frames(wire.Snapshot(
-                sched, kv, state, num_steps, time.time(), body, steps), self._ring, self._ids),
-                len(steps.records)):
-            self._ids.reset()                        # the child never got these ids
+            self._queue.reset()
+        self._queue.sent(self._send(wire.snapshot_frames(wire.Snapshot(
+            sched, kv, state, num_steps, time.time(), body, steps), self._queue),
+            len(steps.records)))
 
-    def submit_latency(self, body: dict[str, Any]) -> None:
-        self._call("submit_latency", body)
+    def submit_latency(self, batch: LatencyBatch) -> None:
+        self._call("submit_latency", batch)
 
     def submit_dp(self, body: dict[str, Any]) -> None:
         self._call("submit_dp", body)
@@ -308,9 +304,8 @@ class ChildLink:
     # --- the child ------------------------------------------------------------------------------
 
     def _spawn(self, spec: ChildSpec) -> subprocess.Popen[bytes]:
-        fds = () if self._ring is None else (self._ring.fd,)
         proc = subprocess.Popen([sys.executable, "-m", CHILD_MODULE], stdin=subprocess.PIPE,
-                                close_fds=True, pass_fds=fds)
+                                close_fds=True)
         assert proc.stdin is not None
         try:
             proc.stdin.write(pickle.dumps(spec, protocol=5))
@@ -397,9 +392,6 @@ class ChildLink:
                 sock.close(0)
         self._sock = self._back = None
         self._live.close()
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

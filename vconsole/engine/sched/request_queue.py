@@ -22,7 +22,7 @@ Removal (abort, timeout) is lazy: ``_live`` maps request id -> its current heap 
 entry popped from a heap counts only if it is still that request's live entry. Heaps are rebuilt
 when stale entries outnumber live ones, so memory stays O(live).
 
-Telemetry reads the queue as rows (`vconsole.engine.sched.request_rows`) from `_StayColumns`:
+Telemetry reads the queue as rows (`vconsole.engine.sched.request_rows`) from `StayColumns`:
 each stay in the queue (an ``add``, until the request leaves) holds a slot in flat arrays with
 its sort key and what its row shows, written once at ``add``; `row_order` sorts the live slots
 with numpy and `rows` gathers columns, so reading 10,000 rows in queue order costs no Python
@@ -48,51 +48,108 @@ MAX_REMOVED_LOG = 1 << 16
 _Entry = tuple[_Key, int, Request]  # (policy key, insertion counter, request)
 
 
-class _StayColumns:
-    """One slot per stay in the queue, in flat arrays (grown by doubling; freed slots reused).
+STAY_DTYPE = np.dtype([("counter", np.int64), ("key", np.float64), ("seq", np.int64),
+                       ("arrival", np.float64), ("priority", np.int32),
+                       ("num_prompt_tokens", np.int32), ("num_output_tokens", np.int32),
+                       ("compile_ms", np.float32), ("started", np.uint8), ("state", np.uint8),
+                       ("constraint", np.uint8)])
+MAX_WRITE_LOG = 1 << 14   # slots logged since the oldest reader's mark, at least
+
+
+class StayColumns:
+    """One slot per stay in the queue: a record of `STAY_DTYPE` and its id (grown by
+    doubling; freed slots reused). ``cols``: each field as an array (views of the records).
 
     Invariant: slot ``i`` is live iff ``counter[i] != 0``, and then it holds the stay whose
     heap entry is ``(key, counter[i], req)`` with ``key == (key[i], started[i], seq[i])``; the
-    row columns are the request's at ``add`` (they do not change while it waits)."""
-
-    _COLUMNS = {"counter": np.int64, "key": np.float64, "started": np.uint8, "seq": np.int64,
-                "state": np.uint8, "priority": np.int32, "num_prompt_tokens": np.int32,
-                "num_output_tokens": np.int32, "arrival": np.float64, "id": object,
-                "constraint": np.uint8, "compile_ms": np.float32}
+    row columns are the request's at ``add`` (they do not change while it waits). Every write
+    (put, re-key, clear) is numbered: write ``log_base + k + 1`` wrote slot ``log[k]``, and
+    ``changes`` is the last number given (`WaitingQueue.changes_since`)."""
 
     def __init__(self, capacity: int = 1024) -> None:
-        self.cols: dict[str, np.ndarray] = {c: np.zeros(capacity, dt)
-                                            for c, dt in self._COLUMNS.items()}
+        self.records = np.zeros(capacity, STAY_DTYPE)
+        self.ids = np.empty(capacity, object)
+        self.cols = self._views()
+        self.log: list[int] = []
+        self.log_base = 0
+        self.changes = 0
         self.high = 0                 # slots ever used: live ones are below
         self.free: list[int] = []
+
+    def _views(self) -> dict[str, np.ndarray]:
+        return {**{name: self.records[name] for name in STAY_DTYPE.names or ()},
+                "id": self.ids}
+
+    def grow(self, capacity: int) -> None:
+        """Room for ``capacity`` slots (by doubling)."""
+        size = len(self.records)
+        if capacity <= size:
+            return
+        while size < capacity:
+            size *= 2
+        extra = size - len(self.records)
+        self.records = np.concatenate((self.records, np.zeros(extra, STAY_DTYPE)))
+        self.ids = np.concatenate((self.ids, np.empty(extra, object)))
+        self.cols = self._views()
+
+    def _wrote(self, slot: int) -> None:
+        self.changes += 1
+        self.log.append(slot)
+        if len(self.log) > max(MAX_WRITE_LOG, 2 * self.high):
+            self.log_base += len(self.log)
+            self.log = []
 
     def put(self, entry: tuple[tuple[float, ...], int, Request]) -> int:
         if self.free:
             slot = self.free.pop()
         else:
             slot = self.high
-            if slot == len(self.cols["counter"]):
-                self.cols = {c: np.concatenate((v, np.zeros_like(v))) for c, v in self.cols.items()}
+            self.grow(slot + 1)
             self.high += 1
         (key, started, seq), counter, req = entry
-        c = self.cols
-        c["counter"][slot], c["key"][slot], c["started"][slot], c["seq"][slot] = (
-            counter, key, started, seq)
-        c["state"][slot], c["priority"][slot], c["arrival"][slot] = (
-            req.status, req.priority, req.arrival_time)
-        c["num_prompt_tokens"][slot] = len(req.prompt_token_ids)
-        c["num_output_tokens"][slot] = len(req.output_token_ids)
-        c["constraint"][slot], c["compile_ms"][slot] = req.constraint, req.compile_ms
-        c["id"][slot] = req.request_id
+        self.records[slot] = (counter, key, seq, req.arrival_time, req.priority,
+                              len(req.prompt_token_ids), len(req.output_token_ids),
+                              req.compile_ms, started, req.status, req.constraint)
+        self.ids[slot] = req.request_id
+        self._wrote(slot)
         return slot
 
     def rekey(self, slot: int, key: tuple[float, ...]) -> None:
         self.cols["key"][slot], self.cols["started"][slot], self.cols["seq"][slot] = key
+        self._wrote(slot)
 
     def clear(self, slot: int) -> None:
         self.cols["counter"][slot] = 0
-        self.cols["id"][slot] = None
+        self.ids[slot] = None
         self.free.append(slot)
+        self._wrote(slot)
+
+    def written_since(self, since: int) -> list[int]:
+        """The slots written after write number ``since`` (sorted, each once)."""
+        if since >= self.log_base:
+            return sorted(set(self.log[since - self.log_base:]))
+        return list(range(self.high))    # the log no longer reaches back: all
+
+    def row_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every live slot in scheduling order (heap key, then insertion), and its counter."""
+        cols = self.cols
+        counter = cols["counter"][:self.high]
+        live = np.flatnonzero(counter)
+        order = np.lexsort((counter[live], cols["seq"][live], cols["started"][live],
+                            cols["key"][live]))
+        slots = live[order]
+        return slots, counter[slots]
+
+    def rows(self, slots: np.ndarray, counters: np.ndarray) -> dict[str, Any]:
+        """The rows of those slots still holding the same stay, in the given order: ``id`` a
+        list, the other columns arrays (``arrival`` the arrival times)."""
+        cols = self.cols
+        slots = slots[cols["counter"][slots] == counters]
+        out = {c: cols[c][slots] for c in ("state", "priority", "num_prompt_tokens",
+                                           "num_output_tokens", "arrival", "constraint",
+                                           "compile_ms")}
+        out["id"] = cols["id"][slots].tolist()
+        return out
 
 
 class WaitingQueue:
@@ -105,9 +162,10 @@ class WaitingQueue:
         self._enqueued_at: dict[str, float] = {}
         self._counter = 0  # makes heap entries unique, so requests are never compared
         self._removed: list[str] = []   # ids that left, in order (`removed_since`)
-        self._stays = _StayColumns()
+        self._stays = StayColumns()
         self._slot: dict[str, int] = {}  # id -> its slot in `_stays`
         self._removed_base = 0          # how many were dropped from the front of that log
+        self.order_changes = 0          # policy changes (every stay re-keyed)
 
     # --- keys ---------------------------------------------------------------------------------
     def class_key(self, req: Request) -> float:
@@ -195,6 +253,7 @@ class WaitingQueue:
         if policy == self.policy and hybrid_aging_s == self.hybrid_aging_s:
             return
         self.policy, self.hybrid_aging_s = policy, hybrid_aging_s
+        self.order_changes += 1
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -263,24 +322,22 @@ class WaitingQueue:
     def row_order(self) -> tuple[np.ndarray, np.ndarray]:
         """Every stay now in the queue, in scheduling order, as (slots, counters): the order
         `ordered` gives (heap key, then insertion), sorted by numpy over the slot arrays."""
-        cols = self._stays.cols
-        counter = cols["counter"][:self._stays.high]
-        live = np.flatnonzero(counter)
-        order = np.lexsort((counter[live], cols["seq"][live], cols["started"][live],
-                            cols["key"][live]))
-        slots = live[order]
-        return slots, counter[slots]
+        return self._stays.row_order()
 
     def rows(self, slots: np.ndarray, counters: np.ndarray) -> dict[str, Any]:
         """The rows of those stays (from `row_order`) still in the queue, in the given order:
         ``id`` a list, the other columns arrays (``arrival`` the arrival times)."""
-        cols = self._stays.cols
-        slots = slots[cols["counter"][slots] == counters]
-        out = {c: cols[c][slots] for c in ("state", "priority", "num_prompt_tokens",
-                                           "num_output_tokens", "arrival", "constraint",
-                                           "compile_ms")}
-        out["id"] = cols["id"][slots].tolist()
-        return out
+        return self._stays.rows(slots, counters)
+
+    def changes_since(self, since: int) -> tuple[list[int], np.ndarray, list[Any], int, int]:
+        """The slots written after write number ``since`` (added, re-keyed, removed: 0 for
+        all), their records and ids as they are now, the number to pass next time and the
+        slots in use. O(writes since) from the write log; O(slots) when it no longer reaches
+        back (`vconsole.engine.sched.queue_mirror`)."""
+        st = self._stays
+        slots = st.written_since(since)
+        ids = st.ids
+        return slots, st.records[slots], [ids[i] for i in slots], st.changes, st.high
 
     def removed_since(self, mark: int) -> tuple[list[str] | None, int]:
         """Ids that left the queue (admitted, aborted, expired) since ``mark``, and the mark to

@@ -21,16 +21,22 @@ snapshot; the waiting rows are the queue's first rows at the start of the last c
 refresh (at most ``refresh_s`` plus a few snapshots old), minus those no longer waiting, each
 read while it waited. Requests queued since show after the next refresh (early when the
 queue grew past twice the cached rows); a request preempted since keeps its cached row (state,
-output tokens) until then. Cached columns are never mutated: a snapshot handed to the
-publisher stays as it was. Columns are numpy arrays (state as a uint8 code,
-`vconsole.shared.stats.REQUEST_STATES`) and a list of ids: the publisher sends them as raw
-buffers, so a snapshot costs no Python per row after a refresh.
+output tokens) until then.
+
+What a snapshot costs the busy loop: the running rows, and a `RequestTable` whose waiting rows
+are a reference — ``(block, start, n, now)`` (`JoinedRows`) — into the cached rows, which are one
+immutable `WaitingBlock` per refresh (an admission skips its front rows; another removal makes a
+derived block, `WaitingBlock.derive`). The table joins its columns on first use; the hand-off to
+a publisher process sends the reference instead, and the block's rows once (a derived block as
+its derivation), so the process joins the same table without the busy loop touching a waiting
+row (`vconsole.engine.publish.handoff_wire`). Columns are numpy arrays (state as a uint8 code,
+`vconsole.shared.stats.REQUEST_STATES`) and a list of ids.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -61,6 +67,63 @@ def _columns(reqs: list[Request], blocks: list[int] | None = None) -> dict[str, 
     }
 
 
+class WaitingBlock:
+    """Cached waiting rows as one immutable unit: columns (but ``age_s``: ``id`` a list, the
+    rest numpy) and arrival times, never changed once made — a table built on them reads them
+    as they were."""
+
+    __slots__ = ("cols", "arrival")
+
+    def __init__(self, cols: dict[str, Any], arrival: np.ndarray) -> None:
+        self.cols, self.arrival = cols, arrival
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    def without(self, start: int, positions: list[int]) -> WaitingBlock:
+        """Rows ``start:`` less those at ``positions`` (sorted, relative to ``start``)."""
+        keep = self.cols["id"][start:]
+        for i in reversed(positions):
+            del keep[i]
+        return WaitingBlock({"id": keep, **{c: np.delete(v[start:], positions)
+                                            for c, v in self.cols.items() if c != "id"}},
+                            np.delete(self.arrival[start:], positions))
+
+
+class JoinedRows:
+    """A ``sched`` table as its parts (`vconsole.shared.stats.TableParts`): ``head`` (fresh
+    columns of the running rows, ``age_s`` included), then rows ``start:start + n`` of
+    ``block``, aged at ``now``. `columns` joins them; a hand-off may send the parts instead."""
+
+    __slots__ = ("head", "block", "start", "n", "now")
+
+    def __init__(self, head: dict[str, Any], block: WaitingBlock, start: int, n: int,
+                 now: float) -> None:
+        self.head, self.block, self.start, self.n, self.now = head, block, start, n, now
+
+    def __len__(self) -> int:
+        return len(self.head["id"]) + self.n
+
+    def columns(self) -> dict[str, Any]:
+        head, cols, a, b = self.head, self.block.cols, self.start, self.start + self.n
+        out: dict[str, Any] = {"id": head["id"] + cols["id"][a:b]}
+        for c in ("state", *_NUMERIC):
+            out[c] = np.concatenate((head[c], cols[c][a:b]))
+        out["age_s"] = np.concatenate((head["age_s"],
+                                       np.maximum(self.now - self.block.arrival[a:b], 0.0)))
+        return out
+
+
+class QueueView(Protocol):
+    """What the cached rows read of a queue: the `WaitingQueue`, or its mirror in a publisher
+    process (`vconsole.engine.sched.queue_mirror.QueueMirror`)."""
+
+    def __len__(self) -> int: ...
+    def row_order(self) -> tuple[np.ndarray, np.ndarray]: ...
+    def rows(self, slots: np.ndarray, counters: np.ndarray) -> dict[str, Any]: ...
+    def removed_since(self, mark: int) -> tuple[list[str] | None, int]: ...
+
+
 class _Refresh:
     """A refresh under way: the queue's order at its start (`WaitingQueue.row_order`: slots
     sorted by numpy), whose rows are gathered a chunk of positions at a time; ``mark`` is the
@@ -69,7 +132,7 @@ class _Refresh:
     __slots__ = ("waiting", "slots", "counters", "pos", "mark", "limit", "parts", "num_rows",
                  "cost")
 
-    def __init__(self, waiting: WaitingQueue, limit: int) -> None:
+    def __init__(self, waiting: QueueView, limit: int) -> None:
         t0 = time.perf_counter()
         self.waiting = waiting
         self.slots, self.counters = waiting.row_order()
@@ -111,9 +174,8 @@ class WaitingRows:
 
     def __init__(self, refresh_s: float = REFRESH_S) -> None:
         self.refresh_s = refresh_s
-        self._cols: dict[str, Any] = _columns([])
-        self._skip = 0                      # leading ids of ``_cols["id"]`` already dropped
-        self._arrival = np.empty(0)
+        self._block = WaitingBlock(_columns([]), np.empty(0))
+        self._skip = 0                      # leading rows of ``_block`` already dropped
         self._ids: set[str] = set()         # the cached rows' ids
         self._mark = 0                      # the queue's removal log, read up to here
         self._limit = -1
@@ -126,7 +188,7 @@ class WaitingRows:
         """The queue's order changed (a new policy): the next snapshot reads it afresh."""
         self._stale = True
 
-    def _run_refresh(self, waiting: WaitingQueue, limit: int, chunk: int | None) -> None:
+    def _run_refresh(self, waiting: QueueView, limit: int, chunk: int | None) -> None:
         """Start a refresh unless one is under way, read ``chunk`` rows of it (None: all),
         and put its rows in place once complete."""
         if self._refresh is None:
@@ -135,9 +197,9 @@ class WaitingRows:
         if not job.read(chunk):
             return
         self._refresh = None
-        self._cols, self._arrival = job.columns()
+        self._block = WaitingBlock(*job.columns())
         self._skip = 0
-        self._ids = set(self._cols["id"])
+        self._ids = set(self._block.cols["id"])
         self._mark = job.mark
         self._limit = job.limit
         self._stale = False
@@ -145,48 +207,36 @@ class WaitingRows:
         self._next_rebuild = time.monotonic() + max(self.refresh_s,
                                                     job.cost / MAX_REBUILD_SHARE)
 
-    def _rebuild(self, waiting: WaitingQueue, limit: int) -> None:
+    def _rebuild(self, waiting: QueueView, limit: int) -> None:
         """A whole refresh at once (one under way is dropped)."""
         self._refresh = None
         self._run_refresh(waiting, limit, None)
 
     def _drop(self, ids: list[str]) -> None:
         """Forget the cached rows of ``ids`` (they left the queue: admitted, aborted, expired;
-        mostly from its front, so each is found near the start). The cached columns are
-        replaced, never changed in place: a table handed out earlier may share them."""
+        mostly from its front, so each is found near the start). The block is never changed in
+        place: the front rows are skipped, other rows make a new block (`WaitingBlock.derive`)."""
         if not ids:
             return
-        cols = self._cols
+        block, skip = self._block, self._skip
         # A set: one id may be in the removal log twice (admitted, preempted back, admitted
         # again between two rebuilds) but has one row; deleting it twice from the ids and once
         # from the arrays put them out of step (the demo's crash).
-        skip = self._skip
-        positions = sorted({cols["id"].index(rid, skip) - skip for rid in ids})
+        positions = sorted({block.cols["id"].index(rid, skip) - skip for rid in ids})
         if positions[-1] == len(positions) - 1:
-            # The front rows only (admitted): the arrays become views, and the id list is
-            # not copied (10k strings touched per copy) but read from a later start.
-            k = len(positions)
-            self._skip += k
-            self._cols = {c: v if c == "id" else v[k:] for c, v in cols.items()}
-            self._arrival = self._arrival[k:]
-            self._ids.difference_update(ids)
-            return
-        keep = cols["id"][skip:]
-        self._skip = 0
-        for i in reversed(positions):
-            del keep[i]
-        self._cols = {"id": keep, **{c: np.delete(v, positions) for c, v in cols.items()
-                                     if c != "id"}}
-        self._arrival = np.delete(self._arrival, positions)
+            self._skip += len(positions)     # the front rows only (admitted): O(1)
+        else:
+            self._block, self._skip = block.without(skip, positions), 0
         self._ids.difference_update(ids)
 
-    def check(self, waiting: WaitingQueue) -> None:
+    def check(self, waiting: QueueView) -> None:
         """Raise AssertionError unless the cache is consistent in itself: ids and every column
         equally long, no id twice (used by the stateful tests and the telemetry guard)."""
-        ids = self._cols["id"][self._skip:]
+        block, skip = self._block, self._skip
+        ids = block.cols["id"][skip:]
         n = len(ids)
-        assert all(len(v) == n for c, v in self._cols.items() if c != "id") \
-            and len(self._arrival) == n, \
+        assert all(len(v) - skip == n for c, v in block.cols.items() if c != "id") \
+            and len(block.arrival) - skip == n, \
             "cached waiting rows: ids and columns out of step"
         assert len(self._ids) == n and set(ids) == self._ids, "cached waiting rows: ids twice"
 
@@ -195,16 +245,20 @@ class WaitingRows:
         """Running rows (fresh) followed by up to ``max_waiting`` waiting rows. ``running``
         may end with requests that are neither (compiling: the scheduler's head rows, built
         fresh as the running ones are)."""
-        head = _columns(running, [len(tables.get(r.request_id, ())) for r in running])
-        head_age = np.maximum(now - np.fromiter((r.arrival_time for r in running), np.float64,
-                                                len(running)), 0.0)
+        return self.joined(head_columns(head_rows(running, tables), now), waiting,
+                           max_waiting, now)
+
+    def joined(self, head: dict[str, Any], waiting: QueueView,
+               max_waiting: int, now: float) -> RequestTable:
+        """``head`` (`head_columns`) followed by up to ``max_waiting`` cached waiting rows of
+        ``waiting`` (the queue, or its mirror in a publisher process)."""
         if max_waiting <= 0 or not waiting:
-            return RequestTable({**head, "age_s": head_age})
+            return RequestTable(head)
         removed, _ = waiting.removed_since(self._mark)
         # Headroom: the number of running rows (and so the waiting rows wanted) moves.
         limit = max_waiting + max_waiting // 8 + 8
         if (self._stale or removed is None or max_waiting > self._limit
-                or len(self._arrival) < min(max_waiting, len(waiting)) // 2):
+                or len(self._block) - self._skip < min(max_waiting, len(waiting)) // 2):
             self._rebuild(waiting, limit)
         elif self._refresh is not None or time.monotonic() >= self._next_rebuild:
             self._run_refresh(waiting, limit, REFRESH_CHUNK)
@@ -214,13 +268,72 @@ class WaitingRows:
             removed, mark = waiting.removed_since(self._mark)
         self._mark = mark
         self._drop([rid for rid in removed or () if rid in self._ids])
-        cols, arrival = self._cols, self._arrival[:max_waiting]
-        ids, skip = cols["id"], self._skip
-        if len(ids) - skip != len(self._arrival):   # O(1): never send a table out of step
-            raise RuntimeError(f"cached waiting rows out of step: {len(ids) - skip} ids, "
-                               f"{len(self._arrival)} rows")
-        out: dict[str, Any] = {"id": head["id"] + ids[skip:skip + max_waiting]}
-        for c in ("state", *_NUMERIC):
-            out[c] = np.concatenate((head[c], cols[c][:max_waiting]))
-        out["age_s"] = np.concatenate((head_age, np.maximum(now - arrival, 0.0)))
-        return RequestTable(out)
+        block, skip = self._block, self._skip
+        if len(block.cols["id"]) != len(block.arrival):  # O(1): never send rows out of step
+            raise RuntimeError(f"cached waiting rows out of step: {len(block.cols['id'])} "
+                               f"ids, {len(block.arrival)} rows")
+        n = max(0, min(max_waiting, len(block) - skip))
+        return RequestTable(parts=JoinedRows(head, block, skip, n, now))
+
+
+HeadRows = tuple[list[str], list[float]]   # ids, and `HEAD_FIELDS` per row in one flat list
+HEAD_FIELDS = 8
+
+
+def head_rows(running: list[Request], tables: dict[str, list[int]]) -> HeadRows:
+    """The running (and compiling) rows as read from the requests: their ids, and state,
+    priority, prompt and output tokens, blocks, constraint, compile ms and arrival time per row
+    in one flat list — one pass, no numpy (what the busy loop pays; `head_columns` makes the
+    columns, in the publisher process when it has one)."""
+    flat: list[float] = []
+    extend = flat.extend
+    for r in running:
+        extend((r.status, r.priority, len(r.prompt_token_ids), len(r.output_token_ids),
+                len(tables.get(r.request_id, ())), r.constraint, r.compile_ms, r.arrival_time))
+    return [r.request_id for r in running], flat
+
+
+def head_columns(head: HeadRows, now: float) -> dict[str, Any]:
+    """`head_rows` as the table's columns, ``age_s`` at ``now``."""
+    ids, flat = head
+    values = np.fromiter(flat, np.float64, len(flat)).reshape(len(ids), HEAD_FIELDS).T
+    return {"id": list(ids),
+            "state": values[0].astype(np.uint8),
+            "priority": values[1].astype(np.int32),
+            "num_prompt_tokens": values[2].astype(np.int32),
+            "num_output_tokens": values[3].astype(np.int32),
+            "num_blocks": values[4].astype(np.int32),
+            "constraint": values[5].astype(np.uint8),
+            "compile_ms": values[6].astype(np.float32),
+            "age_s": np.maximum(now - values[7], 0.0)}
+
+
+class QueueRows:
+    """A ``sched`` table whose waiting rows a publisher process joins from its mirror of the
+    queue (`vconsole.engine.sched.queue_mirror`): ``head`` (`head_rows`), the live ``queue``,
+    how many waiting rows, and when. The hand-off sends the head and what changed in the
+    queue; joined here (`columns`: a test, a reader in this process), the waiting rows are read
+    from the queue at once, in its order."""
+
+    __slots__ = ("head", "queue", "max_waiting", "now")
+
+    def __init__(self, head: HeadRows, queue: WaitingQueue, max_waiting: int,
+                 now: float) -> None:
+        self.head, self.queue, self.max_waiting, self.now = head, queue, max_waiting, now
+
+    def __len__(self) -> int:
+        return len(self.head[0]) + max(0, min(self.max_waiting, len(self.queue)))
+
+    def first_ids(self, n: int) -> list[str]:
+        """The first ``n`` ids: the head's, then the queue's front in its order."""
+        ids = self.head[0][:n]
+        rest = min(n - len(ids), self.max_waiting, len(self.queue))
+        if rest > 0:
+            slots, counters = self.queue.row_order()
+            ids = ids + self.queue.rows(slots[:rest], counters[:rest])["id"]
+        return ids
+
+    def columns(self) -> dict[str, Any]:
+        rows = WaitingRows(refresh_s=0.0)
+        return rows.joined(head_columns(self.head, self.now), self.queue, self.max_waiting,
+                           self.now).columns

@@ -43,18 +43,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
-from vconsole.engine.latency import LatencyStats
+from vconsole.engine.latency import LatencyBatch, LatencyLog
 from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vconsole.engine.sched.request_queue import WaitingQueue
-from vconsole.engine.sched.request_rows import WaitingRows
+from vconsole.engine.sched.request_rows import QueueRows, WaitingRows, head_rows
 from vconsole.engine.telemetry_guard import TelemetryGuard
 from vconsole.shared.config import EngineConfig
-from vconsole.shared.stats import KVStats, SchedulerStats
+from vconsole.shared.stats import KVStats, RequestTable, SchedulerStats
 
 
 class _Step:
@@ -99,7 +98,7 @@ class Scheduler:
         # `update_from_output` reads them.
         self._last_output: SchedulerOutput | None = None
         self._last_scheduled: list[tuple[Request, int, int]] = []
-        self.latency = LatencyStats(config.latency_window_s)
+        self.latency = LatencyLog()
         self._waiting_rows = WaitingRows()    # telemetry's request table (request_rows.py)
         # Every telemetry call on the busy loop goes through it (`vconsole.engine.telemetry_guard`)
         self.telemetry = TelemetryGuard(rebuild=self.rebuild_telemetry)
@@ -561,10 +560,10 @@ class Scheduler:
             lat.observe("decode_s", last - first, prio, now)
             lat.observe("inference_s", last - scheduled, prio, now)
 
-    def latency_snapshot(self) -> dict[str, Any]:
-        """The ``latency`` telemetry payload (histograms and window percentiles)."""
-        self.latency.set_window(self.config.latency_window_s)
-        return self.latency.snapshot(self.clock())
+    def latency_batch(self) -> LatencyBatch:
+        """The latency observations since the last batch, taken out (for the publisher, which
+        keeps the histograms and windows: `vconsole.engine.latency`)."""
+        return self.latency.drain(self.clock(), self.config.latency_window_s)
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         """Stop reasons win over length: a model that emits EOS as its last allowed token has
@@ -595,17 +594,23 @@ class Scheduler:
             req.num_preemptions, req.error, lps[sent:] if lps is not None else None)
 
     # --- telemetry ----------------------------------------------------------------------------
-    def stats(self, max_rows: int) -> SchedulerStats:
+    def stats(self, max_rows: int, mirrored: bool = False) -> SchedulerStats:
         """Queue figures and up to ``max_rows`` request rows: running first, then waiting in
         queue order; the waiting rows are cached and refreshed every second or so
-        (`vconsole.engine.sched.request_rows`): for telemetry, not per step."""
+        (`vconsole.engine.sched.request_rows`): for telemetry, not per step. ``mirrored``: the
+        waiting rows are left to a publisher process's mirror of the queue (the table is a
+        `QueueRows`: `vconsole.engine.sched.queue_mirror`)."""
         cfg, now = self.config, self.clock()
         total = len(self.running) + len(self.compiling) + len(self.waiting)
         head = self.running[:max(0, max_rows)]
         if self.compiling and len(head) < max_rows:
             head = head + list(self.compiling.values())[:max_rows - len(head)]
         rest = max(0, max_rows - len(head))
-        rows = self._waiting_rows.table(head, self.kv.tables, self.waiting, rest, now)
+        if mirrored:
+            rows = RequestTable(parts=QueueRows(head_rows(head, self.kv.tables), self.waiting,
+                                                rest, now))
+        else:
+            rows = self._waiting_rows.table(head, self.kv.tables, self.waiting, rest, now)
         return SchedulerStats(
             num_waiting=len(self.waiting), num_running=len(self.running),
             num_preempted=self._num_preempted_waiting,
@@ -630,5 +635,5 @@ class Scheduler:
             self.kv.pool.recount()
         elif part == "latency":
             finished = dict(self.latency.finished)
-            self.latency = LatencyStats(self.config.latency_window_s)
+            self.latency = LatencyLog()
             self.latency.finished = finished
