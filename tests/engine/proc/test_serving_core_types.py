@@ -53,6 +53,7 @@ def test_mypy_accepts_the_real_core_and_refuses_a_fake_missing_one_member(tmp_pa
         import queue
 
         from vconsole.engine.core import EngineCore
+        from vconsole.engine.latency import LatencyBatch
         from vconsole.engine.outputs import RequestOutput
         from vconsole.engine.process.profile_book import ProfileBook
         from vconsole.engine.process.request_intake import RequestIntake

@@ -23,14 +23,16 @@ read while it waited. Requests queued since show after the next refresh (early w
 queue grew past twice the cached rows); a request preempted since keeps its cached row (state,
 output tokens) until then.
 
-What a snapshot costs the busy loop: the running rows, and a `RequestTable` whose waiting rows
-are a reference — ``(block, start, n, now)`` (`JoinedRows`) — into the cached rows, which are one
-immutable `WaitingBlock` per refresh (an admission skips its front rows; another removal makes a
-derived block, `WaitingBlock.derive`). The table joins its columns on first use; the hand-off to
-a publisher process sends the reference instead, and the block's rows once (a derived block as
-its derivation), so the process joins the same table without the busy loop touching a waiting
-row (`vconsole.engine.publish.handoff_wire`). Columns are numpy arrays (state as a uint8 code,
-`vconsole.shared.stats.REQUEST_STATES`) and a list of ids.
+The cached rows are one immutable `WaitingBlock` per refresh (an admission skips its front
+rows; another removal makes a new block), and a table is its parts until first read
+(`JoinedRows`: the running rows, then ``n`` rows of the block from ``start``, aged at ``now``).
+Columns are numpy arrays (state as a uint8 code, `vconsole.shared.stats.REQUEST_STATES`) and a
+list of ids.
+
+With a publisher process, the busy loop does not even do this: its snapshot's table is a
+`QueueRows` (the running rows as read from the requests, `head_rows`, and the live queue), the
+hand-off sends what changed in the queue, and the publisher process runs these same
+`WaitingRows` over its mirror of it (`vconsole.engine.sched.queue_mirror`).
 """
 
 from __future__ import annotations

@@ -1,33 +1,37 @@
 """`vconsole bench telemetry`: what telemetry costs the engine's throughput.
 
-One `EngineCore` (the tiny model, real forwards) holds ``num_requests`` requests (12,000 by
+One `EngineCore` (the tiny model, real forwards) holds ``num_requests`` requests (16,000 by
 default: ``max_num_seqs`` running, the rest waiting; more than 10,000 are still there at the end,
 ``requests_in_engine_min``), so every ``sched`` snapshot carries a 10,000-row request table
 (``telemetry_max_requests = 10000``). The busy loop is driven as
-`EngineCoreProc.run_busy_loop` drives it, in rounds of a fixed number of steps, alternating:
+`EngineCoreProc.run_busy_loop` drives it, in rounds of a fixed time, alternating:
 
 * **on**: a real `TelemetryPublisher` as the engine process runs it — in its publisher process
   (`vconsole.engine.publish.publisher_process`: the child binds the PUB socket on 127.0.0.1) —
   fed exactly as the engine process feeds it: `record_step` after every step and the busy
   loop's own `TelemetryFeed.maybe_snapshot` (when `snapshot_due`, 10 Hz: ``scheduler_stats(
-  10000)`` and ``kv_stats()``, the ``latency`` body once a second). A real subscriber in
+  10000)`` and ``kv_stats()``, the latency observations once a second). A real subscriber in
   another process (`python -m vconsole.telemetry.subscriber`) is connected and decodes every
   message.
-* **off**: no publisher at all — none is fed, no child runs, nothing is encoded or sent: the
-  engine as if telemetry did not exist. (The subscriber process stays, disconnected.)
+* **off**: nothing is fed, and the publisher process is stopped (SIGSTOP): to the engine, as if
+  telemetry did not exist. One publisher process serves a whole run (continued with SIGCONT for
+  each on round): starting one per round took seconds, and rounds must be short and many — this
+  machine's speed drifts by up to a third from one second to the next, telemetry or not, so only
+  rounds close in time compare. Its first snapshot (the whole waiting queue for the process's
+  mirror, once in an engine's life) is taken before the first round (`_Telemetry.prime`).
 
 Each round's tokens/s is the output tokens sampled in it over its wall time. A round of each
 mode runs back to back (in alternating order); a run's ``ratio`` is the median over its rounds
 of the pair's ``on / off``, which cancels the machine's drift; ``tokens_per_s_off`` / ``_on``
 are the medians of each mode and ``ratio_of_medians`` their ratio.
-``busy_loop_feed_share``: the share of an on round the busy loop itself spent recording steps,
-building and handing over snapshots (median over the run's on rounds);
+``busy_loop_feed_share``: the share of the on rounds' time the busy loop itself spent recording
+steps, building and handing over snapshots and latency (the mean over the run's on rounds);
 ``busy_loop_feed_cpu_share`` the same in the busy loop thread's CPU time over the round's
 (on a loaded machine the wall-clock share also counts the time the loop was preempted while
 it fed: the CPU share is what the feed itself cost). ``cpu_ratio`` is
-the same pairwise median for tokens per CPU second of this process (all its threads, the
-publisher's included): on a machine shared with other work, wall time mostly measures the
-wait for a core, CPU time what the engine itself spent. Torch runs on one thread here: its
+the same pairwise median for tokens per CPU second of this process (all its threads): on a
+machine shared with other work, wall time mostly measures the wait for a core, CPU time what the
+engine itself spent. Torch runs on one thread here: its
 intra-op pool spin-waits, and on a busy 2-core machine that swings step times by 10x between
 rounds, hiding a 2% effect. The workload is the
 same in both modes: steps are deterministic, and rounds of both modes take turns through one
@@ -40,7 +44,8 @@ run's (by ratio), ``runs`` lists each run's, and the goal is judged over them: `
 
 ``request_text=True`` runs the on rounds with ``publish_request_text`` on: each snapshot also
 hands over its first rows' token id lists (`telemetry_feed.request_ids_for_text`, the core's
-`token_lists`), which the publisher thread decodes and sends as the ``request_text`` map.
+`token_lists`), decoded in the engine process (the publisher process has no tokenizer) and
+sent as the ``request_text`` map.
 """
 
 from __future__ import annotations
@@ -99,13 +104,13 @@ def make_core(model_dir: str, num_requests: int, seed: int = 0,
 
 
 class _Telemetry:
-    """The on-mode publisher (a publisher process, as the engine's) and the busy loop's feed:
+    """The run's publisher (a publisher process, as the engine's) and the busy loop's feed:
     `record_step` after each step (as `EngineCoreProc._record_step`), then the real
     `TelemetryFeed.maybe_snapshot`."""
 
     def __init__(self, core: EngineCore, endpoint: str) -> None:
         self.core = core
-        for attempt in range(50):  # the previous round's socket may still be closing
+        for attempt in range(50):  # the previous run's socket may still be closing
             self.pub = TelemetryPublisher(zmq.Context.instance(), endpoint, "bench", 0,
                                           core.config, detokenize=core.detokenize,
                                           process=True)
@@ -131,9 +136,9 @@ class _Telemetry:
             self.stopped = stopped
 
     def prime(self) -> None:
-        """The first snapshot, before the round's clock starts: a new publisher process gets
-        the whole waiting queue once (`vconsole.engine.sched.queue_mirror`), a cost an engine
-        pays once at start, not every second as a fresh publisher per round would."""
+        """The first snapshot, before the first round: a new publisher process gets the whole
+        waiting queue once (`vconsole.engine.sched.queue_mirror`), a cost an engine pays once
+        in its life (and again only if its publisher process restarts)."""
         self.feed.submit_snapshot("running")
         self.feed.maybe_snapshot("running")
 
