@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
     p.add_argument("--num-requests", type=int,
                    help="throughput: override the workload size; telemetry, console: requests "
-                        "in the engine (default 16000 / 10000); kv-ideas: requests in the "
+                        "in the engine (default 20000 / 10000); kv-ideas: requests in the "
                         "demo's workload (default 40); structured: requests per side (default "
                         "64)")
     p.add_argument("--sizes", type=int_list, default=None, metavar="N,N,...",
@@ -295,10 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvmap: blocks in the pool (default 1000000)")
     p.add_argument("--rounds", type=int, default=None,
                    help="kvmap: measured round trips (default 30); telemetry: rounds per mode "
-                        "(default 20); serve: rounds per level and client (default 2); "
+                        "(default 200); serve: rounds per level and client (default 2); "
                         "structured: rounds per level and side (default 1)")
     p.add_argument("--seconds", type=float, default=None,
-                   help="telemetry: seconds per round (default 1); console: seconds per "
+                   help="telemetry: seconds per round (default 0.2); console: seconds per "
                         "measurement (default 4); whatif: seconds of each recorded workload "
                         "(default 90)")
     p.add_argument("--model-config", default="tiny", metavar="NAME",

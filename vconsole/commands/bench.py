@@ -29,8 +29,8 @@ def main(args: argparse.Namespace) -> int:
     elif args.name == "telemetry":
         from vconsole.tools.bench.telemetry import telemetry_bench
 
-        out = telemetry_bench(args.num_requests or 16_000, args.rounds or 20,
-                              args.seconds or 1.0, log)
+        out = telemetry_bench(args.num_requests or 20_000, args.rounds or 200,
+                              args.seconds or 0.2, log)
     elif args.name == "console":
         from vconsole.tools.bench.console import console_bench
 

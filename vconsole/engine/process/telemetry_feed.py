@@ -64,6 +64,11 @@ class TelemetryFeed:
                 self.publisher.submit_latency(batch)
             self._next_latency = now + LATENCY_INTERVAL_S
 
+    def postpone(self, seconds: float) -> None:
+        """Move the latency cadence ``seconds`` later: time the feed was not fed does not
+        count (`vconsole bench telemetry` pauses it between rounds)."""
+        self._next_latency += seconds
+
     def submit_snapshot(self, state: str) -> bool:
         """Send the scheduler and KV snapshot; False when a guarded part failed."""
         core, run = self.core, self.guard.run

@@ -1,41 +1,36 @@
 """`vconsole bench telemetry`: what telemetry costs the engine's throughput.
 
-One `EngineCore` (the tiny model, real forwards) holds ``num_requests`` requests (16,000 by
+One `EngineCore` (the tiny model, real forwards) holds ``num_requests`` requests (20,000 by
 default: ``max_num_seqs`` running, the rest waiting; more than 10,000 are still there at the end,
 ``requests_in_engine_min``), so every ``sched`` snapshot carries a 10,000-row request table
 (``telemetry_max_requests = 10000``). The busy loop is driven as
-`EngineCoreProc.run_busy_loop` drives it, in rounds of a fixed time, alternating:
+`EngineCoreProc.run_busy_loop` drives it, in rounds of a fixed time (0.2 s), alternating:
 
 * **on**: a real `TelemetryPublisher` as the engine process runs it — in its publisher process
   (`vconsole.engine.publish.publisher_process`: the child binds the PUB socket on 127.0.0.1) —
   fed exactly as the engine process feeds it: `record_step` after every step and the busy
   loop's own `TelemetryFeed.maybe_snapshot` (when `snapshot_due`, 10 Hz: ``scheduler_stats(
-  10000)`` and ``kv_stats()``, the latency observations once a second). A real subscriber in
-  another process (`python -m vconsole.telemetry.subscriber`) is connected and decodes every
-  message.
+  10000)`` and ``kv_stats()``, the latency observations once a second of on rounds). A real
+  subscriber in another process (`python -m vconsole.telemetry.subscriber`) is connected and
+  decodes every message.
 * **off**: nothing is fed, and the publisher process is stopped (SIGSTOP): to the engine, as if
   telemetry did not exist. One publisher process serves a whole run (continued with SIGCONT for
-  each on round): starting one per round took seconds, and rounds must be short and many — this
-  machine's speed drifts by up to a third from one second to the next, telemetry or not, so only
-  rounds close in time compare. Its first snapshot (the whole waiting queue for the process's
-  mirror, once in an engine's life) is taken before the first round (`_Telemetry.prime`).
+  each on round); its first snapshot (the whole waiting queue for the process's mirror, once in
+  an engine's life) is taken before the first round (`_Telemetry.prime`).
 
-Each round's tokens/s is the output tokens sampled in it over its wall time. A round of each
-mode runs back to back (in alternating order); a run's ``ratio`` is the median over its rounds
-of the pair's ``on / off``, which cancels the machine's drift; ``tokens_per_s_off`` / ``_on``
-are the medians of each mode and ``ratio_of_medians`` their ratio.
+Why short rounds, and many (200 pairs, 80 s a run): this machine's speed drifts by up to a third
+from one second to the next, telemetry or not. An A/A run (both modes untouched) of 10 pairs
+of 1 s read 0.976–1.04; of 100 pairs of 0.1 s, 0.988–1.004. A round of each mode runs back to
+back (in alternating order), so drift falls on both alike, and a run's ``ratio`` is the on
+rounds' tokens per second over the off rounds' (every token sampled over all their wall time);
+``ratio_pairs_median`` is the median of the pairs' ratios, ``cpu_ratio`` the ratio of tokens per
+CPU second of this process (all its threads: on a machine shared with other work, wall time
+also measures the wait for a core).
 ``busy_loop_feed_share``: the share of the on rounds' time the busy loop itself spent recording
-steps, building and handing over snapshots and latency (the mean over the run's on rounds);
-``busy_loop_feed_cpu_share`` the same in the busy loop thread's CPU time over the round's
-(on a loaded machine the wall-clock share also counts the time the loop was preempted while
-it fed: the CPU share is what the feed itself cost). ``cpu_ratio`` is
-the same pairwise median for tokens per CPU second of this process (all its threads): on a
-machine shared with other work, wall time mostly measures the wait for a core, CPU time what the
-engine itself spent. Torch runs on one thread here: its
-intra-op pool spin-waits, and on a busy 2-core machine that swings step times by 10x between
-rounds, hiding a 2% effect. The workload is the
-same in both modes: steps are deterministic, and rounds of both modes take turns through one
-run, so drift (requests finishing, the machine's load) falls on both alike.
+steps, building and handing over snapshots and latency; ``busy_loop_feed_cpu_share`` the same
+in the busy loop thread's CPU time (on a loaded machine the wall-clock share also counts the
+time the loop was preempted while it fed). Torch runs on one thread here: its intra-op pool
+spin-waits, and on a busy 2-core machine that swings step times by 10x between rounds.
 
 ``runs`` (5) independent runs, each with a fresh core: the top-level figures are the median
 run's (by ratio), ``runs`` lists each run's, and the goal is judged over them: ``ratio_median``
@@ -123,6 +118,7 @@ class _Telemetry:
                 time.sleep(0.1)
         self.feed = TelemetryFeed(core, self.pub, lambda: None)
         self.stopped = False
+        self._stopped_at = 0.0
         self.feed_ns = 0       # busy-loop time spent feeding the publisher
         self.feed_cpu_ns = 0   # ...in this thread's CPU time
 
@@ -131,9 +127,15 @@ class _Telemetry:
         stopped and unfed — to the engine, as if there were none — without a new process
         for every round (a start costs seconds, and short rounds need many)."""
         pid = self.pub.child.pid if self.pub.child is not None else None
-        if pid is not None and stopped != self.stopped:
-            os.kill(pid, signal.SIGSTOP if stopped else signal.SIGCONT)
-            self.stopped = stopped
+        if pid is None or stopped == self.stopped:
+            return
+        os.kill(pid, signal.SIGSTOP if stopped else signal.SIGCONT)
+        self.stopped = stopped
+        now = time.monotonic()
+        if stopped:
+            self._stopped_at = now
+        else:     # the once-a-second latency hand-off counts the time fed only
+            self.feed.postpone(now - self._stopped_at)
 
     def prime(self) -> None:
         """The first snapshot, before the first round: a new publisher process gets the whole
@@ -177,7 +179,7 @@ def _round(core: EngineCore, seconds: float,
             time.process_time() - cpu0, time.thread_time() - thread0)
 
 
-def telemetry_bench(num_requests: int = 16_000, rounds: int = 20, round_s: float = 1.0,
+def telemetry_bench(num_requests: int = 20_000, rounds: int = 200, round_s: float = 0.2,
                     log: Any = None, max_rows: int = MAX_ROWS,
                     request_text: bool = False, runs: int = 5) -> dict[str, Any]:
     if num_requests < MAX_NUM_SEQS:
@@ -203,7 +205,7 @@ def telemetry_bench(num_requests: int = 16_000, rounds: int = 20, round_s: float
            "feed_share": feed_max <= GOAL_FEED_SHARE}
     return {**median_run, "ratio_median": ratio_median, "ratio_worst": ratios[0],
             "busy_loop_feed_share_max": feed_max,
-            "runs": [{k: r[k] for k in ("ratio", "ratio_of_medians", "cpu_ratio",
+            "runs": [{k: r[k] for k in ("ratio", "ratio_pairs_median", "cpu_ratio",
                                         "busy_loop_feed_share", "busy_loop_feed_cpu_share",
                                         "tokens_per_s_off",
                                         "tokens_per_s_on", "requests_in_engine_min",
@@ -227,12 +229,10 @@ def _run(model_dir: str, num_requests: int, rounds: int, round_s: float, log: An
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     sub = subprocess.Popen([sys.executable, "-m", "vconsole.telemetry.subscriber", endpoint],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    off: list[float] = []
-    on: list[float] = []
-    cpu_off: list[float] = []   # tokens per CPU second of this process (every thread)
-    cpu_on: list[float] = []
-    feed_share: list[float] = []   # of an on round's wall time, spent feeding the publisher
-    feed_cpu_share: list[float] = []   # ...of its busy loop's CPU time
+    # Per mode: tokens, seconds, CPU seconds of this process (every thread), and per round.
+    totals = {mode: [0, 0.0, 0.0] for mode in ("off", "on")}
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    feed_s = feed_cpu_s = loop_cpu_s = 0.0    # the on rounds' feed, and their loop's CPU
     sched = core.scheduler
     min_in_engine = sched.num_waiting + sched.num_running
     telemetry = _Telemetry(core, endpoint)
@@ -246,14 +246,15 @@ def _run(model_dir: str, num_requests: int, rounds: int, round_s: float, log: An
                 feed0, feed_cpu0 = telemetry.feed_ns, telemetry.feed_cpu_ns
                 tokens, n, elapsed, cpu, thread_cpu = _round(core, round_s, fed)
                 steps += n
-                (cpu_on if fed else cpu_off).append(tokens / cpu)
-                (on if fed else off).append(tokens / elapsed)
+                t = totals[mode]
+                t[0], t[1], t[2] = t[0] + tokens, t[1] + elapsed, t[2] + cpu
+                rates[mode].append(tokens / elapsed)
                 min_in_engine = min(min_in_engine, sched.num_waiting + sched.num_running)
                 if fed is not None:
-                    feed_share.append((telemetry.feed_ns - feed0) / 1e9 / elapsed)
-                    feed_cpu_share.append((telemetry.feed_cpu_ns - feed_cpu0) / 1e9
-                                          / max(thread_cpu, 1e-9))
-                if log and r % 10 == 0:
+                    feed_s += (telemetry.feed_ns - feed0) / 1e9
+                    feed_cpu_s += (telemetry.feed_cpu_ns - feed_cpu0) / 1e9
+                    loop_cpu_s += thread_cpu
+                if log and r % 25 == 0:
                     log(f"round {r + 1}/{rounds} {mode}: {tokens / elapsed:.0f} tok/s")
     finally:
         telemetry.pause(False)
@@ -261,20 +262,18 @@ def _run(model_dir: str, num_requests: int, rounds: int, round_s: float, log: An
         sub.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             sub.wait(5)
-    a, b = statistics.median(off), statistics.median(on)
-    # Each round's pair (off, on) ran back to back: their ratio cancels the machine's drift.
-    ratio = statistics.median(y / x for x, y in zip(off, on, strict=True))
+    off, on = totals["off"], totals["on"]
+    a, b = off[0] / off[1], on[0] / on[1]
+    pairs = [y / x for x, y in zip(rates["off"], rates["on"], strict=True) if x > 0]
     return {"benchmark": "telemetry", "tokens_per_s_off": round(a, 1),
-            "tokens_per_s_on": round(b, 1), "ratio": round(ratio, 3),
-            "ratio_of_medians": round(b / a, 3),
-            "cpu_ratio": round(statistics.median(
-                y / x for x, y in zip(cpu_off, cpu_on, strict=True)), 3),
-            "busy_loop_feed_share": round(sum(feed_share) / len(feed_share), 4),
-            "busy_loop_feed_cpu_share": round(sum(feed_cpu_share) / len(feed_cpu_share), 4),
+            "tokens_per_s_on": round(b, 1), "ratio": round(b / a, 3),
+            "ratio_pairs_median": round(statistics.median(pairs), 3) if pairs else None,
+            "cpu_ratio": round((on[0] / on[2]) / (off[0] / off[2]), 3),
+            "busy_loop_feed_share": round(feed_s / on[1], 4),
+            "busy_loop_feed_cpu_share": round(feed_cpu_s / max(loop_cpu_s, 1e-9), 4),
             "rounds": rounds, "round_s": round_s, "steps": steps,
             "telemetry_hz": core.config.telemetry_hz, "request_text": request_text,
             "request_rows_min": min(max_rows, min_in_engine),
             "requests_in_engine_min": min_in_engine,
-            "messages_sent": sent, "rounds_off": [round(x, 1) for x in off],
-            "rounds_on": [round(x, 1) for x in on],
+            "messages_sent": sent,
             "load_average": [round(x, 2) for x in os.getloadavg()]}   # 1/5/15 min, at its end
