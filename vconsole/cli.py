@@ -347,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="quality, throughput: the engine's weight quantization (default none)")
     p.add_argument("--runs", type=int, default=5,
-                   help="throughput: repetitions; the JSON gives each run and the median/worst "
-                        "ratios (default 5)")
+                   help="throughput, telemetry: repetitions; the JSON gives each run and the "
+                        "median/worst ratios (default 5)")
 
     p = cmd("record", "vconsole.commands.record:main", "save the telemetry stream to a file")
     add_client_args(p, vllm=True)

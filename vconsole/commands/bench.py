@@ -30,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
         from vconsole.tools.bench.telemetry import telemetry_bench
 
         out = telemetry_bench(args.num_requests or 20_000, args.rounds or 200,
-                              args.seconds or 0.2, log)
+                              args.seconds or 0.2, log, runs=args.runs)
     elif args.name == "console":
         from vconsole.tools.bench.console import console_bench
 

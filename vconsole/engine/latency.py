@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -196,24 +197,34 @@ class _Series:
 
 
 class _Pending:
-    """Observations of one series not yet applied, in order: parallel lists (cheap appends)."""
+    """Observations of one series not yet handed over, in order: the values and their classes,
+    and when they were observed as runs (``times[i]`` for ``counts[i]`` observations: a step's
+    tokens share one). Unboxed arrays (`array.array`), filled while the values are fresh: the
+    hand-off is then a copy of their bytes, not a walk over thousands of cold float objects."""
 
-    __slots__ = ("values", "priorities", "nows")
+    __slots__ = ("values", "priorities", "times", "counts")
 
     def __init__(self) -> None:
-        self.values: list[float] = []
-        self.priorities: list[int] = []
-        self.nows: list[float] = []
+        self.values = array("d")
+        self.priorities = array("q")
+        self.times = array("d")
+        self.counts = array("q")
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(values, priorities, when each was observed) as float64 / int64 / float64."""
+        return (np.frombuffer(self.values, np.float64), np.frombuffer(self.priorities, np.int64),
+                np.repeat(np.frombuffer(self.times, np.float64),
+                          np.frombuffer(self.counts, np.int64)))
 
 
 @dataclass
 class LatencyBatch:
-    """Observations recorded since the last batch, per series as three equally long arrays
-    (``values`` float64, ``priorities`` int64, ``nows`` float64, in observation order), the
+    """Observations recorded since the last batch, per series (`_Pending`: the busy loop's own
+    lists, handed over as they are — converting them to arrays is the publisher's work), the
     finish reasons counted since start, and the recorder's clock and window when it was taken.
     What the busy loop hands its publisher (`LatencyLog.drain`); `LatencyStats.add` folds it."""
 
-    series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    series: dict[str, _Pending]
     finished: dict[str, int]
     now: float
     window_s: float
@@ -240,7 +251,8 @@ class LatencyLog:
         p = self._pending[name]
         p.values.extend([value] * times)
         p.priorities.extend([priority] * times)
-        p.nows.extend([now] * times)
+        p.times.append(now)
+        p.counts.append(times)
         if len(p.values) >= MAX_PENDING:
             self._fold(name)
 
@@ -251,27 +263,27 @@ class LatencyLog:
         p = self._pending[name]
         p.values.extend(values)
         p.priorities.extend(priorities)
-        p.nows.extend([now] * len(values))
+        p.times.append(now)
+        p.counts.append(len(values))
         if len(p.values) >= MAX_PENDING:
             self._fold(name)
 
     def finish(self, reason: str) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1
 
-    def _take(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        p = self._pending[name]
-        self._pending[name] = _Pending()
-        return (np.asarray(p.values, dtype=np.float64), np.asarray(p.priorities, dtype=np.int64),
-                np.asarray(p.nows, dtype=np.float64))
-
     def _fold(self, name: str) -> None:
         if self._overflow is None:
             self._overflow = LatencyStats(math.inf)   # never read here: no pruning
-        self._overflow._apply(name, *self._take(name))
+        pending, self._pending[name] = self._pending[name], _Pending()
+        self._overflow._apply(name, *pending.arrays())
 
     def drain(self, now: float, window_s: float) -> LatencyBatch:
-        """Everything recorded since the last drain, taken out."""
-        series = {name: self._take(name) for name in SERIES if self._pending[name].values}
+        """Everything recorded since the last drain, taken out (the lists themselves: O(1))."""
+        series = {}
+        for name, pending in self._pending.items():
+            if pending.values:
+                series[name] = pending
+                self._pending[name] = _Pending()
         batch = LatencyBatch(series, dict(self.finished), now, window_s, self._overflow)
         self._overflow = None
         return batch
@@ -316,8 +328,8 @@ class LatencyStats:
             self.set_window(batch.window_s)
         if batch.overflow is not None:
             self.merge(batch.overflow)
-        for name, (values, prios, nows) in batch.series.items():
-            self._apply(name, values, prios, nows)
+        for name, pending in batch.series.items():
+            self._apply(name, *pending.arrays())
         self.finished = dict(batch.finished)
         return self
 

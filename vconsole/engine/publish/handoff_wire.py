@@ -15,8 +15,8 @@ snapshot's table (`QueueRows`) crosses as its running rows and what changed in t
 the last snapshot the process got; `decode` applies that to the process's mirror
 (`MirroredTable`) and joins the table the engine's own cached rows would have made.
 
-Frames: a snapshot ``[kind, [steps, lost, body]]``, steps ``[kind, [steps, lost]]`` (msgpack:
-two frames, as each frame is a send of its own); the rare ones
+Frames: a snapshot is one frame, msgpack ``["snap", steps, lost, body]``, steps on their own
+``["steps", steps, lost]`` (one frame: each frame is a send of its own); the rare ones
 ``[kind, pickle]``. Only our own two processes speak it, over an ``ipc://`` socket in a folder
 only this user can open, so pickle is safe here; it is never a public wire.
 
@@ -172,7 +172,7 @@ def _unpack_requests(packed: list[Any], table: MirroredTable | None) -> Any:
 
 
 def snapshot_frames(snap: Snapshot, queue: SyncSender | None = None) -> list[bytes]:
-    """Frames for one snapshot: ``[kind, body]``, msgpack with its steps (a pickle of these
+    """Frames for one snapshot: one, msgpack with its steps (a pickle of these
     dataclasses and two dozen small arrays cost the busy loop ~300 µs). A `QueueRows` table
     goes as its running rows and what changed in the queue (``queue``: how far the process's
     mirror is; None: all of it); a list of rows as a table's columns."""
@@ -182,7 +182,7 @@ def snapshot_frames(snap: Snapshot, queue: SyncSender | None = None) -> list[byt
             _pack_requests(sched.requests, queue), _kv_values(kv), states.dtype.str,
             len(states), states.tobytes()]
     steps = snap.steps if snap.steps is not None else Steps([])
-    return [SNAPSHOT, _packb([steps.records, steps.lost, body])]
+    return [_packb(["snap", steps.records, steps.lost, body])]
 
 
 _STATE_CODES = {name: code for code, name in enumerate(REQUEST_STATES)}
@@ -201,7 +201,7 @@ def as_table(rows: Sequence[RequestRow]) -> RequestTable:
 
 
 def steps_frames(steps: Steps) -> list[Any]:
-    return [STEPS, _packb([steps.records, steps.lost])]
+    return [_packb(["steps", steps.records, steps.lost])]
 
 
 def call_frames(method: str, *args: Any) -> list[Any]:
@@ -216,13 +216,12 @@ def decode(frames: Sequence[Any], table: MirroredTable | None = None) -> tuple[b
     """``(kind, body)``: a `Snapshot`, `Steps`, ``(method, args)`` or a message's body. A
     snapshot's queue changes are applied to ``table`` (the process's mirror: a fresh one when
     None) and its table joined there."""
-    kind = bytes(frames[0])
-    if kind not in (SNAPSHOT, STEPS):
-        return kind, pickle.loads(frames[1]) if len(frames) > 1 else None
-    records, lost, *body = _unpackb(frames[1])
+    if len(frames) > 1:
+        return bytes(frames[0]), pickle.loads(frames[1])
+    name, records, lost, *body = _unpackb(frames[0])
     steps = Steps(records, lost)
-    if kind == STEPS:
-        return kind, steps
+    if name == "steps":
+        return STEPS, steps
     (state, num_steps, wall, text, sched_values, requests, kv_values, dtype, n,
      states) = body[0]
     sched = SchedulerStats(**dict(zip(_SCHED_FIELDS, sched_values, strict=True)),

@@ -52,7 +52,6 @@ import zmq
 from vconsole.engine.latency import LatencyBatch
 from vconsole.engine.publish import handoff_wire as wire
 from vconsole.engine.publish.bodies import KVFormat
-from vconsole.engine.publish.inbox import SnapshotClock
 from vconsole.engine.publish.request_text import TextBook, TokenLists
 from vconsole.engine.sched.queue_mirror import SyncSender
 from vconsole.shared.config import EngineConfig
@@ -125,12 +124,12 @@ class ChildLink:
         self._state = spec.state
         self._steps: list[StepStats] = []
         self._lost = 0
-        self._snapshots = SnapshotClock()
+        self._next_snapshot = 0.0    # when the busy loop next builds one (`snapshot_due`)
         self._flush_at = 0.0          # steps not handed over by then go on their own
         self._text_book = TextBook(detokenize) if detokenize is not None else None
         self._dir = tempfile.mkdtemp(prefix="vconsole-pub-")   # 0700: only this user
         self._live = LiveCounters(os.path.join(self._dir, LIVE_FILE), create=True)
-        self._live_write = self._live.write
+        self._live_n, self._live_t = self._live.cells()
         self._queue = SyncSender()           # how far the child's mirror of the queue is
         self._restarts_seen = 0
         self._sock: zmq.Socket | None = None     # PUSH: hand-offs to the child
@@ -191,7 +190,7 @@ class ChildLink:
         back = self._back
         if back is not None and self._proc is not None:
             self._flush_steps()
-            self._send([wire.STOP])
+            self._send(wire.message_frames(wire.STOP))
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if not back.poll(50):
@@ -220,17 +219,24 @@ class ChildLink:
 
     def record_step(self, stats: StepStats) -> None:
         """O(1): the step joins the next hand-off (the next snapshot's, or on its own two periods
-        after the last hand-off); the live counters say at once that it ran."""
+        after the last hand-off: the first step after a pause goes at once); the live counters
+        say at once that it ran."""
         now = monotonic()
         n = self.steps_recorded = self.steps_recorded + 1
-        self._live_write(n, now)
+        self._live_t[0] = now          # (the time first: `LiveCounters`)
+        self._live_n[0] = n
         steps = self._steps
         steps.append(stats)
         if now >= self._flush_at or len(steps) >= MAX_PENDING_STEPS:
             self._flush_steps()
 
     def snapshot_due(self) -> bool:
-        return self._snapshots.due(self.config.telemetry_hz)
+        # `inbox.SnapshotClock`, inlined: this runs after every step.
+        now = monotonic()
+        if now < self._next_snapshot:
+            return False
+        self._next_snapshot = now + 1.0 / self.config.telemetry_hz
+        return True
 
     def submit_snapshot(self, sched: SchedulerStats, kv: KVStats, state: str,
                         num_steps: int, text: list[TokenLists] | None = None) -> None:
@@ -276,7 +282,7 @@ class ChildLink:
 
     def _take_steps(self) -> wire.Steps:
         steps, self._steps = self._steps, []
-        self._flush_at = time.monotonic() + FLUSH_PERIODS / self.config.telemetry_hz
+        self._flush_at = monotonic() + FLUSH_PERIODS / self.config.telemetry_hz
         return wire.Steps(wire.step_records(steps), self._lost)
 
     def _flush_steps(self) -> None:
@@ -294,7 +300,10 @@ class ChildLink:
         try:
             if sock is None:
                 raise zmq.Again()
-            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            if len(frames) == 1:
+                sock.send(frames[0], flags=zmq.NOBLOCK)
+            else:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError:     # zmq.Again, or a socket closed at shutdown
             self.handoff_drops += 1
@@ -418,9 +427,10 @@ class LiveCounters:
         self._n, self._t = view[:8].cast("q"), view[8:].cast("d")
         self._view = view
 
-    def write(self, steps: int, t: float) -> None:
-        self._t[0] = t
-        self._n[0] = steps
+    def cells(self) -> tuple[memoryview[int], memoryview[float]]:
+        """The count's and the time's cells: the writer stores into them itself (the time
+        first), at every step."""
+        return self._n, self._t
 
     def read(self) -> tuple[int, float | None]:
         """(steps, when the last one ended; None before the first)."""
