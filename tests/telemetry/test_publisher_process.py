@@ -308,3 +308,36 @@ def _alive(pid):
             return f.read().split(") ")[1][0] != "Z"    # a zombie is dead, not reaped
     except FileNotFoundError:
         return False
+
+
+def test_a_mirror_applies_only_the_sync_that_starts_where_it_stands(monkeypatch):
+    """A sync lost on the way (or a fresh mirror) is refused — the process asks for the whole
+    queue — never applied on the wrong base; the write log keeps its newer half when it is
+    trimmed, so a reader near its end still gets only what it missed."""
+    from vconsole.engine.sched import request_queue
+
+    monkeypatch.setattr(request_queue, "MAX_WRITE_LOG", 16)
+    q = queue_of(8)
+    sender, mirror = SyncSender(), MirroredTable(refresh_s=3600)
+    assert mirror.wants_full
+    first = sender.sync(q)
+    assert first.full and mirror.apply(first) and not mirror.wants_full
+    sender.sent(True)
+    q.pop()
+    lost = sender.sync(q)
+    sender.sent(True)                     # the engine thinks it went; the process never got it
+    q.pop()
+    later = sender.sync(q)
+    assert not mirror.apply(later)        # it starts after the lost one: refused
+    assert mirror.apply(lost) and mirror.apply(later)   # in order, they apply
+    sender.sent(True)
+    for i in range(40):                   # slots freed and reused: the log is trimmed
+        q.add(make_request(f"new-{i}", 4, arrival=100.0 + i), 0.0)
+        q.pop()
+    st = q._stays
+    assert st.log_base > 0 and len(st.log) <= 2 * max(16, 2 * st.high)
+    tail = sender.sync(q)
+    assert tail.base is not None and len(tail.slots) <= st.high
+    assert mirror.apply(tail)
+    np.testing.assert_array_equal(mirror.mirror._stays.records[:st.high], st.records[:st.high])
+    assert mirror.mirror._stays.ids[:st.high].tolist() == st.ids[:st.high].tolist()

@@ -151,8 +151,10 @@ class SlidingWindow:
             self._add_run(int(seconds[a]), values[a:b])
 
     def _add_run(self, second: int, run: np.ndarray) -> None:
-        b = self._bin(second)
         room = max(0, MAX_WINDOW_SAMPLES - self._size)
+        if not room and (not self._bins or self._bins[-1][0] != second):
+            return       # full, and no sample of this second to replace: no empty bin either
+        b = self._bin(second)
         take = run[:room]
         if take.size:
             b[1].append(np.array(take, dtype=np.float64))

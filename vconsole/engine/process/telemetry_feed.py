@@ -3,15 +3,15 @@
 At most ``telemetry_hz`` times a second (the publisher says when, `snapshot_due`) the loop
 hands it the scheduler and KV snapshot, a data-parallel rank's ``dp`` figures, and at most once
 a second — or whenever the engine goes idle, as the last snapshot before the loop blocks — the
-latency percentiles; with ``publish_request_text`` on, the token id lists of the rows whose
+latency observations recorded since (the publisher computes the percentiles); with ``publish_request_text`` on, the token id lists of the rows whose
 request text goes out (`request_ids_for_text`). Each part runs behind the core's
 `vconsole.engine.telemetry_guard`: one that raises is logged, counted and rebuilt, and is
 missing from this snapshot only. Used by the busy loop's thread only.
 
 What the busy loop pays here is the whole of telemetry's cost to it (`vconsole bench
 telemetry`'s ``busy_loop_feed_share``): the publisher runs in its own process
-(`vconsole.engine.publish.publisher_process`), so a hand-off is a copy into shared memory and a
-non-blocking send, and nothing of the publisher's competes with the loop for the GIL. With
+(`vconsole.engine.publish.publisher_process`), so a hand-off is a pack and a non-blocking send
+(the waiting rows as what changed in the queue: `vconsole.engine.sched.queue_mirror`), and nothing of the publisher's competes with the loop for the GIL. With
 request text on, its new or grown rows are decoded here too (the publisher process has no
 tokenizer): the opt-in's cost, one decode per running row per snapshot.
 """

@@ -21,7 +21,9 @@ Frames: a snapshot is one frame, msgpack ``["snap", steps, lost, body]``, steps 
 only this user can open, so pickle is safe here; it is never a public wire.
 
 Invariant: `decode` of `snapshot_frames` / `steps_frames` gives the same `SchedulerStats`,
-`KVStats` and step records (field for field, the same column dtypes) that were packed.
+`KVStats` and step records (field for field, the same column dtypes; records as lists) that
+were packed — a `QueueRows` table as the table the engine's own `WaitingRows` would have made,
+joined from the process's mirror.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ STOP = b"stop"
 READY = b"ready"
 FAILED = b"failed"
 CLOSED = b"closed"
+RESYNC = b"resync"  # the mirror of the waiting queue lost step: send the whole queue
 
 # What a step record carries across: the fields the ``step`` topic aggregates and the end of
 # the step (`StepStats.start_ns` + ``total_ns``, monotonic: one clock for both processes).
@@ -96,7 +99,7 @@ class Snapshot:
     num_steps: int
     wall: float
     text: dict[str, list[str]] | None
-    steps: Steps | None      # crosses in its own frame: a snapshot dropped keeps its steps
+    steps: Steps | None      # since the last hand-off (a snapshot refused loses them: counted)
 
 
 _SCHED_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerStats) if f.name != "requests")
@@ -215,7 +218,8 @@ def message_frames(kind: bytes, body: Any = None) -> list[Any]:
 def decode(frames: Sequence[Any], table: MirroredTable | None = None) -> tuple[bytes, Any]:
     """``(kind, body)``: a `Snapshot`, `Steps`, ``(method, args)`` or a message's body. A
     snapshot's queue changes are applied to ``table`` (the process's mirror: a fresh one when
-    None) and its table joined there."""
+    None) and its table joined there; a snapshot whose changes do not apply (`MirroredTable
+    .apply`) comes back as its `Steps` only."""
     if len(frames) > 1:
         return bytes(frames[0]), pickle.loads(frames[1])
     name, records, lost, *body = _unpackb(frames[0])
@@ -224,8 +228,11 @@ def decode(frames: Sequence[Any], table: MirroredTable | None = None) -> tuple[b
         return STEPS, steps
     (state, num_steps, wall, text, sched_values, requests, kv_values, dtype, n,
      states) = body[0]
+    rows = _unpack_requests(requests, table)
+    if rows is None:
+        return STEPS, steps
     sched = SchedulerStats(**dict(zip(_SCHED_FIELDS, sched_values, strict=True)),
-                           requests=_unpack_requests(requests, table))
+                           requests=rows)
     kv = KVStats(**dict(zip(_KV_FIELDS, kv_values, strict=True)),
                  block_states=np.frombuffer(states, np.dtype(dtype), n))
     return SNAPSHOT, Snapshot(sched, kv, state, num_steps, wall, text, steps)

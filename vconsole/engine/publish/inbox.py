@@ -232,19 +232,21 @@ class Inbox:
             self._announce = None
             self._waves, self._error_reports = [], {}
         if batches:
-            h.latency = self._fold(batches)
+            h.latency = self._fold(batches, h)
         return h
 
-    def _fold(self, batches: list[LatencyBatch]) -> dict[str, Any]:
-        """The ``latency`` body after ``batches`` (publisher thread). A fold that raises leaves
-        the aggregate to start over (a half-folded batch would count twice or not at all)."""
+    def _fold(self, batches: list[LatencyBatch], h: Handoff) -> dict[str, Any] | None:
+        """The ``latency`` body after ``batches`` (publisher thread). A fold that raises costs
+        the latency only: the aggregate starts over (a half-folded batch would count twice or
+        not at all), and the failure is reported with the hand-off's other errors."""
         try:
             for batch in batches:
                 self.latency.add(batch)
             return self.latency.snapshot(batches[-1].now)
-        except Exception:
+        except Exception as e:
             self.latency = LatencyStats(self.config.latency_window_s)
-            raise
+            h.errors["latency"] = f"{type(e).__name__}: {e} (the histograms start over)"
+            return None
 
     def steps_pending(self) -> bool:
         return bool(self._steps)

@@ -42,6 +42,7 @@ log = logging.getLogger("vconsole.telemetry.publisher")
 POLL_MS = 500                 # how often an idle child checks its parent
 STOP_DRAIN_S = 1.0            # at stop, how long the last hand-offs get to go out
 RESTART_REPORT_S = 1.0        # a restarted child reports the restart this late (SUB reconnects)
+RESYNC_EVERY_S = 1.0          # how often a mirror that lost step asks for the whole queue
 PR_SET_PDEATHSIG = 1
 # The engine-thread methods a CALL hand-off may name (nothing else is callable from the wire).
 CALLS = frozenset({"submit_latency", "submit_dp", "submit_wave", "report_error", "set_state",
@@ -109,11 +110,12 @@ class Feed:
 
 
 def serve(link: zmq.Socket, pub: TelemetryPublisher, parent_pid: int,
-          restarted: str | None = None) -> None:
+          restarted: str | None = None, answer: zmq.Socket | None = None) -> None:
     """Until ``stop`` or the parent is gone. ``restarted``: why the previous publisher process
     is gone, reported (``telemetry_error``) once subscribers had time to reconnect."""
     feed = Feed(pub)
     table = MirroredTable()     # the engine's waiting queue, mirrored
+    resync_at = time.monotonic() + RESYNC_EVERY_S    # (the first sync is a full one)
     report_at = time.monotonic() + RESTART_REPORT_S
     while True:
         if restarted is not None and time.monotonic() >= report_at:
@@ -125,16 +127,21 @@ def serve(link: zmq.Socket, pub: TelemetryPublisher, parent_pid: int,
                 return
             continue
         frames = link.recv_multipart(copy=False)
-        kind, body = wire.decode([f.buffer for f in frames], table)
-        if kind == wire.STOP:         # the engine's last snapshot goes out first
-            deadline = time.monotonic() + STOP_DRAIN_S
-            while not pub.inbox.sent_all() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            return
         try:
+            kind, body = wire.decode([f.buffer for f in frames], table)
+            if kind == wire.STOP:         # the engine's last snapshot goes out first
+                deadline = time.monotonic() + STOP_DRAIN_S
+                while not pub.inbox.sent_all() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                return
             feed.apply(kind, body)
         except Exception as e:       # a bad hand-off costs itself only
+            table.reset()             # (it may have half-applied the queue's changes)
             pub.report_error("handoff", f"{type(e).__name__}: {e}")
+        if table.wants_full and answer is not None and time.monotonic() >= resync_at:
+            with contextlib.suppress(zmq.ZMQError):
+                answer.send_multipart(wire.message_frames(wire.RESYNC), flags=zmq.NOBLOCK)
+            resync_at = time.monotonic() + RESYNC_EVERY_S
 
 
 def main() -> int:
@@ -169,7 +176,7 @@ def main() -> int:
         "endpoint": pub.endpoint, "metrics": metrics.url if metrics else None,
         "metrics_bind": (metrics.host, metrics.port) if metrics else None}))
     try:
-        serve(link, pub, spec.parent_pid, spec.restarted)
+        serve(link, pub, spec.parent_pid, spec.restarted, answer)
     finally:
         if metrics is not None:
             metrics.close()

@@ -248,6 +248,9 @@ class ChildLink:
         if self.restarts != self._restarts_seen:     # a new child holds no mirror
             self._restarts_seen = self.restarts
             self._queue.reset()
+        back = self._back
+        if back is not None and back.poll(0):        # the child's mirror lost step
+            self._read_answers(back)
         self._queue.sent(self._send(wire.snapshot_frames(wire.Snapshot(
             sched, kv, state, num_steps, time.time(), body, steps), self._queue),
             len(steps.records)))
@@ -289,6 +292,14 @@ class ChildLink:
         if self._steps:
             steps = self._take_steps()
             self._send(wire.steps_frames(steps), len(steps.records))
+
+    def _read_answers(self, back: zmq.Socket) -> None:
+        """The child's answers while it runs: a ``resync`` makes the next sync a full one."""
+        while back.poll(0):
+            with contextlib.suppress(zmq.ZMQError, pickle.UnpicklingError, EOFError):
+                kind, _ = wire.decode(back.recv_multipart())
+                if kind == wire.RESYNC:
+                    self._queue.reset()
 
     def _call(self, method: str, *args: Any) -> None:
         self._send(wire.call_frames(method, *args))

@@ -46,9 +46,13 @@ __all__ = ["MirroredTable", "QueueMirror", "QueueRows", "QueueSync", "SyncSender
 class QueueSync:
     """What changed in a queue since the last sync: ``slots`` and their records now
     (`STAY_DTYPE`) and ids (None for a freed slot), the ids that left since (in order), its
-    length, its policy changes so far, and its slots in use."""
+    length, its policy changes so far, and its slots in use. ``base``: the write number it
+    starts from (the last sync the mirror acknowledged; None when ``full``), ``changes`` the one
+    it brings the mirror to: a mirror applies only the sync that starts where it stands."""
 
     full: bool
+    base: int | None
+    changes: int
     slots: list[int]
     records: np.ndarray
     ids: list[Any]
@@ -73,10 +77,12 @@ class SyncSender:
     def sync(self, queue: WaitingQueue) -> QueueSync:
         removed, mark = queue.removed_since(self._mark)
         full = self._since is None or removed is None
-        slots, records, ids, changes, high = queue.changes_since(0 if full else self._since or 0)
+        base = None if full else self._since
+        slots, records, ids, changes, high = queue.changes_since(base or 0)
         self._pending = (changes, mark)
-        return QueueSync(full, slots, records, ids, [] if full else list(removed or ()),
-                         len(queue), queue.order_changes, high)
+        return QueueSync(full, base, changes, slots, records, ids,
+                         [] if full else list(removed or ()), len(queue), queue.order_changes,
+                         high)
 
     def sent(self, ok: bool) -> None:
         """The last sync's send went (the mirror has it) or was refused (it has not)."""
@@ -134,24 +140,44 @@ class MirroredTable:
         self.mirror = QueueMirror()
         self.rows = WaitingRows(refresh_s)
         self._order_changes: int | None = None
+        self._applied: int | None = None     # the write number the mirror stands at
 
-    def apply(self, sync: QueueSync) -> None:
+    def reset(self) -> None:
+        """Forget everything (a sync that failed half-applied): only a full one applies."""
+        self.mirror, self.rows = QueueMirror(), WaitingRows(self.refresh_s)
+        self._order_changes = self._applied = None
+
+    @property
+    def wants_full(self) -> bool:
+        """Nothing applied yet (or since a reset): the engine must send a full sync."""
+        return self._applied is None
+
+    def apply(self, sync: QueueSync) -> bool:
+        """Apply ``sync``; False (nothing applied) when it does not start where this mirror
+        stands — a sync lost on the way, a fresh mirror: the engine must send a full one."""
         if sync.full:
             self.mirror, self.rows = QueueMirror(), WaitingRows(self.refresh_s)
+        elif self._applied is None or sync.base != self._applied:
+            return False
         elif sync.order_changes != self._order_changes:
             self.rows.invalidate()
         self._order_changes = sync.order_changes
         self.mirror.apply(sync)
+        self._applied = sync.changes
+        return True
 
     def table(self, head: dict[str, Any], max_waiting: int, now: float) -> RequestTable:
         return self.rows.joined(head, self.mirror, max_waiting, now)
 
-    def unpack(self, packed: list[Any]) -> RequestTable:
-        """The table `pack_rows` packed: its queue changes applied here, then joined."""
+    def unpack(self, packed: list[Any]) -> RequestTable | None:
+        """The table `pack_rows` packed: its queue changes applied here, then joined; None
+        when they do not apply (`apply`)."""
         head_ids, flat, max_waiting, now, sync = packed
-        full, slots, records, ids, removed, num_live, order_changes, high = sync
-        self.apply(QueueSync(full, slots, np.frombuffer(records, STAY_DTYPE, len(slots)), ids,
-                             removed, num_live, order_changes, high))
+        full, base, changes, slots, records, ids, removed, num_live, order_changes, high = sync
+        if not self.apply(QueueSync(full, base, changes, slots,
+                                    np.frombuffer(records, STAY_DTYPE, len(slots)), ids, removed,
+                                    num_live, order_changes, high)):
+            return None
         return self.table(head_columns((head_ids, flat), now), max_waiting, now)
 
 
@@ -160,5 +186,5 @@ def pack_rows(rows: QueueRows, sender: SyncSender) -> list[Any]:
     many waiting rows and when, and the queue's changes since ``sender``'s last sync."""
     sync = sender.sync(rows.queue)
     return [rows.head[0], rows.head[1], rows.max_waiting, rows.now,
-            [sync.full, sync.slots, sync.records.tobytes(), sync.ids, sync.removed,
-             sync.num_live, sync.order_changes, sync.high]]
+            [sync.full, sync.base, sync.changes, sync.slots, sync.records.tobytes(), sync.ids,
+             sync.removed, sync.num_live, sync.order_changes, sync.high]]

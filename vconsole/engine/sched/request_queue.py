@@ -53,7 +53,7 @@ STAY_DTYPE = np.dtype([("counter", np.int64), ("key", np.float64), ("seq", np.in
                        ("num_prompt_tokens", np.int32), ("num_output_tokens", np.int32),
                        ("compile_ms", np.float32), ("started", np.uint8), ("state", np.uint8),
                        ("constraint", np.uint8)])
-MAX_WRITE_LOG = 1 << 14   # slots logged since the oldest reader's mark, at least
+MAX_WRITE_LOG = 1 << 14   # writes logged: a reader further behind reads every slot
 
 
 class StayColumns:
@@ -94,10 +94,13 @@ class StayColumns:
 
     def _wrote(self, slot: int) -> None:
         self.changes += 1
-        self.log.append(slot)
-        if len(self.log) > max(MAX_WRITE_LOG, 2 * self.high):
-            self.log_base += len(self.log)
-            self.log = []
+        log = self.log
+        log.append(slot)
+        cap = max(MAX_WRITE_LOG, 2 * self.high)
+        if len(log) > cap:                    # keep the newer half: a reader near the end
+            drop = len(log) - cap // 2        # still reads only what it missed
+            del log[:drop]
+            self.log_base += drop
 
     def put(self, entry: tuple[tuple[float, ...], int, Request]) -> int:
         if self.free:

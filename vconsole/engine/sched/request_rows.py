@@ -217,7 +217,7 @@ class WaitingRows:
     def _drop(self, ids: list[str]) -> None:
         """Forget the cached rows of ``ids`` (they left the queue: admitted, aborted, expired;
         mostly from its front, so each is found near the start). The block is never changed in
-        place: the front rows are skipped, other rows make a new block (`WaitingBlock.derive`)."""
+        place: the front rows are skipped, other rows make a new block (`WaitingBlock.without`)."""
         if not ids:
             return
         block, skip = self._block, self._skip

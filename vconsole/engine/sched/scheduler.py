@@ -628,7 +628,7 @@ class Scheduler:
     def rebuild_telemetry(self, part: str) -> None:
         """Drop the caches of ``part`` after it failed (`TelemetryGuard`): the next snapshot
         builds them from the truth (the queue, the running list, the block pool). Latency
-        starts over: its windows and histograms cannot be recounted from anything."""
+        drops the observations not yet handed over (the publisher keeps the histograms)."""
         if part == "sched":
             self._waiting_rows = WaitingRows(self._waiting_rows.refresh_s)
         elif part == "kv":

@@ -14,7 +14,9 @@ default: ``max_num_seqs`` running, the rest waiting; more than 10,000 are still 
   subscriber in another process (`python -m vconsole.telemetry.subscriber`) is connected and
   decodes every message.
 * **off**: nothing is fed, and the publisher process is stopped (SIGSTOP): to the engine, as if
-  telemetry did not exist. One publisher process serves a whole run (continued with SIGCONT for
+  there were no publisher (what the scheduler records inside a step — latency observations,
+  the queue's write log — it records in both modes: the ratio does not see it; it is O(1) per
+  token or write, and the feed then hands over what both modes recorded). One publisher process serves a whole run (continued with SIGCONT for
   each on round); its first snapshot (the whole waiting queue for the process's mirror, once in
   an engine's life) is taken before the first round (`_Telemetry.prime`).
 
