@@ -16,7 +16,11 @@ went (`sent`); a refused send leaves it where it was, so the next sync carries a
 a process that restarted gets everything (`reset`). A sync marked ``full`` (the first, after a
 reset, or when the removal log no longer reaches back) makes the mirror and its cached rows
 start over. A policy change re-keys every stay (all slots go) and the cached rows re-read the
-order, as `Scheduler.set_policy` makes the engine's own.
+order, as `Scheduler.set_policy` makes the engine's own. Each sync names the write number it
+starts from (``base``) and the one it brings the mirror to: the mirror applies only the sync
+that starts where it stands; one that does not (lost on the way, a hand-off that failed half
+applied) is refused, and the publisher process asks the engine for the whole queue
+(``resync``, `vconsole.engine.publish.publisher_child`).
 
 Invariant: after `apply` of every sync in order, the mirror's live slots, their columns and its
 removal log (from the first full sync on) equal the queue's, so `MirroredTable.table` is the
