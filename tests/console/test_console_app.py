@@ -19,6 +19,7 @@ from support.console_testing import (
 )
 from support.synthetic import generate
 from vconsole.console.changes import APPLIED, INVALID, RESTART
+from vconsole.console.pacer import RefreshPacer
 from vconsole.console.palette import ConsoleCommands
 from vconsole.console.requests_view import sort_rows
 from vconsole.console.screens.config import ConfigScreen
@@ -434,6 +435,10 @@ async def test_a_snapshot_is_shown_when_it_arrives_and_a_burst_beyond_the_budget
     recs = list(generate(duration_s=1))
     end = recs[-1][0]
     app = replay_app(records=recs)                  # 10 Hz: a period of 0.1 s
+    # The pacer's clock stands still: its budget is spent by arrivals only (a loaded machine
+    # that is slow between two arrivals cannot refill it), and its age tick never comes due
+    # after the first refresh, so only a wake-up can show a snapshot.
+    app.pacer = RefreshPacer(app.pacer.rate_hz, clock=lambda: 1000.0)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("2")
         table = app.screen.query_one(RequestTable)
@@ -452,7 +457,7 @@ async def test_a_snapshot_is_shown_when_it_arrives_and_a_burst_beyond_the_budget
         await pilot.pause()
         assert app.refreshes == before + 1 and [r["id"] for r in table.rows] == ["first"]
         seq = 50_001
-        while app._wake_timer is None and seq < 50_100:   # arrivals far above 10 a second
+        while app._wake_timer is None and seq < 50_010:   # the burst of two, then held
             seq += 1
             await asyncio.to_thread(arrive, f"r{seq}", seq)
             await pilot.pause()

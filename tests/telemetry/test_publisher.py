@@ -286,40 +286,50 @@ def test_last_state_is_refreshed_for_a_late_subscriber(ctx, make_pub):
 
 
 def test_engine_side_calls_never_wait_on_subscribers(ctx, make_pub):
+    """A subscriber that is connected and never reads, with one-message queues on both sides:
+    an engine-side call that waited on it would wait forever. 20,000 steps and 200 snapshots
+    of 2,000 rows end within a bound of seconds (no timing of the calls themselves: a loaded
+    machine stalls a process now and then), and the publisher still serves others."""
     pub = make_pub(zmq_sndhwm=1, telemetry_hz=100.0)
     stuck = subscribe(ctx, pub, hwm=1)  # connected, never reads
-    time.sleep(0.2)
+    assert collect(stuck, 3, until=lambda ms: len(ms) >= 1)   # its queue is full from here
     sched, kv = snapshot(n_rows=2000, num_blocks=1 << 20)
-    worst_submit = 0.0
-    t0 = time.perf_counter()
-    for i in range(20_000):
-        pub.record_step(step())
-        if i % 100 == 0:
-            ts = time.perf_counter()
-            pub.submit_snapshot(sched, kv, "running", i)
-            worst_submit = max(worst_submit, time.perf_counter() - ts)
-    per_step = (time.perf_counter() - t0) / 20_000
-    # Bounds far above the real cost (a few µs a step, a ms or two a snapshot) and far below
-    # a wait on the stuck subscriber (which would last until the test's end): a loaded
-    # 2-core machine stalls this process for 10-20 ms now and then.
-    assert per_step < 100e-6, per_step
-    assert worst_submit < 0.1, worst_submit
-    # The publisher thread is not wedged either: a fresh subscriber still gets heartbeats.
+    failed: list[BaseException] = []
+
+    def engine_side() -> None:
+        try:
+            for i in range(20_000):
+                pub.record_step(step())
+                if i % 100 == 0:
+                    pub.submit_snapshot(sched, kv, "running", i)
+        except BaseException as e:
+            failed.append(e)
+
+    caller = threading.Thread(target=engine_side, daemon=True)
+    caller.start()
+    caller.join(60.0)
+    assert not caller.is_alive(), "an engine-side call is waiting on the stuck subscriber"
+    assert not failed, failed
+    # The publisher side is not wedged either: a fresh subscriber gets heartbeats and the last
+    # step count, although the stuck one still holds its full queue.
     fresh = subscribe(ctx, pub, topics=(b"health",))
-    assert collect(fresh, 3, until=lambda ms: len(ms) >= 2)
+    got = collect(fresh, 5, until=lambda ms: any(m.payload["steps"] == 20_000 for m in ms))
+    assert any(m.payload["steps"] == 20_000 for m in got), [m.payload["steps"] for m in got]
     stuck.close()
     fresh.close()
 
 
-def test_record_step_is_cheap_with_nobody_listening(make_pub):
+def test_record_step_with_nobody_listening_never_waits(make_pub):
+    """With nobody listening, 50,000 steps end within a bound of seconds (a list append and a
+    16-byte write each; a wait on a missing subscriber would never end) and are all counted."""
     pub = make_pub()
     s = step()
-    t0 = time.perf_counter()
-    for _ in range(50_000):
-        pub.record_step(s)
-    # A list append and a 16-byte write: microseconds; a loaded machine stalls a process
-    # for milliseconds now and then, so the bound is loose (a send per step would be ~ms).
-    assert (time.perf_counter() - t0) / 50_000 < 100e-6
+    caller = threading.Thread(target=lambda: [pub.record_step(s) for _ in range(50_000)],
+                              daemon=True)
+    caller.start()
+    caller.join(60.0)
+    assert not caller.is_alive()
+    assert pub.steps_recorded == 50_000
 
 
 def test_hot_config_update_changes_row_cap_and_thresholds(ctx, make_pub):

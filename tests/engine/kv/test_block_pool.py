@@ -3,7 +3,6 @@
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -189,8 +188,10 @@ def test_randomized_operations_keep_every_invariant():
 def test_state_snapshot_is_cheap_at_a_million_blocks():
     pool = BlockPool(1 << 20, 16)
     pool.get_new_blocks(1000)
-    t = time.perf_counter()
-    snap = pool.block_states.copy()
-    assert time.perf_counter() - t < 0.05
-    assert snap.dtype == np.uint8 and snap.shape == (1 << 20,)
+    states = pool.block_states
+    # Cheap by its form, not by a stopwatch: one contiguous byte per block, copied as memory
+    # (no Python object per block to build or walk).
+    assert isinstance(states, np.ndarray) and states.flags.c_contiguous
+    snap = states.copy()
+    assert snap.dtype == np.uint8 and snap.shape == (1 << 20,) and snap.nbytes == 1 << 20
     assert int((snap == BLOCK_USED).sum()) == 1000
