@@ -688,7 +688,7 @@ def test_shutdown_does_not_hang_when_the_publisher_process_does_not_stop(tmp_pat
     assert proc.ctx.closed
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_zero(engine):
+def test_sigterm_aborts_in_flight_requests_says_so_and_exits_zero(engine):
     key_file = engine.control_key_file
     assert key_file.exists()
     c = client(engine)
@@ -702,6 +702,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(engine):
     engine.child.wait(20)
     assert engine.child.returncode == 0
     log = engine.log_text()
-    assert "SIGTERM: draining" in log and "engine stopped (SIGTERM)" in log
+    assert "SIGTERM: stopping" in log and "engine stopped (SIGTERM)" in log
+    # A stop is not a drain, and the log says what became of the request in flight.
+    assert "stopping with 1 request(s) in flight: each ends with finish_reason 'abort'" in log
     assert not key_file.exists(), "the control key file outlived a clean shutdown"
     assert not engine.ready_path.exists(), "the ready file outlived a clean shutdown"

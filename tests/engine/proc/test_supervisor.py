@@ -192,7 +192,7 @@ def test_a_killed_engine_is_restarted_on_the_same_endpoints_and_telemetry_says_s
 
 @pytest.mark.proc
 @pytest.mark.slow
-def test_sigterm_to_the_supervisor_drains_the_engine_and_leaves_no_process(tmp_path):
+def test_sigterm_to_the_supervisor_stops_the_engine_and_leaves_no_process(tmp_path):
     engine = EngineProcess(ENGINE_ARGS, log_path=tmp_path / "engine.log")
     with engine:
         child = child_of(engine)
@@ -202,11 +202,11 @@ def test_sigterm_to_the_supervisor_drains_the_engine_and_leaves_no_process(tmp_p
             first_token(client, rid)
             os.kill(engine.pid, signal.SIGTERM)     # the supervisor alone, not its group
             done = client.gather([rid], timeout_s=60)[rid]
-        assert done.finish_reason == "abort", "a drain answers the request in flight"
+        assert done.finish_reason == "abort", "a stop answers the request in flight"
         assert engine.child.wait(60) == 0
         assert_gone(child)
         assert not engine.ready_path.exists()
-        assert "draining" in engine.log_text() and "died" not in engine.log_text()
+        assert "SIGTERM: stopping" in engine.log_text() and "died" not in engine.log_text()
 
 
 @pytest.mark.long   # make test-long: giving up is RestartPolicy's, tested above; a live restart is the

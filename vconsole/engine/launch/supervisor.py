@@ -34,11 +34,11 @@ load would fail the same way every time); it exits with the child's code. Each e
 once: a child that knows why it cannot go on writes the reason to its failure file instead of
 stderr, and the supervisor's last line carries it.
 
-Signals: SIGTERM and SIGINT are passed on to the child, which drains and exits 0; the supervisor
+Signals: SIGTERM and SIGINT are passed on to the child, which stops (aborting what is in flight) and exits 0; the supervisor
 then exits 0 and starts nothing. A second one kills the child (SIGKILL). SIGHUP is passed on
 (the child reloads ``--config``). The child shares the supervisor's process group, so a
 launcher that signals the group (`vconsole.engine.launch.engine_process.EngineProcess`) reaches
-both: a supervised child drains on the first SIGTERM/SIGINT and ignores repeats, leaving
+both: a supervised child stops on the first SIGTERM/SIGINT and ignores repeats, leaving
 escalation to the supervisor. The child also gets SIGTERM if the supervisor dies (Linux ``PR_SET_PDEATHSIG``).
 
 Ready file: the child writes its record to a private path; the supervisor republishes it at

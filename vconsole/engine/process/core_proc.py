@@ -384,12 +384,13 @@ class EngineCoreProc:
             case inputs.Wake():
                 pass        # a grammar is ready: the next step takes it
             case inputs.Shutdown(reason) if self._stopping is None:
-                log.info("%s: draining", reason)
+                log.info("%s: stopping", reason)
                 self._stopping = reason
         self._changed()
 
     def _shutdown(self) -> None:
-        """Stop taking requests, abort those in flight and deliver their final outputs, answer
+        """Stop taking requests, abort those in flight (not a drain: they are not finished
+        first) and deliver their final outputs (finish_reason ``abort``), answer
         any queued control call, then join every thread and close every socket."""
         self._set_state("draining")
         self.role.close()           # a rank's peers in a collective with it go uncoordinated
@@ -401,6 +402,10 @@ class EngineCoreProc:
         if self._watcher is not None:
             self._watcher.stop()
         self._drain_queue()
+        in_flight = len(self.intake.requests.engine_ids())
+        if in_flight:     # a stop is not a drain: what is in flight ends now, as aborted
+            log.warning("stopping with %d request(s) in flight: each ends with finish_reason "
+                        "'abort' (its client gets that final output)", in_flight)
         self.intake.abort_all()
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while self.core.has_unfinished_requests() and time.monotonic() < deadline:
