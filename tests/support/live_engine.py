@@ -143,6 +143,23 @@ def load_with_engine_killed(endpoints: dict[str, str], engine_pid: int,
                             load_args: list[str]) -> tuple[int, str, str]:
     """Run ``vconsole load`` against ``endpoints`` with ``load_args``, SIGKILL the engine once
     the load is being served, and return the load's (exit code, stdout, stderr)."""
+    return load_with_kill(endpoints, lambda: [engine_pid], load_args)
+
+
+def publisher_process_pid(engine_pid: int) -> int:
+    """The telemetry publisher process of the engine process ``engine_pid``."""
+    for child in psutil.Process(engine_pid).children():
+        if "vconsole.engine.publish.publisher_child" in " ".join(child.cmdline()):
+            return child.pid
+    raise AssertionError(f"engine {engine_pid} has no publisher process")
+
+
+def load_with_kill(endpoints: dict[str, str], victims: Callable[[], list[int]],
+                   load_args: list[str], *, after_steps: int = 20,
+                   timeout_s: float = 120.0) -> tuple[int, str, str]:
+    """Run ``vconsole load`` against ``endpoints`` with ``load_args``; once the engine has
+    stepped ``after_steps`` times under it, SIGKILL every pid ``victims()`` names; return the
+    load's (exit code, stdout, stderr) — killed, with code None, if it ran past ``timeout_s``."""
     import os
     import signal
     import subprocess
@@ -153,9 +170,14 @@ def load_with_engine_killed(endpoints: dict[str, str], engine_pid: int,
          endpoints["output"], *load_args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_steps(endpoints["telemetry"])
-        os.kill(engine_pid, signal.SIGKILL)
-        out, err = load.communicate(timeout=120)
+        wait_for_steps(endpoints["telemetry"], after_steps)
+        for pid in victims():
+            os.kill(pid, signal.SIGKILL)
+        out, err = load.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        load.kill()
+        out, err = load.communicate()
+        return None, out, err  # type: ignore[return-value]
     finally:
         if load.poll() is None:
             load.kill()

@@ -9,7 +9,12 @@ import threading
 import pytest
 import zmq
 
-from support.live_engine import ipc_endpoints, load_with_engine_killed
+from support.live_engine import (
+    ipc_endpoints,
+    load_with_engine_killed,
+    load_with_kill,
+    publisher_process_pid,
+)
 from vconsole.engine.client import protocol
 from vconsole.engine.client.client import ENGINE_UNREACHABLE, EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
@@ -96,3 +101,18 @@ def test_vconsole_load_exits_non_zero_when_its_engine_dies(tmp_path):
         assert ENGINE_UNREACHABLE in err and "stopped after" in err
     finally:
         engine.stop()
+
+
+def test_a_killed_publisher_process_never_touches_the_data_path(tmp_path):
+    """The telemetry publisher process is killed (-9) under a load of 32 concurrent requests,
+    beside the engine core's death above: the load never notices — every request completes,
+    exit 0 — and the engine restarts its publisher and says so."""
+    eps = ipc_endpoints(tmp_path)
+    with EngineProcess(["--model", "tiny", "--no-supervisor"], endpoints=eps) as engine:
+        code, out, err = load_with_kill(
+            eps, lambda: [publisher_process_pid(engine.pid)],
+            ["--num", "300", "--concurrency", "32", "--output-len", "20:40"])
+        assert code == 0, (code, out, err)
+        assert "300 completed" in out and "errors       none" in out, out
+        log = engine.log_text()
+        assert "the telemetry publisher process" in log and "died (killed by SIGKILL)" in log
