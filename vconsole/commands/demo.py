@@ -6,12 +6,16 @@ import argparse
 import sys
 
 from vconsole.commands import fail
+from vconsole.commands.demo_defaults import DEFAULT_BASE_PORT
+from vconsole.commands.flags import BASE_PORT_ENV
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.tools.demo import (
     DEMO_SETTINGS,
+    PORTS,
     DemoModel,
     DemoStack,
     demo_model,
+    free_base_port,
     prepare_model,
 )
 
@@ -51,9 +55,16 @@ def main(args: argparse.Namespace) -> int:
                                                 flush=True))
     except ValueError as e:
         return fail("demo", e)
+    wanted = args.base_port or DEFAULT_BASE_PORT     # --base-port, else $VCONSOLE_BASE_PORT
+    try:
+        base = free_base_port(wanted)
+    except ValueError as e:
+        return fail("demo", e, 2)
+    for line in port_lines(wanted, base):
+        print(line, file=sys.stderr, flush=True)
     stack = DemoStack(engine_args_from(args, model),
                       rate=args.rate if args.rate is not None else model.rate,
-                      base_port=args.base_port,
+                      base_port=base,
                       on_phase=lambda phase: print(f"vconsole demo: the engine is {phase}, "
                                                    "about 20-40 s ...", file=sys.stderr,
                                                    flush=True))
@@ -67,7 +78,8 @@ def main(args: argparse.Namespace) -> int:
         app = VConsoleApp(telemetry_endpoints=[stack.endpoints["telemetry"]],
                           control_endpoint=stack.endpoints["control"],
                           control_key=stack.engine.control_key(),
-                          control_key_file=stack.engine.control_key_file)
+                          control_key_file=stack.engine.control_key_file,
+                          engine_address=f"127.0.0.1:{base}")
         if stack.load is not None:     # its errors on screen, not only after the fact
             stack.load.on_error = lambda e: app.state.note_error(f"load generator: {e}")
         app.run()
@@ -76,10 +88,29 @@ def main(args: argparse.Namespace) -> int:
         line, code = closing_line(stack.engine)
         print(f"vconsole demo: {stack.summary().line()}", file=sys.stderr)
         print(f"vconsole demo: {line}", file=sys.stderr)
+        if base != DEFAULT_BASE_PORT:       # the lines before the console may be gone by now
+            print(f"vconsole demo: its engine was on {_ports(base)} "
+                  f"(export {BASE_PORT_ENV}={base})", file=sys.stderr)
     if stack.load is not None and stack.load.error is not None:
         print(f"vconsole demo: the load generator failed {stack.load.errors} time(s), last: "
               f"{stack.load.error!r}", file=sys.stderr)
     return code
+
+
+def port_lines(wanted: int, base: int) -> list[str]:
+    """Where the demo's engine listens, said before the console takes the screen: on the
+    default ports every other command finds it; elsewhere, the line that points another
+    shell's commands there."""
+    if base == wanted == DEFAULT_BASE_PORT:
+        return [f"vconsole demo: the engine listens on the default ports, {_ports(base)}"]
+    where = (f"{_ports(wanted)} is in use: the engine listens on {_ports(base)}"
+             if base != wanted else f"the engine listens on {_ports(base)}")
+    return [f"vconsole demo: {where}", "vconsole demo: in another shell, before vconsole get, "
+            "set, top or attach:", f"    export {BASE_PORT_ENV}={base}"]
+
+
+def _ports(base: int) -> str:
+    return f"127.0.0.1:{base}-{base + PORTS - 1}"
 
 
 def closing_line(engine: EngineProcess) -> tuple[str, int]:

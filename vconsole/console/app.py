@@ -108,7 +108,9 @@ class VConsoleApp(App[None]):
                  refresh_hz: float = 10.0, record_dir: str | Path | None = None,
                  control_timeout_s: float = 3.0, clock: Callable[[], float] | None = None,
                  control_key: str | None = None, control_key_file: str | Path | None = None,
-                 curve: ClientCurve | None = None) -> None:
+                 curve: ClientCurve | None = None, engine_address: str = "") -> None:
+        """``engine_address``: where the engine is, as the header shows it (the demo's
+        ``127.0.0.1:BASE``: what another shell's ``$VCONSOLE_BASE_PORT`` must name)."""
         super().__init__()
         self.state = ConsoleState()
         endpoints = list(telemetry_endpoints or [])
@@ -118,6 +120,7 @@ class VConsoleApp(App[None]):
             source = ZmqSource(endpoints, curve=curve)
         self.source = source
         self.endpoints = endpoints
+        self.engine_address = engine_address
         self.steering = Steering.connect(
             self.state, control_endpoint=control_endpoint, control=control, readonly=readonly,
             source_readonly=source.readonly_reason if source.readonly else "",
@@ -197,7 +200,7 @@ class VConsoleApp(App[None]):
     def frame(self, mode: str) -> Frame:
         return Frame.build(self.state, mode, self.selected_engine, self.source,
                            paused=self.paused, readonly_reason=self.readonly_reason,
-                           endpoints=" ".join(self.endpoints))
+                           endpoints=" ".join(self.endpoints), address=self.engine_address)
 
     def active_console_screen(self) -> ConsoleScreen | None:
         for screen in reversed(self.screen_stack):

@@ -12,6 +12,10 @@ once by `prepare_model`, saying so, before the engine starts), else the random-w
 its pace, so its bursts fill the KV pool and preempt; on a real model the load sends text
 (`vconsole.tools.prompts`) and the engine publishes request text for the console's detail pane.
 
+Where (`free_base_port`): the base port asked for (``--base-port``, ``$VCONSOLE_BASE_PORT``,
+else the default 5570, where every other command looks) when its four ports are free, else the
+next free block of four, which `vconsole.commands.demo` names in an ``export`` line.
+
 When it closes, `summary` gives what the run did, in true figures: the requests the load
 generator sent and how each ended, the output tokens it received (its own run record), and
 the engine's preemptions and restarts (the engine's ``sched`` telemetry, summed over every engine
@@ -25,6 +29,7 @@ time).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,8 +37,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vconsole.commands.demo_defaults import (  # noqa: F401  (re-exported: the benchmarks' names)
+    DEFAULT_BASE_PORT,
+    DEMO_ENGINE_ARGS,
+    DEMO_ENGINE_DEFAULTS,
+    DEMO_RATE,
+    REAL_ENGINE_DEFAULTS,
+    REAL_POOL_BYTES,
+    REAL_RATE,
+)
 from vconsole.engine.config_source import load_toml
 from vconsole.engine.launch.engine_process import (
+    ENDPOINT_NAMES,
     EngineProcess,
     engine_env_beside_clients,
     loopback_endpoints,
@@ -52,28 +67,35 @@ from vconsole.telemetry.listener import TelemetryListener
 from vconsole.telemetry.schema import TelemetryMessage
 from vconsole.tools.loadgen import LoadThread, demo_rate, demo_spec
 
-# The demo's engine on the random-weight tiny model: small enough that bursts fill the KV pool
-# and preempt (80 blocks: with the engine's own forward, 128 drained too fast to ever preempt),
-# with priorities to show (`vconsole bench soak` runs the same).
-DEMO_ENGINE_DEFAULTS: dict[str, int | str] = {"num_kv_blocks": 80, "max_num_seqs": 16,
-                                              "policy": "hybrid"}
-DEMO_ENGINE_ARGS = [arg for key, value in DEMO_ENGINE_DEFAULTS.items()
-                    for arg in (f"--{key.replace('_', '-')}", str(value))]
-DEMO_RATE = 8.0
-# On a real model (SmolLM2-135M: ~30x tiny's cost per token, ~120 tokens/s decoding on one
-# core): a rate its bursts outrun, a pool that a burst's answers outgrow, and a token budget
-# that keeps a step with a prefill chunk near a quarter of a second. The pool is a byte budget,
-# 64 float32 blocks of SmolLM2 (64 x 16 tokens x 46,080 bytes), so that `vconsole demo
-# --kv-cache-dtype int8` shows what the same memory holds quantized (240 blocks: no
-# preemptions where float32 has a dozen a minute, docs/kv-memory.md).
-REAL_POOL_BYTES = 64 * 16 * 46_080
-REAL_ENGINE_DEFAULTS: dict[str, int | str] = {"kv_cache_memory_bytes": REAL_POOL_BYTES,
-                                              "max_num_seqs": 12,
-                                              "max_num_batched_tokens": 128,
-                                              "policy": "hybrid"}
-REAL_RATE = 0.8
 # Request rows carry their prompt head and output tail to the console's detail pane.
 DEMO_SETTINGS = ("publish_request_text=true",)
+PORTS = len(ENDPOINT_NAMES)         # input, output, telemetry, control: base .. base + 3
+
+
+def free_base_port(wanted: int, *, blocks: int = 64) -> int:
+    """``wanted`` when its four loopback ports are free, else the first free block of four
+    above it (a second demo beside a first lands on 5574-5577), so that one
+    ``$VCONSOLE_BASE_PORT`` finds the engine. ValueError when none of ``blocks`` blocks is
+    free. A port is free when it can be bound as the engine's ZeroMQ sockets bind it (with
+    ``SO_REUSEADDR``: a port left in TIME_WAIT by an engine that just stopped is free)."""
+    if not 1 <= wanted <= 65536 - PORTS:
+        raise ValueError(f"base port {wanted} is not in 1-{65536 - PORTS}")
+    bases = range(wanted, min(wanted + blocks * PORTS, 65537 - PORTS), PORTS)
+    for base in bases:
+        if all(_port_free(port) for port in range(base, base + PORTS)):
+            return base
+    raise ValueError(f"no four free consecutive ports on 127.0.0.1 from {wanted} to "
+                     f"{bases[-1] + PORTS - 1}; give another --base-port")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
-from vconsole.console.keymap import DP_SCREEN, LETTER_SCREENS, SCREENS
+from vconsole.console.keymap import DP_SCREEN, LETTER_SCREENS, SCREENS, TOOL_SCREENS
 from vconsole.console.state import STALE_INTERVALS, ConsoleState, EngineState
 from vconsole.engine.kernel_cache import COMPILING, build_in_progress
 
@@ -40,6 +40,7 @@ class Frame:
     schema_error: str | None = None
     last_error: str | None = None
     endpoints: str = ""
+    address: str = ""         # where the engine is, when the app was told (the demo's base)
     dp_size: int = 0          # ranks in the watched data-parallel group; 0 for a lone engine
 
     @property
@@ -48,7 +49,7 @@ class Frame:
 
     @classmethod
     def build(cls, st: ConsoleState, mode: str, selected: str | None, source: Source, *,
-              paused: bool, readonly_reason: str, endpoints: str) -> Frame:
+              paused: bool, readonly_reason: str, endpoints: str, address: str = "") -> Frame:
         """The frame of one refresh (under the state's lock): the ``selected`` engine (a key;
         None: the first) as ``source`` feeds it."""
         now = st.now()
@@ -65,7 +66,8 @@ class Frame:
             recorded=source.recorded, schema_error=st.schema_problem(now),
             last_error=st.recent_error(now) or (
                 f"telemetry reader stopped: {source.error}" if source.error else None),
-            endpoints=endpoints, dp_size=st.dp_world_size(ranks) if ranks else 0)
+            endpoints=endpoints, address=address,
+            dp_size=st.dp_world_size(ranks) if ranks else 0)
 
 
 STATUS_STYLE = {"running": "$success", "idle": "$accent", "draining": "$warning",
@@ -73,7 +75,9 @@ STATUS_STYLE = {"running": "$success", "idle": "$accent", "draining": "$warning"
 
 
 class TabBar(Static):
-    """``vconsole  1 Overview 2 Requests …`` on the left, engine status and flags on the right."""
+    """``vconsole  1 Overview 2 Requests …`` on the left; flags, the engine's name and address
+    and its status on the right. Where the width runs out, tab titles shrink to keys first,
+    then the name goes (the Overview's summary line names it too), then the address."""
 
     def show(self, frame: Frame) -> None:
         width = self.content_size.width or 80
@@ -107,8 +111,9 @@ class TabBar(Static):
             hb_text = "hb " + (fmt.duration(hb) if hb is not None else "–")
             status = [f"[{STATUS_STYLE.get(frame.status, '')}]● {frame.status}[/]",
                       f"[{hb_style}]{hb_text}[/]" if hb_style else hb_text]
-        rights = [" ".join(flags + name + status), " ".join(flags + status),
-                  " ".join(flags[:2] + status)]
+        where = [f"[$text-muted]{fmt.escape(frame.address)}[/]"] if frame.address else []
+        rights = [" ".join(flags + name + where + status), " ".join(flags + where + status),
+                  " ".join(flags + status), " ".join(flags[:2] + status)]
         # The engine's name and status outrank tab titles: tabs shrink to keys first.
         for right in rights:
             for left in lefts:
@@ -126,7 +131,8 @@ class TabBar(Static):
         tabs = []
         screens = {**SCREENS, **DP_SCREEN} if dp or current in DP_SCREEN else SCREENS
         # Every screen has its tab, the lettered ones too: a screen nobody sees is never found.
-        for mode, (key, title) in {**screens, **LETTER_SCREENS}.items():
+        tools = {m: v for m, v in TOOL_SCREENS.items() if m == current}   # only while shown
+        for mode, (key, title) in {**screens, **LETTER_SCREENS, **tools}.items():
             text = f"{key} {title}" if full else (f"{key} {title}" if mode == current else key)
             tabs.append(f"[reverse b] {text} [/]" if mode == current
                         else f"[$text-muted] {text} [/]")
