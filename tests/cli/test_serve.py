@@ -85,7 +85,7 @@ def test_serve_starts_its_engine_answers_the_sdk_and_ctrl_c_stops_both(tmp_path:
     assert left == []                     # no engine process (supervisor or child) is left
 
 
-@pytest.mark.long   # make test-long: a dead engine's 503 and the restart are test_a_stream_fails_as_soon...
+@pytest.mark.long   # make test-long: a dead engine's 503 and the restart are test_a_dead_engine_fails_its_streams...
 @pytest.mark.proc
 def test_a_frozen_engine_turns_health_503_without_failing_the_stream_it_resumes(
         tmp_path: Path) -> None:
@@ -139,16 +139,44 @@ def stream_and_kill(port: int, engine: EngineProcess) -> tuple[list[str], float]
               if line.startswith("data: ")]
     return events, time.monotonic() - killed
 
+def refused_while_down(c: openai.OpenAI) -> list[tuple[str, int, float]]:
+    """Send a plain and a streamed request of each API while the engine is down: (what, HTTP
+    status, seconds to the answer) for each; a 200 is read to its end first."""
+    answers = []
+    for what, send in [
+        ("completion", lambda: c.completions.create(model="tiny", prompt="hi", max_tokens=3)),
+        ("completion stream", lambda: list(c.completions.create(
+            model="tiny", prompt="hi", max_tokens=3, stream=True))),
+        ("chat", lambda: c.chat.completions.create(model="tiny", max_tokens=3, messages=[
+            {"role": "user", "content": "hi"}])),
+        ("chat stream", lambda: list(c.chat.completions.create(
+            model="tiny", max_tokens=3, stream=True, messages=[
+                {"role": "user", "content": "hi"}])))]:
+        start = time.monotonic()
+        try:
+            send()
+            code = 200
+        except openai.APIStatusError as e:
+            code = e.status_code
+            assert "503 - engine unreachable: " in e.message, e.message
+        answers.append((what, code, time.monotonic() - start))
+    return answers
+
+
 @pytest.mark.proc
-def test_a_stream_fails_as_soon_as_its_engine_dies_not_after_ten_heartbeats(
+def test_a_dead_engine_fails_its_streams_and_every_new_request_with_503_at_once(
         tmp_path: Path) -> None:
     # The default heartbeat (1 s): ten silent heartbeats are 10 s, which is how long the
     # stream's error took before (10.1 s measured); the engine's closed connection says at once
     # that it died (under 0.1 s measured). The engine's failure is not the client's bad request:
     # the stream's error event says 503 (ServiceUnavailableError), as a plain request to a dead
-    # engine does, then [DONE]. The server serves again once the supervisor restarted it.
+    # engine does, then [DONE]. While the supervisor restarts the engine (/health 503), a new
+    # request is refused with a 503 status at once, a stream before its 200: before, a stream
+    # got 200 and an empty body after 10 s and a plain request its 503 after 10 s (the server's
+    # client waited for a handshake no engine answered), each with ~80 lines of traceback in
+    # the log. The server serves again once the supervisor restarted the engine.
     with EngineProcess(["--num-kv-blocks", "300", "--block-size", "8", "--restart-backoff",
-                        "0.5"], endpoints=ipc_endpoints(tmp_path)) as engine:
+                        "2"], endpoints=ipc_endpoints(tmp_path)) as engine:
         child, port, log = serve(tmp_path, "--engine-ready-file", str(engine.ready_path))
         try:
             wait_until(lambda: status(port) == 200, "the server never became healthy", log)
@@ -162,10 +190,13 @@ def test_a_stream_fails_as_soon_as_its_engine_dies_not_after_ten_heartbeats(
             # engine, by its ready file)
             wait_until(lambda: status(port) == 503, "/health stayed 200 with the engine dead",
                        log, timeout_s=60)
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                              max_retries=0, timeout=30)
+            answers = refused_while_down(c)
+            assert [code for _, code, _ in answers] == [503] * 4, answers
+            assert all(s < 3.0 for _, _, s in answers), answers
             wait_until(lambda: status(port) == 200, "/health never came back after the "
                        "supervisor restarted the engine", log, timeout_s=120)
-            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                              max_retries=0)
             r = c.completions.create(model="tiny", prompt="again", max_tokens=3)
             assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens == len("again")
             assert engine.read_restarts() == 1
@@ -174,6 +205,12 @@ def test_a_stream_fails_as_soon_as_its_engine_dies_not_after_ten_heartbeats(
             assert load == {"server_load": 0}            # the cut stream is not counted
         finally:
             child.stop(30, signal.SIGINT)
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    # one line each: the cut stream's (its access line says 200), the refusals' access lines
+    assert text.count("stream ended by a 503: engine unreachable") == 1, text[-3000:]
+    assert text.count('/v1/completions HTTP/1.1" 503') == 2, text[-3000:]
+    assert text.count('/v1/chat/completions HTTP/1.1" 503') == 2, text[-3000:]
 
 
 @pytest.mark.proc

@@ -436,6 +436,9 @@ class ScriptedEngine:
     def new_id(self, kind: str, given: str | None = None) -> str:
         return given or f"{kind}-1"
 
+    def check_reachable(self) -> None:
+        pass
+
     async def samples(self, request_id: str, prompt_token_ids: Sequence[int],
                       sampling: Sequence[dict[str, Any]], priority: int = 0, *,
                       stopped: set[int] | None = None

@@ -15,7 +15,10 @@ Every error of every route has OpenAI's body ``{"error": {"message", "type", "pa
 (the SDK raises with its message): a body that does not validate is a 400 whose ``param`` is the
 field's path (``messages.0.role``), not FastAPI's 422; a body that is not JSON a 400 saying so
 (``param`` null); an unknown route a 404 naming the routes there are; a wrong method a 405; a
-missing API key a 401; ``/health`` a 503 while the engine is down; anything unexpected a 500.
+missing API key a 401; ``/health`` a 503 while the engine is down, and so every generation
+request that comes then (before a stream's 200: `EngineLink.check_reachable`); anything
+unexpected a 500. A stream whose 200 is sent ends with its error as an event, then ``[DONE]``,
+whatever failed (`_stream_events`): never an empty or cut body.
 There is no ``/docs`` nor ``/openapi.json``: the API is OpenAI's (docs/serve.md lists what this
 server takes), and FastAPI's docs page would fetch its scripts from a CDN.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,7 +53,7 @@ from vconsole.entrypoints.openai.protocol import (
     TokenizeRequest,
     refusal,
 )
-from vconsole.entrypoints.openai.serving import OpenAIServing
+from vconsole.entrypoints.openai.serving import DONE, OpenAIServing, sse
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID = 200      # the engine takes ids up to 256 characters; room for a suffix
@@ -58,6 +62,7 @@ ENGINE_METRICS_TIMEOUT_S = 2.0
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 # pydantic's tags for the member of a union a value was tried against: not part of a field path
 UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
+log = logging.getLogger(__name__)
 HTTP_ERROR_KINDS = {401: "AuthenticationError", 404: "NotFoundError",
                     405: "MethodNotAllowedError", 413: "RequestTooLargeError",
                     415: "UnsupportedMediaTypeError", 503: "ServiceUnavailableError"}
@@ -204,7 +209,7 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
 
         async def events() -> AsyncIterator[str]:
             try:
-                async for event in result:
+                async for event in _stream_events(result, request.url.path):
                     yield event
             finally:
                 load["n"] -= 1
@@ -225,6 +230,25 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+async def _stream_events(events: AsyncIterator[str], path: str) -> AsyncIterator[str]:
+    """A stream's events; what escapes it once its 200 is sent becomes its last event (503 for
+    an engine that did not answer, 500 with one traceback in the log for anything else) and
+    ``[DONE]``: the status can no longer say it, and Starlette would only log it twice."""
+    try:
+        async for event in events:
+            yield event
+    except TimeoutError as e:
+        log.warning("POST %s: stream ended by a 503: the engine is unreachable: %s", path, e)
+        yield sse(BadRequest(f"the engine is unreachable: {e}", status=503,
+                             kind="ServiceUnavailableError").body())
+        yield DONE
+    except Exception as e:
+        log.exception("POST %s: stream ended by an internal error", path)
+        yield sse(BadRequest(f"POST {path}: internal error: {type(e).__name__}: {e}",
+                             status=500, kind="InternalServerError").body())
+        yield DONE
 
 
 def _error(status: int, message: str, headers: Any = None) -> JSONResponse:

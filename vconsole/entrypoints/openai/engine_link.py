@@ -10,7 +10,9 @@ that went away) aborts in the engine whatever is still running.
 ``connected``: the engine answered its handshake, its connection has not closed since (a killed
 engine's does at once: requests in flight fail that moment, see `AsyncEngineClient`) and it has
 not gone silent (ten heartbeats: an engine alive but stopped). Once not connected, the server
-shakes hands again (``_keep_connected``) with the engine the supervisor restarts. ``healthy``
+shakes hands again (``_keep_connected``) with the engine the supervisor restarts; until then
+every new request is refused at once with a 503 (`check_reachable`, before a stream's headers
+go out), never left to wait for that handshake. ``healthy``
 (``GET /health``) is stricter: also heard within the last three heartbeats, the rule by which
 the console shows ENGINE DOWN. ``in_flight``: engine requests running
 for HTTP clients (``GET /load``).
@@ -53,11 +55,25 @@ class EngineLink:
         self.in_flight = 0
         self._live: set[str] = set()      # engine ids of the samples running now
         self._ids = itertools.count()
+        self._info: dict[str, Any] = {}
 
     @property
     def info(self) -> dict[str, Any]:
-        """What the engine said at its handshake (vocab_size, max_model_len, model, ...)."""
-        return self.client.engine_info
+        """What the engine said at its last handshake (vocab_size, max_model_len, model, ...),
+        kept while it restarts (the client forgets it at a disconnect)."""
+        if self.client.engine_info:
+            self._info = self.client.engine_info
+        return self._info
+
+    def check_reachable(self) -> None:
+        """`BadRequest` 503 unless the engine is connected now: a request it cannot reach is
+        refused at once, not after a handshake's timeout (the server is already shaking hands
+        again in the background, ``_keep_connected``)."""
+        if not self.client.connected:
+            raise BadRequest(f"{ENGINE_UNREACHABLE}: no engine is connected at "
+                             f"{self.client.input_endpoint} (it stopped, died or is restarting; "
+                             "GET /health says 200 once it is back)", status=503,
+                             kind="ServiceUnavailableError")
 
     @property
     def connected(self) -> bool:
@@ -98,6 +114,7 @@ class EngineLink:
         ids: list[str] = []
         try:
             for i, params in enumerate(sampling):
+                self.check_reachable()      # it may have died since the request came in
                 sample_id = request_id if len(sampling) == 1 else f"{request_id}-{i}"
                 self._live.add(sample_id)
                 ids.append(sample_id)

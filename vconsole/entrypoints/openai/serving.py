@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,10 +64,18 @@ from vconsole.entrypoints.openai.tool_calls import (
 from vconsole.entrypoints.openai.tools import ToolPlan, plan_tools, takes_tools, template_messages
 
 DONE = "data: [DONE]\n\n"
+log = logging.getLogger(__name__)
 
 
 def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def stream_error(request_id: str, e: BadRequest) -> str:
+    """The error event that ends a stream whose 200 is already sent, and its one log line
+    (the access log says 200 for it)."""
+    log.warning("%s: stream ended by a %d: %s", request_id, e.status, e)
+    return sse(e.body())
 
 
 @dataclass
@@ -221,6 +230,7 @@ class OpenAIServing:
             else:
                 prompts.append((None, self._check_ids(prompt)))
         max_tokens = [self._max_tokens(ids, req.max_tokens) for _, ids in prompts]
+        self.engine.check_reachable()       # a stream's 503 too must come before its 200
         rid = self.engine.new_id("cmpl", request_id)
         if req.stream:
             return self._stream_completion(req, rid, _response_id("cmpl", rid, request_id),
@@ -278,7 +288,7 @@ class OpenAIServing:
             if req.include_usage():
                 yield out.usage()
         except BadRequest as e:
-            yield sse(e.body())
+            yield stream_error(rid, e)
         yield DONE
 
     # --- chat ----------------------------------------------------------------------------------
@@ -294,6 +304,7 @@ class OpenAIServing:
                                continue_final_message=req.continue_final_message,
                                kwargs=req.chat_template_kwargs, tools=plan)
         limit = self._max_tokens(ids, req.requested_max_tokens())
+        self.engine.check_reachable()       # a stream's 503 too must come before its 200
         rid = self.engine.new_id("chatcmpl", request_id)
         if req.stream:
             return self._stream_chat(req, rid, _response_id("chatcmpl", rid, request_id), ids,
@@ -343,7 +354,7 @@ class OpenAIServing:
             if req.include_usage():
                 yield out.usage()
         except BadRequest as e:
-            yield sse(e.body())
+            yield stream_error(rid, e)
         yield DONE
 
     def _tool_chunks(self, req: ChatCompletionRequest, out: _Chunks, c: Choice, delta: str,
