@@ -16,6 +16,7 @@ from support.live_engine import ipc_endpoints
 from vconsole.cli import main as cli_main
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.telemetry.request_trace import read_trace
+from vconsole.whatif.predict import LABELS, pct, tolerance
 
 pytestmark = pytest.mark.proc
 
@@ -92,13 +93,43 @@ def test_whatif_predicts_and_validate_runs_the_real_engine(live_trace, capsys):
     assert abs(base["validation_error"]["output_tok_s"]) < 1.0
 
 
-def test_the_table_fits_80_columns_and_names_each_variant(live_trace, capsys):
-    code, out, err = _run(["whatif", str(live_trace), "--set", "max_num_seqs=3",
-                           "--compare", "num_kv_blocks=20,policy=priority"], capsys)
+def test_the_table_names_its_columns_gives_units_changes_and_the_baselines_own_error(
+        live_trace, capsys):
+    argv = ["whatif", str(live_trace), "--set", "max_num_seqs=3", "--compare",
+            "num_kv_blocks=20,policy=priority"]
+    code, out, err = _run(argv, capsys)
     assert code == 0, err
-    assert max(len(line) for line in out.splitlines()) <= 80
-    assert "#1: max_num_seqs=3" in out and "#2: num_kv_blocks=20, policy=priority" in out
-    assert "TTFT p99 s" in out and "preemptions" in out
+    code, text, err = _run([*argv, "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(text)
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    # columns that say what they are; each variant named by its change, never "#1"
+    assert "observed" in out and "predicted now" in out and "now vs" in out
+    assert "max_num_seqs=3" in out and "num_kv_blocks=20," in out and "policy=priority" in out
+    assert "#1" not in out and not any("baseline" in ln for ln in lines if "observed" in ln)
+    rows = {}
+    for line in lines:
+        for k, label in (("ttft_p99_s", "TTFT p99"), ("itl_p50_s", "ITL p50"),
+                         ("kv_usage_peak", "KV peak, % pool"), ("kv_peak_blocks",
+                                                                "KV peak, blocks")):
+            if line.startswith(label):
+                rows.setdefault(k, line)
+    # units: times in s or ms, the KV peak as a share of the pool and in blocks of it
+    ttft = rows["ttft_p99_s"]
+    assert ttft.count(" s") + ttft.count(" ms") >= 3       # observed, now, the first variant
+    assert "%" in rows["kv_usage_peak"] and "/40" in rows["kv_peak_blocks"]
+    # the baseline's own error beside each figure, its change against predicted now, and a
+    # plain word for each figure the model misses by more than its stated error
+    base, variant = report["baseline"], report["variants"][0]
+    assert pct(base["error"]["ttft_p99_s"]) in rows["ttft_p99_s"]
+    assert pct(variant["change_rel"]["ttft_p99_s"]) in rows["ttft_p99_s"]
+    assert f"median error {tolerance(report['model']['rel_error'])} per step" in out
+    for k in base["rough"]:
+        assert f"treat predicted {LABELS[k]} as rough" in out
+    if not base["rough"]:
+        assert "!" not in out
+    assert report["variants"][1]["predicted"]["num_kv_blocks"] == 20
 
 
 def test_bad_input_is_refused_with_the_reason(live_trace, tmp_path, capsys):

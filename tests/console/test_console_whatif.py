@@ -11,6 +11,7 @@ milliseconds. The expected figures are computed by `WhatIf` directly on the same
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from functools import cache
@@ -21,14 +22,30 @@ from textual.widgets import Input, Static
 
 from support.console_testing import FakeControl, replay_app, until
 from support.synthetic import generate
-from vconsole.console.predictions import NO_CHANNEL, SHOWN, WhatIf, figure
+from vconsole.console.predictions import (
+    NO_CHANNEL,
+    READY,
+    SHOWN,
+    Prediction,
+    TraceInfo,
+    WhatIf,
+    change_pct,
+    figure,
+)
 from vconsole.console.screens.advice import AdviceScreen
 from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.whatif import WhatIfScreen
 from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.shared.config import EngineConfig
-from vconsole.telemetry.request_trace import RequestRecord, Trace, TraceHeader, trace_lines
+from vconsole.telemetry.request_trace import (
+    FIGURES,
+    RequestRecord,
+    Trace,
+    TraceHeader,
+    trace_lines,
+)
 from vconsole.whatif.cost_model import StepCostModel
+from vconsole.whatif.predict import pct
 from vconsole.whatif.simulate import simulate
 
 pytestmark = pytest.mark.slow
@@ -57,6 +74,22 @@ def trace_text(n: int = 80, rate: float = 40.0, seed: int = 1) -> str:
     served = simulate(Trace(header, reqs), CONFIG, BLOCKS, cost, max_model_len=2048,
                       vocab_size=256)
     return "".join(trace_lines(Trace(header, served.requests, served.steps)))
+
+
+@cache
+def late_trace_text() -> str:
+    """`trace_text` whose recorded first tokens (and finishes) came 0.5 s later than its steps
+    make them: "now" misses live TTFT by far more than the step-time model's error (none
+    here), as a trace recorded beside other work does; the gaps between tokens are the same."""
+    out = []
+    for line in trace_text().splitlines(keepends=True):
+        rec = json.loads(line)
+        if rec["kind"] == "request":
+            rec["first_token"] += 0.5
+            rec["finish"] += 0.5
+            line = json.dumps(rec) + "\n"
+        out.append(line)
+    return "".join(out)
 
 
 class TracingControl(FakeControl):
@@ -134,6 +167,23 @@ async def test_the_box_shows_predicting_at_once_then_before_and_after_for_max_nu
         assert box.query_one("#confirm").region.bottom <= 24
         await pilot.press("escape")
     assert sets(ctl) == [] and traces(ctl) == 1
+
+
+async def test_the_box_marks_a_figure_the_model_misses_on_the_live_traffic():
+    ctl = TracingControl(late_trace_text())
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = await ask_change(pilot, app, "max_num_seqs", "8")
+        await until(pilot, lambda: "predicted" in forecast(box))
+        shown = forecast(box)
+        want = expected({"max_num_seqs": 8}, late_trace_text())
+        assert "ttft_p99_s" in want.rough and "itl_p99_s" not in want.rough
+        ttft = next(ln for ln in shown.splitlines() if ln.strip().startswith("TTFT p99"))
+        itl = next(ln for ln in shown.splitlines() if ln.strip().startswith("ITL p99"))
+        assert f"{figure('ttft_p99_s', want.after['ttft_p99_s'])} !" in ttft and "!" not in itl
+        assert f"! {want.rough_line()}" in " ".join(shown.split())
+        assert box.query_one("#confirm").region.bottom <= 24
+        await pilot.press("escape")
 
 
 async def test_a_routine_change_of_a_modelled_key_is_confirmed_and_never_waits_for_the_prediction():
@@ -240,13 +290,15 @@ async def test_the_what_if_screen_edits_a_key_and_shows_live_now_and_with_the_ed
         screen = await open_whatif(pilot, app)
         assert screen.query_one("#wi-max_num_seqs", Input).value == "32"   # the live config
         assert [str(c.label) for c in screen.table.columns.values()] == [
-            "figure", "live", "now", "with edits", "change"]
+            "figure", "live", "now", "now vs live", "with edits", "change"]
         summary = text_of(screen.query_one("#wi-summary", Static))
         assert "80 requests over " in summary and "steps" in summary
         base = expected({})
-        assert cells(screen, "ttft_p99_s")[1:4] == [figure("ttft_p99_s", base.live["ttft_p99_s"]),
+        # this trace is the simulator's own: "now" reproduces live exactly, nothing is rough
+        assert cells(screen, "ttft_p99_s")[1:5] == [figure("ttft_p99_s", base.live["ttft_p99_s"]),
                                                     figure("ttft_p99_s", base.before["ttft_p99_s"]),
-                                                    "="]
+                                                    "0%", "="]
+        assert "rough" not in text_of(screen.query_one("#wi-note", Static))
         await pilot.press("e")
         box = screen.query_one("#wi-max_num_seqs", Input)
         assert box.has_focus
@@ -255,9 +307,16 @@ async def test_the_what_if_screen_edits_a_key_and_shows_live_now_and_with_the_ed
                     and screen.result.change == {"max_num_seqs": 8})
         want = expected({"max_num_seqs": 8})
         for key in ("output_tok_s", "ttft_p99_s", "preemptions"):
-            assert cells(screen, key)[1:4] == [figure(key, want.live[key]),
-                                               figure(key, want.before[key]),
-                                               figure(key, want.after[key])]
+            row = cells(screen, key)
+            assert [row[1], row[2], row[4]] == [figure(key, want.live[key]),
+                                                figure(key, want.before[key]),
+                                                figure(key, want.after[key])]
+            assert row[5] == change_pct(want.before[key], want.after[key])
+        # the KV peak as a share of the pool and in blocks
+        assert cells(screen, "kv_usage_peak")[1] == figure("kv_usage_peak",
+                                                           want.live["kv_usage_peak"])
+        assert cells(screen, "kv_peak_blocks")[1:3] == [
+            f"{want.live['kv_peak_blocks']}/{BLOCKS}", f"{want.before['kv_peak_blocks']}/{BLOCKS}"]
         assert "with edits max_num_seqs=8" in text_of(screen.query_one("#wi-note", Static))
         # the table and the note fit 80x24 above the footer
         assert screen.query_one("#wi-note").region.bottom <= 23
@@ -272,6 +331,64 @@ async def test_the_what_if_screen_edits_a_key_and_shows_live_now_and_with_the_ed
         await until(pilot, lambda: screen.result.ready and screen.result.change == {})
         assert traces(ctl) == 1                     # one fetch served every run
     assert sets(ctl) == []
+
+
+async def test_the_what_if_screen_shows_how_far_now_is_from_live_and_marks_rough_figures():
+    ctl = TracingControl(late_trace_text())
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_whatif(pilot, app)
+        await pilot.press("e", "end", "backspace", "backspace", "8", "enter")
+        await until(pilot, lambda: screen.result.ready and screen.result.change)
+        want = expected({"max_num_seqs": 8}, late_trace_text())
+        err = want.error
+        assert abs(err["ttft_p50_s"]) > 0.3 and "ttft_p50_s" in want.rough
+        ttft = cells(screen, "ttft_p50_s")
+        assert ttft[1] == figure("ttft_p50_s", want.live["ttft_p50_s"])
+        assert ttft[2] == f"{figure('ttft_p50_s', want.before['ttft_p50_s'])} !"
+        assert ttft[3] == pct(err["ttft_p50_s"])
+        assert ttft[4] == f"{figure('ttft_p50_s', want.after['ttft_p50_s'])} !"
+        itl = cells(screen, "itl_p50_s")          # the gaps were not moved: no mark
+        assert "!" not in itl[2] + itl[4] and itl[3] == pct(err["itl_p50_s"])
+        note = " ".join(text_of(screen.query_one("#wi-note", Static)).split())
+        assert "with edits max_num_seqs=8" in note
+        assert f"! {want.rough_line()}" in note
+        said = note.split("! ", 1)[1]
+        assert "TTFT p50" in said and "ITL" not in said and said.endswith("as rough")
+        assert screen.query_one("#wi-note").region.bottom <= 23
+
+
+def test_the_rough_line_names_the_figures_or_counts_them_when_they_are_many():
+    live = {k: 1.0 for k in FIGURES}
+    one = Prediction(READY, {}, before={**live, "ttft_p99_s": 1.68}, after=live, live=live,
+                     trace=TraceInfo(80, 400, 60.0, model_error=0.081))
+    assert one.rough == ["ttft_p99_s"] and one.error["ttft_p99_s"] == pytest.approx(0.68)
+    assert one.rough_line() == ("now misses live by more than the model's ±8.1% on TTFT p99: "
+                                "treat that prediction as rough")
+    every = Prediction(READY, {}, before={k: 2.0 for k in FIGURES}, after=live, live=live,
+                       trace=one.trace)
+    assert every.rough_line() == ("now misses live by more than the model's ±8.1% on 8 of 8 "
+                                  "figures (marked !): treat those predictions as rough")
+    unknown = Prediction(READY, {}, before=one.before, after=live, live=live,
+                         trace=TraceInfo(80, 400, 60.0))      # no fit error known: no claim
+    assert unknown.rough == [] and unknown.rough_line() == ""
+
+
+async def test_a_pool_sized_from_memory_shows_its_real_size_as_live():
+    ctl = TracingControl(trace_text(), config=EngineConfig(max_num_seqs=SEATS))
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_whatif(pilot, app)
+        eng = app.frame("whatif").engine
+        pool = eng.latest["kv"]["num_blocks"]
+        await until(pilot, lambda: "live " in text_of(screen.query_one("#wi-live-num_kv_blocks")))
+        label = text_of(screen.query_one("#wi-live-num_kv_blocks"))
+        assert label == f"live {pool} (sized from memory)"
+        assert screen.query_one("#wi-num_kv_blocks", Input).value == str(pool)
+        assert screen.edits() == {}                 # the real pool is no edit
+        await pilot.press("r")
+        await until(pilot, lambda: screen.result.ready)
+        assert screen.result.change == {}
 
 
 async def test_the_what_if_screens_apply_confirms_with_the_same_prediction():

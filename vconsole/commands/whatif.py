@@ -5,12 +5,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from typing import Any
 
 from vconsole.commands import fail
 from vconsole.telemetry.request_trace import FIGURES, TraceError, read_trace
 from vconsole.whatif.cost_model import TooLittleTraffic
-from vconsole.whatif.predict import parse_assignments, whatif
+from vconsole.whatif.predict import (
+    KV_BLOCKS,
+    ROW_LABELS,
+    ROWS,
+    change_rel,
+    parse_assignments,
+    pct,
+    rough_heading,
+    rough_note,
+    tolerance,
+    whatif,
+)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -52,53 +64,158 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-_LABELS = {"output_tok_s": "output tok/s", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s":
-           "TTFT p99 s", "itl_p50_s": "ITL p50 s", "itl_p99_s": "ITL p99 s", "e2e_p50_s":
-           "e2e p50 s", "preemptions": "preemptions", "kv_usage_peak": "KV peak"}
+WIDTH = 80              # the text report fits a terminal this wide
+GAP = "  "
+MARK = "!"              # beside a prediction of a figure the model misses on the baseline
 
 
-def _fmt(v: Any) -> str:
+def figure(key: str, fig: dict[str, Any]) -> str:
+    """One figure with its unit: ``372.5`` (the row says tok/s), ``45.8 ms``, ``1.28 s``,
+    ``5.2%`` (of the pool), ``424/8,192`` (blocks), ``-`` when unknown."""
+    v = fig.get(key)
+    if key == KV_BLOCKS:
+        pool = fig.get("num_kv_blocks")
+        return "-" if v is None else f"{v:,}/{pool:,}" if pool else f"{v:,}"
     if v is None:
         return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    if key == "output_tok_s":
+        return f"{v:,.1f}"
+    if key == "kv_usage_peak":
+        return f"{v:.1%}"
+    if key.endswith("_s"):
+        ms = v * 1000
+        if ms < 1000:
+            return f"{ms:.2f} ms" if ms < 10 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
+        return f"{v:.2f} s" if v < 10 else f"{v:.1f} s" if v < 100 else f"{v:,.0f} s"
+    return f"{v:,}"
+
+
+class _Column:
+    """A column of the table: header lines (bottom-aligned) over sub-columns of cells, each
+    right-aligned to its own width (a value, its change, its marker)."""
+
+    def __init__(self, head: str, parts: list[list[str]]) -> None:
+        self.parts = [p for p in parts if any(p)]
+        inner = self._inner()
+        self.head = textwrap.wrap(head, width=max(inner, 13), break_long_words=False,
+                                  break_on_hyphens=False)
+        self.width = max(inner, *(len(h) for h in self.head))
+
+    def _inner(self) -> int:
+        return sum(max(map(len, p)) for p in self.parts) + len(self.parts) - 1
+
+    def cell(self, row: int) -> str:
+        return " ".join(f"{p[row]:>{max(map(len, p))}}" for p in self.parts)
+
+
+def _table(labels: list[str], columns: list[_Column]) -> list[str]:
+    lw = max(map(len, labels))
+    height = max(len(c.head) for c in columns)
+    lines = []
+    for i in range(height):
+        heads = [(c.head[i - height + len(c.head)] if i >= height - len(c.head) else "")
+                 for c in columns]
+        lines.append(" " * lw + "".join(f"{GAP}{h:>{c.width}}" for h, c in zip(heads, columns,
+                                                                              strict=True)))
+    for r, label in enumerate(labels):
+        lines.append(f"{label:<{lw}}" + "".join(f"{GAP}{c.cell(r):>{c.width}}"
+                                               for c in columns))
+    return [line.rstrip() for line in lines]
+
+
+def _tables(labels: list[str], first: list[_Column], reference: _Column,
+            units: list[list[_Column]]) -> list[str]:
+    """``first`` then as many ``units`` (a variant's columns: kept together) as fit `WIDTH`;
+    the others in further tables, each beside ``reference`` (predicted now: what their
+    changes are against)."""
+    lw = max(map(len, labels))
+
+    def width(cols: list[_Column]) -> int:
+        return lw + sum(len(GAP) + c.width for c in cols)
+
+    lines: list[str] = []
+    group = list(first)
+    for unit in units:
+        if width(group + unit) > WIDTH and group != [reference]:
+            lines += _table(labels, group) + [""]
+            group = [reference]
+        group += unit
+    return lines + _table(labels, group)
+
+
+def _named(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items())
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """A table that fits 80 columns: one row per figure; columns observed, baseline and each
-    variant (#1, #2 ... named below); after --validate, each prediction is followed by the
-    real engine's figure in parentheses."""
-    base = report["baseline"]
-    cols: list[tuple[str, dict[str, Any], dict[str, Any] | None]] = []
-    if "observed" in base:
-        cols.append(("observed", base["observed"], None))
-    cols.append(("baseline", base["predicted"], base.get("validated")))
-    legend = []
-    for i, v in enumerate(report["variants"], 1):
-        cols.append((f"#{i}", v["predicted"], v.get("validated")))
-        legend.append(f"#{i}: " + ", ".join(f"{k}={val}" for k, val in v["set"].items()))
-    validated = any(c[2] is not None for c in cols)
-    width = 18 if validated else 10
+    """The what-if as an operator reads it, within 80 columns: a row per figure; columns
+    ``observed`` (the trace), ``predicted now`` (the trace's own config, simulated), ``now vs
+    observed`` (the model's error on this very trace), then ``predicted K=V`` per variant with
+    its change against predicted now. A prediction of a figure the model misses on the
+    baseline by more than its stated error carries `MARK`, and a line below says so. After
+    --validate, ``real engine`` columns: the real figure and the prediction's error on it."""
+    base, variants = report["baseline"], report["variants"]
+    model = report["model"]
+    flagged = set(base.get("rough", []))
+    obs = base.get("observed")
+    labels = [ROW_LABELS[k] for k in ROWS]
+
+    def marks() -> list[str]:
+        return [MARK if k in flagged else "" for k in ROWS]
+
+    def real(entry: dict[str, Any]) -> _Column | None:
+        """The real engine's figures beside the prediction they check (--validate)."""
+        if entry.get("validated") is None:
+            return None
+        err = entry.get("validation_error") or {}
+        return _Column("real engine", [
+            [figure(k, entry["validated"]) for k in ROWS],
+            [f"({pct(err.get(k))})" if k in FIGURES else "" for k in ROWS]])
+
+    now = _Column("predicted now", [[figure(k, base["predicted"]) for k in ROWS], marks()])
+    first: list[_Column] = []
+    if obs is not None:
+        first.append(_Column("observed", [[figure(k, obs) for k in ROWS]]))
+    first.append(now)
+    if obs is not None:
+        error = base.get("error") or {}
+        first.append(_Column("now vs observed", [[pct(error.get(k)) if k in FIGURES else ""
+                                                  for k in ROWS]]))
+    if (col := real(base)) is not None:
+        first.append(col)
+    units: list[list[_Column]] = []
+    for v in variants:
+        change = change_rel(v["predicted"], base["predicted"])
+        units.append([_Column(f"predicted {_named(v['set'])}", [
+            [figure(k, v["predicted"]) for k in ROWS],
+            [pct(change.get(k)) if k in FIGURES and change.get(k) is not None else ""
+             for k in ROWS], marks()])])
+        if (col := real(v)) is not None:
+            units[-1].append(col)
+
     t = report["trace"]
-    lines = [f"trace: {t['requests']} requests, {t['steps']} steps, {t['duration_s']:.1f} s "
+    lines = [f"trace: {t['requests']:,} requests, {t['steps']:,} steps, {t['duration_s']:.1f} s "
              f"on {t['model']}",
-             f"step-time model: {report['model']['num_steps']} steps, median error "
-             f"{report['model']['rel_error']:.1%}" + ("; (real engine) after each prediction"
-                                                      if validated else ""), ""]
-    lines.append(f"{'':13s}" + "".join(f"{c[0]:>{width}s}" for c in cols))
-    for k in FIGURES:
-        row = f"{_LABELS[k]:13s}"
-        for _, pred, real in cols:
-            cell = _fmt(pred.get(k))
-            if real is not None:
-                cell += f" ({_fmt(real.get(k))})"
-            row += f"{cell:>{width}s}"
-        lines.append(row)
-    lines += [""] + legend
-    rejected = [f"#{i}" for i, v in enumerate(report["variants"], 1)
-                if v["predicted"].get("rejected")]
+             f"step-time model: fitted on {model['num_steps']:,} steps, median error "
+             f"{tolerance(model['rel_error'])} per step"]
+    if obs is None:
+        lines.append("no observed figures (a CSV trace): nothing checks the baseline")
+    else:
+        lines.append("predicted now: the trace's own config, simulated; now vs observed: its "
+                     "error")
+    if variants:
+        lines.append("predicted K=V: the change, simulated; its % is against predicted now")
+    if any(e.get("validated") is not None for e in (base, *variants)):
+        lines.append("real engine: that config run on the trace; (%): the prediction's error")
+    lines += [""] + _tables(labels, first, now, units)
+    notes = [rough_note(k, base["error"][k]) for k in FIGURES if k in flagged]
+    if notes:
+        lines += ["", f"{MARK} {rough_heading(model['rel_error'])}"]
+    for note in notes:
+        lines += textwrap.wrap(note, WIDTH, initial_indent="  ", subsequent_indent="    ")
+    rejected = [_named(v["set"]) for v in variants if v["predicted"].get("rejected")]
     if rejected:
-        lines.append(f"note: some requests can never run in the pool of {', '.join(rejected)} "
-                     f"(counted as rejected, left out of the figures)")
+        lines += [""] + textwrap.wrap(
+            f"note: some requests can never run in the pool of {'; '.join(rejected)} "
+            f"(counted as rejected, left out of the figures)", WIDTH)
     return "\n".join(lines)

@@ -14,6 +14,11 @@ runs them in Textual thread workers (`VConsoleApp.predict_later`). One simulatio
 hand is kept, so a second ask for the same change (the confirmation box of an advice the Advice
 screen already predicted) is answered at once (`peek`).
 
+Honesty about its own error: each prediction carries the trace's observed figures (``live``)
+beside the simulated "now", so the model's miss on this very traffic is shown per figure
+(`Prediction.error`); a figure it misses by more than the step-time model's stated error is
+rough on every prediction of it (`Prediction.rough`, marked `MARK`).
+
 Honesty, never a guess: a change with a key no simulation models is "not predicted" with the
 reason (`vconsole.whatif.predict.check_key`); a trace with too little traffic says "too little
 traffic to predict" and why (`check_traffic`, `TooLittleTraffic`); a source without a control
@@ -32,15 +37,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vconsole.console import format as fmt
-from vconsole.telemetry.request_trace import Trace, TraceError, parse_lines
+from vconsole.telemetry.request_trace import FIGURES, Trace, TraceError, parse_lines
 from vconsole.whatif.predict import (
+    KV_BLOCKS,
+    LABELS,
     MODELLED,
     Baseline,
     TooLittleTraffic,
     check_key,
     check_traffic,
+    errors,
     observed,
+    pct,
     predicted,
+    rough,
+    tolerance,
 )
 
 NO_CHANNEL = "what-if needs a vconsole engine's control channel"
@@ -50,9 +61,8 @@ TRACE_MAX_AGE_S = 10.0
 # FIGURES); an Advice row, 48 columns, the three of ROW.
 SHOWN = ("output_tok_s", "ttft_p99_s", "itl_p99_s", "preemptions")
 ROW = ("output_tok_s", "ttft_p99_s", "preemptions")
-LABELS = {"output_tok_s": "output tok/s", "ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99",
-          "itl_p50_s": "ITL p50", "itl_p99_s": "ITL p99", "e2e_p50_s": "e2e p50",
-          "preemptions": "preemptions", "kv_usage_peak": "KV peak"}
+MARK = "!"                       # beside a prediction of a figure "now" misses live by more
+                                 # than the step-time model's stated error (`Prediction.rough`)
 SHORT = {"output_tok_s": "tok/s", "ttft_p99_s": "TTFT p99", "itl_p99_s": "ITL p99",
          "preemptions": "preempt"}
 
@@ -95,6 +105,36 @@ class Prediction:
     @property
     def ready(self) -> bool:
         return self.status == READY
+
+    @property
+    def error(self) -> dict[str, float | None]:
+        """How far "now" (the trace's own config, simulated) is from what the trace observed,
+        per figure: the model's own error on this traffic (empty before figures)."""
+        return errors(self.before, self.live) if self.ready and self.live else {}
+
+    @property
+    def rough(self) -> list[str]:
+        """The figures "now" misses by more than the step-time model's stated error: every
+        prediction of them is rough (`vconsole.whatif.predict.rough`)."""
+        if self.trace is None or self.trace.model_error is None:
+            return []
+        return rough(self.error, self.trace.model_error)
+
+    def rough_line(self, width: int = 150) -> str:
+        """``now misses live by more than the model's ±13% on TTFT p50 and TTFT p99: treat
+        those predictions as rough`` (plain text; empty when none is). The figures are named
+        while that fits ``width`` (their errors are beside them), else counted."""
+        keys = self.rough
+        if not keys or self.trace is None or self.trace.model_error is None:
+            return ""
+        names = [LABELS[k] for k in keys]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        which = "that prediction" if len(keys) == 1 else "those predictions"
+        head = f"now misses live by more than the model's {tolerance(self.trace.model_error)} on "
+        tail = f": treat {which} as rough"
+        if len(head + listed + tail) > width:
+            listed = f"{len(keys)} of {len(FIGURES)} figures (marked {MARK})"
+        return head + listed + tail
 
     def headline(self) -> str:
         """What a status without figures says (plain text)."""
@@ -294,10 +334,13 @@ class WhatIf:
 
 # --- formatting (Content markup) -----------------------------------------------------------------
 
-def figure(key: str, value: Any) -> str:
-    """One figure in its unit: ``52.1`` tok/s, ``3.90 s`` / ``41 ms``, ``26``, ``85%``."""
+def figure(key: str, value: Any, pool: Any = None) -> str:
+    """One figure in its unit: ``52.1`` tok/s, ``3.90 s`` / ``41 ms``, ``26``, ``85%`` (the KV
+    peak, of the pool), ``424/8,192`` (`KV_BLOCKS`: the peak in blocks of a ``pool``)."""
     if value is None:
         return "–"
+    if key == KV_BLOCKS:
+        return f"{int(value):,}/{int(pool):,}" if pool else f"{int(value):,}"
     if key == "output_tok_s":
         return fmt.num(float(value), 1)
     if key.endswith("_s"):
@@ -324,20 +367,15 @@ def before_after(key: str, before: Any, after: Any) -> str:
 
 
 def change_pct(before: Any, after: Any) -> str:
-    """``-7%`` / ``+12%`` / ``×30`` (2x and more) / ``≈`` (under 0.5%) / ``=``; empty when
-    either is missing or before is 0."""
+    """``-7%`` / ``+12%`` / ``+2,900%`` / ``=``: after against before, in %; empty when either
+    is missing or before is 0."""
     if before is None or after is None:
         return ""
     if after == before:
         return "="
     if not before:
         return ""
-    ratio = after / before
-    if ratio >= 2:
-        return f"×{ratio:.0f}" if ratio >= 10 else f"×{ratio:.1f}"
-    if abs(ratio - 1) < 0.005:
-        return "≈"
-    return f"{ratio - 1:+.0%}"
+    return pct(after / before - 1)
 
 
 # Lower is better for every figure but throughput: a change's colour says which way it went.
@@ -353,16 +391,24 @@ def change_style(key: str, before: Any, after: Any) -> str:
 
 def box_markup(p: Prediction) -> str:
     """The confirmation box's lines: where the numbers come from, then before → after (and
-    the live figure) for `SHOWN`; or the status and its reason."""
+    the live figure) for `SHOWN`, `MARK` beside a rough one and the line that says why; or
+    the status and its reason."""
     if not p.ready:
         style = "$text-muted" if p.status in (PENDING, UNAVAILABLE) else "$warning"
         return f"[{style}]{fmt.escape(p.headline())}[/]"
     source = p.trace.describe() if p.trace else "the engine's trace"
+    flagged = p.rough
     lines = [f"[b]predicted[/] [$text-muted]from the engine's last {source}:[/]",
-             f"[$text-muted]{'':14}{'now':>8}   {'after':<8} {'':6}{'live':>8}[/]"]
+             f"[$text-muted]{'':14}{'now':>8}   {'after':<10}{'':7} {'live':>8}[/]"]
     for k in SHOWN:
         b, a, live = p.before.get(k), p.after.get(k), p.live.get(k)
-        lines.append(f"  {LABELS[k]:<12}{figure(k, b):>8} → {figure(k, a):<8} "
-                     f"[{change_style(k, b, a)}]{change_pct(b, a):>5}[/] "
+        after = figure(k, a)
+        mark = f" [$warning]{MARK}[/]" if k in flagged else "  "
+        lines.append(f"  {LABELS[k]:<12}{figure(k, b):>8} → {after}{mark}"
+                     f"{'':{max(0, 8 - len(after))}}"
+                     f"[{change_style(k, b, a)}]{change_pct(b, a):>7}[/] "
                      f"[$text-muted]{figure(k, live):>8}[/]")
+    note = p.rough_line()
+    if note and any(k in flagged for k in SHOWN):
+        lines.append(f"[$warning]{MARK} {fmt.escape(note)}[/]")
     return "\n".join(lines)

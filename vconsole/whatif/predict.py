@@ -12,11 +12,18 @@ token (capacity only: the step-time model is the trace's), ``kv_cache_memory_byt
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from vconsole.shared.config import ConfigError, EngineConfig, coerce_value
 from vconsole.shared.config import canonical_kv_cache_dtype as canonical
-from vconsole.telemetry.request_trace import FIGURES, Trace, figures, finished_normally
+from vconsole.telemetry.request_trace import (
+    FIGURES,
+    StepRecord,
+    Trace,
+    figures,
+    finished_normally,
+)
 from vconsole.whatif.cost_model import StepCostModel, TooLittleTraffic, fit
 from vconsole.whatif.simulate import SimResult, config_replace, engine_config, simulate
 
@@ -151,11 +158,17 @@ class Baseline:
                         config_changes=changes)
 
 
+def _kv_peak_blocks(steps: list[StepRecord]) -> int | None:
+    """The most KV blocks in use at one step (``kv_usage_peak`` in blocks)."""
+    return max((s.kv_used for s in steps), default=None)
+
+
 def predicted(result: SimResult) -> dict[str, Any]:
     """The figures over the requests that ran to their end, as `observed` counts them; the
     ones a variant's ``max_holding_seconds`` timed out are counted apart (``timed_out``)."""
     done = [r for r in result.requests if finished_normally(r)]
     out = figures(done, result.steps, result.num_kv_blocks)
+    out[KV_BLOCKS] = _kv_peak_blocks(result.steps)
     out["timed_out"] = sum(1 for r in result.requests if r.finish_reason == "timeout")
     out["num_kv_blocks"] = result.num_kv_blocks
     out["fragmentation_mean"] = round(result.fragmentation_mean, 4)
@@ -165,13 +178,19 @@ def predicted(result: SimResult) -> dict[str, Any]:
 
 
 def observed(trace: Trace) -> dict[str, Any]:
+    """The figures the trace recorded, with its pool: ``kv_peak_blocks`` of
+    ``num_kv_blocks``."""
     done = [r for r in trace.requests if finished_normally(r)]
-    return figures(done, trace.steps, trace.header.num_kv_blocks)
+    out = figures(done, trace.steps, trace.header.num_kv_blocks)
+    out[KV_BLOCKS] = _kv_peak_blocks(trace.steps)
+    out["num_kv_blocks"] = trace.header.num_kv_blocks
+    return out
 
 
-def errors(pred: dict[str, Any], obs: dict[str, Any]) -> dict[str, float | None]:
-    """Relative error of each figure (predicted - observed) / observed; preemptions and the
-    KV peak, which may be 0, as an absolute difference over max(observed, 1)."""
+def errors(pred: Mapping[str, Any], obs: Mapping[str, Any]) -> dict[str, float | None]:
+    """Relative error of each figure (predicted - observed) / observed; preemptions, which may
+    be 0, as the difference over max(observed, 1); any other figure observed as 0 has no
+    relative error (None) unless it is predicted 0 too."""
     out: dict[str, float | None] = {}
     for k in FIGURES:
         p, o = pred.get(k), obs.get(k)
@@ -186,6 +205,65 @@ def errors(pred: dict[str, Any], obs: dict[str, Any]) -> dict[str, float | None]
     return out
 
 
+# --- saying what it knows: the figures' names, changes, and the baseline's own error ----------
+
+LABELS = {"output_tok_s": "output tok/s", "ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99",
+          "itl_p50_s": "ITL p50", "itl_p99_s": "ITL p99", "e2e_p50_s": "e2e p50",
+          "preemptions": "preemptions", "kv_usage_peak": "KV peak"}
+
+
+KV_BLOCKS = "kv_peak_blocks"    # the KV peak in blocks of its pool, reported beside FIGURES
+ROWS = (*FIGURES, KV_BLOCKS)     # a report's rows, as the CLI and the console show them
+ROW_LABELS = {**LABELS, "kv_usage_peak": "KV peak, % pool", KV_BLOCKS: "KV peak, blocks"}
+
+
+def _as_shown(x: float) -> float:
+    """``x`` (a fraction) at the precision `pct` shows it: 0.1% under 10%, 1% above."""
+    return round(x, 3) if abs(x) < 0.0995 else round(x, 2)
+
+
+def pct(x: float | None) -> str:
+    """A fraction as a signed percentage: ``+68%``, ``-0.5%``, ``+3,489%``, ``0%``; ``-`` for
+    None."""
+    if x is None:
+        return "-"
+    x = _as_shown(x)
+    if x == 0:
+        return "0%"
+    return f"{x:+.1%}" if abs(x) < 0.0995 else f"{x * 100:+,.0f}%"
+
+
+def tolerance(model_error: float) -> str:
+    """The model's stated error as the reports say it: ``±8.1%``, ``±52%``."""
+    return "±" + pct(model_error).lstrip("+")
+
+
+def rough(error: Mapping[str, float | None], model_error: float) -> list[str]:
+    """The figures whose predicted baseline misses what the trace observed by more than the
+    model's stated error (the step-time model's median error per step), compared as both are
+    shown (`pct`, `tolerance`): a prediction of such a figure is rough, whatever the change."""
+    limit = abs(_as_shown(model_error))
+    return [k for k in FIGURES if (e := error.get(k)) is not None and abs(_as_shown(e)) > limit]
+
+
+def rough_note(key: str, error: float) -> str:
+    """``TTFT p99 by +68%: treat predicted TTFT p99 as rough``, under `rough_heading`."""
+    name = LABELS.get(key, key)
+    return f"{name} by {pct(error)}: treat predicted {name} as rough"
+
+
+def rough_heading(model_error: float, baseline: str = "the baseline") -> str:
+    """``the model misses the baseline by more than its stated ±8.1% on:``."""
+    return f"the model misses {baseline} by more than its stated {tolerance(model_error)} on:"
+
+
+def change_rel(pred: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, float | None]:
+    """Each figure's change against the predicted baseline, ``pred / base - 1`` (None where
+    either is missing or the baseline is 0): both simulated, so the model's bias cancels."""
+    return {k: (round(pred[k] / base[k] - 1, 4) if pred.get(k) is not None and base.get(k)
+                else None) for k in FIGURES}
+
+
 def config_view(base: Baseline, values: dict[str, Any]) -> dict[str, Any]:
     config, blocks = base.sized(values)
     view = {k: getattr(config, k) for k in SCHEDULER_KEYS + ("block_size", "kv_cache_dtype")}
@@ -195,9 +273,14 @@ def config_view(base: Baseline, values: dict[str, Any]) -> dict[str, Any]:
 
 def whatif(trace: Trace, variants: list[dict[str, Any]], *,
            costs: Trace | None = None) -> dict[str, Any]:
-    """The what-if report: ``{"baseline": {"config", "observed", "predicted", "error"},
-    "variants": [{"set", "config", "predicted", "change"}], "model": ...}``. ``change``: each
-    figure's predicted value over the predicted baseline's (the model's own bias cancels)."""
+    """The what-if report: ``{"baseline": {"config", "observed", "predicted", "error",
+    "rough"}, "variants": [{"set", "config", "predicted", "change", "change_rel", "rough"}],
+    "model": ...}``. ``change``: each figure's predicted value over the predicted baseline's
+    (the model's own bias cancels); ``change_rel`` the same less one (-0.2: 20% less).
+    ``error``: the predicted baseline against what the trace observed, per figure; ``rough``:
+    the figures where that error is beyond the model's stated one (``model.rel_error``), so
+    every prediction of them is rough (empty, and no ``error``, for a CSV trace: nothing
+    observed to check against)."""
     base = Baseline(trace, costs)
     base_pred = predicted(base.run({}))
     report: dict[str, Any] = {
@@ -211,14 +294,18 @@ def whatif(trace: Trace, variants: list[dict[str, Any]], *,
         obs = observed(trace)
         report["baseline"]["observed"] = obs
         report["baseline"]["error"] = errors(base_pred, obs)
+    flagged = rough(report["baseline"].get("error", {}), base.model.rel_error)
+    report["baseline"]["rough"] = flagged
     for values in variants:
         pred = predicted(base.run(values))
         report["variants"].append({
             "set": values, "config": config_view(base, values), "predicted": pred,
             "change": {k: (round(pred[k] / base_pred[k], 4) if pred.get(k) is not None
-                           and base_pred.get(k) else None) for k in FIGURES}})
+                           and base_pred.get(k) else None) for k in FIGURES},
+            "change_rel": change_rel(pred, base_pred), "rough": list(flagged)})
     return report
 
 
-__all__ = ["MODELLED", "Baseline", "TooLittleTraffic", "check_key", "check_traffic", "errors",
-           "observed", "parse_assignments", "predicted", "whatif"]
+__all__ = ["KV_BLOCKS", "LABELS", "MODELLED", "ROWS", "ROW_LABELS", "Baseline", "TooLittleTraffic", "change_rel", "check_key",
+           "check_traffic", "errors", "observed", "parse_assignments", "pct", "predicted",
+           "rough", "rough_heading", "rough_note", "tolerance", "whatif"]

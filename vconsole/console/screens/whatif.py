@@ -4,8 +4,12 @@
 The numbers come from `vconsole.console.predictions.WhatIf` (``app.whatif``): the engine's
 trace of its last minutes, fetched over the control channel and kept 10 s, replayed through
 the engine's own scheduler in the console's process. "now" and "with the edits" are both
-simulated, so the simulation's own bias shows in neither comparison; "live" is what the trace
-observed, the yardstick for how far "now" is off.
+simulated, so the simulation's own bias partly cancels in their change; "live" is what the
+trace observed, the yardstick for how far "now" is off: "now vs live" says it per figure, and a
+figure "now" misses by more than the step-time model's stated error is marked on both
+predictions, with a line under the table that names it (`Prediction.rough`). Where the config
+leaves ``num_kv_blocks`` unset (the pool sized from memory), its live value is the pool's real
+size, from the engine's KV snapshot.
 
 The editor's keys (`KEYS`) start at the live config and follow it until the operator types in
 one; each is checked with `vconsole.whatif.predict.check_key` before a run (a bad value is
@@ -33,7 +37,8 @@ from vconsole.console import format as fmt
 from vconsole.console.changes import show_value
 from vconsole.console.keymap import WHATIF
 from vconsole.console.predictions import (
-    LABELS,
+    KV_BLOCKS,
+    MARK,
     PENDING,
     TRACE_MAX_AGE_S,
     Prediction,
@@ -45,8 +50,7 @@ from vconsole.console.predictions import (
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
-from vconsole.telemetry.request_trace import FIGURES
-from vconsole.whatif.predict import check_key
+from vconsole.whatif.predict import ROW_LABELS, ROWS, check_key, pct, tolerance
 
 KEYS = ("max_num_seqs", "max_num_batched_tokens", "policy", "num_kv_blocks", "block_size")
 
@@ -55,7 +59,7 @@ class WhatIfScreen(ConsoleScreen):
     MODE = "whatif"
     TABLE = "wi-table"
     COLUMNS = [("figure", "figure"), ("live", "live"), ("now", "now"),
-               ("with edits", "after"), ("change", "change")]
+               ("now vs live", "error"), ("with edits", "after"), ("change", "change")]
     BINDINGS = WHATIF
 
     def __init__(self) -> None:
@@ -105,20 +109,35 @@ class WhatIfScreen(ConsoleScreen):
     def apply(self, frame: Frame, state: ConsoleState) -> None:
         cfg = state.config
         live = {k: cfg.values.get(k) for k in KEYS} if cfg is not None else {}
+        if cfg is not None and live.get("num_kv_blocks") is None:
+            live["num_kv_blocks"] = self._pool(frame)
         if live != self.live:
             self.live = live
             self._fill()
         self._show_summary(frame)
 
+    def _pool(self, frame: Frame) -> int | None:
+        """The pool's real size when the config leaves it unset (sized from memory): the
+        engine's KV snapshot says it, else the trace the last prediction stood on."""
+        kv = frame.engine.latest.get("kv") if frame.engine is not None else None
+        blocks = kv.get("num_blocks") if isinstance(kv, dict) else None
+        if blocks is None and self.result is not None:
+            blocks = self.result.live.get("num_kv_blocks")
+        return int(blocks) if isinstance(blocks, int | float) else None
+
     def _fill(self) -> None:
         """Keys the operator has not typed in follow the live config."""
+        cfg = self.console.state.config
         self._filling = True
         try:
             for key in KEYS:
                 value = self.live.get(key)
                 shown = "" if value is None else show_value(value)
+                sized = (key == "num_kv_blocks" and value is not None and cfg is not None
+                         and cfg.values.get(key) is None)
+                label = f"live {shown or '–'}" + (" (sized from memory)" if sized else "")
                 self.query_one(f"#wi-live-{key}", Label).update(
-                    Content.from_markup(f"[$text-muted]live {fmt.escape(shown or '–')}[/]"))
+                    Content.from_markup(f"[$text-muted]{fmt.escape(label)}[/]"))
                 box = self.query_one(f"#wi-{key}", Input)
                 if key not in self.edited and box.value != shown:
                     box.value = shown
@@ -135,7 +154,7 @@ class WhatIfScreen(ConsoleScreen):
             if info is None:
                 text = "[$text-muted]the engine's last minutes of traffic: not fetched yet[/]"
             else:
-                err = (f" · step-time model ±{info.model_error:.0%}"
+                err = (f" · step-time fit {tolerance(info.model_error)} per step"
                        if info.model_error is not None else "")
                 text = (f"trace [b]{fmt.escape(info.describe())}[/] · {info.steps:,} steps"
                         f"{err}")
@@ -232,28 +251,43 @@ class WhatIfScreen(ConsoleScreen):
             note.update(Content.from_markup(f"[{style}]{fmt.escape(p.headline())}[/]"))
             return
         table.clear()
-        for k in FIGURES:
+        flagged, error = p.rough, p.error
+        for k in ROWS:
+            if k == KV_BLOCKS:
+                live, now, edited = (figure(k, f.get(k), f.get("num_kv_blocks"))
+                                     for f in (p.live, p.before, p.after))
+                table.add_row(ROW_LABELS[k], live, now, "", edited if self.variant else "=", "",
+                              key=k)
+                continue
             b, a = p.before.get(k), p.after.get(k)
-            pct = change_pct(b, a) if self.variant else ""
+            change = change_pct(b, a) if self.variant else ""
             style = change_style(k, b, a).lstrip("$")
-            table.add_row(LABELS[k], figure(k, p.live.get(k)), figure(k, b),
-                          figure(k, a) if self.variant else "=",
-                          Text(pct, style={"success": "green", "warning": "yellow"}.get(
+            table.add_row(ROW_LABELS[k], figure(k, p.live.get(k)),
+                          _marked(figure(k, b), k in flagged),
+                          Text(pct(error.get(k)) if p.live else "–",
+                               style="yellow" if k in flagged else ""),
+                          _marked(figure(k, a), k in flagged) if self.variant else "=",
+                          Text(change, style={"success": "green", "warning": "yellow"}.get(
                               style, "dim")), key=k)
         note.update(Content.from_markup(self._note(p)))
 
     def _note(self, p: Prediction) -> str:
         if not self.variant:
-            return ("[$text-muted]no edits: e edits a key, enter predicts · now = the "
-                    "trace's own config, simulated[/]")
-        parts = [", ".join(f"{k}={show_value(v)}" for k, v in self.variant.items())]
-        before, after = p.before.get("num_kv_blocks"), p.after.get("num_kv_blocks")
-        if before != after:
-            parts.append(f"pool {before} → {after} blocks")
-        if p.after.get("rejected"):
-            parts.append(f"[$warning]{p.after['rejected']} requests never fit that pool "
-                         f"(left out)[/]")
-        return "[b]with edits[/] " + " · ".join(parts)
+            lines = ["[$text-muted]no edits: e edits a key, enter predicts · now = the "
+                     "trace's own config, simulated[/]"]
+        else:
+            parts = [", ".join(f"{k}={show_value(v)}" for k, v in self.variant.items())]
+            before, after = p.before.get("num_kv_blocks"), p.after.get("num_kv_blocks")
+            if before != after:
+                parts.append(f"pool {before} → {after} blocks")
+            if p.after.get("rejected"):
+                parts.append(f"[$warning]{p.after['rejected']} requests never fit that pool "
+                             f"(left out)[/]")
+            lines = ["[b]with edits[/] " + " · ".join(parts)]
+        rough = p.rough_line()
+        if rough:
+            lines.append(f"[$warning]{MARK} {fmt.escape(rough)}[/]")
+        return "\n".join(lines)
 
     # --- applying ------------------------------------------------------------------------------
 
@@ -278,3 +312,8 @@ class WhatIfScreen(ConsoleScreen):
             reason = self.console.apply_edits(hot)
             if reason is not None:
                 self.notify(reason, title="What-if", severity="warning")
+
+
+def _marked(value: str, rough: bool) -> Text:
+    """A predicted figure, with `MARK` when the model misses its baseline (the note says)."""
+    return Text.assemble(value, (f" {MARK}", "yellow")) if rough else Text(value)
