@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from textual.widgets import Static
 
-from support.console_testing import FakeControl, replay_app, until
+from support.console_testing import FakeControl, frames, replay_app, until
 from support.synthetic import generate
 from vconsole.console.palette import ConsoleCommands
 from vconsole.console.screens.advice import AdviceScreen
@@ -17,7 +17,7 @@ from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.overview import OverviewScreen
 from vconsole.console.widgets.chrome import TabBar
 from vconsole.console.widgets.confirmation import ConfirmScreen
-from vconsole.shared.config import ConfigUpdate, EngineConfig
+from vconsole.shared.config import ConfigUpdate, EngineConfig, describe_config
 from vconsole.telemetry.control import config_reply
 
 pytestmark = pytest.mark.slow
@@ -189,3 +189,78 @@ async def test_no_advice_says_what_is_watched():
         await pilot.press("1")
         await pilot.pause()
         assert not app.screen.query_one("#alerts").border_subtitle
+
+
+# --- the box and the row behind it ------------------------------------------------------------
+
+SEATS_CFG = EngineConfig(num_kv_blocks=1024, max_num_seqs=6)
+T0 = 1_700_000_000.0
+
+
+def seats_records(start: float, seconds: float, usage: float, seq0: int) -> list[Any]:
+    """Every one of 6 seats taken, 20 requests waiting, the KV pool ``usage`` full: the seats
+    rule suggests as many seats as the pool's usage per running request says fit under 85 %
+    (usage 0.6: 8, usage 0.7: 7). A snapshot every half second."""
+    out = []
+    for i in range(int(seconds * 2)):
+        ts, seq = start + i / 2, seq0 + i
+        out += [
+            (ts, frames("health", {"state": "running", "uptime_s": ts - T0 + 60, "steps": seq,
+                                   "interval_s": 1.0, "alerts_active": {}}, seq=seq, ts=ts)),
+            (ts, frames("sched", {"num_waiting": 20, "num_running": 6, "num_preempted": 0,
+                                  "num_preemptions_total": 0, "max_num_seqs": 6,
+                                  "max_num_batched_tokens": 2048, "policy": "fcfs",
+                                  "requests": {}, "requests_truncated": 0}, seq=seq, ts=ts)),
+            (ts, frames("kv", {"usage": usage, "fragmentation": 0.1, "num_used": 600,
+                               "num_blocks": 1024, "block_size": 16}, seq=seq, ts=ts)),
+            (ts, frames("step", {"steps": 30, "window_s": 0.5, "sched_share": 0.02,
+                                 "step_time_p50_s": 0.016, "num_prefill_tokens": 40,
+                                 "num_decode_tokens": 120}, seq=seq, ts=ts)),
+        ]
+    return out
+
+
+async def test_the_advice_behind_an_open_box_holds_still_and_the_box_is_what_is_sent():
+    ctl = FakeControl(SEATS_CFG)
+    config = frames("config", {"version": 1, "values": SEATS_CFG.to_dict(),
+                               "schema": describe_config()}, ts=T0)
+    app = replay_app(records=[(T0, config), *seats_records(T0, 12, 0.6, 0)], control=ctl)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_advice(pilot, app)
+        (a,) = screen.advice
+        assert a.rule == "seats" and a.change == {"max_num_seqs": 8}
+        await pilot.press("A")
+        assert isinstance(app.screen, ConfirmScreen)
+        box = app.screen
+        assert "max_num_seqs 6 → 8" in box.title_text
+        # The advisor moves on while the operator reads: the pool filled up, 7 seats fit now.
+        app.state.feed(seats_records(T0 + 12, 12, 0.7, 24))
+        assert app.state.advice(app.state.engine())[0].change == {"max_num_seqs": 7}
+        app.refresh_view(force=True)
+        await pilot.pause()
+        assert app.screen is box
+        assert screen.advice == [a]                         # the row behind the box: 6 → 8
+        assert "max_num_seqs 6 → 8" in str(screen.table.get_cell(a.id, "change"))
+        assert "max_num_seqs 6 → 8" in text_of(screen.query_one("#adv-detail"))
+        await pilot.press("tab", "enter")                   # "Apply advice"
+        await until(pilot, lambda: app.steering.advice_outcomes
+                    and app.steering.advice_outcomes[-1].done)
+        assert sets(ctl) == [{"max_num_seqs": 8}]           # what the box showed
+
+
+async def test_a_cancelled_box_lets_the_advice_catch_up():
+    ctl = FakeControl(SEATS_CFG)
+    config = frames("config", {"version": 1, "values": SEATS_CFG.to_dict(),
+                               "schema": describe_config()}, ts=T0)
+    app = replay_app(records=[(T0, config), *seats_records(T0, 12, 0.6, 0)], control=ctl)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_advice(pilot, app)
+        await pilot.press("A")
+        assert isinstance(app.screen, ConfirmScreen)
+        app.state.feed(seats_records(T0 + 12, 12, 0.7, 24))
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is screen and sets(ctl) == []
+        (a,) = screen.advice
+        assert a.change == {"max_num_seqs": 7}
+        assert "max_num_seqs 6 → 7" in str(screen.table.get_cell(a.id, "change"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from textual.widgets import DataTable, Static
 
-from support.console_testing import replay_app
+from support.console_testing import frames, replay_app, until
 from vconsole.console.screens.alerts import AlertsScreen, figure, matches
 from vconsole.console.state import Alert
 from vconsole.console.widgets.chrome import TabBar
@@ -113,3 +113,51 @@ async def test_at_the_top_the_cursor_follows_the_newest_alert_elsewhere_it_stays
         await pilot.pause()
         assert screen.shown[0].name == "gpu_memory"
         assert screen.selected() == picked, "moved down: it stays on its alert"
+
+
+T0 = 1_700_000_000.0
+CLEARED = "median step time of the last 5 s back to 311 ms (under 450 ms for 20 s: ...)"
+
+
+def beat(ts: float, seq: int, active: dict[str, str]) -> tuple[float, list]:
+    return ts, frames("health", {"state": "running", "uptime_s": 60.0, "steps": 900,
+                                 "interval_s": 1.0, "alerts_active": active}, seq=seq, ts=ts)
+
+
+def edge(ts: float, seq: int, name: str, level: str, previous: str, value: float,
+         message: str) -> tuple[float, list]:
+    return ts, frames("alert", {"name": name, "level": level, "previous": previous,
+                                "value": value, "threshold": 0.5, "message": message},
+                      seq=seq, ts=ts)
+
+
+async def test_active_now_agrees_with_a_change_heard_after_the_last_heartbeat():
+    # A level change goes out at once, the heartbeat once a second: a frame between the two
+    # (live for up to a second, a replay paused there for good) has a heartbeat that still
+    # names the cleared step-time alert, and a new waiting alert it does not name yet.
+    records = [
+        edge(T0, 0, "step_time", "warning", "ok", 0.62, "median step time ... is 620 ms"),
+        beat(T0 + 0.1, 0, {"step_time": "warning"}),
+        edge(T0 + 0.5, 1, "step_time", "ok", "warning", 0.311, CLEARED),
+        edge(T0 + 0.6, 2, "waiting", "warning", "ok", 55, "waiting requests is 55"),
+    ]
+    app = replay_app(records=records)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: len(app.state.alerts) == 3)
+        app.refresh_view(force=True)
+        await pilot.pause()
+        overview = text_of(app.screen.query_one("#alerts"))
+        assert "back to 311 ms" in overview
+        assert "● step_time" not in overview and "● waiting warning" in overview
+        await pilot.press("exclamation_mark")
+        await pilot.pause()
+        summary = text_of(app.screen.query_one("#alert-summary"))
+        assert "1 active" in summary and "waiting warning" in summary
+        assert "step_time" not in summary
+    # The next heartbeat says the same, and a change older than it is already counted in it.
+    state = app.state
+    eng = state.engine()
+    state.feed([beat(T0 + 1.1, 1, {"waiting": "warning"})])
+    assert state.alerts_active(eng) == {"waiting": "warning"}
+    state.feed([beat(T0 + 2.1, 2, {})])       # cleared: its ok event was lost on the way
+    assert state.alerts_active(eng) == {}

@@ -12,6 +12,7 @@ from support.remote_engine import remote_engine_beats
 from vconsole.console.app import VConsoleApp
 from vconsole.console.screens.alerts import AlertsScreen
 from vconsole.console.screens.stacks import StacksScreen
+from vconsole.console.widgets.chrome import TabBar
 from vconsole.shared import stacks
 
 pytestmark = pytest.mark.slow
@@ -49,6 +50,40 @@ async def test_a_recording_has_no_stacks_and_says_so():
         await pilot.press("S")
         await pilot.pause()
         assert "a recording has none" in text_of(app.screen, "#stacks-summary")
+
+
+def highlighted(bar: TabBar) -> list[str]:
+    """The tab bar's text in reverse video: the current screen's tab."""
+    content = bar.render()
+    return [content.plain[s.start:s.end] for s in content.spans if "reverse" in str(s.style)]
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+async def test_the_stacks_screen_highlights_its_tab_while_shown(size):
+    app = replay_app()
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        assert highlighted(app.screen.query_one(TabBar)) == [" 1 Overview "]
+        assert "S Stacks" not in str(app.screen.query_one(TabBar).render())  # a tool: no tab
+        await pilot.press("S")
+        await pilot.pause()
+        assert isinstance(app.screen, StacksScreen)
+        assert highlighted(app.screen.query_one(TabBar)) == [" S Stacks "]
+
+
+async def test_a_digit_without_a_screen_says_so_instead_of_nothing():
+    app = replay_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        before = app.screen
+        await pilot.press("7")
+        await pilot.pause()
+        assert app.screen is before
+        (note,) = list(app._notifications)
+        assert note.message.startswith("7 opens no screen") and "? lists every key" in note.message
+        await pilot.press("3", "0")          # the KV map's own 0 (zoom to fit) still wins
+        await pilot.pause()
+        assert len(app._notifications) == 1
 
 
 async def test_a_hung_engines_restart_alert_shows_where_it_hung(tmp_path, monkeypatch):

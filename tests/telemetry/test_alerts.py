@@ -9,18 +9,25 @@ def levels(events):
 
 
 def test_step_time_crossings_fire_once_each_and_recover_once():
-    ev = AlertEvaluator(EngineConfig())  # 0.5 s warning, 1 s critical
-    assert ev.observe(step_time_s=0.1) == []
-    up = ev.observe(step_time_s=0.6)
+    # No hold and a window of one snapshot: each reading stands alone (the step window's own
+    # behaviour is tests/telemetry/test_alerts_step_window.py).
+    ev = AlertEvaluator(EngineConfig(alert_step_time_window_s=0.1, alert_step_time_raise_s=0,
+                                     alert_step_time_clear_s=0))   # 0.5 s warning, 1 s critical
+    t = iter(range(100))
+
+    def steps(p50):
+        return ev.observe_steps(float(next(t)), p50, 3)
+    assert steps(0.1) == []
+    up = steps(0.6)
     assert levels(up) == [("step_time", "ok", "warning")]
     assert up[0].threshold == 0.5 and up[0].value == 0.6 and "600 ms" in up[0].message
-    assert ev.observe(step_time_s=0.7) == []                 # still warning: no repeat
-    assert levels(ev.observe(step_time_s=1.0)) == [("step_time", "warning", "critical")]
-    assert ev.observe(step_time_s=3.0) == []
-    assert levels(ev.observe(step_time_s=0.8)) == [("step_time", "critical", "warning")]
-    down = ev.observe(step_time_s=0.01)
+    assert steps(0.7) == []                                  # still warning: no repeat
+    assert levels(steps(1.0)) == [("step_time", "warning", "critical")]
+    assert steps(3.0) == []
+    assert levels(steps(0.8)) == [("step_time", "critical", "warning")]
+    down = steps(0.01)
     assert levels(down) == [("step_time", "warning", "ok")] and down[0].threshold == 0.5
-    assert ev.observe(step_time_s=0.01) == [] and ev.active() == {}
+    assert steps(0.01) == [] and ev.active() == {}
 
 
 def test_jump_from_ok_straight_to_critical_and_back():

@@ -32,12 +32,18 @@ def test_it_clears_once_below_threshold_times_one_minus_the_margin():
 
 
 def test_falling_from_critical_keeps_warning_inside_the_warning_band():
-    ev = AlertEvaluator(EngineConfig())   # step time: warning 0.5 s, critical 1 s, margin 10 %
-    ev.observe(step_time_s=1.5)
-    assert ev.observe(step_time_s=0.95) == []                 # above 0.9: still critical
-    assert levels(ev.observe(step_time_s=0.47)) == [("step_time", "critical", "warning")]
-    assert ev.observe(step_time_s=0.46) == []                 # above 0.45: still warning
-    assert levels(ev.observe(step_time_s=0.44)) == [("step_time", "warning", "ok")]
+    # step time: warning 0.5 s, critical 1 s, margin 10 %; no hold, each reading alone
+    ev = AlertEvaluator(EngineConfig(alert_step_time_window_s=0.1, alert_step_time_raise_s=0,
+                                     alert_step_time_clear_s=0))
+    t = iter(range(100))
+
+    def steps(p50):
+        return ev.observe_steps(float(next(t)), p50, 1)
+    steps(1.5)
+    assert steps(0.95) == []                                  # above 0.9: still critical
+    assert levels(steps(0.47)) == [("step_time", "critical", "warning")]
+    assert steps(0.46) == []                                  # above 0.45: still warning
+    assert levels(steps(0.44)) == [("step_time", "warning", "ok")]
 
 
 def test_zero_margin_is_plain_thresholds():

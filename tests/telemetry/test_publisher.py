@@ -360,7 +360,9 @@ def test_start_reports_a_bind_failure(ctx, make_pub):
 
 
 def test_slow_steps_alert_and_recover_once_the_engine_is_idle(ctx, make_pub):
-    pub = make_pub()
+    # Short window and holds (the defaults: 5 s, 2 s, 20 s; tests/telemetry/test_alerts_step_window.py)
+    pub = make_pub(alert_step_time_window_s=0.5, alert_step_time_raise_s=0.0,
+                   alert_step_time_clear_s=0.3)
     sub = subscribe(ctx, pub, topics=(b"alert", b"health"))
     wait_connected(sub)
     pub.set_state("running")

@@ -22,6 +22,31 @@ SCREENS: dict[str, tuple[str, str]] = {
 # lone engine's console is exactly as it was.
 DP_SCREEN: dict[str, tuple[str, str]] = {"dp": ("6", "Ranks")}
 
+# Screens reached by a letter rather than a digit: each has its tab.
+LETTER_SCREENS: dict[str, tuple[str, str]] = {
+    "alerts": ("!", "Alerts"),
+    "advice": ("a", "Advice"),
+    "profile": ("P", "Profile"),
+    "whatif": ("w", "What-if"),
+}
+
+# Tools rather than views of the engine's figures: a tab only while one is shown (so the bar
+# says where the operator is); the help lists them.
+TOOL_SCREENS: dict[str, tuple[str, str]] = {"stacks": ("S", "Stacks")}
+
+
+def no_screen(key: str) -> str:
+    """What a digit that opens no screen says (a key never does nothing in silence)."""
+    digits = [k for k, _ in SCREENS.values()]
+    letters = " ".join(k for k, _ in [*LETTER_SCREENS.values(), *TOOL_SCREENS.values()])
+    ranks = " · ".join(f"{k} {t}: a data-parallel group only" for k, t in DP_SCREEN.values())
+    return (f"{key} opens no screen. Screens: {digits[0]}-{digits[-1]} · {ranks} · {letters}. "
+            f"? lists every key.")
+
+
+# Digits no screen has: bound only to say so (the KV map's own 0, zoom to fit, comes first).
+SPARE_DIGITS = ("7", "8", "9", "0")
+
 GLOBAL: list[BindingType] = [
     Binding("q", "quit", "Quit"),
     Binding("question_mark", "help", "Help", key_display="?"),
@@ -36,6 +61,8 @@ GLOBAL: list[BindingType] = [
     *(Binding(key, f"show('{mode}')", title, show=False) for mode, (key, title) in SCREENS.items()),
     *(Binding(key, f"show('{mode}')", title, show=False)
       for mode, (key, title) in DP_SCREEN.items()),
+    *(Binding(key, f"notify({no_screen(key)!r}, 'Keys', 'warning')", "No screen", show=False)
+      for key in SPARE_DIGITS),
 ]
 
 REQUESTS: list[BindingType] = [
@@ -85,21 +112,11 @@ TRENDS: list[BindingType] = [
     Binding("left", "page(-1)", "Previous plots", show=False),
 ]
 
-# Screens reached by a letter rather than a digit: a tab appears only while one is shown.
-LETTER_SCREENS: dict[str, tuple[str, str]] = {
-    "alerts": ("!", "Alerts"),
-    "advice": ("a", "Advice"),
-    "profile": ("P", "Profile"),
-    "whatif": ("w", "What-if"),
-}
-
 ALERTS: list[BindingType] = [
     Binding("slash", "filter", "Filter", key_display="/"),
     Binding("escape", "clear_filter", "Clear filter", show=False),
 ]
 
-# The Stacks screen (``S``, a tool for a slow engine rather than a view of its figures) has no
-# tab: the help lists it.
 STACKS: list[BindingType] = [
     Binding("r", "refresh", "Read again"),
 ]

@@ -33,7 +33,7 @@ import numpy as np
 from vconsole.console.advisor import Advice, Advisor
 from vconsole.console.ranks import aggregate
 from vconsole.console.trend_history import TrendHistory, path_getter
-from vconsole.telemetry.alerts import ENGINE_RESTART
+from vconsole.telemetry.alerts import ENGINE_RESTART, RULES
 from vconsole.telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
 
 # An engine is down after this many heartbeat intervals without a heartbeat.
@@ -183,6 +183,8 @@ class EngineState:
         self.was_down = False
         self.reconnects = 0
         self.restarts_listed = 0   # engine restarts already in the alert list (by count)
+        self.state_since: float | None = None     # when its health state became the current one
+        self.process_since: float | None = None   # when the process now speaking was first heard
 
     @property
     def key(self) -> str:
@@ -213,6 +215,22 @@ class EngineState:
             return "connecting"
         return str(self.latest["health"].get("state", "running"))
 
+    def down_since(self, now: float) -> float | None:
+        """When this engine stopped serving, by receive time: the last heartbeat of one gone
+        silent ("down"), the first ``restarting`` of one restarting; None while it serves."""
+        status = self.status(now)
+        if status == "down":
+            return self.last_heartbeat if self.last_heartbeat is not None else self.first_seen
+        return self.state_since if status == "restarting" else None
+
+    def live_bodies(self) -> dict[str, dict[str, Any]]:
+        """The last body per topic of the process now speaking: after a restart, what the
+        previous process sent last is left out until the new one sends its own."""
+        if self.process_since is None:
+            return self.latest
+        return {t: b for t, b in self.latest.items()
+                if self.recv_ts.get(t, self.process_since) >= self.process_since}
+
     def _track_seq(self, topic: str, seq: int, process: tuple[Any, Any] | None = None) -> bool:
         """Count messages lost to gaps; True when this is a new publisher process: ``seq`` went
         backwards, or (health) another process (pid, start time) speaks. The second catches
@@ -240,6 +258,10 @@ class EngineState:
             self.first_seen = recv_ts
         restarted = self._track_seq(msg.topic, msg.seq, (p.get("pid"), p.get("started_ts"))
                                     if msg.topic == "health" else None)
+        if restarted:
+            self.process_since = recv_ts
+        if msg.topic == "health" and p.get("state") != self.latest.get("health", {}).get("state"):
+            self.state_since = recv_ts
         self.received += 1
         self.latest[msg.topic] = p
         self.recv_ts[msg.topic] = recv_ts
@@ -474,9 +496,11 @@ class ConsoleState:
     def dp_aggregate(self, ranks: Sequence[EngineState], now: float | None = None
                      ) -> dict[str, Any]:
         """`vconsole.console.ranks.aggregate` over the ranks that serve: a rank that is down or
-        restarting is left out (its last figures are stale), and named in ``left_out``."""
+        restarting is left out (its last figures are stale), and named in ``left_out``; of a
+        restarted rank only what its new process sent counts (`EngineState.live_bodies`)."""
         t = self.clock() if now is None else now
-        live = {e.rank: e.latest for e in ranks if e.status(t) not in ("down", "restarting")}
+        live = {e.rank: e.live_bodies() for e in ranks
+                if e.status(t) not in ("down", "restarting")}
         out = aggregate(live)
         out["left_out"] = [e.rank for e in ranks if e.rank not in live]
         out["world_size"] = max(out["world_size"], self.dp_world_size(ranks))
@@ -497,6 +521,29 @@ class ConsoleState:
     def latest_alerts(self, n: int) -> list[Alert]:
         with self.lock:
             return list(self.alerts)[-n:][::-1]
+
+    def alerts_active(self, eng: EngineState) -> dict[str, str]:
+        """Figure -> level of ``eng``'s alerts active now: its last heartbeat's
+        ``alerts_active``, brought up to date by the level changes heard after that heartbeat.
+        A change goes out at once, the heartbeat only every ``heartbeat_interval_s``, so for up
+        to an interval (and in a replay paused between the two) the heartbeat still names an
+        alert the engine has just cleared. With no heartbeat that says, the changes this
+        console heard. Events that are never active (restarts, advice) are not counted."""
+        with self.lock:
+            health = eng.latest.get("health", {})
+            beat = health.get("alerts_active")
+            out = {str(k): str(v) for k, v in beat.items()} if isinstance(beat, dict) else {}
+            since = eng.recv_ts.get("health") if isinstance(beat, dict) else None
+            for a in self.alerts:
+                if a.engine != eng.engine or a.rank != eng.rank or a.name not in RULES:
+                    continue
+                if since is not None and a.recv_ts <= since:
+                    continue       # the heartbeat sent after it already counts it
+                if a.level == "ok":
+                    out.pop(a.name, None)
+                else:
+                    out[a.name] = a.level
+            return out
 
     def alert_summary(self, now: float, window_s: float = 60.0) -> list[tuple[Alert, int]]:
         """The latest alert per (engine, name), newest first, with how many times it changed

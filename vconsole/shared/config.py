@@ -189,6 +189,16 @@ class EngineConfig:
                                  "fraction below the threshold (0.1: 10 % below), so a value "
                                  "hovering on a threshold does not flap.", hot=True,
                                  lo=0.0, hi=0.5)
+    alert_step_time_window_s: float = _f(5.0, "The step-time alert judges the median step time "
+                                         "of the steps of the last this many seconds, not one "
+                                         "step.", hot=True, lo=0.1, hi=600.0)
+    alert_step_time_raise_s: float = _f(2.0, "The step-time median must stay at or above a "
+                                        "threshold this long before the alert rises to it.",
+                                        hot=True, lo=0.0, hi=3600.0)
+    alert_step_time_clear_s: float = _f(20.0, "The step-time median must stay under a level's "
+                                        "release point (its threshold less alert_hysteresis) "
+                                        "this long before the alert drops that level.",
+                                        hot=True, lo=0.0, hi=3600.0)
 
     # --- hot: reliability --------------------------------------------------------------------
     max_consecutive_step_failures: int = _f(3, "Failed model executions in a row after which "

@@ -13,8 +13,10 @@ does not steer (its trace is another engine's).
 
 ``A`` (or enter) applies a hot suggestion through the app (`VConsoleApp.apply_advice`:
 Steering's plan, the confirmation, then one ``set_config``); restart-only ones are shown with
-the command that would apply them, never sent. Read-only hides the action. The advice is the
-same for a live engine and a replayed recording.
+the command that would apply them, never sent. While the confirmation box is open the list
+behind it is held (the advisor may have moved on: the box and the row must say the same, and
+what is sent is what the box shows); it catches up when the box closes. Read-only hides the
+action. The advice is the same for a live engine and a replayed recording.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from vconsole.console.predictions import (
 from vconsole.console.screens.base import ConsoleScreen, row_table
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
+from vconsole.console.widgets.confirmation import ConfirmScreen
 
 REPREDICT_S = 3.0     # a suggestion whose values move is predicted again at most this often
 OTHER_ENGINE = ("the what-if reads the trace of the engine the control channel steers; this "
@@ -115,7 +118,17 @@ class AdviceScreen(ConsoleScreen):
 
     # --- data ------------------------------------------------------------------------------
 
+    def confirming(self) -> bool:
+        """A confirmation box stands in front of this screen (the one ``A`` opened)."""
+        stack = self.app.screen_stack
+        return stack[-1] is not self and isinstance(stack[-1], ConfirmScreen) and self in stack
+
     def apply(self, frame: Frame, state: ConsoleState) -> None:
+        if self.confirming():
+            # The box names one suggestion's change and confirming sends exactly that: the
+            # list behind it holds still until the box closes (then it catches up at once,
+            # `on_screen_resume`), so the box and the row it came from never disagree.
+            return
         self.advice = state.advice(frame.engine)
         self._steered = frame.engine is None or frame.engine is state.engine()
         ids = [a.id for a in self.advice]

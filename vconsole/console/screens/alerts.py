@@ -86,18 +86,14 @@ def figure(alert: Alert) -> str:
 
 
 def active_now(state: ConsoleState) -> list[tuple[str, str, str]]:
-    """(engine, name, level) of every alert active now, from each engine's heartbeat (which a
-    console attached late also has), else from the edges this console saw."""
+    """(engine, name, level) of every alert active now (`ConsoleState.alerts_active`: each
+    engine's heartbeat, which a console attached late also has, brought up to date by the
+    level changes heard since)."""
     out: dict[tuple[str, str], str] = {}
     for eng in state.engines.values():
         where = f"{eng.engine}/{eng.rank}" if len(state.engines) > 1 else eng.engine
-        active = eng.latest.get("health", {}).get("alerts_active")
-        if isinstance(active, dict):
-            for name, level in active.items():
-                out[(where, str(name))] = str(level)
-    if not out:
-        for (where, name), a in state.active_alerts.items():
-            out[(where, name)] = a.level
+        for name, level in state.alerts_active(eng).items():
+            out[(where, name)] = level
     rank = {"critical": 0, "warning": 1}
     return sorted(((w, n, lvl) for (w, n), lvl in out.items()),
                   key=lambda t: (rank.get(t[2], 2), t[0], t[1]))

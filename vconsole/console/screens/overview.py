@@ -74,7 +74,8 @@ class OverviewScreen(ConsoleScreen):
         kv_box.border_subtitle = fmt.escape(panels.kv_storage(
             eng.latest.get("kv") if eng is not None else None, kv_box.inner_width - 2))
         box = self.query_one("#alerts", Panel)
-        box.show(panels.alerts(eng, state.alert_summary(now), now, box.inner_width))
+        box.show(panels.alerts(state.alerts_active(eng) if eng is not None else {},
+                               state.alert_summary(now), now, box.inner_width))
         advice = state.advice(eng)
         more = f" (+{len(advice) - 1})" if len(advice) > 1 else ""
         box.border_subtitle = f"advice: {advice[0].title}{more} · a shows" if advice else ""

@@ -361,12 +361,12 @@ def latency(eng: EngineState, now: float, width: int, limits: Mapping[str, float
     return "\n".join(lines)
 
 
-def alerts(eng: EngineState | None, items: list[tuple[Alert, int]], now: float,
+def alerts(active: dict[str, str], items: list[tuple[Alert, int]], now: float,
            width: int) -> str:
-    """Active alerts first (from the heartbeat, which a late subscriber also gets), then one
-    line per alerting figure — its latest event, newest first, and how often it flapped."""
+    """Active alerts first (`ConsoleState.alerts_active`: the heartbeat, which a late
+    subscriber also gets, and the changes since), then one line per alerting figure — its
+    latest event, newest first, and how often it flapped."""
     lines = []
-    active = (eng.latest.get("health", {}).get("alerts_active") if eng else None) or {}
     if active:
         parts = [f"[{LEVEL.get(lvl, '')}]● {fmt.escape(name)} {lvl}[/]"
                  for name, lvl in sorted(active.items())]

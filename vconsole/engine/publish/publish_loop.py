@@ -144,7 +144,8 @@ class PublishLoop:
         if self.state == "idle" and not self.inbox.steps_pending():
             # Nothing to do is not slow. (A running engine with no steps may be stuck inside
             # one: it keeps its level, and health.last_step_age_s grows.)
-            self._send_alerts(self.evaluator.observe(step_time_s=0.0, sched_share=0.0))
+            self._send_alerts(self.evaluator.observe_steps(now, 0.0, 0)
+                              + self.evaluator.observe(sched_share=0.0))
         for cadence in self.cadences:
             if cadence.ready() and now >= cadence.due:
                 self._send_alerts(cadence.send(now))
@@ -213,8 +214,8 @@ class PublishLoop:
         self.last_window = now
         self.sender.send("step", step)
         if drained:
-            alerts += self.evaluator.observe(step_time_s=step["step_time_p50_s"],
-                                             sched_share=step["sched_share"])
+            alerts += self.evaluator.observe_steps(now, step["step_time_p50_s"], len(drained))
+            alerts += self.evaluator.observe(sched_share=step["sched_share"])
         if self.snapshot is not None and (self.have_new or refresh):
             sched, kv, _, snap_ts = self.snapshot
             body = {**sched_body(sched, cfg.telemetry_max_requests), "snapshot_ts": snap_ts}
