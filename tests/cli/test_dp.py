@@ -253,6 +253,19 @@ def test_vconsole_set_and_get_address_one_rank_with_rank(dp: DP) -> None:
     assert refused.returncode == 1 and "rejected  max_num_seqs" in refused.stderr
 
 
+def test_vconsole_stacks_says_which_rank_of_the_group_it_shows(dp: DP) -> None:
+    pids = {r["rank"]: r["pid"] for r in dp.ranks()}
+    base = [sys.executable, "-m", "vconsole", "stacks", "--telemetry",
+            dp.engine.endpoints["telemetry"], "--method", "signal"]
+    done = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"pid {pids[0]}, rank 0 of 2: "), done.stdout[:200]
+    assert "data-parallel group of 2" in done.stderr and "--rank 1" in done.stderr
+    one = subprocess.run([*base, "--rank", "1"], capture_output=True, text=True, timeout=60)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.startswith(f"pid {pids[1]}, rank 1 of 2: ") and one.stderr == ""
+
+
 def test_a_killed_rank_fails_its_requests_is_restarted_and_the_group_serves_again(dp: DP) -> None:
     before = {r["rank"]: r["pid"] for r in dp.ranks()}
     generation = _last(dp, "dp", 0)["group_generation"]

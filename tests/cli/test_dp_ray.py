@@ -2,8 +2,9 @@
 
 One engine for the module, on a local Ray it starts itself (its default: this machine's CPUs,
 no dashboard): the tests run in order against it — 200 requests with a lone engine's greedy
-outputs, waves and dummy steps, its Ray's private token and no secret in Ray's files, a rank
-actor killed with ``ray.kill`` under load, a rank whose loop ends with exit code 3, a Ray call
+outputs, waves and dummy steps, its Ray on loopback only, its Ray's private token and no secret
+in Ray's files, a rank actor killed with ``ray.kill`` under load, a rank actor's process killed
+with SIGKILL (not taken for out of memory), a rank whose loop ends with exit code 3, a Ray call
 that times out — and the last stops it and checks that no actor, placement group or Ray
 process of it is left. The test process joins the engine's Ray (the address is in the ready
 file, the token in its session folder) only to look and to kill.
@@ -31,7 +32,13 @@ import pytest
 
 from tests.support.live_engine import Telemetry, reference_outputs
 from vconsole.engine.client.client import EngineClient
-from vconsole.engine.dp.ray.cluster import RAY_DIR, TOKEN_FILE, processes_of, use_token_file
+from vconsole.engine.dp.ray.cluster import (
+    RAY_DIR,
+    TOKEN_FILE,
+    processes_of,
+    use_loopback,
+    use_token_file,
+)
 from vconsole.engine.dp.ray.launcher import STOPPED, TIMED_OUT, wait_for
 from vconsole.engine.launch import exit_codes
 from vconsole.engine.launch.child import engine_command
@@ -85,6 +92,7 @@ def dp() -> Iterator[RayDP]:
     assert session, engine.log_tail(40)
     saved = {k: os.environ.get(k) for k in AUTH_ENV}
     use_token_file(Path(session.group(1)) / TOKEN_FILE)    # the engine's Ray's own token
+    use_loopback()                              # ... which is on 127.0.0.1 only
     ray.init(address=rank0["ray_address"], namespace=rank0["namespace"], log_to_driver=False,
              logging_level="ERROR")
     state = RayDP(engine, telemetry, Path(session.group(1)))
@@ -93,6 +101,7 @@ def dp() -> Iterator[RayDP]:
     finally:
         telemetry.close()
         ray.shutdown()
+        use_loopback(False)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -193,6 +202,57 @@ def test_a_rank_actor_killed_with_ray_kill_fails_its_requests_comes_back_and_say
         dp.telemetry.wait_for("dp", lambda p, r=rank: p["rank"] == r and p["group_state"] == "ok"
                               and p["group_generation"] > generation, timeout_s=60, since=after)
     assert dp.groups() == {"dp_rank_0": "CREATED", "dp_rank_1": "CREATED"}
+
+
+def test_the_engines_own_ray_is_on_loopback_only(dp: RayDP) -> None:
+    """The ready file's addresses are 127.0.0.1 (as docs/data-parallel.md says), and the Ray
+    it started listens on nothing else."""
+    import psutil
+
+    for r in dp.ranks():
+        assert r["node_ip"] == "127.0.0.1" and r["ray_address"].startswith("127.0.0.1:"), r
+    listening = {}
+    for pid in processes_of(dp.session):
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    listening[f"{proc.name()}:{conn.laddr.port}"] = conn.laddr.ip
+    names = {k.split(":")[0] for k in listening}
+    assert {"gcs_server", "raylet"} <= names, listening
+    assert {ip.removeprefix("::ffff:") for ip in listening.values()} == {"127.0.0.1"}, listening
+
+
+def test_a_rank_actors_process_killed_with_sigkill_is_not_called_out_of_memory(
+        dp: RayDP) -> None:
+    """Ray's text for any abrupt death lists the OOM killer among possible causes; the reason
+    the clients, the log and the telemetry get says what is known: killed or crashed."""
+    before = next(r for r in dp.ranks() if r["rank"] == 1)
+    since = time.monotonic()
+    with dp.client() as c:
+        ids = [c.submit(prompt_token_ids=[6, 7, 8, i], max_tokens=200, ignore_eos=True)
+               for i in range(4)]
+        dp.telemetry.wait_for("sched", lambda p: p["rank"] == 1 and p["num_running"] > 0,
+                              timeout_s=30, since=since)
+        os.kill(before["pid"], signal.SIGKILL)
+        done = c.gather(ids, timeout_s=120)
+    errors = [d.error or "" for d in done.values() if d.finish_reason == "error"]
+    assert errors, [d.finish_reason for d in done.values()]
+    expected = (f"data-parallel rank 1 died: Ray actor vconsole_dp_rank_1 (pid {before['pid']}) "
+                "died abruptly: killed by a signal (such as SIGKILL) or crashed")
+    assert all(expected in e for e in errors), errors
+    down = dp.telemetry.wait_for("health", lambda p: p["rank"] == 1
+                                 and p["state"] == "restarting", timeout_s=10, since=since)
+    assert "died abruptly" in down["restart_reason"], down
+    assert "memory" not in down["restart_reason"]
+    logged = [ln for ln in dp.engine.log_text().splitlines()
+              if "data-parallel rank 1: " in ln and "died abruptly" in ln]
+    assert logged and not any("memory" in ln for ln in logged), logged
+    deadline = time.monotonic() + 120
+    while (now := next(r for r in dp.ranks() if r["rank"] == 1))["actor_id"] in (
+            None, before["actor_id"]) or now["pid"] is None:
+        assert time.monotonic() < deadline, "rank 1's actor was not restarted"
+        time.sleep(0.2)
 
 
 def test_the_engines_ray_runs_with_its_private_token_and_no_secret_reaches_ray(

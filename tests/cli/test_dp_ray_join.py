@@ -24,7 +24,7 @@ def test_an_engine_joins_a_running_cluster_and_leaves_it_as_it_found_it(tmp_path
     temp = Path("/tmp") / f"vcrt-{tmp_path.name[-8:]}"
     temp.mkdir()
     token = write_token(temp)       # the cluster's token, as `ray start` keeps one
-    head = start_head(temp, 4, token)
+    head = start_head(temp, 4, token, loopback=False)    # as a plain `ray start --head`
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     try:
         address = f"127.0.0.1:{head.port}"

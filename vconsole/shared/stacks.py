@@ -98,6 +98,8 @@ class StackReport:
     threads: tuple[ThreadStack, ...]
     taken_ts: float = field(default_factory=time.time)
     note: str | None = None    # why this method and not py-spy, or what is missing
+    rank: int | None = None        # data parallel: which rank's process this is ...
+    world_size: int | None = None  # ... of how many (each rank is a process of its own)
 
     @property
     def busy_loop(self) -> ThreadStack | None:
@@ -109,7 +111,10 @@ class StackReport:
     def render(self, *, max_frames: int | None = None) -> str:
         """The text a person reads: a header, then per thread its name and frames."""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.taken_ts))
-        lines = [f"pid {self.pid}: {len(self.threads)} threads, by {self.method}, at {when}"]
+        which = (f", rank {self.rank} of {self.world_size}"
+                 if self.rank is not None and (self.world_size or 1) > 1 else "")
+        lines = [f"pid {self.pid}{which}: {len(self.threads)} threads, by {self.method}, "
+                 f"at {when}"]
         if self.note:
             lines.append(f"note: {self.note}")
         for t in self.threads:

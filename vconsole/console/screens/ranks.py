@@ -5,9 +5,11 @@ usage, phases, dummy-step share, wave, process-group state) and how unevenly the
 (max / mean of waiting + running, highlighted past `vconsole.console.ranks.IMBALANCE_WARN`).
 Below, one row per rank, scrolling when there are more ranks than lines (8 ranks fit at 80x24);
 the cursor row is the selected engine, so every other screen shows that rank, and ``enter``
-opens its KV map. A rank the group's size names but that was never heard shows as such. Ranks
-that are Ray actors (``--data-parallel-backend ray``) get one more line: each rank's actor and
-node; a restarted actor shows as any restarted rank does (``restarting``, reason, count).
+opens its KV map. A rank the group's size names but that was never heard shows as such; one
+that is down or restarting shows its state, for how long and why, with dashes for its figures
+(its last ones are not live, and the aggregate leaves it out). Ranks that are Ray actors
+(``--data-parallel-backend ray``) get one more line: each rank's actor and node; a restarted
+actor shows as any restarted rank does (``restarting``, reason, count).
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ class RanksScreen(ConsoleScreen):
         size = max(agg["world_size"], max(by_rank) + 1)
         order: list[EngineState | None] = [by_rank.get(r) for r in range(size)]
         order += [e for e in ranks if e.rank >= size]
-        loads = [v for e in ranks if (v := rank_load(e.latest)) is not None]
+        left_out = set(agg.get("left_out") or ())
+        loads = [v for e in ranks if e.rank not in left_out
+                 and (v := rank_load(e.live_bodies())) is not None]
         max_load = max(loads, default=0.0)
         texts = [dp_panels.rank_row(e, agg, frame.now, width, max_load) if e is not None
                  else dp_panels.missing_row(r) for r, e in enumerate(order)]

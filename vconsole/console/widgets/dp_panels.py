@@ -49,7 +49,7 @@ def overloaded(eng: EngineState, agg: Mapping[str, Any]) -> bool:
     if not agg.get("imbalanced"):
         return False
     loads = [float(v) for v in (agg.get("load") or {}).values()]
-    load = rank_load(eng.latest)
+    load = rank_load(eng.live_bodies())
     if load is None or not loads:
         return False
     return load >= IMBALANCE_WARN * (sum(loads) / len(loads))
@@ -127,14 +127,16 @@ def header(width: int) -> str:
 
 def rank_row(eng: EngineState, agg: Mapping[str, Any], now: float, width: int,
              max_load: float) -> str:
-    """One rank on one line (see COLUMNS); an overloaded rank's queues in ``$warning``."""
+    """One rank on one line (see COLUMNS); an overloaded rank's queues in ``$warning``. A rank
+    that is down or restarting gets `down_row`: its last figures are not live ones."""
     status = eng.status(now)
-    sc, st = eng.latest.get("sched"), eng.latest.get("step")
-    kvp, dp = eng.latest.get("kv"), eng.latest.get("dp")
+    if eng.rank in (agg.get("left_out") or ()) or eng.down_since(now) is not None:
+        return down_row(eng, now, width)
+    bodies = eng.live_bodies()
+    sc, st = bodies.get("sched"), bodies.get("step")
+    kvp, dp = bodies.get("kv"), bodies.get("dp")
     hot = "$warning b" if overloaded(eng, agg) else ""
-    if eng.rank in (agg.get("left_out") or ()):
-        hot = "$text-muted"          # down or restarting: the figures are its last ones
-    muted = "$text-muted" if hot == "$text-muted" else ""
+    muted = ""
     usage = _num(kvp, "usage")
     wave = _num(dp, "wave")
     running = bool(dp and dp.get("wave_running"))
@@ -153,11 +155,31 @@ def rank_row(eng: EngineState, agg: Mapping[str, Any], now: float, width: int,
         _cell(group, 7, ">", GROUP_STYLE.get(group, "")),
     ]
     if width >= WIDE:
-        load = rank_load(eng.latest)
+        load = rank_load(bodies)
         frac = load / max_load if load is not None and max_load > 0 else 0.0
         cells.append(fmt.styled(fmt.bar(frac, 12), hot or "$accent"))
         cells.append(_cell(fmt.ms(_num(dp, "sync_s_per_step")), 9, ">"))
     return " ".join(cells)
+
+
+def down_row(eng: EngineState, now: float, width: int) -> str:
+    """A rank that is down or restarting: its state, dashes for the figures it no longer has,
+    for how long (by receive time, as the Alerts screen's ages) and why (the restart's reason,
+    when given; no heartbeat for a rank gone silent)."""
+    status = eng.status(now)
+    since = eng.down_since(now)
+    cells = [_cell(f"r{eng.rank}", 4, "<", "b"),
+             _cell(f"● {status}", 12, "<", STATUS_STYLE.get(status, "$error"))]
+    cells += [_cell("–", w, a, "$text-muted") for _t, w, a in COLUMNS[2:6]]
+    head = " ".join(cells)
+    used = sum(w for _t, w, _a in COLUMNS[:6]) + 6
+    words = [f"for {fmt.duration(now - since)}"] if since is not None else []
+    reason = eng.latest.get("health", {}).get("restart_reason") if status == "restarting" \
+        else "no heartbeat"
+    if reason:
+        actor = eng.latest.get("dp", {}).get("actor")     # the row names the rank already
+        words.append(str(reason).removeprefix(f"Ray actor {actor} ") if actor else str(reason))
+    return f"{head} {_muted(fmt.clip(' · '.join(words), max(0, width - used)))}"
 
 
 def missing_row(rank: int) -> str:
@@ -173,7 +195,7 @@ def load_line(ranks: Sequence[EngineState], agg: Mapping[str, Any], width: int) 
         if eng.rank in left_out:      # down or restarting: its last figures are stale
             parts.append(f"[$error]r{eng.rank} –[/]")
             continue
-        load = rank_load(eng.latest)
+        load = rank_load(eng.live_bodies())
         text = f"r{eng.rank} {fmt.count(load)}"
         parts.append(f"[$warning b]{fmt.escape(text)}[/]" if overloaded(eng, agg)
                      else fmt.escape(text))

@@ -2,12 +2,15 @@
 
 ``--ray-address auto|HOST:PORT`` joins a running cluster (``ray start --head`` on one box,
 ``ray start --address HEAD:PORT`` on the others); without it the engine starts a local Ray of its
-own (`start_head`: ``ray start --head --block`` with loopback as its node address, in a
-session of its own): this machine's CPUs (at least one per rank), no dashboard, no usage
-report, shut down with the engine. Its files live in a short private temporary folder (0700;
-Ray's own in a subfolder of it, as Ray makes its temporary folder world-writable). Its GCS and
-raylet ports listen on every interface (Ray 2.60 cannot bind them to loopback); Ray's token
-authentication is forced on for it, with a token of its own in that folder (mode 0600). Ray's
+own (`start_head`: ``ray start --head --block`` on loopback, in a session of its own): this
+machine's CPUs (at least one per rank), no dashboard, no usage report, shut down with the
+engine. Its files live in a short private temporary folder (0700; Ray's own in a subfolder of
+it, as Ray makes its temporary folder world-writable). Loopback: Ray turns ``127.0.0.1`` given as
+a node address into this machine's network address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``
+is ``0`` (Ray's single-machine mode, `LOOPBACK_ENV`); with it, set for the head (and so every
+worker) and for this driver (`use_loopback`), the node address is ``127.0.0.1`` and the GCS and
+raylet listen on 127.0.0.1 only. Ray's token authentication is forced on for it as well (other
+users of this machine), with a token of its own in that folder (mode 0600). Ray's
 own logging stays at WARNING; the ranks' output reaches this process's stderr (Ray prefixes
 each line with the actor).
 
@@ -65,6 +68,10 @@ SECRET_LIKE = re.compile(r"(^|_)(TOKEN|KEY|PASSWORD|PASSWD|CREDENTIALS?|AUTH)(_|
                          re.IGNORECASE)            # never forwarded, even if listed above
 TOKEN_FILE = "auth_token"          # an owned Ray's token, in its private folder
 RAY_DIR = "r"       # an owned Ray's --temp-dir, inside our 0700 folder: Ray makes it 0777
+# "0": Ray's single-machine mode, in which 127.0.0.1 stays the node address (Ray 2.60 otherwise
+# replaces a loopback --node-ip-address, and the address a driver joins, by this machine's
+# network address; `ray._private.services.get_node_ip_address`).
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class RayMissing(RuntimeError):
@@ -128,6 +135,19 @@ def use_token_if_any() -> None:
             Config.initialize("")
 
 
+def use_loopback(on: bool = True) -> None:
+    """This process (a driver) reaches a loopback-only Ray at ``127.0.0.1`` as such (``on``), or
+    again takes this machine's network address for loopback, Ray's default (``on=False``). Ray
+    reads `LOOPBACK_ENV` once, at import: the setting is applied to its constant too."""
+    if on:
+        os.environ[LOOPBACK_ENV] = "0"
+    else:
+        os.environ.pop(LOOPBACK_ENV, None)
+    constants: Any = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = (not on) and not constants.IS_WINDOWS_OR_OSX
+
+
 def write_token(temp_dir: Path) -> Path:
     """A fresh Ray auth token for a Ray we start, in ``temp_dir`` (private: 0700) with mode
     0600: not ``~/.ray/auth_token``, which every Ray of this user would share."""
@@ -175,29 +195,33 @@ class LocalHead:
 
 
 def start_head(temp_dir: Path, num_cpus: int, token_path: Path,
-               timeout_s: float = 120.0) -> LocalHead:
+               timeout_s: float = 120.0, *, loopback: bool = True) -> LocalHead:
     """A local Ray head with ``num_cpus`` CPUs and no dashboard; raises ``ConnectionError``
     with the tail of its log if it does not start. ``temp_dir`` is our private (0700) folder:
     Ray's own session files go to ``temp_dir/r`` (Ray makes its temp dir 0777; the private
     parent keeps other users out of its logs and sockets), the token beside it.
 
-    Its node address is loopback, but Ray 2.60 has no option to bind its GCS and raylet gRPC
-    ports to it: they listen on every interface. What guards them is Ray's token
-    authentication, forced on here (``RAY_AUTH_MODE=token`` even when the operator's
-    environment says ``disabled``) with the token in ``token_path``."""
+    ``loopback``: its node address is 127.0.0.1 and its GCS and raylet listen there only
+    (`LOOPBACK_ENV`; a driver joins it after `use_loopback`); else Ray's default, this
+    machine's network address, every interface. Either way Ray's token authentication is
+    forced on (``RAY_AUTH_MODE=token`` even when the operator's environment says
+    ``disabled``) with the token in ``token_path``."""
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         port = int(s.getsockname()[1])
     exe = Path(sys.executable).with_name("ray")
     command = [str(exe) if exe.exists() else (shutil.which("ray") or "ray"), "start", "--head",
-               "--block", "--node-ip-address", LOOPBACK, "--port", str(port),
-               "--num-cpus", str(num_cpus), "--include-dashboard", "false",
+               "--block", *(["--node-ip-address", LOOPBACK] if loopback else []),
+               "--port", str(port), "--num-cpus", str(num_cpus), "--include-dashboard", "false",
                "--disable-usage-stats", "--temp-dir", str(temp_dir / RAY_DIR)]
+    env = {**head_env(), "RAY_USAGE_STATS_ENABLED": "0", **token_env(token_path)}
+    env.pop(LOOPBACK_ENV, None)
+    if loopback:
+        env[LOOPBACK_ENV] = "0"
     log_path = temp_dir / "ray-start.log"
     with open(log_path, "wb") as out:
         child = ChildProcess(command, stdout=out, stderr=subprocess.STDOUT, own_group=True,
-                             env={**head_env(), "RAY_USAGE_STATS_ENABLED": "0",
-                                  **token_env(token_path)})
+                             env=env)
     deadline = time.monotonic() + timeout_s
     while HEAD_READY not in log_path.read_text(errors="replace"):
         if child.poll() is not None or time.monotonic() > deadline:
@@ -253,6 +277,7 @@ class RayCluster:
             head = start_head(temp_dir, max(os.cpu_count() or 1, min_cpus), token_path)
             try:
                 use_token_file(token_path)
+                use_loopback()
                 ray.init(address=f"{LOOPBACK}:{head.port}", **common)
             except BaseException:
                 with contextlib.suppress(Exception):

@@ -14,7 +14,8 @@ outlives it) with the supervisor's rules (``--max-restarts`` within ``--restart-
 ``--restart-backoff`` doubling). Ours rather than Ray's because the front end must learn of the
 death the moment it happens (Ray's restart is silent to the owner until a call fails): it fails
 that rank's in-flight requests with ``data-parallel rank R died: <reason>`` (e.g. ``Ray actor
-vconsole_dp_rank_1 killed by ray.kill``), routes new ones to the other ranks and publishes
+vconsole_dp_rank_1 killed by ray.kill``; what Ray's error says and no more,
+`vconsole.engine.dp.ray.death`), routes new ones to the other ranks and publishes
 ``health`` ``restarting`` with the reason and count; the new actor starts with that count and
 reason (its own ``health`` says them), and once it is ready the front end regroups every rank —
 the wave numbering carries on. A rank whose loop ends with an error (an exit code such as
@@ -47,6 +48,7 @@ from vconsole.engine.dp.front.stack import FrontEndStack, without_refused_text
 from vconsole.engine.dp.front.torchrun import rank_curves
 from vconsole.engine.dp.ray.actor import RankActor, actor_name
 from vconsole.engine.dp.ray.cluster import RayCluster
+from vconsole.engine.dp.ray.death import death_reason
 from vconsole.engine.launch import exit_codes
 from vconsole.engine.launch.ready_file import ENDPOINT_NAMES
 from vconsole.engine.launch.restart_policy import RestartPolicy
@@ -108,22 +110,6 @@ def wait_for(ray: Any, ref: Any, timeout_s: float, stopping: Callable[[], bool])
                 return ray.get(ref)
             except ray.exceptions.RayError as e:
                 return e
-
-
-def death_reason(error: BaseException, rank: int) -> str:
-    """A short reason for a rank actor's death, from Ray's error."""
-    text = str(error)
-    name = actor_name(rank)
-    if "ray.kill" in text:
-        return f"Ray actor {name} killed by ray.kill"
-    if "out of memory" in text.lower() or "OOM" in text:
-        return f"Ray actor {name} killed: out of memory"
-    if "node" in text.lower() and ("dead" in text.lower() or "died" in text.lower()):
-        return f"Ray actor {name}: its node died"
-    if "SIGKILL" in text or "exit code" in text or "unexpectedly" in text:
-        return f"Ray actor {name} died unexpectedly"
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
-    return f"Ray actor {name}: {first[:200]}"
 
 
 class RankFailed(Exception):
