@@ -3,13 +3,16 @@
 import os
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
+import vconsole
 from vconsole.cli import build_parser
 
-SUBCOMMANDS = ["demo", "engine", "attach", "generate", "load", "set", "get", "top", "bench",
-               "record", "replay", "doctor"]
+SUBCOMMANDS = ["demo", "engine", "serve", "attach", "replay", "generate", "load", "set", "get",
+               "profile", "top", "stacks", "bench", "record", "trace", "keys", "doctor", "whatif"]
 
 
 def test_help_lists_every_subcommand():
@@ -65,7 +68,28 @@ def test_bare_vconsole_prints_its_help_and_version_is_there():
     assert "demo" in bare.stdout and "Traceback" not in bare.stderr
     version = subprocess.run([sys.executable, "-m", "vconsole", "--version"],
                              capture_output=True, text=True)
-    assert version.returncode == 0 and version.stdout.startswith("vconsole ")
+    assert version.returncode == 0 and version.stdout == f"vconsole {vconsole.__version__}\n"
+
+
+def test_the_package_version_is_the_projects():
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert vconsole.__version__ == pyproject["project"]["version"]
+
+
+def test_help_loads_parsers_only():
+    """`vconsole --help` builds every command's parser and imports no handler: no engine,
+    telemetry, console, server or tools package, no torch, textual or zmq."""
+    code = ("import sys; from vconsole.cli import build_parser; build_parser(); "
+            "print(' '.join(sorted(sys.modules)))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True).stdout.split()
+    heavy = [m for m in loaded if m.split(".")[0] in ("torch", "textual", "zmq", "transformers")
+             or m.startswith(("vconsole.engine", "vconsole.telemetry", "vconsole.console",
+                              "vconsole.entrypoints", "vconsole.tools", "vconsole.whatif"))]
+    assert heavy == []
+    commands = {m.rsplit(".", 1)[1] for m in loaded if m.startswith("vconsole.commands.")}
+    assert commands.isdisjoint({"demo", "engine", "serve", "attach", "bench", "control", "top"})
+    assert {"demo_flags", "bench_flags", "control_flags"} <= commands
 
 
 def test_base_port_moves_every_default_endpoint_but_not_an_explicit_one():

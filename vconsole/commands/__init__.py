@@ -1,4 +1,5 @@
-"""The CLI's command handlers, one module per command group (`vconsole.cli` builds the parser)."""
+"""The CLI's commands: a handler module per command group (``NAME.py``) and its parser beside it
+(``NAME_flags.py``); `vconsole.cli` is the table of them."""
 
 from __future__ import annotations
 

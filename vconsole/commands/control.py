@@ -20,7 +20,8 @@ from vconsole.commands.curve_args import client_curve
 from vconsole.security import control_key, key_owner
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL
-from vconsole.telemetry.control import ControlClient, ControlError
+from vconsole.wire.control import ControlError
+from vconsole.wire.control_client import ControlClient
 
 TIMEOUT_S = 5.0
 PROBE_S = 1.5       # is any engine there at all (when the control key is missing)

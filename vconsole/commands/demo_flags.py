@@ -1,4 +1,5 @@
-"""`vconsole demo`'s flags: the engine's, with the demo's own defaults in their help.
+"""`vconsole demo`'s parser (its handler: `vconsole.commands.demo`): the engine's flags, with the
+demo's own defaults in their help.
 
 The demo sets some engine settings itself (`vconsole.commands.demo_defaults`), per kind of model;
 ``--help`` says those, made from the same values, not the engine's defaults that
@@ -6,8 +7,6 @@ The demo sets some engine settings itself (`vconsole.commands.demo_defaults`), p
 """
 
 from __future__ import annotations
-
-import argparse
 
 from vconsole.commands.demo_defaults import (
     DEFAULT_BASE_PORT,
@@ -19,6 +18,7 @@ from vconsole.commands.demo_defaults import (
     REAL_RATE,
 )
 from vconsole.commands.flags import BASE_PORT_ENV, add_engine_args
+from vconsole.commands.subcommand import SubParsers, add_command
 from vconsole.shared.config import EngineConfig
 
 DESCRIPTION = (
@@ -60,7 +60,9 @@ def engine_flag_help() -> dict[str, str]:
     }
 
 
-def add_demo_args(p: argparse.ArgumentParser) -> None:
+def add_parsers(subparsers: SubParsers) -> None:
+    p = add_command(subparsers, "demo", "vconsole.commands.demo:main",
+                    "engine + load generator + console in one command", DESCRIPTION)
     add_engine_args(p)
     helps = engine_flag_help()
     for action in p._actions:

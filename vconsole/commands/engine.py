@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from vconsole.engine.config_source import ConfigSource
 from vconsole.engine.dp.rank.choose import process_role
-from vconsole.engine.launch import exit_codes, stack_dump
+from vconsole.engine.launch import stack_dump
 from vconsole.engine.launch.launch import ChildOfSupervisor, EngineLaunch, Supervision
 from vconsole.engine.launch.supervisor import EngineSupervisor
 from vconsole.engine.process.core_proc import EngineCoreProc, freeze_startup_heap
@@ -33,6 +33,7 @@ from vconsole.security.bind_policy import RemoteBindRefused, check_metrics_host
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULTS
 from vconsole.shared.config import ConfigError
+from vconsole.wire import exit_codes
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -1,8 +1,8 @@
 """The flag groups that several `vconsole` commands share, and the parsing helpers for them.
 
-`vconsole.cli` builds the parser from these: the engine's config flags, the four ZeroMQ
-endpoints (with ``--base-port`` / ``$VCONSOLE_BASE_PORT``), the control key, CURVE, the
-supervisor's and `vconsole engine`'s whole set. A flag several commands take is written once
+The commands' parsers (``NAME_flags.py``) are built from these: the engine's config flags, the
+four ZeroMQ endpoints (with ``--base-port`` / ``$VCONSOLE_BASE_PORT``), the control key, CURVE,
+the supervisor's and `vconsole engine`'s whole set. A flag several commands take is written once
 here, so its name, default and help cannot drift between them. Standard library and engine data
 only: `vconsole --help` imports this.
 """

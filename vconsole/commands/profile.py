@@ -28,7 +28,8 @@ from vconsole.commands import fail
 from vconsole.commands.control import _endpoint, _read_key
 from vconsole.commands.curve_args import client_curve
 from vconsole.security.curve import CurveKeyError
-from vconsole.telemetry.control import PROFILE_MAX_STEPS, ControlClient, ControlError
+from vconsole.wire.control import PROFILE_MAX_STEPS, ControlError
+from vconsole.wire.control_client import ControlClient
 
 REQUEST_TIMEOUT_S = 10.0   # one control round trip (profile_start waits for a step boundary)
 POLL_S = 0.2

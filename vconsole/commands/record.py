@@ -16,8 +16,8 @@ from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
 from vconsole.security.curve import ClientCurve, CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
-from vconsole.telemetry.control import ControlError
 from vconsole.telemetry.record import fetch_trace, record_stream, save_trace, trace_path
+from vconsole.wire.control import ControlError
 
 
 def main(args: argparse.Namespace) -> int:

@@ -30,11 +30,12 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 
-from vconsole.engine.launch import exit_codes
+from vconsole import __version__
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.engine.launch.ready_file import ReadyFileError, read_ready_file
 from vconsole.security.bind_policy import RemoteBindRefused, check_http_host
 from vconsole.shared.config import ConfigError
+from vconsole.wire import exit_codes
+from vconsole.wire.ready_file import ReadyFileError, read_ready_file
 
 API_KEY_ENV = "VCONSOLE_API_KEY"
 log = logging.getLogger("vconsole.serve")
@@ -177,7 +178,7 @@ def _serve_http(args: argparse.Namespace, sock: socket.socket, endpoints: dict[s
     from vconsole.entrypoints.openai.api_server import build_app
     _Server = _server_class()
     from vconsole.entrypoints.openai.engine_link import EngineLink
-    from vconsole.entrypoints.openai.serving import OpenAIServing
+    from vconsole.entrypoints.openai.serving_base import OpenAIServing
 
     serving = OpenAIServing(EngineLink(endpoints["input"], endpoints["output"]),
                             model_name=args.served_model_name or args.model,
@@ -185,7 +186,7 @@ def _serve_http(args: argparse.Namespace, sock: socket.socket, endpoints: dict[s
                             tool_call_parser=(args.tool_call_parser
                                               if args.enable_auto_tool_choice else None))
     app = build_app(serving, api_key=api_key, engine_metrics_url=metrics_url,
-                    version=_version())
+                    version=__version__)
     print(f"vconsole serve: http://{args.host}:{args.port}/v1 in front of the engine at "
           f"input={endpoints['input']}", file=sys.stderr, flush=True)
     # log_config None: uvicorn's loggers (access lines too) go to this command's stderr
@@ -218,9 +219,4 @@ def _server_class() -> type:
                     signal.signal(sig, handler)
 
     return Server
-
-
-def _version() -> str:
-    from vconsole.cli import _version as cli_version
-    return cli_version()
 

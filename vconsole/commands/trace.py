@@ -19,8 +19,8 @@ from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL
-from vconsole.telemetry.control import ControlError
 from vconsole.telemetry.record import count_trace_lines, fetch_trace, save_trace
+from vconsole.wire.control import ControlError
 
 
 def main(args: argparse.Namespace) -> int:
