@@ -59,7 +59,7 @@ def finished_in_window(app: VConsoleApp) -> bool:
     eng = app.state.engine()
     lat = eng.latest.get("latency") if eng is not None else None
     if lat is None:
-        return isinstance(app.source, ReplaySource)
+        return isinstance(app.sources[0], ReplaySource)
     e2e = ((lat.get("overall") or {}).get("window") or {}).get("e2e_s") or {}
     return bool(e2e.get("count"))
 
@@ -134,7 +134,7 @@ async def shoot_replay(recording: Path, out: Path, speed: float = 10.0) -> list[
     app = VConsoleApp(source=ReplaySource(recording, speed=speed))
     saved = []
     async with app.run_test(size=SIZES[0]) as pilot:
-        source = app.source
+        source = app.sources[0]
         deadline = time.monotonic() + 120.0
         while not getattr(source, "finished", False) and time.monotonic() < deadline:
             await pilot.pause(0.5)
@@ -254,9 +254,9 @@ def main() -> int:
 
         from vconsole.cli import build_parser
         from vconsole.commands.demo import engine_args_from
-        from vconsole.telemetry.control import ControlClient
         from vconsole.telemetry.record import record_stream
         from vconsole.tools.demo import DemoStack, demo_model, prepare_model
+        from vconsole.wire.control_client import ControlClient
 
         # What `vconsole demo` runs: smollm2 when installed (request text on), else tiny.
         model = demo_model()

@@ -101,8 +101,30 @@ PLANTED = [
                  "vconsole.shared.stats -> vconsole.engine.latency", id="shared-imports-engine"),
     pytest.param("engine/request.py", "import zmq", "engine-data",
                  "vconsole.engine.request -> zmq", id="engine-data-imports-zmq"),
-    pytest.param("telemetry/schema.py", "import vconsole.engine.core", "wire",
-                 "vconsole.telemetry.schema -> vconsole.engine.core", id="wire-imports-engine"),
+    pytest.param("telemetry/schema.py", "import vconsole.engine.core", "telemetry-no-engine",
+                 "vconsole.telemetry.schema -> vconsole.engine.core",
+                 id="telemetry-imports-engine"),
+    pytest.param("wire/protocol.py", "import vconsole.engine.core", "wire",
+                 "vconsole.wire.protocol -> vconsole.engine.core", id="wire-imports-engine"),
+    pytest.param("wire/control.py", "from vconsole.telemetry import schema", "wire",
+                 "vconsole.wire.control -> vconsole.telemetry.schema",
+                 id="wire-imports-telemetry"),
+    pytest.param("engine/process/core_proc.py", "from vconsole.engine.client import client",
+                 "engine-layers", "vconsole.engine.process.core_proc -> vconsole.engine.client",
+                 id="process-imports-client"),
+    pytest.param("engine/process/input_thread.py", "from vconsole.engine.launch import child",
+                 "engine-layers", "vconsole.engine.process.input_thread -> vconsole.engine.launch",
+                 id="process-imports-launch"),
+    pytest.param("engine/launch/supervisor.py", "import vconsole.tools.top", "engine-no-ui",
+                 "vconsole.engine.launch.supervisor -> vconsole.tools.top",
+                 id="engine-imports-tools"),
+    pytest.param("engine/client/client.py", "from vconsole.engine.publish import publisher",
+                 "engine-no-telemetry", "vconsole.engine.client.client -> vconsole.engine.publish",
+                 id="client-imports-publisher"),
+    pytest.param("entrypoints/openai/protocol.py", "from vconsole.engine.process import core_proc",
+                 "entrypoints",
+                 "vconsole.entrypoints.openai.protocol -> vconsole.engine.process.core_proc",
+                 id="server-imports-engine-process"),
     pytest.param("telemetry/alerts.py", "import vconsole.tools.top", "telemetry",
                  "vconsole.telemetry.alerts -> vconsole.tools.top", id="telemetry-imports-tools"),
     pytest.param("security/endpoints.py", "import vconsole.entrypoints", "security",
@@ -112,6 +134,13 @@ PLANTED = [
                  "publish",
                  "vconsole.engine.publish.publisher -> vconsole.engine.process.core_proc",
                  id="publisher-imports-process"),
+    pytest.param("engine/publish/queue_mirror.py",
+                 "from vconsole.engine.sched import request_queue", "publish",
+                 "vconsole.engine.publish.queue_mirror -> vconsole.engine.sched.request_queue",
+                 id="queue-mirror-imports-the-queue"),
+    pytest.param("whatif/simulate.py", "from vconsole.engine.publish import request_rows",
+                 "whatif", "vconsole.whatif.simulate -> vconsole.engine.publish.request_rows",
+                 id="whatif-imports-publishing"),
     pytest.param("console/state.py", "from vconsole.engine.core import EngineCore", "console",
                  "vconsole.console.state -> vconsole.engine.core", id="console-imports-core"),
     pytest.param("console/state.py", "from vconsole.engine.publish import publisher", "console",
@@ -128,6 +157,10 @@ PLANTED = [
     pytest.param("console/predictions.py", "from vconsole.engine.kv import block_pool",
                  "console", "vconsole.console.predictions -> vconsole.engine.kv.block_pool",
                  id="console-imports-kv-beside-whatif"),
+    pytest.param("console/screens/overview.py",
+                 "if TYPE_CHECKING: from vconsole.console.app import VConsoleApp", "console-host",
+                 "vconsole.console.screens.overview -> vconsole.console.app",
+                 id="screen-imports-the-app-for-types"),
     pytest.param("cli.py", "from vconsole.engine.worker import tiny_model", "cli",
                  "vconsole.cli -> vconsole.engine.worker.tiny_model", id="cli-imports-worker"),
 ]
@@ -152,7 +185,7 @@ def test_every_product_folder_is_a_package_under_vconsole():
     """No source folder outside vconsole/ and no mapping: what people import is the tree."""
     assert "package-dir" not in SETUPTOOLS
     assert SETUPTOOLS["packages"]["find"]["include"] == ["vconsole*"]
-    for name in ("engine", "telemetry", "security", "console", "shared"):
+    for name in ("engine", "wire", "telemetry", "security", "console", "shared"):
         assert not (REPO / name).exists(), f"{name}/ at the root again"
         assert (REPO / "vconsole" / name / "__init__.py").is_file(), name
 
@@ -173,10 +206,10 @@ for name in sys.argv[1:]:
         result[name] = "ModuleNotFoundError: " + str(e)
 print(json.dumps(result))
 """
-OUTSIDE = ["engine", "telemetry", "security", "console", "shared", "support"]
+OUTSIDE = ["engine", "wire", "telemetry", "security", "console", "shared", "support"]
 INSIDE = ["vconsole", "vconsole.cli", "vconsole.commands", "vconsole.engine.core",
           "vconsole.engine.process.core_proc", "vconsole.engine.publish.publisher",
-          "vconsole.shared.config", "vconsole.telemetry.schema",
+          "vconsole.shared.config", "vconsole.wire.protocol", "vconsole.telemetry.schema",
           "vconsole.security.curve",
           "vconsole.console.app"]
 

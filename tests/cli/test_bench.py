@@ -97,7 +97,7 @@ def test_console_bench_times_a_real_console_process_on_one_clock():
     out = bench("console", "--num-requests", "1000", "--seconds", "1")
     # The console held the whole table the engine sent: one of its last few tables, row for
     # row (the engine's own table may lag admissions by a few waiting rows between its
-    # once-a-second re-reads, engine/sched/request_rows.py: 970 of 1,000 was seen once).
+    # once-a-second re-reads, engine/publish/request_rows.py: 970 of 1,000 was seen once).
     assert out["rows"] in out["engine_rows_last"] and 900 <= out["rows"] <= 1000
     assert out["snapshots"] >= 3
     for key in ("p50_ms", "p99_ms", "model_p50_ms", "model_p99_ms"):

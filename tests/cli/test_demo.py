@@ -291,7 +291,7 @@ def test_the_demo_prints_what_it_did_when_the_console_quits(monkeypatch, capsys)
 @pytest.mark.proc
 @pytest.mark.slow
 def test_a_start_that_waits_on_the_kernel_compile_says_so(tmp_path, monkeypatch):
-    """The engine's first start compiles the CPU attention kernel (20-40 s of silence before);
+    """The engine's first start compiles the CPU attention kernel (once silent for 20-40 s);
     here another builder holds the entry's lock, as a second engine starting at once sees it,
     and publishes the build once the demo has named the wait."""
     import fcntl

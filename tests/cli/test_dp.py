@@ -20,12 +20,12 @@ import pytest
 import zmq
 
 from tests.support.live_engine import Telemetry, ipc_endpoints, reference_outputs
-from vconsole.engine.client import protocol
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.launch.child import ChildProcess
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.engine.launch.ready_file import read_ready_file
-from vconsole.telemetry.control import ControlClient
+from vconsole.wire import protocol
+from vconsole.wire.control_client import ControlClient
+from vconsole.wire.ready_file import read_ready_file
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

@@ -21,9 +21,9 @@ import zmq
 from tests.support.live_engine import Telemetry, ipc_endpoints
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.launch.child import ChildProcess
-from vconsole.engine.launch.ready_file import read_ready_file
 from vconsole.security.control_key import ENV_RUNTIME_DIR, key_file_name
 from vconsole.security.curve import ClientCurve, load_client_curve, read_public_key
+from vconsole.wire.ready_file import read_ready_file
 
 pytestmark = [pytest.mark.proc]
 

@@ -40,10 +40,10 @@ from vconsole.engine.dp.ray.cluster import (
     use_token_file,
 )
 from vconsole.engine.dp.ray.launcher import STOPPED, TIMED_OUT, wait_for
-from vconsole.engine.launch import exit_codes
 from vconsole.engine.launch.child import engine_command
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.engine.launch.ready_file import read_ready_file
+from vconsole.wire import exit_codes
+from vconsole.wire.ready_file import read_ready_file
 
 ray = pytest.importorskip("ray")
 

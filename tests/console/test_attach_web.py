@@ -35,7 +35,7 @@ import pytest
 
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.telemetry.control import ControlClient
+from vconsole.wire.control_client import ControlClient
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

@@ -1,5 +1,5 @@
 """The console's banner while no telemetry has arrived: it names a kernel compile under way on
-this machine (an engine's first start, 20-40 s) instead of asking whether the engine runs."""
+this machine (an engine's first start) instead of asking whether the engine runs."""
 
 from __future__ import annotations
 

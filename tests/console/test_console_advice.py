@@ -18,7 +18,7 @@ from vconsole.console.screens.overview import OverviewScreen
 from vconsole.console.widgets.chrome import TabBar
 from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.shared.config import ConfigUpdate, EngineConfig, describe_config
-from vconsole.telemetry.control import config_reply
+from vconsole.wire.control import config_reply
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +120,8 @@ async def test_a_rejected_suggestion_shows_the_engines_reason_in_alerts():
     async with app.run_test(size=(120, 40)) as pilot:
         await open_advice(pilot, app)
         (a,) = app.screen.advice
-        assert app.apply_advice(a, confirmed=True) is None
+        plan = app.steering.plan_advice(a, app.current_engine())
+        assert app.steer(plan, confirmed=True) is None
         await until(pilot, lambda: app.steering.advice_outcomes and app.steering.advice_outcomes[-1].done)
         out = app.steering.advice_outcomes[-1]
         assert not out.ok and "must be >= 28" in out.summary
@@ -146,7 +147,7 @@ async def test_a_restart_only_suggestion_is_shown_with_why_and_never_sent():
         await pilot.press("enter")
         await pilot.pause()
         assert not isinstance(app.screen, ConfirmScreen) and sets(ctl) == []
-        assert "restart" in app.apply_advice(a)
+        assert "restart" in app.steer(app.steering.plan_advice(a, app.current_engine()))
         texts = [t for t, _c, _h in ConsoleCommands(screen)._commands()]
         assert not [t for t in texts if "block_size" in t and t.startswith("Apply advice")]
 
@@ -160,7 +161,7 @@ async def test_read_only_shows_advice_but_never_applies_it():
         await pilot.press("enter")
         await pilot.pause()
         assert not isinstance(app.screen, ConfirmScreen)
-        assert "read-only" in app.apply_advice(a)
+        assert "read-only" in app.steer(app.steering.plan_advice(a, app.current_engine()))
         assert "read-only" in text_of(screen.query_one("#adv-summary"))
         texts = [t for t, _c, _h in ConsoleCommands(screen)._commands()]
         assert "Go to Advice" in texts and not [t for t in texts if t.startswith("Apply advice")]

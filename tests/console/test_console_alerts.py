@@ -7,8 +7,8 @@ import pytest
 from textual.widgets import DataTable, Static
 
 from support.console_testing import frames, replay_app, until
+from vconsole.console.engine_state import Alert
 from vconsole.console.screens.alerts import AlertsScreen, figure, matches
-from vconsole.console.state import Alert
 from vconsole.console.widgets.chrome import TabBar
 
 pytestmark = pytest.mark.slow

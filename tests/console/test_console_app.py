@@ -448,7 +448,7 @@ async def test_a_snapshot_is_shown_when_it_arrives_and_a_burst_beyond_the_budget
                      "num_output_tokens": 1, "num_blocks": 1, "age_s": 0.1}]
             body = {**big_sched(0), "requests": rows, "snapshot_ts": float(seq)}
             app.state.ingest(frames("sched", body, seq=seq, ts=end), end)
-            app.source.on_data()                     # what the reader thread calls
+            app.sources[0].on_data()                     # what the reader thread calls
 
         app.refresh_view(force=True)
         await pilot.pause(0.15)                     # a period on, well before the timer's
@@ -489,7 +489,7 @@ async def test_reader_wake_ups_refresh_at_a_bounded_rate_and_show_the_last_data(
                          "age_s": 0.1}]
                 body = {**big_sched(0), "requests": rows, "snapshot_ts": float(seq)}
                 app.state.ingest(frames("sched", body, seq=seq, ts=end), end)
-                app.source.on_data()                     # what the reader thread calls
+                app.sources[0].on_data()                     # what the reader thread calls
                 sent.append(seq)
                 time.sleep(0.002)
 
@@ -576,8 +576,8 @@ async def test_r_records_into_the_cache_folder_not_the_working_directory(tmp_pat
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("R")
         await pilot.pause()
-        assert app.source.recording
-        path = app.source.recording_path
+        assert app.sources[0].recording
+        path = app.sources[0].recording_path
         await pilot.press("R")
         await pilot.pause()
     assert str(path).startswith(str(tmp_path / "cache" / "recordings"))

@@ -17,8 +17,9 @@ from textual.widgets import Static
 from support.console_testing import frames, replay_app
 from support.synthetic import T0
 from support.synthetic_dp import generate_dp
+from vconsole.console.engine_state import EngineState
 from vconsole.console.screens.ranks import RankRow, RanksScreen
-from vconsole.console.state import ConsoleState, EngineState
+from vconsole.console.state import ConsoleState
 from vconsole.console.widgets import dp_panels
 from vconsole.telemetry.schema import decode, encode
 

@@ -31,8 +31,8 @@ from vconsole.engine.client.client import EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security import engine_key
 from vconsole.telemetry import schema
-from vconsole.telemetry.control import ControlClient
 from vconsole.telemetry.listener import TelemetryListener
+from vconsole.wire.control_client import ControlClient
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

@@ -16,8 +16,9 @@ from vconsole.console.changes import (
     consequence,
     validate,
 )
+from vconsole.console.engine_state import Series
 from vconsole.console.requests_view import filter_rows, not_understood, sort_rows
-from vconsole.console.state import ConsoleState, Series
+from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.kv_grid import fit_blocks_per_cell, summarise
 
 T = 1_700_000_000.0

@@ -30,7 +30,7 @@ async def test_r_records_nothing_in_a_readonly_console(tmp_path):
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("R")
         await pilot.pause()
-        assert not app.source.recording
+        assert not app.sources[0].recording
         assert any("--readonly writes no files" in str(n.message)
                    for n in app._notifications)
     assert not (tmp_path / "recordings").exists()

@@ -1,6 +1,7 @@
 """Steering, the console's steering model, without Textual: read-only reasons, each action's
-plan (refused, nothing to do, or the confirmation it needs), the send and the reply, with the
-fake control and an inline host. (The app's confirmation box and workers: test_console_app.py.)"""
+plan (refused, nothing to do, or the confirmation it needs), ``begin`` (sent, or the `Ask` the UI
+answers), the send and the reply, with the fake control and an inline host. (The app's
+confirmation box and workers: test_console_app.py.)"""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from support.console_testing import FakeControl, InlineHost
 from vconsole.console.advisor import Advice
 from vconsole.console.changes import ERROR, INVALID, UNCHANGED
 from vconsole.console.control_link import Control
-from vconsole.console.plans import Confirmation, Notice
+from vconsole.console.plans import ROUTINE, Confirmation, Notice, Outcome
 from vconsole.console.profile_run import ProfileRun
-from vconsole.console.sources.vllm_actions import ActionError
+from vconsole.console.sources.vllm_actions import ACTIONS, ActionError
 from vconsole.console.state import ConsoleState
 from vconsole.console.steering import NO_KEY, Steering
-from vconsole.telemetry.control import NotAuthorised
+from vconsole.wire.control_client import NotAuthorised
 
 
 def steering(control: Any = None, **kw: Any) -> Steering:
@@ -123,8 +124,13 @@ def test_a_change_plan_says_whether_to_confirm_and_the_reply_comes_back_as_an_up
     assert risky.declined == Notice("Config", "max_num_seqs left at 32")
     assert host.updates == []                           # planning sends nothing
 
+    begun = st.begin(risky)                             # asks: the UI shows the box
+    assert begun.ask is not None and begun.ask.confirmation == ask and not begun.sent
+    assert begun.ask.forecast is None                   # no trace channel: no what-if
+    assert st.answer(begun.ask, False) == Outcome(notice=risky.declined)
+    assert host.updates == [] and st.change_log == []   # a no sends nothing
     before = st.generation
-    st.carry_out(risky)                                 # the operator confirmed
+    assert st.answer(begun.ask, True) == Outcome(sent=True)   # the operator confirmed
     (update,) = host.updates
     rec = st.replies["max_num_seqs"]
     assert host.groups == ["config-set"] and st.change_log == [rec]
@@ -137,17 +143,18 @@ def test_a_change_plan_says_whether_to_confirm_and_the_reply_comes_back_as_an_up
 def test_a_restart_only_answer_is_a_warning_and_a_timeout_an_error() -> None:
     ctl = FakeControl()
     st, host = hosted(ctl)
-    st.carry_out(st.plan_change("block_size", "32", None))
+    st.begin(st.plan_change("block_size", "32", None), confirmed=True)
     assert host.updates[-1].notice.severity == "warning"
     ctl.down = True
-    st.carry_out(st.plan_change("policy", "hybrid", None))
+    assert st.begin(st.plan_change("policy", "hybrid", None)).sent   # routine: no box
+
     assert host.updates[-1].notice.severity == "error"
     assert st.replies["policy"].status == "no answer"
 
 
 def test_a_refused_key_on_send_comes_back_as_read_only() -> None:
     st, host = hosted(RefusingControl(), control_key_file=Path("/run/k"))
-    st.carry_out(st.plan_change("max_num_seqs", "16", None))
+    assert st.begin(st.plan_change("max_num_seqs", "16", None), confirmed=True).sent
     (update,) = host.updates
     assert update.readonly_changed and st.readonly
     assert update.notice is not None and update.notice.severity == "error"
@@ -170,7 +177,8 @@ def test_advice_is_always_confirmed_sent_at_once_and_its_outcome_noted() -> None
     assert "Applied between two steps" in ask.text and "Advice screen" in ask.text
     assert plan.declined == Notice("Advice", f"advice not applied: {a.change_text()}")
 
-    st.carry_out(plan)
+    assert st.begin(plan).ask.confirmation == ask       # always asks
+    st.begin(plan, confirmed=True)
     (out,) = st.advice_outcomes
     assert out.ok and ctl.calls[-1] == ("set_config", {"policy": "hybrid", "max_num_seqs": 48})
     assert host.updates[-1].notice == Notice("Advice", f"{a.change_text()}: {out.summary}")
@@ -189,7 +197,7 @@ def test_a_profile_is_confirmed_followed_to_its_end_and_one_at_a_time() -> None:
         "Profile the engine's next 20 steps?"
     assert "slower" in plan.confirmation.text and plan.confirmation.label == "Start profile"
     assert plan.declined == Notice("Profile", "no profile started")
-    st.carry_out(plan)                                  # the inline host follows it to its end
+    st.begin(plan, confirmed=True)                      # the inline host follows it to its end
     run = st.profile_run
     assert run is not None and run.state == "done" and run.result is not None
     assert host.groups == ["profile"] and len(host.updates) >= 2   # started, then done
@@ -218,10 +226,13 @@ def test_cancel_asks_the_engine_and_a_failure_is_a_notice() -> None:
 
 
 class VllmLike:
-    kind = "vllm"
+    actions = ACTIONS
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
+
+    def describe(self) -> str:
+        return "http://vllm:8000/metrics"
 
     def run_action(self, key: str) -> str:
         if self.fail:
@@ -234,10 +245,38 @@ def test_a_vllm_action_is_confirmed_then_its_answer_is_a_notice() -> None:
     plan = st.plan_action(VllmLike(), "reset_prefix_cache")
     assert plan.confirmation == Confirmation("Reset the prefix cache?",
                                              plan.action.consequence, "Reset the prefix cache")
-    st.carry_out(plan)
+    ask = st.begin(plan).ask
+    assert ask is not None and st.answer(ask, False) == Outcome()   # a no says nothing
+    assert host.updates == []
+    st.answer(ask, True)
     assert host.updates[-1].notice == Notice("vLLM", "reset_prefix_cache: done")
-    st.carry_out(st.plan_action(VllmLike(fail=True), "reset_prefix_cache"))
+    st.begin(st.plan_action(VllmLike(fail=True), "reset_prefix_cache"), confirmed=True)
     assert host.updates[-1].notice == Notice("vLLM", "reset_prefix_cache: HTTP 404", "error")
+    assert st.plan_action(VllmLike(), "fly").refused == \
+        "http://vllm:8000/metrics offers no action 'fly'"
     st.make_readonly("--readonly")
     assert st.plan_action(VllmLike(), "reset_prefix_cache").refused == \
         "read-only console: no actions"
+
+
+class TracingFake(FakeControl):
+    """A control channel with the engine's trace: the console has a what-if."""
+
+    def get_trace(self, window_s: float | None = None) -> str:
+        raise AssertionError("begin never fetches: the box's forecast does, in its worker")
+
+
+def test_a_routine_change_the_whatif_models_asks_with_its_forecast_and_one_it_does_not_sends(
+        ) -> None:
+    st, host = hosted(TracingFake())
+    assert st.whatif.available
+    plan = st.plan_change("max_num_seqs", "48", None)
+    assert plan.confirmation is None                    # routine on its own
+    begun = st.begin(plan)
+    ask = begun.ask
+    assert ask is not None and not begun.sent and host.updates == []
+    assert ask.confirmation == Confirmation("Change max_num_seqs: 32 → 48?", ROUTINE)
+    assert ask.forecast is not None and "predicting" in ask.forecast.first
+    assert ask.forecast.work is not None                # computed while the operator reads
+    unmodelled = st.plan_change("log_stats_interval_s", "2", None)
+    assert st.begin(unmodelled).sent                    # no effect to read first: sent at once

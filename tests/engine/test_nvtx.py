@@ -12,9 +12,9 @@ import pytest
 from vconsole import cli
 from vconsole.engine.core import EngineCore
 from vconsole.engine.process.profile_book import ProfileBook
-from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker import nvtx
 from vconsole.shared.config import EngineConfig
+from vconsole.wire.sampling import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from vconsole.engine.client import protocol
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import run_batch
-from vconsole.engine.outputs import PromptLogprobs, RequestOutput
-from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker.tiny_model import ensure_tiny_model
 from vconsole.shared.config import EngineConfig
 from vconsole.tools.bench.quality import next_token_logprobs, reference_log_softmax
+from vconsole.wire import protocol
+from vconsole.wire.outputs import PromptLogprobs, RequestOutput
+from vconsole.wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

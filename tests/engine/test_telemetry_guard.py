@@ -2,7 +2,7 @@
 logged once, counted, alerted and rebuilt, and every request still finishes exactly as it would
 have without the fault.
 
-The fault is injected inside the test (monkeypatch of the waiting-row table and of the latency
+The fault is injected inside the test (monkeypatch of the request table and of the latency
 recorder): nothing in the engine knows about fault injection.
 """
 
@@ -21,6 +21,7 @@ from vconsole.engine.client.client import EngineClient
 from vconsole.engine.core import EngineCore
 from vconsole.engine.latency import LatencyLog
 from vconsole.engine.process.core_proc import EngineCoreProc
+from vconsole.engine.process.telemetry_feed import TelemetryFeed
 from vconsole.engine.sched.output import ModelRunnerOutput
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.engine.telemetry_guard import TelemetryGuard
@@ -64,19 +65,60 @@ def step(s) -> None:
     s.update_from_output(so, ModelRunnerOutput({r: 7 for r in so.num_scheduled_tokens}))
 
 
-def test_the_scheduler_rebuilds_the_part_that_failed_from_scratch(monkeypatch):
+class SchedulerOnly:
+    """What the telemetry feed reads of a core for a snapshot, over a real scheduler."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.s, self.config, self.telemetry_guard, self.num_steps = s, s.config, s.telemetry, 0
+
+    def scheduler_stats(self, max_rows, rows=None):
+        return self.s.stats(max_rows, rows)
+
+    def kv_stats(self):
+        return self.s.kv_stats()
+
+
+class Handover:
+    """The publisher's side of a snapshot's hand-off, in this process: what it was handed."""
+
+    mirrors_queue = False
+
+    def __init__(self) -> None:
+        self.snapshots: list = []
+
+    def wants_text(self) -> bool:
+        return False
+
+    def submit_snapshot(self, sched, kv, state, num_steps, text=None) -> None:
+        self.snapshots.append(sched)
+
+
+def test_the_feed_makes_a_failed_request_table_afresh(monkeypatch):
+    """The request table's caches are the feed's (`RequestRows`): when making it raises, the
+    feed drops them, and the next snapshot reads the queue afresh (a new log on it)."""
     s = make_scheduler(num_blocks=64, max_num_seqs=2)
     for i in range(6):
         s.add_request(make_request(f"r{i}", 8, max_tokens=3))
     step(s)
-    rows = s._waiting_rows
+    pub = Handover()
+    feed = TelemetryFeed(SchedulerOnly(s), pub, lambda: None)
+    assert feed.submit_snapshot("running")
+    rows, log = feed.rows.cached, feed.rows.log
     monkeypatch.setattr(rows, "table", lambda *a: (_ for _ in ()).throw(InjectedFault("x")))
-    assert s.telemetry.run("sched", s.stats, 100) is None
-    assert s._waiting_rows is not rows, "the row cache was replaced"
-    table = s.stats(100).requests
-    assert [r.id for r in table] == [r.request_id for r in s.running] + [
+    assert not feed.submit_snapshot("running") and s.telemetry.errors == {"sched": 1}
+    assert feed.rows.cached is not rows and feed.rows.log is None, "the caches were dropped"
+    step(s)
+    assert feed.submit_snapshot("running")
+    assert feed.rows.log is not log and s.waiting.listener is feed.rows.log
+    assert [r.id for r in pub.snapshots[-1].requests] == [r.request_id for r in s.running] + [
         r.request_id for r in s.waiting.ordered()]
 
+
+def test_the_scheduler_rebuilds_the_part_that_failed_from_scratch():
+    s = make_scheduler(num_blocks=64, max_num_seqs=2)
+    for i in range(6):
+        s.add_request(make_request(f"r{i}", 8, max_tokens=3))
+    step(s)
     pool = s.kv.pool
     pool._tokens_stored += 5          # a telemetry counter out of step with the blocks
     pool.block_states[:] = 0

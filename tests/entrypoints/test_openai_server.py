@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from support.live_engine import reference_outputs
 from vconsole.entrypoints.openai.api_server import build_app
 from vconsole.entrypoints.openai.engine_link import EngineLink
-from vconsole.entrypoints.openai.serving import OpenAIServing
+from vconsole.entrypoints.openai.serving_base import OpenAIServing
 
 pytestmark = pytest.mark.proc
 API_KEY = "sk-test-key"

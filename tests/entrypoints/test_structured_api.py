@@ -15,13 +15,11 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.request import StructuredSpec
 from vconsole.engine.structured.grammar import check_spec
 from vconsole.engine.worker.tiny_model import build_byte_tokenizer
 from vconsole.entrypoints.openai.api_server import build_app
 from vconsole.entrypoints.openai.protocol import BadRequest
-from vconsole.entrypoints.openai.serving import OpenAIServing
+from vconsole.entrypoints.openai.serving_base import OpenAIServing
 from vconsole.entrypoints.openai.structured import spec_of
 from vconsole.entrypoints.openai.tool_calls import (
     HermesCalls,
@@ -36,6 +34,8 @@ from vconsole.entrypoints.openai.tools import (
     takes_tools,
     template_messages,
 )
+from vconsole.wire.outputs import RequestOutput
+from vconsole.wire.sampling import StructuredSpec
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 WEATHER = {"type": "function", "function": {

@@ -27,8 +27,8 @@ from vconsole.security.bind_policy import RemoteBindRefused, check_endpoints
 from vconsole.security.curve import ClientCurve, CurveKeyError, load_client_curve
 from vconsole.security.curve_server import load_server_curve
 from vconsole.security.key_owner import RUNNING, read_owner
-from vconsole.telemetry.control import ControlClient, NotAuthorised
 from vconsole.tools.top import snapshot_once
+from vconsole.wire.control_client import ControlClient, NotAuthorised
 
 ENGINE_ID = "curve-0"
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "24", "--max-num-seqs", "4",

@@ -23,7 +23,7 @@ from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security import engine_key, key_owner
 from vconsole.security.control_key import read_key_file
 from vconsole.security.key_owner import GONE, RUNNING, KeyOwner
-from vconsole.telemetry.control import ControlClient
+from vconsole.wire.control_client import ControlClient
 
 ENGINE_ARGS = ["--no-supervisor", "--model", "tiny", "--num-kv-blocks", "16",
                "--max-num-seqs", "4"]

@@ -2,7 +2,7 @@
 and an app driven by a recording (used by tests/test_console*.py and scripts/screenshots.py).
 
 `FakeControl` answers exactly as the engine does — it runs `vconsole.shared.config.apply_update` and
-builds the reply with `vconsole.telemetry.control.config_reply` — so the console's handling of applied /
+builds the reply with `vconsole.wire.control.config_reply` — so the console's handling of applied /
 rejected / restart-required is tested against the real rules. Its profile ops answer with the
 engine's status and result shapes (`fake_profile_result`); a profile advances
 ``profile_steps_per_poll`` steps per ``profile_status`` unless ``profile_hold`` is set. It is a
@@ -62,7 +62,7 @@ class FakeControl:
         self._profiles = 0
 
     def _reply(self, update: Any = None) -> dict[str, Any]:
-        from vconsole.telemetry.control import config_reply
+        from vconsole.wire.control import config_reply
 
         return config_reply(self.version, self.config.to_dict(), update)
 
@@ -96,7 +96,7 @@ class FakeControl:
             raise TimeoutError("no reply from the engine's control socket (fake, down)")
 
     def profile_start(self, steps: int) -> dict[str, Any]:
-        from vconsole.telemetry.control import ControlError
+        from vconsole.wire.control import ControlError
 
         with self._lock:
             self._profile_call("profile_start", {"steps": steps})
@@ -110,7 +110,7 @@ class FakeControl:
             return dict(self.profile)
 
     def profile_status(self, profile_id: str) -> dict[str, Any]:
-        from vconsole.telemetry.control import ControlError
+        from vconsole.wire.control import ControlError
 
         with self._lock:
             self._profile_call("profile_status", {"profile": profile_id})

@@ -100,8 +100,8 @@ def reference_outputs(work: list[tuple[list[int], int]], *, block_size: int = 8,
     import torch
 
     from vconsole.engine.core import EngineCore
-    from vconsole.engine.request import SamplingParams
     from vconsole.shared.config import EngineConfig
+    from vconsole.wire.sampling import SamplingParams
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -147,8 +147,9 @@ def load_with_engine_killed(endpoints: dict[str, str], engine_pid: int,
 
 
 def publisher_process_pid(engine_pid: int) -> int:
-    """The telemetry publisher process of the engine process ``engine_pid``."""
-    for child in psutil.Process(engine_pid).children():
+    """The telemetry publisher process of the engine ``engine_pid`` (the engine process, or
+    its supervisor: the publisher is then the supervised engine's child)."""
+    for child in psutil.Process(engine_pid).children(recursive=True):
         if "vconsole.engine.publish.publisher_child" in " ".join(child.cmdline()):
             return child.pid
     raise AssertionError(f"engine {engine_pid} has no publisher process")

@@ -20,9 +20,10 @@ import zmq
 
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager
 from vconsole.engine.publish.kv_events import END_SEQ, KVEventPublisher
-from vconsole.engine.request import Request, SamplingParams
+from vconsole.engine.request import Request
 from vconsole.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vconsole.telemetry.kv_wire import encode_batch, offset_endpoint, u64
+from vconsole.wire.sampling import SamplingParams
 
 # --- vLLM's event classes (vllm/distributed/kv_events.py, 0.33) --------------------------------
 ExternalBlockHash = bytes | int
@@ -280,7 +281,7 @@ def test_a_live_engine_publishes_events_a_vllm_subscriber_decodes_and_replays(tm
     clears the cache in the stream; replay returns the very batches published."""
     from vconsole.engine.client.client import EngineClient
     from vconsole.engine.launch.engine_process import EngineProcess
-    from vconsole.telemetry.control import ControlClient
+    from vconsole.wire.control_client import ControlClient
 
     eng = EngineProcess(["--model", "tiny", "--num-kv-blocks", "24", "--block-size", "8",
                          "--max-num-seqs", "4", "--kv-events-endpoint", "tcp://127.0.0.1:*",

@@ -33,7 +33,6 @@ from vconsole.engine.latency import (
     LatencyStats,
 )
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.engine.launch.ready_file import read_ready_file
 from vconsole.engine.process.core_proc import EngineCoreProc
 from vconsole.engine.publish.bodies import KVFormat, kv_body, sched_body
 from vconsole.engine.publish.inbox import ITERATION_TOKENS_BUCKETS
@@ -45,6 +44,7 @@ from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import RULES
 from vconsole.telemetry.listener import TelemetryListener
+from vconsole.wire.ready_file import read_ready_file
 
 LABELS = {"model_name": "tiny", "engine": "0"}
 VLLM_NAMES = {   # family name (as the parser reports it) -> type

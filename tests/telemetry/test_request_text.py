@@ -13,6 +13,7 @@ from support.recording_sender import RecordingSender
 from support.scheduling import make_request, make_scheduler
 from vconsole.engine.publish.inbox import Inbox
 from vconsole.engine.publish.publish_loop import LoopStart, PublishLoop
+from vconsole.engine.publish.request_rows import RequestRows
 from vconsole.engine.publish.request_text import TextBook
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.security.bind_policy import request_text_refusal
@@ -37,6 +38,7 @@ class Publishing:
 
     def __init__(self, config: EngineConfig, refusal: str | None = None) -> None:
         self.sched: Scheduler = make_scheduler(256, max_model_len=4096, max_num_seqs=2)
+        self.rows = RequestRows()
         self.inbox = Inbox(config)
         self.sender = RecordingSender()
         self.now = [100.0]
@@ -48,7 +50,7 @@ class Publishing:
 
     def snapshot(self) -> dict[str, Any]:
         """One snapshot as the feed submits it; the ``sched`` body that went out."""
-        stats = self.sched.stats(10_000)
+        stats = self.sched.stats(10_000, self.rows)
         ids = list(stats.requests.columns["id"][:TEXT_ROWS])
         lists = []
         for rid in ids:
@@ -162,7 +164,7 @@ def test_a_data_parallel_front_end_refuses_text_its_public_socket_may_not_carry(
     one and refuses a change turning text on before any rank is asked."""
     from vconsole.engine.dp.front.control_fanout import ControlFanout
     from vconsole.security.control_key import read_key_file
-    from vconsole.telemetry.control import ControlClient
+    from vconsole.wire.control_client import ControlClient
 
     why = request_text_refusal("tcp://0.0.0.0:5572", curve=False)
     fanout = ControlFanout(f"ipc://{tmp_path}/control", 2, ctx=ctx,

@@ -10,7 +10,6 @@ import zmq
 
 from vconsole.engine.latency import LatencyStats
 from vconsole.shared.config import EngineConfig, apply_update, describe_config
-from vconsole.telemetry import control
 from vconsole.telemetry.schema import (
     SCHEMA_VERSION,
     TOPICS,
@@ -21,6 +20,8 @@ from vconsole.telemetry.schema import (
     make_envelope,
     missing_fields,
 )
+from vconsole.wire import control
+from vconsole.wire.control_client import ControlClient
 
 
 def env(seq=0):
@@ -266,7 +267,7 @@ class FakeEngineControl:
 def test_control_client_against_a_router(ctx):
     eng = FakeEngineControl(ctx)
     try:
-        with control.ControlClient(eng.endpoint, timeout_s=3, ctx=ctx) as client:
+        with ControlClient(eng.endpoint, timeout_s=3, ctx=ctx) as client:
             got = client.get_config()
             assert got["ok"] and got["version"] == 1 and got["values"]["policy"] == "fcfs"
             assert {row["key"] for row in got["schema"]} == set(got["values"])
@@ -291,7 +292,7 @@ def test_control_client_against_a_router(ctx):
 
 def test_control_client_times_out_clearly_and_recovers(ctx):
     eng = FakeEngineControl(ctx, silent=True)
-    client = control.ControlClient(eng.endpoint, timeout_s=0.3, ctx=ctx)
+    client = ControlClient(eng.endpoint, timeout_s=0.3, ctx=ctx)
     with pytest.raises(TimeoutError, match="no reply from the engine's control socket at tcp://"):
         client.get_config()
     eng.silent = False

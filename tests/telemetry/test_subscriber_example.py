@@ -17,8 +17,8 @@ from vconsole.engine.latency import LatencyLog
 from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, RequestRow, SchedulerStats, StepStats
-from vconsole.telemetry import control
 from vconsole.tools import top
+from vconsole.wire import control
 
 
 def start_engine_side(ctx, **cfg):

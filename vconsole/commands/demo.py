@@ -8,6 +8,7 @@ import sys
 from vconsole.commands import fail
 from vconsole.commands.demo_defaults import DEFAULT_BASE_PORT
 from vconsole.commands.flags import BASE_PORT_ENV
+from vconsole.engine.kernel_cache import EXPECTED_BUILD
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.tools.demo import (
     DEMO_SETTINGS,
@@ -66,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
                       rate=args.rate if args.rate is not None else model.rate,
                       base_port=base,
                       on_phase=lambda phase: print(f"vconsole demo: the engine is {phase}, "
-                                                   "about 20-40 s ...", file=sys.stderr,
+                                                   f"{EXPECTED_BUILD} ...", file=sys.stderr,
                                                    flush=True))
     print("vconsole demo: starting the engine ...", file=sys.stderr, flush=True)
     try:

@@ -2,28 +2,36 @@
 
 Glue only. Two models, no Textual in either: `ConsoleState` (what the engines said) and
 `vconsole.console.steering.Steering` (``app.steering``: read-only or not and why, the control
-link, each action from plan to reply). To change an engine the app asks Steering for a plan,
-shows the confirmation box when the plan has one (`carry_out`), and hands the plan back; it
-runs Steering's blocking calls in worker threads and shows the `Update` each reply brings
-(`SteeringHost`). It never sends anything itself.
+link, each action from plan to reply). To change an engine the app hands Steering a plan
+(`steer`): Steering sends it, or returns the confirmation box to show, whose answer the app
+hands back; it runs Steering's blocking calls in worker threads and shows the `Update` each
+reply brings (`SteeringHost`). It never sends anything and decides nothing itself. Screens and
+the palette see the app only as their host (`vconsole.console.screen_host.ScreenHost`,
+`vconsole.console.palette.CommandHost`).
 
-Data path (Memray's live TUI): a `Source` thread folds telemetry into `ConsoleState` and, when
-a snapshot came (its ``sched`` message), wakes the app (one `DataArrived` message at a time,
+Data path (Memray's live TUI): the app holds a list of sources
+(`vconsole.console.sources.source.Source`: our engine's stream, a recording, a vLLM server;
+one per engine or group watched, so a fleet is N of them). Each source's thread folds
+telemetry into the one `ConsoleState`, under the keys of the engines it heard, and, when a
+snapshot came (its ``sched`` message), wakes the app (one `DataArrived` message at a time,
 however many messages it folded in); the app then builds one `Frame` and hands it to the
 visible screen inside ``batch_update()`` — at once while the `RefreshPacer` allows it, else as
 soon as it does (`vconsole.console.pacer` says why a token bucket). A timer (``refresh_hz``)
-marks engines down and refreshes when the pacer says the last refresh is old enough.
+marks engines down and refreshes when the pacer says the last refresh is old enough. The
+header, the recording (``R``) and a source's actions are those of the selected engine's source
+(`source_of`); the state's clock and the control channel's read-only reason are the first
+source's.
 
 Data parallel: one telemetry endpoint carries every rank of a group; ``selected_engine`` is then
 a rank (``n``, the Ranks screen's cursor, the KV map's ``[`` ``]``), and the Ranks screen
 (``6``), its tab and keys exist only while a group is watched (`is_dp`); on one engine ``6``
 says so in a notice.
 
-What-if (``app.whatif``, `vconsole.console.predictions.WhatIf`): the engine's recent trace,
-fetched over the control channel and simulated in this process. The confirmation box of a
-change the what-if models carries its predicted effect (`forecast`; a routine one-key change
-of a hot key it models is confirmed for that reason alone); the Advice and What-if screens ask
-with `predict_later`, in a thread worker that dies with the screen that asked.
+What-if (``app.whatif``: Steering's `vconsole.console.predictions.WhatIf`): the engine's
+recent trace, fetched over the control channel and simulated in this process. The
+confirmation box of a change the what-if models carries its predicted effect (Steering decides
+that, `vconsole.console.forecast`); the Advice and What-if screens ask with `predict_later`, in
+a thread worker that dies with the screen that asked.
 
 Test hooks: ``state`` and ``steering`` (the models), ``refreshes`` (how many batched applies
 ran), ``refresh_view(force=True)`` (apply now).
@@ -33,8 +41,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from textual import on
 from textual.app import App
@@ -44,21 +53,13 @@ from textual.timer import Timer
 from textual.worker import get_current_worker
 
 from vconsole.console import keymap
-from vconsole.console.control_link import Control, TraceChannel
+from vconsole.console.control_link import Control
+from vconsole.console.engine_state import EngineState
 from vconsole.console.pacer import RefreshPacer
-from vconsole.console.palette import ConsoleCommands
-from vconsole.console.plans import ChangePlan, Notice, Plan, proposed
-from vconsole.console.predictions import (
-    FAILED,
-    NOT_PREDICTED,
-    Change,
-    Prediction,
-    WhatIf,
-    box_markup,
-    modelled,
-    pending,
-    unmodelled,
-)
+from vconsole.console.palette import CommandHost, ConsoleCommands
+from vconsole.console.plans import Ask, Notice, Outcome, Plan
+from vconsole.console.predictions import FAILED, Change, Prediction, WhatIf
+from vconsole.console.screen_host import ScreenHost
 from vconsole.console.screens.advice import AdviceScreen
 from vconsole.console.screens.alerts import AlertsScreen
 from vconsole.console.screens.base import ConsoleScreen
@@ -72,13 +73,14 @@ from vconsole.console.screens.requests import RequestsScreen
 from vconsole.console.screens.stacks import StacksScreen
 from vconsole.console.screens.trends import TrendsScreen
 from vconsole.console.screens.whatif import WhatIfScreen
-from vconsole.console.sources.stream import Source, ZmqSource
-from vconsole.console.state import ConsoleState, EngineState
+from vconsole.console.sources.source import Source
+from vconsole.console.sources.stream import ZmqSource
+from vconsole.console.state import ConsoleState
 from vconsole.console.steering import Steering
-from vconsole.console.steering_host import Update
+from vconsole.console.steering_host import SteeringHost, Update
 from vconsole.console.theme import ANSI_THEME, LOW_COLOUR_SYSTEMS
 from vconsole.console.widgets.chrome import Frame, TooSmall
-from vconsole.console.widgets.confirmation import ConfirmScreen, Forecast
+from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.security.curve import ClientCurve
 from vconsole.telemetry.record import default_recordings_dir
 
@@ -104,30 +106,31 @@ class VConsoleApp(App[None]):
 
     def __init__(self, telemetry_endpoints: Sequence[str] | None = None,
                  control_endpoint: str | None = None, readonly: bool = False, *,
-                 source: Source | None = None, control: Control | None = None,
+                 source: Source | None = None, sources: Sequence[Source] = (),
+                 control: Control | None = None,
                  refresh_hz: float = 10.0, record_dir: str | Path | None = None,
                  control_timeout_s: float = 3.0, clock: Callable[[], float] | None = None,
                  control_key: str | None = None, control_key_file: str | Path | None = None,
                  curve: ClientCurve | None = None, engine_address: str = "") -> None:
-        """``engine_address``: where the engine is, as the header shows it (the demo's
+        """The sources: ``sources`` (and ``source``, one more), else one `ZmqSource` of
+        ``telemetry_endpoints``. ``control_endpoint``: the first source's engine's.
+        ``engine_address``: where the engine is, as the header shows it (the demo's
         ``127.0.0.1:BASE``: what another shell's ``$VCONSOLE_BASE_PORT`` must name)."""
         super().__init__()
         self.state = ConsoleState()
         endpoints = list(telemetry_endpoints or [])
-        if source is None:
+        self.sources: list[Source] = [*sources, *([source] if source is not None else [])]
+        if not self.sources:
             if not endpoints:
                 raise ValueError("VConsoleApp needs telemetry_endpoints or a source")
-            source = ZmqSource(endpoints, curve=curve)
-        self.source = source
+            self.sources.append(ZmqSource(endpoints, curve=curve))
         self.endpoints = endpoints
         self.engine_address = engine_address
         self.steering = Steering.connect(
             self.state, control_endpoint=control_endpoint, control=control, readonly=readonly,
-            source_readonly=source.readonly_reason if source.readonly else "",
+            source_readonly=self.sources[0].readonly_reason,
             control_key=control_key, control_key_file=control_key_file,
             timeout_s=control_timeout_s, curve=curve, host=self)
-        control = self.steering.control
-        self.whatif = WhatIf(control.get_trace if isinstance(control, TraceChannel) else None)
         self._clock = clock
         self.pacer = RefreshPacer(refresh_hz)
         self.record_dir = Path(record_dir) if record_dir else default_recordings_dir()
@@ -143,10 +146,10 @@ class VConsoleApp(App[None]):
         if self.console.color_system in LOW_COLOUR_SYSTEMS:
             self.register_theme(ANSI_THEME)
             self.theme = ANSI_THEME.name
-        self.source.on_data = self._data_arrived
-        self.source.start(self.state)
-        if self._clock is not None:
-            self.state.clock = self._clock
+        for source in self.sources:
+            source.on_data = self._data_arrived
+            source.start(self.state)
+        self.state.clock = self._clock or self.sources[0].now
         self.note_size()
         self.set_interval(self.pacer.interval_s, self._tick)
         if self.steering.control is not None:
@@ -161,8 +164,13 @@ class VConsoleApp(App[None]):
     def readonly_reason(self) -> str:
         return self.steering.readonly_reason
 
+    @property
+    def whatif(self) -> WhatIf:
+        return self.steering.whatif
+
     def on_unmount(self) -> None:
-        self.source.stop()
+        for source in self.sources:
+            source.stop()
 
     # --- the refresh loop ----------------------------------------------------------------------
 
@@ -197,8 +205,17 @@ class VConsoleApp(App[None]):
     def current_engine(self) -> EngineState | None:
         return self.state.engine(self.selected_engine)
 
+    def source_of(self, engine: EngineState | None) -> Source:
+        """The source that feeds ``engine`` (before any did: the first)."""
+        if engine is not None:
+            for source in self.sources:
+                if engine.key in source.engine_keys:
+                    return source
+        return self.sources[0]
+
     def frame(self, mode: str) -> Frame:
-        return Frame.build(self.state, mode, self.selected_engine, self.source,
+        return Frame.build(self.state, mode, self.selected_engine,
+                           self.source_of(self.current_engine()),
                            paused=self.paused, readonly_reason=self.readonly_reason,
                            endpoints=" ".join(self.endpoints), address=self.engine_address)
 
@@ -290,7 +307,7 @@ class VConsoleApp(App[None]):
             self.notify("not recorded: --readonly writes no files (run the console without "
                         "--readonly to record)", title="Record", severity="error")
             return
-        said, ok = self.source.toggle_recording(self.record_dir)
+        said, ok = self.source_of(self.current_engine()).toggle_recording(self.record_dir)
         self.notify(said, title="Record", severity="information" if ok else "error")
         if ok:
             self.refresh_view(force=True)
@@ -305,85 +322,47 @@ class VConsoleApp(App[None]):
             self.switch_mode("config")
         self.call_after_refresh(open_editor)
 
-    # --- steering: ask Steering for a plan, confirm it, hand it back ------------------------
+    # --- steering: hand Steering a plan, show the box it asks for, hand the answer back -------
+
+    def steer(self, plan: Plan, *, confirmed: bool = False) -> str | None:
+        """Carry out a plan of ``steering``: Steering sends it, or asks (the box, whose answer
+        goes back to Steering), or says there is nothing to do. Why it was refused (nothing
+        sent; the caller shows it where it asked), else None. ``confirmed``: the caller
+        already asked the operator."""
+        self.refresh_view(force=True)
+        return self._show_outcome(self.steering.begin(plan, confirmed=confirmed))
+
+    def _show_outcome(self, outcome: Outcome) -> str | None:
+        if outcome.notice is not None:
+            self.show_notice(outcome.notice)
+        if outcome.sent:
+            self.refresh_view(force=True)
+        ask = outcome.ask
+        if ask is not None:
+            box = ask.confirmation
+            self.push_screen(ConfirmScreen(box.title, box.text, box.label, ask.forecast),
+                             partial(self._answered, ask))
+        return outcome.refused
+
+    def _answered(self, ask: Ask, ok: bool | None) -> None:
+        self._show_outcome(self.steering.answer(ask, bool(ok)))
 
     def request_change(self, key: str, text: str, *, confirmed: bool = False) -> str | None:
-        """Change ``key`` to ``text`` (the Config editor). Returns why it is refused here (not
-        sent), else None; the engine's answer arrives later in ``steering.replies[key]``."""
-        return self.carry_out(self.steering.plan_change(key, text, self.current_engine()),
-                              confirmed=confirmed)
-
-    def apply_advice(self, advice: Any, *, confirmed: bool = False) -> str | None:
-        """Apply a hot suggestion of the advisor; why not, or None (the outcome lands in
-        ``steering.advice_outcomes`` and the Alerts panel)."""
-        return self.carry_out(self.steering.plan_advice(advice, self.current_engine()),
-                              confirmed=confirmed)
-
-    def apply_edits(self, values: dict[str, str], *, confirmed: bool = False) -> str | None:
-        """Apply the What-if screen's edits of hot keys (key → text) as one change, after the
-        box; why not, or None."""
-        return self.carry_out(self.steering.plan_edits(values, self.current_engine()),
-                              confirmed=confirmed)
-
-    def start_profile(self, steps: int) -> str | None:
-        """Profile the engine's next ``steps`` steps (after the box); why not, or None."""
-        return self.carry_out(self.steering.plan_profile(steps))
+        """Change ``key`` to ``text`` (the Config editor's plan, by name). Returns why it is
+        refused here (not sent), else None; the engine's answer arrives later in
+        ``steering.replies[key]``."""
+        return self.steer(self.steering.plan_change(key, text, self.current_engine()),
+                          confirmed=confirmed)
 
     def run_source_action(self, key: str, *, confirmed: bool = False) -> None:
-        """Ask the vLLM server to do ``key`` (`vconsole.console.sources.vllm_actions`)."""
-        reason = self.carry_out(self.steering.plan_action(self.source, key), confirmed=confirmed)
+        """Ask the selected engine's source (a vLLM server) to do ``key``
+        (`vconsole.console.sources.vllm_actions`); a refusal is a notice."""
+        source = self.source_of(self.current_engine())
+        reason = self.steer(self.steering.plan_action(source, key), confirmed=confirmed)
         if reason is not None:
             self.notify(reason, title="vLLM", severity="warning")
 
-    def carry_out(self, plan: Plan, *, confirmed: bool = False) -> str | None:
-        """Steering's plan on screen: its refusal back to the caller, a notice when there is
-        nothing to do, the confirmation box when the plan asks for one; then Steering sends."""
-        self.refresh_view(force=True)
-        if plan.refused is not None:
-            return plan.refused
-        if plan.nothing_to_do is not None:
-            self.show_notice(plan.nothing_to_do)
-            return None
-        ask = plan.confirmation
-        change = proposed(plan) or {}
-        forecast = self.forecast(change) if change and not confirmed else None
-        if ask is None and forecast is not None and isinstance(plan, ChangePlan) \
-                and plan.hot and modelled(change):
-            plan.ask = True         # routine, but its effect is worth reading first
-            ask = plan.confirmation
-        if ask is None or confirmed:
-            self._send(plan)
-            return None
-
-        def done(ok: bool | None) -> None:
-            if ok:
-                self._send(plan)
-            elif plan.declined is not None:
-                self.show_notice(plan.declined)
-        self.push_screen(ConfirmScreen(ask.title, ask.text, ask.label, forecast), done)
-        return None
-
-    def _send(self, plan: Plan) -> None:
-        self.steering.carry_out(plan)
-        self.refresh_view(force=True)
-
     # --- what-if ---------------------------------------------------------------------------------
-
-    def forecast(self, change: Change) -> Forecast | None:
-        """The confirmation box's lines for ``change``: its predicted effect (computed while
-        the operator reads, unless this trace already answered it), or why there is none;
-        None without a what-if (no trace channel)."""
-        whatif = self.whatif
-        if not whatif.available:
-            return None
-        reason = unmodelled(change)
-        if reason is not None:
-            return Forecast(box_markup(Prediction(NOT_PREDICTED, dict(change), reason)))
-        done = whatif.peek(change)
-        if done is not None:
-            return Forecast(box_markup(done))
-        return Forecast(box_markup(pending(change)),
-                        lambda: box_markup(whatif.predict([change])[0]))
 
     def predict_later(self, owner: DOMNode, changes: list[Change],
                       done: Callable[[list[Prediction]], None]) -> None:
@@ -427,3 +406,8 @@ class VConsoleApp(App[None]):
         if update.notice is not None:
             self.show_notice(update.notice)
         self.refresh_view(force=True)
+
+
+if TYPE_CHECKING:   # the type checker verifies the app is the host each of its parts asks for
+    def _hosts(app: VConsoleApp) -> tuple[ScreenHost, CommandHost, SteeringHost]:
+        return app, app, app

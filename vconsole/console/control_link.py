@@ -67,7 +67,7 @@ class ControlLink:
         self.curve = curve
 
     def _client(self) -> Any:
-        from vconsole.telemetry.control import ControlClient
+        from vconsole.wire.control_client import ControlClient
 
         return ControlClient(self.endpoint, timeout_s=self.timeout_s, key=self.key,
                              curve=self.curve)
@@ -112,7 +112,7 @@ class ControlLink:
     def _keyed(self, call: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         """A call that needs the key: refused, read the key file again and retry once."""
         from vconsole.security.control_key import load_control_key
-        from vconsole.telemetry.control import NotAuthorised
+        from vconsole.wire.control_client import NotAuthorised
 
         try:
             with self._client() as client:

@@ -1,32 +1,68 @@
 """The command palette (ctrl+p): every console action by name (Posting's `commands.py`).
 
 Actions that change the engine (editing a config key) are not offered on a read-only console,
-so the palette can never do what the keys cannot.
+so the palette can never do what the keys cannot. The palette asks its host (`CommandHost`: a
+screen's host and the app's own actions) and never imports the app.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 from vconsole.console.keymap import SCREENS
 from vconsole.console.requests_view import COLUMNS
+from vconsole.console.screen_host import ScreenHost
 
 if TYPE_CHECKING:
-    from vconsole.console.app import VConsoleApp
+    from vconsole.console.screens.base import ConsoleScreen
+    from vconsole.console.sources.source import Source
+    from vconsole.console.state import EngineState
+
+
+class CommandHost(ScreenHost, Protocol):
+    """What the palette asks of the app beyond what a screen does: the app's own actions."""
+
+    paused: bool
+
+    def action_toggle_pause(self) -> None: ...
+
+    def action_toggle_recording(self) -> None: ...
+
+    def action_help(self) -> None: ...
+
+    def action_next_engine(self) -> None: ...
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None: ...
+
+    def is_dp(self) -> bool: ...
+
+    def source_of(self, engine: EngineState | None) -> Source:
+        """The source that feeds ``engine`` (its recording, its actions)."""
+
+    def run_source_action(self, key: str, *, confirmed: bool = False) -> None: ...
+
+    def edit_key(self, key: str) -> None: ...
+
+    def active_console_screen(self) -> ConsoleScreen | None: ...
 
 
 class ConsoleCommands(Provider):
+    @property
+    def host(self) -> CommandHost:
+        return cast(CommandHost, self.app)
+
     def _commands(self) -> Iterator[tuple[str, Callable[[], object], str]]:
-        app: VConsoleApp = self.app  # type: ignore[assignment]
+        app = self.host
+        source = app.source_of(app.current_engine())
         for mode, (key, title) in SCREENS.items():
             yield f"Go to {title}", partial(app.action_show, mode), f"screen {key}"
         yield ("Resume updates" if app.paused else "Pause updates",
                app.action_toggle_pause, "p: freeze the request table and KV map")
-        yield ("Stop recording" if app.source.recording else "Start recording the telemetry "
+        yield ("Stop recording" if source.recording else "Start recording the telemetry "
                "stream", app.action_toggle_recording, "R: raw frames to a .vrec file")
         yield "Help: keys and legend", app.action_help, "?"
         yield "Go to Alerts", partial(app.action_show, "alerts"), "!: every alert heard"
@@ -41,8 +77,8 @@ class ConsoleCommands(Provider):
                 if a.hot:
                     yield (f"Apply advice: {a.change_text()}", partial(self._apply_advice, a),
                            a.title)
-        if app.steering.source_actions_allowed(app.source):
-            for action in app.source.actions:
+        if app.steering.source_actions_allowed(source):
+            for action in source.actions:
                 yield (f"vLLM: {action.title}", partial(app.run_source_action, action.key),
                        f"POST {action.path} (asks for confirmation)")
         if len(app.state.engines) > 1:
@@ -75,35 +111,31 @@ class ConsoleCommands(Provider):
                 key = str(row.get("key"))
                 yield (f"Edit config: {key}", partial(app.edit_key, key),
                        str(row.get("description", "")))
-        yield "Quit", app.exit, "q"
+        yield "Quit", self.app.exit, "q"
 
     def _on_screen(self, mode: str, action: str, *args: object) -> None:
-        app: VConsoleApp = self.app  # type: ignore[assignment]
-
         def run() -> None:
-            screen = app.active_console_screen()
+            screen = self.host.active_console_screen()
             if screen is not None and mode == screen.MODE:
                 getattr(screen, f"action_{action}")(*args)
-        if app.current_mode != mode:
-            app.switch_mode(mode)
-        app.call_after_refresh(run)
+        if self.app.current_mode != mode:
+            self.app.switch_mode(mode)
+        self.app.call_after_refresh(run)
 
     def _apply_advice(self, advice: object) -> None:
-        app: VConsoleApp = self.app  # type: ignore[assignment]
-        reason = app.apply_advice(advice)
+        host = self.host
+        reason = host.steer(host.steering.plan_advice(advice, host.current_engine()))
         if reason is not None:
-            app.notify(reason, title="Advice", severity="warning")
+            self.app.notify(reason, title="Advice", severity="warning")
 
     def _sort(self, key: str) -> None:
-        app: VConsoleApp = self.app  # type: ignore[assignment]
-
         def run() -> None:
-            screen = app.active_console_screen()
+            screen = self.host.active_console_screen()
             if screen is not None and hasattr(screen, "set_sort"):
                 screen.set_sort(key)
-        if app.current_mode != "requests":
-            app.switch_mode("requests")
-        app.call_after_refresh(run)
+        if self.app.current_mode != "requests":
+            self.app.switch_mode("requests")
+        self.app.call_after_refresh(run)
 
     async def discover(self) -> Hits:
         for text, cmd, help_ in self._commands():

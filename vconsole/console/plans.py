@@ -1,15 +1,19 @@
 """What the console means to do to the engine, decided before anything is sent: the plans.
 
-Every action that changes an engine goes the same way (`vconsole.console.steering.Steering`
-plans, the app asks, Steering sends): a plan is either ``refused`` (with the reason: nothing is
-sent, the operator is told why), has nothing to do (``nothing_to_do``: a `Notice` saying so),
-or is sent — after the operator confirmed its ``confirmation`` when it has one. ``declined`` is
-what the console says when the operator says no. Plans are plain data: no I/O, no Textual.
+Every action that changes an engine goes the same way: `vconsole.console.steering.Steering`
+plans it, then ``Steering.begin(plan)`` sends it or returns the `Ask` the operator must answer
+(the app shows the box and hands the answer back to ``Steering.answer``). A plan is either
+``refused`` (with the reason: nothing is sent, the operator is told why), has nothing to do
+(``nothing_to_do``: a `Notice` saying so), or is sent — after the operator confirmed its
+``confirmation`` when it has one. ``declined`` is what the console says when the operator says
+no. Plans are plain data: no I/O, no Textual. Each kind sends itself (``send``) through the
+`Sender` it is given (Steering): a new kind of action is a plan here and a send method there.
 
-`proposed` is the config change a plan would make (key → new value): the app asks the what-if
-(`vconsole.console.predictions`) for its predicted effect and shows it in the box. A one-key
-change the what-if can predict is confirmed even when it is routine (`ChangePlan.ask`), so the
-operator sees its effect before it is sent.
+``proposed`` is the config change a plan would make (key → new value): Steering asks the
+what-if (`vconsole.console.predictions`) for its predicted effect, which the box shows. A
+one-key change the what-if can predict is confirmed even when it is routine
+(``confirmation_for(modelled=True)``, `ChangePlan.ask`), so the operator sees its effect
+before it is sent.
 
 - `ChangePlan`: one config key (the Config screen's editor, the palette's "Edit config").
 - `AdvicePlan`: an advisor's hot suggestion, all its keys in one ``set_config``.
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from vconsole.console.changes import (
     INVALID,
@@ -35,7 +39,8 @@ from vconsole.console.changes import (
 from vconsole.console.profile_run import consequence as profile_consequence
 
 if TYPE_CHECKING:
-    from vconsole.console.sources.vllm_actions import VllmAction
+    from vconsole.console.forecast import Forecast
+    from vconsole.console.sources.source import SourceAction
     from vconsole.console.state import ConfigView, EngineState
 
 ROUTINE = "Applied between two steps; nothing is preempted."
@@ -62,6 +67,67 @@ class Confirmation:
     title: str
     text: str
     label: str = "Apply change"
+
+
+class Sender(Protocol):
+    """What plans send themselves through (`vconsole.console.steering.Steering`): each call
+    sends at once and the reply comes back later, as an ``Update`` through Steering's host."""
+
+    def send_change(self, key: str, old: Any, value: Any) -> object: ...
+
+    def send_advice(self, advice: Any, changes: dict[str, tuple[Any, Any]]) -> object: ...
+
+    def send_edits(self, changes: dict[str, tuple[Any, Any]]) -> object: ...
+
+    def start_profile(self, steps: int) -> object: ...
+
+    def run_action(self, run: Callable[[], str]) -> None: ...
+
+
+class Plan(Protocol):
+    """What every kind of plan answers (see the module docstring)."""
+
+    @property
+    def refused(self) -> str | None: ...
+
+    @property
+    def nothing_to_do(self) -> Notice | None: ...
+
+    @property
+    def declined(self) -> Notice | None: ...
+
+    @property
+    def proposed(self) -> dict[str, Any] | None:
+        """The config change it would make (key → new value); None: it changes no config."""
+
+    def confirmation_for(self, modelled: bool) -> Confirmation | None:
+        """The box the operator must confirm, if any; ``modelled``: the what-if will show the
+        change's predicted effect in it."""
+
+    def send(self, via: Sender) -> None:
+        """Send it (refused: never called; asks: after the operator confirmed)."""
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A plan waiting for the operator: the box to show (``forecast``: lines the box computes
+    while the operator reads it), and the plan to send on yes (`Steering.answer`)."""
+
+    plan: Plan
+    confirmation: Confirmation
+    forecast: Forecast | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of a plan `Steering.begin` or `Steering.answer` was given, for the UI:
+    ``refused`` (nothing sent; the caller shows why where it asked), a ``notice`` to show
+    (nothing to do, declined), an ``ask`` to show as a box, or ``sent``."""
+
+    refused: str | None = None
+    notice: Notice | None = None
+    ask: Ask | None = None
+    sent: bool = False
 
 
 @dataclass
@@ -101,6 +167,20 @@ class ChangePlan:
     def declined(self) -> Notice | None:
         return Notice("Config", f"{self.key} left at {show_value(self.old)}")
 
+    @property
+    def proposed(self) -> dict[str, Any] | None:
+        return {self.key: self.value}
+
+    def confirmation_for(self, modelled: bool) -> Confirmation | None:
+        """A routine change of a hot key asks too when its effect is modelled (worth reading
+        before it is sent)."""
+        if self.confirmation is None and modelled and self.hot:
+            self.ask = True
+        return self.confirmation
+
+    def send(self, via: Sender) -> None:
+        via.send_change(self.key, self.old, self.value)
+
 
 @dataclass
 class AdvicePlan:
@@ -130,6 +210,16 @@ class AdvicePlan:
     def declined(self) -> Notice | None:
         return Notice("Advice", f"advice not applied: {self.advice.change_text()}")
 
+    @property
+    def proposed(self) -> dict[str, Any] | None:
+        return {k: new for k, (_, new) in self.changes.items()}
+
+    def confirmation_for(self, modelled: bool) -> Confirmation | None:
+        return self.confirmation
+
+    def send(self, via: Sender) -> None:
+        via.send_advice(self.advice, self.changes)
+
 
 @dataclass
 class EditsPlan:
@@ -158,6 +248,16 @@ class EditsPlan:
     def declined(self) -> Notice | None:
         return Notice("What-if", f"not applied: {self.change_text()}")
 
+    @property
+    def proposed(self) -> dict[str, Any] | None:
+        return {k: new for k, (_, new) in self.changes.items()}
+
+    def confirmation_for(self, modelled: bool) -> Confirmation | None:
+        return self.confirmation
+
+    def send(self, via: Sender) -> None:
+        via.send_edits(self.changes)
+
 
 @dataclass
 class ProfilePlan:
@@ -177,35 +277,43 @@ class ProfilePlan:
     def declined(self) -> Notice | None:
         return Notice("Profile", "no profile started")
 
+    proposed = None     # a profile changes no config
+
+    def confirmation_for(self, modelled: bool) -> Confirmation | None:
+        return self.confirmation
+
+    def send(self, via: Sender) -> None:
+        via.start_profile(self.steps)
+
 
 @dataclass
 class ActionPlan:
-    """POST one of a vLLM server's action routes (``run``, blocking): always confirmed; a no
-    says nothing."""
+    """Ask a source's server to do one of its actions (``run``, blocking; a vLLM server's
+    routes): always confirmed; a no says nothing."""
 
-    action: VllmAction | None = None
+    action: SourceAction | None = None
     run: Callable[[], str] | None = None
     refused: str | None = None
     nothing_to_do: Notice | None = None
     declined: Notice | None = None
+    proposed = None     # an action changes no config
 
     @property
     def confirmation(self) -> Confirmation | None:
         a = self.action
         return None if a is None else Confirmation(f"{a.title}?", a.consequence, a.title)
 
+    def confirmation_for(self, modelled: bool) -> Confirmation | None:
+        return self.confirmation
 
-Plan = ChangePlan | AdvicePlan | EditsPlan | ProfilePlan | ActionPlan
+    def send(self, via: Sender) -> None:
+        assert self.run is not None, "an action plan that was not refused has its run"
+        via.run_action(self.run)
 
 
-def proposed(plan: Plan) -> dict[str, Any] | None:
-    """The config change ``plan`` would make (key → new value), None for a plan that changes
-    no config (a profile, a vLLM action)."""
-    if isinstance(plan, ChangePlan):
-        return {plan.key: plan.value}
-    if isinstance(plan, AdvicePlan | EditsPlan):
-        return {k: new for k, (_, new) in plan.changes.items()}
-    return None
+if TYPE_CHECKING:   # the type checker verifies every kind is a whole Plan
+    _plans: tuple[type[Plan], ...] = (ChangePlan, AdvicePlan, EditsPlan, ProfilePlan,
+                                      ActionPlan)
 
 
 def plan_change(cfg: ConfigView | None, key: str, text: str,

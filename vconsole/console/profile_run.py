@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vconsole.telemetry.control import NotAuthorised
+from vconsole.wire.control_client import NotAuthorised
 
 if TYPE_CHECKING:
     from vconsole.console.control_link import Control

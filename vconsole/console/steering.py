@@ -3,13 +3,15 @@
 The model behind every action that changes an engine, apart from Textual: whether the console
 is read-only and why, the control link and the key it holds, the config fetch, and each action
 from plan to reply — config changes, applied advice, the profile run (start, progress, cancel)
-and a vLLM server's actions. Screens read it as ``app.steering``.
+and a vLLM server's actions. Screens read it as their host's ``steering``.
 
 One way for every action: `plan_change` / `plan_advice` / `plan_edits` / `plan_profile` /
-`plan_action`
-return a plan (`vconsole.console.plans`: refused with a reason, nothing to do, or what the
-confirmation box must say); the app shows the box when the plan has one, then calls
-`carry_out`, and Steering sends, follows and takes the reply. The app only asks and draws.
+`plan_action` return a plan (`vconsole.console.plans`: refused with a reason, nothing to do, or
+what the confirmation box must say); `begin` sends it at once or returns the `Ask` the operator
+must answer (with the change's predicted effect from ``whatif``, the console's
+`vconsole.console.predictions.WhatIf`), and `answer` sends it on yes. The plan sends itself
+through Steering (`send`: one dispatch, `Plan.send`); Steering follows and takes the reply. The
+app only shows the box, hands the answer back and draws.
 
 Threads: the blocking calls run in the host's workers (`vconsole.console.steering_host`); the
 replies are taken on the UI thread, so records, ``generation`` and the read-only reason change
@@ -27,31 +29,37 @@ import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vconsole.console.changes import ERROR, TIMEOUT, AdviceOutcome, ChangeRecord, show_value
-from vconsole.console.control_link import Control, ControlLink
+from vconsole.console.control_link import Control, ControlLink, TraceChannel
+from vconsole.console.engine_state import EngineState
+from vconsole.console.forecast import forecast
 from vconsole.console.plans import (
     ActionPlan,
     AdvicePlan,
+    Ask,
     ChangePlan,
     EditsPlan,
     Notice,
+    Outcome,
     Plan,
     ProfilePlan,
+    Sender,
     plan_advice,
     plan_change,
     plan_edits,
 )
+from vconsole.console.predictions import WhatIf, modelled
 from vconsole.console.profile_run import ProfileRun, follow
-from vconsole.console.sources.vllm_actions import BY_KEY, ActionError
-from vconsole.console.state import ConsoleState, EngineState
+from vconsole.console.sources.source import ActionError, Source
+from vconsole.console.state import ConsoleState
 from vconsole.console.steering_host import SteeringHost, Update
 from vconsole.security.control_key import control_key_file as key_file_for
 from vconsole.security.control_key import load_control_key
 from vconsole.security.curve import ClientCurve
 from vconsole.security.key_owner import KeyStatus
-from vconsole.telemetry.control import NotAuthorised
+from vconsole.wire.control_client import NotAuthorised
 
 CONFIG_RETRY_S = 2.0
 NO_KEY = "no control key"   # the read-only reason a key file written later lifts
@@ -69,6 +77,8 @@ class Steering:
         self.control_key_file = control_key_file
         self.readonly_reason = readonly_reason
         self.host = host
+        # Predicted effects, from the engine's trace (a channel without one: no what-if).
+        self.whatif = WhatIf(control.get_trace if isinstance(control, TraceChannel) else None)
         self.change_log: list[ChangeRecord] = []       # every change sent, in order
         self.replies: dict[str, ChangeRecord] = {}     # the last answer per key
         self.generation = 0                            # bumped on every new record or answer
@@ -128,9 +138,9 @@ class Steering:
         """Profiling is offered: a writable console with a control channel."""
         return not self.readonly and self.control is not None
 
-    def source_actions_allowed(self, source: Any) -> bool:
+    def source_actions_allowed(self, source: Source) -> bool:
         """The source has actions of its own (a vLLM server) and the console is not --readonly."""
-        return source.kind == "vllm" and self.readonly_reason != "--readonly"
+        return bool(source.actions) and self.readonly_reason != "--readonly"
 
     def make_readonly(self, reason: str) -> None:
         """Read-only from now on (the first reason stays)."""
@@ -251,25 +261,43 @@ class Steering:
             return ProfilePlan(steps, refused=f"{run.id or 'a profile'} is running: c cancels it")
         return ProfilePlan(steps)
 
-    def plan_action(self, source: Any, key: str) -> ActionPlan:
-        """One of a vLLM server's action routes (`vconsole.console.sources.vllm_actions`)."""
+    def plan_action(self, source: Source, key: str) -> ActionPlan:
+        """One of the source's actions (a vLLM server's routes,
+        `vconsole.console.sources.vllm_actions`)."""
         if not self.source_actions_allowed(source):
             return ActionPlan(refused="read-only console: no actions")
-        return ActionPlan(BY_KEY[key], run=partial(source.run_action, key))
+        action = next((a for a in source.actions if a.key == key), None)
+        if action is None:
+            return ActionPlan(refused=f"{source.describe()} offers no action {key!r}")
+        return ActionPlan(action, run=partial(source.run_action, key))
 
-    def carry_out(self, plan: Plan) -> None:
-        """Send a plan that was not refused, once the operator confirmed it (when it asks):
-        the reply comes back through the host as an `Update`."""
-        if isinstance(plan, ChangePlan):
-            self.send_change(plan.key, plan.old, plan.value)
-        elif isinstance(plan, AdvicePlan):
-            self.send_advice(plan.advice, plan.changes)
-        elif isinstance(plan, EditsPlan):
-            self.send_edits(plan.changes)
-        elif isinstance(plan, ProfilePlan):
-            self.start_profile(plan.steps)
-        else:
-            self.run_action(plan)
+    # --- from plan to send ----------------------------------------------------------------
+
+    def begin(self, plan: Plan, *, confirmed: bool = False) -> Outcome:
+        """Carry ``plan`` as far as the console may without the operator: refused (nothing
+        sent), nothing to do (a notice), sent (no box to confirm, or ``confirmed`` already),
+        or the `Ask` the UI shows and hands back to `answer`. A change the what-if models gets
+        its predicted effect in the box (and a routine one asks for that reason alone)."""
+        if plan.refused is not None:
+            return Outcome(refused=plan.refused)
+        if plan.nothing_to_do is not None:
+            return Outcome(notice=plan.nothing_to_do)
+        change = plan.proposed or {}
+        lines = forecast(self.whatif, change) if change and not confirmed else None
+        ask = plan.confirmation_for(modelled=lines is not None and modelled(change))
+        if ask is None or confirmed:
+            return self.send(plan)
+        return Outcome(ask=Ask(plan, ask, lines))
+
+    def answer(self, ask: Ask, yes: bool) -> Outcome:
+        """The operator's answer to ``ask``: sent, or what the console says to a no."""
+        return self.send(ask.plan) if yes else Outcome(notice=ask.plan.declined)
+
+    def send(self, plan: Plan) -> Outcome:
+        """Send a plan that was not refused (confirmed when it asks): the reply comes back
+        through the host as an `Update`."""
+        plan.send(self)
+        return Outcome(sent=True)
 
     # --- config changes and advice: one send path -------------------------------------------
 
@@ -417,11 +445,8 @@ class Steering:
 
     # --- a vLLM server's actions ------------------------------------------------------------
 
-    def run_action(self, plan: ActionPlan) -> None:
-        """POST the action's route in a worker; the server's answer is a notice."""
-        assert plan.run is not None
-        run = plan.run
-
+    def run_action(self, run: Callable[[], str]) -> None:
+        """Run a source's action (``run``: blocking) in a worker; the answer is a notice."""
         def work(cancelled: threading.Event) -> None:
             try:
                 notice = Notice("vLLM", run())
@@ -429,3 +454,8 @@ class Steering:
                 notice = Notice("vLLM", str(e), "error")
             self._host().from_worker(lambda: Update(notice))
         self._host().run_blocking(work, group="source-action")
+
+
+if TYPE_CHECKING:   # the type checker verifies plans can send themselves through Steering
+    def _sender(steering: Steering) -> Sender:
+        return steering

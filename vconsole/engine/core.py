@@ -31,10 +31,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from vconsole.engine.latency import LatencyBatch
-from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.request import FinishReason, Request, SamplingParams
+from vconsole.engine.request import FinishReason, Request
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from vconsole.engine.sched.scheduler import Scheduler
+from vconsole.engine.sched.scheduler import RowSource, Scheduler
 from vconsole.engine.structured.manager import StructuredOutputs
 from vconsole.engine.worker import kv_quant, nvtx
 from vconsole.engine.worker.model_runner import ModelRunner
@@ -42,6 +41,8 @@ from vconsole.engine.worker.profiler import StepProfiler
 from vconsole.shared.config import ConfigUpdate, EngineConfig, apply_update
 from vconsole.shared.kv_events import KVEvent
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
+from vconsole.wire.outputs import RequestOutput
+from vconsole.wire.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -304,10 +305,9 @@ class EngineCore:
             nvtx.configure(self.config.nvtx, self.runner.device.type)
         return update
 
-    def scheduler_stats(self, max_rows: int, mirrored: bool = False) -> SchedulerStats:
-        """``mirrored``: the waiting rows are left to the publisher process's mirror of the
-        queue (`Scheduler.stats`)."""
-        stats = self.scheduler.stats(max_rows, mirrored)
+    def scheduler_stats(self, max_rows: int, rows: RowSource | None = None) -> SchedulerStats:
+        """``rows``: what makes the request rows (`Scheduler.stats`)."""
+        stats = self.scheduler.stats(max_rows, rows)
         c = self.structured.compiler
         stats.structured_compiles_total = c.num_compiles
         stats.structured_compile_cache_hits_total = c.num_cache_hits

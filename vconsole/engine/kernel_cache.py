@@ -21,6 +21,8 @@ ENTRY_PREFIX = "paged_attention-"
 BUILDING = "building.json"        # {"pid", "since"}: written by the builder while it builds
 # What a waiting client is told (the engine's log, `vconsole demo`, doctor, the console).
 COMPILING = "compiling the attention kernel (first start only)"
+# How long that takes where no earlier build on this machine says better (`attention_kernel`).
+EXPECTED_BUILD = "about 10-30 s on 2 cores"
 
 
 def cache_root(environ: Mapping[str, str] | None = None) -> Path:
@@ -29,7 +31,7 @@ def cache_root(environ: Mapping[str, str] | None = None) -> Path:
     elsewhere; ``environ``: another process's environment (a launcher asking where its engine
     builds). The test suite points the kernel at the one `make install` built while each test's
     models and keys go to folders of its own: a fresh ``VCONSOLE_CACHE`` would otherwise compile
-    the kernel again (20-40 s, over a minute on a busy 2-core machine)."""
+    the kernel again (`EXPECTED_BUILD` each)."""
     environ = os.environ if environ is None else environ
     if own := environ.get(KERNEL_CACHE_ENV):
         return Path(own).expanduser()

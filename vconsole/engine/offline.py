@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vconsole.engine.core import EngineCore
-from vconsole.engine.outputs import Logprobs, PromptLogprobs, RequestOutput
-from vconsole.engine.request import Request, SamplingParams
+from vconsole.engine.request import Request
 from vconsole.shared.config import EngineConfig
+from vconsole.wire.outputs import Logprobs, PromptLogprobs, RequestOutput
+from vconsole.wire.sampling import SamplingParams
 
 
 @dataclass

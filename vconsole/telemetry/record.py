@@ -29,8 +29,8 @@ from typing import Any, BinaryIO
 import zmq
 
 from vconsole.security.curve import ClientCurve
-from vconsole.telemetry.control import ControlClient
 from vconsole.telemetry.schema import SCHEMA_VERSION, TOPICS, SchemaVersionError
+from vconsole.wire.control_client import ControlClient
 
 MAGIC = b"VCTELREC"
 FORMAT_VERSION = 1

@@ -55,6 +55,7 @@ from vconsole.engine.launch.engine_process import (
 )
 from vconsole.engine.worker.gguf_model import (
     SMOLLM2,
+    SMOLLM2_CONVERSION,
     SMOLLM2_INSTALL,
     converted_dir,
     ensure_converted,
@@ -142,7 +143,7 @@ def _config_rate(config: str) -> float:
 
 
 def prepare_model(model: DemoModel, say: Callable[[str], None]) -> None:
-    """Convert ``smollm2`` here, saying so, before the engine starts (the first run only: ~25 s
+    """Convert ``smollm2`` here, saying so, before the engine starts (the first run only: 10-25 s
     that would otherwise pass in silence while the engine loads). ValueError as the loader's."""
     if model.name != SMOLLM2:
         return
@@ -150,9 +151,9 @@ def prepare_model(model: DemoModel, say: Callable[[str], None]) -> None:
     target = converted_dir(gguf)
     if (target / "config.json").is_file():
         return
-    say(f"converting {SMOLLM2} once, into {target.parent} (about 25 s; later starts take "
-        "seconds) ...")
-    ensure_converted(gguf)
+    say(f"converting {SMOLLM2} once, into {target.parent} ({SMOLLM2_CONVERSION}; later starts "
+        "take seconds) ...")
+    ensure_converted(gguf, say=say)
 
 
 class PreemptionTally:

@@ -112,7 +112,8 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def _engine_answers(control: str) -> bool:
-    from vconsole.telemetry.control import ControlClient, ControlError
+    from vconsole.wire.control import ControlError
+    from vconsole.wire.control_client import ControlClient
     try:
         with ControlClient(control, timeout_s=PROBE_S) as client:
             client.get_config()
@@ -211,7 +212,8 @@ def check_attention_kernel() -> Check:
         return Check("attn kernel", WARN, "no C++ compiler: CPU decodes take the slower "
                      "torch path (install g++ and run `make install` to build it)")
     return Check("attn kernel", WARN, "not built yet: the engine builds it on its first "
-                 f"start on a CPU (20-40 s) into {attention_kernel.cache_root()}, or run "
+                 f"start on a CPU ({attention_kernel.EXPECTED_BUILD}) into "
+                 f"{attention_kernel.cache_root()}, or run "
                  "`make install`")
 
 
@@ -287,7 +289,8 @@ def check_kv_cache(endpoints: dict[str, str] | None = None, where: str = "the de
     ``kv_cache_dtype`` over control, the stored dtype, bytes per token and capacity from its
     telemetry), else the formats an engine can be started with."""
     from vconsole.security.endpoints import DEFAULTS
-    from vconsole.telemetry.control import ControlClient, ControlError
+    from vconsole.wire.control import ControlError
+    from vconsole.wire.control_client import ControlClient
 
     eps = endpoints or DEFAULTS
     formats = kv_formats()

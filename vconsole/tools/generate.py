@@ -10,8 +10,9 @@ import json
 from typing import Any
 
 from vconsole.engine.core import EngineCore
-from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.request import FinishReason, Request, SamplingParams
+from vconsole.engine.request import FinishReason, Request
+from vconsole.wire.outputs import RequestOutput
+from vconsole.wire.sampling import SamplingParams
 
 _SAMPLING_KEYS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                   "seed": int, "ignore_eos": bool}

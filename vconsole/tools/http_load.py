@@ -32,8 +32,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from vconsole.engine.client.async_client import drain_request
-from vconsole.engine.outputs import RequestOutput
 from vconsole.tools.sse_client import HttpError, NoDone, StreamCut, get_json, post_sse
+from vconsole.wire.outputs import RequestOutput
 
 DEFAULT_VOCAB = 1000      # prompts' token ids stay below this unless the server says more
 

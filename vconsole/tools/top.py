@@ -30,7 +30,6 @@ from vconsole.console.ranks import aggregate
 from vconsole.console.sources.vllm import ScrapeError, VllmScraper
 from vconsole.security.curve import ClientCurve
 from vconsole.shared.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
-from vconsole.telemetry.control import ControlClient, ControlError
 from vconsole.telemetry.printable import printable
 from vconsole.telemetry.request_text import FIELD as TEXT_FIELD
 from vconsole.telemetry.request_text import text_of
@@ -42,6 +41,8 @@ from vconsole.telemetry.schema import (
     TelemetryMessage,
     decode,
 )
+from vconsole.wire.control import ControlError
+from vconsole.wire.control_client import ControlClient
 
 WAIT_FOR = tuple(t for t in TOPICS if t != "alert" and t not in DP_TOPICS)
 CONFIG_GRACE_S = 1.5

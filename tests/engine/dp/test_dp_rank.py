@@ -19,7 +19,6 @@ import torch.distributed as dist
 import zmq
 
 from support.live_engine import Telemetry, ipc_endpoints, reference_outputs
-from vconsole.engine.client import protocol
 from vconsole.engine.core import EngineCore
 from vconsole.engine.dp.rank.rendezvous import (
     DPEnv,
@@ -32,9 +31,10 @@ from vconsole.engine.dp.rank.role import DPRank, split_cpu_threads
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.process.core_proc import EngineCoreProc
 from vconsole.engine.publish.publisher import TelemetryPublisher
-from vconsole.engine.request import SamplingParams
 from vconsole.shared.config import EngineConfig
 from vconsole.telemetry import schema
+from vconsole.wire import protocol
+from vconsole.wire.sampling import SamplingParams
 
 # The group tests run in order on one two-rank group (waves 0, 1, 2 ...): under pytest-xdist the
 # module stays on one worker (`make test` runs --dist loadgroup), or a worker given only the

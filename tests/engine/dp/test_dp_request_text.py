@@ -12,8 +12,8 @@ from vconsole.cli import build_parser
 from vconsole.commands import engine as engine_cmd
 from vconsole.engine.dp.front import stack as stack_module
 from vconsole.engine.dp.front.stack import FrontEndStack
-from vconsole.engine.launch.ready_file import ENDPOINT_NAMES
 from vconsole.shared.config import EngineConfig
+from vconsole.wire.ready_file import ENDPOINT_NAMES
 
 
 @pytest.mark.parametrize("public, text", [("tcp://0.0.0.0:5572", False),

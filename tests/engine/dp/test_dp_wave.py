@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vconsole.engine.client import protocol
 from vconsole.engine.dp.rank.rendezvous import DPEnv, rank_key
 from vconsole.engine.dp.rank.wave import CompletedWave, WaveState
 from vconsole.shared.config import EngineConfig
+from vconsole.wire import protocol
 
 # --- WaveState -------------------------------------------------------------------------------
 

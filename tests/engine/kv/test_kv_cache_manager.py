@@ -5,8 +5,9 @@ import random
 import pytest
 
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
-from vconsole.engine.request import Request, SamplingParams
+from vconsole.engine.request import Request
 from vconsole.shared.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from vconsole.wire.sampling import SamplingParams
 
 B = 4
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from vconsole.engine.launch.child import ChildProcess
-from vconsole.engine.launch.ready_file import ready_record, write_ready_file
+from vconsole.wire.ready_file import ready_record, write_ready_file
 
 EPS = {n: f"ipc:///tmp/x-{n}" for n in ("input", "output", "telemetry", "control")}
 
@@ -36,7 +36,7 @@ def test_wait_ready_returns_the_record_written_by_this_child(tmp_path: Path) -> 
                                          control_key_file="k"))  # a stale file, another pid
     child = python(
         "import os, sys, time\n"
-        "from vconsole.engine.launch.ready_file import ready_record, write_ready_file\n"
+        "from vconsole.wire.ready_file import ready_record, write_ready_file\n"
         "time.sleep(0.3)\n"
         f"write_ready_file({str(ready)!r}, ready_record(engine_id='new', pid=os.getpid(), "
         f"endpoints={EPS!r}, control_key_file='k'))\n"

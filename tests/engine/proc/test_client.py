@@ -8,11 +8,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from vconsole.engine.client import protocol
 from vconsole.engine.client.async_client import AsyncEngineClient
 from vconsole.engine.client.client import Completion, EngineClient
-from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.request import SamplingParams
+from vconsole.wire import protocol
+from vconsole.wire.outputs import RequestOutput
+from vconsole.wire.sampling import SamplingParams
 
 
 def wire(frames):

@@ -13,8 +13,8 @@ from vconsole.engine.process.control_server import ControlCall, ControlServer
 from vconsole.security import engine_key
 from vconsole.security.control_key import load_control_key
 from vconsole.shared.config import EngineConfig, apply_update
-from vconsole.telemetry import control
-from vconsole.telemetry.control import ControlClient, NotAuthorised
+from vconsole.wire import control
+from vconsole.wire.control_client import ControlClient, NotAuthorised
 
 
 class BusyLoop:

@@ -20,11 +20,11 @@ import pytest
 import zmq
 
 from support.live_engine import Telemetry, reference_outputs
-from vconsole.engine.client import protocol
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security import control_key, engine_key
-from vconsole.telemetry.control import ControlClient, NotAuthorised
+from vconsole.wire import protocol
+from vconsole.wire.control_client import ControlClient, NotAuthorised
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
@@ -624,7 +624,7 @@ class _IdleCore:
     def abort_requests(self, ids) -> None:
         pass
 
-    def scheduler_stats(self, max_rows, mirrored=False):
+    def scheduler_stats(self, max_rows, rows=None):
         return None
 
     def kv_stats(self):

@@ -40,10 +40,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from support.live_engine import RssSampler, Telemetry, ipc_endpoints, reference_outputs
-from vconsole.engine.client import protocol
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.telemetry import control
+from vconsole.wire import control, protocol
+from vconsole.wire.control_client import ControlClient
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
@@ -510,7 +510,7 @@ def test_malformed_messages_never_disturb_real_requests_nor_the_engine(engine):
     rss = RssSampler(engine.pid)
     try:
         warm_up(engine, fuzz)
-        with control.ControlClient(engine.endpoints["control"], key=key) as ctl:
+        with ControlClient(engine.endpoints["control"], key=key) as ctl:
             config_before = ctl.get_config()
         baseline = rss.rss()
 
@@ -550,7 +550,7 @@ def test_malformed_messages_never_disturb_real_requests_nor_the_engine(engine):
 
         # No junk changed the config.
         assert not fuzz.applied, fuzz.applied
-        with control.ControlClient(engine.endpoints["control"], key=key) as ctl:
+        with ControlClient(engine.endpoints["control"], key=key) as ctl:
             config_after = ctl.get_config()
         assert config_after["version"] == config_before["version"]
         assert config_after["values"] == config_before["values"]

@@ -24,8 +24,8 @@ import pytest
 from support.live_engine import Telemetry, ipc_endpoints
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.engine.launch.ready_file import read_ready_file
 from vconsole.shared import stacks
+from vconsole.wire.ready_file import read_ready_file
 
 HOOK = '''
 import os, sys, time

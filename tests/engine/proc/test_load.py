@@ -1,6 +1,6 @@
 """10,000 requests at once from four clients, against one engine process.
 
-The clients speak the wire protocol directly (`vconsole.engine.client.protocol`, as PROTOCOL.md
+The clients speak the wire protocol directly (`vconsole.wire.protocol`, as PROTOCOL.md
 describes it) rather than through `EngineClient`: a library client routes outputs only to
 requests it still waits for, so a second final output, or an output for a request nobody
 submitted, would never be seen. Here every output message is counted. The specification:
@@ -29,8 +29,8 @@ import pytest
 import zmq
 
 from support.live_engine import RssSampler, Telemetry, ipc_endpoints
-from vconsole.engine.client import protocol
 from vconsole.engine.launch.engine_process import EngineProcess
+from vconsole.wire import protocol
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

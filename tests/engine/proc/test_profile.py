@@ -20,12 +20,8 @@ import zmq
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.telemetry import schema
-from vconsole.telemetry.control import (
-    PROFILE_MAX_STEPS,
-    ControlClient,
-    ControlError,
-    NotAuthorised,
-)
+from vconsole.wire.control import PROFILE_MAX_STEPS, ControlError
+from vconsole.wire.control_client import ControlClient, NotAuthorised
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

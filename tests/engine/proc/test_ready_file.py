@@ -9,14 +9,14 @@ import pytest
 
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.engine.launch.ready_file import (
+from vconsole.wire.control_client import ControlClient
+from vconsole.wire.ready_file import (
     ReadyFileError,
     read_ready_file,
     ready_record,
     remove_ready_file,
     write_ready_file,
 )
-from vconsole.telemetry.control import ControlClient
 
 EPS = {"input": "tcp://127.0.0.1:1", "output": "tcp://127.0.0.1:2",
        "telemetry": "tcp://127.0.0.1:3", "control": "tcp://127.0.0.1:4"}

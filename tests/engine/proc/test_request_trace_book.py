@@ -11,7 +11,7 @@ import pytest
 
 from vconsole.engine.process import request_trace as book_module
 from vconsole.engine.process.request_trace import TraceBook, open_trace_file
-from vconsole.engine.request import FinishReason, SamplingParams
+from vconsole.engine.request import FinishReason
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import StepStats
 from vconsole.telemetry.request_trace import (
@@ -20,6 +20,7 @@ from vconsole.telemetry.request_trace import (
     prompt_block_hashes,
     read_trace,
 )
+from vconsole.wire.sampling import SamplingParams
 
 BLOCK = 4
 

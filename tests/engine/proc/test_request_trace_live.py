@@ -20,8 +20,8 @@ from vconsole.commands import record as record_cmd
 from vconsole.commands import trace as trace_cmd
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.telemetry.control import ControlClient
 from vconsole.telemetry.request_trace import Trace, TraceError, parse_lines, read_trace
+from vconsole.wire.control_client import ControlClient
 
 # One worker runs the whole module: its tests share the engine and read what earlier ones wrote
 # into its trace (the hot-key test reads the start-up file the first test filled).

@@ -54,16 +54,18 @@ def test_mypy_accepts_the_real_core_and_refuses_a_fake_missing_one_member(tmp_pa
 
         from vconsole.engine.core import EngineCore
         from vconsole.engine.latency import LatencyBatch
-        from vconsole.engine.outputs import RequestOutput
         from vconsole.engine.process.profile_book import ProfileBook
         from vconsole.engine.process.request_intake import RequestIntake
         from vconsole.engine.process.serving_core import ServingCore
-        from vconsole.engine.request import Request, SamplingParams
+        from vconsole.engine.request import Request
+        from vconsole.engine.sched.scheduler import RowSource
         from vconsole.engine.telemetry_guard import TelemetryGuard
         from vconsole.engine.worker.profiler import StepProfiler
         from vconsole.shared.config import ConfigUpdate, EngineConfig
         from vconsole.shared.kv_events import KVEvent
         from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
+        from vconsole.wire.outputs import RequestOutput
+        from vconsole.wire.sampling import SamplingParams
 
 
         """) + fake_source(None) + "\n\n" + fake_source(LEFT_OUT) + textwrap.dedent("""\

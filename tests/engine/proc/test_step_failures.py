@@ -15,12 +15,12 @@ import pytest
 from support.scheduling import make_request, make_scheduler
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.core import EngineCore
-from vconsole.engine.launch import exit_codes
 from vconsole.engine.offline import greedy_requests, run_batch
 from vconsole.engine.process.core_proc import EngineCoreProc
-from vconsole.engine.request import SamplingParams
 from vconsole.engine.sched.output import ModelRunnerOutput
 from vconsole.shared.config import EngineConfig
+from vconsole.wire import exit_codes
+from vconsole.wire.sampling import SamplingParams
 
 PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [20, 21, 22], "c": [40, 41, 42, 43, 44, 45, 46]}
 MAX_TOKENS = 6

@@ -22,12 +22,12 @@ import zmq
 
 from vconsole.commands.demo import closing_line
 from vconsole.engine.client.client import EngineClient
-from vconsole.engine.launch import exit_codes
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.engine.launch.exit_codes import describe_exit
-from vconsole.engine.launch.ready_file import read_ready_file
 from vconsole.engine.launch.restart_policy import RestartPolicy
 from vconsole.telemetry import schema
+from vconsole.wire import exit_codes
+from vconsole.wire.exit_codes import describe_exit
+from vconsole.wire.ready_file import read_ready_file
 
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "128", "--block-size", "16",
                "--set", "heartbeat_interval_s=0.1"]

@@ -18,10 +18,10 @@ import pytest
 
 from vconsole.engine.client.client import EngineClient
 from vconsole.engine.core import EngineCore
-from vconsole.engine.launch import liveness
 from vconsole.engine.process.core_proc import EngineCoreProc
 from vconsole.engine.structured.compiler import GrammarCompiler
 from vconsole.shared.config import EngineConfig
+from vconsole.wire import liveness
 
 HANG_TIMEOUT_S = 0.3
 COMPILE_EXTRA_S = 1.5          # five hang timeouts

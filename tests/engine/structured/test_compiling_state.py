@@ -3,16 +3,12 @@ abortable, expired by ``max_holding_seconds``, queued once its grammar is ready.
 
 from __future__ import annotations
 
-from vconsole.engine.request import (
-    FinishReason,
-    Request,
-    RequestStatus,
-    SamplingParams,
-    StructuredSpec,
-)
+from vconsole.engine.publish.request_rows import RequestRows
+from vconsole.engine.request import FinishReason, Request, RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.shared.config import EngineConfig
+from vconsole.wire.sampling import SamplingParams, StructuredSpec
 
 SPEC = StructuredSpec("regex", "[a-z]+")
 
@@ -42,13 +38,13 @@ def test_held_until_ready_then_queued_and_scheduled() -> None:
     so = s.schedule()
     assert list(so.num_scheduled_tokens) == ["free"]
     s.update_from_output(so, ModelRunnerOutput({"free": 9}))
-    stats = s.stats(10)
+    stats = s.stats(10, RequestRows())
     assert stats.num_compiling == 1 and stats.num_waiting == 0
     rows = {r.id: r for r in stats.requests}
     assert rows["held"].state == "compiling" and rows["held"].constraint == SPEC.code
     assert (rows["free"].state, rows["free"].constraint) == ("running", 0)
     assert s.grammar_ready("held") and not s.grammar_ready("held")
-    assert held.status is RequestStatus.WAITING and s.stats(10).num_compiling == 0
+    assert held.status is RequestStatus.WAITING and s.stats(0).num_compiling == 0
     assert "held" in s.schedule().num_scheduled_tokens
 
 
@@ -74,7 +70,7 @@ def test_a_compile_longer_than_max_holding_seconds_times_out() -> None:
     s.add_request(request("slow"), compiling=True)
     clock.t += 1.0
     s.update_from_output(s.schedule(), ModelRunnerOutput())
-    assert s.stats(10).num_compiling == 1
+    assert s.stats(0).num_compiling == 1
     clock.t += 1.5
     out = s.update_from_output(s.schedule(), ModelRunnerOutput())
     assert [o.finish_reason for _, o in out] == [FinishReason.TIMEOUT.value]

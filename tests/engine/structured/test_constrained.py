@@ -19,12 +19,14 @@ from llguidance import LLMatcher
 
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import run_batch
-from vconsole.engine.request import RequestStatus, SamplingParams, StructuredSpec
+from vconsole.engine.publish.request_rows import RequestRows
+from vconsole.engine.request import RequestStatus
 from vconsole.engine.structured import manager as manager_module
 from vconsole.engine.structured.compiler import GrammarCompiler
 from vconsole.engine.structured.grammar import to_grammar
 from vconsole.engine.worker import model_runner
 from vconsole.shared.config import EngineConfig
+from vconsole.wire.sampling import SamplingParams, StructuredSpec
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -151,7 +153,7 @@ def test_compiles_are_cached_by_spec_and_counted(core: EngineCore) -> None:
     outs = sampled(core, [spec] * 4, max_tokens=10)
     assert all(re.fullmatch("[0-9]{4}", o.text) for o in outs)
     assert compiler.num_compiles == compiles + 1 and compiler.num_cache_hits == hits + 3
-    stats = core.scheduler_stats(10)
+    stats = core.scheduler_stats(0)
     assert stats.structured_compiles_total == compiler.num_compiles
     assert stats.structured_compile_cache_hits_total == compiler.num_cache_hits
     assert stats.structured_compile_seconds_total > 0
@@ -198,7 +200,7 @@ def test_a_compiling_request_never_delays_another(core: EngineCore, monkeypatch)
     free = core.make_request("free", prompt="x", sampling=SamplingParams(max_tokens=12))
     assert core.add_request(held) is None and core.add_request(free) is None
     assert held.status is RequestStatus.COMPILING
-    stats = core.scheduler_stats(10)
+    stats = core.scheduler_stats(10, RequestRows())
     assert stats.num_compiling == 1
     rows = {r.id: r for r in stats.requests}
     assert rows["held"].state == "compiling" and rows["held"].constraint == spec.code

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from vconsole.engine.client import protocol
-from vconsole.engine.request import STRUCTURED_KINDS, SamplingParams, StructuredSpec
 from vconsole.engine.structured.grammar import check_spec, is_gbnf, to_grammar
 from vconsole.shared.stats import CONSTRAINT_KINDS
+from vconsole.wire import protocol
+from vconsole.wire.sampling import STRUCTURED_KINDS, SamplingParams, StructuredSpec
 
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
 GOOD = [StructuredSpec("json", SCHEMA), StructuredSpec("json_object", ""),

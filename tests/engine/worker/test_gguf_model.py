@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +163,43 @@ def test_a_converted_gguf_is_reused_not_converted_again(ggufs, caplog):
     assert {p.name: p.stat().st_mtime_ns for p in [target, *target.iterdir()]} == stamps
     assert [p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")
             and p.is_dir()] == []                     # no temporary directory left behind
+
+
+def test_a_conversion_reads_the_file_once_and_says_how_far_it_is(tmp_path, monkeypatch):
+    """The metadata (the vocabulary, in Python) is parsed once, not once by the check and
+    once each for transformers' config, weights and tokenizer; the conversion names its step
+    every `PROGRESS_S` (here 20 ms) and its time at the end; the result is as before."""
+    import gguf
+
+    path = write_gguf(tmp_path / "tiny-llama.gguf", "llama", seed=1, layers=6)
+    opened: list[str] = []
+    real_reader = gguf.GGUFReader
+
+    def counting_reader(*args, **kwargs):
+        opened.append(str(args[0]))
+        return real_reader(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    monkeypatch.setattr(gguf_model, "PROGRESS_S", 0.02)
+    lines: list[str] = []
+    target = gguf_model.ensure_converted(path, tmp_path / "cache", say=lines.append)
+    assert opened == [str(path.resolve())]
+    assert gguf.GGUFReader is counting_reader          # put back as it was
+    assert len(lines) > 1 and lines[-1].startswith("converted in ")
+    assert all(re.fullmatch(r"converting the GGUF model: .+, \d+ s so far", line)
+               for line in lines[:-1]), lines
+    tensors = 3 + 9 * 6
+    steps = [line for line in lines if "dequantizing tensor" in line]
+    assert all(f" of {tensors}, " in line for line in steps), steps
+    from transformers import AutoModelForCausalLM
+
+    ours = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                  dtype=torch.float32)
+    assert len(opened) == 3         # transformers alone: one for the config, one for weights
+    for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
 
 
 def _bad_models(tmp_path: Path, ggufs: dict[str, Path]) -> dict[str, tuple[Path, str]]:

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from support.scheduling import Chunk, RunnerFeed
-from vconsole.engine.request import Request, SamplingParams
+from vconsole.engine.request import Request
 from vconsole.engine.sched.output import SchedulerOutput
 from vconsole.engine.worker.model_runner import ModelRunner
 from vconsole.engine.worker.tiny_model import EOS_ID, build_byte_tokenizer, ensure_tiny_model
 from vconsole.shared.config import EngineConfig
+from vconsole.wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # real forward passes compared with HF
 

@@ -11,11 +11,11 @@ import torch
 
 from vconsole.engine.core import EngineCore
 from vconsole.engine.process.profile_book import ProfileBook
-from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker import profiler as profiler_mod
 from vconsole.engine.worker.profiler import layer_type
 from vconsole.engine.worker.sampler import Sampler
 from vconsole.shared.config import EngineConfig
+from vconsole.wire.sampling import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from vconsole.engine.request import SamplingParams
 from vconsole.engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vconsole.engine.worker.request_state import RequestStates
+from vconsole.wire.sampling import SamplingParams
 
 SP = SamplingParams(max_tokens=8)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker.sampler import Sampler, SamplingBatch
+from vconsole.wire.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 V = 64

@@ -4,15 +4,15 @@ One row per suggestion (the rule, the change and, under it, its predicted effect
 restart-only); below it the selected one's reasons, figures and whole prediction, then what
 became of the suggestions applied from here.
 
-Predictions (`vconsole.console.predictions`, the app's `predict_later`): each suggestion's
+Predictions (`vconsole.console.predictions`, the host's `predict_later`): each suggestion's
 ``change`` simulated on the engine's last minutes of traffic, in a thread worker, when the
 screen is shown and when a suggestion appears or changes its values (at most every
 `REPREDICT_S`) — never per telemetry tick. Too little traffic, a key no simulation models or no
 control channel say so instead of a figure; so does advice for an engine the control channel
 does not steer (its trace is another engine's).
 
-``A`` (or enter) applies a hot suggestion through the app (`VConsoleApp.apply_advice`:
-Steering's plan, the confirmation, then one ``set_config``); restart-only ones are shown with
+``A`` (or enter) applies a hot suggestion through the host (``steer`` of Steering's plan: the
+confirmation, then one ``set_config``); restart-only ones are shown with
 the command that would apply them, never sent. While the confirmation box is open the list
 behind it is held (the advisor may have moved on: the box and the row must say the same, and
 what is sent is what the box shows); it catches up when the box closes. Read-only hides the
@@ -281,6 +281,7 @@ class AdviceScreen(ConsoleScreen):
         if not a.hot:
             self.notify(why_not_applied(a), title="Advice", severity="warning")
             return
-        reason = self.console.apply_advice(a)
+        host = self.console
+        reason = host.steer(host.steering.plan_advice(a, host.current_engine()))
         if reason is not None:
             self.notify(reason, title="Advice", severity="warning")

@@ -25,10 +25,11 @@ from textual.content import Content
 from textual.widgets import DataTable, Input, Static
 
 from vconsole.console import format as fmt
+from vconsole.console.engine_state import Alert
 from vconsole.console.keymap import ALERTS
 from vconsole.console.screens.base import row_table
 from vconsole.console.screens.filtered import FilteredScreen
-from vconsole.console.state import ALERT_HISTORY, Alert, ConsoleState
+from vconsole.console.state import ALERT_HISTORY, ConsoleState
 from vconsole.console.widgets.chrome import Frame
 from vconsole.shared import stacks
 from vconsole.telemetry.printable import printable

@@ -2,13 +2,14 @@
 
 The app calls `ConsoleScreen.refresh_view` for the visible screen only, inside
 ``app.batch_update()`` and under the state's lock, at most ``refresh_hz`` times a second. A
-screen never reads the socket or the clock itself.
+screen never reads the socket or the clock itself; what else it needs it asks of its host
+(``console``, a `vconsole.console.screen_host.ScreenHost`), never of the app's own type.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 from textual.app import ComposeResult
 from textual.containers import Container
@@ -16,11 +17,9 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer
 
+from vconsole.console.screen_host import ScreenHost
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Banner, Frame, TabBar, TooSmall
-
-if TYPE_CHECKING:
-    from vconsole.console.app import VConsoleApp
 
 
 class ConsoleScreen(Screen[None]):
@@ -41,8 +40,9 @@ class ConsoleScreen(Screen[None]):
             self.table.focus()
 
     @property
-    def console(self) -> VConsoleApp:
-        return self.app  # type: ignore[return-value]
+    def console(self) -> ScreenHost:
+        """The app, as what a screen may ask of it."""
+        return cast(ScreenHost, self.app)
 
     def compose(self) -> ComposeResult:
         yield TabBar(id="tabbar")

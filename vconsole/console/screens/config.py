@@ -1,10 +1,10 @@
 """Config: the engine's effective config; edit a value in place, see the engine's answer.
 
 The table has ~40 rows and changes only when the config or a reply does, so a DataTable is the
-right tool here (unlike the Requests table). The edit itself goes through the app
-(`VConsoleApp.request_change`) to `vconsole.console.steering.Steering`: validation, the risk
-check and the control round trip live there, so the command palette and tests use the same
-path. Below the table: the selected key's last answer and Steering's change log.
+right tool here (unlike the Requests table). The edit itself is Steering's plan
+(`vconsole.console.steering.Steering.plan_change`: validation, the risk check), carried out
+through the host (``steer``: the box, then the control round trip), so the command palette and
+tests use the same path. Below the table: the selected key's last answer and Steering's change log.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from vconsole.console.changes import (
     ChangeRecord,
     show_value,
 )
+from vconsole.console.engine_state import ConfigView
 from vconsole.console.keymap import CONFIG
 from vconsole.console.screens.base import row_table
 from vconsole.console.screens.filtered import FilteredScreen
-from vconsole.console.state import ConfigView, ConsoleState
+from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
 from vconsole.security.key_owner import GONE, UNKNOWN, KeyStatus
 from vconsole.telemetry.printable import printable
@@ -234,7 +235,9 @@ class ConfigScreen(FilteredScreen):
     def _submit(self, event: Input.Submitted) -> None:
         if self.editing is None:
             return
-        reason = self.console.request_change(self.editing, event.value)
+        host = self.console
+        reason = host.steer(host.steering.plan_change(self.editing, event.value,
+                                                      host.current_engine()))
         if reason is not None:      # the console's own check: nothing went to the engine
             self.show_error(f"not sent: {reason}")
             return

@@ -161,10 +161,10 @@ class ProfileScreen(ConsoleScreen):
 
     def action_start(self) -> None:
         """Ask Steering to profile the next ``steps`` steps (it asks the operator first)."""
-        app = self.console
-        if not app.steering.can_profile:
+        host = self.console
+        if not host.steering.can_profile:
             return
-        reason = app.start_profile(self.steps)
+        reason = host.steer(host.steering.plan_profile(self.steps))
         if reason is not None:      # one at a time
             self.notify(reason, title="Profile", severity="warning")
 

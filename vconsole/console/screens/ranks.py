@@ -20,10 +20,11 @@ from textual.content import Content
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
+from vconsole.console.engine_state import EngineState
 from vconsole.console.keymap import RANKS
 from vconsole.console.ranks import placement, placement_line, rank_load
 from vconsole.console.screens.base import ConsoleScreen
-from vconsole.console.state import ConsoleState, EngineState
+from vconsole.console.state import ConsoleState
 from vconsole.console.widgets import dp_panels
 from vconsole.console.widgets.chrome import Frame
 

@@ -1,7 +1,8 @@
 """Watching a vLLM server: its ``/metrics`` scraped about once a second, as telemetry messages.
 
 `VllmScraper.scrape` fetches the text and hands it to `VllmTranslator`; `VllmSource` is the
-console's data source around it (a thread, as `ZmqSource`): every scrape's messages go through
+console's `vconsole.console.sources.source.Source` around it (a reader thread,
+`vconsole.console.sources.reader.ReaderSource`, as `ZmqSource`): every scrape's messages go through
 `ConsoleState.ingest` exactly as our own engine's would, and into a recording when one runs. A
 scrape that fails (connection refused, timeout, an HTTP error, text that is not Prometheus's)
 ingests nothing: the heartbeat goes stale and the console shows the engine down, as for ours,
@@ -16,15 +17,19 @@ from __future__ import annotations
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vconsole.console.sources.kv_events import KVEventFeed
-from vconsole.console.sources.stream import Source
+from vconsole.console.sources.reader import ReaderSource
+from vconsole.console.sources.source import SourceAction
 from vconsole.console.sources.vllm_actions import probe as probe_actions
 from vconsole.console.sources.vllm_actions import run_action
 from vconsole.console.sources.vllm_metrics import WINDOW_S, VllmTranslator
 from vconsole.console.state import ConsoleState
 from vconsole.telemetry.schema import decode
+
+if TYPE_CHECKING:
+    from vconsole.console.sources.source import Source
 
 SCRAPE_INTERVAL_S = 1.0
 SCRAPE_TIMEOUT_S = 5.0
@@ -90,13 +95,12 @@ def is_local(url: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-class VllmSource(Source):
+class VllmSource(ReaderSource):
     """See the module docstring. With the server on this machine (a loopback URL, as over an
     SSH tunnel it is not: the tunnel's far end is another box) the GPU panel gets this
     machine's NVML reading (`GpuProbe`), which vLLM's metrics do not carry."""
 
     kind = "vllm"
-    readonly = True
     readonly_reason = READONLY_REASON
 
     def __init__(self, url: str, *, interval_s: float = SCRAPE_INTERVAL_S,
@@ -109,7 +113,7 @@ class VllmSource(Source):
         self.kv_events = kv_events
         self.kv_events_replay = kv_events_replay
         self.feed: KVEventFeed | None = None
-        self.actions: tuple[Any, ...] = ()   # the routes the server answers (`vllm_actions`)
+        self.actions: tuple[SourceAction, ...] = ()   # the routes it answers (`vllm_actions`)
 
     def _follow_kv_events(self, batch: list[Any]) -> None:
         """Once the first scrape named the ranks: subscribe to each one's KV events."""
@@ -157,3 +161,7 @@ class VllmSource(Source):
                     self._tee(now, frames)
                 self._ingest_batch(state, [(now, frames) for frames in batch])
             self._stop.wait(self.interval_s)
+
+
+if TYPE_CHECKING:   # the type checker verifies it is a whole Source
+    _source: type[Source] = VllmSource

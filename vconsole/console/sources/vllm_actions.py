@@ -16,6 +16,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from vconsole.console.sources.source import ActionError
+
 TIMEOUT_S = 30.0
 
 
@@ -50,10 +52,6 @@ ACTIONS = (
                "start vLLM with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode", dev_mode=True),
 )
 BY_KEY = {a.key: a for a in ACTIONS}
-
-
-class ActionError(RuntimeError):
-    """The server refused or did not answer; the message says what and how to enable it."""
 
 
 def probe(root: str, timeout_s: float = 5.0) -> tuple[VllmAction, ...]:

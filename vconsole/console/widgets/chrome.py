@@ -13,12 +13,13 @@ from textual.content import Content
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
+from vconsole.console.engine_state import STALE_INTERVALS, EngineState
 from vconsole.console.keymap import DP_SCREEN, LETTER_SCREENS, SCREENS, TOOL_SCREENS
-from vconsole.console.state import STALE_INTERVALS, ConsoleState, EngineState
-from vconsole.engine.kernel_cache import COMPILING, build_in_progress
+from vconsole.console.state import ConsoleState
+from vconsole.engine.kernel_cache import COMPILING, EXPECTED_BUILD, build_in_progress
 
 if TYPE_CHECKING:
-    from vconsole.console.sources.stream import Source
+    from vconsole.console.sources.source import Source
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Frame:
     def build(cls, st: ConsoleState, mode: str, selected: str | None, source: Source, *,
               paused: bool, readonly_reason: str, endpoints: str, address: str = "") -> Frame:
         """The frame of one refresh (under the state's lock): the ``selected`` engine (a key;
-        None: the first) as ``source`` feeds it."""
+        None: the first) as ``source`` (the one that feeds it) says."""
         now = st.now()
         engines = st.engine_list()
         eng = st.engine(selected)
@@ -60,7 +61,7 @@ class Frame:
             now=now, mode=mode, engine=eng,
             engine_index=engines.index(eng) if eng in engines else 0,
             engine_count=len(engines), source=source.describe(),
-            live=source.kind != "replay", paused=paused,
+            live=source.live, paused=paused,
             readonly=bool(readonly_reason), readonly_reason=readonly_reason,
             recording=source.recording_path if source.recording else None,
             recorded=source.recorded, schema_error=st.schema_problem(now),
@@ -166,9 +167,9 @@ class Banner(Static):
                     f"{eng.heartbeat_interval:g}s); {again}.", "error")
         if eng is None and frame.live:
             where = frame.endpoints or "the engine"
-            if build_in_progress() is not None:     # a local engine's first start: 20-40 s
+            if build_in_progress() is not None:     # a local engine's first start
                 return (f"Waiting for telemetry from {where} … the engine is {COMPILING}, "
-                        f"about 20-40 s.", "warning")
+                        f"{EXPECTED_BUILD}.", "warning")
             return f"Waiting for telemetry from {where} … (is the engine running?)", "warning"
         if frame.last_error:
             return frame.last_error, "warning"

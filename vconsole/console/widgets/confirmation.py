@@ -3,16 +3,13 @@
 It spells out the consequence and has no single-key yes: focus starts on Cancel, Escape cancels,
 and confirming takes a deliberate move to the confirm button (tab / arrow) and Enter.
 
-A `Forecast` adds lines the box computes while the operator reads it (a config change's
-predicted effect, `vconsole.console.predictions`): its first text at once, then what its
+A `vconsole.console.forecast.Forecast` adds lines the box computes while the operator reads
+it (a config change's predicted effect): its first text at once, then what its
 ``work`` returns, run in a thread worker of the box. Nothing waits on it: confirming or
 cancelling dismisses the box and its worker's result is dropped.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from textual import on
 from textual.app import ComposeResult
@@ -23,14 +20,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 from textual.worker import get_current_worker
 
-
-@dataclass(frozen=True)
-class Forecast:
-    """Lines for the box: ``first`` (Content markup) at once, replaced by what ``work``
-    returns (blocking; markup) when there is work."""
-
-    first: str
-    work: Callable[[], str] | None = None
+from vconsole.console.forecast import Forecast
 
 
 class ConfirmScreen(ModalScreen[bool]):

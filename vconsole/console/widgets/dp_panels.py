@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vconsole.console import format as fmt
+from vconsole.console.engine_state import EngineState
 from vconsole.console.ranks import IMBALANCE_WARN, rank_load
-from vconsole.console.state import EngineState
 from vconsole.console.widgets.chrome import STATUS_STYLE
 from vconsole.console.widgets.panels import USAGE_CRIT, USAGE_WARN
 

@@ -15,7 +15,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
-from vconsole.console.state import Alert, ConfigView, EngineState, Series
+from vconsole.console.engine_state import Alert, ConfigView, EngineState, Series
 
 SPARK_WINDOW_S = 120.0
 MEM_WARN, MEM_CRIT = 0.80, 0.95

@@ -23,7 +23,6 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from vconsole.engine.client import protocol
 from vconsole.engine.client.client import (
     DEFAULT_TIMEOUT_S,
     ENGINE_UNREACHABLE,
@@ -32,9 +31,10 @@ from vconsole.engine.client.client import (
     Completion,
     no_engine_error,
 )
-from vconsole.engine.outputs import RequestOutput
 from vconsole.security.curve import ClientCurve
 from vconsole.security.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
+from vconsole.wire import protocol
+from vconsole.wire.outputs import RequestOutput
 
 SETTLE_S = 0.02          # after a disconnect: how often to look whether the reader has caught up
 SETTLE_ROUNDS = 25       # ... and at most how often (0.5 s) before failing what is left

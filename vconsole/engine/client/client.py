@@ -50,10 +50,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from vconsole.engine.client import protocol
-from vconsole.engine.outputs import PromptLogprobs, RequestOutput
 from vconsole.security.curve import ClientCurve
 from vconsole.security.endpoints import DEFAULT_INPUT, DEFAULT_OUTPUT
+from vconsole.wire import protocol
+from vconsole.wire.outputs import PromptLogprobs, RequestOutput
 
 DEFAULT_TIMEOUT_S = 10.0
 

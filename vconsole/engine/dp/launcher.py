@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vconsole.engine.dp.front.stack import FrontEndStack, without_refused_text
-from vconsole.engine.launch import exit_codes
-from vconsole.engine.launch.ready_file import ENDPOINT_NAMES
 from vconsole.engine.launch.supervisor import EngineSupervisor
+from vconsole.wire import exit_codes
+from vconsole.wire.ready_file import ENDPOINT_NAMES
 
 if TYPE_CHECKING:
     from vconsole.engine.launch.launch import EngineLaunch

@@ -8,7 +8,7 @@ and nothing else:
 - **spawn** a command (``stdin`` closed; stdout/stderr where the caller says), optionally in a
   session of its own so a stop reaches everything it started; on Linux the child gets SIGTERM
   if this process dies first (``PR_SET_PDEATHSIG``, `parent_death_signal`);
-- **wait for its ready file** (`vconsole.engine.launch.ready_file`): the record whose ``pid`` is
+- **wait for its ready file** (`vconsole.wire.ready_file`): the record whose ``pid`` is
   this child's, or None once the child exited first;
 - **signal** it (its process group when it has one);
 - **stop** it: a signal (SIGTERM: it drains), a grace period, then SIGKILL.
@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from vconsole.engine.launch.ready_file import read_ready_file
+from vconsole.wire.ready_file import read_ready_file
 
 READY_POLL_S = 0.05
 
@@ -90,7 +90,7 @@ class ChildProcess:
                    ) -> dict[str, Any] | None:
         """This child's ready record, once the file holds it; None when the child exited
         first, ``timeout_s`` passed or ``stop_waiting()`` says so. Raises
-        `vconsole.engine.launch.ready_file.ReadyFileError` for a file that is not a record."""
+        `vconsole.wire.ready_file.ReadyFileError` for a file that is not a record."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         path = Path(ready_file)
         while True:

@@ -3,7 +3,7 @@
 The demo (`vconsole.tools.demo.DemoStack`), the benchmarks, the tests and ``vconsole serve`` run
 their engine through this class. It starts ``python -m vconsole engine ARGS`` in a session of
 its own (`vconsole.engine.launch.child.ChildProcess`) and learns the endpoints it actually bound
-and its control key file from its ready file (`vconsole.engine.launch.ready_file`), never from its
+and its control key file from its ready file (`vconsole.wire.ready_file`), never from its
 log: the engine binds ``tcp://127.0.0.1:*`` when no port is given, so two demos or test runs
 never race for a port.
 
@@ -27,11 +27,7 @@ from typing import Any
 
 from vconsole.engine import kernel_cache
 from vconsole.engine.launch.child import ChildProcess, engine_command
-from vconsole.engine.launch.ready_file import (
-    ENDPOINT_NAMES,
-    ReadyFileError,
-    read_ready_file,
-)
+from vconsole.wire.ready_file import ENDPOINT_NAMES, ReadyFileError, read_ready_file
 
 STOP_GRACE_S = 10.0
 PHASE_POLL_S = 0.5

@@ -18,7 +18,7 @@ again. With ``metrics`` (``--metrics-port``) the public ``/metrics`` port is the
 while no child answers gets the last figures with ``vconsole:engine_up 0``.
 
 A child that hangs without dying — alive, work pending, no pass of its busy loop for
-``hang_timeout_s`` (`vconsole.engine.launch.liveness`: the child stamps a shared file on every
+``hang_timeout_s`` (`vconsole.wire.liveness`: the child stamps a shared file on every
 pass) — is killed (SIGKILL) and restarted like one that died, with reason
 ``hung: no step for N s in FUNCTION; stacks: PATH``. ``hang_timeout_s`` None or 0: never.
 Before the kill it captures every thread's stack of the child (`vconsole.shared.stacks`:
@@ -73,21 +73,22 @@ from typing import IO, TYPE_CHECKING, Any
 
 import zmq
 
-from vconsole.engine.launch import exit_codes, liveness, stack_dump
+from vconsole.engine.launch import stack_dump
 from vconsole.engine.launch.child import ChildProcess, engine_command
-from vconsole.engine.launch.exit_codes import describe_exit
 from vconsole.engine.launch.launch import ChildOfSupervisor
 from vconsole.engine.launch.metrics_relay import MetricsRelay
-from vconsole.engine.launch.ready_file import (
+from vconsole.engine.launch.restart_policy import RestartPolicy
+from vconsole.engine.publish.beacon import HealthBeacon
+from vconsole.shared import stacks
+from vconsole.telemetry.alerts import restart_event
+from vconsole.wire import exit_codes, liveness
+from vconsole.wire.exit_codes import describe_exit
+from vconsole.wire.ready_file import (
     ENDPOINT_NAMES,
     ReadyFileError,
     remove_ready_file,
     write_ready_file,
 )
-from vconsole.engine.launch.restart_policy import RestartPolicy
-from vconsole.engine.publish.beacon import HealthBeacon
-from vconsole.shared import stacks
-from vconsole.telemetry.alerts import restart_event
 
 if TYPE_CHECKING:
     from vconsole.engine.launch.launch import EngineLaunch

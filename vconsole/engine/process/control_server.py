@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from vconsole.security import engine_key
 from vconsole.security.control_key import control_key_file as key_file_for
-from vconsole.telemetry import control
+from vconsole.wire import control
 
 if TYPE_CHECKING:
     import zmq

@@ -50,10 +50,6 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from vconsole.engine.client import protocol
-from vconsole.engine.launch import exit_codes
-from vconsole.engine.launch.liveness import LivenessStamp
-from vconsole.engine.launch.ready_file import ready_record, remove_ready_file, write_ready_file
 from vconsole.engine.process import loop_inputs as inputs
 from vconsole.engine.process.config_watch import ConfigFileWatcher
 from vconsole.engine.process.control_server import ControlServer
@@ -78,6 +74,9 @@ from vconsole.engine.process.telemetry_feed import TelemetryFeed
 from vconsole.engine.process.telemetry_outlets import TelemetryOutlets
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import StepStats
+from vconsole.wire import exit_codes, protocol
+from vconsole.wire.liveness import LivenessStamp
+from vconsole.wire.ready_file import ready_record, remove_ready_file, write_ready_file
 
 if TYPE_CHECKING:
     from vconsole.security.curve_server import CurveAuthenticator, ServerCurve

@@ -20,11 +20,11 @@ from collections.abc import Callable
 
 import zmq
 
-from vconsole.engine.client import protocol
 from vconsole.engine.process.loop_inputs import Abort, Add, LoopInput, Reject
 from vconsole.engine.process.output_items import Error, Hello, OutputItem
 from vconsole.engine.process.role import ProcessRole
 from vconsole.shared.config import EngineConfig
+from vconsole.wire import protocol
 
 log = logging.getLogger("vconsole.engine")
 

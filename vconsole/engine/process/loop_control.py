@@ -19,13 +19,12 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vconsole.engine.client import protocol
 from vconsole.engine.process.config_watch import apply_file, read_file
 from vconsole.engine.process.request_trace import KEY as TRACE_KEY
 from vconsole.engine.process.request_trace import open_trace_file, trace_file_path
 from vconsole.shared.config import ConfigUpdate, apply_update
-from vconsole.telemetry import control
 from vconsole.telemetry.request_text import KEY as TEXT_KEY
+from vconsole.wire import control, protocol
 
 if TYPE_CHECKING:
     from io import FileIO

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vconsole.engine.client.protocol import AddMessage
     from vconsole.engine.process.control_server import ControlCall
     from vconsole.engine.request import Request
+    from vconsole.wire.protocol import AddMessage
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,13 +21,13 @@ import logging
 import queue
 from concurrent.futures import ThreadPoolExecutor
 
-from vconsole.engine.client import protocol
-from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.process.loop_inputs import AddReady, LoopInput
 from vconsole.engine.process.output_items import Error, OutputItem, Outputs
 from vconsole.engine.process.request_registry import RequestRegistry
 from vconsole.engine.process.serving_core import ServingCore
 from vconsole.engine.request import FinishReason, Request
+from vconsole.wire import protocol
+from vconsole.wire.outputs import RequestOutput
 
 log = logging.getLogger("vconsole.engine")
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from vconsole.engine.client import protocol
 from vconsole.engine.process.loop_inputs import FrontEnd
 from vconsole.shared.config import EngineConfig
+from vconsole.wire import protocol
 
 
 @dataclass(frozen=True)

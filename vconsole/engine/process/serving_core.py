@@ -13,15 +13,17 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vconsole.engine.latency import LatencyBatch
-from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.request import Request, SamplingParams
+from vconsole.engine.request import Request
 from vconsole.engine.telemetry_guard import TelemetryGuard
 from vconsole.shared.config import ConfigUpdate, EngineConfig
 from vconsole.shared.kv_events import KVEvent
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
+from vconsole.wire.outputs import RequestOutput
+from vconsole.wire.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from vconsole.engine.core import EngineCore
+    from vconsole.engine.sched.scheduler import RowSource
     from vconsole.engine.worker.profiler import StepProfiler
 
 
@@ -55,7 +57,7 @@ class ServingCore(Protocol):
 
     # --- config, figures, profiling (busy loop, between two steps) ---
     def apply_config(self, values: dict[str, Any]) -> ConfigUpdate: ...
-    def scheduler_stats(self, max_rows: int, mirrored: bool = False) -> SchedulerStats: ...
+    def scheduler_stats(self, max_rows: int, rows: RowSource | None = None) -> SchedulerStats: ...
     def token_lists(self,
                     request_ids: Iterable[str]) -> list[tuple[str, list[int], list[int]]]: ...
     def kv_stats(self) -> KVStats: ...

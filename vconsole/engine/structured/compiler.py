@@ -28,8 +28,8 @@ from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
 
-from vconsole.engine.request import StructuredSpec
 from vconsole.engine.structured.grammar import PREFIX, first_line, to_grammar
+from vconsole.wire.sampling import StructuredSpec
 
 CACHE_SIZE = 256
 COMPILE_THREADS = 2

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
-from vconsole.engine.request import StructuredSpec
+from vconsole.wire.sampling import StructuredSpec
 
 if TYPE_CHECKING:
     from llguidance import LLTokenizer

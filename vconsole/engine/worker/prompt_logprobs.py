@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vconsole.engine.outputs import PromptLogprobs
 from vconsole.engine.worker.request_state import ScheduledSeq
+from vconsole.wire.outputs import PromptLogprobs
 
 SLICE_ROWS = 256    # LM-head rows per slice: bounds the step's logits memory
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vconsole.engine.outputs import PromptLogprobs
-from vconsole.engine.request import SamplingParams
 from vconsole.engine.sched.output import SchedulerOutput
+from vconsole.wire.outputs import PromptLogprobs
+from vconsole.wire.sampling import SamplingParams
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vconsole.engine.request import SamplingParams
+from vconsole.wire.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

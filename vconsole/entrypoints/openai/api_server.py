@@ -1,4 +1,5 @@
-"""The HTTP side of `vconsole serve`: a FastAPI app over `OpenAIServing`, run by uvicorn.
+"""The HTTP side of `vconsole serve`: a FastAPI app over one serving class per endpoint (all
+sharing one `OpenAIServing`: the model, its engine), run by uvicorn.
 
 Routes, as vLLM's OpenAI server has them: ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /health`` (200 while the engine answers, 503 while it is
@@ -53,7 +54,11 @@ from vconsole.entrypoints.openai.protocol import (
     TokenizeRequest,
     refusal,
 )
-from vconsole.entrypoints.openai.serving import DONE, OpenAIServing, sse
+from vconsole.entrypoints.openai.serving_base import DONE, OpenAIServing, sse
+from vconsole.entrypoints.openai.serving_chat import OpenAIServingChat
+from vconsole.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vconsole.entrypoints.openai.serving_models import OpenAIServingModels
+from vconsole.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID = 200      # the engine takes ids up to 256 characters; room for a suffix
@@ -92,6 +97,10 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
               engine_metrics_url: str | None = None, version: str = "unknown") -> FastAPI:
     metrics = HttpMetrics()
     load = {"n": 0}
+    served_models = OpenAIServingModels(serving)
+    tokenization = OpenAIServingTokenization(serving)
+    completion = OpenAIServingCompletion(serving)
+    chat_completion = OpenAIServingChat(serving)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -180,15 +189,15 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return serving.models()
+        return served_models.models()
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        return serving.tokenize(req)
+        return tokenization.tokenize(req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        return serving.detokenize(req)
+        return tokenization.detokenize(req)
 
     async def generation(request: Request, handler: Callable[..., Awaitable[
             dict[str, Any] | AsyncIterator[str]]], body: Any) -> Response:
@@ -217,11 +226,11 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await generation(request, serving.completions, req)
+        return await generation(request, completion.create, req)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
-        return await generation(request, serving.chat, req)
+        return await generation(request, chat_completion.create, req)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

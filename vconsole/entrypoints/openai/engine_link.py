@@ -30,10 +30,10 @@ from typing import Any
 
 from vconsole.engine.client.async_client import AsyncEngineClient
 from vconsole.engine.client.client import ENGINE_UNREACHABLE
-from vconsole.engine.client.protocol import SHUTTING_DOWN
-from vconsole.engine.outputs import RequestOutput
 from vconsole.entrypoints.openai.protocol import BadRequest
 from vconsole.security.curve import ClientCurve
+from vconsole.wire.outputs import RequestOutput
+from vconsole.wire.protocol import SHUTTING_DOWN
 
 HEALTH_INTERVALS = 3   # heartbeats of silence after which /health says 503 (the console's rule)
 

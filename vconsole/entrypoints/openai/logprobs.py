@@ -13,7 +13,7 @@ A token's text is its own decoding (a token that is part of a UTF-8 character re
 in vLLM); ``text_offset`` is where the token's text starts in the completion's text. Tokens that
 start at or beyond ``limit`` (the text's end when a stop string cut it) are left out.
 
-The prompt's logprobs (`vconsole.engine.outputs.PromptLogprobs`) come in two shapes too: vLLM's
+The prompt's logprobs (`vconsole.wire.outputs.PromptLogprobs`) come in two shapes too: vLLM's
 ``prompt_logprobs`` (`vllm_prompt_logprobs`: None for the first position, then per position a
 map of token id to ``{"logprob", "rank", "decoded_token"}``, the prompt's token first), and the
 legacy block of an ``echo``-ed prompt (`completion_logprobs` with a None entry first: the first
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vconsole.engine.outputs import PromptLogprobs
+from vconsole.wire.outputs import PromptLogprobs
 
 Entry = tuple[float, list[int], list[float]]
 MIN_LOGPROB = -9999.0    # what JSON gets for -inf (vLLM's and OpenAI's clamp)

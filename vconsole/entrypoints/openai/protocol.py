@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vconsole.engine.client.protocol import PRIORITY_MAX, PRIORITY_MIN
+from vconsole.wire.protocol import PRIORITY_MAX, PRIORITY_MIN
 
 
 class BadRequest(ValueError):
@@ -171,7 +171,7 @@ class SamplingFields(StrictBody):
         return self.prompt_logprobs
 
     def engine_sampling(self, max_tokens: int, index: int = 0) -> dict[str, Any]:
-        """The engine's sampling arguments (`vconsole.engine.client.protocol.SAMPLING_KEYS`) for
+        """The engine's sampling arguments (`vconsole.wire.protocol.SAMPLING_KEYS`) for
         sample ``index`` of ``n``: each sample of a seeded request gets its own seed."""
         out: dict[str, Any] = {
             "max_tokens": max_tokens,

@@ -29,8 +29,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vconsole.engine.request import StructuredSpec
 from vconsole.entrypoints.openai.protocol import BadRequest
+from vconsole.wire.sampling import StructuredSpec
 
 BACKENDS = ("auto", "guidance", "llguidance")    # what guided_decoding_backend may name
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

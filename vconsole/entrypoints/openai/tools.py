@@ -30,8 +30,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from vconsole.engine.request import StructuredSpec
 from vconsole.entrypoints.openai.protocol import BadRequest
+from vconsole.wire.sampling import StructuredSpec
 
 TOOL_CHOICES = ("none", "auto", "required")
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")

@@ -1,6 +1,6 @@
 """ControlFanout: the data-parallel front end's control endpoint, one config for N ranks.
 
-Clients speak the lone engine's control protocol (`vconsole.telemetry.control`) to one
+Clients speak the lone engine's control protocol (`vconsole.wire.control`) to one
 endpoint, with one control key (its own 0600 file, same rules as a lone engine's:
 `vconsole.security.engine_key`). A request may carry ``"rank": R`` to address one rank.
 
@@ -35,8 +35,9 @@ from vconsole.security.bind_policy import bind_socket
 from vconsole.security.control_key import control_key_file as derive_key_file
 from vconsole.security.control_key import read_key_file
 from vconsole.shared.config import ConfigError, apply_update, validate_config
-from vconsole.telemetry import control
 from vconsole.telemetry.request_text import KEY, turns_on
+from vconsole.wire import control
+from vconsole.wire.control_client import ControlClient
 
 if TYPE_CHECKING:
     from vconsole.security.curve import ClientCurve
@@ -153,8 +154,8 @@ class ControlFanout:
                 key = read_key_file(control_key_file)
             except (OSError, ValueError) as e:
                 return control.error_reply(f"rank {rank}: cannot read its control key: {e}")
-        client = control.ControlClient(endpoint, timeout_s=RANK_TIMEOUT_S, ctx=self.ctx, key=key,
-                                       curve=self.rank_curve)
+        client = ControlClient(endpoint, timeout_s=RANK_TIMEOUT_S, ctx=self.ctx, key=key,
+                               curve=self.rank_curve)
         try:
             return client.request(op, values, fields=fields)
         except (TimeoutError, control.ControlError) as e:

@@ -47,13 +47,13 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from vconsole.engine.client import protocol
 from vconsole.engine.dp.front.command_channel import CommandChannel
 from vconsole.engine.dp.front.rank_link import RankLink, drain
 from vconsole.engine.dp.front.request_map import RequestMap, Routed
 from vconsole.engine.dp.front.router import choose_rank
-from vconsole.engine.outputs import RequestOutput
 from vconsole.security.bind_policy import bind_socket, check_endpoints
+from vconsole.wire import protocol
+from vconsole.wire.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from vconsole.security.curve import ClientCurve

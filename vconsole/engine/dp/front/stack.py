@@ -31,12 +31,6 @@ import zmq
 from vconsole.engine.dp.front.control_fanout import ControlFanout
 from vconsole.engine.dp.front.requests import DPFrontEnd
 from vconsole.engine.dp.front.telemetry_proxy import TelemetryProxy
-from vconsole.engine.launch.ready_file import (
-    ENDPOINT_NAMES,
-    ready_record,
-    remove_ready_file,
-    write_ready_file,
-)
 from vconsole.security.bind_policy import (
     check_endpoints,
     check_metrics_host,
@@ -45,6 +39,12 @@ from vconsole.security.bind_policy import (
 from vconsole.security.control_key import control_key_file as derive_key_file
 from vconsole.security.engine_key import refuse_if_held
 from vconsole.telemetry.request_text import KEY as TEXT_KEY
+from vconsole.wire.ready_file import (
+    ENDPOINT_NAMES,
+    ready_record,
+    remove_ready_file,
+    write_ready_file,
+)
 
 if TYPE_CHECKING:
     from vconsole.engine.launch.launch import EngineLaunch

@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vconsole.engine.client import protocol
 from vconsole.engine.dp.rank.rendezvous import DPEnv
 from vconsole.engine.dp.rank.role import DPRank, WaveEvent, split_cpu_threads
 from vconsole.engine.process.loop_inputs import FrontEnd
 from vconsole.engine.process.role import LoopLinks
 from vconsole.shared.config import EngineConfig
+from vconsole.wire import protocol
 
 log = logging.getLogger("vconsole.engine")
 

@@ -39,11 +39,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vconsole.engine.client import protocol
 from vconsole.engine.dp.rank.group import DPGroup, GroupBroken
 from vconsole.engine.dp.rank.rendezvous import DPEnv, connect_store, publish_rank
 from vconsole.engine.dp.rank.wave import CompletedWave, WaveState
 from vconsole.shared.config import EngineConfig
+from vconsole.wire import protocol
 
 log = logging.getLogger("vconsole.engine.dp")
 

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 from vconsole.engine.dp.front.torchrun import rank_curves, rank_endpoints
 from vconsole.engine.dp.rank.engine_role import RankRole
 from vconsole.engine.dp.rank.rendezvous import DPEnv
-from vconsole.engine.launch.ready_file import ENDPOINT_NAMES
 from vconsole.engine.process.loop_inputs import LoopInput, Shutdown
 from vconsole.security.bind_policy import check_endpoints
+from vconsole.wire.ready_file import ENDPOINT_NAMES
 
 if TYPE_CHECKING:
     from vconsole.engine.launch.launch import EngineLaunch

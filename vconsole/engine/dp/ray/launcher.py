@@ -49,9 +49,9 @@ from vconsole.engine.dp.front.torchrun import rank_curves
 from vconsole.engine.dp.ray.actor import RankActor, actor_name
 from vconsole.engine.dp.ray.cluster import RayCluster
 from vconsole.engine.dp.ray.death import death_reason
-from vconsole.engine.launch import exit_codes
-from vconsole.engine.launch.ready_file import ENDPOINT_NAMES
 from vconsole.engine.launch.restart_policy import RestartPolicy
+from vconsole.wire import exit_codes
+from vconsole.wire.ready_file import ENDPOINT_NAMES
 
 if TYPE_CHECKING:
     from vconsole.engine.launch.launch import EngineLaunch

@@ -51,8 +51,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from vconsole.engine.outputs import PromptLogprobs, RequestOutput
-from vconsole.engine.request import SamplingParams, StructuredSpec
+from vconsole.wire.outputs import PromptLogprobs, RequestOutput
+from vconsole.wire.sampling import SamplingParams, StructuredSpec
 
 PROTOCOL_VERSION = 1
 INLINE_MAX = 16
