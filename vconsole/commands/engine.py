@@ -8,7 +8,7 @@ Without ``--no-supervisor`` this process is the `EngineSupervisor`
 (`vconsole.engine.launch.supervisor`), which runs the same command line with
 ``--supervised-child`` as its child and restarts it when it dies; the child (or
 ``--no-supervisor``) runs the engine in this process. Exit codes:
-`vconsole.engine.launch.exit_codes`.
+`vconsole.wire.exit_codes`.
 """
 
 from __future__ import annotations

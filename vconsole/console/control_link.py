@@ -89,7 +89,7 @@ class ControlLink:
         return self._keyed(lambda client: client.set_config(values))
 
     def profile_start(self, steps: int) -> dict[str, Any]:
-        """The new profile's status (`vconsole.telemetry.control.ControlClient.profile_start`)."""
+        """The new profile's status (`vconsole.wire.control_client.ControlClient.profile_start`)."""
         return self._keyed(lambda client: client.profile_start(steps))
 
     def profile_status(self, profile_id: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""ControlServer: the engine's side of the control protocol (`vconsole.telemetry.control`).
+"""ControlServer: the engine's side of the control protocol (`vconsole.wire.control`).
 
 It owns the control ROUTER (bound by `EngineCoreProc` with the other sockets, so a busy port
 fails fast) and the thread ``engine-control``, which from `ControlServer.start` on is the only one
@@ -31,7 +31,7 @@ Invariants:
 - Every well-formed request gets exactly one reply: the config, a refusal, or the timeout error.
   A timed-out call is cancelled under its lock, so it is either applied (and that reply sent) or
   never applied. A request whose body is malformed is answered ``ok: false``
-  (`vconsole.telemetry.control.handle_frames`); only frames with no body at all are logged and
+  (`vconsole.wire.control.handle_frames`); only frames with no body at all are logged and
   dropped (there is nothing to answer).
 - The thread stops once ``stop`` is set (the engine's I/O stop, set at shutdown) and it has
   answered the call it was waiting on; until then the busy loop keeps draining its input queue so

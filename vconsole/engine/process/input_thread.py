@@ -2,7 +2,7 @@
 
 `vconsole.engine.process.core_proc.EngineCoreProc` binds the socket and hands it to an
 `InputThread`, which from then on is its only user (and closes it). It decodes and validates
-each message (`vconsole.engine.client.protocol`) off the compute path and puts what it read on
+each message (`vconsole.wire.protocol`) off the compute path and puts what it read on
 the busy loop's queue (`vconsole.engine.process.loop_inputs`): ``add`` and ``abort``, and a
 data-parallel front end's ``start_wave`` / ``regroup`` as the process's role reads them
 (`vconsole.engine.process.role`). A ``hello`` goes straight to the output thread, which answers
