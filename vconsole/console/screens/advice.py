@@ -32,7 +32,8 @@ from textual.content import Content
 from textual.widgets import DataTable, Static
 
 from vconsole.console import format as fmt
-from vconsole.console.advisor import WINDOW_S, Advice
+from vconsole.console.advice_window import WINDOW_S
+from vconsole.console.advisor import Advice
 from vconsole.console.keymap import ADVICE
 from vconsole.console.predictions import (
     NOT_PREDICTED,
