@@ -20,6 +20,7 @@ import zmq
 
 from support.live_engine import Telemetry, ipc_endpoints, reference_outputs
 from vconsole.engine.core import EngineCore
+from vconsole.engine.dp.rank.dp_rank import DPRank, split_cpu_threads
 from vconsole.engine.dp.rank.rendezvous import (
     DPEnv,
     RendezvousError,
@@ -27,7 +28,6 @@ from vconsole.engine.dp.rank.rendezvous import (
     publish_rank,
     read_rank,
 )
-from vconsole.engine.dp.rank.role import DPRank, split_cpu_threads
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.engine.process.core_proc import EngineCoreProc
 from vconsole.engine.publish.publisher import TelemetryPublisher

@@ -58,6 +58,7 @@ from vconsole.engine.process.loop_control import LoopControl
 from vconsole.engine.process.loop_inputs import LoopInput
 from vconsole.engine.process.output_items import STOP, OutputItem, Wave
 from vconsole.engine.process.output_thread import OutputThread
+from vconsole.engine.process.process_role import LoneEngine, LoopLinks, ProcessRole
 from vconsole.engine.process.profile_book import ProfileBook
 from vconsole.engine.process.request_intake import RequestIntake
 from vconsole.engine.process.request_trace import (
@@ -66,7 +67,6 @@ from vconsole.engine.process.request_trace import (
     trace_file_path,
     trace_header,
 )
-from vconsole.engine.process.role import LoneEngine, LoopLinks, ProcessRole
 from vconsole.engine.process.serving_core import ServingCore
 from vconsole.engine.process.sockets import bind_routers, check_before_bind
 from vconsole.engine.process.stats_log import StatsLog

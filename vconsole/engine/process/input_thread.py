@@ -5,7 +5,7 @@
 each message (`vconsole.wire.protocol`) off the compute path and puts what it read on
 the busy loop's queue (`vconsole.engine.process.loop_inputs`): ``add`` and ``abort``, and a
 data-parallel front end's ``start_wave`` / ``regroup`` as the process's role reads them
-(`vconsole.engine.process.role`). A ``hello`` goes straight to the output thread, which answers
+(`vconsole.engine.process.process_role`). A ``hello`` goes straight to the output thread, which answers
 it. A malformed message is answered with its reason and never reaches the core: through the
 busy loop when it names a request (only the loop knows whether that one is in flight), else
 directly as an ``error``.
@@ -22,7 +22,7 @@ import zmq
 
 from vconsole.engine.process.loop_inputs import Abort, Add, LoopInput, Reject
 from vconsole.engine.process.output_items import Error, Hello, OutputItem
-from vconsole.engine.process.role import ProcessRole
+from vconsole.engine.process.process_role import ProcessRole
 from vconsole.shared.config import EngineConfig
 from vconsole.wire import protocol
 

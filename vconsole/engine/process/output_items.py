@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vconsole.engine.outputs import RequestOutput
+    from vconsole.wire.outputs import RequestOutput
 
 
 @dataclass(frozen=True, slots=True)

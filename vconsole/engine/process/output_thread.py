@@ -32,8 +32,8 @@ from typing import Any
 
 import zmq
 
-from vconsole.engine.client import protocol
 from vconsole.engine.process.output_items import Error, Hello, OutputItem, Outputs, Stop, Wave
+from vconsole.wire import protocol
 
 log = logging.getLogger("vconsole.engine")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from vconsole.engine.dp.rank.rendezvous import DPEnv
-from vconsole.engine.process.role import LoneEngine, ProcessRole
+from vconsole.engine.process.process_role import LoneEngine, ProcessRole
 from vconsole.shared.config import EngineConfig
 
 
@@ -24,6 +24,6 @@ def process_role(config: EngineConfig, environ: Mapping[str, str] | None = None)
         return LoneEngine()
     # torch (the process group) is imported by ranks only: a lone engine binds its sockets
     # before it loads torch, so a busy port fails fast.
-    from vconsole.engine.dp.rank.engine_role import RankRole
+    from vconsole.engine.dp.rank.rank_role import RankRole
 
     return RankRole(env)

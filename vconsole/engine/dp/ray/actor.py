@@ -1,7 +1,7 @@
 """RankActor: one data-parallel rank as a Ray actor (vLLM's ``DPEngineCoreActor``).
 
 The actor runs the rank exactly as a process rank does — the same `EngineCoreProc`, the same
-`vconsole.engine.dp.rank.engine_role.RankRole` and busy loop — only the process is a Ray
+`vconsole.engine.dp.rank.rank_role.RankRole` and busy loop — only the process is a Ray
 worker placed by the rank's placement group. The launcher (`vconsole.engine.dp.ray.launcher`)
 calls `start` (bind, join the store, load the model; returns the rank's ready record) and then
 `run` (the busy loop, until `stop`; returns the engine's exit code), as vLLM's actor has
@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vconsole.engine.dp.front.torchrun import rank_curves, rank_endpoints
-from vconsole.engine.dp.rank.engine_role import RankRole
+from vconsole.engine.dp.rank.rank_role import RankRole
 from vconsole.engine.dp.rank.rendezvous import DPEnv
 from vconsole.engine.process.loop_inputs import LoopInput, Shutdown
 from vconsole.security.bind_policy import check_endpoints

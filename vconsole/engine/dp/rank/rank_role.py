@@ -1,7 +1,7 @@
 """`RankRole`: a data-parallel rank's seat in the engine process's busy loop.
 
 The loop (`vconsole.engine.process.core_proc.EngineCoreProc`) knows its role only as a
-`vconsole.engine.process.role.ProcessRole`; a rank's is this one, picked by whoever starts the
+`vconsole.engine.process.process_role.ProcessRole`; a rank's is this one, picked by whoever starts the
 process (`vconsole.engine.dp.rank.choose.process_role`), as vLLM picks ``DPEngineCoreProc``.
 It joins the group's store before anything binds (`join`), reads the front end's
 ``start_wave`` / ``regroup`` (`front_end_input`), and turns what `DPRank` decides between steps
@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vconsole.engine.dp.rank.dp_rank import DPRank, WaveEvent, split_cpu_threads
 from vconsole.engine.dp.rank.rendezvous import DPEnv
-from vconsole.engine.dp.rank.role import DPRank, WaveEvent, split_cpu_threads
 from vconsole.engine.process.loop_inputs import FrontEnd
-from vconsole.engine.process.role import LoopLinks
+from vconsole.engine.process.process_role import LoopLinks
 from vconsole.shared.config import EngineConfig
 from vconsole.wire import protocol
 
