@@ -2,7 +2,7 @@
 
 Stable by construction: the replay is ingested before the first frame and the console's clock
 is the recording's, so no wall time reaches the screen; inputs do not blink. Update with
-``pytest tests/test_console_snapshots.py --snapshot-update`` and look at the SVGs.
+``pytest tests/console/test_console_snapshots.py --snapshot-update`` and look at the SVGs.
 """
 
 from __future__ import annotations

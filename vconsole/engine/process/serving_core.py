@@ -4,7 +4,7 @@
 reach the core only through `ServingCore`, and nothing is probed (no ``hasattr``): a test may
 hand the process a smaller fake, and the type checker tells whether it is one (``make test``
 runs mypy over this package; `_engine_core_serves` below is checked there, and
-``tests/engine/proc/test_serving_core_types.py`` shows a fake that lacks a member failing).
+``tests/engine/process/test_serving_core_types.py`` shows a fake that lacks a member failing).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def test_bare_vconsole_prints_its_help_and_version_is_there():
 
 
 def test_the_package_version_is_the_projects():
-    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert vconsole.__version__ == pyproject["project"]["version"]
 
 

@@ -7,7 +7,7 @@ function's schema, a streamed `json_schema` answer that parses when joined, a ch
 regex on completions, and `tool_choice: "auto"` (the server started with
 `--enable-auto-tool-choice --tool-call-parser hermes`) answering a well-formed message; Ctrl-C
 stops it with exit code 0. One server for the module (a start costs 10-20 s on two cores); the
-Hermes reader itself is unit-tested in tests/entrypoints."""
+Hermes reader itself is unit-tested in tests/entrypoints/openai/test_structured_api.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ The engine's trace comes through the control channel's ``get_trace`` (here a `Fa
 that has one, `TracingControl`), the same call the live console makes; the trace itself is
 made by the what-if simulator with a known step cost, so it is self-consistent and takes
 milliseconds. The expected figures are computed by `WhatIf` directly on the same text.
-(`test_console_whatif_live.py` does the same against a real engine.)
+(`tests/console/test_console_whatif_live.py` does the same against a real engine.)
 """
 
 from __future__ import annotations

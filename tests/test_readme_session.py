@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[1] / "README.md"
 SCREEN_WAIT_S = 90    # the longest a full-screen command is watched before q
 SESSION_TIMEOUT_S = 300
 

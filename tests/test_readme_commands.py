@@ -13,7 +13,7 @@ import pytest
 
 from vconsole.cli import build_parser
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def shell_commands() -> list[str]:

@@ -1,7 +1,7 @@
 """`vconsole stacks` on a data-parallel group says whose stacks it shows: rank 0's by default, of
 how many, and that ``--rank`` reads another's. The engine's identity comes from real telemetry
 on a real ZeroMQ socket (a publisher thread sends two ranks' ``dp`` and ``health``, rank 1
-first); the live group's report is in tests/cli/test_dp.py."""
+first); the live group's report is in tests/engine/dp/test_dp.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""`vconsole attach --web` without a browser: which hosts count as loopback, the command line a
-tab's console runs, and the flags refused before anything binds. (The browser test:
-tests/console/test_attach_web.py.)"""
+"""`vconsole attach --web` without a browser: the command line a tab's console runs, and the
+flags refused before anything binds. (Which hosts count as loopback, and the server itself:
+tests/console/test_attach_web_server.py; the browser test: tests/console/test_attach_web.py.)"""
 
 from __future__ import annotations
 
@@ -14,24 +14,7 @@ pytest.importorskip("textual_serve", reason="textual-serve is not installed (the
 
 from vconsole.cli import build_parser, main  # noqa: E402
 from vconsole.commands.attach import console_argv  # noqa: E402
-from vconsole.console.web import WebConsole, check_web_host, loopback_host  # noqa: E402
-from vconsole.security.bind_policy import RemoteBindRefused  # noqa: E402
-
-
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.9.8.7", "localhost", "::1", "[::1]"])
-def test_loopback_hosts(host):
-    assert loopback_host(host)
-    check_web_host(host, None)          # served without a token: read-only tabs, local only
-
-
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "10.1.2.3", "gpu-box"])
-def test_beyond_loopback_the_token_is_required(host):
-    assert not loopback_host(host)
-    check_web_host(host, "a-token")
-    with pytest.raises(RemoteBindRefused, match="without its token"):
-        check_web_host(host, None)
-    with pytest.raises(RemoteBindRefused):
-        WebConsole(["vconsole"], host=host, token=None)
+from vconsole.console.web import WebConsole  # noqa: E402
 
 
 @pytest.mark.parametrize("flags", [["--port", "0"], ["--host", "127.0.0.1"], ["--no-token"]])
@@ -70,7 +53,7 @@ def test_a_tab_runs_attach_with_this_commands_way_to_the_engine(tmp_path, monkey
     for steer in (True, False):                                 # the token is no argument
         assert token not in web.command_for(steer)
         assert not any(token in a for a in web.argv_for(steer))
-    # nor in a console's environment (the live one: tests/cli/test_attach_web_server.py)
+    # nor in a console's environment (the live one: tests/console/test_attach_web_server.py)
     from textual_serve.download_manager import DownloadManager
 
     from vconsole.console.web import ConsoleProcess

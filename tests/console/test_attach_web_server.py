@@ -1,9 +1,10 @@
-"""`vconsole attach --web`'s server without a browser: a real `WebConsole` on 127.0.0.1 (port 0)
-in this test's event loop, spoken to over HTTP and websockets by aiohttp's client, as a page or
-another site's page would. Each tab's console is a real process: a few lines of Python that
-speak textual-serve's prelude and quit on the first byte of its stdin (the quit meta), so that a
-tab costs milliseconds, not a Textual app. (The console itself in a browser:
-tests/console/test_attach_web.py.)"""
+"""`vconsole attach --web`'s server without a browser: which hosts count as loopback, and a real
+`WebConsole` on 127.0.0.1 (port 0) in this test's event loop, spoken to over HTTP and websockets
+by aiohttp's client, as a page or another site's page would. Each tab's console is a real
+process: a few lines of Python that speak textual-serve's prelude and quit on the first byte of
+its stdin (the quit meta), so that a tab costs milliseconds, not a Textual app. (The console
+itself in a browser: tests/console/test_attach_web.py; the command's flags:
+tests/commands/test_attach_web_flags.py.)"""
 
 from __future__ import annotations
 
@@ -25,13 +26,36 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from vconsole.console import web as web_module  # noqa: E402
-from vconsole.console.web import MAX_CONSOLES, STEER_RESERVED, WebConsole  # noqa: E402
+from vconsole.console.web import (  # noqa: E402
+    MAX_CONSOLES,
+    STEER_RESERVED,
+    WebConsole,
+    check_web_host,
+    loopback_host,
+)
+from vconsole.security.bind_policy import RemoteBindRefused  # noqa: E402
 
 TOKEN = "tok-Zq8vXw3-distinctive-7741"
 MARK = "vconsole-web-test-console"          # in each fake console's argv, to find them
 CONSOLE = [sys.executable, "-c",
            "import sys; sys.stdout.write('__GANGLION__\\n'); sys.stdout.flush(); "
            "sys.stdin.buffer.read(1)", MARK]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.9.8.7", "localhost", "::1", "[::1]"])
+def test_loopback_hosts(host):
+    assert loopback_host(host)
+    check_web_host(host, None)          # served without a token: read-only tabs, local only
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "10.1.2.3", "gpu-box"])
+def test_beyond_loopback_the_token_is_required(host):
+    assert not loopback_host(host)
+    check_web_host(host, "a-token")
+    with pytest.raises(RemoteBindRefused, match="without its token"):
+        check_web_host(host, None)
+    with pytest.raises(RemoteBindRefused):
+        WebConsole(["vconsole"], host=host, token=None)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """`vconsole doctor`: one line per check, JSON for scripts, exit 1 only on a failure; each check
-finds what it says it finds on this machine (a busy port, an open run folder, a stale key)."""
+finds what it says it finds on this machine (a busy port, an open run folder, a stale key,
+a Ray cluster and its token file)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 from vconsole.security import control_key, engine_key, key_owner
 from vconsole.security.endpoints import DEFAULT_CONTROL
@@ -172,3 +174,27 @@ def test_with_no_engine_the_kv_check_lists_the_formats_and_what_each_holds(tmp_p
     assert "int8_per_token_head (3.8x float32's tokens)" in check.detail
     assert "int4_per_token_head (6.4x float32's tokens)" in check.detail
     assert "int8," not in check.detail and "int4," not in check.detail   # no alias twice
+
+
+def test_doctor_reports_ray_and_a_cluster_ray_start_left(tmp_path: Path) -> None:
+    current, token = tmp_path / "ray_current_cluster", tmp_path / "no_token"
+    check = doctor.check_ray(current, token)
+    assert check.status == doctor.OK and "--data-parallel-backend ray" in check.detail
+    assert "`ray start`" not in check.detail
+    current.write_text("10.0.0.1:6379\n")
+    check = doctor.check_ray(current, token)
+    assert "10.0.0.1:6379" in check.detail and "--ray-address auto" in check.detail
+    assert doctor.check_ray in doctor.CHECKS
+
+
+def test_doctor_warns_of_a_ray_token_file_others_can_read(tmp_path: Path) -> None:
+    current, token = tmp_path / "ray_current_cluster", tmp_path / "auth_token"
+    token.write_text("secret")
+    token.chmod(0o600)
+    check = doctor.check_ray(current, token)
+    assert check.status == doctor.OK and f"auth token {token}" in check.detail
+    for mode, who in ((0o644, "group and others"), (0o640, "group"), (0o604, "others")):
+        token.chmod(mode)
+        check = doctor.check_ray(current, token)
+        assert check.status == doctor.WARN, check
+        assert f"readable by {who} (mode {mode:o}): chmod 600 {token}" in check.detail

@@ -12,7 +12,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from http.client import HTTPConnection
 from pathlib import Path
 
@@ -21,44 +20,9 @@ import psutil
 import pytest
 
 from support.live_engine import ipc_endpoints
-from vconsole.engine.launch.child import ChildProcess
+from support.serve_process import ENGINE, free_port, serve, status, wait_until
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security.bind_policy import RemoteBindRefused, check_http_host
-
-ENGINE = ["--num-kv-blocks", "64", "--block-size", "8", "--set", "heartbeat_interval_s=0.2"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def status(port: int, path: str = "/health") -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0                                  # not listening (yet)
-
-
-def wait_until(cond: Callable[[], bool], what: str, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"{what}; log:\n{log.read_text()[-3000:]}"
-        time.sleep(0.1)
-
-
-def serve(tmp_path: Path, *args: str) -> tuple[ChildProcess, int, Path]:
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        child = ChildProcess([sys.executable, "-m", "vconsole", "serve", "--port", str(port),
-                              *args], stdout=out, stderr=subprocess.STDOUT,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return child, port, log
 
 
 @pytest.mark.proc
@@ -251,7 +215,7 @@ def test_beyond_loopback_the_server_wants_a_key_or_an_explicit_open_flag(
     check_http_host("0.0.0.0", api_key=False, open_without_key=True)
     # The command refuses before it starts any engine.
     done = subprocess.run([sys.executable, "-m", "vconsole", "serve", "--host", "0.0.0.0",
-                           "--port", str(_free_port())], capture_output=True, text=True,
+                           "--port", str(free_port())], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "VCONSOLE_API_KEY": ""})
     assert done.returncode == 2 and "--allow-no-api-key" in done.stderr
     assert "starting the engine" not in done.stderr

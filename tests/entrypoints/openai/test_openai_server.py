@@ -188,7 +188,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
 HI = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # (field, value) the server cannot honour: each must be a 400 naming the field, never ignored.
-# (Structured outputs and tools: tests/entrypoints/test_structured_api.py has each refusal.)
+# (Structured outputs and tools: tests/entrypoints/openai/test_structured_api.py has each refusal.)
 REFUSED_CHAT = [
     ("tool_choice", "required"), ("tool_choice", "auto"),      # no tools to call
     ("functions", [TOOL["function"]]), ("function_call", "auto"),

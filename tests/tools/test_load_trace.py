@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_serve import serve, status, wait_until  # the server as test_serve starts it
 
 from support.live_engine import Telemetry
+from support.serve_process import serve, status, wait_until
 from vconsole.cli import build_parser
 from vconsole.commands.load import main as load_main
 from vconsole.telemetry.request_trace import (

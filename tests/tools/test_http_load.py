@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_serve import ENGINE, serve, status, wait_until  # the server as test_serve starts it
 
 from support.live_engine import ipc_endpoints
+from support.serve_process import ENGINE, serve, status, wait_until
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.tools.http_load import HttpLoadClient
 from vconsole.tools.load_summary import format_summary
