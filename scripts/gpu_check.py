@@ -134,7 +134,8 @@ def check_throughput(_left: float) -> dict[str, Any]:
     from vconsole.engine.offline import greedy_requests, run_batch
     from vconsole.engine.worker.tiny_model import ensure_model
     from vconsole.shared.config import EngineConfig
-    from vconsole.tools.bench.throughput import make_workload, run_static_generate
+    from vconsole.tools.bench.throughput_peers import run_static_generate
+    from vconsole.tools.bench.throughput_workload import make_workload
 
     model_dir = str(ensure_model("small-gqa"))
     wl = make_workload(64)

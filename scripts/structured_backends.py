@@ -58,10 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402  (after the path: the script runs from a checkout)
 from transformers import AutoTokenizer  # noqa: E402
 
-from vconsole.engine.request import StructuredSpec  # noqa: E402
 from vconsole.engine.structured.grammar import to_grammar  # noqa: E402
 from vconsole.engine.worker.model_loader import resolve_model_path  # noqa: E402
-from vconsole.tools.bench.structured import CHOICE_SPEC, REGEX_SPEC, SCHEMAS  # noqa: E402
+from vconsole.tools.bench.structured_schemas import CHOICE_SPEC, REGEX_SPEC, SCHEMAS  # noqa: E402
+from vconsole.wire.sampling import StructuredSpec  # noqa: E402
 
 BATCH = 32
 BATCH_STEPS = 300

@@ -11,7 +11,8 @@ import sys
 import jsonschema
 import pytest
 
-from vconsole.tools.bench.structured import SCHEMAS, check_output, heavy_schema, typical_schema
+from vconsole.tools.bench.structured_schemas import SCHEMAS, heavy_schema, typical_schema
+from vconsole.tools.bench.structured_validity import check_output
 
 
 @pytest.mark.proc

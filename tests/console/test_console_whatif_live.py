@@ -14,7 +14,7 @@ from vconsole.console.app import VConsoleApp
 from vconsole.console.predictions import SHOWN, WhatIf, figure
 from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.engine.client.client import EngineClient
-from vconsole.telemetry.control import ControlClient
+from vconsole.wire.control_client import ControlClient
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from vconsole.tools.bench.kv_ideas import (
-    KVProbe,
-    Traced,
-    block_census,
-    delta_bits,
+from vconsole.tools.bench.kv_ideas_blocks import (
     geometric_blocks,
     geometric_fragmentation,
     internal_fragmentation,
-    kv_deltas,
-    replay,
 )
+from vconsole.tools.bench.kv_ideas_census import block_census
+from vconsole.tools.bench.kv_ideas_deltas import KVProbe, delta_bits, kv_deltas
+from vconsole.tools.bench.kv_ideas_runs import replay
+from vconsole.tools.bench.kv_ideas_workload import Traced
 
 B = 4
 
@@ -106,7 +104,7 @@ def test_replay_fragmentation_grows_with_the_block_size() -> None:
 
 def test_kv_deltas_on_tiny_equal_tokens_under_another_prefix_differ_but_not_at_layer_0() -> None:
     from vconsole.engine.worker.model_loader import load_model
-    from vconsole.tools.bench.kv_ideas import BlockRef
+    from vconsole.tools.bench.kv_ideas_census import BlockRef
 
     model, _, _ = load_model("tiny", "cpu", "float32")
     model.set_attn_implementation("sdpa")

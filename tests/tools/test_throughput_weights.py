@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from vconsole.tools.bench import throughput as tp
+from vconsole.tools.bench import throughput_engine, throughput_peers
 
 
 def _args(**over) -> argparse.Namespace:
@@ -20,8 +21,7 @@ def _args(**over) -> argparse.Namespace:
 
 @pytest.mark.slow
 def test_int8_run_reports_both_single_streams_and_the_decode_step_time(monkeypatch):
-    monkeypatch.setattr(tp, "SINGLE_OUTPUT", 24)
-    monkeypatch.setattr(tp.run_single_stream, "__defaults__", (24,))
+    monkeypatch.setattr(throughput_engine.run_single_stream, "__defaults__", (24,))
     out = tp.throughput(_args(quantization="int8"))
     assert out["quantization"] == "int8" and out["engine"]["quantization"] == "int8"
     assert "hf_static" not in out and "goal" not in out     # --no-transformers
@@ -42,7 +42,7 @@ def test_int8_run_reports_both_single_streams_and_the_decode_step_time(monkeypat
 def test_the_llama_cpp_peer_without_the_extra_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)      # import fails
     with pytest.raises(SystemExit, match=r"vconsole\[llama-cpp\]"):
-        tp.load_llama_cpp(1)
+        throughput_peers.load_llama_cpp(1)
 
 
 def test_the_llama_cpp_peer_runs_only_smollm2():

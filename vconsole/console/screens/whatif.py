@@ -14,7 +14,7 @@ size, from the engine's KV snapshot.
 The editor's keys (`KEYS`) start at the live config and follow it until the operator types in
 one; each is checked with `vconsole.whatif.predict.check_key` before a run (a bad value is
 refused with the reason, nothing runs). Only the keys that differ from the live config form
-the variant. ``A`` applies the hot ones through the app (one ``set_config`` after the
+the variant. ``A`` applies the hot ones through the host (one ``set_config`` after the
 confirmation, which carries the same prediction); restart-only ones are named with the restart
 command; a read-only console predicts but offers no apply. Predictions run when the screen is
 shown (unless the last one is under 10 s old), on ``r`` or enter in the editor, and on ``x``
@@ -309,7 +309,8 @@ class WhatIfScreen(ConsoleScreen):
                 f"--set {k}={show_value(variant[k])}" for k in restart), title="What-if",
                 severity="warning")
         if hot:
-            reason = self.console.apply_edits(hot)
+            host = self.console
+            reason = host.steer(host.steering.plan_edits(hot, host.current_engine()))
             if reason is not None:
                 self.notify(reason, title="What-if", severity="warning")
 

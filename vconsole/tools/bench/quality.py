@@ -46,8 +46,8 @@ import torch
 
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import run_batch
-from vconsole.engine.request import SamplingParams
 from vconsole.shared.config import EngineConfig, canonical_kv_cache_dtype
+from vconsole.wire.sampling import SamplingParams
 
 NEAR_TIE = 1e-4              # top-2 logit gap below which a flipped token is float reassociation
 TARGET_REL_DIFF = 1e-3

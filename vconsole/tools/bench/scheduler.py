@@ -26,11 +26,12 @@ import statistics
 import time
 from typing import Any
 
-from vconsole.engine.request import Request, SamplingParams
+from vconsole.engine.request import Request
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.shared.config import EngineConfig
 from vconsole.tools.bench.waiting_queue import queue_bench
+from vconsole.wire.sampling import SamplingParams
 
 POLICIES = ("fcfs", "priority", "hybrid")
 DEFAULT_SIZES = (100, 1_000, 10_000, 50_000)

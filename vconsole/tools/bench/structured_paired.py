@@ -25,9 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 from vconsole.engine.core import EngineCore
-from vconsole.engine.request import SamplingParams, StructuredSpec
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import StepStats
+from vconsole.wire.sampling import SamplingParams, StructuredSpec
 
 Log = Callable[[str], None]
 MAX_TOKENS = 256

@@ -47,322 +47,37 @@ reuses another's prefix cache), after one small warm-up of each; the JSON lists 
 ratios and utilisation and their median and worst, since these machines swing by tens of
 percent between rounds. The top-level ``engine`` / ``hf_*`` / ``ratio_*`` keys are the median
 round's.
+
+One module per part: the workload (`throughput_workload`), our engine (`throughput_engine`),
+the peers (`throughput_peers`), the report over the rounds (`throughput_report`); this one runs
+the rounds.
 """
+
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vconsole.engine.core import EngineCore
-from vconsole.engine.offline import greedy_requests, run_batch
 from vconsole.engine.worker.model_loader import resolve_model_path
-from vconsole.shared.config import EngineConfig
 from vconsole.tools.bench.flops import ModelShape, matmul_peak_flops
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    def flops(self, shape: ModelShape) -> int:
-        """Useful FLOPs of serving the whole workload once (`ModelShape.request_flops`)."""
-        return sum(shape.request_flops(len(p), n)
-                   for p, n in zip(self.prompts, self.output_lens, strict=True))
-
-
-def make_workload(num_requests: int = 64, seed: int = 0, vocab: int = 250) -> Workload:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))]
-               for _ in range(num_requests)]
-    return Workload(prompts, [rng.randint(32, 128) for _ in range(num_requests)])
-
-
-BLOCK_SIZE = 16
-
-
-def kv_blocks_for(wl: Workload, block_size: int = BLOCK_SIZE) -> int:
-    """A pool that holds every request of the workload at once (no preemption), plus slack."""
-    return sum(-(-(len(p) + n) // block_size)
-               for p, n in zip(wl.prompts, wl.output_lens, strict=True)) + 64
-
-
-class StepFlops:
-    """Records each step's useful FLOPs (`ModelShape.step_flops`) from the scheduler's output,
-    by wrapping ``core.scheduler.schedule``: the bench observes, the engine is unchanged. Exact
-    for steps without prefill tokens, where every scheduled row samples one token."""
-
-    def __init__(self, core: EngineCore, shape: ModelShape) -> None:
-        self.flops: list[int] = []
-        schedule = core.scheduler.schedule
-
-        def recording() -> Any:
-            so = schedule()
-            self.flops.append(shape.step_flops(so.start_positions(), so.num_scheduled_tokens,
-                                               so.num_decode_tokens))
-            return so
-
-        core.scheduler.schedule = recording  # type: ignore[method-assign]
-
-
-STEADY_SHARE = 0.75   # "steady state": decode-only steps with >= 3/4 of the largest batch
-
-
-def decode_rates(step_log: list[Any], flops: list[int]) -> dict[str, Any]:
-    """Useful FLOP/s of the decode-only steps (no prefill token in the step), all of them and
-    the steady state: those whose batch is at least `STEADY_SHARE` of the largest. Time is the
-    steps' own (schedule + execute + update)."""
-    decode = [(s, f) for s, f in zip(step_log, flops, strict=True)
-              if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
-    if not decode:
-        return {}
-    widest = max(s.num_decode_tokens for s, _ in decode)
-
-    def figures(steps: list[tuple[Any, int]]) -> dict[str, Any]:
-        seconds = sum(s.total_ns for s, _ in steps) / 1e9
-        rate = sum(f for _, f in steps) / seconds
-        rows = sorted(s.num_decode_tokens for s, _ in steps)
-        return {"steps": len(steps), "seconds": round(seconds, 3),
-                "median_rows": rows[len(rows) // 2],
-                "ms_per_step": round(1e3 * seconds / len(steps), 2),
-                "median_ms_per_step": round(statistics.median(s.total_ns for s, _ in steps)
-                                            / 1e6, 2),
-                "gflops": round(rate / 1e9, 1)}
-
-    return {"decode_all": figures(decode),
-            "decode_steady": figures([(s, f) for s, f in decode
-                                      if s.num_decode_tokens >= STEADY_SHARE * widest])}
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """What the engine contender runs with beyond the workload (``bench throughput`` flags)."""
-
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
-
-
-def _engine(model_dir: str, wl: Workload, opts: EngineOptions, max_num_seqs: int = 64,
-            max_num_batched_tokens: int = 1024) -> EngineCore:
-    return EngineCore(EngineConfig(model=model_dir, device="cpu", dtype="float32",
-                                   max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   block_size=BLOCK_SIZE, num_kv_blocks=kv_blocks_for(wl),
-                                   quantization=opts.quantization,
-                                   kv_cache_dtype=opts.kv_cache_dtype))
-
-
-def run_engine(model_dir: str, wl: Workload, shape: ModelShape,
-               opts: EngineOptions = EngineOptions(), max_num_seqs: int = 64,
-               max_num_batched_tokens: int = 1024) -> dict[str, Any]:
-    core = _engine(model_dir, wl, opts, max_num_seqs, max_num_batched_tokens)
-    # Prompts of their own: the measured ones must not find anything in the prefix cache.
-    warm = greedy_requests(core, make_workload(2, seed=99, vocab=shape.vocab).prompts, 4,
-                           ignore_eos=True, prefix="warm")
-    run_batch(core, warm)
-    recorder = StepFlops(core, shape)
-    reqs = greedy_requests(core, wl.prompts, wl.output_lens, ignore_eos=True)
-    res = run_batch(core, reqs, keep_step_log=True)
-    assert res.num_output_tokens == wl.num_output_tokens
-    phases = {k: sum(getattr(s, f"{k}_ns") for s in res.step_log) / 1e9
-              for k in ("schedule", "execute", "update")}
-    rate = wl.flops(shape) / res.elapsed_s
-    out = {"tokens": res.num_output_tokens, "elapsed_s": round(res.elapsed_s, 3),
-           "tokens_per_s": round(res.tokens_per_s, 1), "steps": res.num_steps,
-           "preemptions": res.num_preemptions,
-           "phase_s": {k: round(v, 3) for k, v in phases.items()},
-           "gflops": round(rate / 1e9, 2), **decode_rates(res.step_log, recorder.flops)}
-    steady = out.get("decode_steady")
-    if steady:
-        out["decode_step_ms"] = {"mean": steady["ms_per_step"],
-                                 "median": steady["median_ms_per_step"],
-                                 "rows": steady["median_rows"]}
-    out["quantization"] = opts.quantization
-    out["kv_cache_dtype"] = core.runner.kv_cache_dtype
-    return out
-
-
-SINGLE_PROMPT = 128
-SINGLE_OUTPUT = 256
-
-
-def single_prompt(vocab: int, seed: int = 7) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(SINGLE_PROMPT)]
-
-
-def run_single_stream(model_dir: str, shape: ModelShape, opts: EngineOptions,
-                      output_len: int = SINGLE_OUTPUT) -> dict[str, Any]:
-    """One request alone in the engine: the single user's latency. Decode tokens/s counts the
-    decode-only steps (one token each) over their own time; the prefill step is reported
-    apart."""
-    prompt = single_prompt(shape.vocab)
-    wl = Workload([prompt], [output_len])
-    core = _engine(model_dir, wl, opts)
-    run_batch(core, greedy_requests(core, [prompt[:16]], 8, ignore_eos=True, prefix="warm"))
-    res = run_batch(core, greedy_requests(core, [prompt], output_len, ignore_eos=True),
-                    keep_step_log=True)
-    decode = [s.total_ns / 1e9 for s in res.step_log
-              if s.num_prefill_tokens == 0 and s.num_decode_tokens == 1]
-    prefill = sum(s.total_ns for s in res.step_log if s.num_prefill_tokens) / 1e9
-    bytes_per_weight = 1 if opts.quantization == "int8" else 4
-    weight_bytes = shape.weight_bytes_per_token(bytes_per_weight)
-    rate = len(decode) / sum(decode)
-    return {"prompt_tokens": len(prompt), "output_tokens": res.num_output_tokens,
-            "elapsed_s": round(res.elapsed_s, 3), "prefill_s": round(prefill, 4),
-            "decode_tokens_per_s": round(rate, 1),
-            "decode_ms_per_token": {"mean": round(1e3 * sum(decode) / len(decode), 2),
-                                    "median": round(1e3 * statistics.median(decode), 2)},
-            "weight_mb_per_token": round(weight_bytes / 1e6, 1),
-            "weight_gb_per_s": round(weight_bytes * rate / 1e9, 2),
-            "quantization": opts.quantization, "kv_cache_dtype": core.runner.kv_cache_dtype}
-
-
-LLAMA_CPP_INSTALL = "pip install 'vconsole[llama-cpp]' (builds llama-cpp-python)"
-
-
-def load_llama_cpp(threads: int, n_ctx: int = 1024) -> Any:
-    """llama.cpp (``llama_cpp.Llama``) on smollm2's GGUF with ``threads`` threads, extra
-    buffer types off (see the module docstring). SystemExit with the install line when
-    llama-cpp-python is missing."""
-    try:
-        import llama_cpp
-        import llama_cpp.llama as llama_module
-    except ImportError:
-        raise SystemExit("vconsole bench: --peer llama-cpp needs llama-cpp-python: "
-                         f"{LLAMA_CPP_INSTALL}") from None
-    from vconsole.engine.worker.gguf_model import smollm2_gguf
-
-    low = llama_module.llama_cpp        # llama_cpp.llama reads its defaults from here
-    defaults = low.llama_model_default_params
-
-    def no_extra_bufts() -> Any:
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    low.llama_model_default_params = no_extra_bufts
-    try:
-        return llama_cpp.Llama(model_path=str(smollm2_gguf()), n_threads=threads,
-                               n_threads_batch=threads, n_ctx=n_ctx, n_batch=512, seed=0,
-                               verbose=False)
-    finally:
-        low.llama_model_default_params = defaults
-
-
-def _llama_greedy(llm: Any, prompt: list[int], output_len: int) -> tuple[float, float]:
-    """One request from an empty context: ``(prefill seconds, decode seconds)`` for
-    ``output_len`` greedy tokens (the first sampled from the prompt's logits, each later one
-    fed back; no EOS stop)."""
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    t1 = time.perf_counter()
-    for i in range(output_len):
-        token = llm.sample(temp=0.0)
-        if i < output_len - 1:
-            llm.eval([token])
-    return t1 - t0, time.perf_counter() - t1
-
-
-def run_llama_cpp(llm: Any, wl: Workload, shape: ModelShape,
-                  output_len: int = SINGLE_OUTPUT) -> dict[str, Any]:
-    """The single stream (same prompt and length as the engine's) and the workload's requests
-    one after another."""
-    prefill, decode = _llama_greedy(llm, single_prompt(shape.vocab), output_len)
-    t0 = time.perf_counter()
-    for prompt, n in zip(wl.prompts, wl.output_lens, strict=True):
-        _llama_greedy(llm, prompt, n)
-    elapsed = time.perf_counter() - t0
-    return {"single_stream": {"prompt_tokens": SINGLE_PROMPT, "output_tokens": output_len,
-                              "prefill_s": round(prefill, 4),
-                              "decode_tokens_per_s": round((output_len - 1) / decode, 1)},
-            "sequential": {"tokens": wl.num_output_tokens, "elapsed_s": round(elapsed, 3),
-                           "tokens_per_s": round(wl.num_output_tokens / elapsed, 1)},
-            "n_threads": llm.n_threads}
-
-
-def _load_hf(model_dir: str):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # --json: nothing on stderr
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
-                                                 dtype=torch.float32)
-    model.eval()
-    return model
-
-
-def run_static_generate(model: Any, wl: Workload, batch_size: int = 16,
-                        device: str = "cpu") -> dict[str, Any]:
-    pad = model.generation_config.pad_token_id or 0
-    t0 = time.perf_counter()
-    computed = 0
-    with torch.inference_mode():
-        for start in range(0, len(wl.prompts), batch_size):
-            batch = wl.prompts[start:start + batch_size]
-            lens = wl.output_lens[start:start + batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
-                                device=device)
-            n = max(lens)
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                           min_new_tokens=n, pad_token_id=pad)
-            computed += n * len(batch)
-    elapsed = time.perf_counter() - t0
-    return {"tokens": wl.num_output_tokens, "tokens_computed": computed,
-            "elapsed_s": round(elapsed, 3),
-            "tokens_per_s": round(wl.num_output_tokens / elapsed, 1), "batch_size": batch_size}
-
-
-def run_generate_batch(model: Any, wl: Workload) -> dict[str, Any]:
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    n = max(wl.output_lens)
-    # eos -1: never stop early (what transformers sets itself for None, with a warning).
-    gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           eos_token_id=-1, pad_token_id=model.generation_config.pad_token_id)
-    # Our engine's budget (64 sequences, 1024 tokens a step) and a cache that holds the whole
-    # workload at once. Left to infer its cache from free memory, it takes most of a CPU box's
-    # RAM (13 GB on a 24 GB machine) and spends its time setting it up.
-    page = 256
-    blocks = sum(-(-(len(p) + n) // page) for p in wl.prompts) + 8
-    cb = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=1024,
-                                  max_requests_per_batch=64)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate_batch(inputs=wl.prompts, generation_config=gen,
-                                   continuous_batching_config=cb)
-    elapsed = time.perf_counter() - t0
-    tokens = sum(len(o.generated_tokens) for o in out.values())
-    return {"tokens": tokens, "elapsed_s": round(elapsed, 3),
-            "tokens_per_s": round(tokens / elapsed, 1), "max_new_tokens": n,
-            "num_blocks": blocks, "max_batch_tokens": 1024}
-
-
-GOAL = {"median_vs_static": 3.0, "median_vs_generate_batch": 8.0, "worst_vs_static": 2.0,
-        "steady_utilisation": 0.6}
-# Issue #30's weights goals: the int8 single stream against float32's and llama.cpp's Q4_1, and
-# 64 concurrent requests against llama.cpp serving them one after another.
-WEIGHTS_GOAL = {"single_stream_vs_float32": 2.0, "single_stream_vs_llama_cpp": 0.8,
-                "concurrent_vs_llama_cpp_sequential": 5.0}
+from vconsole.tools.bench.throughput_engine import EngineOptions, run_engine, run_single_stream
+from vconsole.tools.bench.throughput_peers import (
+    llama_greedy,
+    load_hf,
+    load_llama_cpp,
+    run_generate_batch,
+    run_llama_cpp,
+    run_static_generate,
+)
+from vconsole.tools.bench.throughput_report import ratio, summarise
+from vconsole.tools.bench.throughput_workload import Workload, make_workload
 
 
 @dataclass(frozen=True)
@@ -372,18 +87,6 @@ class RoundPlan:
     engine: EngineOptions
     transformers: bool = True
     llama_cpp: Any = None          # a loaded llama_cpp.Llama, or None
-
-
-def _add_utilisation(result: dict[str, Any], peak_gflops: float) -> None:
-    """``utilisation`` (useful FLOP/s over the peak) beside each ``gflops`` of a contender's
-    result (the engine's decode parts included)."""
-    for part in (result, result.get("decode_all"), result.get("decode_steady")):
-        if part and "gflops" in part:
-            part["utilisation"] = round(part["gflops"] / peak_gflops, 3)
-
-
-def _ratio(ours: float, theirs: float | None) -> float | None:
-    return round(ours / theirs, 2) if theirs else None
 
 
 def _one_round(model: Any, model_dir: str, wl: Workload, shape: ModelShape, plan: RoundPlan,
@@ -425,23 +128,18 @@ def _one_round(model: Any, model_dir: str, wl: Workload, shape: ModelShape, plan
     out.update({
         "peak_gflops": round(max(peaks) / 1e9, 1),
         "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)],
-        "ratio_vs_static": _ratio(ours, out.get("hf_static", {}).get("tokens_per_s")),
-        "ratio_vs_generate_batch": _ratio(ours, out.get("hf_generate_batch", {})
+        "ratio_vs_static": ratio(ours, out.get("hf_static", {}).get("tokens_per_s")),
+        "ratio_vs_generate_batch": ratio(ours, out.get("hf_generate_batch", {})
                                           .get("tokens_per_s")),
-        "single_stream_vs_float32": _ratio(single, out.get("single_stream_float32", {})
+        "single_stream_vs_float32": ratio(single, out.get("single_stream_float32", {})
                                            .get("decode_tokens_per_s")),
-        "single_stream_vs_llama_cpp": _ratio(single, out.get("llama_cpp", {})
+        "single_stream_vs_llama_cpp": ratio(single, out.get("llama_cpp", {})
                                              .get("single_stream", {})
                                              .get("decode_tokens_per_s")),
-        "concurrent_vs_llama_cpp_sequential": _ratio(ours, out.get("llama_cpp", {})
+        "concurrent_vs_llama_cpp_sequential": ratio(ours, out.get("llama_cpp", {})
                                                      .get("sequential", {})
                                                      .get("tokens_per_s"))})
     return out
-
-
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return round(statistics.median(present), 2) if present else None
 
 
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
@@ -465,7 +163,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     plan = RoundPlan(opts, transformers=not getattr(args, "no_transformers", False),
                      llama_cpp=llm)
     model_dir = str(resolve_model_path(name))
-    model = _load_hf(model_dir) if plan.transformers else None
+    model = load_hf(model_dir) if plan.transformers else None
     if model is not None:
         shape = ModelShape.of(model.config)
     else:
@@ -486,73 +184,10 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     if plan.transformers:
         run_static_generate(model, Workload(warm.prompts, [8, 8]))
     if llm is not None:
-        _llama_greedy(llm, warm.prompts[0], 8)
+        llama_greedy(llm, warm.prompts[0], 8)
     rounds = []
     for i in range(num_runs):
         log(f"round {i + 1}/{num_runs}")
         rounds.append(_one_round(model, model_dir, wl, shape, plan, log))
-    # One peak for the whole run, the best any round measured: a round whose peak a neighbour's
-    # load pulled down must not flatter its utilisation.
-    peak = max(r["peak_gflops"] for r in rounds)
-    for r in rounds:
-        for key in ("engine", "hf_static", "hf_generate_batch"):
-            if key in r:
-                _add_utilisation(r[key], peak)
-    result["peak_gflops"] = peak
-    result["runs"] = [{"engine_tokens_per_s": r["engine"]["tokens_per_s"],
-                       "static_tokens_per_s": r.get("hf_static", {}).get("tokens_per_s"),
-                       "generate_batch_tokens_per_s": r.get("hf_generate_batch", {})
-                       .get("tokens_per_s"),
-                       "ratio_static": r["ratio_vs_static"],
-                       "ratio_generate_batch": r["ratio_vs_generate_batch"],
-                       "decode_step_ms": r["engine"].get("decode_step_ms"),
-                       "single_stream_tokens_per_s": r["single_stream"]["decode_tokens_per_s"],
-                       "single_stream_float32_tokens_per_s": r.get("single_stream_float32", {})
-                       .get("decode_tokens_per_s"),
-                       "llama_cpp_single_stream_tokens_per_s": r.get("llama_cpp", {})
-                       .get("single_stream", {}).get("decode_tokens_per_s"),
-                       "llama_cpp_sequential_tokens_per_s": r.get("llama_cpp", {})
-                       .get("sequential", {}).get("tokens_per_s"),
-                       "single_stream_vs_float32": r["single_stream_vs_float32"],
-                       "single_stream_vs_llama_cpp": r["single_stream_vs_llama_cpp"],
-                       "concurrent_vs_llama_cpp_sequential":
-                           r["concurrent_vs_llama_cpp_sequential"],
-                       "peak_gflops": r["peak_gflops"], "load_average": r["load_average"],
-                       "utilisation": r["engine"]["utilisation"],
-                       "steady_utilisation": r["engine"].get("decode_steady", {})
-                       .get("utilisation")} for r in rounds]
-    # The median round (by the static ratio, or the engine's rate without transformers) fills
-    # the keys of a single-round report.
-    order: Callable[[dict[str, Any]], float] = (
-        (lambda r: r["ratio_vs_static"]) if plan.transformers
-        else (lambda r: r["engine"]["tokens_per_s"]))
-    median_round = sorted(rounds, key=order)[(len(rounds) - 1) // 2]
-    result.update({k: v for k, v in median_round.items() if k != "peak_gflops"})
-    steady = [u for r in result["runs"] if (u := r["steady_utilisation"]) is not None]
-    result["median_utilisation"] = round(statistics.median(r["utilisation"]
-                                                           for r in result["runs"]), 3)
-    result["median_steady_utilisation"] = round(statistics.median(steady), 3) if steady else None
-    result["median_single_stream_tokens_per_s"] = _median(
-        [r["single_stream_tokens_per_s"] for r in result["runs"]])
-    weights = {k: _median([r[k] for r in result["runs"]]) for k in WEIGHTS_GOAL}
-    result.update({f"median_{k}": v for k, v in weights.items()})
-    if plan.transformers:
-        static = [r["ratio_vs_static"] for r in rounds]
-        gb = [r["ratio_vs_generate_batch"] for r in rounds if r["ratio_vs_generate_batch"]]
-        result["median_ratio_static"] = round(statistics.median(static), 2)
-        result["worst_ratio_static"] = min(static)
-        result["median_ratio_generate_batch"] = round(statistics.median(gb), 2) if gb else None
-        result["worst_ratio_generate_batch"] = min(gb) if gb else None
-        met = {"median_vs_static": result["median_ratio_static"] >= GOAL["median_vs_static"],
-               "median_vs_generate_batch": bool(gb) and result["median_ratio_generate_batch"]
-               >= GOAL["median_vs_generate_batch"],
-               "worst_vs_static": result["worst_ratio_static"] >= GOAL["worst_vs_static"],
-               "steady_utilisation": bool(steady) and result["median_steady_utilisation"]
-               >= GOAL["steady_utilisation"]}
-        result["goal"] = {**GOAL, "met": met, "all_met": all(met.values())}
-    measured = {k: v for k, v in weights.items() if v is not None}
-    if measured:
-        met = {k: v >= WEIGHTS_GOAL[k] for k, v in measured.items()}
-        result["weights_goal"] = {**{k: WEIGHTS_GOAL[k] for k in measured}, "met": met,
-                                  "all_met": all(met.values())}
+    summarise(result, rounds, plan.transformers)
     return result

@@ -24,8 +24,9 @@ import time
 from collections import deque
 from typing import Any
 
-from vconsole.engine.request import Request, SamplingParams
+from vconsole.engine.request import Request
 from vconsole.engine.sched.request_queue import WaitingQueue
+from vconsole.wire.sampling import SamplingParams
 
 NUM_SLOTS = 512
 PRIORITY_CLASSES = (0, 1, 2, 5)
