@@ -8,10 +8,11 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
-from vconsole.engine.request import Request, SamplingParams
+from vconsole.engine.request import Request
 from vconsole.engine.sched.output import NewRequestData, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.shared.config import EngineConfig
+from vconsole.wire.sampling import SamplingParams
 
 BLOCK_SIZE = 4
 

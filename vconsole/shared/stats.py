@@ -70,11 +70,12 @@ class RequestRow:
 
 
 # A request's state as a small code (uint8 on the wire): the index here, which is also
-# `vconsole.engine.request.RequestStatus`'s value (tests/engine/sched/test_request_rows.py checks it).
+# `vconsole.engine.request.RequestStatus`'s value (tests/telemetry/test_request_columns.py
+# checks it).
 # A row is never "finished"; "compiling": its structured-output grammar is being compiled.
 REQUEST_STATES = ("waiting", "running", "preempted", "finished", "compiling")
 # A request's structured-output constraint as the ``constraint`` column's code: 0 none, else
-# 1 + the index here (`vconsole.engine.request.STRUCTURED_KINDS`, the same names: checked by
+# 1 + the index here (`vconsole.wire.sampling.STRUCTURED_KINDS`, the same names: checked by
 # tests/engine/structured/test_spec.py).
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # The numeric columns of a `RequestTable` and their dtypes (those of the ``sched`` wire form).
@@ -84,8 +85,8 @@ REQUEST_NUMERIC = {"priority": np.int32, "num_prompt_tokens": np.int32,
 
 
 class TableParts(Protocol):
-    """Where a `RequestTable` built on demand gets its columns (the scheduler's cached waiting
-    rows behind fresh running rows: `vconsole.engine.sched.request_rows.JoinedRows`)."""
+    """Where a `RequestTable` built on demand gets its columns (the cached waiting rows
+    behind fresh running rows: `vconsole.engine.publish.request_rows.JoinedRows`)."""
 
     def __len__(self) -> int: ...
     def columns(self) -> dict[str, Any]: ...

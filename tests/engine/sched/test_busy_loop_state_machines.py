@@ -50,13 +50,14 @@ from support.scheduling import BLOCK_SIZE as B
 from support.scheduling import make_request, make_scheduler
 from vconsole.engine.kv.block_pool import hash_block_tokens
 from vconsole.engine.latency import QUANTILES, SERIES, LatencyStats
-from vconsole.engine.outputs import RequestOutput
+from vconsole.engine.publish.request_rows import RequestRows
 from vconsole.engine.request import FinishReason, Request, RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
 from vconsole.shared.config import POLICIES, EngineConfig
 from vconsole.shared.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from vconsole.wire.outputs import RequestOutput
 
 # A failing run shrinks for up to hypothesis's own limit (300 s); the suite's 300 s timeout
 # would cut that short and hide the shrunk steps.
@@ -181,9 +182,11 @@ class BusyLoopModel(RuleBasedStateMachine):
         self.s: Scheduler = make_scheduler(
             NUM_BLOCKS, MAX_MODEL_LEN, self.clock, policy="priority", max_num_seqs=4,
             max_num_batched_tokens=16, latency_window_s=5.0)
-        # The cached waiting rows are rebuilt only when a rule invalidates them or when they
-        # must (too few rows left, more wanted): never on the wall clock.
-        self.s._waiting_rows.refresh_s = 1e9
+        # The request table as the publishing side makes it, its log on the queue from the
+        # start. The cached waiting rows are rebuilt only when a rule invalidates them or when
+        # they must (too few rows left, more wanted): never on the wall clock.
+        self.rows = RequestRows(refresh_s=1e9)
+        self.rows.log_of(self.s.waiting)
         self.runner = PagedRunner()
         self.accepted: list[Request] = []      # every request the scheduler took, in order
         self.latest: dict[str, Request] = {}   # id -> the last request accepted under it
@@ -376,14 +379,14 @@ class BusyLoopModel(RuleBasedStateMachine):
         are the queue's first rows at the last rebuild minus every request that left the queue
         since (even if it came back), in queue order, each exact."""
         s, now = self.s, self.clock.t
-        rows = s._waiting_rows
+        rows, log = self.rows.cached, self.rows.log_of(s.waiting)
         if rebuild_first:
             rows.invalidate()
         rebuilds = rows.rebuilds
-        left, _ = s.waiting.removed_since(rows._mark)
+        left, _ = log.removed_since(rows._mark)
         twice = any(n > 1 for rid, n in Counter(left or ()).items() if rid in rows._ids)
-        stats = s.stats(max_rows)
-        rows.check(s.waiting)
+        stats = s.stats(max_rows, self.rows)
+        rows.check(log)
         cols = stats.requests.columns
         n = len(cols["id"])
         assert all(len(v) == n for v in cols.values()), "ids and columns out of step"
@@ -441,7 +444,7 @@ class BusyLoopModel(RuleBasedStateMachine):
 
     @invariant()
     def the_cached_waiting_rows_are_in_step(self):
-        self.s._waiting_rows.check(self.s.waiting)
+        self.rows.cached.check(self.rows.log_of(self.s.waiting))
 
     @invariant()
     def queue_and_running_hold_exactly_the_live_requests(self):
@@ -589,7 +592,7 @@ class BusyLoop(BusyLoopModel):
 
     @rule()
     def force_a_row_rebuild(self):
-        self.s._waiting_rows.invalidate()
+        self.rows.cached.invalidate()
 
     @rule(max_rows=st.integers(0, 16), rebuild_first=st.booleans())
     def take_a_sched_snapshot(self, max_rows, rebuild_first):
@@ -677,8 +680,8 @@ def test_a_request_admitted_preempted_and_admitted_again_between_snapshots_loses
     m.end_request(m.live().index(b), FinishReason.ABORT)
     m.one_step()                                     # a admitted again
     assert a.status == RequestStatus.RUNNING and c.status == RequestStatus.WAITING
-    left, _ = m.s.waiting.removed_since(m.s._waiting_rows._mark)
+    left, _ = m.rows.log_of(m.s.waiting).removed_since(m.rows.cached._mark)
     assert left.count(a.request_id) == 2
     m.check_all()
     m.snapshot_sched(10)
-    assert [r.id for r in m.s.stats(10).requests] == [a.request_id, c.request_id]
+    assert [r.id for r in m.s.stats(10, m.rows).requests] == [a.request_id, c.request_id]

@@ -23,13 +23,15 @@ import pytest
 from support.scheduling import BLOCK_SIZE as B
 from support.scheduling import make_request as req
 from support.scheduling import make_scheduler as make_sched
-from vconsole.engine.outputs import RequestOutput
-from vconsole.engine.request import Request, RequestStatus, SamplingParams
+from vconsole.engine.publish.request_rows import RequestRows
+from vconsole.engine.request import Request, RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.engine.sched.scheduler import Scheduler
 from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
 from vconsole.shared.config import EngineConfig
+from vconsole.wire.outputs import RequestOutput
+from vconsole.wire.sampling import SamplingParams
 
 
 def next_token(context: list[int]) -> int:
@@ -272,7 +274,7 @@ def test_random_workload_respects_limits_and_every_output_is_right(policy):
     final = run(s, model, on_step=limits)
     assert {rid: o.new_token_ids for rid, o in final.items()} == want
     assert all(o.finish_reason == "length" for o in final.values())
-    assert s.stats(10).num_preemptions_total > 0, "the workload should preempt"
+    assert s.stats(0).num_preemptions_total > 0, "the workload should preempt"
     assert s.kv_stats().prefix_hits > 0
     assert s.kv_stats().num_used == 0
 
@@ -577,14 +579,28 @@ def test_stats_rows_running_first_then_waiting_in_queue_order():
     for rid, prio in [("a", 1), ("b", 1), ("c", 3), ("d", 2), ("e", 0)]:
         s.add_request(req(rid, 5, max_tokens=10, priority=prio))
     step(s, model)
-    st = s.stats(10)
+    rows = RequestRows()
+    st = s.stats(10, rows)
     assert [r.id for r in st.requests] == ["e", "a", "b", "d", "c"]
     assert [r.state for r in st.requests] == ["running"] * 2 + ["waiting"] * 3
     assert st.requests[0].num_blocks == 2 and st.requests[0].num_output_tokens == 1
     assert (st.num_running, st.num_waiting, st.policy) == (2, 3, "priority")
     assert not st.requests_truncated
-    st = s.stats(3)
+    st = s.stats(3, rows)
     assert [r.id for r in st.requests] == ["e", "a", "b"] and st.requests_truncated
+
+
+def test_stats_make_no_rows_of_their_own():
+    """The request table is the publishing side's (a `RowSource`): asked for rows without one,
+    the scheduler says so; for none, it gives its figures."""
+    s = make_sched(max_num_seqs=1)
+    for rid in "ab":
+        s.add_request(req(rid, 5))
+    with pytest.raises(ValueError, match="no RowSource"):
+        s.stats(10)
+    st = s.stats(0)
+    assert (st.num_waiting, list(st.requests), st.requests_truncated) == (2, [], True)
+    assert s.waiting.listener is None, "nobody listens to the queue of a scheduler unpublished"
 
 
 def _lines_per_step(num_waiting: int, steps: int = 10) -> tuple[int, int]:

@@ -11,9 +11,13 @@ missing from this snapshot only. Used by the busy loop's thread only.
 What the busy loop pays here is the whole of telemetry's cost to it (`vconsole bench
 telemetry`'s ``busy_loop_feed_share``): the publisher runs in its own process
 (`vconsole.engine.publish.publisher_process`), so a hand-off is a pack and a non-blocking send
-(the waiting rows as what changed in the queue: `vconsole.engine.sched.queue_mirror`), and nothing of the publisher's competes with the loop for the GIL. With
+(the waiting rows as what changed in the queue: `vconsole.engine.publish.queue_mirror`), and nothing of the publisher's competes with the loop for the GIL. With
 request text on, its new or grown rows are decoded here too (the publisher process has no
 tokenizer): the opt-in's cost, one decode per running row per snapshot.
+
+The request table is made by the publishing side's `RequestRows` (``rows``, one per feed: a log
+of the waiting queue, attached at the first snapshot, and the table's caches); when the
+``sched`` part fails they are dropped and the next snapshot reads the queue afresh.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vconsole.engine.sched.request_rows import QueueRows
+from vconsole.engine.publish.request_rows import QueueRows, RequestRows
 from vconsole.shared.stats import RequestTable, SchedulerStats
 from vconsole.telemetry.request_text import TEXT_ROWS
 
@@ -43,6 +47,7 @@ class TelemetryFeed:
         self.guard = core.telemetry_guard
         self.publisher = publisher
         self._dp_body = dp_body
+        self.rows = RequestRows(mirrored=publisher.mirrors_queue)
         self.dirty = True
         self._next_latency = 0.0    # when the next latency snapshot is due
 
@@ -73,7 +78,9 @@ class TelemetryFeed:
         """Send the scheduler and KV snapshot; False when a guarded part failed."""
         core, run = self.core, self.guard.run
         max_rows = core.config.telemetry_max_requests
-        sched = run("sched", core.scheduler_stats, max_rows, self.publisher.mirrors_queue)
+        sched = run("sched", core.scheduler_stats, max_rows, self.rows)
+        if sched is None:
+            run("sched", self.rows.reset)
         kv = run("kv", core.kv_stats)
         if sched is None or kv is None:
             return False

@@ -10,7 +10,7 @@ their fields (`attrgetter`, no per-object reduce), every column's bytes in one b
 ~300 µs a snapshot right after a forward, when nothing is in the cache.
 
 The request table's 10,000 waiting rows do not cross at all: the publisher process keeps a
-mirror of the waiting queue and joins them there (`vconsole.engine.sched.queue_mirror`). A
+mirror of the waiting queue and joins them there (`vconsole.engine.publish.queue_mirror`). A
 snapshot's table (`QueueRows`) crosses as its running rows and what changed in the queue since
 the last snapshot the process got; `decode` applies that to the process's mirror
 (`MirroredTable`) and joins the table the engine's own cached rows would have made.
@@ -37,7 +37,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from vconsole.engine.sched.queue_mirror import MirroredTable, QueueRows, SyncSender, pack_rows
+from vconsole.engine.publish.queue_mirror import MirroredTable, QueueRows, SyncSender, pack_rows
 from vconsole.shared.stats import (
     REQUEST_NUMERIC,
     REQUEST_STATES,

@@ -180,7 +180,7 @@ class TelemetryPublisher:
     @property
     def mirrors_queue(self) -> bool:
         """Whether snapshots leave the waiting rows to the publisher process's mirror of the
-        queue (`vconsole.engine.sched.queue_mirror`): a publisher process does."""
+        queue (`vconsole.engine.publish.queue_mirror`): a publisher process does."""
         return self.child is not None
 
     def refuses_text(self, values: dict[str, Any]) -> str | None:

@@ -35,7 +35,7 @@ from vconsole.engine.publish.host import HostProbe
 from vconsole.engine.publish.prometheus import MetricsServer, TelemetryCollector
 from vconsole.engine.publish.publisher import TelemetryPublisher
 from vconsole.engine.publish.publisher_process import LIVE_FILE, ChildSpec, LiveCounters
-from vconsole.engine.sched.queue_mirror import MirroredTable
+from vconsole.engine.publish.queue_mirror import MirroredTable
 
 log = logging.getLogger("vconsole.telemetry.publisher")
 

@@ -52,8 +52,8 @@ import zmq
 from vconsole.engine.latency import LatencyBatch
 from vconsole.engine.publish import handoff_wire as wire
 from vconsole.engine.publish.bodies import KVFormat
+from vconsole.engine.publish.queue_mirror import SyncSender
 from vconsole.engine.publish.request_text import TextBook, TokenLists
-from vconsole.engine.sched.queue_mirror import SyncSender
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vconsole.engine.outputs import PromptLogprobs
-from vconsole.engine.request import SamplingParams
+from vconsole.wire.outputs import PromptLogprobs
+from vconsole.wire.sampling import SamplingParams
 
 
 @dataclass(slots=True)

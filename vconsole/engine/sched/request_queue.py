@@ -22,11 +22,11 @@ Removal (abort, timeout) is lazy: ``_live`` maps request id -> its current heap 
 entry popped from a heap counts only if it is still that request's live entry. Heaps are rebuilt
 when stale entries outnumber live ones, so memory stays O(live).
 
-Telemetry reads the queue as rows (`vconsole.engine.sched.request_rows`) from `StayColumns`:
-each stay in the queue (an ``add``, until the request leaves) holds a slot in flat arrays with
-its sort key and what its row shows, written once at ``add``; `row_order` sorts the live slots
-with numpy and `rows` gathers columns, so reading 10,000 rows in queue order costs no Python
-per row.
+Nothing here is telemetry's: whoever wants to follow the queue (the publishing side keeps a
+numbered log of it, `vconsole.engine.publish.queue_log`) attaches one `QueueListener`
+(`listen`), told of every stay that begins (``added``), ends (``removed``: popped, removed or
+expired) and of every new order (``reordered``). With none attached a write costs one attribute
+test, no call; with one, one call per write.
 
 A second heap, keyed by enqueue time, finds requests waiting longer than ``max_holding_seconds``
 in O(expired * log n). Only requests that never ran time out; a preempted request is exempt (the
@@ -37,138 +37,41 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from typing import Any
-
-import numpy as np
+from typing import Protocol
 
 from vconsole.engine.request import Request, RequestStatus
 
-_Key = tuple[float, ...]
-MAX_REMOVED_LOG = 1 << 16
-_Entry = tuple[_Key, int, Request]  # (policy key, insertion counter, request)
+Key = tuple[float, ...]               # (class key, 0 if preempted else 1, seq_no)
+Entry = tuple[Key, int, Request]      # (policy key, insertion counter, request)
 
 
-STAY_DTYPE = np.dtype([("counter", np.int64), ("key", np.float64), ("seq", np.int64),
-                       ("arrival", np.float64), ("priority", np.int32),
-                       ("num_prompt_tokens", np.int32), ("num_output_tokens", np.int32),
-                       ("compile_ms", np.float32), ("started", np.uint8), ("state", np.uint8),
-                       ("constraint", np.uint8)])
-MAX_WRITE_LOG = 1 << 14   # writes logged: a reader further behind reads every slot
+class QueueListener(Protocol):
+    """What hears every change to a `WaitingQueue` (see the module docstring). Called on the
+    busy loop from inside the queue's own operations, after the change: each call must be
+    O(1) but ``reordered`` (O(waiting), once per policy change)."""
 
+    def added(self, entry: Entry) -> None:
+        """A stay began: ``(key, counter, request)`` is its heap entry (``counter`` unique per
+        stay: a request preempted back to the queue begins a new stay)."""
 
-class StayColumns:
-    """One slot per stay in the queue: a record of `STAY_DTYPE` and its id (grown by
-    doubling; freed slots reused). ``cols``: each field as an array (views of the records).
+    def removed(self, request_id: str) -> None:
+        """The request's stay ended: admitted (popped), removed or expired."""
 
-    Invariant: slot ``i`` is live iff ``counter[i] != 0``, and then it holds the stay whose
-    heap entry is ``(key, counter[i], req)`` with ``key == (key[i], started[i], seq[i])``; the
-    row columns are the request's at ``add`` (they do not change while it waits). Every write
-    (put, re-key, clear) is numbered: write ``log_base + k + 1`` wrote slot ``log[k]``, and
-    ``changes`` is the last number given (`WaitingQueue.changes_since`)."""
-
-    def __init__(self, capacity: int = 1024) -> None:
-        self.records = np.zeros(capacity, STAY_DTYPE)
-        self.ids = np.empty(capacity, object)
-        self.cols = self._views()
-        self.log: list[int] = []
-        self.log_base = 0
-        self.changes = 0
-        self.high = 0                 # slots ever used: live ones are below
-        self.free: list[int] = []
-
-    def _views(self) -> dict[str, np.ndarray]:
-        return {**{name: self.records[name] for name in STAY_DTYPE.names or ()},
-                "id": self.ids}
-
-    def grow(self, capacity: int) -> None:
-        """Room for ``capacity`` slots (by doubling)."""
-        size = len(self.records)
-        if capacity <= size:
-            return
-        while size < capacity:
-            size *= 2
-        extra = size - len(self.records)
-        self.records = np.concatenate((self.records, np.zeros(extra, STAY_DTYPE)))
-        self.ids = np.concatenate((self.ids, np.empty(extra, object)))
-        self.cols = self._views()
-
-    def _wrote(self, slot: int) -> None:
-        self.changes += 1
-        log = self.log
-        log.append(slot)
-        cap = max(MAX_WRITE_LOG, 2 * self.high)
-        if len(log) > cap:                    # keep the newer half: a reader near the end
-            drop = len(log) - cap // 2        # still reads only what it missed
-            del log[:drop]
-            self.log_base += drop
-
-    def put(self, entry: tuple[tuple[float, ...], int, Request]) -> int:
-        if self.free:
-            slot = self.free.pop()
-        else:
-            slot = self.high
-            self.grow(slot + 1)
-            self.high += 1
-        (key, started, seq), counter, req = entry
-        self.records[slot] = (counter, key, seq, req.arrival_time, req.priority,
-                              len(req.prompt_token_ids), len(req.output_token_ids),
-                              req.compile_ms, started, req.status, req.constraint)
-        self.ids[slot] = req.request_id
-        self._wrote(slot)
-        return slot
-
-    def rekey(self, slot: int, key: tuple[float, ...]) -> None:
-        self.cols["key"][slot], self.cols["started"][slot], self.cols["seq"][slot] = key
-        self._wrote(slot)
-
-    def clear(self, slot: int) -> None:
-        self.cols["counter"][slot] = 0
-        self.ids[slot] = None
-        self.free.append(slot)
-        self._wrote(slot)
-
-    def written_since(self, since: int) -> list[int]:
-        """The slots written after write number ``since`` (sorted, each once)."""
-        if since >= self.log_base:
-            return sorted(set(self.log[since - self.log_base:]))
-        return list(range(self.high))    # the log no longer reaches back: all
-
-    def row_order(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every live slot in scheduling order (heap key, then insertion), and its counter."""
-        cols = self.cols
-        counter = cols["counter"][:self.high]
-        live = np.flatnonzero(counter)
-        order = np.lexsort((counter[live], cols["seq"][live], cols["started"][live],
-                            cols["key"][live]))
-        slots = live[order]
-        return slots, counter[slots]
-
-    def rows(self, slots: np.ndarray, counters: np.ndarray) -> dict[str, Any]:
-        """The rows of those slots still holding the same stay, in the given order: ``id`` a
-        list, the other columns arrays (``arrival`` the arrival times)."""
-        cols = self.cols
-        slots = slots[cols["counter"][slots] == counters]
-        out = {c: cols[c][slots] for c in ("state", "priority", "num_prompt_tokens",
-                                           "num_output_tokens", "arrival", "constraint",
-                                           "compile_ms")}
-        out["id"] = cols["id"][slots].tolist()
-        return out
+    def reordered(self, changed: list[tuple[str, Key]]) -> None:
+        """The order changed (a new policy): the waiting requests whose key changed, and their
+        keys now."""
 
 
 class WaitingQueue:
     def __init__(self, policy: str = "fcfs", hybrid_aging_s: float = 5.0) -> None:
         self.policy = policy
         self.hybrid_aging_s = hybrid_aging_s
-        self._heap: list[_Entry] = []
-        self._live: dict[str, _Entry] = {}
+        self._heap: list[Entry] = []
+        self._live: dict[str, Entry] = {}
         self._timeouts: list[tuple[float, int, Request]] = []
         self._enqueued_at: dict[str, float] = {}
         self._counter = 0  # makes heap entries unique, so requests are never compared
-        self._removed: list[str] = []   # ids that left, in order (`removed_since`)
-        self._stays = StayColumns()
-        self._slot: dict[str, int] = {}  # id -> its slot in `_stays`
-        self._removed_base = 0          # how many were dropped from the front of that log
-        self.order_changes = 0          # policy changes (every stay re-keyed)
+        self.listener: QueueListener | None = None
 
     # --- keys ---------------------------------------------------------------------------------
     def class_key(self, req: Request) -> float:
@@ -184,7 +87,7 @@ class WaitingQueue:
         The scheduler's preemption victim is the running request with the largest rank."""
         return self.class_key(req), req.seq_no
 
-    def _key(self, req: Request) -> _Key:
+    def _key(self, req: Request) -> Key:
         started = 0 if req.status == RequestStatus.PREEMPTED else 1
         return self.class_key(req), started, req.seq_no
 
@@ -205,11 +108,13 @@ class WaitingQueue:
         self._counter += 1
         entry = (self._key(req), self._counter, req)
         self._live[req.request_id] = entry
-        self._slot[req.request_id] = self._stays.put(entry)
         heapq.heappush(self._heap, entry)
         if req.status == RequestStatus.WAITING:
             self._enqueued_at[req.request_id] = now
             heapq.heappush(self._timeouts, (now, self._counter, req))
+        listener = self.listener
+        if listener is not None:
+            listener.added(entry)
 
     def _prune(self) -> None:
         heap, live = self._heap, self._live
@@ -238,12 +143,10 @@ class WaitingQueue:
 
     def _forget(self, request_id: str) -> None:
         del self._live[request_id]
-        self._stays.clear(self._slot.pop(request_id))
-        self._removed.append(request_id)
-        if len(self._removed) > MAX_REMOVED_LOG:
-            self._removed_base += len(self._removed)
-            self._removed = []
         self._enqueued_at.pop(request_id, None)
+        listener = self.listener
+        if listener is not None:
+            listener.removed(request_id)
 
     def _maybe_compact(self) -> None:
         if (len(self._heap) > 2 * len(self._live) + 64
@@ -256,15 +159,17 @@ class WaitingQueue:
         if policy == self.policy and hybrid_aging_s == self.hybrid_aging_s:
             return
         self.policy, self.hybrid_aging_s = policy, hybrid_aging_s
-        self.order_changes += 1
-        self._rebuild()
+        self._rebuild(reorder=True)
 
-    def _rebuild(self) -> None:
-        live: dict[str, _Entry] = {}
+    def _rebuild(self, reorder: bool = False) -> None:
+        """Re-key every entry and drop the stale ones; the listener hears of a new order
+        (``reorder``: a new policy) or of keys that changed."""
+        live: dict[str, Entry] = {}
+        changed: list[tuple[str, Key]] = []
         for rid, (old, n, req) in self._live.items():
             key = self._key(req)
             if key != old:
-                self._stays.rekey(self._slot[rid], key)
+                changed.append((rid, key))
             live[rid] = (key, n, req)
         self._live = live
         self._heap = list(self._live.values())
@@ -272,6 +177,8 @@ class WaitingQueue:
         self._timeouts = [(self._enqueued_at[rid], n, req)
                           for rid, (_, n, req) in self._live.items() if rid in self._enqueued_at]
         heapq.heapify(self._timeouts)
+        if self.listener is not None and (reorder or changed):
+            self.listener.reordered(changed)
 
     def _is_live_timeout(self, t: float, req: Request) -> bool:
         entry = self._live.get(req.request_id)
@@ -301,7 +208,7 @@ class WaitingQueue:
     # --- views --------------------------------------------------------------------------------
     def ordered(self, limit: int | None = None) -> list[Request]:
         """Waiting requests in scheduling order, the first ``limit`` of them: for iteration,
-        tests and tools, not for the per-step path (telemetry reads `row_order` / `rows`).
+        tests and tools, not for the per-step path (telemetry keeps its own rows: `listen`).
 
         Sorts the heap list in place (a sorted list is a valid heap) and reads it front to
         back, skipping stale entries. Between two calls only a few entries moved, and Timsort
@@ -322,33 +229,13 @@ class WaitingQueue:
                     break
         return out
 
-    def row_order(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every stay now in the queue, in scheduling order, as (slots, counters): the order
-        `ordered` gives (heap key, then insertion), sorted by numpy over the slot arrays."""
-        return self._stays.row_order()
-
-    def rows(self, slots: np.ndarray, counters: np.ndarray) -> dict[str, Any]:
-        """The rows of those stays (from `row_order`) still in the queue, in the given order:
-        ``id`` a list, the other columns arrays (``arrival`` the arrival times)."""
-        return self._stays.rows(slots, counters)
-
-    def changes_since(self, since: int) -> tuple[list[int], np.ndarray, list[Any], int, int]:
-        """The slots written after write number ``since`` (added, re-keyed, removed: 0 for
-        all), their records and ids as they are now, the number to pass next time and the
-        slots in use. O(writes since) from the write log; O(slots) when it no longer reaches
-        back (`vconsole.engine.sched.queue_mirror`)."""
-        st = self._stays
-        slots = st.written_since(since)
-        ids = st.ids
-        return slots, st.records[slots], [ids[i] for i in slots], st.changes, st.high
-
-    def removed_since(self, mark: int) -> tuple[list[str] | None, int]:
-        """Ids that left the queue (admitted, aborted, expired) since ``mark``, and the mark to
-        pass next time (0 at first). None when the log no longer reaches back that far."""
-        end = self._removed_base + len(self._removed)
-        if mark < self._removed_base:
-            return None, end
-        return self._removed[mark - self._removed_base:], end
+    def listen(self, listener: QueueListener | None) -> None:
+        """Attach ``listener`` (None: detach): it replaces any other, and first hears an
+        ``added`` for every request waiting now, so it follows the queue from here on."""
+        self.listener = listener
+        if listener is not None:
+            for entry in self._live.values():
+                listener.added(entry)
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.ordered())

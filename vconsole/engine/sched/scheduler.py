@@ -43,17 +43,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
 from vconsole.engine.latency import LatencyBatch, LatencyLog
-from vconsole.engine.outputs import RequestOutput
 from vconsole.engine.request import FinishReason, Request, RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vconsole.engine.sched.request_queue import WaitingQueue
-from vconsole.engine.sched.request_rows import QueueRows, WaitingRows, head_rows
 from vconsole.engine.telemetry_guard import TelemetryGuard
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, RequestTable, SchedulerStats
+from vconsole.wire.outputs import RequestOutput
+
+
+class RowSource(Protocol):
+    """Where `Scheduler.stats` gets its request rows: the publishing side, which keeps the
+    table's caches and a log of the queue (`vconsole.engine.publish.request_rows.RequestRows`);
+    the scheduler keeps none."""
+
+    def table(self, head: list[Request], tables: dict[str, list[int]], queue: WaitingQueue,
+              max_waiting: int, now: float) -> RequestTable:
+        """``head`` (running, then compiling requests; ``tables`` their block tables) as rows,
+        then up to ``max_waiting`` rows of ``queue``'s waiting requests in its order."""
 
 
 class _Step:
@@ -99,7 +110,6 @@ class Scheduler:
         self._last_output: SchedulerOutput | None = None
         self._last_scheduled: list[tuple[Request, int, int]] = []
         self.latency = LatencyLog()
-        self._waiting_rows = WaitingRows()    # telemetry's request table (request_rows.py)
         # Every telemetry call on the busy loop goes through it (`vconsole.engine.telemetry_guard`)
         self.telemetry = TelemetryGuard(rebuild=self.rebuild_telemetry)
         self._finished_req_ids: set[str] = set()      # for the runner to forget, next step
@@ -250,8 +260,6 @@ class Scheduler:
 
     def _apply_config(self) -> None:
         cfg = self.config
-        if (cfg.policy, cfg.hybrid_aging_s) != (self.waiting.policy, self.waiting.hybrid_aging_s):
-            self._waiting_rows.invalidate()  # a new order
         self.waiting.set_policy(cfg.policy, cfg.hybrid_aging_s)
         self.kv.set_prefix_caching(cfg.enable_prefix_caching)
 
@@ -594,23 +602,22 @@ class Scheduler:
             req.num_preemptions, req.error, lps[sent:] if lps is not None else None)
 
     # --- telemetry ----------------------------------------------------------------------------
-    def stats(self, max_rows: int, mirrored: bool = False) -> SchedulerStats:
-        """Queue figures and up to ``max_rows`` request rows: running first, then waiting in
-        queue order; the waiting rows are cached and refreshed every second or so
-        (`vconsole.engine.sched.request_rows`): for telemetry, not per step. ``mirrored``: the
-        waiting rows are left to a publisher process's mirror of the queue (the table is a
-        `QueueRows`: `vconsole.engine.sched.queue_mirror`)."""
+    def stats(self, max_rows: int, rows: RowSource | None = None) -> SchedulerStats:
+        """Queue figures and up to ``max_rows`` request rows, made by ``rows`` (the publishing
+        side's `RowSource`; required when ``max_rows`` > 0): running first, then compiling,
+        then waiting in queue order. For telemetry, not per step."""
+        if max_rows > 0 and rows is None:
+            raise ValueError(f"{max_rows} request rows asked for and no RowSource to make them "
+                             "(vconsole.engine.publish.request_rows.RequestRows)")
         cfg, now = self.config, self.clock()
         total = len(self.running) + len(self.compiling) + len(self.waiting)
-        head = self.running[:max(0, max_rows)]
-        if self.compiling and len(head) < max_rows:
-            head = head + list(self.compiling.values())[:max_rows - len(head)]
-        rest = max(0, max_rows - len(head))
-        if mirrored:
-            rows = RequestTable(parts=QueueRows(head_rows(head, self.kv.tables), self.waiting,
-                                                rest, now))
-        else:
-            rows = self._waiting_rows.table(head, self.kv.tables, self.waiting, rest, now)
+        table: RequestTable | list = []
+        if rows is not None:
+            head = self.running[:max(0, max_rows)]
+            if self.compiling and len(head) < max_rows:
+                head = head + list(self.compiling.values())[:max_rows - len(head)]
+            rest = max(0, max_rows - len(head))
+            table = rows.table(head, self.kv.tables, self.waiting, rest, now)
         return SchedulerStats(
             num_waiting=len(self.waiting), num_running=len(self.running),
             num_preempted=self._num_preempted_waiting,
@@ -619,7 +626,7 @@ class Scheduler:
             policy=cfg.policy, num_finished_total=self.num_finished_total,
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
-            requests=rows, requests_truncated=total > min(max_rows, total),
+            requests=table, requests_truncated=total > min(max_rows, total),
             num_compiling=len(self.compiling))
 
     def kv_stats(self) -> KVStats:
@@ -627,11 +634,10 @@ class Scheduler:
 
     def rebuild_telemetry(self, part: str) -> None:
         """Drop the caches of ``part`` after it failed (`TelemetryGuard`): the next snapshot
-        builds them from the truth (the queue, the running list, the block pool). Latency
-        drops the observations not yet handed over (the publisher keeps the histograms)."""
-        if part == "sched":
-            self._waiting_rows = WaitingRows(self._waiting_rows.refresh_s)
-        elif part == "kv":
+        builds them from the truth (the block pool). Latency drops the observations not yet
+        handed over (the publisher keeps the histograms). The ``sched`` table's caches are its
+        `RowSource`'s (the telemetry feed resets them)."""
+        if part == "kv":
             self.kv.pool.recount()
         elif part == "latency":
             finished = dict(self.latency.finished)

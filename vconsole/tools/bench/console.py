@@ -65,12 +65,14 @@ class _Engine:
 
     def __init__(self, num_requests: int) -> None:
         from vconsole.engine.publish.publisher import TelemetryPublisher
+        from vconsole.engine.publish.request_rows import RequestRows
         from vconsole.tools.bench.scheduler import NUM_RUNNING, _Bench
 
         # 10% more requests than rows, so that the table stays full between the scheduler's
-        # rebuilds of its cached waiting rows (`vconsole.engine.sched.request_rows`).
+        # rebuilds of its cached waiting rows (`vconsole.engine.publish.request_rows`).
         self.bench = _Bench("priority", max(0, num_requests + num_requests // 10 - NUM_RUNNING))
         self.max_rows = num_requests
+        self.rows = RequestRows()          # the request table, made on this side
         self.config = EngineConfig(telemetry_hz=REFRESH_HZ, telemetry_max_requests=num_requests)
         ctx: zmq.Context = zmq.Context.instance()
         # As the engine process runs it: in a publisher process (`publisher_process`).
@@ -93,7 +95,7 @@ class _Engine:
                                        num_decode_tokens=256, num_reqs=256))
         if self.pub.snapshot_due():
             sched = self.bench.sched
-            stats = sched.stats(self.max_rows)
+            stats = sched.stats(self.max_rows, self.rows)
             self.sent_rows.append(len(stats.requests))
             self.pub.submit_snapshot(stats, sched.kv_stats(), "running", self.steps)
 

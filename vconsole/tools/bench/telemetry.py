@@ -62,9 +62,9 @@ import zmq
 from vconsole.engine.core import EngineCore
 from vconsole.engine.process.telemetry_feed import TelemetryFeed
 from vconsole.engine.publish.publisher import TelemetryPublisher
-from vconsole.engine.request import SamplingParams
 from vconsole.engine.worker.tiny_model import ensure_tiny_model
 from vconsole.shared.config import EngineConfig
+from vconsole.wire.sampling import SamplingParams
 
 GOAL_RATIO = 0.98              # median of the runs
 GOAL_WORST = 0.97              # worst run
@@ -141,7 +141,7 @@ class _Telemetry:
 
     def prime(self) -> None:
         """The first snapshot, before the first round: a new publisher process gets the whole
-        waiting queue once (`vconsole.engine.sched.queue_mirror`), a cost an engine pays once
+        waiting queue once (`vconsole.engine.publish.queue_mirror`), a cost an engine pays once
         in its life (and again only if its publisher process restarts)."""
         self.feed.submit_snapshot("running")
         self.feed.maybe_snapshot("running")

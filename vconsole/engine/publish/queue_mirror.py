@@ -1,22 +1,23 @@
 """The waiting queue's rows, kept in step in the publisher process.
 
 Why: the ``sched`` table lists up to 10,000 waiting requests ten times a second. Built in the
-engine process, even from cached rows (`vconsole.engine.sched.request_rows.WaitingRows`), it
+engine process, even from cached rows (`vconsole.engine.publish.request_rows.WaitingRows`), it
 cost the busy loop a refresh of the rows every second and a copy of them to the publisher
 process — about 1% of its time at 10,000 rows. Instead the publisher process keeps a copy of
 the queue's stay columns (`QueueMirror`) and runs the same `WaitingRows` over it, so the busy
 loop pays only for what changed in the queue since the last snapshot.
 
-How: the engine's `WaitingQueue` numbers every write to its stay columns (an ``add``, a re-key,
-a removal: `WaitingQueue.changes_since`). At each snapshot `SyncSender` packs a `QueueSync` —
+How: the queue's log (`vconsole.engine.publish.queue_log.QueueLog`, the engine's
+`WaitingQueue` tells it of every change) numbers every write to its stay columns (an ``add``, a
+re-key, a removal: `QueueLog.changes_since`). At each snapshot `SyncSender` packs a `QueueSync` —
 the slots written since the last sync the process got, with their columns as they are now; the
 ids that left the queue since (its removal log); the queue's length and policy count — and
 `MirroredTable.apply` writes it into the mirror. The sender advances only when told the send
 went (`sent`); a refused send leaves it where it was, so the next sync carries a superset, and
-a process that restarted gets everything (`reset`). A sync marked ``full`` (the first, after a
+a process that restarted, or a new log (`RequestRows.reset`), gets everything (`reset`). A sync marked ``full`` (the first, after a
 reset, or when the removal log no longer reaches back) makes the mirror and its cached rows
 start over. A policy change re-keys every stay (all slots go) and the cached rows re-read the
-order, as `Scheduler.set_policy` makes the engine's own. Each sync names the write number it
+order, as `RequestRows` makes the engine's own. Each sync names the write number it
 starts from (``base``) and the one it brings the mirror to: the mirror applies only the sync
 that starts where it stands; one that does not (lost on the way, a hand-off that failed half
 applied) is refused, and the publisher process asks the engine for the whole queue
@@ -34,13 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from vconsole.engine.sched.request_queue import (
-    MAX_REMOVED_LOG,
-    STAY_DTYPE,
-    StayColumns,
-    WaitingQueue,
-)
-from vconsole.engine.sched.request_rows import REFRESH_S, QueueRows, WaitingRows, head_columns
+from vconsole.engine.publish.queue_log import STAY_DTYPE, QueueLog, RemovalLog, StayColumns
+from vconsole.engine.publish.request_rows import REFRESH_S, QueueRows, WaitingRows, head_columns
 from vconsole.shared.stats import RequestTable
 
 __all__ = ["MirroredTable", "QueueMirror", "QueueRows", "QueueSync", "SyncSender", "pack_rows"]
@@ -67,31 +63,34 @@ class QueueSync:
 
 
 class SyncSender:
-    """The engine's side, one per publisher process: how far the process's mirror is."""
+    """The engine's side, one per publisher process: how far the process's mirror is, of
+    which log (a sync of another log than the last one sent is full)."""
 
     def __init__(self) -> None:
         self._since: int | None = None       # write number the mirror has (None: nothing)
         self._mark = 0                       # the removal log, read up to here
-        self._pending: tuple[int, int] | None = None
+        self._log: QueueLog | None = None    # the log those numbers are of
+        self._pending: tuple[int, int, QueueLog] | None = None
 
     def reset(self) -> None:
         """The process holds nothing (it restarted): the next sync is full."""
         self._since, self._pending = None, None
 
-    def sync(self, queue: WaitingQueue) -> QueueSync:
-        removed, mark = queue.removed_since(self._mark)
-        full = self._since is None or removed is None
+    def sync(self, log: QueueLog) -> QueueSync:
+        same = log is self._log and self._since is not None
+        removed, mark = log.removed_since(self._mark)
+        full = not same or removed is None
         base = None if full else self._since
-        slots, records, ids, changes, high = queue.changes_since(base or 0)
-        self._pending = (changes, mark)
+        slots, records, ids, changes, high = log.changes_since(base or 0)
+        self._pending = (changes, mark, log)
         return QueueSync(full, base, changes, slots, records, ids,
-                         [] if full else list(removed or ()), len(queue), queue.order_changes,
+                         [] if full else list(removed or ()), len(log), log.order_changes,
                          high)
 
     def sent(self, ok: bool) -> None:
         """The last sync's send went (the mirror has it) or was refused (it has not)."""
         if ok and self._pending is not None:
-            self._since, self._mark = self._pending
+            self._since, self._mark, self._log = self._pending
         self._pending = None
 
 
@@ -101,8 +100,7 @@ class QueueMirror:
 
     def __init__(self) -> None:
         self._stays = StayColumns()
-        self._removed: list[str] = []
-        self._removed_base = 0
+        self._removals = RemovalLog()
         self._len = 0
 
     def __len__(self) -> int:
@@ -117,10 +115,7 @@ class QueueMirror:
         stays.high = max(stays.high, sync.high)
         stays.records[sync.slots] = sync.records
         stays.ids[sync.slots] = sync.ids
-        self._removed.extend(sync.removed)
-        if len(self._removed) > MAX_REMOVED_LOG:     # as the queue's: readers rebuild
-            self._removed_base += len(self._removed)
-            self._removed = []
+        self._removals.extend(sync.removed)          # bounded as the log's: readers rebuild
         self._len = sync.num_live
 
     def row_order(self) -> tuple[np.ndarray, np.ndarray]:
@@ -130,10 +125,7 @@ class QueueMirror:
         return self._stays.rows(slots, counters)
 
     def removed_since(self, mark: int) -> tuple[list[str] | None, int]:
-        end = self._removed_base + len(self._removed)
-        if mark < self._removed_base:
-            return None, end
-        return self._removed[mark - self._removed_base:], end
+        return self._removals.since(mark)
 
 
 class MirroredTable:
@@ -188,7 +180,7 @@ class MirroredTable:
 def pack_rows(rows: QueueRows, sender: SyncSender) -> list[Any]:
     """A `QueueRows` table as plain values (msgpack: lists, numbers, bytes): its head rows, how
     many waiting rows and when, and the queue's changes since ``sender``'s last sync."""
-    sync = sender.sync(rows.queue)
+    sync = sender.sync(rows.log)
     return [rows.head[0], rows.head[1], rows.max_waiting, rows.now,
             [sync.full, sync.base, sync.changes, sync.slots, sync.records.tobytes(), sync.ids,
              sync.removed, sync.num_live, sync.order_changes, sync.high]]

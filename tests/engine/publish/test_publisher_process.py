@@ -1,7 +1,7 @@
 """The publisher in a child process (`vconsole.engine.publish.publisher_process`): what only a
 process has — its hand-off's wire form, its own /metrics, its death and restart, its exit with
 the engine — with real processes and sockets. (What a subscriber sees from it is
-tests/telemetry/test_publisher.py, run on both the thread and the process.)"""
+tests/engine/publish/test_publisher.py, run on both the thread and the process.)"""
 
 import os
 import signal
@@ -15,12 +15,8 @@ import numpy as np
 import pytest
 import zmq
 
-from support.scheduling import make_request
 from vconsole.engine.publish import handoff_wire as wire
 from vconsole.engine.publish.publisher import TelemetryPublisher
-from vconsole.engine.sched.queue_mirror import MirroredTable, SyncSender
-from vconsole.engine.sched.request_queue import WaitingQueue
-from vconsole.engine.sched.request_rows import QueueRows, WaitingRows, head_columns, head_rows
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.stats import KVStats, RequestTable, SchedulerStats, StepStats
 from vconsole.telemetry.schema import decode
@@ -85,86 +81,6 @@ def test_a_snapshot_crosses_the_handoff_field_for_field(ids):
     (first, end), (second, no_end) = (wire.step_stats(r) for r in got.steps.records)
     assert (first.total_ns, first.num_finished, end) == (8_500_001, 1, 5.008500001)
     assert (second.total_ns, no_end) == (8_500_002, None) and got.steps.lost == 3
-
-
-def queue_of(n):
-    q = WaitingQueue("fcfs")
-    for i in range(n):
-        q.add(make_request(f"req-{i}", 4 + i % 7, priority=i % 3, arrival=float(i)), 0.0)
-    return q
-
-
-def head():
-    r = make_request("run-0", 12, arrival=0.5)
-    r.output_token_ids = [5, 6]
-    return head_rows([r], {"run-0": [1, 2]})
-
-
-def cross(q, sender, mirror, now, ok=True):
-    """One snapshot whose waiting rows are left to the mirror: (the table the process joined,
-    the frames' bytes). ``ok``: whether the send went."""
-    sched, kv = snapshot()
-    sched.requests = RequestTable(parts=QueueRows(head(), q, 5000, now))
-    frames = wire.snapshot_frames(wire.Snapshot(sched, kv, "running", 1, 0.0, None,
-                                                wire.Steps([])), sender)
-    sender.sent(ok)
-    size = sum(len(f) for f in frames)
-    if not ok:
-        return None, size
-    kind, got = wire.decode(frames, mirror)
-    assert kind == wire.SNAPSHOT
-    return got.sched.requests, size
-
-
-def same_rows(a, b):
-    ca, cb = a.columns, b.columns
-    assert list(ca) == list(cb) and ca["id"] == cb["id"]
-    for c in ca:
-        if c != "id":
-            assert ca[c].dtype == cb[c].dtype, c
-            np.testing.assert_array_equal(ca[c], cb[c], err_msg=c)
-
-
-def test_the_waiting_rows_are_joined_from_a_mirror_of_the_queue():
-    """The process joins, from its mirror, the table the engine's own cached rows make (same
-    refresh points), while each snapshot carries only what changed in the queue: admissions,
-    removals from the middle, arrivals, a re-keying policy change, a refused send."""
-    q = queue_of(5000)
-    sender, mirror = SyncSender(), MirroredTable(refresh_s=3600)
-    engine_rows = WaitingRows(refresh_s=3600)       # what the engine process would send
-
-    def check(now, ok=True):
-        got, size = cross(q, sender, mirror, now, ok)
-        if got is not None:
-            same_rows(got, engine_rows.joined(head_columns(head(), now), q, 5000, now))
-        return got, size
-
-    got, first = check(10.0)
-    assert len(got) == 5001 and got.columns["id"][:2] == ["run-0", "req-0"]
-    assert got.columns["age_s"][1] == 10.0
-    q.pop()
-    q.pop()                                            # admitted
-    q.remove("req-100")
-    q.remove("req-4000")                               # aborted from the middle
-    got, size = check(11.5)
-    assert got.columns["id"][1] == "req-2" and "req-100" not in got.columns["id"]
-    assert size * 50 < first                           # what changed, not the rows
-    for i in range(5000, 5010):                        # arrivals (shown after a refresh)
-        q.add(make_request(f"req-{i}", 4, arrival=float(i)), 0.0)
-    q.pop()
-    check(12.0, ok=False)                              # refused: the next carries it too
-    q.pop()
-    got, size = check(12.5)
-    assert got.columns["id"][1] == "req-4" and size * 50 < first
-    q.set_policy("priority", 5.0)                      # every stay re-keyed
-    engine_rows.invalidate()                           # (as the scheduler does)
-    got, _ = check(13.0)
-    assert got.columns["priority"][1:200].tolist() == [0] * 199
-    sender.reset()                                     # a restarted process: all again
-    mirror = MirroredTable(refresh_s=3600)
-    engine_rows = WaitingRows(refresh_s=3600)
-    _, size = check(14.0)
-    assert size * 2 > first
 
 
 def test_the_publisher_process_imports_no_torch():
@@ -308,36 +224,3 @@ def _alive(pid):
             return f.read().split(") ")[1][0] != "Z"    # a zombie is dead, not reaped
     except FileNotFoundError:
         return False
-
-
-def test_a_mirror_applies_only_the_sync_that_starts_where_it_stands(monkeypatch):
-    """A sync lost on the way (or a fresh mirror) is refused — the process asks for the whole
-    queue — never applied on the wrong base; the write log keeps its newer half when it is
-    trimmed, so a reader near its end still gets only what it missed."""
-    from vconsole.engine.sched import request_queue
-
-    monkeypatch.setattr(request_queue, "MAX_WRITE_LOG", 16)
-    q = queue_of(8)
-    sender, mirror = SyncSender(), MirroredTable(refresh_s=3600)
-    assert mirror.wants_full
-    first = sender.sync(q)
-    assert first.full and mirror.apply(first) and not mirror.wants_full
-    sender.sent(True)
-    q.pop()
-    lost = sender.sync(q)
-    sender.sent(True)                     # the engine thinks it went; the process never got it
-    q.pop()
-    later = sender.sync(q)
-    assert not mirror.apply(later)        # it starts after the lost one: refused
-    assert mirror.apply(lost) and mirror.apply(later)   # in order, they apply
-    sender.sent(True)
-    for i in range(40):                   # slots freed and reused: the log is trimmed
-        q.add(make_request(f"new-{i}", 4, arrival=100.0 + i), 0.0)
-        q.pop()
-    st = q._stays
-    assert st.log_base > 0 and len(st.log) <= 2 * max(16, 2 * st.high)
-    tail = sender.sync(q)
-    assert tail.base is not None and len(tail.slots) <= st.high
-    assert mirror.apply(tail)
-    np.testing.assert_array_equal(mirror.mirror._stays.records[:st.high], st.records[:st.high])
-    assert mirror.mirror._stays.ids[:st.high].tolist() == st.ids[:st.high].tolist()

@@ -4,14 +4,14 @@ order, up to ``max_rows`` (10,000 and more), at the telemetry rate (10 Hz), chea
 Reading 10k waiting requests in queue order request by request cost the busy loop 10-45 ms of
 Python; at 10 Hz that alone would take a tenth of the engine's time (and a table built on the
 publisher's thread is no better: it holds the GIL the busy loop's torch calls need back). So
-the waiting queue keeps each waiting request's row in flat arrays, written once when it
-enters (`WaitingQueue.row_order` / `rows`: numpy sorts and gathers them), and the rows are
-cached as columns (`WaitingRows`), refreshed only every ``refresh_s`` (1 s, more when a
-refresh is slow: its cost stays under 1% of the time). A timed refresh is spread over several
+a log beside the waiting queue keeps each waiting request's row in flat arrays, written once
+when it enters (`vconsole.engine.publish.queue_log.QueueLog.row_order` / ``rows``: numpy sorts
+and gathers them), and the rows are cached as columns (`WaitingRows`), refreshed only every
+``refresh_s`` (1 s, more when a refresh is slow: its cost stays under 1% of the time). A timed refresh is spread over several
 snapshots: it takes the queue's order once and gathers `REFRESH_CHUNK` positions of it per
 snapshot, so no snapshot pays for a whole table; meanwhile the old rows keep serving. Between refreshes each snapshot reuses the rows:
-those of requests that left the queue since (admitted, aborted, expired: the queue's
-`removed_since` log) are dropped, and every ``age_s`` is recomputed from the arrival times.
+those of requests that left the queue since (admitted, aborted, expired: the log's
+``removed_since``) are dropped, and every ``age_s`` is recomputed from the arrival times.
 When the cached rows cannot serve (first snapshot, a new policy order, more rows wanted, fewer
 than half the wanted rows left, the removal log overflowed) the refresh is done at once.
 Running rows (a few hundred at most) are built fresh every time.
@@ -30,9 +30,13 @@ Columns are numpy arrays (state as a uint8 code, `vconsole.shared.stats.REQUEST_
 list of ids.
 
 With a publisher process, the busy loop does not even do this: its snapshot's table is a
-`QueueRows` (the running rows as read from the requests, `head_rows`, and the live queue), the
+`QueueRows` (the running rows as read from the requests, `head_rows`, and the queue's log), the
 hand-off sends what changed in the queue, and the publisher process runs these same
-`WaitingRows` over its mirror of it (`vconsole.engine.sched.queue_mirror`).
+`WaitingRows` over its mirror of it (`vconsole.engine.publish.queue_mirror`).
+
+The scheduler asks for the table through `RequestRows` (its ``rows`` argument,
+`vconsole.engine.sched.scheduler.RowSource`): it attaches the log to the queue at its first
+table and makes either kind.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from vconsole.engine.publish.queue_log import QueueLog
 from vconsole.engine.request import Request
-from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.shared.stats import RequestTable
 
 _NUMERIC = ("priority", "num_prompt_tokens", "num_output_tokens", "num_blocks", "constraint",
@@ -117,8 +121,8 @@ class JoinedRows:
 
 
 class QueueView(Protocol):
-    """What the cached rows read of a queue: the `WaitingQueue`, or its mirror in a publisher
-    process (`vconsole.engine.sched.queue_mirror.QueueMirror`)."""
+    """What the cached rows read of a queue: its log (`QueueLog`), or its mirror in a publisher
+    process (`vconsole.engine.publish.queue_mirror.QueueMirror`)."""
 
     def __len__(self) -> int: ...
     def row_order(self) -> tuple[np.ndarray, np.ndarray]: ...
@@ -127,7 +131,7 @@ class QueueView(Protocol):
 
 
 class _Refresh:
-    """A refresh under way: the queue's order at its start (`WaitingQueue.row_order`: slots
+    """A refresh under way: the queue's order at its start (`QueueLog.row_order`: slots
     sorted by numpy), whose rows are gathered a chunk of positions at a time; ``mark`` is the
     removal log's position at the start. No Python per row."""
 
@@ -243,7 +247,7 @@ class WaitingRows:
         assert len(self._ids) == n and set(ids) == self._ids, "cached waiting rows: ids twice"
 
     def table(self, running: list[Request], tables: dict[str, list[int]],
-              waiting: WaitingQueue, max_waiting: int, now: float) -> RequestTable:
+              waiting: QueueView, max_waiting: int, now: float) -> RequestTable:
         """Running rows (fresh) followed by up to ``max_waiting`` waiting rows. ``running``
         may end with requests that are neither (compiling: the scheduler's head rows, built
         fresh as the running ones are)."""
@@ -253,7 +257,7 @@ class WaitingRows:
     def joined(self, head: dict[str, Any], waiting: QueueView,
                max_waiting: int, now: float) -> RequestTable:
         """``head`` (`head_columns`) followed by up to ``max_waiting`` cached waiting rows of
-        ``waiting`` (the queue, or its mirror in a publisher process)."""
+        ``waiting`` (the queue's log, or its mirror in a publisher process)."""
         if max_waiting <= 0 or not waiting:
             return RequestTable(head)
         removed, _ = waiting.removed_since(self._mark)
@@ -312,30 +316,84 @@ def head_columns(head: HeadRows, now: float) -> dict[str, Any]:
 
 class QueueRows:
     """A ``sched`` table whose waiting rows a publisher process joins from its mirror of the
-    queue (`vconsole.engine.sched.queue_mirror`): ``head`` (`head_rows`), the live ``queue``,
+    queue (`vconsole.engine.publish.queue_mirror`): ``head`` (`head_rows`), the queue's ``log``,
     how many waiting rows, and when. The hand-off sends the head and what changed in the
     queue; joined here (`columns`: a test, a reader in this process), the waiting rows are read
-    from the queue at once, in its order."""
+    from the log at once, in queue order."""
 
-    __slots__ = ("head", "queue", "max_waiting", "now")
+    __slots__ = ("head", "log", "max_waiting", "now")
 
-    def __init__(self, head: HeadRows, queue: WaitingQueue, max_waiting: int,
-                 now: float) -> None:
-        self.head, self.queue, self.max_waiting, self.now = head, queue, max_waiting, now
+    def __init__(self, head: HeadRows, log: QueueLog, max_waiting: int, now: float) -> None:
+        self.head, self.log, self.max_waiting, self.now = head, log, max_waiting, now
 
     def __len__(self) -> int:
-        return len(self.head[0]) + max(0, min(self.max_waiting, len(self.queue)))
+        return len(self.head[0]) + max(0, min(self.max_waiting, len(self.log)))
 
     def first_ids(self, n: int) -> list[str]:
         """The first ``n`` ids: the head's, then the queue's front in its order."""
         ids = self.head[0][:n]
-        rest = min(n - len(ids), self.max_waiting, len(self.queue))
+        rest = min(n - len(ids), self.max_waiting, len(self.log))
         if rest > 0:
-            slots, counters = self.queue.row_order()
-            ids = ids + self.queue.rows(slots[:rest], counters[:rest])["id"]
+            slots, counters = self.log.row_order()
+            ids = ids + self.log.rows(slots[:rest], counters[:rest])["id"]
         return ids
 
     def columns(self) -> dict[str, Any]:
         rows = WaitingRows(refresh_s=0.0)
-        return rows.joined(head_columns(self.head, self.now), self.queue, self.max_waiting,
+        return rows.joined(head_columns(self.head, self.now), self.log, self.max_waiting,
                            self.now).columns
+
+
+class ListenedQueue(Protocol):
+    """What `RequestRows` needs of a queue: to attach its log
+    (`vconsole.engine.sched.request_queue.WaitingQueue`)."""
+
+    @property
+    def listener(self) -> object: ...
+    def listen(self, listener: QueueLog) -> None: ...
+
+
+class RequestRows:
+    """The ``sched`` table of one scheduler, as the publishing side makes it: what the
+    scheduler's ``stats(max_rows, rows)`` asks (`vconsole.engine.sched.scheduler.RowSource`).
+
+    At its first table it attaches a `QueueLog` to the queue (the log then follows every write;
+    before, the queue paid nothing). ``mirrored``: the table is a `QueueRows` whose waiting rows
+    a publisher process joins from its mirror (the busy loop pays for the running rows only);
+    otherwise the cached `WaitingRows` over the log, joined here. `reset` (after the ``sched``
+    part failed: `vconsole.engine.telemetry_guard`) drops the log and the cached rows: the next
+    table reads the queue afresh (and a mirror gets it whole)."""
+
+    def __init__(self, mirrored: bool = False, refresh_s: float = REFRESH_S) -> None:
+        self.mirrored = mirrored
+        self.refresh_s = refresh_s
+        self.log: QueueLog | None = None
+        self.cached = WaitingRows(refresh_s)
+        self._order_changes = 0          # the log's, as the cached rows last saw it
+
+    def reset(self) -> None:
+        self.log = None
+        self.cached = WaitingRows(self.refresh_s)
+
+    def log_of(self, queue: ListenedQueue) -> QueueLog:
+        """The queue's log: attached now unless it already listens (a new one starts the
+        cached rows over)."""
+        log = self.log
+        if log is None or queue.listener is not log:
+            log = self.log = QueueLog()
+            queue.listen(log)
+            self.cached = WaitingRows(self.refresh_s)
+            self._order_changes = 0
+        return log
+
+    def table(self, head: list[Request], tables: dict[str, list[int]], queue: ListenedQueue,
+              max_waiting: int, now: float) -> RequestTable:
+        """``head`` (running, then compiling requests; ``tables`` their block tables) as fresh
+        rows, then up to ``max_waiting`` rows of ``queue``'s waiting requests in its order."""
+        log = self.log_of(queue)
+        if self.mirrored:
+            return RequestTable(parts=QueueRows(head_rows(head, tables), log, max_waiting, now))
+        if log.order_changes != self._order_changes:    # a new order: read it afresh
+            self._order_changes = log.order_changes
+            self.cached.invalidate()
+        return self.cached.table(head, tables, log, max_waiting, now)

@@ -1,10 +1,16 @@
-"""The ``sched`` request table between two rebuilds of its cached waiting rows: running rows are
-exact, no request is listed twice, ages follow the clock, and a policy change re-orders."""
+"""The ``sched`` request table as the publishing side makes it (`RequestRows`), between two
+rebuilds of its cached waiting rows: running rows are exact, no request is listed twice, ages
+follow the clock, and a policy change re-orders."""
 
 from __future__ import annotations
 
 from support.scheduling import make_request, make_scheduler
+from vconsole.engine.publish import request_rows
+from vconsole.engine.publish.queue_log import QueueLog
+from vconsole.engine.publish.request_rows import RequestRows, WaitingRows
+from vconsole.engine.request import RequestStatus
 from vconsole.engine.sched.output import ModelRunnerOutput
+from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.shared.stats import RequestRow, RequestTable
 
 
@@ -33,7 +39,7 @@ def test_rows_are_running_then_waiting_in_queue_order():
     clock = Clock()
     s = scheduler(clock)
     step(s)
-    st = s.stats(100)
+    st = s.stats(100, RequestRows())
     assert isinstance(st.requests, RequestTable) and len(st.requests) == 40
     ids = [r.id for r in st.requests]
     assert ids[:4] == [r.request_id for r in s.running]
@@ -45,15 +51,15 @@ def test_rows_are_running_then_waiting_in_queue_order():
 
 def test_between_rebuilds_admitted_requests_are_not_listed_twice_and_ages_move():
     clock = Clock()
-    s = scheduler(clock)
+    s, rows = scheduler(clock), RequestRows()
     step(s)
-    first = s.stats(100)
-    rebuilds = s._waiting_rows.rebuilds
+    first = s.stats(100, rows)
+    rebuilds = rows.cached.rebuilds
     for _ in range(4):            # requests finish, others are admitted from the queue
         step(s)
     clock.t += 0.5
-    st = s.stats(100)
-    assert s._waiting_rows.rebuilds == rebuilds        # the cached waiting rows were reused
+    st = s.stats(100, rows)
+    assert rows.cached.rebuilds == rebuilds            # the cached waiting rows were reused
     ids = [r.id for r in st.requests]
     assert len(ids) == len(set(ids))                   # admitted ones left the waiting rows
     assert ids[:len(s.running)] == [r.request_id for r in s.running]
@@ -67,97 +73,50 @@ def test_between_rebuilds_admitted_requests_are_not_listed_twice_and_ages_move()
 
 def test_a_policy_change_or_a_shrunken_queue_rebuilds_the_rows():
     clock = Clock()
-    s = scheduler(clock, policy="fcfs")
+    s, rows = scheduler(clock, policy="fcfs"), RequestRows(refresh_s=3600)
     step(s)
-    s.stats(100)
+    s.stats(100, rows)
     s.update_config(s.config.__class__(**{**s.config.to_dict(), "policy": "priority"}))
     step(s)
-    st = s.stats(100)
+    st = s.stats(100, rows)
     waiting = [r for r in st.requests if r.state != "running"]
     assert [r.priority for r in waiting] == sorted(r.priority for r in waiting)
     s.abort_requests([r.id for r in waiting[:30]])
     step(s)
-    ids = [r.id for r in s.stats(100).requests]
+    ids = [r.id for r in s.stats(100, rows).requests]
     assert not set(ids) & {r.id for r in waiting[:30]}
 
 
 def test_a_request_leaving_the_queue_twice_between_rebuilds_keeps_ids_and_columns_in_step():
     """The demo's crash: admitted, preempted back, admitted again between two rebuilds put the
     same id twice in the queue's removal log; ids and columns fell out of step."""
-    from vconsole.engine.request import RequestStatus
-    from vconsole.engine.sched.request_queue import WaitingQueue
-    from vconsole.engine.sched.request_rows import WaitingRows
-
-    q, rows = WaitingQueue("fcfs"), WaitingRows(refresh_s=3600)
+    q, log, rows = WaitingQueue("fcfs"), QueueLog(), WaitingRows(refresh_s=3600)
+    q.listen(log)
     reqs = [make_request(f"r{i}", 4, arrival=float(i)) for i in range(4)]
     for r in reqs:
         q.add(r, 0.0)
-    rows.table([], {}, q, 10, 1.0)                     # the cached rows: r0..r3
+    rows.table([], {}, log, 10, 1.0)                   # the cached rows: r0..r3
     a = q.pop()                                        # r0 admitted
     a.status = RequestStatus.PREEMPTED
     q.add(a, 1.0)                                      # preempted back
     assert q.pop() is a                                # admitted again
-    t = rows.table([], {}, q, 10, 2.0)
+    t = rows.table([], {}, log, 10, 2.0)
     assert t.columns["id"] == ["r1", "r2", "r3"]
     assert all(len(v) == 3 for v in t.columns.values())
     q.remove("r2")
-    assert rows.table([], {}, q, 10, 3.0).columns["id"] == ["r1", "r3"]
-
-
-def test_the_queue_rows_read_from_its_arrays_equal_reading_each_request_in_order():
-    """`WaitingQueue.row_order` + `rows` (numpy over the per-stay arrays) list the requests
-    `ordered` lists, with their rows, through adds, pops, removals, preemptions and policy
-    changes (which re-key every stay)."""
-    import random
-
-    from vconsole.engine.request import RequestStatus
-    from vconsole.engine.sched.request_queue import WaitingQueue
-
-    rng = random.Random(1)
-    for policy in ("fcfs", "priority", "hybrid"):
-        q, n = WaitingQueue(policy, 0.7), 0
-        for step in range(1500):
-            x = rng.random()
-            if x < 0.5:
-                n += 1
-                r = make_request(f"r{n}", rng.randint(1, 9), priority=rng.randint(0, 3),
-                                 arrival=rng.random() * 10)
-                r.seq_no = n
-                if rng.random() < 0.2:
-                    r.status = RequestStatus.PREEMPTED
-                    r.output_token_ids = [5] * rng.randint(0, 4)
-                q.add(r, 0.0)
-            elif x < 0.7 and q:
-                q.pop()
-            elif x < 0.9 and q:
-                q.remove(rng.choice(sorted(q._live)))
-            elif x < 0.91:
-                q.set_policy(rng.choice(("fcfs", "priority", "hybrid")), rng.choice((0.7, 2.0)))
-            if step % 50 == 0:
-                rows = q.rows(*q.row_order())
-                want = q.ordered()
-                assert rows["id"] == [r.request_id for r in want]
-                assert rows["state"].tolist() == [int(r.status) for r in want]
-                assert rows["priority"].tolist() == [r.priority for r in want]
-                assert rows["num_prompt_tokens"].tolist() == [r.num_prompt_tokens for r in want]
-                assert rows["num_output_tokens"].tolist() == [len(r.output_token_ids)
-                                                              for r in want]
-                assert rows["arrival"].tolist() == [r.arrival_time for r in want]
+    assert rows.table([], {}, log, 10, 3.0).columns["id"] == ["r1", "r3"]
 
 
 def test_a_timed_refresh_is_spread_over_snapshots_and_the_old_rows_serve_meanwhile(monkeypatch):
     """A refresh that is due reads `REFRESH_CHUNK` positions of the queue order per snapshot;
     until it completes, snapshots show the previous rows (minus those that left). Complete, the
     rows are the queue's order at its start minus every request that left since."""
-    from vconsole.engine.sched import request_rows
-    from vconsole.engine.sched.request_queue import WaitingQueue
-    from vconsole.engine.sched.request_rows import WaitingRows
-
     monkeypatch.setattr(request_rows, "REFRESH_CHUNK", 4)
-    q, rows = WaitingQueue("fcfs"), WaitingRows(refresh_s=3600)
+    q, log, rows = WaitingQueue("fcfs"), QueueLog(), WaitingRows(refresh_s=3600)
+    q.listen(log)
     for i in range(10):
         q.add(make_request(f"a{i}", 4, arrival=float(i)), 0.0)
-    first = rows.table([], {}, q, 10, 1.0).columns["id"]      # at once: nothing cached yet
+    first = rows.table([], {}, log, 10, 1.0).columns["id"]    # at once: nothing cached yet
     assert first == [f"a{i}" for i in range(10)] and rows.rebuilds == 1
     for i in range(4):
         q.add(make_request(f"b{i}", 4, arrival=10.0 + i), 0.0)
@@ -166,7 +125,7 @@ def test_a_timed_refresh_is_spread_over_snapshots_and_the_old_rows_serve_meanwhi
     tables, waiting = [], []
     while rows.rebuilds == 1:
         q.pop()                                                # one admitted per step
-        tables.append(rows.table([], {}, q, 10, 2.0).columns["id"])
+        tables.append(rows.table([], {}, log, 10, 2.0).columns["id"])
         waiting.append([r.request_id for r in q.ordered()])
         assert len(tables) < 10, "the refresh never completed"
     assert len(tables) > 1, "the refresh took several snapshots"
@@ -174,3 +133,38 @@ def test_a_timed_refresh_is_spread_over_snapshots_and_the_old_rows_serve_meanwhi
         assert ids == [rid for rid in first if rid in now_waiting]
     assert tables[-1] == [rid for rid in at_start if rid in waiting[-1]][:10]
     assert "b0" in tables[-1], "requests queued before the refresh now show"
+
+
+def test_the_log_is_attached_at_the_first_table_and_starts_over_after_a_reset():
+    """Requests queued before the first table are in it (attaching replays the queue); after
+    `reset` (the ``sched`` part failed) a new log and new cached rows read the queue afresh;
+    another listener put in its place is noticed."""
+    clock = Clock()
+    s, rows = scheduler(clock, n=12), RequestRows(refresh_s=3600)
+    assert s.waiting.listener is None
+    step(s)
+    want = [r.request_id for r in s.running] + [r.request_id for r in s.waiting.ordered()]
+    assert [r.id for r in s.stats(100, rows).requests] == want
+    log = rows.log
+    assert log is not None and s.waiting.listener is log and len(log) == len(s.waiting)
+    rows.reset()
+    assert [r.id for r in s.stats(100, rows).requests] == want
+    assert rows.log is not log and s.waiting.listener is rows.log
+    s.waiting.listen(None)
+    step(s)
+    want = [r.request_id for r in s.running] + [r.request_id for r in s.waiting.ordered()]
+    assert [r.id for r in s.stats(100, rows).requests] == want
+
+
+def test_a_mirrored_table_leaves_the_waiting_rows_to_the_log_and_joins_as_the_cached_one():
+    """``mirrored``: the busy loop's table is its running rows and the queue's log (a
+    `QueueRows`, which a publisher process joins from its mirror); joined here it is the table
+    the cached rows make at a refresh."""
+    clock = Clock()
+    s = scheduler(clock)
+    step(s)
+    mirrored = s.stats(100, RequestRows(mirrored=True)).requests
+    assert isinstance(mirrored, RequestTable)
+    assert isinstance(mirrored.parts, request_rows.QueueRows)
+    assert mirrored.parts.first_ids(6) == [r.id for r in s.stats(6, RequestRows()).requests]
+    assert list(mirrored) == list(s.stats(100, RequestRows()).requests)
