@@ -182,8 +182,26 @@ class ChangePlan:
         via.send_change(self.key, self.old, self.value)
 
 
+class _AlwaysConfirmed:
+    """What a plan that changes several keys and always asks first says of itself: the new
+    values it proposes (for the what-if), and its one confirmation whatever the model says."""
+
+    changes: dict[str, tuple[Any, Any]]
+
+    @property
+    def confirmation(self) -> Confirmation:
+        raise NotImplementedError
+
+    @property
+    def proposed(self) -> dict[str, Any] | None:
+        return {k: new for k, (_, new) in self.changes.items()}
+
+    def confirmation_for(self, modelled: bool) -> Confirmation | None:
+        return self.confirmation
+
+
 @dataclass
-class AdvicePlan:
+class AdvicePlan(_AlwaysConfirmed):
     """An advisor's hot suggestion (`vconsole.console.advisor.Advice`): ``refused``, or
     ``changes`` (key → (old, new); empty: already in force) with the ``risks`` the
     confirmation names. Always confirmed: the box names each change and what it does to the
@@ -210,19 +228,12 @@ class AdvicePlan:
     def declined(self) -> Notice | None:
         return Notice("Advice", f"advice not applied: {self.advice.change_text()}")
 
-    @property
-    def proposed(self) -> dict[str, Any] | None:
-        return {k: new for k, (_, new) in self.changes.items()}
-
-    def confirmation_for(self, modelled: bool) -> Confirmation | None:
-        return self.confirmation
-
     def send(self, via: Sender) -> None:
         via.send_advice(self.advice, self.changes)
 
 
 @dataclass
-class EditsPlan:
+class EditsPlan(_AlwaysConfirmed):
     """Several hot keys at once (the What-if screen's edits): ``refused``, or ``changes``
     (key → (old, new); empty: already in force) in one all-or-nothing ``set_config``. Always
     confirmed, with the ``risks`` of each change."""
@@ -247,13 +258,6 @@ class EditsPlan:
     @property
     def declined(self) -> Notice | None:
         return Notice("What-if", f"not applied: {self.change_text()}")
-
-    @property
-    def proposed(self) -> dict[str, Any] | None:
-        return {k: new for k, (_, new) in self.changes.items()}
-
-    def confirmation_for(self, modelled: bool) -> Confirmation | None:
-        return self.confirmation
 
     def send(self, via: Sender) -> None:
         via.send_edits(self.changes)
