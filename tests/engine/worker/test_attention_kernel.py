@@ -43,7 +43,7 @@ def _reference(q, k_pool, v_pool, tables, lens, scale, window):
 @pytest.mark.parametrize("kvh,g,d", [(2, 1, 64), (2, 2, 64), (3, 3, 64), (1, 2, 128),
                                      (1, 4, 32), (4, 2, 16)])
 @pytest.mark.parametrize("window", [0, 5, 1000])
-def test_equals_gather_and_sdpa(kernel, kvh, g, d, window):
+def test_equals_gather_and_sdpa(each_kernel, kvh, g, d, window):
     gen = torch.Generator().manual_seed(kvh * 100 + g * 10 + d + window)
     num_blocks, bs = 97, 8
     k_pool = torch.randn(num_blocks, bs, kvh, d, generator=gen)
@@ -55,7 +55,7 @@ def test_equals_gather_and_sdpa(kernel, kvh, g, d, window):
         tables[r, (n + bs - 1) // bs:] = num_blocks + 10_000
     q = torch.randn(len(lens), kvh, g, d, generator=gen)
     out = torch.empty_like(q)
-    kernel.paged_decode_attention(q, k_pool, v_pool, tables, lens, d ** -0.5, window, out)
+    each_kernel.paged_decode_attention(q, k_pool, v_pool, tables, lens, d ** -0.5, window, out)
     want = _reference(q, k_pool, v_pool, tables, lens, d ** -0.5, window)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 

@@ -1,12 +1,14 @@
 """The CPU attention kernel is compiled once per source into vconsole's own cache and loaded from
-there whichever ``ninja`` is on PATH (the venv's and the system's write different command
+there whichever ``ninja`` is on PATH (the venv's and the system's wrote different command
 hashes: torch's JIT loader rebuilt at every switch, 30-40 s of a silent engine start); two
-builders at once leave one complete entry; a build under way is visible to whoever waits."""
+builders at once leave one complete entry; a build under way is visible to whoever waits, and
+says from its start how long it should take and every few seconds how far it is."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,34 +25,41 @@ needs_compiler = pytest.mark.skipif(not HAVE_CXX,
                                     reason="no C++ compiler: the engine runs the torch path")
 
 
-# A stand-in for the kernel's source: a bare extension module (Python.h only, named by the
-# TORCH_EXTENSION_NAME torch defines), so a build takes a couple of seconds instead of the
-# 20-40 s of compiling torch's headers. The cache's rules do not depend on what is compiled.
-STAND_IN = """
-#include <Python.h>
-#define VC_CAT(a, b) a##b
-#define VC_XCAT(a, b) VC_CAT(a, b)
-#define VC_STR(x) #x
-#define VC_XSTR(x) VC_STR(x)
-static struct PyModuleDef vc_def = {PyModuleDef_HEAD_INIT, VC_XSTR(TORCH_EXTENSION_NAME),
-                                    NULL, -1, NULL};
-PyMODINIT_FUNC VC_XCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&vc_def); }
-"""
-RUN_WITH_SOURCE = ("import sys; from pathlib import Path; "
-                   "import vconsole.engine.worker.attention_kernel as k; "
-                   "k.SOURCE = Path(sys.argv[1]); raise SystemExit(k.main())")
+# A stand-in for the kernel's sources: the same operators, declared without code, and a second
+# translation unit, so that a build takes seconds of CPU (torch's operator headers) instead of the
+# kernels' own compile. The cache's rules do not depend on what is compiled.
+STAND_IN = {
+    "ops.cpp": """
+#include <torch/library.h>
+#define VC_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+VC_LIBRARY(VC_OPS, m) {
+  m.def("paged_decode_attention() -> ()");
+  m.def("paged_decode_attention_quant() -> ()");
+  m.def("paged_decode_attention_kivi() -> ()");
+  m.def("quantize_store() -> ()");
+}
+""",
+    "attend_stand_in.cpp": "int vc_stand_in() { return 0; }\n",
+}
+RUN_WITH_SOURCES = ("import sys; from pathlib import Path; "
+                    "import vconsole.engine.worker.attention_kernel as k; "
+                    "k.CSRC = Path(sys.argv[1]); k.HEARTBEAT_S = float(sys.argv[2]); "
+                    "raise SystemExit(k.main())")
 
 
-def _kernel_cmd(cache: Path, path_prefix: Path | None = None) -> tuple[list[str], dict[str, str]]:
+def _kernel_cmd(cache: Path, path_prefix: Path | None = None, heartbeat_s: float = 10.0
+                ) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "VCONSOLE_CACHE": str(cache)}
     env.pop(attention_kernel.KERNEL_ENV, None)
     env.pop(KERNEL_CACHE_ENV, None)            # this test's own kernel cache, not the suite's
     if path_prefix is not None:
         env["PATH"] = f"{path_prefix}{os.pathsep}{env.get('PATH', '')}"
-    source = cache.parent / "stand_in.cpp"
-    if not source.exists():
-        source.write_text(STAND_IN)
-    return [sys.executable, "-c", RUN_WITH_SOURCE, str(source)], env
+    csrc = cache.parent / "stand_in"
+    if not csrc.exists():
+        csrc.mkdir()
+        for name, text in STAND_IN.items():
+            (csrc / name).write_text(text)
+    return [sys.executable, "-c", RUN_WITH_SOURCES, str(csrc), str(heartbeat_s)], env
 
 
 def _fake_ninja(folder: Path) -> Path:
@@ -101,6 +110,49 @@ def test_two_builders_leave_one_build_which_loads_with_another_ninja_first_on_pa
     assert attention_kernel.COMPILING not in again.stderr
 
 
+@needs_compiler
+@pytest.mark.slow
+def test_a_build_says_how_long_it_should_take_and_how_far_it_is(tmp_path):
+    """The first build quotes the figure measured on a 2-core machine; a later one (another
+    source) what the last build here cost; while the files compile, a line per heartbeat."""
+    cache = tmp_path / "cache"
+    cmd, env = _kernel_cmd(cache, heartbeat_s=0.2)
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    jobs = min(2, len(os.sched_getaffinity(0)))
+    assert (f"{attention_kernel.COMPILING}: 2 files, {jobs} at a time, "
+            f"{attention_kernel.EXPECTED_BUILD}: into ") in first.stderr
+    assert re.search(r"compiling the attention kernel: [01] of 2 files done, \d+ s so far",
+                     first.stderr), first.stderr
+    manifest = json.loads(next((cache / "kernels").glob("*/manifest.json")).read_text())
+    assert manifest["jobs"] == jobs and manifest["cpu_seconds"] > 0
+    assert re.search(rf"compiled in [\d.]+ s \([\d.]+ s of CPU, {jobs} at a time\)",
+                     first.stderr)
+
+    (tmp_path / "stand_in" / "attend_stand_in.cpp").write_text("int vc_other() { return 1; }\n")
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout.splitlines()[-1])["reason"] == "built"
+    expected = max(1, round(manifest["cpu_seconds"] / jobs))
+    assert (f"about {expected} s (the last build here: {manifest['cpu_seconds']:.0f} s of CPU)"
+            in second.stderr), second.stderr
+
+
+@needs_compiler
+def test_a_source_that_does_not_compile_is_named_and_the_engine_keeps_the_torch_path(tmp_path):
+    cache = tmp_path / "cache"
+    cmd, env = _kernel_cmd(cache)
+    (tmp_path / "stand_in" / "attend_stand_in.cpp").write_text("int vc_stand_in() { return; }\n")
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr            # an install goes on without the kernel
+    record = json.loads(run.stdout.splitlines()[-1])
+    assert record["attention_kernel"] == "unavailable"
+    assert record["reason"].startswith("RuntimeError: compiling attend_stand_in.cpp failed: ")
+    assert "error" in record["reason"] and "return" in run.stderr   # the compiler's own words
+    assert not (Path(record["dir"]) / attention_kernel.MANIFEST).exists()
+    assert attention_kernel.build_in_progress(cache / "kernels") is None
+
+
 def test_a_marker_left_by_a_dead_builder_is_not_a_build_in_progress(tmp_path):
     entry = tmp_path / f"{attention_kernel.ENTRY_PREFIX}0123"
     entry.mkdir()
@@ -120,7 +172,8 @@ def test_an_entry_is_complete_only_once_its_manifest_names_a_library_that_is_the
     entry = attention_kernel.build_dir()
     assert entry.parent == tmp_path / "kernels" and not attention_kernel.is_built()
     entry.mkdir(parents=True)
-    (entry / attention_kernel.MANIFEST).write_text(json.dumps({"module": "m", "library": "m.so"}))
+    (entry / attention_kernel.MANIFEST).write_text(json.dumps({"namespace": "m",
+                                                                "library": "m.so"}))
     assert not attention_kernel.is_built()      # a manifest without its library: not built
     (entry / "m.so").write_bytes(b"")
     assert attention_kernel.is_built()
@@ -132,3 +185,4 @@ def test_the_tag_changes_with_what_decides_the_code_and_not_with_ninja(monkeypat
     assert attention_kernel.build_tag() == tag
     monkeypatch.setattr(attention_kernel, "CFLAGS", [*attention_kernel.CFLAGS, "-DX"])
     assert attention_kernel.build_tag() != tag
+    assert attention_kernel.build_tag(["-mno-avx512f"]) != attention_kernel.build_tag()
