@@ -122,6 +122,7 @@ lint: install-test
 
 screenshots: install-test
 	$(PY) scripts/screenshots.py
+	VCONSOLE_SCREENSHOTS=1 $(PY) -m pytest -q tests/console/test_attach_web.py -k switches_screens
 
 bench: install
 	$(VENV)/bin/vconsole bench throughput --json
