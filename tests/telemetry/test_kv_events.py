@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import zmq
 
+from support.zmq_wait import connect_joined
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager
 from vconsole.engine.publish.kv_events import END_SEQ, KVEventPublisher
 from vconsole.engine.request import Request
@@ -293,8 +294,7 @@ def test_a_live_engine_publishes_events_a_vllm_subscriber_decodes_and_replays(tm
     sub.subscribe(b"")
     try:
         eps = eng.ready["kv_events"]
-        sub.connect(eps["endpoint"])
-        time.sleep(0.5)                            # the subscription reaches the PUB
+        connect_joined(sub, eps["endpoint"])      # the subscription reaches the PUB
         prefix = list(range(100, 124))             # three full blocks shared by all
         with EngineClient(eng.endpoints["input"], eng.endpoints["output"]) as client:
             ids = [client.submit(prompt_token_ids=[*prefix, 7 + i, 8 + i], max_tokens=12,

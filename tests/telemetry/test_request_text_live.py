@@ -116,7 +116,8 @@ def test_a_subscriber_sees_each_requests_prompt_head_and_growing_output_tail(eng
     with client(engine) as c:
         done = c.generate(PROMPT, max_tokens=120, ignore_eos=True, timeout_s=60)
     assert done.finish_reason == "length", done.error
-    time.sleep(0.3)                                 # the last snapshots before it finished
+    # A snapshot taken after it finished: every one before it has arrived too.
+    telemetry.wait_for("sched", lambda b: True, since=time.monotonic())
     texts = texts_of(telemetry, f":{done.request_id}", since)
     assert texts, "no sched message carried the request's text"
     assert {t.prompt_head for t in texts} == {PROMPT[:PROMPT_HEAD_CHARS]}
@@ -163,7 +164,7 @@ def test_set_off_stops_the_text_at_once(engine, telemetry):
             # without text on, none has it (the request still runs, so one would).
             off = telemetry.wait_for("sched", lambda b: request_text.FIELD not in b,
                                      since=before)
-            time.sleep(0.5)
+            telemetry.wait_for("sched", lambda b: bool(b["requests"]), since=time.monotonic())
             sched = telemetry.topic("sched", before)
             later = sched[next(i for i, b in enumerate(sched) if b is off) + 1:]
             assert later and any(b["requests"] for b in later)
@@ -209,8 +210,9 @@ def test_text_is_refused_beyond_loopback_without_curve(refusing_engine, capsys):
         with client(proc) as c:
             rid = c.submit(PROMPT, max_tokens=150, ignore_eos=True)
             try:
-                t.wait_for("sched", lambda b: len(b["requests"]) > 0, since=since)
-                time.sleep(0.3)
+                # A few snapshots while it runs (each would carry its text).
+                t.wait_for("sched", lambda b: sum(bool(x["requests"]) for x in
+                                                  t.topic("sched", since)) >= 3, since=since)
             finally:
                 c.abort([rid])
         sched = t.topic("sched", since)

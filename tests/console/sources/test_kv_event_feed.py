@@ -137,9 +137,17 @@ def test_the_vllm_source_follows_a_live_engines_metrics_and_kv_events(tmp_path):
         deadline = time.monotonic() + 60
         while source.feed is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(0.5)                                 # the SUB reaches the engine's PUB
+        assert source.feed is not None
         prefix = list(range(100, 132))                  # four full blocks shared by all
         with EngineClient(eng.endpoints["input"], eng.endpoints["output"]) as client:
+            # The feed's SUB has joined the engine's PUB once it hears an event: one-block
+            # requests of their own tokens until it does (a PUB of events has no heartbeat).
+            poke = 0
+            while source.feed.summary(0) is None:
+                assert time.monotonic() < deadline, "the feed never heard a KV event"
+                poke += 1
+                client.gather([client.submit(prompt_token_ids=[140 + poke % 100] * 9, max_tokens=1)],
+                              timeout_s=60)
             ids = [client.submit(prompt_token_ids=[*prefix, 3 + i], max_tokens=4,
                                  ignore_eos=True) for i in range(4)]
             client.gather(ids, timeout_s=120)
@@ -149,7 +157,7 @@ def test_the_vllm_source_follows_a_live_engines_metrics_and_kv_events(tmp_path):
                 eng_state = state.engine()
                 kv = eng_state.latest.get("kv") if eng_state else None
                 pc = kv.get("prefix_cache") if kv else None
-            if pc and pc["cached_blocks"] >= 4:
+            if pc and pc["cached_blocks"] >= 4 and max(pc["longest_prefixes_blocks"], default=0) >= 4:
                 break
             time.sleep(0.2)
         assert pc is not None and pc["cached_blocks"] >= 4 and pc["block_size"] == 8

@@ -168,7 +168,9 @@ def test_an_idle_rank_runs_dummy_steps_while_the_other_works_and_waves_advance(d
                 time.sleep(0.05)
             waves.append(completed_by_both())
     assert waves[1] > waves[0]
-    time.sleep(0.5)        # the next dp snapshot after the last wave
+    last_wave = time.monotonic()
+    for r in (0, 1):       # each rank's next dp snapshot after the last wave
+        _last(dp, "dp", r, since=last_wave)
     grown = {r: _last(dp, "dp", r)["dummy_steps_total"] - dummies[r] for r in (0, 1)}
     assert max(grown.values()) > 0, grown      # the idle rank stepped a dummy batch
     # A rank that has only ever waited has only dummy steps (share 1); the one that worked

@@ -240,7 +240,7 @@ def test_config_file_is_reloaded_on_sighup_and_on_change(engine):
     path = engine.config_path
     # Same size and mtime: only SIGHUP can tell the engine.
     _rewrite_keep_mtime(path, CONFIG.replace("max_num_seqs = 4", "max_num_seqs = 3"))
-    time.sleep(1.5)
+    time.sleep(1.5)     # a fixed wait on purpose: the file watcher must NOT take this edit
     with control(engine) as ctl:
         assert ctl.get_config()["values"]["max_num_seqs"] == 4
     engine.signal(signal.SIGHUP)

@@ -260,7 +260,9 @@ def test_an_engine_that_stepped_since_the_last_heartbeat_is_running_though_idle_
     t = threading.Thread(target=engine_loop)
     t.start()
     try:
-        time.sleep(0.15)            # the health in flight when the steps began
+        # Past the health in flight when the steps began: the first one that counts a step.
+        drained = collect(sub, 5, until=lambda ms: ms[-1].payload["steps"] > 0)
+        assert drained and drained[-1].payload["steps"] > 0
         busy = [m.payload["state"] for m in collect(sub, 0.5)]
     finally:
         stop.set()
@@ -276,7 +278,7 @@ def test_last_state_is_refreshed_for_a_late_subscriber(ctx, make_pub):
     pub = make_pub()
     sched, kv = snapshot(num_waiting=7)
     pub.submit_snapshot(sched, kv, "idle", 0)
-    time.sleep(0.3)
+    time.sleep(0.3)     # a fixed wait on purpose: the snapshot ages before anyone subscribes
     sub = subscribe(ctx, pub, topics=(b"sched", b"config", b"step"))
     msgs = collect(sub, 2, until=lambda ms: {"sched", "config", "step"} <= {m.topic for m in ms})
     late = {m.topic: m.payload for m in msgs}

@@ -178,8 +178,12 @@ def test_close_stops_the_process_and_reports_what_it_sent(ctx):
                            process=True)
     p.start()
     child = p.child
+    sub = subscribe(ctx, p.endpoint, (b"health", b"step"))
     p.record_step(step())
-    time.sleep(0.3)
+    # Something to report: a health and a step message have gone out.
+    seen = collect(sub, 10, until=lambda ms: {"health", "step"} <= {m.topic for m in ms})
+    assert {"health", "step"} <= {m.topic for m in seen}
+    sub.close(0)
     p.close()
     assert not p.is_alive() and child.pid is not None
     assert p.sent["health"] >= 1 and p.sent["step"] >= 1

@@ -277,10 +277,18 @@ def test_an_id_reused_while_its_first_compile_runs_waits_for_its_own(core: Engin
 def test_close_drops_the_compiles_still_queued(monkeypatch) -> None:
     """Shutting down waits for no queued compile (the threads run what they hold only)."""
     compiler = GrammarCompiler(lambda: None)    # type: ignore[arg-type, return-value]
-    monkeypatch.setattr(GrammarCompiler, "build_matcher",
-                        staticmethod(lambda tok, grammar: time.sleep(1.0)))
+    running: list[str] = []
+
+    def slow(tok: Any, grammar: str) -> None:
+        running.append(grammar)
+        time.sleep(1.0)                                 # still running when close comes
+
+    monkeypatch.setattr(GrammarCompiler, "build_matcher", staticmethod(slow))
     futures = [compiler.submit(StructuredSpec("regex", f"q{i}"))[0] for i in range(4)]
-    time.sleep(0.3)                                     # the first two are running
+    deadline = time.monotonic() + 30
+    while len(running) < 2:                             # the first two are running
+        assert time.monotonic() < deadline, running
+        time.sleep(0.01)
     compiler.close()
     assert sum(f.cancelled() for f in futures) == 2     # two threads: two were running
 
