@@ -365,8 +365,7 @@ async def test_engine_down_then_back_refetches_config():
         app.state.ingest(frames("health", {"state": "running", "uptime_s": 1.0, "steps": 0,
                                            "interval_s": 1.0}, seq=999), now[0])
         await until(pilot, lambda: app.steering.config_fetches == 2)
-        await pilot.pause(0.2)
-        assert "ENGINE DOWN" not in text_of(app.screen.query_one(Banner))
+        await until(pilot, lambda: "ENGINE DOWN" not in text_of(app.screen.query_one(Banner)))
 
 
 async def test_pause_freezes_the_request_table():

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 
 from vconsole import cli
@@ -98,9 +99,12 @@ def test_a_loop_stuck_in_native_code_still_answers_through_faulthandler(private_
     proc = subprocess.Popen([sys.executable, "-c", TOY], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        # "ready" is printed just before the C call: let the main thread get into it (a
-        # signal taken before would run the Python dump, rightly).
-        time.sleep(1.0)
+        # "ready" is printed just before the C call: wait until the main thread is asleep in
+        # it (a signal taken before would run the Python dump, rightly).
+        toy = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 30
+        while toy.status() != psutil.STATUS_SLEEPING and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert not stacks.live_dir(gone.pid).exists(), "swept by the next engine's install"
         report = stacks.capture(proc.pid, method="signal", python_wait_s=0.5)
         assert report.method == stacks.FAULTHANDLER

@@ -158,8 +158,12 @@ def test_load_thread_with_a_varying_rate_stops_promptly_and_aborts_what_is_in_fl
     t = LoadThread(engine.endpoints["input"], engine.endpoints["output"], spec,
                    rate_fn=lambda s: 40.0 if s < 0.5 else 0.0)
     t.start()
-    time.sleep(1.5)
-    p = t.run_state.progress()
+    deadline = time.monotonic() + 60      # the load under way: sent, in flight, streaming
+    while time.monotonic() < deadline:
+        p = t.run_state.progress()
+        if p["sent"] >= 3 and p["in_flight"] > 0 and p["tokens"] > 0:
+            break
+        time.sleep(0.05)
     assert p["sent"] >= 3 and p["in_flight"] > 0 and p["tokens"] > 0
     t.stop()
     assert not t.is_alive() and t.error is None

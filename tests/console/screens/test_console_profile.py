@@ -59,8 +59,12 @@ async def test_a_confirmed_profile_shows_progress_then_the_tables(size):
 
         ctl.profile_hold = False
         await until(pilot, lambda: app.steering.profile_run.state == "done")
-        await pilot.pause(0.1)
-        app.refresh_view(force=True)
+
+        def done_shown() -> bool:
+            app.refresh_view(force=True)
+            return "profile p1 done" in text_of(screen, "#prof-summary")
+
+        await until(pilot, done_shown)
         summary = text_of(screen, "#prof-summary")
         assert "profile p1 done  20 steps (41–60) on cpu" in summary
         assert "(fake)" in summary                  # the engine's slowdown note

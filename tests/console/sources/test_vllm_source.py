@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from support.console_testing import until
 from support.vllm_metrics import VllmMetrics
 from vconsole.console import format as fmt
 from vconsole.console.sources.vllm import ScrapeError, VllmScraper, VllmSource, metrics_url
@@ -211,8 +212,7 @@ async def test_the_console_attached_to_vllm_shows_both_engines(server, size):
                 break
         assert {e.rank for e in app.state.engine_list()} == {0, 1}
         assert app.steering.readonly and "vLLM" in app.steering.readonly_reason
-        await pilot.pause(0.5)
-        assert "vLLM does not expose step phases" in _text(app, "#phases")
+        await until(pilot, lambda: "vLLM does not expose step phases" in _text(app, "#phases"))
         if size == (80, 24):      # queue times all in vLLM's first bucket: a bound, not 150 ms
             busy(metrics)         # requests finish within the console's window
             for _ in range(100):
@@ -224,11 +224,9 @@ async def test_the_console_attached_to_vllm_shows_both_engines(server, size):
             assert queue[0][1:3] == ["<", "300ms"] and queue[0][3:5] == ["<", "300ms"]
         assert "2 ranks" in _text(app, "#summary")          # the engines as a group's ranks
         await pilot.press("3")
-        await pilot.pause(0.3)
-        assert "no block map" in _text(app, "#kv-legend")
+        await until(pilot, lambda: "no block map" in _text(app, "#kv-legend"))
         await pilot.press("4")
-        await pilot.pause(0.3)
-        assert "vLLM has no runtime config API" in _text(app, "#cfg-summary")
+        await until(pilot, lambda: "vLLM has no runtime config API" in _text(app, "#cfg-summary"))
 
 
 def _text(app, selector: str) -> str:
@@ -254,13 +252,13 @@ async def test_vllm_actions_are_confirmed_posted_and_a_missing_route_is_explaine
         assert "vLLM: Reset the prefix cache" in titles and "vLLM: Wake the engine up" in titles
         assert not any(t.startswith("Edit config") for t in titles)   # no config API
         app.run_source_action("reset_prefix_cache")
-        await pilot.pause(0.2)
-        assert isinstance(app.screen, ConfirmScreen) and metrics.posts == []
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        assert metrics.posts == []
         await pilot.press("escape")                   # cancelled: nothing sent
         await pilot.pause(0.2)
         assert metrics.posts == []
         app.run_source_action("reset_prefix_cache")
-        await pilot.pause(0.2)
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("tab", "enter")             # the deliberate confirm
         for _ in range(50):
             await pilot.pause(0.1)

@@ -151,7 +151,13 @@ def test_record_writes_the_engines_trace_beside_the_recording(engine, tmp_path, 
     eps = engine.endpoints
     args = build_parser().parse_args(["record", str(rec), "--duration", "2.5", "--telemetry",
                                       eps["telemetry"], "--control", eps["control"]])
-    load = threading.Thread(target=lambda: (time.sleep(0.5), run(engine, WORK[3:5])))
+    def load_once_recording() -> None:      # the recording has begun once its file exists
+        deadline = time.monotonic() + 30
+        while not rec.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        run(engine, WORK[3:5])
+
+    load = threading.Thread(target=load_once_recording)
     load.start()
     assert record_cmd.main(args) == 0
     load.join()
