@@ -375,7 +375,7 @@ async def test_a_console_started_before_its_engine_takes_the_key_once_it_is_writ
     app = VConsoleApp(telemetry_endpoints=[eps["telemetry"]], control_endpoint=eps["control"])
     assert app.readonly and app.readonly_reason.startswith("no control key")
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause(0.5)
+        await pilot.pause(0.5)      # a fixed wait on purpose: the console runs with no engine
         engine = await asyncio.get_running_loop().run_in_executor(
             None, lambda: spawn(engine_args("early-0"), endpoints=eps))
         await until(pilot, lambda: not app.readonly, "the console left read-only mode", 30)

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from support.live_engine import ipc_endpoints
+from support.live_engine import ipc_endpoints, wait_for_steps
 from support.serve_process import ENGINE, serve, status, wait_until
 from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.tools.http_load import HttpLoadClient
@@ -261,7 +261,7 @@ def test_a_load_over_http_whose_engine_is_killed_reports_the_cut_requests_and_ex
                      "--prompt-len", "4:8", "--output-len", "1500:2000", "--json"],
                     stdout=out, stderr=subprocess.PIPE)
             wait_until(lambda: _server_load(port) >= 1, "no request reached the server", log)
-            time.sleep(1.0)                                 # tokens are streaming
+            wait_for_steps(engine.endpoints["telemetry"], 20)   # tokens are streaming
             os.kill(engine.ready["child_pid"], signal.SIGKILL)
             _, err = load.communicate(timeout=600)
             summary = json.loads(out_path.read_text())
