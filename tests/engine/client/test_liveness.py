@@ -83,7 +83,16 @@ def test_a_request_past_its_processing_timeout_is_aborted_and_finished(tmp_path)
             EngineClient(engine.endpoints["input"], engine.endpoints["output"],
                          request_timeout_s=0.2) as c:
         slow = c.submit(prompt_token_ids=[9] * 4, max_tokens=500, ignore_eos=True)
-        outs = list(c.stream(slow, timeout_s=60))
+        stream = c.stream(slow, timeout_s=60)
+        outs = [next(stream)]
+        # The engine stopped after the first token (SIGSTOP), so the request cannot finish
+        # first however slowly this process runs; the timeout (0.2 s) ends it long before the
+        # silence would (10 heartbeats of 0.2 s).
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            outs += list(stream)
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
         assert outs[-1].finish_reason == "timeout" and "request_timeout_s" in outs[-1].error
         assert sum(o.finished for o in outs) == 1
         c.request_timeout_s = None

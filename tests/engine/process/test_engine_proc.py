@@ -580,10 +580,12 @@ def test_a_client_that_stops_reading_holds_back_no_other_clients_output(tmp_path
                 received = max(n for when, n in arrivals if when <= p["ts"])
                 lags.append(p["steps"] - received)
         assert len(lags) > 20
-        # A held output shows as steps running ahead over many heartbeats; one late heartbeat
-        # (this process not scheduled for a moment on a loaded machine) is a lone spike.
-        behind = [lag for lag in lags if lag - min(lags) > 40]
-        assert len(behind) <= len(lags) // 10, f"outputs fell behind the engine's steps: {lags}"
+        # An output held behind the stuck client (a blocking send) lets the steps run ahead
+        # for good: the lag grows and never comes back. This process not scheduled for a
+        # while (a loaded machine) makes a burst of lag that it catches up on: in the last
+        # quarter of the run, and at the median, the lag is back near its least.
+        tail = lags[len(lags) * 3 // 4:]
+        assert min(tail) - min(lags) <= 5, f"outputs fell behind the engine's steps: {lags}"
         assert sorted(lags)[len(lags) // 2] - min(lags) <= 5, lags
         log = proc.log_text()
         assert "client stuck-client: not reading its outputs (send queue full)" in log

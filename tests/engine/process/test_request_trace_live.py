@@ -167,7 +167,7 @@ def test_record_writes_the_engines_trace_beside_the_recording(engine, tmp_path, 
     assert "request trace:" in capsys.readouterr().out
     # An engine that does not answer on --control: a note, and the recording still stands.
     args = build_parser().parse_args(["record", str(tmp_path / "alone.vrec"), "--duration",
-                                      "0.5", "--telemetry", eps["telemetry"], "--control",
+                                      "3", "--telemetry", eps["telemetry"], "--control",
                                       f"ipc://{tmp_path}/nobody"])
     assert record_cmd.main(args) == 0
     assert "note: no request trace" in capsys.readouterr().err
@@ -175,7 +175,7 @@ def test_record_writes_the_engines_trace_beside_the_recording(engine, tmp_path, 
     # Another engine's telemetry without its --control: the default control endpoint may be
     # a different engine, so no trace is fetched from it.
     args = build_parser().parse_args(["record", str(tmp_path / "other.vrec"), "--duration",
-                                      "0.5", "--telemetry", eps["telemetry"]])
+                                      "3", "--telemetry", eps["telemetry"]])
     assert record_cmd.main(args) == 0
     assert "give --control" in capsys.readouterr().err
     assert not (tmp_path / "other.vrec.trace.jsonl").exists()
