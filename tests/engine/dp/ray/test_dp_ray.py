@@ -50,7 +50,7 @@ ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
 ENGINE_ARGS = ["--data-parallel-size", "2", "--data-parallel-backend", "ray",
-               "--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "16",
+               "--num-kv-blocks", "256", "--block-size", "8", "--max-num-seqs", "16",
                "--restart-backoff", "0.2", "--set", "heartbeat_interval_s=0.2"]
 # In the engine's environment: none of it may reach a rank's runtime env or Ray's logs.
 SECRETS = {"HF_TOKEN": "hf_secret_0b5e1c", "VCONSOLE_API_KEY": "vc_secret_77d2a9"}
@@ -120,7 +120,7 @@ def test_two_rank_actors_serve_200_requests_with_the_greedy_outputs_of_one_engin
     assert {r["pid"] for r in ranks}.isdisjoint({dp.engine.pid})
     distinct = [([3 + i % 37, 17, 42 + i % 11, 9], 4 + i % 5) for i in range(40)]
     work = distinct * 5           # the lone engine computes each distinct request once
-    expected = reference_outputs(distinct, block_size=8, num_kv_blocks=64) * 5
+    expected = reference_outputs(distinct, block_size=8, num_kv_blocks=256) * 5
     since = time.monotonic()
     with dp.client() as c:
         ids = [c.submit(prompt_token_ids=ids, max_tokens=n) for ids, n in work]
@@ -172,7 +172,9 @@ def test_a_rank_actor_killed_with_ray_kill_fails_its_requests_comes_back_and_say
     generation = dp.last("dp", 0)["group_generation"]
     since = time.monotonic()
     with dp.client() as c:
-        ids = [c.submit(prompt_token_ids=[5, 6, 7, i], max_tokens=200, ignore_eos=True)
+        # Long (800 tokens: 2,048 fit a rank's pool) so that they are still in flight when the
+        # kill lands, also on a loaded machine.
+        ids = [c.submit(prompt_token_ids=[5, 6, 7, i], max_tokens=800, ignore_eos=True)
                for i in range(4)]
         for rank in (0, 1):     # both ranks are stepping these requests
             dp.telemetry.wait_for("sched", lambda p, r=rank: p["rank"] == r
@@ -232,7 +234,7 @@ def test_a_rank_actors_process_killed_with_sigkill_is_not_called_out_of_memory(
     before = next(r for r in dp.ranks() if r["rank"] == 1)
     since = time.monotonic()
     with dp.client() as c:
-        ids = [c.submit(prompt_token_ids=[6, 7, 8, i], max_tokens=200, ignore_eos=True)
+        ids = [c.submit(prompt_token_ids=[6, 7, 8, i], max_tokens=800, ignore_eos=True)
                for i in range(4)]
         dp.telemetry.wait_for("sched", lambda p: p["rank"] == 1 and p["num_running"] > 0,
                               timeout_s=30, since=since)
