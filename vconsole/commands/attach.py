@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vconsole.commands import fail
+from vconsole.commands.attach_targets import has_targets, targets_from
 from vconsole.commands.curve_args import client_curve
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
@@ -30,6 +31,8 @@ def main(args: argparse.Namespace) -> int:
         ("--no-token", bool(getattr(args, "no_token", False)))) if given]
     if web_flags:
         return fail("attach", f"{', '.join(web_flags)}: only with --web", 2)
+    if has_targets(args):
+        return _attach_fleet(args)
     if getattr(args, "vllm", None):
         return _attach_vllm(args)
     from vconsole.console.app import VConsoleApp
@@ -77,6 +80,30 @@ def _attach_vllm(args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail("attach", e, 2)
     VConsoleApp(source=source, readonly=bool(getattr(args, "readonly", False))).run()
+    return 0
+
+
+def _attach_fleet(args: argparse.Namespace) -> int:
+    """The console on every target the fleet flags name: the Fleet screen first."""
+    import time
+
+    from vconsole.console.app import VConsoleApp
+    from vconsole.console.sources.fleet.rows import Fleet
+    from vconsole.console.sources.fleet.snapshot import build_sources
+    from vconsole.console.sources.fleet.targets import TargetError
+
+    try:
+        targets = targets_from(args)
+    except TargetError as e:
+        return fail("attach", e, 2)
+    sources, problems = build_sources(targets)
+    for line in problems:
+        print(f"vconsole attach: left out {line}", file=sys.stderr)
+    if not sources:
+        return fail("attach", "no target could be used", 1)
+    fleet = Fleet(sources, started=time.time())
+    VConsoleApp(sources=sources, fleet=fleet,
+                readonly=bool(getattr(args, "readonly", False))).run()
     return 0
 
 

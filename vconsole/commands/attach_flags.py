@@ -3,6 +3,8 @@ Light imports only: `vconsole --help` loads it."""
 
 from __future__ import annotations
 
+import argparse
+
 from vconsole.commands.flags import add_client_args, port
 from vconsole.commands.subcommand import SubParsers, add_command
 
@@ -20,6 +22,7 @@ def add_parsers(subparsers: SubParsers) -> None:
                         "prefix cache's contents")
     p.add_argument("--kv-events-replay", metavar="ENDPOINT",
                    help="with --kv-events: the server's replay endpoint, to catch up a gap")
+    add_target_args(p)
     g = p.add_argument_group("web (the console in a browser: one console process per tab)")
     g.add_argument("--web", action="store_true",
                    help="serve this console to browsers (textual-serve) instead of running it "
@@ -36,3 +39,17 @@ def add_parsers(subparsers: SubParsers) -> None:
                     "play a recorded stream in the console")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--speed", type=float, default=1.0, help="playback speed (default 1.0)")
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fleet (several engines of any kind; the Fleet screen first)")
+    g.add_argument("--target", action="append", default=[], metavar="KIND=URL",
+                   help="an engine to watch (repeatable): KIND is vconsole (tcp://HOST:BASE_PORT)"
+                        ", vllm, sglang, llama-cpp (http://HOST:PORT) or auto (detected)")
+    g.add_argument("--fleet", metavar="FILE",
+                   help="a TOML file of [[engine]] tables: name, kind, url, kv_events, labels "
+                        "(docs/fleet.md)")
+    g.add_argument("--discover", action="append", default=[], metavar="HOST:PORT-PORT",
+                   help="probe these ports for engines (an HTTP /metrics of a known kind, or our "
+                        "engine's telemetry); a port that answers nothing known is skipped and "
+                        "reported")

@@ -12,6 +12,7 @@ from typing import Any
 import zmq
 
 from vconsole.commands import fail
+from vconsole.commands.attach_targets import has_targets
 from vconsole.commands.curve_args import client_curve
 from vconsole.console.sources.vllm import ScrapeError
 from vconsole.security.curve import CurveKeyError
@@ -28,6 +29,10 @@ from vconsole.tools.top import (
 
 
 def main(args: argparse.Namespace) -> int:
+    if has_targets(args):
+        from vconsole.commands.top_fleet import main_fleet
+
+        return main_fleet(args)
     if getattr(args, "vllm", None):
         return _main_vllm(args)
     telemetry = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from vconsole.commands.attach_flags import add_target_args
 from vconsole.commands.flags import add_client_args
 from vconsole.commands.subcommand import SubParsers, add_command
 
@@ -15,3 +16,4 @@ def add_parsers(subparsers: SubParsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for every topic (default 10)")
+    add_target_args(p)

@@ -64,6 +64,7 @@ from vconsole.console.screens.advice import AdviceScreen
 from vconsole.console.screens.alerts import AlertsScreen
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.screens.config import ConfigScreen
+from vconsole.console.screens.fleet import FleetScreen
 from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.kvmap import KvScreen
 from vconsole.console.screens.overview import OverviewScreen
@@ -73,6 +74,7 @@ from vconsole.console.screens.requests import RequestsScreen
 from vconsole.console.screens.stacks import StacksScreen
 from vconsole.console.screens.trends import TrendsScreen
 from vconsole.console.screens.whatif import WhatIfScreen
+from vconsole.console.sources.fleet.rows import Fleet
 from vconsole.console.sources.source import Source
 from vconsole.console.sources.stream import ZmqSource
 from vconsole.console.state import ConsoleState
@@ -85,6 +87,8 @@ from vconsole.security.curve import ClientCurve
 from vconsole.telemetry.record import default_recordings_dir
 
 MIN_WIDTH, MIN_HEIGHT = 64, 18
+FLEET_READONLY = ("a fleet: nothing is steered from the fleet console yet (vconsole attach "
+                  "to one of our engines alone to change its config)")
 NARROW_WIDTH = 100
 SINGLE_COLUMN_WIDTH = 78
 
@@ -99,7 +103,7 @@ class VConsoleApp(App[None]):
     MODES = {"overview": OverviewScreen, "requests": RequestsScreen, "kv": KvScreen,
              "config": ConfigScreen, "alerts": AlertsScreen, "advice": AdviceScreen,
              "trends": TrendsScreen, "profile": ProfileScreen, "whatif": WhatIfScreen,
-             "dp": RanksScreen, "stacks": StacksScreen}
+             "dp": RanksScreen, "stacks": StacksScreen, "fleet": FleetScreen}
     DEFAULT_MODE = "overview"
     BINDINGS = keymap.GLOBAL
     COMMANDS = App.COMMANDS | {ConsoleCommands}
@@ -111,12 +115,16 @@ class VConsoleApp(App[None]):
                  refresh_hz: float = 10.0, record_dir: str | Path | None = None,
                  control_timeout_s: float = 3.0, clock: Callable[[], float] | None = None,
                  control_key: str | None = None, control_key_file: str | Path | None = None,
-                 curve: ClientCurve | None = None, engine_address: str = "") -> None:
+                 curve: ClientCurve | None = None, engine_address: str = "",
+                 fleet: Fleet | None = None) -> None:
         """The sources: ``sources`` (and ``source``, one more), else one `ZmqSource` of
         ``telemetry_endpoints``. ``control_endpoint``: the first source's engine's.
         ``engine_address``: where the engine is, as the header shows it (the demo's
-        ``127.0.0.1:BASE``: what another shell's ``$VCONSOLE_BASE_PORT`` must name)."""
+        ``127.0.0.1:BASE``: what another shell's ``$VCONSOLE_BASE_PORT`` must name).
+        ``fleet``: the targets' rows (`vconsole.console.sources.fleet.rows.Fleet`, one source
+        each in ``sources``): the Fleet screen comes first, and nothing is steered."""
         super().__init__()
+        self.fleet = fleet
         self.state = ConsoleState()
         endpoints = list(telemetry_endpoints or [])
         self.sources: list[Source] = [*sources, *([source] if source is not None else [])]
@@ -128,7 +136,8 @@ class VConsoleApp(App[None]):
         self.engine_address = engine_address
         self.steering = Steering.connect(
             self.state, control_endpoint=control_endpoint, control=control, readonly=readonly,
-            source_readonly=self.sources[0].readonly_reason,
+            source_readonly=FLEET_READONLY if fleet is not None
+            else self.sources[0].readonly_reason,
             control_key=control_key, control_key_file=control_key_file,
             timeout_s=control_timeout_s, curve=curve, host=self)
         self._clock = clock
@@ -154,6 +163,8 @@ class VConsoleApp(App[None]):
         self.set_interval(self.pacer.interval_s, self._tick)
         if self.steering.control is not None:
             self.steering.start_fetch()
+        if self.fleet is not None and len(self.fleet.sources) > 1:
+            self.switch_mode("fleet")
         self.refresh_view(force=True)
 
     @property
@@ -217,7 +228,8 @@ class VConsoleApp(App[None]):
         return Frame.build(self.state, mode, self.selected_engine,
                            self.source_of(self.current_engine()),
                            paused=self.paused, readonly_reason=self.readonly_reason,
-                           endpoints=" ".join(self.endpoints), address=self.engine_address)
+                           endpoints=" ".join(self.endpoints), address=self.engine_address,
+                           fleet=self.fleet is not None)
 
     def active_console_screen(self) -> ConsoleScreen | None:
         for screen in reversed(self.screen_stack):
@@ -264,6 +276,9 @@ class VConsoleApp(App[None]):
         self.refresh_view(force=True)
 
     def action_show(self, mode: str) -> None:
+        if mode == "fleet" and self.fleet is None:
+            self.notify(keymap.FLEET_ONLY, title="Fleet", severity="warning")
+            return
         if mode == "dp" and not self.is_dp():
             # The key is always bound so that pressing it says why nothing opens.
             self.notify(keymap.RANKS_ONLY_DP, title="Ranks", severity="warning")
@@ -272,13 +287,26 @@ class VConsoleApp(App[None]):
             self.switch_mode(mode)
 
     def action_cycle(self, step: int) -> None:
-        modes = [m for m in self.MODES if m != "dp" or self.is_dp()]
+        modes = [m for m in self.MODES if (m != "dp" or self.is_dp())
+                 and (m != "fleet" or self.fleet is not None)]
         i = modes.index(self.current_mode) if self.current_mode in modes else 0
         self.switch_mode(modes[(i + step) % len(modes)])
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(readonly=self.readonly, dp=self.is_dp()))
+            self.push_screen(HelpScreen(readonly=self.readonly, dp=self.is_dp(),
+                                        fleet=self.fleet is not None))
+
+    def drill_in(self, engine_key: str) -> None:
+        """The Fleet screen's ``enter``: every screen now shows ``engine_key``."""
+        self.selected_engine = engine_key
+        self.switch_mode("overview")
+        self.refresh_view(force=True)
+
+    def action_fleet_back(self) -> None:
+        """``esc`` on a screen that has no use for it: back to the Fleet screen."""
+        if self.fleet is not None and self.current_mode != "fleet":
+            self.switch_mode("fleet")
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused

@@ -30,6 +30,12 @@ LETTER_SCREENS: dict[str, tuple[str, str]] = {
     "whatif": ("w", "What-if"),
 }
 
+# The Fleet screen: its tab (and key) only while several targets are watched (a fleet).
+FLEET_SCREEN: dict[str, tuple[str, str]] = {"fleet": ("F", "Fleet")}
+
+FLEET_ONLY = ("Fleet (F) is for several targets: vconsole attach --target KIND=URL (twice or "
+              "more), --fleet FILE or --discover HOST:PORT-PORT. This console watches one.")
+
 # Tools rather than views of the engine's figures: a tab only while one is shown (so the bar
 # says where the operator is); the help lists them.
 TOOL_SCREENS: dict[str, tuple[str, str]] = {"stacks": ("S", "Stacks")}
@@ -58,6 +64,8 @@ GLOBAL: list[BindingType] = [
     Binding("P", "show('profile')", "Profile", key_display="P", show=False),
     Binding("w", "show('whatif')", "What-if", show=False),
     Binding("S", "show('stacks')", "Stacks", key_display="S", show=False),
+    Binding("F", "show('fleet')", "Fleet", key_display="F", show=False),
+    Binding("escape", "fleet_back", "Fleet", show=False),
     *(Binding(key, f"show('{mode}')", title, show=False) for mode, (key, title) in SCREENS.items()),
     *(Binding(key, f"show('{mode}')", title, show=False)
       for mode, (key, title) in DP_SCREEN.items()),
@@ -146,6 +154,23 @@ TABLE: list[BindingType] = [
     Binding("pageup", "page(-1)", "Page up", show=False),
     Binding("pagedown", "page(1)", "Page down", show=False),
 ]
+
+FLEET: list[BindingType] = [
+    Binding("enter", "drill", "Drill in"),
+    Binding("slash", "filter", "Filter", key_display="/"),
+    Binding("s", "sort_next", "Sort"),
+    Binding("r", "sort_reverse", "Reverse", show=False),
+    Binding("g", "group", "Group by model"),
+    Binding("escape", "clear_filter", "Clear filter", show=False),
+]
+
+# Shown in the help only while a fleet is watched.
+FLEET_HELP: tuple[str, list[tuple[str, str]]] = (
+    "Fleet (several targets)", [
+        ("F", "every engine of the fleet, any kind, under the fleet's row (merged percentiles)"),
+        ("enter / esc", "drill into the selected engine (every screen shows it) / come back"),
+        ("/", "filter: kind:llama-cpp, state:down, waiting>0, kv>=0.8, pool=a100, a word"),
+        ("s / r", "sort by the next column / reverse"), ("g", "group by model")])
 
 HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
     ("Everywhere", [(" ".join(k for k, _ in [*SCREENS.values(), *LETTER_SCREENS.values()]),

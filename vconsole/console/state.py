@@ -63,9 +63,12 @@ class ConsoleState:
 
     # --- writing (reader thread) -------------------------------------------------------------
 
-    def ingest(self, frames: Sequence[Any], recv_ts: float | None = None) -> TelemetryMessage | None:
+    def ingest(self, frames: Sequence[Any], recv_ts: float | None = None,
+               engine_as: str | None = None) -> TelemetryMessage | None:
         """Decode one multipart message and fold it in. A bad message is counted and remembered
-        (a schema version mismatch separately, so the UI can say exactly that), never raised."""
+        (a schema version mismatch separately, so the UI can say exactly that), never raised.
+        ``engine_as``: the name to keep it under instead of its envelope's (a fleet's target
+        name: two engines both called ``engine-0`` stay two)."""
         ts = self.clock() if recv_ts is None else recv_ts
         try:
             msg = decode(frames)
@@ -77,6 +80,8 @@ class ConsoleState:
                 self.malformed += 1
             self.note_error(str(e))
             return None
+        if engine_as is not None:
+            msg.payload["engine"] = engine_as
         try:
             self.ingest_message(msg, ts)
         except (TypeError, ValueError, KeyError, AttributeError) as e:

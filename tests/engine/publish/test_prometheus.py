@@ -50,6 +50,7 @@ LABELS = {"model_name": "tiny", "engine": "0"}
 VLLM_NAMES = {   # family name (as the parser reports it) -> type
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_waiting_by_reason": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
     "vllm:prefix_cache_queries": "counter",
     "vllm:prefix_cache_hits": "counter",
@@ -76,6 +77,10 @@ VCONSOLE_NAMES = {
     "vconsole:kv_cache_capacity_tokens": "gauge",
     "vconsole:step_phase_seconds": "counter",
     "vconsole:scheduler_share": "gauge",
+    "vconsole:step_time_p50_seconds": "gauge",
+    "vconsole:gpu_memory_used_bytes": "gauge",
+    "vconsole:gpu_memory_total_bytes": "gauge",
+    "vconsole:gpu_utilization_perc": "gauge",
     "vconsole:alert_level": "gauge",
     "vconsole:engine_restarts": "counter",
     "vconsole:telemetry_errors": "counter",
@@ -155,7 +160,7 @@ def hand_made_bodies() -> dict[str, dict[str, Any]]:
     lat.finish("stop")
     lat.finish("length")
     step_body = {
-        "steps": 0, "sched_share": 0.04,
+        "steps": 0, "sched_share": 0.04, "step_time_p50_s": 0.0625,
         "iteration_tokens": {"bounds": [*ITERATION_TOKENS_BUCKETS, math.inf],
                              "counts": [2, 5, 5, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 10],
                              "count": 10, "sum": 40_000},
@@ -169,6 +174,9 @@ def hand_made_bodies() -> dict[str, dict[str, Any]]:
                                                       "fragmentation": "warning"},
                    "restart_count": 2, "telemetry_errors": 3},
         "config": {"version": 6, "values": {}, "schema": []},
+        "gpu": {"available": True, "error": None, "devices": [
+            {"index": 0, "util": 50.0, "mem_used": 6 << 30, "mem_total": 8 << 30},
+            {"index": 1, "util": None, "mem_used": 1 << 30, "mem_total": 8 << 30}]},
     }
 
 
@@ -230,6 +238,34 @@ def test_gauges_and_counters_equal_the_payload_fields():
     assert s.value("vconsole:config_version") == 6
     assert s.value("vconsole:kv_cache_bytes_per_token") == kv["bytes_per_token"] == 1088
     assert s.value("vconsole:kv_cache_capacity_tokens") == 64 * 16
+    assert s.value("vconsole:step_time_p50_seconds") == 0.0625
+    # vLLM's waiting split: the queue is 'capacity'; a compiling grammar is 'deferred'
+    assert s.value("vllm:num_requests_waiting_by_reason", reason="capacity") == 7
+    assert s.value("vllm:num_requests_waiting_by_reason", reason="deferred") == 2
+    assert s.value("vconsole:gpu_memory_used_bytes", device="0") == 6 << 30
+    assert s.value("vconsole:gpu_memory_total_bytes", device="1") == 8 << 30
+    assert s.value("vconsole:gpu_utilization_perc", device="0") == 0.5
+    assert not s.samples("vconsole:gpu_utilization_perc") or all(
+        x.labels["device"] == "0" for x in s.samples("vconsole:gpu_utilization_perc"))
+
+
+def test_every_finish_reason_is_exposed_at_zero_before_any_request_finishes():
+    """As vLLM creates its label sets up front: a series born at its first value would hide
+    that many finishes from rate() and increase() (Prometheus sees no increase into it)."""
+    bodies = {**hand_made_bodies(), "latency": LatencyStats(60.0).snapshot(10.0)}
+    s = scrape_collector(TelemetryCollector(Bodies(bodies), model_name="tiny", engine=0))
+    assert {x.labels["finished_reason"]: x.value for x in s.samples("vllm:request_success_total")
+            } == {"length": 0, "stop": 0, "abort": 0, "timeout": 0, "error": 0}
+    s = scrape_collector(TelemetryCollector(Bodies(hand_made_bodies()), model_name="tiny",
+                                            engine=0))
+    assert s.value("vllm:request_success_total", finished_reason="abort") == 0
+
+
+def test_a_machine_without_nvml_exports_no_gpu_series():
+    bodies = {**hand_made_bodies(),
+              "gpu": {"available": False, "devices": [], "error": "no NVIDIA driver"}}
+    s = scrape_collector(TelemetryCollector(Bodies(bodies), model_name="tiny", engine=0))
+    assert not [n for n in s.families if n.startswith("vconsole:gpu_")]
 
 
 def _cache_dtype_label(bodies: dict[str, dict[str, Any]]) -> str:

@@ -10,7 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
-from vconsole.console.keymap import DP_HELP, HELP_SECTIONS, LONE_ENGINE_HELP
+from vconsole.console.keymap import DP_HELP, FLEET_HELP, HELP_SECTIONS, LONE_ENGINE_HELP
 
 LEGEND = [
     ("[$success]●[/] [$warning]●[/] [$error]●[/]", "ok / warning / critical (engine's alert "
@@ -25,8 +25,9 @@ LEGEND = [
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,question_mark,q", "close", "Close")]
 
-    def __init__(self, readonly: bool = False, dp: bool = False) -> None:
+    def __init__(self, readonly: bool = False, dp: bool = False, fleet: bool = False) -> None:
         super().__init__()
+        self.fleet = fleet  # several targets: the Fleet screen's keys are listed too
         self.readonly = readonly
         self.dp = dp    # a data-parallel group is watched: its keys are listed too
 
@@ -34,7 +35,9 @@ class HelpScreen(ModalScreen[None]):
         # At 80x24 most of it is below the fold: the first line says how to get there.
         lines = ["[b]vconsole[/] — keys  [$text-muted]↑ ↓ pgup pgdn scroll · esc or ? "
                  "closes[/]"]
-        for title, keys in [*HELP_SECTIONS, DP_HELP if self.dp else LONE_ENGINE_HELP]:
+        sections = [*([FLEET_HELP] if self.fleet else []), *HELP_SECTIONS,
+                    DP_HELP if self.dp else LONE_ENGINE_HELP]
+        for title, keys in sections:
             if self.readonly and title == "Config":
                 keys = [("", "read-only: config changes are disabled")]
             if self.readonly and title == "Profile":

@@ -61,6 +61,7 @@ class ReaderSource:
         self.on_data: Callable[[], None] | None = None   # called after each batch is folded in
         self.conflated = 0                                # snapshots skipped (see the docstring)
         self.engine_keys: set[str] = set()                # engines it fed (its thread writes)
+        self.engine_as: str | None = None                 # a fleet target's name for them
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -115,7 +116,7 @@ class ReaderSource:
         for i, (ts, frames) in enumerate(batch):
             head = heads[i]
             if head is not None and head[0] in CONFLATE and newest[head[:3]] != i:
-                state.note_skipped(head[1], head[2], head[0], head[3])
+                state.note_skipped(self.engine_as or head[1], head[2], head[0], head[3])
                 self.conflated += 1
             else:
                 self._fold(state, frames, ts)
@@ -123,7 +124,7 @@ class ReaderSource:
 
     def _fold(self, state: ConsoleState, frames: Sequence[Any], ts: float) -> None:
         """One message into the state, its engine's key noted as one this source feeds."""
-        msg = state.ingest(frames, ts)
+        msg = state.ingest(frames, ts, self.engine_as)
         if msg is not None:
             self.engine_keys.add(f"{msg.engine}/{msg.rank}")
 

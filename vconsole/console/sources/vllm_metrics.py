@@ -87,6 +87,7 @@ class EngineSample:
     labelled: dict[str, dict[str, float]] = field(default_factory=dict)   # name -> label -> v
     histograms: dict[str, Histogram] = field(default_factory=dict)
     info: dict[str, dict[str, str]] = field(default_factory=dict)         # *_info labels
+    model: str | None = None                                              # model_name label
 
     def get(self, name: str) -> float | None:
         return _aliased(self.values, name)
@@ -122,7 +123,9 @@ def parse(text: str) -> dict[str, EngineSample]:
         for s in fam.samples:
             labels = dict(s.labels)
             eng = out.setdefault(labels.pop("engine", "0"), EngineSample())
-            labels.pop("model_name", None)
+            model = labels.pop("model_name", None)
+            if model:
+                eng.model = model
             if fam.type == "histogram":
                 h = eng.histograms.setdefault(fam.name, Histogram())
                 if s.name.endswith("_bucket"):
@@ -246,6 +249,8 @@ class VllmTranslator:
     the console shows (the server's address); ``interval_s``: the scrape period, announced as
     the heartbeat interval so a missed scrape or two shows the engine down as for ours."""
 
+    source_kind = SOURCE    # the messages' ``source``: the kind of server they come from
+
     def __init__(self, name: str, *, interval_s: float = 1.0, window_s: float = WINDOW_S) -> None:
         self.name = name
         # rank -> the prefix cache as the KV event stream says (`console.sources.kv_events`)
@@ -257,9 +262,13 @@ class VllmTranslator:
     def translate(self, text: str, now: float | None = None) -> list[list[schema.Buffer]]:
         now = time.time() if now is None else now
         frames: list[list[schema.Buffer]] = []
-        for label, sample in sorted(parse(text).items(), key=lambda kv: _rank_of(kv[0])):
+        for label, sample in sorted(self.parse(text).items(), key=lambda kv: _rank_of(kv[0])):
             frames.extend(self._engine_messages(label, sample, now))
         return frames
+
+    def parse(self, text: str) -> dict[str, EngineSample]:
+        """One scrape's series by engine, under vLLM's names (another kind maps its own)."""
+        return parse(text)
 
     def local(self, topic: str, body: dict[str, Any], now: float | None = None
               ) -> list[list[schema.Buffer]]:
@@ -295,7 +304,7 @@ class VllmTranslator:
             if body is None:
                 continue
             env = schema.make_envelope(self.name, rank, e.next_seq(topic), now)
-            yield schema.encode(topic, {**env, "source": SOURCE, **body})
+            yield schema.encode(topic, {**env, "source": self.source_kind, **body})
 
     # --- one body per topic ----------------------------------------------------------------
 
@@ -308,7 +317,7 @@ class VllmTranslator:
         state = "sleeping" if sleeping else ("running" if busy else "idle")
         return {"state": state, "uptime_s": now - e.first_ts,
                 "steps": int(it.count) if it else 0, "interval_s": self.interval_s,
-                "pid": None, "alerts_active": {}, "restart_count": 0,
+                "pid": None, "alerts_active": {}, "restart_count": 0, "model": s.model,
                 "sleep_state": next((k for k, v in sleep.items() if v), None)}
 
     def _step(self, s: EngineSample, prev: tuple[float, EngineSample] | None,

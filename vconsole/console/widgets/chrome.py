@@ -14,7 +14,13 @@ from textual.widgets import Static
 
 from vconsole.console import format as fmt
 from vconsole.console.engine_state import STALE_INTERVALS, EngineState
-from vconsole.console.keymap import DP_SCREEN, LETTER_SCREENS, SCREENS, TOOL_SCREENS
+from vconsole.console.keymap import (
+    DP_SCREEN,
+    FLEET_SCREEN,
+    LETTER_SCREENS,
+    SCREENS,
+    TOOL_SCREENS,
+)
 from vconsole.console.state import ConsoleState
 from vconsole.engine.kernel_cache import COMPILING, EXPECTED_BUILD, build_in_progress
 
@@ -43,6 +49,7 @@ class Frame:
     endpoints: str = ""
     address: str = ""         # where the engine is, when the app was told (the demo's base)
     dp_size: int = 0          # ranks in the watched data-parallel group; 0 for a lone engine
+    fleet: bool = False       # several targets are watched: the Fleet tab is shown
 
     @property
     def status(self) -> str:
@@ -50,7 +57,8 @@ class Frame:
 
     @classmethod
     def build(cls, st: ConsoleState, mode: str, selected: str | None, source: Source, *,
-              paused: bool, readonly_reason: str, endpoints: str, address: str = "") -> Frame:
+              paused: bool, readonly_reason: str, endpoints: str, address: str = "",
+              fleet: bool = False) -> Frame:
         """The frame of one refresh (under the state's lock): the ``selected`` engine (a key;
         None: the first) as ``source`` (the one that feeds it) says."""
         now = st.now()
@@ -68,7 +76,7 @@ class Frame:
             last_error=st.recent_error(now) or (
                 f"telemetry reader stopped: {source.error}" if source.error else None),
             endpoints=endpoints, address=address,
-            dp_size=st.dp_world_size(ranks) if ranks else 0)
+            dp_size=st.dp_world_size(ranks) if ranks else 0, fleet=fleet)
 
 
 STATUS_STYLE = {"running": "$success", "idle": "$accent", "draining": "$warning",
@@ -84,8 +92,10 @@ class TabBar(Static):
         width = self.content_size.width or 80
         brand = "[b $accent]vconsole[/] "
         dp = frame.dp_size > 1
-        lefts = [brand + self._tabs(frame.mode, full=True, dp=dp),
-                 self._tabs(frame.mode, full=True, dp=dp), self._tabs(frame.mode, full=False, dp=dp)]
+        fl = frame.fleet
+        lefts = [brand + self._tabs(frame.mode, full=True, dp=dp, fleet=fl),
+                 self._tabs(frame.mode, full=True, dp=dp, fleet=fl),
+                 self._tabs(frame.mode, full=False, dp=dp, fleet=fl)]
         flags = []
         if not frame.live and frame.source:    # a replay: where it is, and when it has ended
             flags.append(f"[$accent b]{fmt.escape(frame.source)}[/]")
@@ -128,9 +138,11 @@ class TabBar(Static):
         self.update(left_c + Content(" " * gap) + right_c)
 
     @staticmethod
-    def _tabs(current: str, *, full: bool, dp: bool = False) -> str:
+    def _tabs(current: str, *, full: bool, dp: bool = False, fleet: bool = False) -> str:
         tabs = []
         screens = {**SCREENS, **DP_SCREEN} if dp or current in DP_SCREEN else SCREENS
+        if fleet:
+            screens = {**FLEET_SCREEN, **screens}
         # Every screen has its tab, the lettered ones too: a screen nobody sees is never found.
         tools = {m: v for m, v in TOOL_SCREENS.items() if m == current}   # only while shown
         for mode, (key, title) in {**screens, **LETTER_SCREENS, **tools}.items():

@@ -43,6 +43,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from vconsole.engine.request import FinishReason
 from vconsole.shared.config import canonical_kv_cache_dtype
 from vconsole.telemetry.alerts import CRITICAL, RULES, WARNING
 from vconsole.telemetry.vllm_names import LATENCY_HISTOGRAMS
@@ -138,7 +139,7 @@ class RanksCollector(Collector):
             r = _Rank(out, [self._model_name, str(rank)])
             for topic, families in (("sched", _sched), ("kv", _kv), ("step", _step),
                                     ("latency", _latency), ("health", _health),
-                                    ("config", _config), ("dp", _dp)):
+                                    ("config", _config), ("dp", _dp), ("gpu", _gpu)):
                 body = bodies.get(topic)
                 if body is not None:
                     families(r, body)
@@ -168,6 +169,14 @@ def _sched(r: _Rank, b: dict[str, Any]) -> None:
             b["num_running"])
     r.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
             b["num_waiting"])
+    # vLLM's split of the waiting requests: ``capacity`` (queued for a seat, blocks or tokens:
+    # all of ours), ``deferred`` (held by a transient constraint: a structured-output grammar
+    # compiling, which our scheduler keeps beside the queue, not in vllm:num_requests_waiting).
+    r.per(GaugeMetricFamily, "vllm:num_requests_waiting_by_reason",
+          "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+          "scheduling capacity; 'deferred' = deferred by transient constraints (a grammar "
+          "compiling).", "reason",
+          (("capacity", b["num_waiting"]), ("deferred", b.get("num_compiling", 0))))
     r.gauge("vconsole:num_requests_preempted",
             "Of the waiting requests, those preempted and waiting to resume.", b["num_preempted"])
     r.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
@@ -234,6 +243,10 @@ def _step(r: _Rank, b: dict[str, Any]) -> None:
     r.gauge("vconsole:scheduler_share",
             "Schedule time / step time over the last telemetry window (0 when idle).",
             b["sched_share"])
+    if "step_time_p50_s" in b:
+        r.gauge("vconsole:step_time_p50_seconds",
+                "Median step time over the last telemetry window (0 when no step ran).",
+                b["step_time_p50_s"])
 
 
 def _latency(r: _Rank, b: dict[str, Any]) -> None:
@@ -241,9 +254,12 @@ def _latency(r: _Rank, b: dict[str, Any]) -> None:
     for series, (name, doc) in LATENCY_HISTOGRAMS.items():
         if series in hists:
             r.histogram(name, doc, hists[series])
+    # Every finish reason from the first scrape on, at 0 until one happens (as vLLM creates its
+    # label sets up front): a series born at 24 would hide its first 24 from rate().
+    finished = {**dict.fromkeys(map(str, FinishReason), 0), **(b.get("finished") or {})}
     r.per(CounterMetricFamily, "vllm:request_success",
           "Count of processed requests by finish reason.", "finished_reason",
-          sorted(b.get("finished", {}).items()))
+          sorted(finished.items()))
 
 
 def _health(r: _Rank, b: dict[str, Any]) -> None:
@@ -324,6 +340,22 @@ def _dp(r: _Rank, b: dict[str, Any]) -> None:
               b["sync_s_total"])
     r.gauge("vconsole:dp_sync_seconds_per_step", "All-reduce seconds per step.",
             b["sync_s_per_step"])
+
+
+def _gpu(r: _Rank, b: dict[str, Any]) -> None:
+    """The ``gpu`` topic (NVML): memory and utilisation per device, labelled ``device``
+    (its index); none without NVML or a GPU (the topic then names the reason)."""
+    devices = [d for d in b.get("devices") or () if isinstance(d, dict)]
+    for name, field, doc in (
+            ("vconsole:gpu_memory_used_bytes", "mem_used", "GPU memory in use, bytes (NVML)."),
+            ("vconsole:gpu_memory_total_bytes", "mem_total", "GPU memory, bytes (NVML)."),
+            ("vconsole:gpu_utilization_perc", "util",
+             "GPU utilisation, 0 to 1 (NVML's percent / 100).")):
+        scale = 0.01 if field == "util" else 1.0
+        values = [(str(d.get("index", i)), d[field] * scale)
+                  for i, d in enumerate(devices) if d.get(field) is not None]
+        if values:
+            r.per(GaugeMetricFamily, name, doc, "device", values)
 
 
 class MetricsServer:

@@ -1,0 +1,84 @@
+"""`vconsole top` with targets (``--target``, ``--fleet``, ``--discover``): the fleet's rows as
+JSON (``--once --json``: `vconsole.console.sources.fleet.snapshot.document`) or a table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from vconsole.commands import fail
+from vconsole.commands.attach_targets import targets_from
+from vconsole.telemetry.printable import printable
+
+
+def main_fleet(args: argparse.Namespace) -> int:
+    from vconsole.console.sources.fleet.snapshot import (
+        FleetWatch,
+        build_sources,
+        document,
+        snapshot,
+    )
+    from vconsole.console.sources.fleet.targets import TargetError
+
+    as_json = bool(getattr(args, "json", False))
+    timeout = float(getattr(args, "timeout", 10.0) or 10.0)
+    try:
+        targets = targets_from(args)
+    except TargetError as e:
+        return fail("top", e, 2)
+    if getattr(args, "once", False):
+        doc, problems = snapshot(targets, timeout)
+        for line in problems:
+            print(printable(f"vconsole top: {line}"), file=sys.stderr)
+        _print(doc, as_json)
+        return 0 if doc["aggregate"]["engines_up"] else 1
+    sources, problems = build_sources(targets)
+    for line in problems:
+        print(printable(f"vconsole top: {line}"), file=sys.stderr)
+    watch = FleetWatch(sources).start()
+    try:
+        while True:
+            time.sleep(1.0)
+            _print(document(watch.rows(), time.time()), as_json, flush=True)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        watch.stop()
+
+
+def _print(doc: dict[str, Any], as_json: bool, flush: bool = False) -> None:
+    from vconsole.commands.top import strict_json
+
+    if as_json:
+        print(strict_json(doc), flush=flush)
+        return
+    for line in table(doc):
+        print(printable(line), flush=flush)
+
+
+def _f(v: Any, spec: str, scale: float = 1.0) -> str:
+    return format(v * scale, spec) if isinstance(v, int | float) else "-"
+
+
+def _ms(v: Any) -> str:
+    return _f(v, ".0f", 1000) + "ms" if isinstance(v, int | float) else "-"
+
+
+def table(doc: dict[str, Any]) -> list[str]:
+    """One line per engine, then the fleet's."""
+    head = f"{'NAME':<18} {'KIND':<9} {'STATE':<8} {'RUN':>4} {'WAIT':>4} {'KV':>5} " \
+           f"{'TOK/S':>7} {'TTFT99':>7} {'ITL99':>7}"
+    lines = [time.strftime("%H:%M:%S"), head]
+    for e in doc["engines"]:
+        kv = _f(e["kv_usage"], ".0%") + ("~" if e["kv_usage_estimated"] else "")
+        lines.append(f"{e['name'][:18]:<18} {e['kind']:<9} {e['state']:<8} "
+                     f"{_f(e['running'], '.0f'):>4} {_f(e['waiting'], '.0f'):>4} {kv:>5} "
+                     f"{_f(e['gen_tok_s'], '.0f'):>7} {_ms(e['ttft_p99_s']):>7} {_ms(e['itl_p99_s']):>7}")
+    a = doc["aggregate"]
+    lines.append(f"{'fleet':<18} {'':<9} {str(a['engines_up']) + ' up':<8} "
+                 f"{_f(a['running'], '.0f'):>4} {_f(a['waiting'], '.0f'):>4} {'':>5} "
+                 f"{_f(a['gen_tok_s'], '.0f'):>7} {_ms(a['ttft_p99_s']):>7} {_ms(a['itl_p99_s']):>7}")
+    lines += [f"! {f['message']}" for f in doc["imbalance"]]
+    return lines
