@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vconsole.engine import omp_wait
 from vconsole.engine.config_source import ConfigSource
 from vconsole.engine.dp.rank.choose import process_role
 from vconsole.engine.launch import stack_dump
@@ -111,6 +112,7 @@ def _say(message: object) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    omp_wait.prefer_passive()     # before anything imports torch: see the module
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -169,6 +171,7 @@ def _serve(launch: EngineLaunch, *, escalate: bool = True, curve: Any = True,
     except ValueError as e:  # the model or the KV pool: the loader says why
         _fatal(failure_file, f"cannot start: {e}")
         return 1
+    _log_threads()
     freeze_startup_heap()
     proc.start()
     stack_dump.refresh_names()
@@ -185,6 +188,14 @@ def _serve(launch: EngineLaunch, *, escalate: bool = True, curve: Any = True,
         if front is not None:
             front.close()
     return proc.exit_code
+
+
+def _log_threads() -> None:
+    import torch
+
+    logging.getLogger("vconsole.engine").info(
+        "torch threads: %d; OpenMP threads wait: %s (OMP_WAIT_POLICY; vconsole.engine.omp_wait)",
+        torch.get_num_threads(), omp_wait.describe())
 
 
 def _torchrun_world() -> int:

@@ -63,6 +63,7 @@ RANK_ENV = frozenset({
     "TORCHINDUCTOR_CACHE_DIR",
     "VCONSOLE_CACHE", "VCONSOLE_KERNEL_CACHE", "VCONSOLE_ATTENTION_KERNEL", "VCONSOLE_CPU_LINEAR",
     "VCONSOLE_FORWARD", "VCONSOLE_STACKS_METHOD", "VCONSOLE_RUNTIME_DIR",
+    "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",     # `vconsole.engine.omp_wait`
 })
 SECRET_LIKE = re.compile(r"(^|_)(TOKEN|KEY|PASSWORD|PASSWD|CREDENTIALS?|AUTH)(_|$)|SECRET",
                          re.IGNORECASE)            # never forwarded, even if listed above

@@ -1,0 +1,53 @@
+"""How torch's OpenMP threads wait between two parallel regions, on a CPU-only engine.
+
+torch's CPU kernels run on one OpenMP thread per core. Between two regions GNU OpenMP's
+threads spin by default, and every region waits for its slowest thread: when another busy
+process holds one of the cores (a load generator, a publisher process restarting, a test
+beside it), the thread that lost its core holds up each region for a whole scheduler slice, and
+the engine slows many times over. Measured on a 2-core machine beside four other busy
+processes (`vconsole engine --model tiny`, `vconsole load --num 150 --concurrency 32`,
+alternated, three runs each): 179-686 output tok/s spinning, 3,282-4,512 passive (inter-token
+p99 0.5-1.1 s against 26-38 ms). Passive threads sleep between regions and wake on the next.
+
+So an engine on a machine without an NVIDIA GPU starts with ``OMP_WAIT_POLICY=PASSIVE``,
+unless the user chose a policy (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) themselves. The
+library reads its environment once, when torch is first imported: `prefer_passive` is called
+by the engine command before anything imports torch, and the processes it starts (supervised
+child, data-parallel ranks, Ray actors) inherit it.
+
+No torch here: it must run before torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+POLICY = "OMP_WAIT_POLICY"
+USER_KNOBS = (POLICY, "GOMP_SPINCOUNT")
+GPU_DEVICE = "/dev/nvidia0"
+
+
+def prefer_passive(environ: MutableMapping[str, str] | None = None, *,
+                   gpu: bool | None = None) -> str:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` (this process's by default) unless the
+    user chose a wait policy or the machine has an NVIDIA GPU (whose engine's host threads
+    hardly matter). Returns what is in effect, for the start-up line: ``passive``, ``active``,
+    ``spin N`` or ``library default``."""
+    env = os.environ if environ is None else environ
+    if gpu is None:
+        gpu = os.path.exists(GPU_DEVICE)
+    if not gpu and not any(k in env for k in USER_KNOBS):
+        env[POLICY] = "PASSIVE"
+    return describe(env)
+
+
+def describe(environ: MutableMapping[str, str] | None = None) -> str:
+    """The wait policy the environment asks for, in words."""
+    env = os.environ if environ is None else environ
+    policy = env.get(POLICY, "").strip().lower()
+    if policy in ("passive", "active"):
+        return policy
+    if env.get("GOMP_SPINCOUNT"):
+        return f"spin {env['GOMP_SPINCOUNT']}"
+    return "library default"
