@@ -123,7 +123,17 @@ def test_the_table_names_its_columns_gives_units_changes_and_the_baselines_own_e
     # plain word for each figure the model misses by more than its stated error
     base, variant = report["baseline"], report["variants"][0]
     assert pct(base["error"]["ttft_p99_s"]) in rows["ttft_p99_s"]
-    assert pct(variant["change_rel"]["ttft_p99_s"]) in rows["ttft_p99_s"]
+    if variant["overload"]["overloaded"]:
+        # a queue that grows for the whole trace: said first, with the capacity, and its
+        # waits read "grows" (a figure of the trace's length, not of the config)
+        assert "grows" in rows["ttft_p99_s"]
+        assert "overloaded: max_num_seqs=3 serves" in out
+        assert out.index("overloaded: max_num_seqs=3") < out.index("output tok/s")
+    else:
+        assert pct(variant["change_rel"]["ttft_p99_s"]) in rows["ttft_p99_s"]
+    # each prediction's interval beside it
+    stated = base["interval"]["stated"]["itl_p50_s"]
+    assert tolerance(stated) in rows["itl_p50_s"]
     assert f"median error {tolerance(report['model']['rel_error'])} per step" in out
     for k in base["rough"]:
         assert f"treat predicted {LABELS[k]} as rough" in out
@@ -147,3 +157,27 @@ def test_bad_input_is_refused_with_the_reason(live_trace, tmp_path, capsys):
     other.write_text(json.dumps(header) + "\n" + "".join(lines[1:]))
     code, _, err = _run(["whatif", str(live_trace), "--costs", str(other)], capsys)
     assert code == 2 and "small-gqa" in err and "tiny" in err
+
+
+def test_calibrate_measures_the_variant_s_shapes_and_keeps_them_beside_the_trace(
+        live_trace, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(live_trace.read_text())
+    argv = ["whatif", str(trace), "--set", "max_num_seqs=3", "--json", "--no-intervals"]
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    before = json.loads(out)
+    code, out, err = _run([*argv, "--calibrate"], capsys)
+    assert code == 0, err
+    calibrated = json.loads(out)
+    calib = read_trace(tmp_path / "t.calib.jsonl")
+    assert calib.header.model == "tiny"
+    assert {s.reqs for s in calib.steps if s.prefill == 0} >= {1, 2, 3, 4, 6}   # the grid's rows
+    assert calibrated["model"]["calibrated"] and not before["model"]["calibrated"]
+    assert calibrated["model"]["num_steps"] > before["model"]["num_steps"]
+    assert calibrated["variants"][0]["coverage"]["share"] \
+        < before["variants"][0]["coverage"]["share"]
+    # later predictions on the trace use it without being asked
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    assert json.loads(out)["model"]["calibration"]["steps"] == len(calib.steps)

@@ -87,6 +87,20 @@ def test_the_attention_kernel_check_says_where_it_is_or_why_not(monkeypatch):
     assert off.status == doctor.WARN and "switched off" in off.detail
 
 
+def test_the_int8_check_names_the_wide_step_path_and_warns_when_it_is_emulated(monkeypatch):
+    from vconsole.engine.worker import weight_quant
+
+    monkeypatch.setenv(weight_quant.PATH_ENV, "kernel")
+    kernel = doctor.check_int8_weights()
+    assert kernel.status == doctor.OK and kernel.detail.startswith("int8 · ")
+    assert kernel.detail.split()[2] in ("avx512", "avx2", "generic")
+    monkeypatch.setenv(weight_quant.PATH_ENV, "bf16")
+    monkeypatch.setattr(weight_quant, "native_bf16", lambda flags=None: False)
+    slow = doctor.check_int8_weights()
+    assert slow.status == doctor.WARN and "emulated bfloat16" in slow.detail
+    assert weight_quant.EMULATED_BF16_COST in slow.detail
+
+
 def test_the_real_model_check_says_whether_it_is_installed_and_converted(monkeypatch, tmp_path):
     from vconsole.engine.worker import gguf_model
 

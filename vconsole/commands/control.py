@@ -127,6 +127,10 @@ def _show(value: Any) -> str:
 
 
 def main_set(args: argparse.Namespace) -> int:
+    if getattr(args, "fleet", None):
+        from vconsole.commands.control_fleet import main_set_fleet
+
+        return main_set_fleet(args)
     try:
         values = parse_pairs(args.pairs)
     except ValueError as e:

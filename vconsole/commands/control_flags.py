@@ -14,6 +14,11 @@ def add_parsers(subparsers: SubParsers) -> None:
     p.add_argument("pairs", nargs="+", metavar="KEY=VALUE")
     p.add_argument("--rank", type=int, metavar="R",
                    help="data parallel: change only rank R (default: every rank)")
+    p.add_argument("--fleet", metavar="FILE",
+                   help="change every engine of ours in this fleet file (docs/fleet.md), one at "
+                        "a time, after listing them and asking once")
+    p.add_argument("--yes", action="store_true",
+                   help="with --fleet: do not ask (for scripts)")
 
     p = add_command(subparsers, "get", "vconsole.commands.control:main_get",
                     "print the engine's effective config")

@@ -58,6 +58,13 @@ def main(args: argparse.Namespace) -> int:
     if problem:
         _say(problem)
         return exit_codes.CANNOT_START
+    if args.otlp_traces_endpoint:
+        from vconsole.entrypoints.openai.tracing import check_endpoint
+        try:
+            check_endpoint(args.otlp_traces_endpoint)
+        except (ValueError, RuntimeError) as e:
+            _say(e)
+            return exit_codes.CANNOT_START
     chat_template = None
     if args.chat_template:
         try:
@@ -185,6 +192,9 @@ def _serve_http(args: argparse.Namespace, sock: socket.socket, endpoints: dict[s
                             chat_template=chat_template,
                             tool_call_parser=(args.tool_call_parser
                                               if args.enable_auto_tool_choice else None))
+    if args.otlp_traces_endpoint:
+        from vconsole.entrypoints.openai.tracing import RequestTracer
+        serving.tracer = RequestTracer(args.otlp_traces_endpoint)
     app = build_app(serving, api_key=api_key, engine_metrics_url=metrics_url,
                     version=__version__)
     print(f"vconsole serve: http://{args.host}:{args.port}/v1 in front of the engine at "

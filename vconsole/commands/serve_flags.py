@@ -38,6 +38,12 @@ def add_parsers(subparsers: SubParsers) -> None:
     g.add_argument("--tool-call-parser", metavar="NAME",
                    help="how tool calls are read from the text: hermes (<tool_call> blocks, "
                         "the format of Qwen2, Hermes and SmolLM-family templates)")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="send a span per request to this OpenTelemetry collector, OTLP over "
+                        "HTTP/protobuf (e.g. http://127.0.0.1:4318/v1/traces), with vLLM's "
+                        "attribute names; a caller's traceparent header is honoured (as "
+                        "vLLM's flag; needs opentelemetry-sdk and "
+                        "opentelemetry-exporter-otlp-proto-http)")
     g.add_argument("--engine-ready-file", metavar="PATH",
                    help="front the engine that wrote this ready file (`vconsole engine "
                         "--ready-file PATH`) instead of starting one")

@@ -10,7 +10,9 @@ from typing import Any
 
 from vconsole.commands import fail
 from vconsole.telemetry.request_trace import FIGURES, TraceError, read_trace
+from vconsole.whatif.calibration import calibration_path
 from vconsole.whatif.cost_model import TooLittleTraffic
+from vconsole.whatif.overload import overload_line
 from vconsole.whatif.predict import (
     KV_BLOCKS,
     ROW_LABELS,
@@ -40,12 +42,31 @@ def main(args: argparse.Namespace) -> int:
             and costs.header.model != trace.header.model:
         return fail("whatif", f"--costs was recorded on {costs.header.model!r}, the trace on "
                     f"{trace.header.model!r}: one model's step costs cannot time another's", 2)
+    calibration = None
+    calib_path = calibration_path(args.file)
+    if args.calibrate:
+        from vconsole.tools.whatif_calibrate import calibrate
+
+        try:
+            calib_path, calibration = calibrate(trace, args.file, variants,
+                                                progress=None if args.json else _progress)
+        except (TooLittleTraffic, RuntimeError, ValueError, OSError) as e:
+            return fail("whatif", f"calibration failed: {e}", 1)
+    elif calib_path.exists():
+        try:
+            calibration = read_trace(calib_path)
+        except TraceError as e:
+            return fail("whatif", f"the calibration beside the trace is unusable: {e}", 2)
     try:
-        report = whatif(trace, variants, costs=costs)
+        report = whatif(trace, variants, costs=costs, calibration=calibration,
+                        intervals=not args.no_intervals)
     except (TooLittleTraffic, ValueError) as e:
         return fail("whatif", e, 2)
     except RuntimeError as e:        # a variant under which the simulation stalls
         return fail("whatif", e, 1)
+    if calibration is not None:
+        report["model"]["calibration"] = {"file": str(calib_path),
+                                          "steps": len(calibration.steps)}
     if args.validate:
         from vconsole.tools.whatif_validate import validate
 
@@ -65,6 +86,8 @@ def _progress(line: str) -> None:
 
 
 WIDTH = 80              # the text report fits a terminal this wide
+GROWS = "grows"         # an overloaded variant's wait: it grows with the trace's length
+QUEUE_FIGURES = ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s")
 GAP = "  "
 MARK = "!"              # beside a prediction of a figure the model misses on the baseline
 
@@ -172,7 +195,20 @@ def format_report(report: dict[str, Any]) -> str:
             [figure(k, entry["validated"]) for k in ROWS],
             [f"({pct(err.get(k))})" if k in FIGURES else "" for k in ROWS]])
 
-    now = _Column("predicted now", [[figure(k, base["predicted"]) for k in ROWS], marks()])
+    def stated(entry: dict[str, Any]) -> list[str]:
+        """Each figure's interval as its relative half-width (``±4.2%``)."""
+        st = (entry.get("interval") or {}).get("stated") or {}
+        return [tolerance(st[k]) if k in FIGURES and st.get(k) is not None else ""
+                for k in ROWS]
+
+    def values(entry: dict[str, Any], variant: bool) -> list[str]:
+        """The predicted figures; an overloaded variant's waits read ``grows`` (a figure of
+        the trace's length, not of the config)."""
+        over = variant and (entry.get("overload") or {}).get("overloaded")
+        return [GROWS if over and k in QUEUE_FIGURES else figure(k, entry["predicted"])
+                for k in ROWS]
+
+    now = _Column("predicted now", [values(base, False), stated(base), marks()])
     first: list[_Column] = []
     if obs is not None:
         first.append(_Column("observed", [[figure(k, obs) for k in ROWS]]))
@@ -186,18 +222,31 @@ def format_report(report: dict[str, Any]) -> str:
     units: list[list[_Column]] = []
     for v in variants:
         change = change_rel(v["predicted"], base["predicted"])
+        over = (v.get("overload") or {}).get("overloaded")
         units.append([_Column(f"predicted {_named(v['set'])}", [
-            [figure(k, v["predicted"]) for k in ROWS],
-            [pct(change.get(k)) if k in FIGURES and change.get(k) is not None else ""
-             for k in ROWS], marks()])])
+            values(v, True),
+            [pct(change.get(k)) if k in FIGURES and change.get(k) is not None
+             and not (over and k in QUEUE_FIGURES) else "" for k in ROWS],
+            stated(v), marks()])])
         if (col := real(v)) is not None:
             units[-1].append(col)
 
     t = report["trace"]
+    calib = model.get("calibration")
+    of_calib = f" ({calib['steps']:,} of a calibration's)" if calib else ""
     lines = [f"trace: {t['requests']:,} requests, {t['steps']:,} steps, {t['duration_s']:.1f} s "
              f"on {t['model']}",
-             f"step-time model: fitted on {model['num_steps']:,} steps, median error "
+             f"step-time model: fitted on {model['num_steps']:,} steps{of_calib}, median error "
              f"{tolerance(model['rel_error'])} per step"]
+    shape_err = model.get("shape_error")
+    if shape_err:
+        lines.append(f"per batch shape: {tolerance(shape_err['inside'])} on the shapes it "
+                     f"was fitted on, {tolerance(shape_err['outside'])} beyond them")
+    named = [("the trace's own config", base)] + [(_named(v["set"]), v) for v in variants]
+    for name, entry in named:
+        if (entry.get("overload") or {}).get("overloaded"):
+            lines += textwrap.wrap(overload_line(name, entry["overload"]), WIDTH,
+                                   subsequent_indent="  ")
     if obs is None:
         lines.append("no observed figures (a CSV trace): nothing checks the baseline")
     else:
@@ -205,14 +254,28 @@ def format_report(report: dict[str, Any]) -> str:
                      "error")
     if variants:
         lines.append("predicted K=V: the change, simulated; its % is against predicted now")
+    if base.get("interval"):
+        lines.append("±: each prediction's interval (noise reseeded, step costs moved by "
+                     "their error)")
     if any(e.get("validated") is not None for e in (base, *variants)):
         lines.append("real engine: that config run on the trace; (%): the prediction's error")
     lines += [""] + _tables(labels, first, now, units)
-    notes = [rough_note(k, base["error"][k]) for k in FIGURES if k in flagged]
+    per_figure = ((base.get("interval") or {}).get("stated")) or None
+    notes = [rough_note(k, base["error"][k], per_figure.get(k) if per_figure else None)
+             for k in FIGURES if k in flagged]
     if notes:
-        lines += ["", f"{MARK} {rough_heading(model['rel_error'])}"]
+        lines += ["", f"{MARK} {rough_heading(None if per_figure else model['rel_error'])}"]
     for note in notes:
         lines += textwrap.wrap(note, WIDTH, initial_indent="  ", subsequent_indent="    ")
+    for name, entry in named:
+        cov = entry.get("coverage") or {}
+        if cov.get("warn"):
+            eg = f" (e.g. {cov['examples'][0]})" if cov.get("examples") else ""
+            err = f", where its error is {tolerance(shape_err['outside'])}" if shape_err else ""
+            lines += [""] + textwrap.wrap(
+                f"outside the fit: {cov['share']:.0%} of the steps of {name} are of batch "
+                f"shapes the step-time model was not fitted on{eg}{err}; measure them with "
+                f"--calibrate", WIDTH)
     rejected = [_named(v["set"]) for v in variants if v["predicted"].get("rejected")]
     if rejected:
         lines += [""] + textwrap.wrap(

@@ -27,4 +27,11 @@ def add_parsers(subparsers: SubParsers) -> None:
                    help="also run the real engine on the trace for the baseline and each "
                         "variant (the trace's model, as long as the trace) and print the "
                         "prediction errors")
+    p.add_argument("--calibrate", action="store_true",
+                   help="first measure the step costs of the shapes the variants need (rows x "
+                        "context x prefill chunk) on an engine of the trace's model started "
+                        "for it, kept beside the trace as FILE.calib.jsonl; every later "
+                        "prediction on FILE uses it")
+    p.add_argument("--no-intervals", action="store_true",
+                   help="skip the intervals (each costs four more simulations per variant)")
     p.add_argument("--json", action="store_true", help="print JSON")

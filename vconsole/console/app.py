@@ -54,7 +54,7 @@ from textual.worker import get_current_worker
 
 from vconsole.console import keymap
 from vconsole.console.control_link import Control
-from vconsole.console.engine_state import EngineState
+from vconsole.console.engine_state import Alert, EngineState
 from vconsole.console.pacer import RefreshPacer
 from vconsole.console.palette import CommandHost, ConsoleCommands
 from vconsole.console.plans import Ask, Notice, Outcome, Plan
@@ -74,6 +74,7 @@ from vconsole.console.screens.requests import RequestsScreen
 from vconsole.console.screens.stacks import StacksScreen
 from vconsole.console.screens.trends import TrendsScreen
 from vconsole.console.screens.whatif import WhatIfScreen
+from vconsole.console.sources.fleet.imbalance import FleetAlerts, findings
 from vconsole.console.sources.fleet.rows import Fleet
 from vconsole.console.sources.source import Source
 from vconsole.console.sources.stream import ZmqSource
@@ -125,6 +126,8 @@ class VConsoleApp(App[None]):
         each in ``sources``): the Fleet screen comes first, and nothing is steered."""
         super().__init__()
         self.fleet = fleet
+        self.fleet_alerts = FleetAlerts()
+        self._fleet_checked = 0.0
         self.state = ConsoleState()
         endpoints = list(telemetry_endpoints or [])
         self.sources: list[Source] = [*sources, *([source] if source is not None else [])]
@@ -209,9 +212,25 @@ class VConsoleApp(App[None]):
 
     def _tick(self) -> None:
         self.state.mark_down()
+        if self.fleet is not None:
+            self._fleet_alerts()
         self.steering.refetch_on_reconnect()
         if self.pacer.tick_due():
             self.refresh_view()
+
+    def _fleet_alerts(self) -> None:
+        """Once a second: the fleet's findings raised and cleared as alerts (Alerts screen)."""
+        now = self.state.now()
+        if now - self._fleet_checked < 1.0 or self.fleet is None:
+            return
+        self._fleet_checked = now
+        with self.state.lock:
+            rows = self.fleet.rows(self.state, now)
+        for f, raised in self.fleet_alerts.changes(findings(rows, now)):
+            evidence = ", ".join(f"{k} {v}" for k, v in f.evidence.items())
+            self.state.note_alert(Alert(
+                now, f.engine, 0, f"fleet {f.rule}", f.level if raised else "ok",
+                None, None, f"{f.message} ({evidence})" if raised else f"{f.message}: cleared"))
 
     def current_engine(self) -> EngineState | None:
         return self.state.engine(self.selected_engine)

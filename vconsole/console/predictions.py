@@ -16,8 +16,11 @@ screen already predicted) is answered at once (`peek`).
 
 Honesty about its own error: each prediction carries the trace's observed figures (``live``)
 beside the simulated "now", so the model's miss on this very traffic is shown per figure
-(`Prediction.error`); a figure it misses by more than the step-time model's stated error is
-rough on every prediction of it (`Prediction.rough`, marked `MARK`).
+(`Prediction.error`), and an interval per figure (`vconsole.whatif.intervals`: the noise
+reseeded, the step costs moved by their error); a figure "now" misses by more than its
+interval is rough on every prediction of it (`Prediction.rough`, marked `MARK`). A change
+that serves fewer requests per second than arrive says so first, with its capacity, and its
+waits read "grows" (`vconsole.whatif.overload`).
 
 Honesty, never a guess: a change with a key no simulation models is "not predicted" with the
 reason (`vconsole.whatif.predict.check_key`); a trace with too little traffic says "too little
@@ -38,12 +41,15 @@ from typing import Any
 
 from vconsole.console import format as fmt
 from vconsole.telemetry.request_trace import FIGURES, Trace, TraceError, parse_lines
+from vconsole.whatif.intervals import shape_error
+from vconsole.whatif.overload import overload_line
 from vconsole.whatif.predict import (
     KV_BLOCKS,
     LABELS,
     MODELLED,
     Baseline,
     TooLittleTraffic,
+    assess,
     check_key,
     check_traffic,
     errors,
@@ -65,6 +71,9 @@ MARK = "!"                       # beside a prediction of a figure "now" misses 
                                  # than the step-time model's stated error (`Prediction.rough`)
 SHORT = {"output_tok_s": "tok/s", "ttft_p99_s": "TTFT p99", "itl_p99_s": "ITL p99",
          "preemptions": "preempt"}
+
+GROWS = "grows"                  # an overloaded change's wait: a figure of the trace's length
+QUEUE_FIGURES = ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s")
 
 PENDING, READY, NOT_PREDICTED, TOO_LITTLE, UNAVAILABLE, FAILED = (
     "pending", "ready", "not predicted", "too little traffic", "unavailable", "failed")
@@ -101,10 +110,48 @@ class Prediction:
     after: dict[str, Any] = field(default_factory=dict)
     live: dict[str, Any] = field(default_factory=dict)
     trace: TraceInfo | None = None
+    # What each side knows of itself (`vconsole.whatif.predict.assess`): ``interval``
+    # (bounds and stated error per figure), ``overload`` (the verdict, the capacity) and
+    # ``coverage`` (the share of its steps outside the fitted shapes).
+    before_info: dict[str, Any] = field(default_factory=dict)
+    after_info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
         return self.status == READY
+
+    @property
+    def stated(self) -> dict[str, float | None]:
+        """Each figure's stated error on "now" (its interval's half-width), {} without."""
+        return dict((self.before_info.get("interval") or {}).get("stated") or {})
+
+    @property
+    def after_stated(self) -> dict[str, float | None]:
+        """Each figure's stated error on "after", {} without."""
+        return dict((self.after_info.get("interval") or {}).get("stated") or {})
+
+    @property
+    def overloaded(self) -> bool:
+        """The change serves fewer requests per second than the trace's arrive."""
+        return bool((self.after_info.get("overload") or {}).get("overloaded"))
+
+    def overload_line(self) -> str:
+        """``overloaded: this change serves 14.6 req/s (2,370 output tok/s), 19.8 arrive:
+        ...`` (plain text; empty when it keeps up)."""
+        if not self.overloaded:
+            return ""
+        return overload_line("this change" if self.change else "the live config",
+                             self.after_info["overload"])
+
+    def coverage_line(self) -> str:
+        """``62% of the steps with the change are of batch shapes the step-time model was
+        not fitted on: calibrate (vconsole whatif --calibrate)`` (empty when covered)."""
+        cov = self.after_info.get("coverage") or {}
+        if not cov.get("warn"):
+            return ""
+        return (f"{cov['share']:.0%} of the steps with the change are of batch shapes the "
+                f"step-time model was not fitted on (its interval is wider there): measure "
+                f"them with vconsole whatif --calibrate")
 
     @property
     def error(self) -> dict[str, float | None]:
@@ -116,6 +163,8 @@ class Prediction:
     def rough(self) -> list[str]:
         """The figures "now" misses by more than the step-time model's stated error: every
         prediction of them is rough (`vconsole.whatif.predict.rough`)."""
+        if self.stated:
+            return rough(self.error, self.stated)
         if self.trace is None or self.trace.model_error is None:
             return []
         return rough(self.error, self.trace.model_error)
@@ -125,12 +174,18 @@ class Prediction:
         those predictions as rough`` (plain text; empty when none is). The figures are named
         while that fits ``width`` (their errors are beside them), else counted."""
         keys = self.rough
-        if not keys or self.trace is None or self.trace.model_error is None:
+        if not keys:
             return ""
         names = [LABELS[k] for k in keys]
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         which = "that prediction" if len(keys) == 1 else "those predictions"
-        head = f"now misses live by more than the model's {tolerance(self.trace.model_error)} on "
+        if self.stated:
+            head = "now misses live by more than its interval on "
+        elif self.trace is not None and self.trace.model_error is not None:
+            head = (f"now misses live by more than the model's "
+                    f"{tolerance(self.trace.model_error)} on ")
+        else:
+            return ""
         tail = f": treat {which} as rough"
         if len(head + listed + tail) > width:
             listed = f"{len(keys)} of {len(FIGURES)} figures (marked {MARK})"
@@ -200,8 +255,9 @@ class WhatIf:
 
     def __init__(self, fetch: Callable[[], str] | None, *, unavailable: str = NO_CHANNEL,
                  max_age_s: float = TRACE_MAX_AGE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, intervals: bool = True) -> None:
         self.fetch = fetch
+        self.intervals = intervals             # each prediction's interval (4 more runs)
         self.unavailable = unavailable
         self.max_age_s = max_age_s
         self.clock = clock
@@ -213,6 +269,8 @@ class WhatIf:
         self._fetched_at = -1e18
         self._base: Baseline | None = None
         self._before: dict[str, Any] = {}
+        self._before_info: dict[str, Any] = {}
+        self._cost_error: dict[str, float] | None = None
         self._live: dict[str, Any] = {}
         self._memo: dict[tuple[tuple[str, str], ...], Prediction] = {}
 
@@ -248,6 +306,7 @@ class WhatIf:
         assert self.fetch is not None
         self._memo = {}
         self._base, self._before, self._live = None, {}, {}
+        self._before_info, self._cost_error = {}, None
         self._error = None
         self._fetched_at = self.clock()
         try:
@@ -274,7 +333,11 @@ class WhatIf:
             return self._error
         try:
             self._base = Baseline(trace)
-            self._before = predicted(self._base.run({}))
+            self._cost_error = (shape_error(self._base.fit_steps, self._base.model)
+                                if self.intervals else None)
+            run = self._base.run({})
+            self._before = predicted(run)
+            self._before_info = assess(self._base, {}, run, self._before, self._cost_error)
         except TooLittleTraffic as e:
             self._error = Prediction(TOO_LITTLE, reason=_too_little(str(e)), trace=self._info)
             return self._error
@@ -319,7 +382,12 @@ class WhatIf:
             return done
         assert self._base is not None
         try:
-            after = predicted(self._base.run(values)) if values else dict(self._before)
+            if values:
+                run = self._base.run(values)
+                after = predicted(run)
+                after_info = assess(self._base, values, run, after, self._cost_error)
+            else:
+                after, after_info = dict(self._before), dict(self._before_info)
         except ValueError as e:
             result = Prediction(NOT_PREDICTED, change, str(e), trace=self._info)
         except Exception as e:   # this change only: the batch's other predictions stand
@@ -327,7 +395,8 @@ class WhatIf:
                                 f"{type(e).__name__}: {e}", trace=self._info)
         else:
             result = Prediction(READY, change, before=self._before, after=after,
-                                live=self._live, trace=self._info)
+                                live=self._live, trace=self._info,
+                                before_info=self._before_info, after_info=after_info)
         self._memo[key] = result
         return result
 
@@ -398,17 +467,27 @@ def box_markup(p: Prediction) -> str:
         return f"[{style}]{fmt.escape(p.headline())}[/]"
     source = p.trace.describe() if p.trace else "the engine's trace"
     flagged = p.rough
-    lines = [f"[b]predicted[/] [$text-muted]from the engine's last {source}:[/]",
-             f"[$text-muted]{'':14}{'now':>8}   {'after':<10}{'':7} {'live':>8}[/]"]
+    stated = p.after_stated
+    lines = [f"[b]predicted[/] [$text-muted]from the engine's last {source}:[/]"]
+    if p.overloaded:
+        lines.append(f"[$warning]{fmt.escape(p.overload_line())}[/]")
+    lines.append(f"[$text-muted]{'':14}{'now':>8}   {'after':<10}{'':7} {'±':>6} "
+                 f"{'live':>8}[/]")
     for k in SHOWN:
         b, a, live = p.before.get(k), p.after.get(k), p.live.get(k)
-        after = figure(k, a)
+        grows = p.overloaded and k in QUEUE_FIGURES
+        after = GROWS if grows else figure(k, a)
         mark = f" [$warning]{MARK}[/]" if k in flagged else "  "
+        change = "" if grows else change_pct(b, a)
+        width = tolerance(stated[k]) if stated.get(k) is not None else ""
         lines.append(f"  {LABELS[k]:<12}{figure(k, b):>8} → {after}{mark}"
                      f"{'':{max(0, 8 - len(after))}}"
-                     f"[{change_style(k, b, a)}]{change_pct(b, a):>7}[/] "
-                     f"[$text-muted]{figure(k, live):>8}[/]")
+                     f"[{change_style(k, b, a)}]{change:>7}[/] "
+                     f"[$text-muted]{width:>6} {figure(k, live):>8}[/]")
     note = p.rough_line()
     if note and any(k in flagged for k in SHOWN):
         lines.append(f"[$warning]{MARK} {fmt.escape(note)}[/]")
+    cover = p.coverage_line()
+    if cover:
+        lines.append(f"[$text-muted]{fmt.escape(cover)}[/]")
     return "\n".join(lines)

@@ -177,6 +177,18 @@ class ConsoleState:
         else:
             self.active_alerts[key] = alert
 
+    def note_alert(self, alert: Alert) -> None:
+        """An alert the console found itself (a fleet's imbalance): listed, and active until
+        an ``ok`` of the same engine and name."""
+        with self.lock:
+            self.alerts.append(alert)
+            key = (f"{alert.engine}/{alert.rank}", alert.name)
+            if alert.level == "ok":
+                self.active_alerts.pop(key, None)
+            else:
+                self.active_alerts[key] = alert
+            self.generation += 1
+
     def _set_config(self, reply: dict[str, Any], recv_ts: float, origin: str) -> None:
         values = reply.get("values")
         if not isinstance(values, dict):

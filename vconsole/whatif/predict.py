@@ -24,7 +24,11 @@ from vconsole.telemetry.request_trace import (
     figures,
     finished_normally,
 )
+from vconsole.whatif.calibration import leveled
 from vconsole.whatif.cost_model import StepCostModel, TooLittleTraffic, fit
+from vconsole.whatif.coverage import Coverage
+from vconsole.whatif.intervals import interval, interval_runs, shape_error
+from vconsole.whatif.overload import verdict
 from vconsole.whatif.simulate import SimResult, config_replace, engine_config, simulate
 
 # Keys a simulation honours: the scheduler's (hot) and the pool's (capacity).
@@ -81,7 +85,8 @@ def check_traffic(trace: Trace) -> str | None:
 class Baseline:
     """The trace's own engine: its config, pool and the fitted step-time model."""
 
-    def __init__(self, trace: Trace, costs: Trace | None = None) -> None:
+    def __init__(self, trace: Trace, costs: Trace | None = None,
+                 calibration: Trace | None = None) -> None:
         h = trace.header
         if h.source == "csv" and costs is None:
             raise TooLittleTraffic("a CSV trace has no step records: give a vconsole trace "
@@ -90,7 +95,15 @@ class Baseline:
         if reason:
             raise TooLittleTraffic(reason)
         source = costs or trace
-        self.model: StepCostModel = fit(source.steps)
+        if calibration is not None:
+            check_calibration(calibration, source)
+        # The steps the step-time model is fitted on: the trace's own, and a calibration's
+        # grid of shapes when there is one (`vconsole whatif --calibrate`).
+        self.fit_steps: list[StepRecord] = source.steps + (
+            leveled(source.steps, calibration.steps) if calibration else [])
+        self.calibrated = calibration is not None
+        self.model: StepCostModel = fit(self.fit_steps)
+        self.coverage = Coverage.of(self.fit_steps)
         sh = source.header
         self.trace = trace
         try:
@@ -148,14 +161,29 @@ class Baseline:
                              f"bytes per token in {dtype}")
         return int(bpt)
 
-    def run(self, values: dict[str, Any]) -> SimResult:
+    def run(self, values: dict[str, Any], *, model: StepCostModel | None = None,
+            seed: int = 0, trace: Trace | None = None) -> SimResult:
+        """The variant ``values`` simulated on the trace (or on ``trace``: the same requests
+        otherwise timed, `vconsole.whatif.overload.saturated`), with this baseline's model
+        (or ``model``) and noise seed."""
         config, blocks = self.sized(values)
-        changes = [(t, config_replace(c, {k: v for k, v in values.items()
-                                          if k in SCHEDULER_KEYS}))
-                   for t, c in self.changes]
-        return simulate(self.trace, config, blocks, self.model,
+        changes = [] if trace is not None else [
+            (t, config_replace(c, {k: v for k, v in values.items() if k in SCHEDULER_KEYS}))
+            for t, c in self.changes]
+        return simulate(trace or self.trace, config, blocks, model or self.model,
                         max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                        config_changes=changes)
+                        config_changes=changes, seed=seed)
+
+
+def check_calibration(calibration: Trace, trace: Trace) -> None:
+    """A calibration measured on another model (or block size) than the trace cannot time it:
+    ValueError with both names."""
+    a, b = calibration.header, trace.header
+    if a.model and b.model and a.model != b.model:
+        raise ValueError(f"the calibration was measured on {a.model!r}, the trace on "
+                         f"{b.model!r}: one model's step costs cannot time another's")
+    if not [s for s in calibration.steps if s.prefill + s.decode > 0]:
+        raise ValueError("the calibration holds no step that computed tokens")
 
 
 def _kv_peak_blocks(steps: list[StepRecord]) -> int | None:
@@ -238,22 +266,35 @@ def tolerance(model_error: float) -> str:
     return "±" + pct(model_error).lstrip("+")
 
 
-def rough(error: Mapping[str, float | None], model_error: float) -> list[str]:
+def rough(error: Mapping[str, float | None],
+          stated: float | Mapping[str, float | None]) -> list[str]:
     """The figures whose predicted baseline misses what the trace observed by more than the
-    model's stated error (the step-time model's median error per step), compared as both are
-    shown (`pct`, `tolerance`): a prediction of such a figure is rough, whatever the change."""
-    limit = abs(_as_shown(model_error))
-    return [k for k in FIGURES if (e := error.get(k)) is not None and abs(_as_shown(e)) > limit]
+    model's stated error, compared as both are shown (`pct`, `tolerance`): a prediction of
+    such a figure is rough, whatever the change. ``stated``: one error for every figure (the
+    step-time model's median error per step), or one per figure (each figure's interval,
+    `vconsole.whatif.intervals`; a figure without one is judged by none)."""
+    out = []
+    for k in FIGURES:
+        e = error.get(k)
+        limit = stated.get(k) if isinstance(stated, Mapping) else stated
+        if e is not None and limit is not None and abs(_as_shown(e)) > abs(_as_shown(limit)):
+            out.append(k)
+    return out
 
 
-def rough_note(key: str, error: float) -> str:
-    """``TTFT p99 by +68%: treat predicted TTFT p99 as rough``, under `rough_heading`."""
+def rough_note(key: str, error: float, stated: float | None = None) -> str:
+    """``TTFT p99 by +68%: treat predicted TTFT p99 as rough`` (with ``stated``: ``TTFT p99
+    by +68%, stated ±12%: ...``), under `rough_heading`."""
     name = LABELS.get(key, key)
-    return f"{name} by {pct(error)}: treat predicted {name} as rough"
+    within = "" if stated is None else f", stated {tolerance(stated)}"
+    return f"{name} by {pct(error)}{within}: treat predicted {name} as rough"
 
 
-def rough_heading(model_error: float, baseline: str = "the baseline") -> str:
-    """``the model misses the baseline by more than its stated ±8.1% on:``."""
+def rough_heading(model_error: float | None, baseline: str = "the baseline") -> str:
+    """``the model misses the baseline by more than its stated ±8.1% on:`` (None: each
+    figure's own stated error, given in its note)."""
+    if model_error is None:
+        return f"the model misses {baseline} by more than its stated error on:"
     return f"the model misses {baseline} by more than its stated {tolerance(model_error)} on:"
 
 
@@ -271,41 +312,74 @@ def config_view(base: Baseline, values: dict[str, Any]) -> dict[str, Any]:
     return view
 
 
+def assess(base: Baseline, values: dict[str, Any], result: SimResult, pred: dict[str, Any],
+           cost_error: Mapping[str, float] | None) -> dict[str, Any]:
+    """What a prediction knows of itself: ``coverage`` (the share of its steps outside the
+    shapes the model was fitted on), ``overload`` (the verdict and the capacity), and with
+    ``cost_error`` (`shape_error`) ``interval`` (each figure's bounds and stated error,
+    `vconsole.whatif.intervals`)."""
+    out: dict[str, Any] = {"coverage": base.coverage.outside(result.steps)}
+    out["overload"] = verdict(base.trace, lambda t: base.run(values, trace=t), result)
+    if cost_error is not None:
+        error = cost_error["outside" if out["coverage"]["warn"] else "inside"]
+        runs = interval_runs(lambda m, seed: predicted(base.run(values, model=m, seed=seed)),
+                             base.model, error)
+        out["interval"] = {**interval(pred, runs), "cost_error": error}
+    return out
+
+
 def whatif(trace: Trace, variants: list[dict[str, Any]], *,
-           costs: Trace | None = None) -> dict[str, Any]:
+           costs: Trace | None = None, calibration: Trace | None = None,
+           intervals: bool = True) -> dict[str, Any]:
     """The what-if report: ``{"baseline": {"config", "observed", "predicted", "error",
-    "rough"}, "variants": [{"set", "config", "predicted", "change", "change_rel", "rough"}],
-    "model": ...}``. ``change``: each figure's predicted value over the predicted baseline's
-    (the model's own bias cancels); ``change_rel`` the same less one (-0.2: 20% less).
-    ``error``: the predicted baseline against what the trace observed, per figure; ``rough``:
-    the figures where that error is beyond the model's stated one (``model.rel_error``), so
-    every prediction of them is rough (empty, and no ``error``, for a CSV trace: nothing
-    observed to check against)."""
-    base = Baseline(trace, costs)
-    base_pred = predicted(base.run({}))
+    "rough", ...}, "variants": [{"set", "config", "predicted", "change", "change_rel",
+    "rough", ...}], "model": ...}``. ``change``: each figure's predicted value over the
+    predicted baseline's (the model's own bias cancels); ``change_rel`` the same less one
+    (-0.2: 20% less). ``error``: the predicted baseline against what the trace observed, per
+    figure; ``rough``: the figures where that error is beyond the stated one (each figure's
+    interval with ``intervals``, else the step-time model's ``model.rel_error``), so every
+    prediction of them is rough (empty, and no ``error``, for a CSV trace: nothing observed
+    to check against). Each entry also has ``coverage``, ``overload`` and (``intervals``)
+    ``interval``: `assess`. ``calibration``: a `--calibrate` run's steps, fitted with the
+    trace's."""
+    base = Baseline(trace, costs, calibration)
+    cost_error = shape_error(base.fit_steps, base.model) if intervals else None
+    base_run = base.run({})
+    base_pred = predicted(base_run)
+    model = base.model.to_dict()
+    model["calibrated"] = base.calibrated
+    if cost_error is not None:
+        model["shape_error"] = cost_error
     report: dict[str, Any] = {
         "trace": {"requests": len(trace.requests), "steps": len(trace.steps),
                   "duration_s": round(trace.duration_s, 3), "model": trace.header.model},
-        "model": base.model.to_dict(),
-        "baseline": {"config": config_view(base, {}), "predicted": base_pred},
+        "model": model,
+        "baseline": {"config": config_view(base, {}), "predicted": base_pred,
+                     **assess(base, {}, base_run, base_pred, cost_error)},
         "variants": [],
     }
+    stated: float | dict[str, float | None] = base.model.rel_error
+    if "interval" in report["baseline"]:
+        stated = report["baseline"]["interval"]["stated"]
     if trace.header.source != "csv":
         obs = observed(trace)
         report["baseline"]["observed"] = obs
         report["baseline"]["error"] = errors(base_pred, obs)
-    flagged = rough(report["baseline"].get("error", {}), base.model.rel_error)
+    flagged = rough(report["baseline"].get("error", {}), stated)
     report["baseline"]["rough"] = flagged
     for values in variants:
-        pred = predicted(base.run(values))
+        result = base.run(values)
+        pred = predicted(result)
         report["variants"].append({
             "set": values, "config": config_view(base, values), "predicted": pred,
             "change": {k: (round(pred[k] / base_pred[k], 4) if pred.get(k) is not None
                            and base_pred.get(k) else None) for k in FIGURES},
-            "change_rel": change_rel(pred, base_pred), "rough": list(flagged)})
+            "change_rel": change_rel(pred, base_pred), "rough": list(flagged),
+            **assess(base, values, result, pred, cost_error)})
     return report
 
 
-__all__ = ["KV_BLOCKS", "LABELS", "MODELLED", "ROWS", "ROW_LABELS", "Baseline", "TooLittleTraffic", "change_rel", "check_key",
+__all__ = ["KV_BLOCKS", "LABELS", "MODELLED", "ROWS", "ROW_LABELS", "Baseline", "TooLittleTraffic",
+           "assess", "change_rel", "check_calibration", "check_key",
            "check_traffic", "errors", "observed", "parse_assignments", "pct", "predicted",
            "rough", "rough_heading", "rough_note", "tolerance", "whatif"]

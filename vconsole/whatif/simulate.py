@@ -8,8 +8,8 @@ over synthetic prompts that share the recorded prefixes), on a virtual clock. Pe
 1. requests whose arrival time has come are added (in the engine, a request that arrives
    during a step waits for it to end, as here);
 2. ``schedule()`` at the step's start; the step lasts the model's ``dur`` for what it
-   scheduled, times a factor drawn from the trace's own spread (`StepCostModel.noise`, seeded:
-   the same run gives the same figures); every row that reached its last token samples a token (a placeholder id: the
+   scheduled, plus a residual drawn from the trace's own steps of that length
+   (`StepCostModel.sampler`, seeded: the same run gives the same figures); every row that reached its last token samples a token (a placeholder id: the
    simulated requests ignore EOS and stop at their recorded output length);
 3. ``update_from_output`` at ``start + dur`` (its clock stamps first tokens and gaps, as the
    engine's does);
@@ -140,7 +140,7 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
     steps: list[StepRecord] = []
     frag_sum, frag_n = 0.0, 0
     version = trace.header.config_version
-    noise = model.noise(seed)
+    draw = model.sampler(seed)
 
     def apply_changes(t: float) -> None:
         while changes and changes[0][0] <= t:
@@ -157,9 +157,9 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
         nonlocal frag_sum, frag_n
         so = sched.schedule()
         ran = so.total_num_scheduled_tokens
-        dur = model.dur(so.num_prefill_tokens, so.num_decode_tokens, so.num_context_tokens,
-                        so.prefill_attention, len(so.scheduled_new_reqs)) * next(noise) \
-            if ran else 0.0
+        dur = draw(model.dur(so.num_prefill_tokens, so.num_decode_tokens,
+                             so.num_context_tokens, so.prefill_attention,
+                             len(so.scheduled_new_reqs))) if ran else 0.0
         clock[0] = t + dur
         out = ModelRunnerOutput(sampled=dict.fromkeys(so.num_scheduled_tokens, PLACEHOLDER_TOKEN))
         for req, res in sched.update_from_output(so, out):

@@ -143,3 +143,41 @@ async def test_one_console_of_one_engine_has_no_fleet_screen(servers):
         await pilot.press("F")
         await pilot.pause(0.2)
         assert app.current_mode == "overview"
+
+
+async def test_esc_on_a_list_screen_with_no_filter_comes_back_to_the_fleet(servers):
+    app = fleet_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await settled(pilot, app)
+        screen.table.move_cursor(row=screen.row_keys.index("vllm-a"))
+        await pilot.press("enter")
+        await until(pilot, lambda: app.current_mode == "overview")
+        for key in ("2", "4", "exclamation_mark"):     # Requests, Config, Alerts
+            await pilot.press(key)
+            await pilot.pause(0.1)
+            await pilot.press("escape")
+            await until(pilot, lambda: app.current_mode == "fleet")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.current_mode == "overview")
+
+
+async def test_the_fleets_findings_are_alerts_with_their_evidence(servers):
+    app = fleet_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settled(pilot, app)
+
+        def named(name: str) -> list:
+            return [a for a in app.state.alerts if a.name == name]
+        await until(pilot, lambda: named("fleet down") and named("fleet queue_imbalance"),
+                    timeout=10)
+        down = named("fleet down")[0]
+        assert (down.engine, down.level) == ("gone", "critical")
+        assert "Connection refused" in down.message and "for_s" in down.message
+        queue = named("fleet queue_imbalance")[0]
+        assert queue.engine == "sglang-a" and "waiting 9" in queue.message
+        assert ("gone/0", "fleet down") in app.state.active_alerts
+        await pilot.press("exclamation_mark")
+        await until(pilot, lambda: app.current_mode == "alerts")
+        table = app.screen.query_one(DataTable)
+        texts = [" ".join(str(c) for c in table.get_row_at(i)) for i in range(table.row_count)]
+        assert any("fleet down" in t and "gone" in t for t in texts)

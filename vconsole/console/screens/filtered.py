@@ -2,7 +2,8 @@
 
 The filter is an Input with the class ``filter-input`` (hidden until ``/``), applied live while
 typed (`set_filter`), kept on enter, cleared by ``esc``; focus then goes back to the screen's
-table. A screen says what filtering means by overriding `set_filter`.
+table. A screen says what filtering means by overriding `set_filter`. With no filter to clear,
+``esc`` goes back to the Fleet screen (the app's ``fleet_back``; nothing without a fleet).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class FilteredScreen(ConsoleScreen):
 
     def action_clear_filter(self) -> None:
         box = self._filter_box()
+        if not self.filter_text and not box.has_class("-shown"):
+            # Nothing to clear: esc means back (to the Fleet screen, when there is one).
+            self.call_later(self.run_action, "app.fleet_back")
+            return
         box.value = ""
         box.remove_class("-shown")
         self.set_filter("")

@@ -7,7 +7,9 @@ the engine's own scheduler in the console's process. "now" and "with the edits" 
 simulated, so the simulation's own bias partly cancels in their change; "live" is what the
 trace observed, the yardstick for how far "now" is off: "now vs live" says it per figure, and a
 figure "now" misses by more than the step-time model's stated error is marked on both
-predictions, with a line under the table that names it (`Prediction.rough`). Where the config
+predictions, with a line under the table that names it (`Prediction.rough`); "±" is each
+figure's interval, and a change that cannot keep up with the arrivals says "overloaded" first,
+with its capacity, its waits reading "grows" (`Prediction.overloaded`). Where the config
 leaves ``num_kv_blocks`` unset (the pool sized from memory), its live value is the pool's real
 size, from the engine's KV snapshot.
 
@@ -37,9 +39,11 @@ from vconsole.console import format as fmt
 from vconsole.console.changes import show_value
 from vconsole.console.keymap import WHATIF
 from vconsole.console.predictions import (
+    GROWS,
     KV_BLOCKS,
     MARK,
     PENDING,
+    QUEUE_FIGURES,
     TRACE_MAX_AGE_S,
     Prediction,
     change_pct,
@@ -59,7 +63,8 @@ class WhatIfScreen(ConsoleScreen):
     MODE = "whatif"
     TABLE = "wi-table"
     COLUMNS = [("figure", "figure"), ("live", "live"), ("now", "now"),
-               ("now vs live", "error"), ("with edits", "after"), ("change", "change")]
+               ("now vs live", "error"), ("with edits", "after"), ("±", "interval"),
+               ("change", "change")]
     BINDINGS = WHATIF
 
     def __init__(self) -> None:
@@ -252,21 +257,26 @@ class WhatIfScreen(ConsoleScreen):
             return
         table.clear()
         flagged, error = p.rough, p.error
+        stated = p.after_stated if self.variant else p.stated
         for k in ROWS:
             if k == KV_BLOCKS:
                 live, now, edited = (figure(k, f.get(k), f.get("num_kv_blocks"))
                                      for f in (p.live, p.before, p.after))
                 table.add_row(ROW_LABELS[k], live, now, "", edited if self.variant else "=", "",
-                              key=k)
+                              "", key=k)
                 continue
             b, a = p.before.get(k), p.after.get(k)
-            change = change_pct(b, a) if self.variant else ""
+            grows = p.overloaded and k in QUEUE_FIGURES
+            change = change_pct(b, a) if self.variant and not grows else ""
             style = change_style(k, b, a).lstrip("$")
+            after = GROWS if grows else figure(k, a)
             table.add_row(ROW_LABELS[k], figure(k, p.live.get(k)),
                           _marked(figure(k, b), k in flagged),
                           Text(pct(error.get(k)) if p.live else "–",
                                style="yellow" if k in flagged else ""),
-                          _marked(figure(k, a), k in flagged) if self.variant else "=",
+                          _marked(after, k in flagged) if self.variant or grows else "=",
+                          Text(tolerance(stated[k]) if stated.get(k) is not None else "",
+                               style="dim"),
                           Text(change, style={"success": "green", "warning": "yellow"}.get(
                               style, "dim")), key=k)
         note.update(Content.from_markup(self._note(p)))
@@ -284,9 +294,14 @@ class WhatIfScreen(ConsoleScreen):
                 parts.append(f"[$warning]{p.after['rejected']} requests never fit that pool "
                              f"(left out)[/]")
             lines = ["[b]with edits[/] " + " · ".join(parts)]
+        if p.overloaded:
+            lines.insert(0, f"[$warning]{fmt.escape(p.overload_line())}[/]")
         rough = p.rough_line()
         if rough:
             lines.append(f"[$warning]{MARK} {fmt.escape(rough)}[/]")
+        cover = p.coverage_line()
+        if cover:
+            lines.append(f"[$text-muted]{fmt.escape(cover)}[/]")
         return "\n".join(lines)
 
     # --- applying ------------------------------------------------------------------------------

@@ -13,10 +13,22 @@ summed in float32. Two kernels, by the step's rows:
   int8 weight once and never materialises a float copy; at one row on the development machine
   2-3x float32 ``F.linear`` (576 x 3072: ~120 us against ~350 us, one thread);
 - **more rows** (prefill, wide decode batches, where the matmul is compute-bound and the weight
-  is reused by every row): the int8 rows are converted, `CHUNK_ELEMENTS` at a time, into one
-  shared bfloat16 scratch (int8 values are exact in bfloat16) and multiplied with bfloat16
-  ``torch.mm`` (AVX-512 BF16 / AMX), the float32 scales applied to the product: 1.5-2x float32
-  at 64 rows, where ``_weight_int8pack_mm`` is 2x slower than float32.
+  is reused by every row), one of two paths, chosen once per process by what the CPU has
+  (`many_rows_path`; ``VCONSOLE_INT8_GEMM=kernel|bf16`` forces one):
+
+  - ``bf16``, where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX): the int8 rows
+    are converted, `CHUNK_ELEMENTS` at a time, into one shared bfloat16 scratch (int8 values
+    are exact in bfloat16) and multiplied with bfloat16 ``torch.mm``, the float32 scales
+    applied to the product: 1.5-2x float32 at 64 rows, where ``_weight_int8pack_mm`` is 2x
+    slower than float32;
+  - the **kernel** (``csrc/int8_gemm.cpp``, built with the attention kernel for this CPU:
+    ``avx512``, ``avx2`` or ``generic`` by what the compiler may use) everywhere else: float32
+    activations against int8 weight panels widened to float32 in cache, float32 FMAs, the
+    scales applied at the end. torch emulates bfloat16 on an AVX2-only CPU, and the ``bf16``
+    path there made a loaded engine 3.7x slower than float32 (issue #49); the kernel runs at
+    the CPU's float32 FMA rate while reading a quarter of the weight bytes. Without a
+    compiler the ``bf16`` path is the fallback, and the start-up line warns when it is
+    emulated.
 
 Why not torch's dynamic int8 (``quantized::linear_dynamic``, fbgemm / oneDNN, W8A8 with the
 activations quantized per tensor), although it is 4x float32 at one row: measured on SmolLM2
@@ -36,17 +48,127 @@ which is how `fused_decoder` builds its qkv and gate/up matmuls.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from vconsole.shared.config import QUANTIZATIONS
 
+log = logging.getLogger(__name__)
+
 SMALL_ROWS = 4                 # at most this many rows: _weight_int8pack_mm
 CHUNK_ELEMENTS = 1 << 21       # weights converted to bfloat16 at a time above (4 MiB)
 QMAX = 127
 
+PATH_ENV = "VCONSOLE_INT8_GEMM"   # auto (default), kernel or bf16: the many-rows path
+# What the bf16 path cost where torch emulates bfloat16 (issue #49: a 2-core AVX2 EPYC,
+# SmolLM2, 64 concurrent streams over HTTP): said when that path is taken there.
+EMULATED_BF16_COST = "3.7x slower than float32 weights at 64 concurrent streams (issue #49)"
+
 _scratch: dict[torch.device, torch.Tensor] = {}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def native_bf16(flags: set[str] | None = None) -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX BF16)."""
+    flags = cpu_flags() if flags is None else flags
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+@dataclass(frozen=True)
+class ManyRowsPath:
+    """How steps of more than `SMALL_ROWS` rows multiply: ``name`` is ``bf16`` or the
+    kernel's vector path (``avx512``, ``avx2``, ``generic``); ``gemm`` the kernel's operator
+    (None for ``bf16``); ``slow`` is set when bfloat16 is emulated here."""
+
+    name: str
+    gemm: Callable[..., None] | None = None
+    slow: bool = False
+    why: str = ""
+
+    def describe(self) -> str:
+        return f"int8 · {self.name}" + (" (emulated bfloat16: slow)" if self.slow else "")
+
+
+_path_lock = threading.Lock()
+_path: ManyRowsPath | None = None
+
+
+def _bf16_path(why: str) -> ManyRowsPath:
+    return ManyRowsPath("bf16", None, slow=not native_bf16(), why=why)
+
+
+def _choose_path() -> ManyRowsPath:
+    wanted = os.environ.get(PATH_ENV, "auto")
+    if wanted not in ("auto", "kernel", "bf16"):
+        raise ValueError(f"{PATH_ENV} must be auto, kernel or bf16; got {wanted!r}")
+    if wanted == "bf16" or (wanted == "auto" and native_bf16()):
+        return _bf16_path(f"{PATH_ENV}=bf16" if wanted == "bf16"
+                          else "the CPU multiplies bfloat16 natively")
+    from vconsole.engine.worker import attention_kernel
+
+    try:
+        kernel = attention_kernel.build()
+    except Exception as e:      # no compiler: the bf16 path, said to be slow where it is
+        return _bf16_path(f"the int8 kernel is unavailable: {e}")
+    return ManyRowsPath(kernel.int8_gemm_isa(), kernel.int8_gemm,
+                        why=f"{PATH_ENV}=kernel" if wanted == "kernel"
+                        else "no native bfloat16 on this CPU")
+
+
+def predicted_path(flags: set[str] | None = None) -> ManyRowsPath:
+    """What `many_rows_path` will choose here, without loading or building the kernel (for
+    `vconsole doctor`); ``gemm`` is None."""
+    import shutil
+
+    from vconsole.engine.worker import attention_kernel
+
+    flags = cpu_flags() if flags is None else flags
+    wanted = os.environ.get(PATH_ENV, "auto")
+    if wanted == "bf16" or (wanted != "kernel" and native_bf16(flags)):
+        return ManyRowsPath("bf16", slow=not native_bf16(flags),
+                            why=f"{PATH_ENV}=bf16" if wanted == "bf16"
+                            else "the CPU multiplies bfloat16 natively")
+    built = attention_kernel.is_built()
+    if not built and shutil.which(attention_kernel._cxx().split()[0]) is None:
+        return ManyRowsPath("bf16", slow=True, why="no C++ compiler for the int8 kernel")
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "generic"
+    return ManyRowsPath(isa, why="kernel built" if built
+                        else "kernel built with the attention kernel on the first start")
+
+
+def many_rows_path() -> ManyRowsPath:
+    """The path steps of more than `SMALL_ROWS` rows take in this process, chosen once (the
+    kernel is loaded, or built, on the first call)."""
+    global _path
+    with _path_lock:
+        if _path is None:
+            _path = _choose_path()
+        return _path
+
+
+def use_path(path: ManyRowsPath | None) -> None:
+    """Set (or, with None, forget) this process's many-rows path: the tests' way to run
+    each path on one machine."""
+    global _path
+    with _path_lock:
+        _path = path
 
 
 def available() -> bool:
@@ -112,11 +234,16 @@ class Int8Linear(torch.nn.Module):
         return self.qweight.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= SMALL_ROWS:
-            y = torch._weight_int8pack_mm(x2, self.qweight, self.scale_bf16).float()
+            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight,
+                                          self.scale_bf16).float()
+        elif (gemm := many_rows_path().gemm) is not None and x2.device.type == "cpu":
+            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32,
+                            device=x2.device)
+            gemm(x2.float().contiguous(), self.qweight, self.scale, y)
         else:
-            y = self._many_rows(x2)
+            y = self._many_rows(x2.to(torch.bfloat16))
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -158,6 +285,14 @@ def quantize_model(model: torch.nn.Module, method: str) -> int:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, Int8Linear.from_linear(linear))
+    path = many_rows_path()
+    log.info("int8 weights: %d linears; steps of up to %d rows: _weight_int8pack_mm; more "
+             "rows: %s (%s)", len(targets), SMALL_ROWS, path.describe(), path.why)
+    if path.slow:
+        log.warning("int8 weights: steps of more than %d rows run bfloat16 matmuls that this "
+                    "CPU emulates, measured %s; float32 weights (no --quantization) are "
+                    "faster under load here. Why the int8 kernel is not used: %s",
+                    SMALL_ROWS, EMULATED_BF16_COST, path.why)
     return len(targets)
 
 

@@ -46,6 +46,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException
 
+from vconsole.entrypoints.openai import tracing
 from vconsole.entrypoints.openai.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -54,6 +55,7 @@ from vconsole.entrypoints.openai.protocol import (
     TokenizeRequest,
     refusal,
 )
+from vconsole.entrypoints.openai.request_metrics import RequestSizeMetrics
 from vconsole.entrypoints.openai.serving_base import DONE, OpenAIServing, sse
 from vconsole.entrypoints.openai.serving_chat import OpenAIServingChat
 from vconsole.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -96,6 +98,9 @@ class HttpMetrics:
 def build_app(serving: OpenAIServing, *, api_key: str | None = None,
               engine_metrics_url: str | None = None, version: str = "unknown") -> FastAPI:
     metrics = HttpMetrics()
+    if serving.tracer is not None:
+        metrics.registry.register(serving.tracer.collector())
+    serving.request_metrics = RequestSizeMetrics(metrics.registry)
     load = {"n": 0}
     served_models = OpenAIServingModels(serving)
     tokenization = OpenAIServingTokenization(serving)
@@ -113,6 +118,8 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
             await serving.engine.close()
+            if serving.tracer is not None:      # the spans still queued, within a timeout
+                await asyncio.to_thread(serving.tracer.shutdown)
 
     app = FastAPI(title="vconsole OpenAI-compatible server", version=version, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -206,6 +213,7 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None,
             raise BadRequest(f"{REQUEST_ID_HEADER} must be 1 to {MAX_REQUEST_ID} printable "
                              "ASCII characters", param=REQUEST_ID_HEADER)
         echo = {REQUEST_ID_HEADER: given} if given else None
+        tracing.incoming.set(request.headers)   # traceparent: the spans join the caller's trace
         load["n"] += 1
         try:
             result = await handler(body, given)

@@ -23,10 +23,11 @@ every sample's tokens. ``finish_reason``: ``stop`` (EOS, a stop token or a stop 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +35,11 @@ from vconsole.entrypoints.openai import structured
 from vconsole.entrypoints.openai.engine_link import EngineLink, engine_refusal
 from vconsole.entrypoints.openai.logprobs import Entry, vllm_prompt_logprobs
 from vconsole.entrypoints.openai.protocol import BadRequest, ChatMessage, SamplingFields
+from vconsole.entrypoints.openai.request_metrics import RequestSizeMetrics
 from vconsole.entrypoints.openai.text import TextStream
 from vconsole.entrypoints.openai.tool_calls import ToolCallStream
 from vconsole.entrypoints.openai.tools import ToolPlan, takes_tools, template_messages
+from vconsole.entrypoints.openai.tracing import RequestTracer
 from vconsole.wire.outputs import PromptLogprobs
 from vconsole.wire.sampling import StructuredSpec
 
@@ -74,6 +77,8 @@ class Choice:
     lp_sent: int = 0                                        # of them, streamed so far
     prompt_logprobs: PromptLogprobs | None = None           # the prompt's, when asked
     tools: ToolCallStream | None = None                     # its tool calls, when parsed
+    num_cached_tokens: int = 0                              # the engine's, once finished
+    num_preemptions: int = 0
 
     @property
     def limit(self) -> int | None:
@@ -107,6 +112,8 @@ class OpenAIServing:
         self.created = int(time.time())
         self._takes_tools: dict[str, bool] = {}     # per template: it renders tools itself
         self._spec_checker = structured.SpecChecker(self._grammar_tokenizer)
+        self.tracer: RequestTracer | None = None    # --otlp-traces-endpoint: a span per prompt
+        self.request_metrics: RequestSizeMetrics | None = None   # set by the app: /metrics
 
     async def start(self) -> None:
         """The engine's ``ready`` (`TimeoutError` when none answers), then the tokenizer."""
@@ -222,6 +229,40 @@ class OpenAIServing:
                   choices: list[Choice], *, spec: StructuredSpec | None = None,
                   tools: Callable[[], ToolCallStream] | None = None
                   ) -> AsyncIterator[tuple[Choice, str]]:
+        """`_run`, in a request span when the server traces (`tracing`): the span ends when the
+        samples do, however they end (finished, refused, the client gone). Samples that all
+        finish are counted in vLLM's request-size histograms (`request_metrics`)."""
+        samples = self._run(rid, ids, req, limit, choices, spec=spec, tools=tools)
+        span = None if self.tracer is None else self.tracer.start(rid, self.model_name, {
+            "max_tokens": limit, "temperature": req.temperature, "top_p": req.top_p,
+            "n": req.n}, len(ids))
+        error: BaseException | None = None
+        try:
+            async with contextlib.aclosing(samples):
+                async for c, delta in samples:
+                    if span is not None and c.num_tokens:
+                        span.first_token()
+                    yield c, delta
+        except Exception as e:          # a refusal, the engine gone; not a client gone away
+            error = e
+            raise
+        finally:
+            if span is not None:
+                span.end(sum(c.num_tokens for c in choices),
+                         [c.finish_reason for c in choices],
+                         num_cached_tokens=max((c.num_cached_tokens for c in choices),
+                                               default=0),
+                         num_preemptions=sum(c.num_preemptions for c in choices), error=error)
+        if self.request_metrics is not None:     # every sample finished
+            self.request_metrics.observe(
+                self.model_name, self.max_model_len, num_prompt_tokens=len(ids),
+                max_tokens=limit, generation_tokens=[c.num_tokens for c in choices],
+                cached_tokens=[c.num_cached_tokens for c in choices])
+
+    async def _run(self, rid: str, ids: list[int], req: SamplingFields, limit: int,
+                   choices: list[Choice], *, spec: StructuredSpec | None = None,
+                   tools: Callable[[], ToolCallStream] | None = None
+                   ) -> AsyncGenerator[tuple[Choice, str], None]:
         """(choice, new text) as the ``n`` samples of one prompt progress; ``choices`` fills
         with them (each with its own tool-call reader from ``tools``). Each sample carries the
         structured-output ``spec``. An engine that refuses the request raises `BadRequest`
@@ -241,6 +282,9 @@ class OpenAIServing:
         async for i, out in self.engine.samples(rid, ids, sampling, req.priority,
                                                 stopped=stopped):
             c = choices[i]
+            if out.finished:
+                c.num_cached_tokens, c.num_preemptions = out.num_cached_tokens, \
+                    out.num_preemptions
             if out.prompt_logprobs is not None:
                 c.prompt_logprobs = out.prompt_logprobs
             if limit == 0:

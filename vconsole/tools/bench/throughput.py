@@ -142,6 +142,26 @@ def _one_round(model: Any, model_dir: str, wl: Workload, shape: ModelShape, plan
     return out
 
 
+def _against_llama_server(args: argparse.Namespace, name: str,
+                          log: Callable[[str], None]) -> dict[str, Any]:
+    """``--peer llama-server``: both servers over HTTP (`vconsole.tools.bench.throughput_http`)
+    on smollm2's GGUF; the in-process contenders do not run."""
+    from vconsole.engine.worker.gguf_model import smollm2_gguf
+    from vconsole.tools.bench.throughput_http import LEVELS, HttpPlan, http_throughput
+
+    if getattr(args, "model_config", None) not in (None, "smollm2"):
+        raise SystemExit("vconsole bench: --peer llama-server runs smollm2's GGUF; "
+                         f"--model-config {name} does not apply")
+    try:
+        gguf = smollm2_gguf()
+    except ValueError as e:
+        raise SystemExit(f"vconsole bench: {e}") from None
+    plan = HttpPlan(gguf, getattr(args, "threads", None) or os.cpu_count() or 1,
+                    tuple(getattr(args, "concurrency", None) or LEVELS),
+                    getattr(args, "quantization", None), getattr(args, "base_port", 0) or 0)
+    return http_throughput(plan, log)
+
+
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
     name = getattr(args, "model_config", None) or "tiny"
     num_runs = getattr(args, "runs", None) or 5
@@ -153,12 +173,14 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("vconsole bench: --threads must be at least 1")
         torch.set_num_threads(threads)
     peer = getattr(args, "peer", None)
+    log = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
+    if peer == "llama-server":
+        return _against_llama_server(args, name, log)
     if peer == "llama-cpp" and name != "smollm2":
         raise SystemExit("vconsole bench: --peer llama-cpp runs smollm2's GGUF; "
                          "pass --model-config smollm2")
     opts = EngineOptions(getattr(args, "quantization", None),
                          getattr(args, "kv_cache_dtype", None) or "auto")
-    log = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
     llm = load_llama_cpp(torch.get_num_threads()) if peer == "llama-cpp" else None
     plan = RoundPlan(opts, transformers=not getattr(args, "no_transformers", False),
                      llama_cpp=llm)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from vconsole.console.sources.fleet.targets import (
     TELEMETRY_OFFSET,
@@ -57,8 +58,7 @@ def telemetry_heard(endpoint: str, timeout_s: float) -> bool:
 
     from vconsole.telemetry.schema import SchemaError, decode
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.SUB)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.subscribe(b"")
@@ -88,7 +88,7 @@ def resolve(target: Target, timeout_s: float = 2.0) -> Target:
 
 
 def _with_kind(t: Target, kind: str) -> Target:
-    return Target(t.name, kind, t.url, t.kv_events, t.labels, t.curve)
+    return replace(t, kind=kind)
 
 
 def probe_port(host: str, port: int, timeout_s: float = 1.5) -> Target | str:

@@ -106,3 +106,20 @@ def _kv(up: list[FleetRow]) -> list[Finding]:
                     f"KV use {hi.kv_usage:.0%} on {hi.name} against {lo.kv_usage:.0%} on "
                     f"{lo.name}", {"max": hi.kv_usage, "max_engine": hi.name,
                                    "min": lo.kv_usage, "min_engine": lo.name})]
+
+
+class FleetAlerts:
+    """Findings as alerts (the Alerts screen): each one raised when it first appears (its level,
+    message and evidence), and an ``ok`` when it goes away, keyed by (engine, rule)."""
+
+    def __init__(self) -> None:
+        self.active: dict[tuple[str, str], Finding] = {}
+
+    def changes(self, found: Sequence[Finding]) -> list[tuple[Finding, bool]]:
+        """(finding, raised) for what changed since the last call (raised False: cleared)."""
+        now = {(f.engine, f.rule): f for f in found}
+        out = [(f, True) for k, f in now.items()
+               if k not in self.active or self.active[k].level != f.level]
+        out += [(f, False) for k, f in self.active.items() if k not in now]
+        self.active = now
+        return out

@@ -38,10 +38,19 @@ STATES = ("up", "starting", "stale", "down")
 
 
 class TargetSource(Protocol):
-    target: Target
-    problem: str | None
-    starting: bool
-    engine_keys: Any
+    """What the rows ask of a target's source (`vconsole.console.sources.fleet.sources`)."""
+
+    @property
+    def target(self) -> Target: ...
+
+    @property
+    def problem(self) -> str | None: ...
+
+    @property
+    def starting(self) -> bool: ...
+
+    @property
+    def engine_keys(self) -> Any: ...
 
 
 @dataclass
@@ -163,6 +172,8 @@ class Fleet:
             return row
         bodies = [e.live_bodies() for e in engines]
         row.model = _model(bodies) or getattr(src, "model", None) or None
+        if status == "down":
+            return row        # its last figures are not live: dashes, as the Ranks screen
         scheds = [b["sched"] for b in bodies if "sched" in b]
         row.running = _sum_int(s.get("num_running") for s in scheds)
         row.waiting = _sum_int(s.get("num_waiting") for s in scheds)

@@ -9,6 +9,7 @@ A fleet file (vllmstat's habit)::
     url = "http://10.0.0.5:8000"
     kv_events = "tcp://10.0.0.5:5557"   # optional, vLLM / SGLang
     labels = { pool = "a100", zone = "eu" }
+    control_key_file = "/path/control.key"   # optional, ours: for `vconsole set --fleet`
     [engine.curve]              # optional, our engine with CURVE keys
     server_public = "/path/engine.key"
     client_key = "/path/console.key_secret"
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import tomllib
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ class Target:
     kv_events: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     curve: dict[str, str] = field(default_factory=dict)   # server_public, client_key (files)
+    control_key_file: str | None = None   # ours: where its control key is (default: derived)
 
     @property
     def readonly(self) -> bool:
@@ -79,8 +81,8 @@ def normal_url(kind: str, url: str) -> str:
 
 
 def make_target(kind: str, url: str, *, name: str | None = None, kv_events: str | None = None,
-                labels: dict[str, Any] | None = None,
-                curve: dict[str, Any] | None = None) -> Target:
+                labels: dict[str, Any] | None = None, curve: dict[str, Any] | None = None,
+                control_key_file: str | None = None) -> Target:
     kind = kind.strip().lower()
     if kind not in KIND_CHOICES:
         raise TargetError(f"unknown kind {kind!r}: one of {', '.join(KIND_CHOICES)}")
@@ -91,7 +93,7 @@ def make_target(kind: str, url: str, *, name: str | None = None, kv_events: str 
         split_hostport(url)
     return Target(name or default_name(url), kind, url, kv_events,
                   {str(k): str(v) for k, v in (labels or {}).items()},
-                  {str(k): str(v) for k, v in (curve or {}).items()})
+                  {str(k): str(v) for k, v in (curve or {}).items()}, control_key_file)
 
 
 def parse_target(text: str) -> Target:
@@ -114,20 +116,22 @@ def load_fleet(path: str | Path) -> list[Target]:
     if not isinstance(engines, list) or not engines:
         raise TargetError(f"--fleet {path}: no [[engine]] tables")
     out: list[Target] = []
-    for i, e in enumerate(engines, 1):
+    for i, entry in enumerate(engines, 1):
         where = f"--fleet {path}: engine {i}"
-        if not isinstance(e, dict) or not isinstance(e.get("url"), str):
+        if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
             raise TargetError(f"{where}: needs url = \"...\"")
-        unknown = set(e) - {"name", "kind", "url", "kv_events", "labels", "curve"}
+        unknown = set(entry) - {"name", "kind", "url", "kv_events", "labels", "curve",
+                                "control_key_file"}
         if unknown:
             raise TargetError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-        labels, curve = e.get("labels") or {}, e.get("curve") or {}
+        labels, curve = entry.get("labels") or {}, entry.get("curve") or {}
         if not isinstance(labels, dict) or not isinstance(curve, dict):
             raise TargetError(f"{where}: labels and curve are tables")
         try:
-            out.append(make_target(str(e.get("kind") or "auto"), e["url"],
-                                   name=e.get("name"), kv_events=e.get("kv_events"),
-                                   labels=labels, curve=curve))
+            out.append(make_target(str(entry.get("kind") or "auto"), entry["url"],
+                                   name=entry.get("name"), kv_events=entry.get("kv_events"),
+                                   labels=labels, curve=curve,
+                                   control_key_file=entry.get("control_key_file")))
         except TargetError as err:
             raise TargetError(f"{where}: {err}") from None
     return out
@@ -156,6 +160,5 @@ def unique_names(targets: list[Target]) -> list[Target]:
     for t in targets:
         n = seen.get(t.name, 0) + 1
         seen[t.name] = n
-        out.append(t if n == 1 else Target(f"{t.name}#{n}", t.kind, t.url, t.kv_events,
-                                           t.labels, t.curve))
+        out.append(t if n == 1 else replace(t, name=f"{t.name}#{n}"))
     return out

@@ -1,0 +1,124 @@
+"""Calibration and coverage: the grid of batch shapes `--calibrate` probes, the calibration's
+steps brought to the trace's level and fitted with the trace's, and a prediction that leaves
+the shapes its step-time model was fitted on saying so.
+
+The traces are built by hand: a trace whose steps all ran 10-16 rows (a busy engine with many
+seats), a variant that cuts the seats to 2 (steps the trace never ran), and a calibration that
+ran the 2-row shapes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_simulate import make_trace  # the simulator's hand-built trace
+
+from vconsole.commands.whatif import format_report
+from vconsole.telemetry.request_trace import StepRecord, Trace
+from vconsole.whatif.calibration import (
+    DECODE_STEPS,
+    calibration_path,
+    engine_config,
+    grid,
+    level_factor,
+    leveled,
+)
+from vconsole.whatif.coverage import Coverage, describe, shape
+from vconsole.whatif.predict import whatif
+
+CONFIG = {"max_num_seqs": 32, "max_num_batched_tokens": 256}
+
+
+def decode_steps(rows: range, n: int, *, seed: int = 0, scale: float = 1.0,
+                 ctx: tuple[int, int] = (64, 120), chunks: bool = False) -> list[StepRecord]:
+    """``n`` decode-only steps of ``rows`` rows at ``ctx`` tokens of context each, timed by a
+    per-step cost that a fit on many rows cannot separate from the per-row one; with
+    ``chunks``, every other step also prefills a chunk of 4-255 tokens."""
+    rng = random.Random(seed)
+    steps, t = [], 0.0
+    for i in range(n):
+        r = rng.choice(list(rows))
+        context = r * rng.randint(*ctx)
+        pf = int(2 ** rng.uniform(2, 8)) if chunks and i % 2 else 0
+        dur = scale * (0.004 + 0.0005 * r + 1e-7 * context + 2e-5 * pf) * (1 + rng.gauss(0, 0.01))
+        steps.append(StepRecord(t=t, dur=dur, execute=dur, prefill=pf, decode=r,
+                                reqs=r + (pf > 0), running=r, waiting=0, context=context,
+                                period=dur + 0.0002))
+        t += dur + 0.0002
+    return steps
+
+
+def busy_trace() -> Trace:
+    trace = make_trace(rate=5.0)
+    trace.steps = decode_steps(range(10, 17), 600)
+    return trace
+
+
+# --- the grid --------------------------------------------------------------------------------
+
+def test_the_grid_probes_every_seat_count_the_variants_need_within_the_pool():
+    probes = grid(CONFIG, 192, 16, 2048, [{"max_num_seqs": 6}, {"max_num_batched_tokens": 64}])
+    rows = sorted({p.rows for p in probes})
+    assert rows == [1, 2, 4, 6, 8, 16, 32]            # powers of two, and 6 (a fifth of 32)
+    for p in probes:
+        if p.output_len == DECODE_STEPS:              # a decode probe: its rows fit the pool
+            assert p.rows * (p.prompt_len + DECODE_STEPS + 16) <= 192 * 16
+    contexts = {p.prompt_len for p in probes if p.rows == 6 and p.output_len == DECODE_STEPS}
+    assert len(contexts) >= 4                           # an octave of context per probe
+    chunks = {p.prompt_len for p in probes if p.output_len == 1}
+    assert {64, 256} <= chunks                          # each budget a variant or the trace runs
+    cfg = engine_config({**CONFIG, "num_kv_blocks": 192}, 192, [{"num_kv_blocks": 400}])
+    assert cfg["max_num_seqs"] == 32 and cfg["num_kv_blocks"] == 400
+
+
+def test_the_calibration_is_kept_beside_the_trace(tmp_path):
+    assert calibration_path(tmp_path / "t.jsonl") == tmp_path / "t.calib.jsonl"
+    assert calibration_path("run.trace") == calibration_path("run.trace").with_name(
+        "run.trace.calib.jsonl")
+
+
+# --- coverage and the out-of-range warning ------------------------------------------------------
+
+def test_shapes_are_named_in_rows_context_and_chunk():
+    s = decode_steps(range(6, 7), 1)[0]
+    assert describe(shape(s)).startswith("5-6 rows, 64-127 tokens of context each")
+    assert describe(shape(s)).endswith("decode only")
+
+
+def test_a_prediction_that_leaves_the_fitted_shapes_says_so():
+    trace = busy_trace()
+    cov = Coverage.of(trace.steps)
+    assert cov.outside(trace.steps)["share"] == 0.0
+    report = whatif(trace, [{"max_num_seqs": 2}], intervals=False)
+    variant = report["variants"][0]
+    assert variant["coverage"]["warn"] and variant["coverage"]["share"] > 0.5
+    assert any(e.startswith("2 rows") for e in variant["coverage"]["examples"])
+    text = format_report(report)
+    assert "outside the fit:" in text and "max_num_seqs=2" in text and "--calibrate" in text
+
+
+def test_a_calibration_of_those_shapes_covers_them_and_is_fitted_with_the_trace():
+    trace = busy_trace()
+    calib = Trace(trace.header, steps=decode_steps(range(1, 4), 1200, seed=2, ctx=(16, 250),
+                                                    chunks=True))
+    report = whatif(trace, [{"max_num_seqs": 2}], calibration=calib, intervals=False)
+    assert report["model"]["calibrated"] and report["model"]["num_steps"] == 1800
+    assert not report["variants"][0]["coverage"]["warn"]
+    assert "outside the fit" not in format_report(report)
+
+
+def test_a_calibration_of_another_model_is_refused():
+    trace = busy_trace()
+    calib = Trace(make_trace().header, steps=decode_steps(range(1, 3), 50))
+    calib.header.model = "smollm2"
+    with pytest.raises(ValueError, match="measured on 'smollm2'"):
+        whatif(trace, [], calibration=calib)
+
+
+def test_a_calibration_on_a_slower_machine_is_brought_to_the_trace_s_level():
+    trace_steps = decode_steps(range(8, 13), 400)
+    calib = decode_steps(range(1, 13), 400, seed=3, scale=2.0)     # every step twice as long
+    assert level_factor(trace_steps, calib) == pytest.approx(0.5, rel=0.05)
+    moved = leveled(trace_steps, calib)
+    assert moved[0].dur == pytest.approx(calib[0].dur * level_factor(trace_steps, calib))
+    assert level_factor(trace_steps, decode_steps(range(1, 3), 100)) == 1.0   # nothing shared

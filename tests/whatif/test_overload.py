@@ -1,0 +1,83 @@
+"""Overload told apart: a config that serves fewer requests per second than arrive is said to
+be overloaded first, with its capacity, and its waits read "grows" instead of a figure that
+only measures how long the trace happened to be; a config that keeps up is never called
+overloaded. The traces are `make_trace`'s (steps of a known cost: ~10 ms + 2 ms per row)."""
+
+from __future__ import annotations
+
+import pytest
+from test_simulate import make_trace  # the simulator's hand-built trace
+
+from vconsole.commands.whatif import format_report
+from vconsole.telemetry.request_trace import RequestRecord
+from vconsole.whatif.overload import arrival_rate, queue_growth
+from vconsole.whatif.predict import whatif
+
+
+def records(waits: list[float], gap: float = 0.1) -> list[RequestRecord]:
+    return [RequestRecord(arrival=i * gap, first_token=i * gap + w, finish=i * gap + w + 0.5,
+                          prompt_len=32, output_len=8, max_tokens=8, itl_us=[1000] * 7)
+            for i, w in enumerate(waits)]
+
+
+def test_a_wait_that_grows_with_every_arrival_is_a_growing_queue():
+    growing = queue_growth(records([0.05 + 0.3 * i * 0.1 for i in range(100)]))
+    assert growing["grows"] and growing["rate"] == pytest.approx(0.3, rel=0.05)
+    steady = queue_growth(records([0.05 + 0.02 * (i % 5) for i in range(100)]))
+    assert not steady["grows"]
+    assert not queue_growth(records([0.1] * 8))["grows"]          # too few to judge
+    assert arrival_rate(records([0.1] * 11)) == pytest.approx(10.0)
+
+
+@pytest.fixture(scope="module")
+def heavy():
+    """200 requests at 20/s (10 s of them) against one seat and two: neither keeps up."""
+    return whatif(make_trace(200, rate=20.0), [{"max_num_seqs": 1}, {"max_num_seqs": 2}],
+                  intervals=False)
+
+
+@pytest.fixture(scope="module")
+def light():
+    """60 requests at 0.5/s: any of these configs keeps up."""
+    return whatif(make_trace(rate=0.5), [{"max_num_seqs": 2}], intervals=False)
+
+
+def test_a_variant_serving_fewer_requests_than_arrive_is_overloaded_with_its_capacity(heavy):
+    for v in heavy["variants"]:
+        over = v["overload"]
+        assert over["overloaded"]
+        assert over["capacity"]["req_s"] < over["arrival_req_s"]
+        assert over["queue_growth"]["grows"]      # the simulated queue grows too
+    one, two = (v["overload"]["capacity"]["req_s"] for v in heavy["variants"])
+    assert one < two                                # fewer seats, less capacity
+
+
+def test_a_variant_that_keeps_up_is_never_called_overloaded(light):
+    for entry in (light["baseline"], *light["variants"]):
+        assert not entry["overload"]["overloaded"]
+        assert entry["overload"]["capacity"]["req_s"] > entry["overload"]["arrival_req_s"]
+    assert "overloaded" not in format_report(light)
+
+
+def test_a_short_burst_is_not_called_overloaded():
+    burst = whatif(make_trace(30, rate=200.0), [{"max_num_seqs": 1}], intervals=False)
+    over = burst["variants"][0]["overload"]
+    assert over["burst"] and not over["overloaded"]
+    assert over["arrival_req_s"] > over["capacity"]["req_s"]
+    assert "overloaded" not in format_report(burst)
+
+
+def test_overload_is_said_first_and_its_waits_read_grows(heavy, light):
+    text = format_report(heavy)
+    lines = text.splitlines()
+    first_table = next(i for i, line in enumerate(lines) if line.startswith("output tok/s"))
+    said = [i for i, line in enumerate(lines) if line.startswith("overloaded: max_num_seqs=1")]
+    assert said and said[0] < first_table
+    cap = heavy["variants"][0]["overload"]["capacity"]["req_s"]
+    assert f"serves {cap:,.1f} req/s" in text
+    assert "the queue grows without bound at this rate" in text
+    ttft = next(line for line in lines if line.startswith("TTFT p50"))
+    assert "grows" in ttft
+    calm = next(line for line in format_report(light).splitlines()
+                if line.startswith("TTFT p50"))
+    assert "grows" not in calm

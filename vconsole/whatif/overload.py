@@ -1,0 +1,118 @@
+"""Overload told apart: a config that serves fewer requests per second than arrive.
+
+Under overload the waiting queue grows for as long as requests keep arriving, so a TTFT figure
+is the backlog at the trace's end: it grows with the trace's length, and a small error in the
+step cost becomes a large one in it (a 5% capacity error gave 15-18% on TTFT, #44). Such a
+figure is not a property of the config, so the report says "overloaded" first and gives the
+capacity instead.
+
+- **Capacity** (`capacity`): the variant run on the trace's own requests all waiting at once,
+  through the same scheduler and step-time model; requests finished per second while the
+  queue was not empty, and output tokens per second then. The request mix (prompt and output
+  lengths, shared prefixes) is the trace's.
+- **Arrival rate** (`arrival_rate`): the trace's requests over the span of their arrivals.
+- **Verdict**: overloaded when the arrival rate exceeds the capacity over at least
+  `MIN_SPAN_S` of arrivals; arrivals that come faster over a shorter span are a ``burst``
+  (its queue drains once it has passed: its waits are figures of the burst, not unbounded).
+- **Queue growth** (`queue_growth`), measured on finished requests, predicted or real: the
+  median wait to the first token of the last quarter of arrivals less that of the first
+  quarter, over the time between them: 0.2 means each second of arrivals added 0.2 s of wait.
+  The bench judges a real replay's queue as growing with it (`grows`).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from vconsole.telemetry.request_trace import RequestRecord, Trace, finished_normally
+from vconsole.whatif.simulate import SimResult
+
+MIN_SPAN_S = 5.0         # arrivals faster than the capacity for less than this: a burst
+GROWTH_LIMIT = 0.05      # s of added wait per s of arrivals: a queue that grows
+GROWTH_FACTOR = 2.0      # and the last quarter waits at least this many times the first
+
+
+def arrival_rate(requests: list[RequestRecord]) -> float | None:
+    """Requests per second over the span of their arrivals (None under two requests)."""
+    times = sorted(r.arrival for r in requests)
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def saturated(trace: Trace) -> Trace:
+    """``trace`` with every request arriving at once (at its first arrival)."""
+    out = copy.copy(trace)
+    t0 = min((r.arrival for r in trace.requests), default=0.0)
+    out.requests = [copy.copy(r) for r in trace.requests]
+    for r in out.requests:
+        r.arrival = t0
+    return out
+
+
+def capacity(result: SimResult) -> dict[str, float | None]:
+    """Requests and output tokens per second of a saturated run (`saturated`), counted up to
+    the moment the queue first ran empty (the drain after it runs part-empty batches)."""
+    if not result.requests:
+        return {"req_s": None, "output_tok_s": None}
+    t0 = min(r.arrival for r in result.requests)
+    end = next((s.t for s in result.steps if s.waiting == 0), None)
+    done = [r for r in result.requests if end is None or r.finish <= end]
+    if end is None or len(done) < max(5, len(result.requests) // 2):
+        done = result.requests                  # too few before the queue emptied: all
+        end = max(r.finish for r in done)
+    span = end - t0
+    if span <= 0:
+        return {"req_s": None, "output_tok_s": None}
+    return {"req_s": round(len(done) / span, 3),
+            "output_tok_s": round(sum(r.output_len for r in done) / span, 1)}
+
+
+def queue_growth(requests: list[RequestRecord]) -> dict[str, float | bool | None]:
+    """How fast the wait to the first token grows across the trace (see the module
+    docstring): ``rate`` (s per s of arrivals), ``first`` / ``last`` (the quarters' median
+    waits) and ``grows``."""
+    done = sorted((r for r in requests if finished_normally(r) and r.first_token is not None),
+                  key=lambda r: r.arrival)
+    q = len(done) // 4
+    if q < 3:
+        return {"rate": None, "first": None, "last": None, "grows": False}
+    head, tail = done[:q], done[-q:]
+    first = statistics.median(r.first_token - r.arrival for r in head)    # type: ignore[operator]
+    last = statistics.median(r.first_token - r.arrival for r in tail)     # type: ignore[operator]
+    dt = statistics.median(r.arrival for r in tail) - statistics.median(r.arrival for r in head)
+    rate = (last - first) / dt if dt > 0 else None
+    grows = rate is not None and rate > GROWTH_LIMIT and last > GROWTH_FACTOR * first
+    return {"rate": None if rate is None else round(rate, 4), "first": round(first, 6),
+            "last": round(last, 6), "grows": grows}
+
+
+def verdict(trace: Trace, run_saturated: Callable[[Trace], SimResult],
+            result: SimResult) -> dict[str, Any]:
+    """The overload verdict of one config: ``overloaded``, ``arrival_req_s``, ``capacity``
+    (`capacity` of ``run_saturated(saturated(trace))``) and the predicted ``queue_growth``
+    of ``result`` (its run on the trace's own arrivals)."""
+    done = [r for r in trace.requests if finished_normally(r)]
+    rate = arrival_rate(done)
+    cap = capacity(run_saturated(saturated(trace)))
+    faster = rate is not None and cap["req_s"] is not None and rate > cap["req_s"]
+    span = (max(r.arrival for r in done) - min(r.arrival for r in done)) if done else 0.0
+    return {"overloaded": faster and span >= MIN_SPAN_S,
+            "burst": faster and span < MIN_SPAN_S,
+            "arrival_req_s": None if rate is None else round(rate, 3),
+            "arrival_span_s": round(span, 3), "capacity": cap,
+            "queue_growth": queue_growth(result.requests)}
+
+
+def overload_line(name: str, v: dict[str, Any]) -> str:
+    """``overloaded: max_num_seqs=6 serves 14.2 req/s (2,310 output tok/s), 16.8 arrive: the
+    queue grows without bound at this rate, so its TTFT grows with the trace's length``."""
+    cap = v["capacity"]
+    tok = cap.get("output_tok_s")
+    tok_part = f" ({tok:,.0f} output tok/s)" if tok is not None else ""
+    return (f"overloaded: {name} serves {cap['req_s']:,.1f} req/s{tok_part}, "
+            f"{v['arrival_req_s']:,.1f} arrive: the queue grows without bound at this rate, "
+            f"so its TTFT grows with the trace's length")
