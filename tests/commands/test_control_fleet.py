@@ -5,6 +5,7 @@ engines one at a time and reports each one's answer; the other kind is never sen
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -62,7 +63,7 @@ def test_a_no_sends_nothing_and_a_yes_changes_every_engine_of_ours(fleet, monkey
 
     r = subprocess.run([sys.executable, "-m", "vconsole", "set", "--fleet", path,
                         "max_num_seqs=3", "--yes"], capture_output=True, text=True,
-                       timeout=60, env={**env, "PATH": "/usr/bin:/bin"})
+                       timeout=60, env={**os.environ, **env})
     assert r.returncode == 0, r.stderr
     assert "a: applied  max_num_seqs = 3" in r.stdout and "b: applied  max_num_seqs = 3" \
         in r.stdout
@@ -74,7 +75,7 @@ def test_without_a_terminal_it_asks_for_yes_and_sends_nothing(fleet):
     path, env, procs = fleet
     r = subprocess.run([sys.executable, "-m", "vconsole", "set", "--fleet", path,
                         "max_num_seqs=5"], capture_output=True, text=True, timeout=60,
-                       stdin=subprocess.DEVNULL, env={**env, "PATH": "/usr/bin:/bin"})
+                       stdin=subprocess.DEVNULL, env={**os.environ, **env})
     assert r.returncode == 2 and "confirm with --yes" in r.stderr
     assert 5 not in [max_num_seqs(p) for p in procs]
 
@@ -83,6 +84,6 @@ def test_a_refused_change_is_each_engines_own_line(fleet):
     path, env, _ = fleet
     r = subprocess.run([sys.executable, "-m", "vconsole", "set", "--fleet", path,
                         "max_num_seqs=0", "--yes"], capture_output=True, text=True, timeout=60,
-                       env={**env, "PATH": "/usr/bin:/bin"})
+                       env={**os.environ, **env})
     assert r.returncode == 1
     assert r.stderr.count("rejected  max_num_seqs") == 2 and "0 of 2" in r.stdout

@@ -121,4 +121,19 @@ def test_a_calibration_on_a_slower_machine_is_brought_to_the_trace_s_level():
     assert level_factor(trace_steps, calib) == pytest.approx(0.5, rel=0.05)
     moved = leveled(trace_steps, calib)
     assert moved[0].dur == pytest.approx(calib[0].dur * level_factor(trace_steps, calib))
-    assert level_factor(trace_steps, decode_steps(range(1, 3), 100)) == 1.0   # nothing shared
+    # the same machine, other shapes: the level is the trace's already
+    assert level_factor(trace_steps, decode_steps(range(1, 3), 100, seed=4)) == pytest.approx(
+        1.0, rel=0.05)
+    assert level_factor(trace_steps, decode_steps(range(1, 3), 5)) == 1.0   # too few to fit
+
+
+def test_the_level_s_drift_widens_the_intervals():
+    trace = busy_trace()
+    same = Trace(trace.header, steps=decode_steps(range(1, 4), 600, seed=2, chunks=True))
+    slow = Trace(trace.header, steps=decode_steps(range(1, 4), 600, seed=2, chunks=True,
+                                                  scale=1.3))
+    a = whatif(trace, [], calibration=same)["model"]
+    b = whatif(trace, [], calibration=slow)["model"]
+    assert a["calibration_level"] == pytest.approx(1.0, abs=0.05)
+    assert b["calibration_level"] == pytest.approx(1 / 1.3, rel=0.05)
+    assert b["shape_error"]["inside"] >= 0.2 > a["shape_error"]["inside"]

@@ -81,8 +81,9 @@ def quality(args: argparse.Namespace) -> int:
 
     try:
         out = quality_bench(args.model, args.windows, args.window_tokens, args.chat_prompts,
-                            args.new_tokens, kv_cache_dtype=args.kv_cache_dtype,
-                            quantization=args.quantization, log=_log(args))
+                            args.new_tokens, max_num_batched_tokens=args.chunk,
+                            kv_cache_dtype=args.kv_cache_dtype,
+                            quantization=args.quantization, log=_log(args), text=args.text)
     except ValueError as e:             # a model that cannot load, windows the text lacks
         return fail("bench", str(e), 2)
     return _report(args, out, passed=out["passed"])
@@ -104,7 +105,13 @@ def kv_grouping(args: argparse.Namespace) -> int:
 def whatif(args: argparse.Namespace) -> int:
     from vconsole.tools.bench.whatif import whatif_bench
 
-    out = whatif_bench(args.seconds or 90.0, log=_log(args))
+    names = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    unknown = [w for w in names if w not in ("demo", "serve", "held-out")]
+    if unknown:
+        print(f"vconsole bench whatif: unknown workload {', '.join(unknown)} (demo, serve, "
+              f"held-out)", file=sys.stderr)
+        return 2
+    out = whatif_bench(args.seconds or 90.0, workloads=names, log=_log(args))
     return _report(args, out, passed=out["passed"])
 
 

@@ -205,6 +205,13 @@ def add_quality(benches: SubParsers) -> None:
                    help="greedy tokens per chat prompt (default 32)")
     add_engine_storage(p, "the engine's KV cache storage (default auto); a quantized one also "
                           "runs auto and reports the greedy match against it")
+    p.add_argument("--chunk", type=int, metavar="N",
+                   help="tokens a step: each window is scored in chunks of N, every chunk after "
+                        "the first reading the stored KV blocks (default 1000, or 128 with a "
+                        "quantized KV cache)")
+    p.add_argument("--text", choices=("pydoc", "python-license"), default="pydoc",
+                   help="the perplexity text: pydoc (the yardstick's, default) or "
+                        "python-license (held out: the stdlib's LICENSE.txt, ~3,000 tokens)")
 
 
 def add_windows(p: argparse.ArgumentParser, windows_help: str) -> None:
@@ -239,6 +246,9 @@ def add_whatif(benches: SubParsers) -> None:
               "run them for real and report the errors; exit 1 unless within the goals.")
     p.add_argument("--seconds", type=float, default=None, metavar="S",
                    help="seconds of each recorded workload (default 90)")
+    p.add_argument("--workloads", default="demo,serve,held-out", metavar="W,W",
+                   help="which workloads: demo, serve, held-out (seats to a fifth, the pool "
+                        "halved and quartered, overload; with and without --calibrate)")
 
 
 def add_structured(benches: SubParsers) -> None:

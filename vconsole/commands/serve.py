@@ -195,6 +195,7 @@ def _serve_http(args: argparse.Namespace, sock: socket.socket, endpoints: dict[s
     if args.otlp_traces_endpoint:
         from vconsole.entrypoints.openai.tracing import RequestTracer
         serving.tracer = RequestTracer(args.otlp_traces_endpoint)
+    serving.per_request_metrics = args.enable_per_request_metrics
     app = build_app(serving, api_key=api_key, engine_metrics_url=metrics_url,
                     version=__version__)
     print(f"vconsole serve: http://{args.host}:{args.port}/v1 in front of the engine at "

@@ -44,6 +44,11 @@ def add_parsers(subparsers: SubParsers) -> None:
                         "attribute names; a caller's traceparent header is honoured (as "
                         "vLLM's flag; needs opentelemetry-sdk and "
                         "opentelemetry-exporter-otlp-proto-http)")
+    g.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="add vLLM's per-request timings (time to first token, queue time, "
+                        "generation time, mean ITL, tokens/s) as `metrics` to the response of "
+                        "a one-prompt, one-sample request (a stream: to its final usage "
+                        "chunk), as vLLM's flag")
     g.add_argument("--engine-ready-file", metavar="PATH",
                    help="front the engine that wrote this ready file (`vconsole engine "
                         "--ready-file PATH`) instead of starting one")

@@ -319,6 +319,7 @@ class VConsoleApp(App[None]):
     def drill_in(self, engine_key: str) -> None:
         """The Fleet screen's ``enter``: every screen now shows ``engine_key``."""
         self.selected_engine = engine_key
+        self.state.set_primary(engine_key)      # the Config screen shows this engine's
         self.switch_mode("overview")
         self.refresh_view(force=True)
 

@@ -144,14 +144,14 @@ class Prediction:
                              self.after_info["overload"])
 
     def coverage_line(self) -> str:
-        """``62% of the steps with the change are of batch shapes the step-time model was
-        not fitted on: calibrate (vconsole whatif --calibrate)`` (empty when covered)."""
+        """``62% of its steps at batch shapes never fitted (vconsole whatif --calibrate)``:
+        the change runs batches the step-time model extrapolates to, its interval wider there
+        (empty when covered)."""
         cov = self.after_info.get("coverage") or {}
         if not cov.get("warn"):
             return ""
-        return (f"{cov['share']:.0%} of the steps with the change are of batch shapes the "
-                f"step-time model was not fitted on (its interval is wider there): measure "
-                f"them with vconsole whatif --calibrate")
+        return (f"{cov['share']:.0%} of its steps at batch shapes never fitted "
+                f"(vconsole whatif --calibrate)")
 
     @property
     def error(self) -> dict[str, float | None]:
@@ -479,7 +479,8 @@ def box_markup(p: Prediction) -> str:
         after = GROWS if grows else figure(k, a)
         mark = f" [$warning]{MARK}[/]" if k in flagged else "  "
         change = "" if grows else change_pct(b, a)
-        width = tolerance(stated[k]) if stated.get(k) is not None else ""
+        half = stated.get(k)
+        width = tolerance(half) if half is not None and not grows else ""
         lines.append(f"  {LABELS[k]:<12}{figure(k, b):>8} → {after}{mark}"
                      f"{'':{max(0, 8 - len(after))}}"
                      f"[{change_style(k, b, a)}]{change:>7}[/] "
@@ -487,7 +488,6 @@ def box_markup(p: Prediction) -> str:
     note = p.rough_line()
     if note and any(k in flagged for k in SHOWN):
         lines.append(f"[$warning]{MARK} {fmt.escape(note)}[/]")
-    cover = p.coverage_line()
-    if cover:
-        lines.append(f"[$text-muted]{fmt.escape(cover)}[/]")
+    elif p.coverage_line():          # one note under the figures: the box fits 80x24
+        lines.append(f"[$text-muted]{fmt.escape(p.coverage_line())}[/]")
     return "\n".join(lines)

@@ -49,6 +49,7 @@ class ConsoleState:
         self.alerts: deque[Alert] = deque(maxlen=ALERT_HISTORY)
         self.active_alerts: dict[tuple[str, str], Alert] = {}
         self.config: ConfigView | None = None
+        self.primary: str | None = None   # the engine ``config`` is of (None: the first heard)
         self.schema_error: str | None = None
         self.schema_error_ts = 0.0
         self.schema_errors = 0
@@ -145,7 +146,23 @@ class ConsoleState:
                 self._set_config(msg.payload, recv_ts, "telemetry")
 
     def _is_primary(self, eng: EngineState) -> bool:
+        if self.primary is not None:
+            return eng.key == self.primary
         return next(iter(self.engines.values())) is eng
+
+    def set_primary(self, key: str) -> None:
+        """Make ``key`` the engine whose config ``config`` holds (a fleet's drill-in): its last
+        ``config`` message now, else none until it announces one."""
+        with self.lock:
+            if key == self.primary:
+                return
+            self.primary = key
+            self.config = None
+            eng = self.engines.get(key)
+            body = eng.latest.get("config") if eng is not None else None
+            if body is not None and eng is not None:
+                self._set_config(body, eng.recv_ts.get("config", self.clock()), "telemetry")
+            self.generation += 1
 
     def _note_restart(self, eng: EngineState, health: dict[str, Any], recv_ts: float) -> None:
         """Every engine restart is listed once, even when its ``engine_restart`` event was

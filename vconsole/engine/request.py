@@ -100,3 +100,19 @@ class Request:
         whole prompt, never reading the prefix cache (as vLLM v1). They come with the first
         output token, so a request preempted later reads the cache again."""
         return self.sampling.prompt_logprobs is not None and not self.output_token_ids
+
+
+def request_timings(req: Request) -> dict[str, float]:
+    """A finished request's phases in seconds on the scheduler's clock, those it reached:
+    ``queue_s`` (first scheduled - arrival), ``prefill_s`` (first token - first scheduled),
+    ``decode_s`` (last token - first token), ``inference_s`` (last token - first scheduled);
+    the definitions of `vconsole.engine.latency`. Its final output carries them."""
+    out: dict[str, float] = {}
+    scheduled, first, last = req.first_scheduled_time, req.first_token_time, req.last_token_time
+    if scheduled is not None:
+        out["queue_s"] = scheduled - req.arrival_time
+        if first is not None and last is not None:
+            out["prefill_s"] = first - scheduled
+            out["decode_s"] = last - first
+            out["inference_s"] = last - scheduled
+    return out

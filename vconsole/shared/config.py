@@ -24,8 +24,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache storage (vLLM's names, plus int4_kivi; `int8` / `int4` are short aliases, see
 # `canonical_kv_cache_dtype`): scales per token and KV head live in the pool beside the
 # quantized values (`vconsole.engine.worker.kv_quant`).
-KV_CACHE_DTYPES = ("auto", "int8_per_token_head", "int4_per_token_head", "int4_kivi", "int8",
-                   "int4")
+KV_CACHE_DTYPES = ("auto", "int8_per_token_head", "int4_per_token_head", "int4_kivi",
+                   "int8_kivi", "int8", "int4")
 _KV_ALIASES = {"int8": "int8_per_token_head", "int4": "int4_kivi"}
 
 
@@ -59,7 +59,8 @@ class EngineConfig:
                     hot=False, choices=DTYPES)
     block_size: int = _f(16, "Tokens per KV cache block.", hot=False, lo=1, hi=1024)
     kv_cache_dtype: str = _f("auto", "KV cache storage: auto (the model's dtype), "
-                             "int8_per_token_head (int8), int4_per_token_head, or int4_kivi "
+                             "int8_per_token_head (int8), int8_kivi (int8 keys per channel "
+                             "over a block), int4_per_token_head, or int4_kivi "
                              "(int4: keys rounded per channel over a block, KIVI; values per "
                              "token). Scales live in the pool beside the values.",
                              hot=False, choices=KV_CACHE_DTYPES)

@@ -26,14 +26,14 @@ shares a step with another, so its steps are the shape it names.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vconsole.telemetry.request_trace import StepRecord
-from vconsole.whatif.coverage import busy, shape
+from vconsole.whatif.cost_model import TooLittleTraffic, fit
+from vconsole.whatif.coverage import busy
 
 CONTEXTS = (24, 48, 96, 192, 384, 768)   # one per octave of context per row
 CHUNKS = (16, 64)
@@ -119,42 +119,38 @@ def grid(config: dict[str, Any], num_kv_blocks: int, block_size: int, max_model_
     return probes
 
 
-MIN_SHARED = 10          # steps of a shape on each side for it to compare the two levels
-
-
 def level_factor(trace_steps: list[StepRecord], calib_steps: list[StepRecord]) -> float:
-    """How much slower the trace's steps ran than the calibration's, on the shapes both ran
-    (decode rows and context per row, `vconsole.whatif.coverage.shape`, without prefill): the
-    median ratio of their median durations, weighted by steps. 1.0 with no shape in common.
-    The calibration may run while the machine is busier or quieter than when the trace was
-    taken; scaled by this factor, it gives the *shape* of the cost and the trace its level."""
-    def groups(steps: list[StepRecord]) -> dict[tuple[int, int], list[float]]:
-        out: dict[tuple[int, int], list[float]] = {}
-        for s in busy(steps):
-            r, c, p = shape(s)
-            if p <= 0:
-                out.setdefault((r, c), []).append(s.dur)
-        return out
-
-    t, c = groups(trace_steps), groups(calib_steps)
-    pairs = [(statistics.median(t[k]) / statistics.median(c[k]), min(len(t[k]), len(c[k])))
-             for k in t.keys() & c.keys()
-             if len(t[k]) >= MIN_SHARED and len(c[k]) >= MIN_SHARED and statistics.median(c[k])]
-    if not pairs:
+    """How much slower the trace's steps ran than the calibration's would have at the same
+    shapes: a model fitted on the calibration alone times every busy step of the trace, and
+    the factor is the trace's total time over that, relative to the same ratio on the
+    calibration's own steps (so its noise counts on both sides). 1.0 when the calibration
+    cannot be fitted alone. The calibration may run while the machine is busier or quieter
+    than when the trace was taken; scaled by this factor, it gives the *shape* of the cost
+    and the trace its level."""
+    trace_busy, calib_busy = busy(trace_steps), busy(calib_steps)
+    if not trace_busy:
         return 1.0
-    pairs.sort()
-    half, acc = sum(w for _, w in pairs) / 2, 0
-    for ratio, w in pairs:
-        acc += w
-        if acc >= half:
-            return ratio
-    return pairs[-1][0]
+    try:
+        model = fit(calib_busy)
+    except TooLittleTraffic:
+        return 1.0
+
+    def ratio(steps: list[StepRecord]) -> float:
+        fitted = sum(model.dur(s.prefill, s.decode, s.context, s.prefill_attn, s.new_reqs)
+                     for s in steps)
+        return sum(s.dur for s in steps) / max(fitted, 1e-12)
+
+    return ratio(trace_busy) / max(ratio(calib_busy), 1e-12)
 
 
 def leveled(trace_steps: list[StepRecord], calib_steps: list[StepRecord]) -> list[StepRecord]:
     """The calibration's steps at the trace's level (`level_factor`): durations and periods
     times the factor."""
-    k = level_factor(trace_steps, calib_steps)
+    return scaled(calib_steps, level_factor(trace_steps, calib_steps))
+
+
+def scaled(steps: list[StepRecord], k: float) -> list[StepRecord]:
+    """``steps`` with durations and periods times ``k``."""
     return [dataclasses.replace(s, dur=s.dur * k, execute=s.execute * k,
                                 period=None if s.period is None else s.period * k)
-            for s in calib_steps]
+            for s in steps]

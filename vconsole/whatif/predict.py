@@ -12,6 +12,7 @@ token (capacity only: the step-time model is the trace's), ``kv_cache_memory_byt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ from vconsole.telemetry.request_trace import (
     figures,
     finished_normally,
 )
-from vconsole.whatif.calibration import leveled
+from vconsole.whatif.calibration import level_factor, scaled
 from vconsole.whatif.cost_model import StepCostModel, TooLittleTraffic, fit
 from vconsole.whatif.coverage import Coverage
 from vconsole.whatif.intervals import interval, interval_runs, shape_error
@@ -99,8 +100,10 @@ class Baseline:
             check_calibration(calibration, source)
         # The steps the step-time model is fitted on: the trace's own, and a calibration's
         # grid of shapes when there is one (`vconsole whatif --calibrate`).
+        # Its level: how much slower the trace ran than the calibration (1.0 without one).
+        self.level = level_factor(source.steps, calibration.steps) if calibration else 1.0
         self.fit_steps: list[StepRecord] = source.steps + (
-            leveled(source.steps, calibration.steps) if calibration else [])
+            scaled(calibration.steps, self.level) if calibration else [])
         self.calibrated = calibration is not None
         self.model: StepCostModel = fit(self.fit_steps)
         self.coverage = Coverage.of(self.fit_steps)
@@ -344,10 +347,17 @@ def whatif(trace: Trace, variants: list[dict[str, Any]], *,
     trace's."""
     base = Baseline(trace, costs, calibration)
     cost_error = shape_error(base.fit_steps, base.model) if intervals else None
+    if cost_error is not None and base.calibrated:
+        # The machine's level moved between the trace and the calibration by this much: a
+        # later run may be at either, so it counts in the step costs' error.
+        drift = abs(1.0 - base.level)
+        cost_error = {k: round(math.hypot(v, drift), 4) for k, v in cost_error.items()}
     base_run = base.run({})
     base_pred = predicted(base_run)
     model = base.model.to_dict()
     model["calibrated"] = base.calibrated
+    if base.calibrated:
+        model["calibration_level"] = round(base.level, 4)
     if cost_error is not None:
         model["shape_error"] = cost_error
     report: dict[str, Any] = {

@@ -54,6 +54,10 @@ class RequestOutput:
     logprobs: list[Logprobs] | None = None  # one per new token, when the request asked
     # The whole prompt's, once, with the first output token (when the request asked).
     prompt_logprobs: PromptLogprobs | None = None
+    # On the final output: the request's phases in seconds on the engine's clock (``queue_s``,
+    # ``prefill_s``, ``decode_s``, ``inference_s``; `vconsole.engine.latency`'s definitions),
+    # those it reached. What per-request metrics and request traces report.
+    timings: dict[str, float] | None = None
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by ``later``'s as one output (a consumer that fell behind reads

@@ -45,7 +45,7 @@ from vconsole.telemetry.request_trace import (
     trace_lines,
 )
 from vconsole.whatif.cost_model import StepCostModel
-from vconsole.whatif.predict import pct
+from vconsole.whatif.predict import pct, tolerance
 from vconsole.whatif.simulate import simulate
 
 pytestmark = pytest.mark.slow
@@ -186,6 +186,30 @@ async def test_the_box_marks_a_figure_the_model_misses_on_the_live_traffic():
         await pilot.press("escape")
 
 
+async def test_the_box_says_overloaded_first_with_the_capacity_and_an_interval_per_figure():
+    text = trace_text(n=170, rate=14.0)              # 12 s of arrivals, 32 seats keep up
+    ctl = TracingControl(text)
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = await ask_change(pilot, app, "max_num_seqs", "1")
+        await until(pilot, lambda: "predicted" in forecast(box), timeout=60)
+        shown = forecast(box)
+        want = expected({"max_num_seqs": 1}, text)
+        assert want.overloaded and not expected({}, text).overloaded
+        cap = want.after_info["overload"]["capacity"]["req_s"]
+        lines = [ln.strip() for ln in shown.splitlines()]
+        assert lines[1].startswith(f"overloaded: this change serves {cap:,.1f} req/s")
+        flat = " ".join(shown.split())
+        assert "the queue grows without bound at this rate" in flat
+        ttft = next(ln for ln in lines if ln.startswith("TTFT p99"))
+        assert "→ grows" in ttft                    # not a figure of the trace's length
+        tok = next(ln for ln in lines if ln.startswith("output tok/s"))
+        assert tolerance(want.after_stated["output_tok_s"]) in tok
+        assert box.query_one("#confirm").region.bottom <= 24
+        await pilot.press("escape")
+    assert sets(ctl) == []
+
+
 async def test_a_routine_change_of_a_modelled_key_is_confirmed_and_never_waits_for_the_prediction():
     ctl = TracingControl(trace_text(), gate=threading.Event())   # the trace never comes
     app = replay_app(control=ctl)
@@ -290,7 +314,7 @@ async def test_the_what_if_screen_edits_a_key_and_shows_live_now_and_with_the_ed
         screen = await open_whatif(pilot, app)
         assert screen.query_one("#wi-max_num_seqs", Input).value == "32"   # the live config
         assert [str(c.label) for c in screen.table.columns.values()] == [
-            "figure", "live", "now", "now vs live", "with edits", "change"]
+            "figure", "live", "now", "now vs live", "with edits", "±", "change"]
         summary = text_of(screen.query_one("#wi-summary", Static))
         assert "80 requests over " in summary and "steps" in summary
         base = expected({})
@@ -311,7 +335,9 @@ async def test_the_what_if_screen_edits_a_key_and_shows_live_now_and_with_the_ed
             assert [row[1], row[2], row[4]] == [figure(key, want.live[key]),
                                                 figure(key, want.before[key]),
                                                 figure(key, want.after[key])]
-            assert row[5] == change_pct(want.before[key], want.after[key])
+            assert row[6] == change_pct(want.before[key], want.after[key])
+            stated = want.after_stated.get(key)   # each figure's interval, as its half-width
+            assert row[5] == (tolerance(stated) if stated is not None else "")
         # the KV peak as a share of the pool and in blocks
         assert cells(screen, "kv_usage_peak")[1] == figure("kv_usage_peak",
                                                            want.live["kv_usage_peak"])

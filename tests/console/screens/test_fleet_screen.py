@@ -181,3 +181,23 @@ async def test_the_fleets_findings_are_alerts_with_their_evidence(servers):
         table = app.screen.query_one(DataTable)
         texts = [" ".join(str(c) for c in table.get_row_at(i)) for i in range(table.row_count)]
         assert any("fleet down" in t and "gone" in t for t in texts)
+
+
+async def test_a_drilled_in_engine_shows_its_own_config(servers):
+    app = fleet_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await settled(pilot, app)
+        for name, key, value in (("llama-a", "total_slots", 2),
+                                 ("vllm-a", "num_gpu_blocks", 1000),
+                                 ("sglang-a", "max_total_num_tokens", 200_000)):
+            if app.current_mode != "fleet":
+                await pilot.press("escape")
+                await until(pilot, lambda: app.current_mode == "fleet")
+                screen = app.screen
+            screen.table.move_cursor(row=screen.row_keys.index(name))
+            await pilot.press("enter", "4")
+            await until(pilot, lambda: app.current_mode == "config")
+            await until(pilot, lambda key=key: app.state.config is not None
+                        and key in app.state.config.values)
+            assert app.state.config.values[key] == value
+            assert app.state.primary == f"{name}/0"

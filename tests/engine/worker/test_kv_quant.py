@@ -18,7 +18,8 @@ from vconsole.shared.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, v
 from vconsole.wire.sampling import SamplingParams
 
 QUANTIZED = ("int8_per_token_head", "int4_per_token_head")
-ENGINE_FORMATS = (*QUANTIZED, "int4_kivi")
+ENGINE_FORMATS = (*QUANTIZED, "int4_kivi", "int8_kivi")
+PER_CHANNEL = ("int4_kivi", "int8_kivi")
 
 
 def _rows(seed: int, n: int = 300, d: int = 64) -> torch.Tensor:
@@ -63,6 +64,10 @@ def test_aliases_and_bytes_per_token():
     kivi = kv_quant.kv_format("int4")
     assert kivi.bytes_per_block(16, 30, 3, 64, 4) == 90 * (2 * 16 * 32 + 16 * 8 + 2 * 2 * 64)
     assert kivi.bytes_per_token(30, 3, 64, 4, 16) == 90 * 88
+    # int8_kivi: int8 K and V, V's float32 scale per token, K's float16 scale per channel.
+    kivi8 = kv_quant.kv_format("int8_kivi")
+    assert kivi8.bytes_per_block(16, 30, 3, 64, 4) == 90 * (2 * 16 * 64 + 16 * 4 + 2 * 64)
+    assert 3.6 < f32 / kivi8.bytes_per_token(30, 3, 64, 4, 16) < 3.7
 
 
 def test_a_bad_kv_cache_dtype_is_refused_with_the_valid_ones(capsys):
@@ -224,7 +229,7 @@ def test_kernel_and_torch_path_agree_on_quantized_blocks(kernel, name, monkeypat
         result = run_batch(core, [core.make_request(f"r{i}", prompt_token_ids=p, sampling=sp)
                                   for i, p in enumerate(PROMPTS)])
         tokens[mode], lps[mode] = result.output_token_ids, result.outputs
-    if name != "int4_kivi":
+    if name not in PER_CHANNEL:
         assert tokens["auto"] == tokens["torch"]
         return
     for i, (a, b) in enumerate(zip(tokens["auto"], tokens["torch"], strict=True)):
@@ -253,13 +258,13 @@ def test_prefix_cache_hits_on_quantized_blocks(name):
 def test_capacity_follows_kv_cache_memory_bytes():
     budget = 64 * 16 * _engine("auto", num_kv_blocks=4).runner.kv_bytes_per_token
     blocks = {}
-    for name in ("auto", "int8", "int4_per_token_head", "int4_kivi"):
+    for name in ("auto", "int8", "int4_per_token_head", "int4_kivi", "int8_kivi"):
         core = _engine(name, num_kv_blocks=None, kv_cache_memory_bytes=budget)
         blocks[name] = core.num_kv_blocks
         used = core.runner.kv_cache_bytes_per_block(16) * core.num_kv_blocks
         assert used + core.runner.kv_staging_bytes <= budget
         assert core.model_info()["kv_pool_bytes"] == used + core.runner.kv_staging_bytes
-        assert (core.runner.kv_staging_bytes > 0) == (name == "int4_kivi")
+        assert (core.runner.kv_staging_bytes > 0) == (name in PER_CHANNEL)
         assert core.model_info()["kv_bytes_per_token"] == core.runner.kv_bytes_per_token
     assert blocks["auto"] == 64
     assert blocks["int8"] >= 3.7 * 64 and blocks["int4_per_token_head"] >= 6.3 * 64
@@ -281,8 +286,8 @@ def test_preemption_on_a_small_quantized_pool_completes_every_request(name):
 
 # --- int4_kivi: keys per channel over a block, open blocks staged ------------------------------
 
-def _kivi_layer(nb: int, bs: int, kvh: int, d: int, entries: int):
-    fmt = kv_quant.kv_format("int4_kivi")
+def _kivi_layer(nb: int, bs: int, kvh: int, d: int, entries: int, name: str = "int4_kivi"):
+    fmt = kv_quant.kv_format(name)
     layer = kv_quant.allocate(fmt, 1, nb, bs, kvh, d, torch.float32, torch.device("cpu"),
                               entries)[0]
     return fmt, layer, OpenBlocks(nb, bs, entries, torch.device("cpu"))
@@ -381,11 +386,42 @@ def test_a_block_restarting_from_offset_zero_drops_its_old_rows():
     assert got.max() < 6.0
 
 
+def test_int8_kivi_seals_keys_per_channel_within_half_a_step_of_each_channel():
+    """int8_kivi: an open block's keys staged in float16; sealed, each channel within half a
+    step of its own range (max |x| / 127 over the block), the small channels as well as the
+    outlier one, which under one scale per token and head would set every channel's step."""
+    bs, kvh, d = 8, 2, 16
+    fmt, layer, blocks = _kivi_layer(4, bs, kvh, d, entries=2, name="int8_kivi")
+    gen = torch.Generator().manual_seed(7)
+    keys = {1: torch.randn(bs, kvh, d, generator=gen) * torch.linspace(0.05, 1, d)}
+    keys[1][:, :, 3] *= 40.0                                          # an outlier channel
+    _step(fmt, layer, blocks, [(1, 0, 5)], keys, bs)
+    got = kv_quant.read_keys(layer, torch.tensor([1]), blocks.entry_of)[0]
+    assert _staged_close(got[:5], keys[1][:5])
+    _step(fmt, layer, blocks, [(1, 5, bs)], keys, bs)
+    assert blocks.entry_of[1] == -1 and layer.k.dtype == torch.int8
+    assert layer.k_params.shape == (4, kvh, 1, d) and layer.k_params.dtype == torch.float16
+    got = kv_quant.read_keys(layer, torch.tensor([1]), blocks.entry_of)[0]
+    step = keys[1].abs().amax(0) / 127                                # (KVH, D) per channel
+    # Half a step, plus float16's rounding of the staged rows (2^-11 of a value: at most 127
+    # steps) and of the stored scale.
+    assert ((got - keys[1]).abs() <= step * (0.5 * 1.001 + 127 / 2048)).all()
+    # Against one scale per token and head on the same keys: the other channels' error is a
+    # fraction of what the outlier channel's scale gave them.
+    per_token = kv_quant.kv_format("int8_per_token_head")
+    again = kv_quant.dequantize(per_token, *kv_quant.quantize(per_token, keys[1]))
+    small = torch.ones(d, dtype=torch.bool)
+    small[3] = False
+    err, err_token = ((x - keys[1]).abs()[..., small].mean() for x in (got, again))
+    assert err < err_token / 4
+
+
 # head_dim 64 takes the fixed-shape path, 48 the plain loops.
+@pytest.mark.parametrize("name", PER_CHANNEL)
 @pytest.mark.parametrize("kvh,g,d", [(3, 3, 64), (2, 2, 48)])
-def test_kernel_reads_kivi_blocks_sealed_and_open(each_kernel, kvh, g, d):
+def test_kernel_reads_kivi_blocks_sealed_and_open(each_kernel, name, kvh, g, d):
     bs, nb = 8, 12
-    fmt, layer, blocks = _kivi_layer(nb, bs, kvh, d, entries=4)
+    fmt, layer, blocks = _kivi_layer(nb, bs, kvh, d, entries=4, name=name)
     gen = torch.Generator().manual_seed(11)
     keys = {b: torch.randn(bs, kvh, d, generator=gen) + torch.linspace(-4, 4, d)
             for b in range(nb)}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gzip
 import http.server
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -173,6 +175,10 @@ def test_a_span_joins_the_callers_trace_with_vllms_attribute_names(server: Serve
     assert a["gen_ai.response.finish_reasons"] == ["length", "length"]
     assert 0 < a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
     assert a["gen_ai.latency.e2e"] == pytest.approx((span["end"] - span["start"]) / 1e9)
+    # the engine's phases of the first sample (its own clock)
+    assert 0 <= a["gen_ai.latency.time_in_queue"] < a["gen_ai.latency.e2e"]
+    assert a["gen_ai.latency.time_in_model_prefill"] + a["gen_ai.latency.time_in_model_decode"] \
+        == pytest.approx(a["gen_ai.latency.time_in_model_inference"])
     assert span["resource"]["service.name"] == "vconsole"
     assert span["status"] == 0                                          # unset: fine
 
@@ -221,3 +227,12 @@ def test_the_endpoint_is_an_http_url_and_gets_otlps_traces_path() -> None:
     for bad in ("collector:4318", "grpc://c:4317", "http://"):
         with pytest.raises(ValueError, match="http\\(s\\) URL"):
             traces_url(bad)
+
+
+def test_serve_refuses_an_endpoint_that_is_not_a_url_before_starting_an_engine() -> None:
+    done = subprocess.run([sys.executable, "-m", "vconsole", "serve", "--port",
+                           str(free_port()), "--otlp-traces-endpoint", "collector:4318"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--otlp-traces-endpoint wants an http(s) URL" in done.stderr
+    assert "engine" not in done.stderr.lower().replace("--otlp-traces-endpoint", "")

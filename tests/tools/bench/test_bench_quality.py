@@ -33,6 +33,28 @@ def test_bench_quality_on_tiny_matches_transformers_and_prints_every_figure() ->
                                      "reference_greedy_s"}
 
 
+@pytest.mark.proc
+def test_bench_quality_names_its_chunk_and_text_and_the_noise_a_run_can_resolve() -> None:
+    """``--chunk`` is the step each window is scored in (a quantized KV cache is read back by
+    every chunk after the first), ``--text`` the held-out text; both are named in the JSON,
+    with the perplexity change's own 2-standard-error band."""
+    proc = subprocess.run([sys.executable, "-m", "vconsole", "bench", "quality", "--model",
+                           "tiny", "--windows", "2", "--window-tokens", "64", "--chat-prompts",
+                           "1", "--new-tokens", "4", "--kv-cache-dtype", "int8_kivi",
+                           "--chunk", "16", "--text", "python-license", "--json"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode in (0, 1), proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["kv_cache_dtype"] == "int8_kivi" and out["chunk_tokens"] == 16
+    assert out["chunks_per_window"] == 4 and out["text_name"] == "python-license"
+    assert "LICENSE" in out["text"]
+    assert out["rel_diff"] != 0.0 and 0 < out["rel_diff_2se"] < 0.05
+    assert 0 < out["token_logprob_diff_mean"] <= out["token_logprob_diff_p99"]
+    bad = subprocess.run([sys.executable, "-m", "vconsole", "bench", "quality", "--model",
+                          "tiny", "--chunk", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "chunk" in bad.stderr
+
+
 def test_a_greedy_miss_names_its_first_step_and_whether_it_is_a_near_tie() -> None:
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2], [1, 2, 3]) == 2          # one stopped early

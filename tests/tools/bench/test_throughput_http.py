@@ -7,6 +7,7 @@ the build command where llama-server is not built."""
 from __future__ import annotations
 
 import argparse
+import signal
 
 import pytest
 
@@ -14,7 +15,11 @@ from vconsole.tools.bench import throughput as tp
 from vconsole.tools.bench import throughput_http as th
 from vconsole.tools.bench.cpu_features import cpu_description
 from vconsole.tools.bench.llama_server_build import find_llama_server, missing_reason
-from vconsole.tools.bench.throughput_servers import llama_server_command
+from vconsole.tools.bench.throughput_servers import (
+    ServerFailed,
+    died_of_sigill,
+    llama_server_command,
+)
 from vconsole.tools.load_summary import LoadRun, RequestRecord
 from vconsole.tools.loadgen import LoadSpec
 
@@ -78,6 +83,17 @@ def test_llama_server_batches_as_many_slots_as_the_concurrency(tmp_path):
     assert "--kv-unified" in cmd and "--metrics" in cmd
 
 
+def test_a_server_killed_by_sigill_is_restarted_without_repacked_buffers(tmp_path):
+    """ggml's AMX buffers die with SIGILL on a VM without the AMX tile state: that one
+    failure, and only it, means --no-repack."""
+    assert "--no-repack" not in llama_server_command(tmp_path / "b", tmp_path / "m", 1, 1, 1, 64)
+    assert "--no-repack" in llama_server_command(tmp_path / "b", tmp_path / "m", 1, 1, 1, 64,
+                                                 repack=False)
+    assert died_of_sigill(ServerFailed("llama-server exited (-4)", -signal.SIGILL))
+    assert not died_of_sigill(ServerFailed("llama-server exited (1)", 1))
+    assert not died_of_sigill(ServerFailed("not healthy within 300 s"))
+
+
 def test_the_report_names_the_cpu_vector_extensions():
     cpu = cpu_description()
     assert cpu["cores"] >= 1 and cpu["model"]
@@ -120,3 +136,4 @@ def test_both_servers_serve_one_workload_and_the_peer_counts_the_same_tokens(mon
     assert single["llama_server"]["decode_tokens_per_s"] > 0
     assert out["single_stream_vs_llama_server"] == single["ratio"]["decode_tokens_per_s"]
     assert "AVX" in (out["llama_server_system_info"] or "")
+    assert out["llama_server_repack"] is True or "SIGILL" in out["llama_server_repack"]

@@ -275,8 +275,8 @@ class WhatIfScreen(ConsoleScreen):
                           Text(pct(error.get(k)) if p.live else "–",
                                style="yellow" if k in flagged else ""),
                           _marked(after, k in flagged) if self.variant or grows else "=",
-                          Text(tolerance(stated[k]) if stated.get(k) is not None else "",
-                               style="dim"),
+                          Text(tolerance(half) if (half := stated.get(k)) is not None
+                               and not grows else "", style="dim"),
                           Text(change, style={"success": "green", "warning": "yellow"}.get(
                               style, "dim")), key=k)
         note.update(Content.from_markup(self._note(p)))
@@ -296,12 +296,12 @@ class WhatIfScreen(ConsoleScreen):
             lines = ["[b]with edits[/] " + " · ".join(parts)]
         if p.overloaded:
             lines.insert(0, f"[$warning]{fmt.escape(p.overload_line())}[/]")
+        cover = p.coverage_line() if self.variant else ""
+        if cover:
+            lines[-1] += f" [$text-muted]· {fmt.escape(cover)}[/]"
         rough = p.rough_line()
         if rough:
             lines.append(f"[$warning]{MARK} {fmt.escape(rough)}[/]")
-        cover = p.coverage_line()
-        if cover:
-            lines.append(f"[$text-muted]{fmt.escape(cover)}[/]")
         return "\n".join(lines)
 
     # --- applying ------------------------------------------------------------------------------

@@ -26,10 +26,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from vconsole.console.sources.prom_text import families
 from vconsole.console.sources.vllm import ScrapeError, VllmScraper
-from vconsole.console.sources.vllm_metrics import EngineSample, VllmTranslator
+from vconsole.console.sources.vllm_metrics import EngineSample, VllmTranslator, readonly_config
 
 PREFIX = "llamacpp:"
 # llama.cpp family (a counter's ``_total`` dropped by the parser) -> the vLLM names read for it
@@ -53,7 +52,7 @@ def parse(text: str) -> EngineSample:
     """The ``llamacpp:*`` series of one scrape under vLLM's names. ValueError for text that is
     not the Prometheus exposition format."""
     eng = EngineSample()
-    for fam in text_string_to_metric_families(text):
+    for fam in families(text):
         for s in fam.samples:
             names = NAMES.get(fam.name)
             if names is None or s.name.endswith("_created") or not math.isfinite(s.value):
@@ -132,6 +131,16 @@ class LlamaCppTranslator(VllmTranslator):
         body.update(max_num_seqs=total if isinstance(total, int) else None,
                     num_preemptions_total=None, not_exposed=NOT_EXPOSED["sched"])
         return body
+
+    def _config(self, s: EngineSample) -> dict[str, Any] | None:
+        p = self.props
+        if not p:
+            return None
+        gen = p.get("default_generation_settings") or {}
+        values = {"model_path": p.get("model_path"), "model_alias": p.get("model_alias"),
+                  "total_slots": p.get("total_slots"), "n_ctx": gen.get("n_ctx"),
+                  "build_info": p.get("build_info")}
+        return readonly_config(values, "llama-server's GET /props; read-only")
 
     def _step(self, s: EngineSample, prev: tuple[float, EngineSample] | None,
               now: float) -> dict[str, Any]:

@@ -28,9 +28,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from vconsole.console.sources.vllm_metrics import EngineSample, Histogram, VllmTranslator
+from vconsole.console.sources.prom_text import families
+from vconsole.console.sources.vllm_metrics import (
+    EngineSample,
+    Histogram,
+    VllmTranslator,
+    readonly_config,
+)
 
 PREFIX = "sglang:"
 # SGLang family (prometheus_client drops a counter's ``_total``) -> the vLLM name read for it.
@@ -64,7 +68,7 @@ def parse(text: str) -> dict[str, EngineSample]:
     """SGLang's series of one scrape by ``dp_rank`` ("0" without one), under vLLM's names.
     ValueError for text that is not the Prometheus exposition format."""
     out: dict[str, EngineSample] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in families(text):
         if not fam.name.startswith(PREFIX) or (fam.name not in NAMES and fam.name != FINISHED):
             continue
         for s in fam.samples:
@@ -143,3 +147,9 @@ class SglangTranslator(VllmTranslator):
         body["not_exposed"] = NOT_EXPOSED["sched"]
         body["preemptions_are"] = "retractions"
         return body
+
+    def _config(self, s: EngineSample) -> dict[str, Any] | None:
+        cap = s.get("sglang:max_total_num_tokens")
+        values = {"model_name": s.model, "max_total_num_tokens": int(cap) if cap else None}
+        return readonly_config(values, "SGLang's /metrics (SGLang has no runtime config API "
+                                       "here); read-only")

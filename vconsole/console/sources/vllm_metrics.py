@@ -44,8 +44,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from vconsole.console.sources.prom_text import families
 from vconsole.telemetry import schema
 from vconsole.telemetry.vllm_names import LATENCY_HISTOGRAMS
 
@@ -117,7 +116,7 @@ def parse(text: str) -> dict[str, EngineSample]:
     """The ``vllm:*`` series of one scrape by ``engine`` label ("0" when there is none).
     Raises ``ValueError`` for text that is not the Prometheus exposition format."""
     out: dict[str, EngineSample] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in families(text):
         if not fam.name.startswith("vllm:"):
             continue
         for s in fam.samples:
@@ -214,7 +213,7 @@ def window_stats(now_h: Histogram, then_h: Histogram | None) -> dict[str, Any]:
     return out
 
 
-# Counter families (prometheus_client strips ``_total`` from a counter family's name).
+# Counter families (the parser strips ``_total`` from a counter family's name, as prometheus_client).
 _COUNTERS = frozenset({"vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens",
                        "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
                        "vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits"})
@@ -410,12 +409,16 @@ class VllmTranslator:
         cache = _cache_info(s)
         if not cache:
             return None
-        values = {k: _typed(v) for k, v in sorted(cache.items())}
-        rows = [{"key": k, "type": type(v).__name__ if v is not None else "str", "hot": False,
-                 "description": "vLLM cache config (vllm:cache_config_info); read-only",
-                 "min": None, "max": None, "choices": None, "nullable": True, "default": None}
-                for k, v in values.items()]
-        return {"version": 0, "values": values, "schema": rows, "readonly": True}
+        return readonly_config({k: _typed(v) for k, v in sorted(cache.items())},
+                               "vLLM cache config (vllm:cache_config_info); read-only")
+
+
+def readonly_config(values: dict[str, Any], description: str) -> dict[str, Any]:
+    """A ``config`` body of what a server says of its settings: shown, never changed."""
+    rows = [{"key": k, "type": type(v).__name__ if v is not None else "str", "hot": False,
+             "description": description, "min": None, "max": None, "choices": None,
+             "nullable": True, "default": None} for k, v in values.items()]
+    return {"version": 0, "values": values, "schema": rows, "readonly": True}
 
 
 def _cache_info(s: EngineSample) -> dict[str, str]:

@@ -47,7 +47,7 @@ from typing import Protocol
 
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
 from vconsole.engine.latency import LatencyBatch, LatencyLog
-from vconsole.engine.request import FinishReason, Request, RequestStatus
+from vconsole.engine.request import FinishReason, Request, RequestStatus, request_timings
 from vconsole.engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.engine.telemetry_guard import TelemetryGuard
@@ -599,7 +599,8 @@ class Scheduler:
             rid, outputs[sent:], finished,
             str(req.finish_reason) if finished and req.finish_reason else None, None,
             len(req.prompt_token_ids), cached if cached > 0 else 0, len(outputs),
-            req.num_preemptions, req.error, lps[sent:] if lps is not None else None)
+            req.num_preemptions, req.error, lps[sent:] if lps is not None else None,
+            timings=request_timings(req) if finished else None)
 
     # --- telemetry ----------------------------------------------------------------------------
     def stats(self, max_rows: int, rows: RowSource | None = None) -> SchedulerStats:

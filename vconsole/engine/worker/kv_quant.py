@@ -19,10 +19,16 @@ indexed by the same slot (``block_id * block_size + offset``) as the data:
   staging area until its last slot is written (`kv_open_blocks`), then they are rounded per
   channel. ``D/2 + 8`` bytes
   per token for V, ``D/2 + 4D/B`` for K (5.8x at ``D = 64``, ``B = 16``), plus the staging.
+- ``int8_kivi``: values as ``int8_per_token_head``; keys int8 rounded per channel over each
+  block, symmetric, a float16 scale per (block, KV head, channel) (no minimum), staged in
+  float16 while their block fills as ``int4_kivi``'s. ``D + 4`` bytes per token for V,
+  ``D + 2D/B`` for K (3.66x at ``D = 64``, ``B = 16``), plus the staging.
 
 Why these groupings, measured on SmolLM2 by `vconsole bench kv-grouping` (docs/benchmarks.md):
-at 8 bits a scale per token and head loses +0.04% perplexity, no more than KIVI's keys per
-channel, so int8 keeps the simple one. At 4 bits per token and head loses +16% (a few outlier
+at 8 bits the keys carry most of the error (values alone a quarter of it): their few outlier
+channels set each token's scale, and keys per channel over a block halve the per-token change
+of the logprobs (0.028 -> 0.014 nats on average), hence ``int8_kivi``; ``int8_per_token_head``
+stays as the one without staging. At 4 bits per token and head loses +16% (a few outlier
 key channels set every token's range), groups of 32 +6%, a Hadamard rotation of each head first
 +6.7%, and keys per channel over a 16-token block +1.2%: the 4-bit format worth having is
 KIVI's, at the price of staging open blocks. ``int4_per_token_head`` stays for vLLM's name and
@@ -65,14 +71,20 @@ class KVFormat:
     def data_dim(self, head_dim: int) -> int:
         return head_dim if self.bits != 4 else head_dim // 2
 
+    @property
+    def channel_rows(self) -> int:
+        """float16 rows of a per-channel format's key parameters per (block, KV head): scale
+        and minimum at 4 bits, the scale alone at 8 (symmetric)."""
+        return 2 if self.bits == 4 else 1
+
     def bytes_per_block(self, block_size: int, num_layers: int, num_kv_heads: int,
                         head_dim: int, model_itemsize: int) -> int:
         """K and V of one block in every layer, parameters included."""
         if not self.quantized:
             per_head = 2 * block_size * head_dim * model_itemsize
-        elif self.key_per_channel:   # V per token; K's float16 scale and minimum per channel
+        elif self.key_per_channel:   # V per token; K's float16 parameters per channel
             per_head = (2 * block_size * (self.data_dim(head_dim)) + block_size * 4 * self.params
-                        + 2 * 2 * head_dim)
+                        + 2 * self.channel_rows * head_dim)
         else:
             per_head = 2 * block_size * (self.data_dim(head_dim) + 4 * self.params)
         return num_layers * num_kv_heads * per_head
@@ -91,6 +103,7 @@ FORMATS = {
     "int8_per_token_head": KVFormat("int8_per_token_head", 8, torch.int8, 1),
     "int4_per_token_head": KVFormat("int4_per_token_head", 4, torch.uint8, 2),
     "int4_kivi": KVFormat("int4_kivi", 4, torch.uint8, 2, key_per_channel=True),
+    "int8_kivi": KVFormat("int8_kivi", 8, torch.int8, 1, key_per_channel=True),
 }
 
 
@@ -103,8 +116,8 @@ def kv_format(name: str) -> KVFormat:
 class KVLayer:
     """One layer's K and V in the pool. ``k``/``v`` are ``(NB, B, KVH, Dd)``; for a quantized
     format ``k_params``/``v_params`` are ``(NB, B, KVH, P)`` float32, else None. A per-channel
-    format (`int4_kivi`) has ``k_params`` ``(NB, KVH, 2, D)`` float16 (each channel's scale and
-    minimum over the block), and ``k_stage`` ``(E, B, KVH, D)`` float16, the open blocks' keys
+    format has ``k_params`` ``(NB, KVH, R, D)`` float16 (each channel's scale and, for
+    `int4_kivi`, minimum over the block: ``R = KVFormat.channel_rows``), and ``k_stage`` ``(E, B, KVH, D)`` float16, the open blocks' keys
     (`kv_open_blocks`). ``k, v = layer`` unpacks the data only."""
 
     k: torch.Tensor
@@ -141,8 +154,8 @@ def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,
             layers.append(KVLayer(
                 torch.zeros(shape, dtype=fmt.data_dtype, device=device),
                 torch.zeros(shape, dtype=fmt.data_dtype, device=device),
-                torch.zeros((num_blocks, num_kv_heads, 2, head_dim), dtype=torch.float16,
-                            device=device),
+                torch.zeros((num_blocks, num_kv_heads, fmt.channel_rows, head_dim),
+                            dtype=torch.float16, device=device),
                 torch.zeros(pshape, dtype=torch.float32, device=device),
                 torch.zeros((max(open_entries, 1), block_size, num_kv_heads, head_dim),
                             dtype=torch.float16, device=device)))
@@ -210,9 +223,12 @@ def _unpack4(data: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_sealed_keys(data: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """Per-channel keys back to float32: data (..., B, KVH, D/2) uint8, params (..., KVH, 2, D)
-    float16 -> (..., B, KVH, D)."""
+    """Per-channel keys back to float32: data (..., B, KVH, D/2) uint8 with params
+    (..., KVH, 2, D) float16 (`int4_kivi`), or data (..., B, KVH, D) int8 with params
+    (..., KVH, 1, D) (`int8_kivi`) -> (..., B, KVH, D)."""
     p = params.float()
+    if data.dtype == torch.int8:
+        return data.float() * p[..., None, :, 0, :]
     return _unpack4(data) * p[..., None, :, 0, :] + p[..., None, :, 1, :]
 
 
@@ -223,6 +239,14 @@ def seal_keys(layer: KVLayer, blocks: torch.Tensor, work: torch.Tensor,
     assert layer.k_params is not None
     valid = (torch.arange(work.shape[1], device=work.device)[None, :] < fill[:, None])
     valid = valid[:, :, None, None]
+    if layer.k.dtype == torch.int8:   # int8_kivi: symmetric, the scale alone
+        top = torch.where(valid, work.abs(), 0.0).amax(dim=1)           # (S, KVH, D)
+        scale = (top / 127.0).half().float()                             # as stored
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q8 = torch.round(work / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+        layer.k.index_copy_(0, blocks, q8)
+        layer.k_params.index_copy_(0, blocks, scale[:, :, None].half())
+        return
     lo = torch.where(valid, work, torch.inf).amin(dim=1)              # (S, KVH, D)
     hi = torch.where(valid, work, -torch.inf).amax(dim=1)
     scale = ((hi - lo) / 15.0).half().float()                           # as stored
@@ -235,7 +259,7 @@ def seal_keys(layer: KVLayer, blocks: torch.Tensor, work: torch.Tensor,
 
 def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torch.Tensor,
                       k: torch.Tensor, v: torch.Tensor, kernel: Any = None) -> None:
-    """`write` for `int4_kivi`: values rounded per token into their slots; keys routed by the
+    """`write` for a per-channel format: values rounded per token into their slots; keys routed by the
     step's `OpenPlan` into staging (float16, blocks still filling) or rounded per channel
     (blocks sealed now). The reads of staging come first: an entry freed and taken again in one
     step."""

@@ -15,7 +15,7 @@ server does not know which rank ran a sample. Bounds: vLLM's 1-2-5 series up to 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -32,6 +32,30 @@ def one_two_five(max_value: int) -> list[int]:
                 return out
             out.append(m * scale)
         scale *= 10
+
+
+def per_request_timing(timings: Mapping[str, float], num_generation_tokens: int
+                       ) -> dict[str, float | None]:
+    """vLLM's per-request timing metrics (``--enable-per-request-metrics``, the response's
+    ``metrics``) from the engine's phases (`RequestOutput.timings`), as vLLM computes them
+    from its scheduler stats: ``time_to_first_token_ms`` (first token - first scheduled),
+    ``generation_time_ms`` (last token - first token), ``queue_time_ms``, ``mean_itl_ms``
+    (generation time / (tokens - 1), from two tokens on), ``tokens_per_second`` (tokens /
+    (last token - first scheduled)). A phase the request never reached is None."""
+    def ms(key: str) -> float | None:
+        v = timings.get(key)
+        return None if v is None else v * 1e3
+
+    decode, inference = timings.get("decode_s"), timings.get("inference_s")
+    return {
+        "time_to_first_token_ms": ms("prefill_s"),
+        "generation_time_ms": ms("decode_s"),
+        "queue_time_ms": ms("queue_s"),
+        "mean_itl_ms": (decode * 1e3 / (num_generation_tokens - 1)
+                        if decode is not None and num_generation_tokens > 1 else None),
+        "tokens_per_second": (num_generation_tokens / inference
+                              if inference is not None and inference > 0 else None),
+    }
 
 
 class RequestSizeMetrics:

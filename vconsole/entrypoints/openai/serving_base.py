@@ -35,7 +35,7 @@ from vconsole.entrypoints.openai import structured
 from vconsole.entrypoints.openai.engine_link import EngineLink, engine_refusal
 from vconsole.entrypoints.openai.logprobs import Entry, vllm_prompt_logprobs
 from vconsole.entrypoints.openai.protocol import BadRequest, ChatMessage, SamplingFields
-from vconsole.entrypoints.openai.request_metrics import RequestSizeMetrics
+from vconsole.entrypoints.openai.request_metrics import RequestSizeMetrics, per_request_timing
 from vconsole.entrypoints.openai.text import TextStream
 from vconsole.entrypoints.openai.tool_calls import ToolCallStream
 from vconsole.entrypoints.openai.tools import ToolPlan, takes_tools, template_messages
@@ -79,6 +79,7 @@ class Choice:
     tools: ToolCallStream | None = None                     # its tool calls, when parsed
     num_cached_tokens: int = 0                              # the engine's, once finished
     num_preemptions: int = 0
+    timings: dict[str, float] | None = None                 # its phases (RequestOutput)
 
     @property
     def limit(self) -> int | None:
@@ -114,6 +115,7 @@ class OpenAIServing:
         self._spec_checker = structured.SpecChecker(self._grammar_tokenizer)
         self.tracer: RequestTracer | None = None    # --otlp-traces-endpoint: a span per prompt
         self.request_metrics: RequestSizeMetrics | None = None   # set by the app: /metrics
+        self.per_request_metrics = False        # --enable-per-request-metrics
 
     async def start(self) -> None:
         """The engine's ``ready`` (`TimeoutError` when none answers), then the tokenizer."""
@@ -252,7 +254,8 @@ class OpenAIServing:
                          [c.finish_reason for c in choices],
                          num_cached_tokens=max((c.num_cached_tokens for c in choices),
                                                default=0),
-                         num_preemptions=sum(c.num_preemptions for c in choices), error=error)
+                         num_preemptions=sum(c.num_preemptions for c in choices),
+                         timings=choices[0].timings if choices else None, error=error)
         if self.request_metrics is not None:     # every sample finished
             self.request_metrics.observe(
                 self.model_name, self.max_model_len, num_prompt_tokens=len(ids),
@@ -285,6 +288,7 @@ class OpenAIServing:
             if out.finished:
                 c.num_cached_tokens, c.num_preemptions = out.num_cached_tokens, \
                     out.num_preemptions
+                c.timings = out.timings
             if out.prompt_logprobs is not None:
                 c.prompt_logprobs = out.prompt_logprobs
             if limit == 0:
@@ -313,6 +317,14 @@ class OpenAIServing:
                         req.stop_token_ids:
                     c.stop_reason = last
             yield c, delta
+
+    def timing_field(self, choices: Sequence[Choice], num_prompts: int = 1) -> dict[str, Any]:
+        """``{"metrics": {...}}``, vLLM's per-request timings (`--enable-per-request-metrics`),
+        for a request of one prompt and one sample whose engine reported them; else ``{}``."""
+        if not self.per_request_metrics or num_prompts != 1 or len(choices) != 1:
+            return {}
+        c = choices[0]
+        return {"metrics": per_request_timing(c.timings or {}, c.num_tokens)}
 
     def prompt_logprobs_field(self, req: SamplingFields, c: Choice,
                               ids: list[int]) -> dict[str, Any]:
@@ -368,6 +380,7 @@ class Chunks:
     def __init__(self, resp_id: str, kind: str, model: str, req: SamplingFields) -> None:
         self.head = {"id": resp_id, "object": kind, "created": int(time.time()), "model": model}
         self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        self.extra: dict[str, Any] = {}      # added to the final usage chunk (vLLM's metrics)
         self.counts = Usage()
         self.running: list[Choice] = []
 
@@ -386,4 +399,4 @@ class Chunks:
         return sse(body)
 
     def usage(self) -> str:
-        return sse({**self.head, "choices": [], "usage": self._usage()})
+        return sse({**self.head, "choices": [], "usage": self._usage(), **self.extra})

@@ -72,7 +72,8 @@ class OpenAIServingChat(ServingEndpoint):
         return {"id": response_id("chatcmpl", rid, request_id), "object": "chat.completion",
                 "created": int(time.time()),
                 "model": serving.model_name, "choices": choices,
-                "usage": usage.body(), **serving.prompt_logprobs_field(req, done[0], ids)}
+                "usage": usage.body(), **serving.prompt_logprobs_field(req, done[0], ids),
+                **serving.timing_field(done)}
 
     async def _chunks(self, req: ChatCompletionRequest, rid: str, resp_id: str,
                       ids: list[int], limit: int, spec: StructuredSpec | None,
@@ -91,6 +92,7 @@ class OpenAIServingChat(ServingEndpoint):
             elif delta or c.finish_reason:
                 yield out.chunk(c.index, c, delta={"content": delta} if delta else {},
                                 logprobs=self._chat_logprobs(req, c, stream=True))
+        out.extra = self.serving.timing_field(out.running)
         if req.include_usage():
             yield out.usage()
 

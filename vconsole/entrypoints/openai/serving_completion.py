@@ -63,7 +63,8 @@ class OpenAIServingCompletion(ServingEndpoint):
                          **serving.prompt_logprobs_field(req, c, ids)} for c in done]
         return {"id": response_id("cmpl", rid, request_id), "object": "text_completion",
                 "created": int(time.time()),
-                "model": serving.model_name, "choices": choices, "usage": usage.body()}
+                "model": serving.model_name, "choices": choices, "usage": usage.body(),
+                **serving.timing_field(done, len(prompts))}
 
     async def _chunks(self, req: CompletionRequest, rid: str, resp_id: str,
                       prompts: list[Prompt], max_tokens: list[int],
@@ -90,6 +91,7 @@ class OpenAIServingCompletion(ServingEndpoint):
                     yield out.chunk(p * req.n + c.index, c, text=delta, logprobs=(
                         self._completion_logprobs(req, c, len(echo), stream=True)))
             out.counts.add(0, out.running)
+            out.extra = self.serving.timing_field(out.running, len(prompts))
             out.running = []
         if req.include_usage():
             yield out.usage()

@@ -3,8 +3,9 @@
 One span per prompt a generation request sends to the engine (``llm_request``, kind SERVER), its
 ``n`` samples together, with vLLM's attribute names (``vllm/tracing``'s ``SpanAttributes``): the
 request's id, model and sampling parameters, its token usage, its time to first token and
-end-to-end latency on the server's clock (from the HTTP request's arrival, as vLLM's front end
-measures them). What our engine knows beyond vLLM rides along as span events: ``preempted``
+end-to-end latency on the server's clock (as vLLM's front end measures them), and the engine's
+phases of its first sample (``gen_ai.latency.time_in_queue``, ``time_in_model_prefill``,
+``time_in_model_decode``, ``time_in_model_inference``; `RequestOutput.timings`). What our engine knows beyond vLLM rides along as span events: ``preempted``
 (how often its KV blocks were taken back), ``prefix_cache_hit`` (prompt tokens served from the
 prefix cache). The W3C ``traceparent`` / ``tracestate`` headers of the HTTP request (`incoming`,
 set by the route) make the span a child of the caller's: it joins the caller's trace.
@@ -49,6 +50,12 @@ USAGE_NUM_SEQUENCES = "gen_ai.usage.num_sequences"
 LATENCY_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
 LATENCY_E2E = "gen_ai.latency.e2e"
 RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+LATENCY_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
+# the engine's phases (RequestOutput.timings) -> vLLM's attribute
+PHASE_ATTRIBUTES = {"queue_s": LATENCY_TIME_IN_QUEUE,
+                    "prefill_s": "gen_ai.latency.time_in_model_prefill",
+                    "decode_s": "gen_ai.latency.time_in_model_decode",
+                    "inference_s": "gen_ai.latency.time_in_model_inference"}
 
 # The HTTP request's headers, set by the generation route for the spans its prompts start.
 incoming: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
@@ -193,7 +200,9 @@ class RequestSpan:
 
     def end(self, completion_tokens: int, finish_reasons: Sequence[str | None], *,
             num_cached_tokens: int = 0, num_preemptions: int = 0,
+            timings: Mapping[str, float] | None = None,
             error: BaseException | None = None) -> None:
+        """Its usage and latencies; ``timings``: the engine's phases of its first sample."""
         from opentelemetry.trace import Status, StatusCode
 
         now = time.time_ns()
@@ -204,6 +213,9 @@ class RequestSpan:
         if self._first_ns is not None:
             span.set_attribute(LATENCY_TIME_TO_FIRST_TOKEN, (self._first_ns - self._start_ns) / 1e9)
         span.set_attribute(LATENCY_E2E, (now - self._start_ns) / 1e9)
+        for phase, seconds in (timings or {}).items():
+            if phase in PHASE_ATTRIBUTES:
+                span.set_attribute(PHASE_ATTRIBUTES[phase], seconds)
         if num_cached_tokens:
             span.add_event("prefix_cache_hit", {"gen_ai.usage.cached_tokens": num_cached_tokens})
         if num_preemptions:

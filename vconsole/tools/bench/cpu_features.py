@@ -18,7 +18,7 @@ VECTOR_FLAGS = {
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = platform.processor() or platform.machine(), set[str]()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -18,6 +18,7 @@ cell's text). Measured:
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,23 @@ def _standins(specs: list[str]) -> subprocess.Popen[str]:
     return proc
 
 
+def free_ports(n: int, start: int, stop: int) -> list[int]:
+    """``n`` ports from ``start`` that can be listened on now: a port can be a client's
+    ephemeral port (in TIME_WAIT for a minute) on a busy machine."""
+    out: list[int] = []
+    for port in range(start, stop):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"not {n} free ports in {start}-{stop - 1}")
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -56,7 +74,8 @@ def fleet_bench(targets: int = 64, engines: int = 2, seconds: float = 20.0,
     from vconsole.engine.launch.engine_process import EngineProcess, loopback_endpoints
 
     n_http = max(1, targets - engines)
-    specs = [f"{KINDS[i % 3]}:{base_port + i}" for i in range(n_http)]
+    specs = [f"{KINDS[i % 3]}:{port}"
+             for i, port in enumerate(free_ports(n_http, base_port, base_port + 590))]
     victim = specs[-1]
     procs: list[EngineProcess] = []
     ts: list[Target] = []

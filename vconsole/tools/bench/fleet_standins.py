@@ -13,6 +13,7 @@ import json
 import random
 import sys
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
@@ -164,7 +165,14 @@ def serve(route: Route, port: int) -> ThreadingHTTPServer:
             pass
 
     ThreadingHTTPServer.allow_reuse_address = True
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    for attempt in range(10):      # the port may be a client's ephemeral port for a moment
+        try:
+            server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+            break
+        except OSError:
+            if attempt == 9:
+                raise
+            time.sleep(0.5)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 

@@ -26,7 +26,10 @@ servers' order alternating from one level to the next:
 ``--metrics``) is read around each of its runs: ``server_tokens`` must equal the tokens the
 client counted. A run where any request failed raises `RequestsFailed` (no figures from it).
 The JSON names the CPU and its vector extensions, llama-server's own ``system_info`` line (the
-features ggml uses), and the load average at the start and end.
+features ggml uses), whether its repacked weight buffers ran (``llama_server_repack``: on a VM
+that names AMX but does not grant its tile state they die with SIGILL, and the bench restarts
+it with ``--no-repack``; for Q4_1 ggml has no other repacked layout), and the load average at
+the start and end.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ from typing import Any
 from vconsole.tools.bench.cpu_features import cpu_description
 from vconsole.tools.bench.llama_server_build import find_llama_server, missing_reason
 from vconsole.tools.bench.throughput_servers import (
+    ServerFailed,
     Started,
+    died_of_sigill,
     free_port,
     llama_server,
     scrape_counter,
@@ -107,7 +112,8 @@ def figures(run: LoadRun, spec: LoadSpec) -> dict[str, Any]:
 
 async def drive(url: str, spec: LoadSpec, vocab: int) -> LoadRun:
     """``spec`` against the OpenAI server at ``url`` (its root), prompts from ``vocab``."""
-    client = HttpLoadClient(url, timeout_s=1800.0)
+    # HttpLoadClient has the three calls run_load makes of an engine client (duck-typed)
+    client: Any = HttpLoadClient(url, timeout_s=1800.0)
     async with client:
         client.engine_info["vocab_size"] = vocab
         return await run_load(client, spec)
@@ -149,6 +155,25 @@ def _measure_peer(peer: Started, spec: LoadSpec, vocab: int) -> dict[str, Any]:
     return out
 
 
+def _start_peer(stack: ExitStack, binary: Path, plan: HttpPlan, port: int, parallel: int,
+                ctx_per_slot: int, work: Path, result: dict[str, Any],
+                log: Callable[[str], None]) -> Started:
+    """llama-server with ggml's repacked buffers, as it starts by default; where they kill it
+    with SIGILL (`died_of_sigill`), with ``--no-repack`` from then on, said in
+    ``result["llama_server_repack"]``."""
+    while True:
+        repack = result.setdefault("llama_server_repack", True) is True
+        try:
+            return stack.enter_context(llama_server(binary, plan.gguf, port, plan.threads,
+                                                    parallel, ctx_per_slot, work, repack))
+        except ServerFailed as e:
+            if not (repack and died_of_sigill(e)):
+                raise
+            result["llama_server_repack"] = (
+                "off (--no-repack): its repacked (AMX) buffers died with SIGILL on this CPU")
+            log("llama-server died with SIGILL in its repacked buffers: --no-repack")
+
+
 def http_throughput(plan: HttpPlan, log: Callable[[str], None]) -> dict[str, Any]:
     binary = find_llama_server()
     if binary is None:
@@ -166,6 +191,7 @@ def http_throughput(plan: HttpPlan, log: Callable[[str], None]) -> dict[str, Any
                      "greedy": True},
         "load_average": [round(os.getloadavg()[0], 2)], "levels": {}}
     levels: list[int | str] = ["single", *plan.levels]
+    result["llama_server_system_info"] = system_info(binary, plan.threads)
     try:
         log(f"starting vconsole serve --model {plan.gguf} ({plan.threads} threads) ...")
         with vconsole_serve(plan.gguf, ports[0], plan.threads, work, plan.quantization,
@@ -179,10 +205,8 @@ def http_throughput(plan: HttpPlan, log: Callable[[str], None]) -> dict[str, Any
                 spec = level_spec(level)
                 with ExitStack() as stack:
                     log(f"starting llama-server --parallel {parallel} ...")
-                    peer = stack.enter_context(llama_server(binary, plan.gguf, ports[2],
-                                                            plan.threads, parallel,
-                                                            ctx_per_slot, work))
-                    result.setdefault("llama_server_system_info", system_info(peer.log))
+                    peer = _start_peer(stack, binary, plan, ports[2], parallel, ctx_per_slot,
+                                       work, result, log)
                     asyncio.run(drive(peer.url, warm, vocab))
                     row: dict[str, Any] = {}
                     for name in (("vconsole", "llama_server") if i % 2 == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -37,7 +38,12 @@ def free_port() -> int:
 
 
 class ServerFailed(RuntimeError):
-    """A server exited or never became healthy; the message ends with its log's tail."""
+    """A server exited (``returncode``) or never became healthy (None); the message ends with
+    its log's tail."""
+
+    def __init__(self, message: str, returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
 
 
 def wait_healthy(url: str, child: ChildProcess, log: Path, name: str,
@@ -46,7 +52,7 @@ def wait_healthy(url: str, child: ChildProcess, log: Path, name: str,
     while time.monotonic() < deadline:
         if child.poll() is not None:
             raise ServerFailed(f"{name} exited ({child.returncode}): "
-                               f"{log.read_text(errors='replace')[-2000:]}")
+                               f"{log.read_text(errors='replace')[-2000:]}", child.returncode)
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
                 if r.status == 200:
@@ -90,21 +96,29 @@ def vconsole_serve(gguf: Path, port: int, threads: int, work: Path,
 
 
 def llama_server_command(binary: Path, gguf: Path, port: int, threads: int, parallel: int,
-                         ctx_per_slot: int) -> list[str]:
+                         ctx_per_slot: int, repack: bool = True) -> list[str]:
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--threads", str(threads), "--threads-batch", str(threads),
             "--parallel", str(parallel), "--kv-unified", "--ctx-size",
-            str(parallel * ctx_per_slot), "--metrics", "--no-webui"]
+            str(parallel * ctx_per_slot), "--metrics", "--no-webui",
+            *(() if repack else ("--no-repack",))]
+
+
+def died_of_sigill(e: ServerFailed) -> bool:
+    """ggml's repacked weight buffers include AMX's on a CPU that names AMX; a VM that does not
+    grant the AMX tile state kills the server with SIGILL on its first tile load."""
+    return e.returncode == -signal.SIGILL
 
 
 @contextlib.contextmanager
 def llama_server(binary: Path, gguf: Path, port: int, threads: int, parallel: int,
-                 ctx_per_slot: int, work: Path) -> Iterator[Started]:
-    """``llama-server`` on ``gguf`` with ``parallel`` slots of ``ctx_per_slot`` tokens each."""
+                 ctx_per_slot: int, work: Path, repack: bool = True) -> Iterator[Started]:
+    """``llama-server`` on ``gguf`` with ``parallel`` slots of ``ctx_per_slot`` tokens each;
+    ``repack=False``: ``--no-repack`` (ggml's plain CPU buffers, no extra buffer types)."""
     log = work / f"llama-server-{parallel}.log"
     with open(log, "wb") as out:
         child = ChildProcess(llama_server_command(binary, gguf, port, threads, parallel,
-                                                  ctx_per_slot),
+                                                  ctx_per_slot, repack),
                              stdout=out, stderr=subprocess.STDOUT, own_group=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -114,11 +128,20 @@ def llama_server(binary: Path, gguf: Path, port: int, threads: int, parallel: in
         child.stop(30)
 
 
-def system_info(log: Path) -> str | None:
-    """llama-server's ``system_info:`` line: its threads and the CPU features ggml uses."""
-    for line in log.read_text(errors="replace").splitlines():
+def system_info(binary: Path, threads: int) -> str | None:
+    """llama-server's ``system_info:`` line (its threads and the CPU features ggml was built
+    with and uses). It logs the line at trace level only, so a second server prints it at
+    ``-lv 4`` and exits at once on a model file that is not there."""
+    try:
+        out = subprocess.run([str(binary), "-lv", "4", "-m", "/nonexistent/system-info.gguf",
+                              "--host", "127.0.0.1", "--port", "0", "--threads", str(threads),
+                              "--threads-batch", str(threads)],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in (out.stdout + out.stderr).splitlines():
         if "system_info:" in line:
-            return line.split("system_info:", 1)[1].strip()
+            return line.split("system_info:", 1)[1].strip().rstrip("| ").strip()
     return None
 
 

@@ -125,6 +125,9 @@ class Fleet:
         self.started = started
         self._history: dict[str, deque[_Point]] = {}
         self._state: dict[str, tuple[str, float]] = {}
+        # name -> (what the row was built from, the row): a refresh rebuilds only the rows
+        # of targets that sent something since (or changed state, or a new alert came).
+        self._built: dict[str, tuple[tuple[Any, ...], FleetRow]] = {}
 
     @property
     def targets(self) -> list[Target]:
@@ -165,7 +168,22 @@ class Fleet:
         t = src.target
         engines = self._engines(src, state)
         status = self._status(src, engines, now)
-        row = FleetRow(t.name, t.kind, t.url, status, self._since(t.name, status, now),
+        since = self._since(t.name, status, now)
+        basis = (status, since, src.problem, len(state.alerts), state.messages if not engines
+                 else tuple(e.recv_ts.get("sched", 0.0) for e in engines),
+                 tuple(e.recv_ts.get("health", 0.0) for e in engines),
+                 getattr(src, "model", None))
+        built = self._built.get(t.name)
+        if built is not None and built[0] == basis:
+            return built[1]
+        row = self._build(src, state, engines, status, since)
+        self._built[t.name] = (basis, row)
+        return row
+
+    def _build(self, src: TargetSource, state: ConsoleState, engines: list[EngineState],
+               status: str, since: float) -> FleetRow:
+        t = src.target
+        row = FleetRow(t.name, t.kind, t.url, status, since,
                        labels=dict(t.labels), problem=src.problem, readonly=t.readonly,
                        engine_key=engines[0].key if engines else None)
         if not engines:

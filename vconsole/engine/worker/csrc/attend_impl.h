@@ -25,7 +25,9 @@
 // is dequantized into memory. The int8 row is a quarter of the float32 row's bytes, int4 an
 // eighth. An int4_kivi pool (`kv_open_blocks.py`) rounds keys per channel over a block instead:
 // a sealed block's channel scales multiply the queries once per block, q.k = (q * s).q_k + q.lo;
-// a block still filling is read from its float16 staging entry (`entry_of[block] >= 0`).
+// a block still filling is read from its float16 staging entry (`entry_of[block] >= 0`). An
+// int8_kivi pool (kKIVI8) is the same with int8 keys and a scale per channel only,
+// q.k = (q * s).q_k, and values as an int8 pool's.
 
 #pragma once
 
@@ -112,13 +114,18 @@ inline float hsum(vf v) {
   return s;
 }
 
-// The parameters of KV head h of a sealed kKIVI block as float vectors.
-template <int DV>
+// Rows of per-channel key parameters per (block, KV head): scale and minimum, or the scale only.
+template <Store S>
+constexpr int64_t kChannelRows = S == kKIVI ? 2 : 1;
+
+// The parameters of KV head h of a sealed kKIVI / kKIVI8 block as float vectors (kKIVI8: no
+// minimum, `lo` is left alone).
+template <Store S, int DV>
 inline void channel_params(const Pool& pool, int64_t blk, int64_t h, vf* scale, vf* lo) {
-  const c10::Half* pc = pool.kc + (blk * pool.kvh + h) * 2 * pool.d;
+  const c10::Half* pc = pool.kc + (blk * pool.kvh + h) * kChannelRows<S> * pool.d;
   for (int c = 0; c < DV; ++c) {
     scale[c] = widen_f16(pc + c * kLanes);
-    lo[c] = widen_f16(pc + pool.d + c * kLanes);
+    if constexpr (S == kKIVI) lo[c] = widen_f16(pc + pool.d + c * kLanes);
   }
 }
 
@@ -164,7 +171,7 @@ void attend_fixed(const float* __restrict qh, const Pool& pool, const int64_t* t
   }
   float m[G];
   for (int j = 0; j < G; ++j) m[j] = -std::numeric_limits<float>::infinity();
-  if constexpr (S == kKIVI) {
+  if constexpr (S == kKIVI || S == kKIVI8) {
     // Keys block by block: an open block's from staging (float), a sealed one's through its
     // channel parameters folded into the queries: q.k = (q * s).q_k + q.lo.
     for (int64_t b = first / bs, p = first; p < len; ++b) {
@@ -188,18 +195,19 @@ void attend_fixed(const float* __restrict qh, const Pool& pool, const int64_t* t
       }
       vf cs[DV], cl[DV], qs[G][DV];
       float qlo[G];
-      channel_params<DV>(pool, blk, h, cs, cl);
+      channel_params<S, DV>(pool, blk, h, cs, cl);
       for (int j = 0; j < G; ++j) {
         vf acc{};
         for (int c = 0; c < DV; ++c) {
           qs[j][c] = q[j][c] * cs[c];
-          acc += q[j][c] * cl[c];
+          if constexpr (S == kKIVI) acc += q[j][c] * cl[c];
         }
         qlo[j] = hsum(acc);
       }
+      constexpr Store SK = S == kKIVI ? kI4 : kI8;   // the sealed keys' integers
       for (int64_t slot = blk * bs + p - b * bs; p < stop; ++p, ++slot) {
         vf k[DV];
-        load_row<kI4, DV>(pool.k, slot, h, pool, k);
+        load_row<SK, DV>(pool.k, slot, h, pool, k);
         for (int j = 0; j < G; ++j) {
           vf acc = qs[j][0] * k[0];
           for (int c = 1; c < DV; ++c) acc += qs[j][c] * k[c];
@@ -252,7 +260,8 @@ void attend_fixed(const float* __restrict qh, const Pool& pool, const int64_t* t
   for (int64_t b = first / bs, p = first; p < len; ++b) {
     const int64_t stop = std::min(len, (b + 1) * bs);
     for (int64_t slot = table[b] * bs + p - b * bs; p < stop; ++p, ++slot) {
-      constexpr Store SV = S == kKIVI ? kI4 : S;   // values are per token either way
+      // values are per token either way
+      constexpr Store SV = S == kKIVI ? kI4 : S == kKIVI8 ? kI8 : S;
       vf v[DV];
       load_row<SV, DV>(pool.v, slot, h, pool, v);
       float vs = 1.f, vl = 0.f;
@@ -282,15 +291,21 @@ template <Store S>
 inline const float* row_floats(const char* base, const float* params, int64_t slot, int64_t h,
                                int64_t d, const Pool& pool, float* tmp, bool key, int64_t bs) {
   const char* r = base + slot * pool.slot_bytes + h * pool.head_bytes;
-  if constexpr (S == kKIVI) {
-    if (!key) return row_floats<kI4>(base, params, slot, h, d, pool, tmp, false, bs);
+  if constexpr (S == kKIVI || S == kKIVI8) {
+    constexpr Store SV = S == kKIVI ? kI4 : kI8;
+    if (!key) return row_floats<SV>(base, params, slot, h, d, pool, tmp, false, bs);
     const int64_t blk = slot / bs, entry = pool.entry_of[blk];
     if (entry >= 0) {
       const c10::Half* x = staged_row(pool, entry, bs, slot % bs, h);
       for (int64_t i = 0; i < d; ++i) tmp[i] = static_cast<float>(x[i]);
       return tmp;
     }
-    const c10::Half* pc = pool.kc + (blk * pool.kvh + h) * 2 * d;
+    const c10::Half* pc = pool.kc + (blk * pool.kvh + h) * kChannelRows<S> * d;
+    if constexpr (S == kKIVI8) {
+      const int8_t* x = reinterpret_cast<const int8_t*>(r);
+      for (int64_t i = 0; i < d; ++i) tmp[i] = static_cast<float>(pc[i]) * x[i];
+      return tmp;
+    }
     const uint8_t* x = reinterpret_cast<const uint8_t*>(r);
     for (int64_t i = 0; i < d / 2; ++i) {
       tmp[i] = static_cast<float>(pc[d + i]) + static_cast<float>(pc[i]) * (x[i] & 15);

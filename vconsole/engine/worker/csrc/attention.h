@@ -1,6 +1,6 @@
 // Decode attention read straight from the paged KV pool, for the CPU: the interface between the
 // operators torch calls (ops.cpp) and the kernels, one translation unit per way of storing K/V
-// (attend_f32.cpp, attend_i8.cpp, attend_i4.cpp, attend_kivi.cpp).
+// (attend_f32.cpp, attend_i8.cpp, attend_i4.cpp, attend_kivi.cpp, attend_kivi8.cpp).
 //
 // Plain pointers and sizes, no torch types: the kernels include ATen's parallel_for and c10's
 // Half only, so each compiles in seconds and they compile side by side (the builder runs one
@@ -24,22 +24,24 @@
 
 namespace vc {
 
-// How a pool stores its rows: float32, int8 + scale, int4 + scale and minimum, or int4 keys
-// rounded per channel over a block (KIVI) with values as kI4.
-enum Store { kF32 = 0, kI8 = 8, kI4 = 4, kKIVI = 5 };
+// How a pool stores its rows: float32, int8 + scale, int4 + scale and minimum, int4 keys
+// rounded per channel over a block (KIVI) with values as kI4, or int8 keys rounded per channel
+// over a block (a float16 scale per channel, no minimum) with values as kI8.
+enum Store { kF32 = 0, kI8 = 8, kI4 = 4, kKIVI = 5, kKIVI8 = 9 };
 
 // One layer's K and V: data addressed in bytes, parameters (float32) per slot and KV head.
 struct Pool {
   const char* k;
   const char* v;
-  const float* kp;      // null for kF32 and kKIVI (keys)
+  const float* kp;      // null for kF32, kKIVI and kKIVI8 (keys)
   const float* vp;
   int64_t slot_bytes;   // between two slots of the data
   int64_t head_bytes;   // between two KV heads of one slot
   int64_t slot_params;  // floats between two slots of the parameters (KVH * P)
   int64_t head_params;  // P
-  // kKIVI only: each sealed block's per-channel key scale and minimum, (NB, KVH, 2, D) half;
-  // the open blocks' keys, (E, B, KVH, D) float16; each block's entry there, or -1 if sealed.
+  // kKIVI / kKIVI8 only: each sealed block's per-channel key scale and minimum, (NB, KVH, 2, D)
+  // half (kKIVI8: the scale only, (NB, KVH, 1, D)); the open blocks' keys, (E, B, KVH, D)
+  // float16; each block's entry there, or -1 if sealed.
   const c10::Half* kc = nullptr;
   const c10::Half* stage = nullptr;
   const int64_t* entry_of = nullptr;
@@ -66,5 +68,6 @@ void attend_f32(const Batch& batch, const Pool& pool);
 void attend_i8(const Batch& batch, const Pool& pool);
 void attend_i4(const Batch& batch, const Pool& pool);
 void attend_kivi(const Batch& batch, const Pool& pool);
+void attend_kivi8(const Batch& batch, const Pool& pool);
 
 }  // namespace vc

@@ -1,5 +1,5 @@
 // The operators torch calls (`torch.ops.<VC_OPS>.*`): each checks its tensors, the block ids its
-// tables name and, for int4_kivi, the staging entries, then hands plain pointers to the store's
+// tables name and, for int4_kivi / int8_kivi, the staging entries, then hands plain pointers to the store's
 // kernel (attention.h). Registered with TORCH_LIBRARY rather than bound with pybind11: the
 // operator headers are a fifth of torch/extension.h's compile, and nothing here depends on the
 // Python ABI. VC_OPS, the operators' namespace, is named by the builder (it carries the build's
@@ -124,19 +124,23 @@ void paged_decode_attention_kivi(const Tensor& q, const Tensor& k_data, const Te
                                  const Tensor& tables, const Tensor& lens, double scale,
                                  int64_t window, Tensor& out) {
   check_common(q, tables, lens, out);
+  // int8 data: int8_kivi (a scale per key channel; values' scale per token), else int4_kivi.
+  const bool i8 = k_data.scalar_type() == at::kChar;
   const int64_t kvh = q.size(1), d = q.size(3), nb = k_data.size(0), bs = k_data.size(1);
-  TORCH_CHECK(d % 2 == 0, "int4 needs an even head_dim");
-  TORCH_CHECK(k_data.scalar_type() == at::kByte && v_data.scalar_type() == at::kByte,
-              "uint8 data");
+  const int64_t dd = i8 ? d : d / 2, rows = i8 ? 1 : 2;
+  TORCH_CHECK(i8 || d % 2 == 0, "int4 needs an even head_dim");
+  TORCH_CHECK(k_data.scalar_type() == (i8 ? at::kChar : at::kByte) &&
+                  v_data.scalar_type() == k_data.scalar_type(),
+              "int8 or uint8 data, K and V alike");
   TORCH_CHECK(k_data.dim() == 4 && v_data.sizes() == k_data.sizes() && k_data.size(2) == kvh &&
-                  k_data.size(3) == d / 2,
+                  k_data.size(3) == dd,
               "pool and query disagree");
   TORCH_CHECK(k_channel.scalar_type() == at::kHalf &&
-                  k_channel.sizes() == at::IntArrayRef({nb, kvh, 2, d}),
-              "key channel parameters: (NB, KVH, 2, D) float16");
+                  k_channel.sizes() == at::IntArrayRef({nb, kvh, rows, d}),
+              "key channel parameters: (NB, KVH, 2, D) float16 (int8: (NB, KVH, 1, D))");
   TORCH_CHECK(v_params.scalar_type() == at::kFloat &&
-                  v_params.sizes() == at::IntArrayRef({nb, bs, kvh, 2}),
-              "value parameters: (NB, B, KVH, 2) float32");
+                  v_params.sizes() == at::IntArrayRef({nb, bs, kvh, rows}),
+              "value parameters: (NB, B, KVH, 2) float32 (int8: (NB, B, KVH, 1))");
   TORCH_CHECK(k_stage.scalar_type() == at::kHalf && k_stage.dim() == 4 &&
                   k_stage.size(1) == bs && k_stage.size(2) == kvh && k_stage.size(3) == d,
               "staging: (E, B, KVH, D) float16");
@@ -148,14 +152,18 @@ void paged_decode_attention_kivi(const Tensor& q, const Tensor& k_data, const Te
               "contiguous pools");
   vc::Pool pool{static_cast<const char*>(k_data.data_ptr()),
                 static_cast<const char*>(v_data.data_ptr()), nullptr, v_params.data_ptr<float>(),
-                kvh * d / 2, d / 2, kvh * 2, 2};
+                kvh * dd, dd, kvh * rows, rows};
   pool.kc = k_channel.data_ptr<at::Half>();
   pool.stage = k_stage.data_ptr<at::Half>();
   pool.entry_of = entry_of.data_ptr<int64_t>();
   pool.entries = k_stage.size(0);
   pool.kvh = kvh;
   pool.d = d;
-  vc::attend_kivi(batch_of(q, tables, lens, scale, window, out, nb, bs, pool, true), pool);
+  const vc::Batch b = batch_of(q, tables, lens, scale, window, out, nb, bs, pool, true);
+  if (i8)
+    vc::attend_kivi8(b, pool);
+  else
+    vc::attend_kivi(b, pool);
 }
 
 // The write side: rows x (T, KVH, D) float32 rounded per (row, KV head) into a quantized pool at
