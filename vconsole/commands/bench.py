@@ -98,8 +98,12 @@ def kv_ideas(args: argparse.Namespace) -> int:
 def kv_grouping(args: argparse.Namespace) -> int:
     from vconsole.tools.bench.kv_grouping import kv_grouping_bench
 
-    return _report(args, kv_grouping_bench(args.model, min(args.windows, 16), args.window_tokens,
-                                           log=_log(args)))
+    try:
+        out = kv_grouping_bench(args.model, min(args.windows, 16), args.window_tokens,
+                                log=_log(args), text=args.text)
+    except ValueError as e:             # windows the text lacks
+        return fail("bench", str(e), 2)
+    return _report(args, out)
 
 
 def whatif(args: argparse.Namespace) -> int:

@@ -236,6 +236,8 @@ def add_kv_grouping(benches: SubParsers) -> None:
               "quantization grouping right before attention, against none.")
     add_model(p)
     add_windows(p, "perplexity windows of the pydoc text (default 16, at most 16)")
+    p.add_argument("--text", choices=("pydoc", "python-license"), default="pydoc",
+                   help="the text: pydoc (default) or python-license (held out)")
 
 
 def add_whatif(benches: SubParsers) -> None:

@@ -248,7 +248,16 @@ class VConsoleApp(App[None]):
                            self.source_of(self.current_engine()),
                            paused=self.paused, readonly_reason=self.readonly_reason,
                            endpoints=" ".join(self.endpoints), address=self.engine_address,
-                           fleet=self.fleet is not None)
+                           fleet=self.fleet is not None, fleet_status=self._fleet_status(mode))
+
+    def _fleet_status(self, mode: str) -> str:
+        """The tab bar's right on the Fleet screen: how many engines are up (markup)."""
+        if self.fleet is None or mode != "fleet":
+            return ""
+        rows = self.fleet.rows(self.state, self.state.now())
+        up = sum(r.state == "up" for r in rows)
+        style = "$success" if up == len(rows) else ("$error" if not up else "$warning")
+        return f"[{style}]● {up}/{len(rows)} up[/]"
 
     def active_console_screen(self) -> ConsoleScreen | None:
         for screen in reversed(self.screen_stack):

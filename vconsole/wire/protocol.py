@@ -467,15 +467,6 @@ def _prompt_logprobs(raw: Any) -> PromptLogprobs | None:
                           [[float(x) for x in v] for v in top_lps])
 
 
-def _timings(raw: Any) -> dict[str, float] | None:
-    """An output's ``timings``: phase name -> seconds."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ValueError("timings must be a map")
-    return {str(k): float(v) for k, v in raw.items()}
-
-
 def parse_outputs(header: dict[str, Any]) -> list[RequestOutput]:
     raw = header.get("outputs")
     if not isinstance(raw, list):
@@ -497,7 +488,8 @@ def parse_outputs(header: dict[str, Any]) -> list[RequestOutput]:
                 error=item.get("error"),
                 logprobs=_logprobs(item.get("logprobs")),
                 prompt_logprobs=_prompt_logprobs(item.get("prompt_logprobs")),
-                timings=_timings(item.get("timings")),
+                timings=(None if item.get("timings") is None    # phase -> seconds
+                         else {str(k): float(v) for k, v in dict(item["timings"]).items()}),
             ))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"bad output entry: {e}") from None

@@ -50,6 +50,7 @@ class Frame:
     address: str = ""         # where the engine is, when the app was told (the demo's base)
     dp_size: int = 0          # ranks in the watched data-parallel group; 0 for a lone engine
     fleet: bool = False       # several targets are watched: the Fleet tab is shown
+    fleet_status: str = ""    # on the Fleet screen, the right of the tab bar: "3/4 up"
 
     @property
     def status(self) -> str:
@@ -58,7 +59,7 @@ class Frame:
     @classmethod
     def build(cls, st: ConsoleState, mode: str, selected: str | None, source: Source, *,
               paused: bool, readonly_reason: str, endpoints: str, address: str = "",
-              fleet: bool = False) -> Frame:
+              fleet: bool = False, fleet_status: str = "") -> Frame:
         """The frame of one refresh (under the state's lock): the ``selected`` engine (a key;
         None: the first) as ``source`` (the one that feeds it) says."""
         now = st.now()
@@ -76,7 +77,8 @@ class Frame:
             last_error=st.recent_error(now) or (
                 f"telemetry reader stopped: {source.error}" if source.error else None),
             endpoints=endpoints, address=address,
-            dp_size=st.dp_world_size(ranks) if ranks else 0, fleet=fleet)
+            dp_size=st.dp_world_size(ranks) if ranks else 0, fleet=fleet,
+            fleet_status=fleet_status)
 
 
 STATUS_STYLE = {"running": "$success", "idle": "$accent", "draining": "$warning",
@@ -106,9 +108,11 @@ class TabBar(Static):
         if frame.readonly and frame.live:      # (a replay is read-only by nature)
             flags.append("[$text-muted]read-only[/]")
         eng = frame.engine
-        if eng is None:
+        name: list[str] = []
+        if frame.fleet_status and frame.mode == "fleet":   # the fleet's, not one engine's
+            status = [frame.fleet_status]
+        elif eng is None:
             status = [f"[{STATUS_STYLE['connecting']}]● waiting for telemetry[/]"]
-            name: list[str] = []
         else:
             label = fmt.escape(eng.label)
             if dp:
@@ -169,7 +173,8 @@ class Banner(Static):
         if frame.schema_error:
             return (f"SCHEMA MISMATCH — {frame.schema_error}. Use a console and an engine from "
                     f"the same vconsole version.", "error")
-        eng = frame.engine
+        # The Fleet screen's rows say each engine's state: no banner for the one selected.
+        eng = frame.engine if frame.mode != "fleet" else None
         if eng is not None and eng.is_stale(frame.now):
             age = eng.heartbeat_age(frame.now)
             since = fmt.duration(age) if age is not None else "start"
@@ -177,7 +182,7 @@ class Banner(Static):
                      else "the recording has a gap here")
             return (f"ENGINE DOWN — no heartbeat for {since} (> {STALE_INTERVALS:g} × "
                     f"{eng.heartbeat_interval:g}s); {again}.", "error")
-        if eng is None and frame.live:
+        if eng is None and frame.live and frame.mode != "fleet":
             where = frame.endpoints or "the engine"
             if build_in_progress() is not None:     # a local engine's first start
                 return (f"Waiting for telemetry from {where} … the engine is {COMPILING}, "

@@ -206,6 +206,8 @@ def kv(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) ->
     frag, hit = _num(k, "fragmentation"), _num(k, "prefix_hit_rate")
     used, total = _num(k, "num_used"), _num(k, "num_blocks")
     blocks = f"{fmt.count(used)}/{fmt.count(total)}"
+    if k.get("usage_estimated"):       # llama.cpp: from its slots, not a pool it reports
+        blocks = "estimated"
     detail_w = max(len(blocks), 9)
     rows = [("blocks", usage, fmt.level(usage, USAGE_WARN, USAGE_CRIT), blocks, "kv_usage"),
             ("tokens", tok, fmt.level(tok, USAGE_WARN, USAGE_CRIT), "", "token_usage"),

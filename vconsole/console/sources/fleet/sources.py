@@ -28,6 +28,7 @@ from vconsole.console.sources.vllm import ScrapeError, VllmScraper
 from vconsole.console.state import ConsoleState
 
 if TYPE_CHECKING:
+    from vconsole.console.sources.kv_events import KVEventFeed
     from vconsole.console.sources.source import Source
 
 SCRAPE_TIMEOUT_S = 2.0
@@ -82,6 +83,8 @@ class ScrapeSource(ReaderSource):
         self.first_try: float | None = None
         self.problem: str | None = None
         self.failures = 0          # in a row
+        self.feed: KVEventFeed | None = None   # the target's KV events (``kv_events``)
+        self.kv_events_problem: str | None = None
 
     @property
     def starting(self) -> bool:
@@ -104,10 +107,33 @@ class ScrapeSource(ReaderSource):
             self.failures += 1
             return False
         self.problem, self.failures, self.last_ok = None, 0, now
+        if self.target.kv_events and self.feed is None and self.kv_events_problem is None \
+                and self.kind in ("vllm", "sglang"):
+            self._follow_kv_events(batch)
         for frames in batch:
             self._tee(now, frames)
         self._ingest_batch(state, [(now, frames) for frames in batch])
         return True
+
+    def _follow_kv_events(self, batch: list[Any]) -> None:
+        """Once the first read named the ranks: their KV events (vLLM's format; SGLang's is the
+        same without ``medium``), into the ``kv`` messages' ``prefix_cache``. An endpoint it
+        cannot use is said once, as the target's problem, and not tried again."""
+        from vconsole.console.sources.kv_events import KVEventFeed
+        from vconsole.telemetry.schema import decode
+
+        ranks = sorted({decode(f).rank for f in batch})
+        try:
+            self.feed = KVEventFeed(self.target.kv_events or "", ranks).start()
+        except (ValueError, OSError) as e:
+            self.kv_events_problem = f"KV events not followed: {e}"
+            return
+        self.scraper.translator.prefix_cache = self.feed.summary
+
+    def stop(self, timeout: float = 2.0) -> None:
+        super().stop(timeout)
+        if self.feed is not None:
+            self.feed.stop()
 
     def _wrong_kind(self) -> str:
         """The one line for a ``/metrics`` without this kind's names: what it looks like."""

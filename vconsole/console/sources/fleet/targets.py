@@ -91,6 +91,13 @@ def make_target(kind: str, url: str, *, name: str | None = None, kv_events: str 
     url = normal_url(kind, url.strip())
     if kind == "vconsole":
         split_hostport(url)
+    if kv_events:
+        from vconsole.telemetry.kv_wire import offset_endpoint
+
+        try:
+            offset_endpoint(kv_events, 1)       # rank r's events are on port + r: it needs one
+        except ValueError as e:
+            raise TargetError(f"kv_events {kv_events!r}: {e}") from None
     return Target(name or default_name(url), kind, url, kv_events,
                   {str(k): str(v) for k, v in (labels or {}).items()},
                   {str(k): str(v) for k, v in (curve or {}).items()}, control_key_file)
