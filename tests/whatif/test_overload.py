@@ -10,7 +10,7 @@ from test_simulate import make_trace  # the simulator's hand-built trace
 
 from vconsole.commands.whatif import format_report
 from vconsole.telemetry.request_trace import RequestRecord
-from vconsole.whatif.overload import arrival_rate, queue_growth
+from vconsole.whatif.overload import arrival_rate, queue_growth, saturated
 from vconsole.whatif.predict import whatif
 
 
@@ -27,6 +27,16 @@ def test_a_wait_that_grows_with_every_arrival_is_a_growing_queue():
     assert not steady["grows"]
     assert not queue_growth(records([0.1] * 8))["grows"]          # too few to judge
     assert arrival_rate(records([0.1] * 11)) == pytest.approx(10.0)
+
+
+def test_capacity_is_measured_on_the_trace_s_mix_all_waiting_at_once():
+    trace = make_trace(200, rate=20.0)
+    few = saturated(trace, most=50)
+    assert len(few.requests) == 50 and {r.arrival for r in few.requests} == {
+        trace.requests[0].arrival}
+    assert [r.output_len for r in few.requests] == [r.output_len
+                                                    for r in trace.requests[::4]]
+    assert len(trace.requests) == 200 and trace.requests[1].arrival > trace.requests[0].arrival
 
 
 @pytest.fixture(scope="module")

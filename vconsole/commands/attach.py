@@ -18,6 +18,8 @@ from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
 
 if TYPE_CHECKING:
+    from vconsole.console.sources.fleet.rows import Fleet
+    from vconsole.console.sources.stream import ReplaySource
     from vconsole.console.sources.vllm import VllmSource
 
 
@@ -218,6 +220,19 @@ def main_replay(args: argparse.Namespace) -> int:
     except (OSError, RecordFormatError) as e:
         return fail("replay", e, 2)
     speed = float(getattr(args, "speed", 1.0) or 1.0)
-    app = VConsoleApp(source=ReplaySource(path, speed=speed))
+    source = ReplaySource(path, speed=speed)
+    app = VConsoleApp(source=source, fleet=_recorded_fleet(path, source))
     app.run()
     return 0
+
+
+def _recorded_fleet(path: Path, source: ReplaySource) -> Fleet | None:
+    """A recording of several engines (`vconsole record --fleet`): their rows, so the replay
+    opens on the Fleet screen; None for one engine or one data-parallel group."""
+    from vconsole.console.sources.fleet.recording import RecordedSource, recorded_targets
+    from vconsole.console.sources.fleet.rows import Fleet
+
+    targets, first = recorded_targets(path)
+    if len(targets) < 2:
+        return None
+    return Fleet([RecordedSource(t, source) for t in targets], started=first)

@@ -14,67 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from vconsole.commands import fail
-from vconsole.commands.control import TIMEOUT_S, _show, parse_pairs
-from vconsole.console.sources.fleet.targets import (
-    CONTROL_OFFSET,
-    Target,
-    TargetError,
-    load_fleet,
-)
-
-
-def split_fleet(targets: list[Target]) -> tuple[list[Target], list[tuple[Target, str]]]:
-    """(our engines, the others with why they are not touched)."""
-    from vconsole.console.sources.fleet.detect import resolve
-
-    ours: list[Target] = []
-    others: list[tuple[Target, str]] = []
-    for t in targets:
-        if t.kind == "auto" and t.url.startswith("tcp://"):
-            try:
-                t = resolve(t, timeout_s=2.0)
-            except TargetError as e:
-                others.append((t, f"not reached: {e}"))
-                continue
-        if t.kind == "vconsole":
-            ours.append(t)
-        else:
-            others.append((t, f"{t.kind}: watched only"))
-    return ours, others
-
-
-def set_one(target: Target, values: dict[str, str]) -> tuple[bool, list[str]]:
-    """Send the change to one engine of ours: (applied, its answer's lines)."""
-    from vconsole.security import control_key
-    from vconsole.security.curve import CurveKeyError, load_client_curve
-    from vconsole.wire.control import ControlError
-    from vconsole.wire.control_client import ControlClient
-
-    endpoint = target.endpoint(CONTROL_OFFSET)
-    path = control_key.control_key_file(endpoint, target.control_key_file)
-    try:
-        key = control_key.read_key_file(path)
-    except (OSError, ValueError):
-        return False, [f"refused here: cannot read its control key {path} (give "
-                       "control_key_file in the fleet file)"]
-    try:
-        curve = load_client_curve(target.curve.get("server_public"),
-                                  target.curve.get("client_key")) if target.curve else None
-        with ControlClient(endpoint, timeout_s=TIMEOUT_S, key=key, curve=curve) as client:
-            reply: dict[str, Any] = client.set_config(values)
-    except (TimeoutError, ControlError, CurveKeyError) as e:
-        return False, [f"no answer: {e}"]
-    lines = [f"applied  {k} = {_show(v)}" for k, v in (reply.get("applied") or {}).items()]
-    lines += [f"rejected  {k}: {why}" for k, why in (reply.get("rejected") or {}).items()]
-    lines += [f"restart required  {k}" for k in reply.get("restart_required") or []]
-    if reply.get("ok"):
-        lines.append(f"config version {reply.get('version')}")
-    else:
-        lines.append("nothing was applied (a change is all-or-nothing)")
-    return bool(reply.get("ok")), lines
+from vconsole.console.sources.fleet.control import parse_pairs, set_one, split
+from vconsole.console.sources.fleet.targets import CONTROL_OFFSET, TargetError, load_fleet
 
 
 def main_set_fleet(args: argparse.Namespace, ask: Callable[[str], str] = input) -> int:
@@ -83,7 +26,7 @@ def main_set_fleet(args: argparse.Namespace, ask: Callable[[str], str] = input) 
         targets = load_fleet(args.fleet)
     except (ValueError, TargetError) as e:
         return fail("set", e, 2)
-    ours, others = split_fleet(targets)
+    ours, others = split(targets)
     change = " ".join(f"{k}={v}" for k, v in values.items())
     print(f"vconsole set --fleet: {change} on {len(ours)} engine(s), one at a time:")
     for t in ours:

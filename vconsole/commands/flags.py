@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from vconsole.security.endpoints import DEFAULTS
 from vconsole.shared.config import DEVICES, DTYPES, KV_CACHE_DTYPES, POLICIES, QUANTIZATIONS
@@ -220,7 +221,34 @@ def add_engine_command_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-remote-metrics", action="store_true",
                    help="allow a non-loopback --metrics-host (plain HTTP: anyone who can reach "
                         "the port reads the metrics)")
+    g.add_argument("--kv-cache-metrics", dest="overrides", action="append_const",
+                   const="kv_cache_metrics=true",
+                   help="sample KV block lifetimes, idle time before eviction and reuse gaps "
+                        "(vLLM's flag: the vllm:kv_block_*_seconds histograms)")
+    g.add_argument("--kv-cache-metrics-sample", dest="overrides", action=SetKey,
+                   key="kv_cache_metrics_sample", metavar="RATE",
+                   help="share of allocated blocks --kv-cache-metrics follows (default 0.01)")
+    g.add_argument("--enable-mfu-metrics", dest="overrides", action="append_const",
+                   const="enable_mfu_metrics=true",
+                   help="count each step's estimated FLOPs and bytes read and written (vLLM's "
+                        "flag: vllm:estimated_*_per_gpu_total)")
     add_supervisor_args(p)
+
+
+class SetKey(argparse.Action):
+    """A flag that stands for ``--set KEY=VALUE`` (so it round-trips through `ConfigSource`
+    to every engine a launcher starts, and the config's own check judges the value)."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, key: str,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.key = key
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        items.append(f"{self.key}={values}")
+        setattr(namespace, self.dest, items)
 
 
 def port(text: str) -> int:

@@ -13,6 +13,7 @@ import sys
 import time
 
 from vconsole.commands import fail
+from vconsole.commands.attach_targets import has_targets, targets_from
 from vconsole.commands.curve_args import client_curve
 from vconsole.security.curve import ClientCurve, CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL, DEFAULT_TELEMETRY
@@ -21,7 +22,9 @@ from vconsole.wire.control import ControlError
 
 
 def main(args: argparse.Namespace) -> int:
-    """`vconsole record FILE [--telemetry EP | --vllm URL] [--duration S]`."""
+    """`vconsole record FILE [--telemetry EP | --vllm URL | fleet flags] [--duration S]`."""
+    if has_targets(args):
+        return _record_fleet(args)
     if getattr(args, "vllm", None):
         return _record_vllm(args)
     endpoint = getattr(args, "telemetry", None) or DEFAULT_TELEMETRY
@@ -99,4 +102,22 @@ def _record_vllm(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     print(f"recorded {total} messages from {scraper.scrapes} scrapes to {args.file}")
+    return 0 if total else 1
+
+
+def _record_fleet(args: argparse.Namespace) -> int:
+    """Every target of the fleet flags into one recording, each under its target's name
+    (`vconsole.console.sources.fleet.recording`); `vconsole replay` plays it as a fleet."""
+    from vconsole.console.sources.fleet.recording import record_fleet
+    from vconsole.console.sources.fleet.targets import TargetError
+
+    try:
+        targets = targets_from(args)
+    except TargetError as e:
+        return fail("record", e, 2)
+    total, problems = record_fleet(targets, args.file, getattr(args, "duration", None),
+                                   log=lambda m: print(m, file=sys.stderr))
+    for line in problems:
+        print(f"vconsole record: {line}", file=sys.stderr)
+    print(f"recorded {total} messages from {len(targets)} target(s) to {args.file}")
     return 0 if total else 1

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from vconsole.commands.attach_flags import add_target_args
 from vconsole.commands.flags import add_client_args
 from vconsole.commands.subcommand import SubParsers, add_command
 
@@ -14,3 +15,4 @@ def add_parsers(subparsers: SubParsers) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--duration", type=float,
                    help="stop after this many seconds (default: until Ctrl-C)")
+    add_target_args(p)

@@ -54,7 +54,7 @@ from textual.worker import get_current_worker
 
 from vconsole.console import keymap
 from vconsole.console.control_link import Control
-from vconsole.console.engine_state import Alert, EngineState
+from vconsole.console.engine_state import EngineState
 from vconsole.console.pacer import RefreshPacer
 from vconsole.console.palette import CommandHost, ConsoleCommands
 from vconsole.console.plans import Ask, Notice, Outcome, Plan
@@ -64,7 +64,7 @@ from vconsole.console.screens.advice import AdviceScreen
 from vconsole.console.screens.alerts import AlertsScreen
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.screens.config import ConfigScreen
-from vconsole.console.screens.fleet import FleetScreen
+from vconsole.console.screens.fleet import FleetScreen, tab_status
 from vconsole.console.screens.help import HelpScreen
 from vconsole.console.screens.kvmap import KvScreen
 from vconsole.console.screens.overview import OverviewScreen
@@ -74,7 +74,7 @@ from vconsole.console.screens.requests import RequestsScreen
 from vconsole.console.screens.stacks import StacksScreen
 from vconsole.console.screens.trends import TrendsScreen
 from vconsole.console.screens.whatif import WhatIfScreen
-from vconsole.console.sources.fleet.imbalance import FleetAlerts, findings
+from vconsole.console.sources.fleet.imbalance import FleetAlerts
 from vconsole.console.sources.fleet.rows import Fleet
 from vconsole.console.sources.source import Source
 from vconsole.console.sources.stream import ZmqSource
@@ -88,8 +88,8 @@ from vconsole.security.curve import ClientCurve
 from vconsole.telemetry.record import default_recordings_dir
 
 MIN_WIDTH, MIN_HEIGHT = 64, 18
-FLEET_READONLY = ("a fleet: nothing is steered from the fleet console yet (vconsole attach "
-                  "to one of our engines alone to change its config)")
+FLEET_READONLY = ("a fleet: drill into one of our engines (enter on its row) to change its "
+                  "config")
 NARROW_WIDTH = 100
 SINGLE_COLUMN_WIDTH = 78
 
@@ -123,11 +123,13 @@ class VConsoleApp(App[None]):
         ``engine_address``: where the engine is, as the header shows it (the demo's
         ``127.0.0.1:BASE``: what another shell's ``$VCONSOLE_BASE_PORT`` must name).
         ``fleet``: the targets' rows (`vconsole.console.sources.fleet.rows.Fleet`, one source
-        each in ``sources``): the Fleet screen comes first, and nothing is steered."""
+        each in ``sources``): the Fleet screen comes first; the console steers the engine
+        drilled into, when it is ours (`steer_fleet_engine`), and nothing before."""
         super().__init__()
         self.fleet = fleet
+        self._readonly_flag = readonly
+        self._control_timeout_s = control_timeout_s
         self.fleet_alerts = FleetAlerts()
-        self._fleet_checked = 0.0
         self.state = ConsoleState()
         endpoints = list(telemetry_endpoints or [])
         self.sources: list[Source] = [*sources, *([source] if source is not None else [])]
@@ -213,24 +215,10 @@ class VConsoleApp(App[None]):
     def _tick(self) -> None:
         self.state.mark_down()
         if self.fleet is not None:
-            self._fleet_alerts()
+            self.fleet_alerts.update(self.fleet, self.state)
         self.steering.refetch_on_reconnect()
         if self.pacer.tick_due():
             self.refresh_view()
-
-    def _fleet_alerts(self) -> None:
-        """Once a second: the fleet's findings raised and cleared as alerts (Alerts screen)."""
-        now = self.state.now()
-        if now - self._fleet_checked < 1.0 or self.fleet is None:
-            return
-        self._fleet_checked = now
-        with self.state.lock:
-            rows = self.fleet.rows(self.state, now)
-        for f, raised in self.fleet_alerts.changes(findings(rows, now)):
-            evidence = ", ".join(f"{k} {v}" for k, v in f.evidence.items())
-            self.state.note_alert(Alert(
-                now, f.engine, 0, f"fleet {f.rule}", f.level if raised else "ok",
-                None, None, f"{f.message} ({evidence})" if raised else f"{f.message}: cleared"))
 
     def current_engine(self) -> EngineState | None:
         return self.state.engine(self.selected_engine)
@@ -248,16 +236,8 @@ class VConsoleApp(App[None]):
                            self.source_of(self.current_engine()),
                            paused=self.paused, readonly_reason=self.readonly_reason,
                            endpoints=" ".join(self.endpoints), address=self.engine_address,
-                           fleet=self.fleet is not None, fleet_status=self._fleet_status(mode))
-
-    def _fleet_status(self, mode: str) -> str:
-        """The tab bar's right on the Fleet screen: how many engines are up (markup)."""
-        if self.fleet is None or mode != "fleet":
-            return ""
-        rows = self.fleet.rows(self.state, self.state.now())
-        up = sum(r.state == "up" for r in rows)
-        style = "$success" if up == len(rows) else ("$error" if not up else "$warning")
-        return f"[{style}]● {up}/{len(rows)} up[/]"
+                           fleet=self.fleet is not None, fleet_status=tab_status(self.fleet, self.state)
+                           if self.fleet is not None and mode == "fleet" else "")
 
     def active_console_screen(self) -> ConsoleScreen | None:
         for screen in reversed(self.screen_stack):
@@ -329,8 +309,32 @@ class VConsoleApp(App[None]):
         """The Fleet screen's ``enter``: every screen now shows ``engine_key``."""
         self.selected_engine = engine_key
         self.state.set_primary(engine_key)      # the Config screen shows this engine's
+        self.steer_fleet_engine(engine_key)
         self.switch_mode("overview")
         self.refresh_view(force=True)
+
+    def steer_fleet_engine(self, engine_key: str) -> None:
+        """Steering for the engine drilled into: its own control socket and key when it is
+        ours (one engine at a time, each change behind the usual box), read-only with its
+        kind's reason otherwise."""
+        src = self.source_of(self.state.engine(engine_key))
+        target = getattr(src, "target", None)
+        endpoint = curve = key_file = None
+        if target is not None and target.kind == "vconsole":
+            from vconsole.console.sources.fleet.targets import CONTROL_OFFSET
+            from vconsole.security.curve import load_client_curve
+
+            endpoint, key_file = target.endpoint(CONTROL_OFFSET), target.control_key_file
+            curve = load_client_curve(target.curve.get("server_public"),
+                                      target.curve.get("client_key")) if target.curve else None
+        self.steering = Steering.connect(
+            self.state, control_endpoint=endpoint, readonly=self._readonly_flag,
+            source_readonly="" if endpoint else src.readonly_reason or FLEET_READONLY,
+            control_key_file=key_file, timeout_s=self._control_timeout_s, curve=curve,
+            host=self)
+        if self.steering.control is not None:
+            self.steering.start_fetch()
+        self._bindings_changed()
 
     def action_fleet_back(self) -> None:
         """``esc`` on a screen that has no use for it: back to the Fleet screen."""

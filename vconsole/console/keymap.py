@@ -161,6 +161,7 @@ FLEET: list[BindingType] = [
     Binding("s", "sort_next", "Sort"),
     Binding("r", "sort_reverse", "Reverse", show=False),
     Binding("g", "group", "Group by model"),
+    Binding("e", "fleet_set", "Change all"),
     Binding("escape", "clear_filter", "Clear filter", show=False),
 ]
 
@@ -170,7 +171,9 @@ FLEET_HELP: tuple[str, list[tuple[str, str]]] = (
         ("F", "every engine of the fleet, any kind, under the fleet's row (merged percentiles)"),
         ("enter / esc", "drill into the selected engine (every screen shows it) / come back"),
         ("/", "filter: kind:llama-cpp, state:down, waiting>0, kv>=0.8, pool=a100, a word"),
-        ("s / r", "sort by the next column / reverse"), ("g", "group by model")])
+        ("s / r", "sort by the next column / reverse"), ("g", "group by model"),
+        ("e", "one config change for every engine of ours: KEY=VALUE, then the box lists "
+              "every engine it touches; sent one at a time, each one's answer shown")])
 
 HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
     ("Everywhere", [(" ".join(k for k, _ in [*SCREENS.values(), *LETTER_SCREENS.values()]),

@@ -179,7 +179,7 @@ class Steering:
         UI's timer calls this."""
         with self.state.lock:
             events = {k: e.reconnects + e.restarts for k, e in self.state.engines.items()}
-        primary = next(iter(events), None)
+        primary = self.state.primary or next(iter(events), None)   # (a fleet's drill-in)
         for key, n in events.items():
             if self._seen_reconnects.get(key, 0) != n:
                 self._seen_reconnects[key] = n

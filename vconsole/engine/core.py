@@ -30,6 +30,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from vconsole.engine.kv.residency import BlockResidency
 from vconsole.engine.latency import LatencyBatch
 from vconsole.engine.request import FinishReason, Request
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -40,7 +41,7 @@ from vconsole.engine.worker.model_runner import ModelRunner
 from vconsole.engine.worker.profiler import StepProfiler
 from vconsole.shared.config import ConfigUpdate, EngineConfig, apply_update
 from vconsole.shared.kv_events import KVEvent
-from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
+from vconsole.shared.stats import KVStats, ResidencySample, SchedulerStats, StepStats
 from vconsole.wire.outputs import RequestOutput
 from vconsole.wire.sampling import SamplingParams
 
@@ -92,7 +93,25 @@ class EngineCore:
                 "kv_cache_dtype": self.runner.kv_cache_dtype,
                 "kv_bytes_per_token": self.runner.kv_bytes_per_token,
                 "kv_bytes_per_token_by_dtype": self.kv_bytes_per_token_by_dtype(),
-                "kv_pool_bytes": self.runner.kv_pool_bytes}
+                "kv_pool_bytes": self.runner.kv_pool_bytes,
+                "dims": self.model_dims()}
+
+    def model_dims(self) -> dict[str, int | float]:
+        """The figures vLLM's MFU estimate reads (``vllm/v1/metrics/perf.py``): the model's
+        shape and the bytes of an activation, a weight (int8 quantization: 1) and a K or V
+        element in the pool (its bytes per token over 2 x layers x KV heads x head dim, so a
+        quantized pool's scales count)."""
+        r, info = self.runner, self.runner.info
+        act = r.dtype.itemsize
+        elements = 2 * r.num_layers * r.num_kv_heads * r.head_dim
+        return {"num_layers": r.num_layers, "hidden_size": info.hidden_size,
+                "num_heads": info.num_heads, "num_kv_heads": r.num_kv_heads,
+                "head_dim": r.head_dim,
+                "intermediate_size": int(getattr(r.model.config, "intermediate_size",
+                                                 4 * info.hidden_size)),
+                "vocab_size": r.vocab_size, "activation_bytes": act,
+                "weight_bytes": 1 if self.config.quantization == "int8" else act,
+                "cache_bytes": r.kv_bytes_per_token / elements}
 
     def kv_bytes_per_token_by_dtype(self) -> dict[str, int]:
         """Bytes per token of every KV format this model can store (``auto``: the model's
@@ -246,7 +265,8 @@ class EngineCore:
             prefill_attention=so.prefill_attention, num_new_reqs=len(so.scheduled_new_reqs),
             num_running=sched.num_running, num_waiting=sched.num_waiting,
             kv_used_blocks=sched.kv.pool.num_used_blocks,
-            structured_ns=structured_ns)
+            structured_ns=structured_ns, num_prefill_reqs=so.num_prefill_reqs,
+            prefill_context_tokens=so.prefill_context_tokens)
         if profiler is not None:
             profiler.end_step(self.last_step, self.num_steps)
         return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0
@@ -343,6 +363,17 @@ class EngineCore:
         """What entered and left the prefix cache since the last call (empty when KV events
         are off)."""
         return self.scheduler.kv.take_events()
+
+    def enable_kv_residency(self, sample_rate: float) -> None:
+        """Sample KV block lifetimes from now on (`vconsole.engine.kv.residency`)."""
+        pool = self.scheduler.kv.pool
+        if pool.residency is None:
+            pool.residency = BlockResidency(sample_rate)
+
+    def take_kv_residency(self) -> list[ResidencySample]:
+        """The sampled block evictions since the last call (empty when not sampling)."""
+        residency = self.scheduler.kv.pool.residency
+        return residency.take() if residency is not None else []
 
     # --- profiling ------------------------------------------------------------------------
     def start_profile(self, num_steps: int,

@@ -211,6 +211,17 @@ class EngineConfig:
                     "each decoder layer, for Nsight Systems (CUDA only; no cost when off).",
                     hot=True)
 
+    # --- fixed at start: vLLM's optional metrics (`vconsole.engine.kv.residency`, `publish.mfu`) -
+    kv_cache_metrics: bool = _f(False, "Sample KV block lifetimes, idle time before eviction "
+                                "and reuse gaps (vLLM's --kv-cache-metrics: the "
+                                "vllm:kv_block_*_seconds histograms).", hot=False)
+    kv_cache_metrics_sample: float = _f(0.01, "Share of allocated KV blocks followed by "
+                                        "kv_cache_metrics (every round(1/x)-th allocation).",
+                                        hot=False, lo=1e-6, hi=1.0)
+    enable_mfu_metrics: bool = _f(False, "Count each step's estimated FLOPs and bytes read and "
+                                  "written (vLLM's --enable-mfu-metrics: "
+                                  "vllm:estimated_*_per_gpu_total).", hot=False)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -18,6 +18,13 @@ BLOCK_USED = 1
 BLOCK_CACHED = 2   # free, but holds a cached prefix block that can be reused until evicted
 BLOCK_SHARED = 3   # used by more than one request
 
+# A sampled KV block's eviction (--kv-cache-metrics, `vconsole.engine.kv.residency`): its
+# lifetime, idle time before eviction and the gaps between its last accesses, in seconds; and
+# vLLM's bounds for the three histograms (``kv_cache_residency_buckets`` in its loggers.py).
+ResidencySample = tuple[float, float, tuple[float, ...]]
+RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+                     20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0)
+
 
 @dataclass(slots=True)
 class StepStats:
@@ -35,7 +42,12 @@ class StepStats:
     structured output's work in the step (the next-token bitmask of the constrained rows
     filled, applied to their logits, the matchers advanced with the sampled tokens); 0 when no
     row is constrained. ``schedule_ns + execute_ns + structured_ns + update_ns == total_ns``
-    (the bitmask's application, inside the model runner, is moved from execute to it)."""
+    (the bitmask's application, inside the model runner, is moved from execute to it).
+
+    ``num_prefill_reqs`` / ``prefill_context_tokens``: the prefill chunks (rows with n > 1,
+    vLLM's ``is_prefill``) and the sum of their start + n; with ``num_context_tokens`` and
+    ``prefill_attention`` they are vLLM's per-step ``ExecutionContext`` (the MFU counters,
+    `vconsole.engine.publish.mfu`)."""
 
     schedule_ns: int
     execute_ns: int
@@ -54,6 +66,8 @@ class StepStats:
     num_waiting: int = 0
     kv_used_blocks: int = 0
     structured_ns: int = 0
+    num_prefill_reqs: int = 0
+    prefill_context_tokens: int = 0
 
 
 @dataclass

@@ -63,7 +63,7 @@ def test_mypy_accepts_the_real_core_and_refuses_a_fake_missing_one_member(tmp_pa
         from vconsole.engine.worker.profiler import StepProfiler
         from vconsole.shared.config import ConfigUpdate, EngineConfig
         from vconsole.shared.kv_events import KVEvent
-        from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
+        from vconsole.shared.stats import KVStats, ResidencySample, SchedulerStats, StepStats
         from vconsole.wire.outputs import RequestOutput
         from vconsole.wire.sampling import SamplingParams
 

@@ -35,7 +35,9 @@ from vconsole.engine.launch.engine_process import EngineProcess
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
 ENGINE_ARGS = ["--data-parallel-size", "2", "--num-kv-blocks", "64", "--block-size", "8",
-               "--max-num-seqs", "8", "--set", "heartbeat_interval_s=0.2", "--metrics-port", "0"]
+               "--max-num-seqs", "8", "--set", "heartbeat_interval_s=0.2", "--metrics-port", "0",
+               # vLLM's opt-in series, so the dashboard's panels of them have data too
+               "--kv-cache-metrics", "--kv-cache-metrics-sample", "1", "--enable-mfu-metrics"]
 REQUESTS = 24
 RANGE = "1h"                 # longer than the run: covers every sample since the first scrape
 RANGE_S = 3600.0

@@ -265,6 +265,11 @@ def test_capacity_follows_kv_cache_memory_bytes():
         assert used + core.runner.kv_staging_bytes <= budget
         assert core.model_info()["kv_pool_bytes"] == used + core.runner.kv_staging_bytes
         assert (core.runner.kv_staging_bytes > 0) == (name in PER_CHANNEL)
+        if name in PER_CHANNEL:   # one float16 block of keys per seat (8), no more
+            r = core.runner
+            assert r.open_entries == 8 == r.open_blocks.num_entries
+            assert r.kv_staging_bytes == kv_quant.staging_bytes(
+                r.kv_format, 8, 16, r.num_layers, r.num_kv_heads, r.head_dim)
         assert core.model_info()["kv_bytes_per_token"] == core.runner.kv_bytes_per_token
     assert blocks["auto"] == 64
     assert blocks["int8"] >= 3.7 * 64 and blocks["int4_per_token_head"] >= 6.3 * 64
@@ -272,6 +277,22 @@ def test_capacity_follows_kv_cache_memory_bytes():
     assert 4.5 * 64 <= blocks["int4_kivi"] < blocks["int4_per_token_head"]
     with pytest.raises(ValueError, match="holds no block"):
         _engine("int8", num_kv_blocks=None, kv_cache_memory_bytes=100)
+
+
+@pytest.mark.parametrize("budget,seats,int4_min", [(64 << 20, 64, 4.7), (47_185_920, 12, 5.5)])
+def test_smollm2_capacity_at_the_issues_budgets(budget, seats, int4_min):
+    """SmolLM2's shape (30 layers, 3 KV heads of 64, float32) at 64 MiB and 64 seats, and at the
+    demo's budget and 12 seats: blocks beside one staging entry per seat, as the runner sizes
+    them (`ModelRunner._blocks_in`)."""
+    def blocks(name: str) -> int:
+        fmt = kv_quant.kv_format(name)
+        staging = kv_quant.staging_bytes(fmt, seats, 16, 30, 3, 64) if fmt.key_per_channel \
+            else 0
+        return (budget - staging) // fmt.bytes_per_block(16, 30, 3, 64, 4)
+    auto = blocks("auto")
+    assert blocks("int8") >= 3.7 * auto
+    assert blocks("int4_kivi") >= int4_min * auto
+    assert blocks("int8_kivi") >= 3.0 * auto
 
 
 @pytest.mark.parametrize("name", ENGINE_FORMATS)
@@ -370,6 +391,45 @@ def test_a_live_requests_open_block_is_never_sealed_for_another_only_a_dead_ones
     plan = _step(fmt, layer, blocks, [(2, 0, 2)], keys, bs, live=["req-of-1", "req-of-2"])
     assert plan.seal_blocks.tolist() == [0] and blocks.entry_of[2] >= 0
     assert blocks.entry_of[0] == -1 and blocks.early_seals == 1
+
+
+def test_one_entry_per_seat_holds_every_open_block_when_blocks_fill_and_open_in_one_step():
+    """Staging sized by what can be open: a request has one open block at most, so two seats
+    need two entries even in a step where both fill a block and open the next (listed open
+    first: the plan seals before it opens). Nothing is sealed early."""
+    bs = 4
+    fmt, layer, blocks = _kivi_layer(6, bs, 1, 16, entries=2)
+    keys = {b: torch.randn(bs, 1, 16) for b in range(6)}
+    live = ["a", "b"]
+
+    def step(writes):   # (block, lo, hi, owner)
+        rows, slots, plan_in = [], [], []
+        for block, lo, hi, owner in writes:
+            plan_in.append((block, lo, hi, len(rows), owner))
+            rows.extend(keys[block][lo:hi])
+            slots.extend(range(block * bs + lo, block * bs + hi))
+        k = torch.stack(rows)
+        kv_quant.write_per_channel(fmt, layer, blocks.plan(plan_in, live), torch.tensor(slots),
+                                   k, k.clone())
+
+    step([(0, 0, 3, "a"), (1, 0, 3, "b")])
+    step([(2, 0, 2, "a"), (3, 0, 1, "b"), (0, 3, 4, "a"), (1, 3, 4, "b")])
+    assert blocks.early_seals == 0 and blocks.num_open == 2
+    assert blocks.entry_of[2] >= 0 and blocks.entry_of[3] >= 0
+    assert blocks.entry_of[0] == -1 and blocks.entry_of[1] == -1
+
+
+def test_a_resumed_request_gives_back_the_entry_of_the_block_its_preemption_left_open():
+    """Preempted, a request's blocks are freed but its open block still holds an entry; when
+    it runs again (the same id, live) and opens a block, that stale entry is its own to give
+    back, so one entry per seat still suffices."""
+    bs = 4
+    fmt, layer, blocks = _kivi_layer(4, bs, 1, 16, entries=1)
+    keys = {b: torch.randn(bs, 1, 16) for b in range(4)}
+    _step(fmt, layer, blocks, [(0, 0, 3)], keys, bs, live=["req-of-0"])
+    plan = blocks.plan([(2, 0, 2, 0, "req-of-0")], ["req-of-0"])   # resumed on block 2
+    assert plan.seal_blocks.tolist() == [0] and blocks.entry_of[2] >= 0
+    assert blocks.early_seals == 0 and blocks.num_open == 1
 
 
 def test_a_block_restarting_from_offset_zero_drops_its_old_rows():

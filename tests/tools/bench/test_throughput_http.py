@@ -109,6 +109,12 @@ def test_another_model_config_is_refused_for_the_llama_server_peer():
         tp.throughput(args)
 
 
+def test_without_a_built_llama_server_the_bench_says_how_to_build_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("VCONSOLE_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit, match="make llama-server"):
+        th.http_throughput(th.HttpPlan(tmp_path / "m.gguf", threads=1), log=lambda m: None)
+
+
 @pytest.mark.long
 @pytest.mark.proc
 @pytest.mark.slow

@@ -11,7 +11,9 @@ imbalance findings (`vconsole.console.sources.fleet.imbalance`).
 
 Keys: ``/`` filter (`vconsole.console.sources.fleet.view`), ``s`` / ``r`` sort, ``g`` group by
 model, ``enter`` drills into the engine (every screen then shows it; ``esc`` or ``F`` comes
-back). Engines of other kinds are watched only: the hint line says so.
+back), ``e`` one change for every engine of ours (the box lists every engine it touches; sent
+one at a time; each one's answer a notice). Engines of other kinds are watched only: the hint
+line says so.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from textual.widgets import DataTable, Input, Static
 from vconsole.console import format as fmt
 from vconsole.console.keymap import FLEET
 from vconsole.console.screens.filtered import FilteredScreen
+from vconsole.console.sources.fleet.control import parse_pairs, set_one, split
 from vconsole.console.sources.fleet.imbalance import findings
 from vconsole.console.sources.fleet.rows import Fleet, FleetAggregate, FleetRow
+from vconsole.console.sources.fleet.targets import Target
 from vconsole.console.sources.fleet.view import (
     SORTS,
     cells,
@@ -38,6 +42,7 @@ from vconsole.console.sources.fleet.view import (
 )
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
+from vconsole.console.widgets.confirmation import ConfirmScreen
 
 # (label, key, width): every column from 120 columns up; the narrow set below that.
 # Each width holds a space after the text (the table has no cell padding).
@@ -99,6 +104,8 @@ class FleetScreen(FilteredScreen):
         yield DataTable(id=self.TABLE, cursor_type="row", zebra_stripes=False, cell_padding=0)
         yield Input(placeholder="filter: kind:sglang  waiting>0  pool=a100  word",
                     id="fleet-filter", classes="filter-input")
+        yield Input(placeholder="every engine of ours: KEY=VALUE ... (enter: review, esc: "
+                                "cancel)", id="fleet-set")
         yield Static(id="fleet-findings")
         yield Static(id="fleet-hint")
 
@@ -135,7 +142,8 @@ class FleetScreen(FilteredScreen):
             + (f" · filter {fmt.escape(self.filter_text)}" if self.filter_text else "")
             + f" · sort {self.sort_key}{' ↑' if self.reverse else ''}"
             + (" · by model" if self.grouped else "") + "[/]",
-            "[$text-muted]enter drill in · esc back · / filter · s sort · g group[/]"],
+            "[$text-muted]enter drill in · esc back · / filter · s sort · g group · "
+            "e change all[/]"],
             width, "  ")))
 
     def _fill(self, rows: list[FleetRow], now: float) -> None:
@@ -194,6 +202,72 @@ class FleetScreen(FilteredScreen):
     def action_group(self) -> None:
         self.grouped = not self.grouped
         self.console.refresh_view(force=True)
+
+    # --- one change for every engine of ours (`vconsole.console.sources.fleet.control`) ---------
+
+    def action_fleet_set(self) -> None:
+        if self.console.steering.readonly_reason == "--readonly":
+            self.notify("read-only console (--readonly): nothing is changed from here",
+                        title="Fleet", severity="warning")
+            return
+        box = self.query_one("#fleet-set", Input)
+        box.add_class("-shown")
+        box.focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#fleet-set", Input)
+        if box.has_class("-shown"):
+            box.remove_class("-shown")
+            self.table.focus()
+            return
+        super().action_clear_filter()
+
+    @on(Input.Submitted, "#fleet-set")
+    def _fleet_set_submitted(self, event: Input.Submitted) -> None:
+        event.input.remove_class("-shown")
+        self.table.focus()
+        fleet = self.host.fleet
+        if fleet is None or not event.value.strip():
+            return
+        try:
+            values = parse_pairs(event.value.split())
+        except ValueError as e:
+            self.notify(str(e), title="Fleet", severity="error")
+            return
+        ours, others = split(fleet.targets, resolve_auto=False)
+        change = " ".join(f"{k}={v}" for k, v in values.items())
+        if not ours:
+            self.notify(f"{change}: no engine of ours in this fleet", title="Fleet",
+                        severity="warning")
+            return
+        text = "\n".join([f"{change} on {len(ours)} engine(s), one at a time:",
+                          *(f"  {t.name}  {t.url}" for t in ours),
+                          *(f"  not touched: {t.name} ({why})" for t, why in others)])
+        self.app.push_screen(ConfirmScreen(f"Change {len(ours)} engine(s)?", text,
+                                           "Change all"),
+                             lambda ok: self._send_all(ours, values) if ok else None)
+
+    def _send_all(self, ours: list[Target], values: dict[str, str]) -> None:
+        """Each engine in turn (a worker thread); each one's answer as a notice."""
+        def work() -> None:
+            applied = 0
+            for t in ours:
+                ok, lines = set_one(t, values)
+                applied += ok
+                self.app.call_from_thread(self.notify, "\n".join(lines), title=t.name,
+                                          severity="information" if ok else "error")
+            self.app.call_from_thread(self.notify,
+                                      f"{applied} of {len(ours)} engine(s) applied the change",
+                                      title="Fleet")
+        self.run_worker(work, thread=True, group="fleet-set")
+
+
+def tab_status(fleet: Fleet, state: ConsoleState) -> str:
+    """The tab bar's right on the Fleet screen: how many engines are up (markup)."""
+    rows = fleet.rows(state, state.now())
+    up = sum(r.state == "up" for r in rows)
+    style = "$success" if up == len(rows) else ("$error" if not up else "$warning")
+    return f"[{style}]● {up}/{len(rows)} up[/]"
 
 
 def summary(agg: FleetAggregate, width: int) -> str:

@@ -145,6 +145,14 @@ class ReaderSource:
             self.recorded = 0
         return str(path)
 
+    def record_into(self, recorder: Any) -> None:
+        """Write what it reads into ``recorder`` (shared by a fleet's sources, so thread-safe:
+        `vconsole.console.sources.fleet.recording.SharedRecorder`)."""
+        with self._rec_lock:
+            self._recorder = recorder
+            self.recording_path = str(getattr(recorder, "path", "")) or None
+            self.recorded = 0
+
     def toggle_recording(self, record_dir: Path) -> tuple[str, bool]:
         """``R``: stop the recording, or start one in ``record_dir`` named by the time; what to
         tell the operator, and False when it could not start."""
@@ -170,6 +178,10 @@ class ReaderSource:
     def _tee(self, ts: float, frames: Sequence[Any]) -> None:
         if self._recorder is None:
             return
+        if self.engine_as is not None:      # a fleet's: kept under the target's name
+            from vconsole.console.sources.fleet.recording import renamed
+
+            frames = renamed(frames, self.engine_as)
         with self._rec_lock:
             if self._recorder is not None:
                 self._recorder.write(frames, ts)

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from vconsole.engine.kv.residency import BlockResidency
 from vconsole.shared.kv_events import AllBlocksCleared, BlockRemoved, KVEvent
 from vconsole.shared.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 
@@ -73,6 +74,8 @@ class BlockPool:
         self._tokens_stored = 0
         # Evictions and resets as events (`vconsole.shared.kv_events`); None: not recorded.
         self.events: list[KVEvent] | None = None
+        # Sampled block lifetimes (`vconsole.engine.kv.residency`); None: not measured.
+        self.residency: BlockResidency | None = None
 
     # --- counts, all O(1) ---------------------------------------------------------------------
     @property
@@ -148,12 +151,18 @@ class BlockPool:
             states[b] = BLOCK_USED
             out.append(b)
         self._num_free -= n
+        if self.residency is not None:
+            self.residency.allocated(out)
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (prefix hit). A free cached block is revived:
         unlinked from the middle of the free list, and its tokens count as stored again."""
         ref, states = self._ref, self.block_states
+        residency = self.residency
+        if residency is not None and residency.tracking:
+            block_ids = list(block_ids)
+            residency.touched(block_ids)
         for b in block_ids:
             r = ref[b]
             if r == 0:
@@ -237,6 +246,8 @@ class BlockPool:
         self._num_cached_free = 0
         self._cached.clear()
         self._hash_of.clear()
+        if self.residency is not None:
+            self.residency.reset()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
 

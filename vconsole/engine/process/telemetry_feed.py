@@ -3,8 +3,9 @@
 At most ``telemetry_hz`` times a second (the publisher says when, `snapshot_due`) the loop
 hands it the scheduler and KV snapshot, a data-parallel rank's ``dp`` figures, and at most once
 a second — or whenever the engine goes idle, as the last snapshot before the loop blocks — the
-latency observations recorded since (the publisher computes the percentiles); with ``publish_request_text`` on, the token id lists of the rows whose
-request text goes out (`request_ids_for_text`). Each part runs behind the core's
+latency observations recorded since (the publisher computes the percentiles) and, with
+``kv_cache_metrics``, the sampled KV block evictions; with ``publish_request_text`` on, the
+token id lists of the rows whose request text goes out (`request_ids_for_text`). Each part runs behind the core's
 `vconsole.engine.telemetry_guard`: one that raises is logged, counted and rebuilt, and is
 missing from this snapshot only. Used by the busy loop's thread only.
 
@@ -50,6 +51,10 @@ class TelemetryFeed:
         self.rows = RequestRows(mirrored=publisher.mirrors_queue)
         self.dirty = True
         self._next_latency = 0.0    # when the next latency snapshot is due
+        # vLLM's --kv-cache-metrics: the pool samples block lifetimes, handed over with latency.
+        self._residency = core.config.kv_cache_metrics
+        if self._residency:
+            core.enable_kv_residency(core.config.kv_cache_metrics_sample)
 
     def maybe_snapshot(self, state: str) -> None:
         """The snapshot, if one is due."""
@@ -67,6 +72,10 @@ class TelemetryFeed:
             batch = run("latency", core.latency_batch)
             if batch is not None:
                 self.publisher.submit_latency(batch)
+            if self._residency:
+                samples = run("kv_residency", core.take_kv_residency)
+                if samples:
+                    self.publisher.submit_kv_residency(samples)
             self._next_latency = now + LATENCY_INTERVAL_S
 
     def postpone(self, seconds: float) -> None:

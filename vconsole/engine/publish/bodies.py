@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from vconsole.engine.publish.mfu import ModelDims
 from vconsole.shared.procs import host_identity, process_start
 from vconsole.shared.stats import KVStats, RequestTable, SchedulerStats, StepStats
 from vconsole.telemetry import schema
@@ -117,11 +118,13 @@ class KVFormat:
     ``bfloat16`` for ``kv_cache_dtype=auto``, else the quantized format's canonical name) and
     ``bytes_per_token`` is K and V of one token over every layer, scales included;
     ``pool_bytes`` what the pool takes in all (an int4_kivi pool's staging of the blocks still
-    filling included), when the core says."""
+    filling included), when the core says. ``dims``: the model's shape and byte sizes, for the
+    MFU counters (`vconsole.engine.publish.mfu`; None when the core does not say)."""
 
     cache_dtype: str
     bytes_per_token: int
     pool_bytes: int | None = None
+    dims: ModelDims | None = None
 
     @classmethod
     def of(cls, model_info: dict[str, Any]) -> KVFormat | None:
@@ -130,7 +133,8 @@ class KVFormat:
         if not isinstance(dtype, str) or not isinstance(per_token, int):
             return None
         pool = model_info.get("kv_pool_bytes")
-        return cls(dtype, per_token, pool if isinstance(pool, int) else None)
+        return cls(dtype, per_token, pool if isinstance(pool, int) else None,
+                   ModelDims.of(model_info))
 
 
 def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:

@@ -59,11 +59,13 @@ FAILED = b"failed"
 CLOSED = b"closed"
 RESYNC = b"resync"  # the mirror of the waiting queue lost step: send the whole queue
 
-# What a step record carries across: the fields the ``step`` topic aggregates and the end of
-# the step (`StepStats.start_ns` + ``total_ns``, monotonic: one clock for both processes).
+# What a step record carries across: the fields the ``step`` topic aggregates, the end of the
+# step (`StepStats.start_ns` + ``total_ns``, monotonic: one clock for both processes) and the
+# batch's shape the MFU counters read (`vconsole.engine.publish.mfu`).
 STEP_FIELDS = ("schedule_ns", "execute_ns", "update_ns", "total_ns", "num_prefill_tokens",
                "num_decode_tokens", "num_reqs", "num_preempted", "num_finished",
-               "structured_ns", "start_ns")
+               "structured_ns", "start_ns", "num_context_tokens", "prefill_attention",
+               "num_prefill_reqs", "prefill_context_tokens")
 _step_tuple = attrgetter(*STEP_FIELDS)
 
 StepRecord = tuple[int, ...]      # STEP_FIELDS, in order

@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vconsole.engine.latency import LatencyBatch, LatencyStats
+from vconsole.engine.publish.block_residency import ResidencyHistograms
+from vconsole.engine.publish.mfu import ModelDims, PerfCounters
 from vconsole.engine.publish.request_text import TokenLists
 from vconsole.shared.config import EngineConfig
-from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
+from vconsole.shared.stats import KVStats, ResidencySample, SchedulerStats, StepStats
 
 MAX_BUFFERED_STEPS = 1 << 16  # steps kept between two publish windows; older ones are counted
 # Tokens per engine step: the ``step`` topic's ``iteration_tokens`` histogram (vLLM's bounds for
@@ -109,6 +111,11 @@ class Inbox:
         self._iter_buckets = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self._iter_tokens = 0
         self._phase_ns = [0, 0, 0, 0]     # schedule, execute, update, structured
+        # vLLM's optional metrics, cumulative (publisher thread, `drain_window`): the MFU
+        # counters over drained steps (`measure_perf`), block residency (`submit_kv_residency`).
+        self.perf: PerfCounters | None = None
+        self.residency: ResidencyHistograms | None = None
+        self._residency_pending: list[list[ResidencySample]] = []    # guarded by _lock
         self._lock = threading.Lock()     # guards the slots below
         self._latest: Snapshot | None = None
         self._text: Text | None = None
@@ -166,6 +173,16 @@ class Inbox:
         with self._lock:
             self._latency.append(batch)
         self._wake.set()
+
+    def submit_kv_residency(self, samples: list[ResidencySample]) -> None:
+        """Sampled KV block evictions since the last call (folded at the next window)."""
+        with self._lock:
+            self._residency_pending.append(samples)
+        self._wake.set()
+
+    def measure_perf(self, dims: ModelDims) -> None:
+        """Count vLLM's estimated FLOPs and bytes of every drained step from now on."""
+        self.perf = PerfCounters(dims)
 
     def submit_dp(self, body: dict[str, Any]) -> None:
         with self._lock:
@@ -270,7 +287,19 @@ class Inbox:
             while True:
                 steps.append(pop())
         self._steps_seen += len(steps)
-        return StepWindow(steps, self._step_totals())
+        totals = self._step_totals()
+        if self.perf is not None:
+            self.perf.add(steps)
+            totals["perf"] = self.perf.body()
+        with self._lock:
+            pending, self._residency_pending = self._residency_pending, []
+        if pending or self.config.kv_cache_metrics:
+            if self.residency is None:
+                self.residency = ResidencyHistograms()
+            for samples in pending:
+                self.residency.add(samples)
+            totals["kv_residency"] = self.residency.body()
+        return StepWindow(steps, totals)
 
     def _step_totals(self) -> dict[str, Any]:
         """``iteration_tokens`` (a histogram as the ``latency`` topic's: bounds with +Inf,

@@ -54,6 +54,27 @@ ALERT_LEVEL_VALUES = {WARNING: 1.0, CRITICAL: 2.0}   # anything else (ok): 0
 PHASES = ("schedule", "execute", "update", "structured")
 KV_BLOCK_STATES = {"free": "num_free", "used": "num_used", "cached": "num_cached",
                    "shared": "num_shared"}
+# --kv-cache-metrics: the ``step`` topic's ``kv_residency`` histograms, by vLLM's names and help.
+_SAMPLED = " Sampled metrics (controlled by --kv-cache-metrics-sample)."
+KV_RESIDENCY_HISTOGRAMS = {
+    "lifetime_s": ("vllm:kv_block_lifetime_seconds",
+                   "Histogram of KV cache block lifetime from allocation to eviction." + _SAMPLED),
+    "idle_before_evict_s": ("vllm:kv_block_idle_before_evict_seconds",
+                            "Histogram of idle time before KV cache block eviction." + _SAMPLED),
+    "reuse_gap_s": ("vllm:kv_block_reuse_gap_seconds",
+                    "Histogram of time gaps between consecutive KV cache block accesses. Only "
+                    "the most recent accesses are recorded (ring buffer)." + _SAMPLED),
+}
+# --enable-mfu-metrics: the ``step`` topic's ``perf`` counters (prometheus_client adds _total).
+PERF_COUNTERS = {
+    "flops_total": ("vllm:estimated_flops_per_gpu", "Estimated number of floating point "
+                    "operations per GPU (for Model Flops Utilization calculations)."),
+    "read_bytes_total": ("vllm:estimated_read_bytes_per_gpu", "Estimated number of bytes read "
+                         "from memory per GPU (for Model Flops Utilization calculations)."),
+    "write_bytes_total": ("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes "
+                          "written to memory per GPU (for Model Flops Utilization "
+                          "calculations)."),
+}
 
 
 class BodySource(Protocol):
@@ -247,6 +268,14 @@ def _step(r: _Rank, b: dict[str, Any]) -> None:
         r.gauge("vconsole:step_time_p50_seconds",
                 "Median step time over the last telemetry window (0 when no step ran).",
                 b["step_time_p50_s"])
+    residency = b.get("kv_residency")
+    if residency is not None:
+        for key, (name, doc) in KV_RESIDENCY_HISTOGRAMS.items():
+            r.histogram(name, doc, residency[key])
+    perf = b.get("perf")
+    if perf is not None:
+        for key, (name, doc) in PERF_COUNTERS.items():
+            r.counter(name, doc, perf[key])
 
 
 def _latency(r: _Rank, b: dict[str, Any]) -> None:

@@ -54,7 +54,7 @@ from vconsole.engine.publish.publisher_process import ChildLink, ChildSpec
 from vconsole.engine.publish.request_text import TokenLists
 from vconsole.engine.publish.sender import Sender
 from vconsole.shared.config import EngineConfig, describe_config
-from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
+from vconsole.shared.stats import KVStats, ResidencySample, SchedulerStats, StepStats
 from vconsole.telemetry import schema
 from vconsole.telemetry.alerts import restart_event
 from vconsole.telemetry.gpu import GpuProbe
@@ -80,6 +80,7 @@ class Handover(Protocol):
                         num_steps: int, text: list[TokenLists] | None = None) -> None: ...
     def submit_latency(self, batch: LatencyBatch) -> None: ...
     def submit_dp(self, body: dict[str, Any]) -> None: ...
+    def submit_kv_residency(self, samples: list[ResidencySample]) -> None: ...
     def submit_wave(self, body: dict[str, Any]) -> None: ...
     def report_error(self, part: str, message: str) -> None: ...
     def set_state(self, state: str) -> None: ...
@@ -134,6 +135,9 @@ class TelemetryPublisher:
         self._gpu_probe = gpu_probe
         self._host_probe = host_probe
         self.inbox = Inbox(config)
+        dims = kv_format.dims if kv_format is not None else None
+        if config.enable_mfu_metrics and dims is not None:
+            self.inbox.measure_perf(dims)
         self._sender: Sender | None = None       # once bound (publisher thread)
         self.loop_errors = 0                      # this thread's own loop failures
         self._stop = threading.Event()
@@ -198,6 +202,9 @@ class TelemetryPublisher:
         publisher folds them into its histograms and windows and sends the ``latency`` body at
         once."""
         self._to.submit_latency(batch)
+
+    def submit_kv_residency(self, samples: list[ResidencySample]) -> None:
+        self._to.submit_kv_residency(samples)
 
     def submit_dp(self, body: dict[str, Any]) -> None:
         """Hand over a data-parallel rank's ``dp`` body (at the snapshot rate); sent at once,

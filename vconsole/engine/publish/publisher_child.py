@@ -45,7 +45,7 @@ RESTART_REPORT_S = 1.0        # a restarted child reports the restart this late 
 RESYNC_EVERY_S = 1.0          # how often a mirror that lost step asks for the whole queue
 PR_SET_PDEATHSIG = 1
 # The engine-thread methods a CALL hand-off may name (nothing else is callable from the wire).
-CALLS = frozenset({"submit_latency", "submit_dp", "submit_wave", "report_error", "set_state",
+CALLS = frozenset({"submit_latency", "submit_kv_residency", "submit_dp", "submit_wave", "report_error", "set_state",
                    "publish_config", "update_config"})
 
 

@@ -55,7 +55,7 @@ from vconsole.engine.publish.bodies import KVFormat
 from vconsole.engine.publish.queue_mirror import SyncSender
 from vconsole.engine.publish.request_text import TextBook, TokenLists
 from vconsole.shared.config import EngineConfig
-from vconsole.shared.stats import KVStats, SchedulerStats, StepStats
+from vconsole.shared.stats import KVStats, ResidencySample, SchedulerStats, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +257,9 @@ class ChildLink:
 
     def submit_latency(self, batch: LatencyBatch) -> None:
         self._call("submit_latency", batch)
+
+    def submit_kv_residency(self, samples: list[ResidencySample]) -> None:
+        self._call("submit_kv_residency", samples)
 
     def submit_dp(self, body: dict[str, Any]) -> None:
         self._call("submit_dp", body)

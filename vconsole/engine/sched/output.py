@@ -95,6 +95,10 @@ class SchedulerOutput:
     # (n > 1) of n x (start + n).
     num_context_tokens: int = 0
     prefill_attention: int = 0
+    # The prefill chunks (n > 1) among them and the sum of their (start + n): with the two
+    # above, vLLM's ``ExecutionContext`` of the step (the MFU counters: `publish.mfu`).
+    num_prefill_reqs: int = 0
+    prefill_context_tokens: int = 0
     # The constrained rows' bitmask (None when no sampled row is constrained: the runner does
     # no structured-output work at all).
     grammar: GrammarBatch | None = None

@@ -383,12 +383,15 @@ class Scheduler:
         c_blocks, c_computed = cached.new_block_ids.append, cached.num_computed_tokens.append
         num_scheduled = out.num_scheduled_tokens
         num_prefill_total = num_decode_total = context_total = prefill_attention = 0
+        prefill_rows = prefill_context = 0
         scheduled = list(step.scheduled.values())
         for req, start, n in scheduled:
             rid = req.request_id
             context_total += start + n
             if n > 1:
                 prefill_attention += n * (start + n)
+                prefill_rows += 1
+                prefill_context += start + n
             num_prompt = len(req.prompt_token_ids)
             outputs = req.output_token_ids
             num_tokens = num_prompt + len(outputs)
@@ -419,6 +422,7 @@ class Scheduler:
         out.num_decode_tokens = num_decode_total
         out.num_context_tokens = context_total
         out.prefill_attention = prefill_attention
+        out.num_prefill_reqs, out.prefill_context_tokens = prefill_rows, prefill_context
         self._last_output, self._last_scheduled = out, scheduled
         return out
 

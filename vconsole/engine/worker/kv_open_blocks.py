@@ -18,6 +18,12 @@ the same for every layer (`kv_quant.write` applies it). Invariants:
   keys are in the pool, rounded over its valid rows;
 - ``entry_of[block]`` is the block's staging entry, or -1 when it is sealed (or never written):
   the attention reads a block from staging or the pool by it;
+- a request has at most one open block (its writes are contiguous: a step that fills one block
+  and starts the next seals the first), so ``max_num_seqs`` entries hold every live request's
+  open block: the plan seals before it opens, so an entry freed by a block filling in this step
+  serves a block opened in the same step; and a request opening a block while it still owns
+  another open one (left behind when it was preempted and its blocks freed) gives that one's
+  entry back first;
 - at most ``num_entries`` blocks are open. An entry held by a block whose request the runner no
   longer holds (finished, preempted, failed: its blocks were freed) is reclaimed first, least
   recently written first. A block of a live request is never sealed on another's behalf: the
@@ -73,6 +79,7 @@ class OpenBlocks:
         self._entry: dict[int, int] = {}                 # open block -> entry
         self._fill: dict[int, int] = {}                  # open block -> rows filled
         self._owner: dict[int, str] = {}                 # open block -> the request writing it
+        self._open_of: dict[str, int] = {}               # request -> its open block
         self._lru: OrderedDict[int, None] = OrderedDict()  # open blocks, least recent first
         self._free = list(range(num_entries - 1, -1, -1))
         self.early_seals = 0                             # blocks sealed before they filled
@@ -105,7 +112,7 @@ class OpenBlocks:
             """Seal an open block over its first ``upto`` staged rows; frees its entry."""
             e = self._entry.pop(block)
             del self._fill[block]
-            self._owner.pop(block, None)
+            self._disown(block)
             self._lru.pop(block, None)
             s = len(seals)
             seals.append((block, upto))
@@ -124,7 +131,8 @@ class OpenBlocks:
                 seal_open(victim, self._fill[victim])
             return self._free.pop()
 
-        for block, lo, hi, row, owner in writes:
+        # Seals first: their entries are free for the blocks this step opens.
+        for block, lo, hi, row, owner in sorted(writes, key=lambda w: w[2] != bs):
             if lo == 0 and block in self._entry:   # a block restarting: nothing earlier counts
                 self._fill[block] = 0
             e = self._entry.get(block)
@@ -133,7 +141,7 @@ class OpenBlocks:
                 if e is not None:
                     e_rows = self._fill[block] if lo > 0 else 0
                     del self._entry[block], self._fill[block]
-                    self._owner.pop(block, None)
+                    self._disown(block)
                     self._lru.pop(block, None)
                     wfs_dst.extend(range(s * bs, s * bs + e_rows))
                     wfs_src.extend(range(e * bs, e * bs + e_rows))
@@ -147,6 +155,10 @@ class OpenBlocks:
                 changed[block] = -1
                 continue
             if e is None:
+                stale = self._open_of.get(owner)
+                if stale in self._entry and stale not in touched \
+                        and self._owner.get(stale) == owner:
+                    seal_open(stale, self._fill[stale])   # left behind by a preemption
                 e = take_entry()
                 if e is None:                 # no entry to be had: this block is sealed early
                     s = len(seals)
@@ -165,7 +177,10 @@ class OpenBlocks:
                 self._entry[block] = e
                 changed[block] = e
             self._fill[block] = hi
+            if self._owner.get(block) not in (None, owner):   # restarted by another request
+                self._disown(block)
             self._owner[block] = owner
+            self._open_of[owner] = block
             self._lru.pop(block, None)
             self._lru[block] = None
             sfb_dst.extend(range(e * bs + lo, e * bs + hi))
@@ -187,6 +202,11 @@ class OpenBlocks:
             stage_from_batch=_pair(sfb_dst, sfb_src, dev),
             work_from_batch=_pair(wfb_dst, wfb_src, dev),
             entry_of=self.entry_of)
+
+    def _disown(self, block: int) -> None:
+        owner = self._owner.pop(block, None)
+        if owner is not None and self._open_of.get(owner) == block:
+            del self._open_of[owner]
 
     def _early_seal(self) -> None:
         if self.early_seals == 0:

@@ -128,8 +128,9 @@ class ModelRunner:
         if self.kv_format.bits == 4 and self.head_dim % 2:
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} needs an even head_dim; "
                              f"this model's is {self.head_dim}")
-        # A per-channel format's staging: one open block per running request, and a few more.
-        self.open_entries = config.max_num_seqs + 4 if self.kv_format.key_per_channel else 0
+        # A per-channel format's staging: one open block per running request at most
+        # (`kv_open_blocks`), so one entry per seat.
+        self.open_entries = config.max_num_seqs if self.kv_format.key_per_channel else 0
         self.open_blocks: OpenBlocks | None = None
         self.sampler = Sampler(self.device, config.seed)
         self.kv_caches: kv_quant.KVCache = []
@@ -244,7 +245,7 @@ class ModelRunner:
         their quantized data and parameters (`kv_quant`)."""
         self.kv_caches = []  # drop an old pool before allocating the new one
         if self.kv_format.key_per_channel:
-            self.open_entries = min(self.config.max_num_seqs + 4, num_blocks)
+            self.open_entries = min(self.config.max_num_seqs, num_blocks)
         self.kv_caches = kv_quant.allocate(
             self.kv_format, self.num_layers, num_blocks, block_size, self.num_kv_heads,
             self.head_dim, self.dtype, self.device, self.open_entries)

@@ -247,3 +247,14 @@ def wait_state(watch: FleetWatch, name: str, state: str, timeout_s: float) -> No
         time.sleep(0.1)
     raise AssertionError(f"{name} not {state} within {timeout_s} s: {row(watch, name)}")
 
+
+
+def test_two_engines_of_ours_called_alike_are_recorded_apart(engines, tmp_path):
+    from vconsole.console.sources.fleet.recording import record_fleet, recorded_targets
+
+    path = tmp_path / "ours.vrec"
+    total, problems = record_fleet(targets()[:2], path, 3.0, log=lambda _m: None)
+    assert total > 0 and problems == []
+    recorded, _ = recorded_targets(path)
+    assert {(t.name, t.kind) for t in recorded} == {("ours-a", "vconsole"),
+                                                   ("ours-b", "vconsole")}

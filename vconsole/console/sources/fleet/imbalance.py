@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vconsole.console.sources.fleet.rows import FleetRow
+from vconsole.console.engine_state import Alert
+from vconsole.console.sources.fleet.rows import Fleet, FleetRow
+from vconsole.console.state import ConsoleState
 
 QUEUE_MIN = 4            # waiting requests before a queue counts as long
 QUEUE_FACTOR = 3.0       # ... and this many times the fleet's median
@@ -114,6 +116,21 @@ class FleetAlerts:
 
     def __init__(self) -> None:
         self.active: dict[tuple[str, str], Finding] = {}
+        self.checked = 0.0
+
+    def update(self, fleet: Fleet, state: ConsoleState) -> None:
+        """At most once a second (the app's timer): what changed, as alerts in ``state``."""
+        now = state.now()
+        if now - self.checked < 1.0:
+            return
+        self.checked = now
+        with state.lock:
+            rows = fleet.rows(state, now)
+        for f, raised in self.changes(findings(rows, now)):
+            evidence = ", ".join(f"{k} {v}" for k, v in f.evidence.items())
+            state.note_alert(Alert(
+                now, f.engine, 0, f"fleet {f.rule}", f.level if raised else "ok", None, None,
+                f"{f.message} ({evidence})" if raised else f"{f.message}: cleared"))
 
     def changes(self, found: Sequence[Finding]) -> list[tuple[Finding, bool]]:
         """(finding, raised) for what changed since the last call (raised False: cleared)."""

@@ -1,0 +1,48 @@
+"""`vconsole bench whatif`'s held-out workload: the variants the issue names, and how each is
+judged against its real replay (the replays themselves are the bench's, minutes long)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vconsole.tools.bench.whatif_heldout import ENGINE, GOALS, judge, variants
+
+
+def entry(tok: float, ttft: float, over: bool) -> dict[str, Any]:
+    pred = {"output_tok_s": tok, "ttft_p50_s": ttft, "itl_p50_s": 0.002, "ttft_p99_s": ttft * 2}
+    return {"set": {"max_num_seqs": 6}, "predicted": pred,
+            "interval": {"bounds": {k: [v * 0.9, v * 1.1] for k, v in pred.items()}},
+            "overload": {"overloaded": over, "capacity": {"req_s": 10.0}, "arrival_req_s": 12.0},
+            "coverage": {"share": 0.0}}
+
+
+REAL = {"output_tok_s": 1000.0, "ttft_p50_s": 1.0, "itl_p50_s": 0.002, "ttft_p99_s": 2.0}
+
+
+def test_the_held_out_variants_cut_seats_to_a_fifth_halve_and_quarter_the_pool_and_overload():
+    assert variants(ENGINE) == [{"max_num_seqs": 6}, {"num_kv_blocks": 96},
+                                {"num_kv_blocks": 48}, {"max_num_seqs": 2}]
+
+
+def test_a_variant_that_keeps_up_is_judged_by_the_goals_on_each_figure():
+    close = judge(entry(1030.0, 1.05, False), entry(1200.0, 0.5, False), REAL,
+                  {"grows": False, "rate": 0.0})
+    assert close["within_goals"] and close["overload_right"]
+    assert close["error"]["output_tok_s"] == 0.03
+    assert close["error_uncalibrated"]["output_tok_s"] == 0.2
+    assert close["in_interval"] == dict.fromkeys(GOALS, True)
+    far = judge(entry(1060.0, 1.0, False), entry(1060.0, 1.0, False), REAL,
+                {"grows": False, "rate": 0.0})
+    assert not far["within_goals"]                      # 6% on tok/s: beyond 5%
+
+
+def test_an_overloaded_variant_is_judged_by_its_verdict_against_the_real_queue():
+    said = judge(entry(900.0, 9.0, True), entry(900.0, 9.0, True), REAL,
+                 {"grows": True, "rate": 0.3})
+    assert said["within_goals"]                        # its TTFT is not judged: it grows
+    wrong = judge(entry(900.0, 9.0, True), entry(900.0, 9.0, True), REAL,
+                  {"grows": False, "rate": 0.0})
+    assert not wrong["within_goals"] and not wrong["overload_right"]
+    missed = judge(entry(1000.0, 1.0, False), entry(1000.0, 1.0, False), REAL,
+                   {"grows": True, "rate": 0.3})
+    assert not missed["within_goals"]
