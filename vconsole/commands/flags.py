@@ -32,8 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
                    "from memory)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (default, the model's dtype), "
-                   "int8_per_token_head (int8), int4_kivi (int4: keys per channel over a "
-                   "block) or int4_per_token_head")
+                   "int8_per_token_head (int8), int8_kivi (int8 keys per channel over a "
+                   "block), int4_kivi (int4: keys per channel over a block) or "
+                   "int4_per_token_head")
     g.add_argument("--kv-cache-memory-bytes", type=int, metavar="N",
                    help="size the KV pool in bytes (default: cpu_kv_cache_gib on CPU, "
                    "gpu_memory_utilization on CUDA)")

@@ -26,7 +26,7 @@ from vconsole.shared.stats import RESIDENCY_BUCKETS, StepStats
 from vconsole.telemetry import schema
 from vconsole.telemetry.listener import TelemetryListener
 
-FAST = {"telemetry_hz": 50.0, "heartbeat_interval_s": 0.2}
+FAST: dict[str, Any] = {"telemetry_hz": 50.0, "heartbeat_interval_s": 0.2}
 RESIDENCY = ("vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds",
              "vllm:kv_block_reuse_gap_seconds")
 PERF = ("vllm:estimated_flops_per_gpu_total", "vllm:estimated_read_bytes_per_gpu_total",
@@ -109,6 +109,7 @@ def test_samples_and_steps_handed_over_come_out_as_vllms_series(process: bool) -
         body = last.wait_for("step", lambda b: b.get("perf", {}).get("flops_total") == flops
                              and b["kv_residency"]["lifetime_s"]["count"] == 2)
         if process:
+            assert pub.metrics_url is not None
             with urllib.request.urlopen(pub.metrics_url, timeout=10) as resp:
                 text = resp.read().decode()
         else:
@@ -185,15 +186,18 @@ def test_a_live_engine_samples_evicted_blocks_and_counts_each_steps_flops() -> N
             per_request = [step_perf(TINY, step(rows)) for rows in
                            ([(0, 10)], [(10, 1)], [(11, 1)])]
             flops = 6 * sum(p[0] for p in per_request)
+            # Idle: the loop handed over its last samples before it blocked.
+            last.wait_for("health", lambda b: b["state"] == "idle" and b["steps"] >= 18)
             body = last.wait_for("step", lambda b: b.get("perf", {}).get("flops_total") == flops
                                  and b["kv_residency"]["lifetime_s"]["count"] > 0)
-            last.wait_for("health", lambda b: b["state"] == "idle")
             fams = families(urllib.request.urlopen(eng.ready["metrics"], timeout=10)
                             .read().decode())
+            again = last.wait_for("step", lambda b: b["seq"] > body["seq"])
         finally:
             last.close()
     finally:
         eng.stop()
+    assert again["kv_residency"] == body["kv_residency"] and again["perf"] == body["perf"]
     assert body["perf"]["read_bytes_total"] == 6 * sum(p[1] for p in per_request)
     assert body["perf"]["write_bytes_total"] == 6 * sum(p[2] for p in per_request)
     assert value(fams, "vllm:estimated_flops_per_gpu_total") == flops

@@ -19,6 +19,7 @@ The model is ``/props``' ``model_alias`` (else the file name of ``model_path``).
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -169,7 +170,7 @@ class LlamaCppScraper(VllmScraper):
         try:
             with urllib.request.urlopen(self.root + path, timeout=self.timeout_s) as resp:  # noqa: S310
                 return json.loads(resp.read().decode("utf-8", "replace"))
-        except (urllib.error.URLError, OSError, ValueError):
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
             return None
 
     def scrape(self, now: float | None = None) -> list[list[Any]]:
@@ -181,7 +182,7 @@ class LlamaCppScraper(VllmScraper):
                 self.starting = True
                 self.failures += 1
                 raise ScrapeError(f"{self.root}/health: 503, loading the model") from None
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
             pass                      # /metrics below says what is wrong
         slots = self._get_json("/slots")
         props = self._get_json("/props")

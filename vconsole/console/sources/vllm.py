@@ -14,6 +14,7 @@ with that reason (`READONLY_REASON`).
 
 from __future__ import annotations
 
+import http.client
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -73,6 +74,8 @@ class VllmScraper:
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise ScrapeError(f"{self.url}: {reason}") from None
+        except http.client.HTTPException as e:   # something that is not HTTP answered
+            raise ScrapeError(f"{self.url}: not an HTTP server ({type(e).__name__})") from None
 
     def scrape(self, now: float | None = None) -> list[list[Any]]:
         """One scrape's messages (encoded frames); `ScrapeError` when it failed."""

@@ -258,3 +258,12 @@ def test_two_engines_of_ours_called_alike_are_recorded_apart(engines, tmp_path):
     recorded, _ = recorded_targets(path)
     assert {(t.name, t.kind) for t in recorded} == {("ours-a", "vconsole"),
                                                    ("ours-b", "vconsole")}
+
+
+def test_discover_finds_our_engine_by_its_telemetry_and_skips_its_other_sockets(engines):
+    from vconsole.console.sources.fleet.detect import discover
+
+    base = BASES[0]
+    found, skipped = discover("127.0.0.1", list(range(base, base + 4)))
+    assert [(t.kind, t.url) for t in found] == [("vconsole", f"tcp://127.0.0.1:{base}")]
+    assert len(skipped) == 3          # input, output and control: not what it looks for

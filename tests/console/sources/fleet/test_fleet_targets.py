@@ -3,18 +3,25 @@ one clear error for what it does not."""
 
 from __future__ import annotations
 
+import socket
+import threading
+from collections.abc import Iterator
+
 import pytest
 
 from support.llama_cpp_stub import LlamaServerStub
 from support.sglang_metrics import SglangMetrics
-from vconsole.console.sources.fleet.detect import discover, kind_of_metrics
+from vconsole.console.sources.fleet.detect import discover, kind_of_metrics, probe_port
+from vconsole.console.sources.fleet.sources import ScrapeSource
 from vconsole.console.sources.fleet.targets import (
     TargetError,
     load_fleet,
+    make_target,
     parse_range,
     parse_target,
     unique_names,
 )
+from vconsole.console.state import ConsoleState
 
 
 def test_a_target_flag_names_its_kind_and_url_and_a_bare_host_port_gets_its_scheme():
@@ -113,3 +120,38 @@ def test_discover_finds_each_kind_and_reports_a_port_that_answers_nothing_known(
     assert sorted((t.kind, t.url) for t in found) == [
         ("llama-cpp", "http://127.0.0.1:42032"), ("sglang", "http://127.0.0.1:42031")]
     assert len(skipped) == 1 and skipped[0].startswith("127.0.0.1:42030: ")
+
+
+@pytest.fixture
+def not_http() -> Iterator[int]:
+    """A TCP server that answers every connection with bytes that are not HTTP (as a ZeroMQ
+    socket does), on a free port."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    stop = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7fnot http at all\r\n\r\n")
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield server.getsockname()[1]
+    stop.set()
+    t.join()
+    server.close()
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "llama-cpp"])
+def test_a_port_that_does_not_speak_http_is_one_line_and_reads_go_on(not_http, kind):
+    src = ScrapeSource(make_target(kind, f"127.0.0.1:{not_http}", name="x"))
+    assert not src.scrape_once(ConsoleState())
+    assert "not an HTTP server" in (src.problem or "")
+    assert not src.scrape_once(ConsoleState()) and src.failures == 2
+    assert "not an HTTP server" in str(probe_port("127.0.0.1", not_http, timeout_s=0.5))

@@ -7,6 +7,7 @@ its heartbeat within a second). A port that answers neither is skipped, with the
 
 from __future__ import annotations
 
+import http.client
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,8 @@ def http_kind(base: str, timeout_s: float) -> str:
                           "--enable-metrics)") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise TargetError(f"{url}: {getattr(e, 'reason', e)}") from None
+    except http.client.HTTPException as e:
+        raise TargetError(f"{url}: not an HTTP server ({type(e).__name__})") from None
     kind = kind_of_metrics(text)
     if kind is None:
         raise TargetError(f"{url}: answers, but with no vllm:, sglang: or llamacpp: series")

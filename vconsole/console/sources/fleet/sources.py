@@ -106,6 +106,10 @@ class ScrapeSource(ReaderSource):
             self.problem = str(e)
             self.failures += 1
             return False
+        except Exception as e:  # a reply no reader expected: one line, and the reads go on
+            self.problem = f"{self.scraper.url}: {type(e).__name__}: {e}"
+            self.failures += 1
+            return False
         self.problem, self.failures, self.last_ok = None, 0, now
         if self.target.kv_events and self.feed is None and self.kv_events_problem is None \
                 and self.kind in ("vllm", "sglang"):
