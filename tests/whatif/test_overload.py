@@ -42,8 +42,7 @@ def test_capacity_is_measured_on_the_trace_s_mix_all_waiting_at_once():
 @pytest.fixture(scope="module")
 def heavy():
     """200 requests at 20/s (10 s of them) against one seat and two: neither keeps up."""
-    return whatif(make_trace(200, rate=20.0), [{"max_num_seqs": 1}, {"max_num_seqs": 2}],
-                  intervals=False)
+    return whatif(make_trace(200, rate=20.0), [{"max_num_seqs": 1}, {"max_num_seqs": 2}])
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +87,9 @@ def test_overload_is_said_first_and_its_waits_read_grows(heavy, light):
     assert "the queue grows without bound at this rate" in text
     ttft = next(line for line in lines if line.startswith("TTFT p50"))
     assert "grows" in ttft
+    assert ttft.split("grows", 1)[1].strip() in ("", "!")   # no change, no interval beside it
+    tok = next(line for line in lines if line.startswith("output tok/s"))
+    assert tok.count("±") == 2                      # beside predicted now and the variant
     calm = next(line for line in format_report(light).splitlines()
                 if line.startswith("TTFT p50"))
     assert "grows" not in calm

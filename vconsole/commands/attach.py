@@ -94,6 +94,8 @@ def _attach_fleet(args: argparse.Namespace) -> int:
     from vconsole.console.sources.fleet.snapshot import build_sources
     from vconsole.console.sources.fleet.targets import TargetError
 
+    if getattr(args, "prometheus", None) or getattr(args, "selector", None):
+        return _attach_prometheus(args)
     try:
         targets = targets_from(args)
     except TargetError as e:
@@ -105,6 +107,26 @@ def _attach_fleet(args: argparse.Namespace) -> int:
         return fail("attach", "no target could be used", 1)
     fleet = Fleet(sources, started=time.time())
     VConsoleApp(sources=sources, fleet=fleet,
+                readonly=bool(getattr(args, "readonly", False))).run()
+    return 0
+
+
+def _attach_prometheus(args: argparse.Namespace) -> int:
+    """The Fleet screen from Prometheus's query API (`vconsole.console.sources.fleet.
+    prometheus_rows`); Prometheus down is the console's banner, not an error here."""
+    import time
+
+    from vconsole.commands.attach_targets import prometheus_source
+    from vconsole.console.app import VConsoleApp
+    from vconsole.console.sources.fleet.prometheus_rows import PrometheusFleet
+    from vconsole.console.sources.fleet.targets import TargetError
+
+    try:
+        source = prometheus_source(args)
+    except TargetError as e:
+        return fail("attach", e, 2)
+    fleet = PrometheusFleet(source, started=time.time())
+    VConsoleApp(sources=[source], fleet=fleet,  # type: ignore[arg-type]
                 readonly=bool(getattr(args, "readonly", False))).run()
     return 0
 

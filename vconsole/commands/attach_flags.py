@@ -22,7 +22,7 @@ def add_parsers(subparsers: SubParsers) -> None:
                         "prefix cache's contents")
     p.add_argument("--kv-events-replay", metavar="ENDPOINT",
                    help="with --kv-events: the server's replay endpoint, to catch up a gap")
-    add_target_args(p)
+    add_target_args(p, prometheus=True)
     g = p.add_argument_group("web (the console in a browser: one console process per tab)")
     g.add_argument("--web", action="store_true",
                    help="serve this console to browsers (textual-serve) instead of running it "
@@ -41,7 +41,7 @@ def add_parsers(subparsers: SubParsers) -> None:
     p.add_argument("--speed", type=float, default=1.0, help="playback speed (default 1.0)")
 
 
-def add_target_args(p: argparse.ArgumentParser) -> None:
+def add_target_args(p: argparse.ArgumentParser, *, prometheus: bool = False) -> None:
     g = p.add_argument_group("fleet (several engines of any kind; the Fleet screen first)")
     g.add_argument("--target", action="append", default=[], metavar="KIND=URL",
                    help="an engine to watch (repeatable): KIND is vconsole (tcp://HOST:BASE_PORT)"
@@ -53,3 +53,10 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                    help="probe these ports for engines (an HTTP /metrics of a known kind, or our "
                         "engine's telemetry); a port that answers nothing known is skipped and "
                         "reported")
+    if not prometheus:
+        return
+    g.add_argument("--prometheus", metavar="URL",
+                   help="read the fleet from this Prometheus's query API (http://HOST:9090) "
+                        "instead of scraping every server: a row per instance and engine")
+    g.add_argument("--selector", metavar="SELECTOR",
+                   help="with --prometheus: only these series, e.g. '{job=\"vllm\"}'")

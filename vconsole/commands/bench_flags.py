@@ -248,9 +248,10 @@ def add_whatif(benches: SubParsers) -> None:
               "run them for real and report the errors; exit 1 unless within the goals.")
     p.add_argument("--seconds", type=float, default=None, metavar="S",
                    help="seconds of each recorded workload (default 90)")
-    p.add_argument("--workloads", default="demo,serve,held-out", metavar="W,W",
-                   help="which workloads: demo, serve, held-out (seats to a fifth, the pool "
-                        "halved and quartered, overload; with and without --calibrate)")
+    p.add_argument("--workloads", default="demo,serve", metavar="W,W",
+                   help="which workloads: demo, serve (default both), held-out (seats to a "
+                        "fifth, the pool halved and quartered, overload; with and without "
+                        "--calibrate)")
 
 
 def add_structured(benches: SubParsers) -> None:

@@ -16,4 +16,4 @@ def add_parsers(subparsers: SubParsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for every topic (default 10)")
-    add_target_args(p)
+    add_target_args(p, prometheus=True)

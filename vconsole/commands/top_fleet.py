@@ -24,6 +24,8 @@ def main_fleet(args: argparse.Namespace) -> int:
 
     as_json = bool(getattr(args, "json", False))
     timeout = float(getattr(args, "timeout", 10.0) or 10.0)
+    if getattr(args, "prometheus", None) or getattr(args, "selector", None):
+        return _main_prometheus(args, as_json)
     try:
         targets = targets_from(args)
     except TargetError as e:
@@ -46,6 +48,34 @@ def main_fleet(args: argparse.Namespace) -> int:
         return 0
     finally:
         watch.stop()
+
+
+def _main_prometheus(args: argparse.Namespace, as_json: bool) -> int:
+    """The fleet from Prometheus: one read (``--once``) or one every 2 s; a read that fails is
+    one line on stderr (``--once``: exit 1), and the next read tries again."""
+    from vconsole.commands.attach_targets import prometheus_source
+    from vconsole.console.sources.fleet.prometheus_rows import PrometheusFleet
+    from vconsole.console.sources.fleet.targets import TargetError
+
+    try:
+        source = prometheus_source(args)
+    except TargetError as e:
+        return fail("top", e, 2)
+    fleet = PrometheusFleet(source, started=time.time())
+    while True:
+        if not source.read_once():
+            print(printable(f"vconsole top: {source.problem}"), file=sys.stderr, flush=True)
+            if getattr(args, "once", False):
+                return 1
+        else:
+            doc = fleet.document(time.time())
+            _print(doc, as_json, flush=True)
+            if getattr(args, "once", False):
+                return 0 if doc["aggregate"]["engines_up"] else 1
+        try:
+            time.sleep(source.backoff_s())
+        except KeyboardInterrupt:
+            return 0
 
 
 def _print(doc: dict[str, Any], as_json: bool, flush: bool = False) -> None:

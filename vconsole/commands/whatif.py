@@ -195,11 +195,13 @@ def format_report(report: dict[str, Any]) -> str:
             [figure(k, entry["validated"]) for k in ROWS],
             [f"({pct(err.get(k))})" if k in FIGURES else "" for k in ROWS]])
 
-    def stated(entry: dict[str, Any]) -> list[str]:
-        """Each figure's interval as its relative half-width (``±4.2%``)."""
+    def stated(entry: dict[str, Any], variant: bool) -> list[str]:
+        """Each figure's interval as its relative half-width (``±4.2%``); none beside an
+        overloaded variant's ``grows``."""
         st = (entry.get("interval") or {}).get("stated") or {}
-        return [tolerance(st[k]) if k in FIGURES and st.get(k) is not None else ""
-                for k in ROWS]
+        over = variant and (entry.get("overload") or {}).get("overloaded")
+        return [tolerance(st[k]) if k in FIGURES and st.get(k) is not None
+                and not (over and k in QUEUE_FIGURES) else "" for k in ROWS]
 
     def values(entry: dict[str, Any], variant: bool) -> list[str]:
         """The predicted figures; an overloaded variant's waits read ``grows`` (a figure of
@@ -208,7 +210,7 @@ def format_report(report: dict[str, Any]) -> str:
         return [GROWS if over and k in QUEUE_FIGURES else figure(k, entry["predicted"])
                 for k in ROWS]
 
-    now = _Column("predicted now", [values(base, False), stated(base), marks()])
+    now = _Column("predicted now", [values(base, False), stated(base, False), marks()])
     first: list[_Column] = []
     if obs is not None:
         first.append(_Column("observed", [[figure(k, obs) for k in ROWS]]))
@@ -227,7 +229,7 @@ def format_report(report: dict[str, Any]) -> str:
             values(v, True),
             [pct(change.get(k)) if k in FIGURES and change.get(k) is not None
              and not (over and k in QUEUE_FIGURES) else "" for k in ROWS],
-            stated(v), marks()])])
+            stated(v, True), marks()])])
         if (col := real(v)) is not None:
             units[-1].append(col)
 

@@ -168,7 +168,8 @@ class VConsoleApp(App[None]):
         self.set_interval(self.pacer.interval_s, self._tick)
         if self.steering.control is not None:
             self.steering.start_fetch()
-        if self.fleet is not None and len(self.fleet.sources) > 1:
+        if self.fleet is not None and (len(self.fleet.sources) > 1
+                                       or getattr(self.fleet, "opens_first", False)):
             self.switch_mode("fleet")
         self.refresh_view(force=True)
 

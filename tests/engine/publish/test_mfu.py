@@ -66,10 +66,13 @@ def test_the_counters_are_cumulative_over_steps() -> None:
     counters = PerfCounters(TINY)
     steps = [batch([(0, 10)]), batch([(10, 1)]), batch([(11, 1), (0, 4)])]
     counters.add(steps[:2])
-    counters.add(steps[2:])
+    body = counters.add(steps[2:])
     sums = [sum(step_perf(TINY, s)[i] for s in steps) for i in range(3)]
-    assert counters.body() == {"flops_total": sums[0], "read_bytes_total": sums[1],
-                               "write_bytes_total": sums[2]}
+    last = step_perf(TINY, steps[2])
+    assert body == {"flops_total": sums[0], "read_bytes_total": sums[1],
+                    "write_bytes_total": sums[2], "flops": last[0], "read_bytes": last[1],
+                    "write_bytes": last[2]}
+    assert counters.add([])["flops"] == 0
 
 
 def test_dims_come_from_the_cores_model_info_or_not_at_all() -> None:

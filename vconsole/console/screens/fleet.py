@@ -122,7 +122,7 @@ class FleetScreen(FilteredScreen):
                 "--discover with more than one[/]"))
             return
         rows = fleet.rows(state, frame.now)
-        agg = Fleet.aggregate(rows)
+        agg = fleet.aggregate(rows)      # (a fleet read from Prometheus: its PromQL figures)
         self.query_one("#fleet-summary", Static).update(Content.from_markup(
             summary(agg, width)))
         shown = sort_rows(filter_rows(rows, self.filter_text), self.sort_key, self.reverse)
@@ -184,8 +184,10 @@ class FleetScreen(FilteredScreen):
         row = self.selected_row()
         if row is None:
             return
+        note = getattr(self.host.fleet, "drill_note", None)
         if row.engine_key is None:
-            self.notify(f"{row.name}: nothing heard from it yet ({row.state})"
+            self.notify(f"{row.name}: {note}" if note else
+                        f"{row.name}: nothing heard from it yet ({row.state})"
                         + (f": {row.problem}" if row.problem else ""),
                         title="Fleet", severity="warning")
             return

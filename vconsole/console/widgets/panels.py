@@ -182,10 +182,26 @@ def phases(eng: EngineState, now: float, width: int, limits: Mapping[str, float]
     lines.append(fmt.fit([f"{_muted('step p50')} {fmt.styled(fmt.ms(p50), p50_lvl)}",
                           f"{_muted('max')} {fmt.ms(_num(st, 'step_time_max_s'))}",
                           _window_tokens(st)], width, "  "))
+    perf = st.get("perf")
+    window = _num(st, "window_s")
+    if isinstance(perf, Mapping) and window:
+        moved = float(perf.get("read_bytes") or 0) + float(perf.get("write_bytes") or 0)
+        lines.append(fmt.fit([f"{_muted('est.')} {_si(float(perf.get('flops') or 0) / window)}"
+                              "FLOP/s", f"{_muted('memory')} {_si(moved / window)}B/s"],
+                             width, "  "))
     if share is not None and share >= thr:
         lines.append(fmt.styled(f"⚠ scheduler is {fmt.pct(share, 0)} of step time "
                                 f"(≥ {fmt.pct(thr, 0)})", fmt.WARN))
     return "\n".join(lines)
+
+
+def _si(value: float) -> str:
+    """12.3 G: the engine's estimated rates (``--enable-mfu-metrics``, the ``step`` topic's
+    ``perf``), as vLLM's logger prints them."""
+    for div, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= div:
+            return f"{value / div:.1f} {unit}"
+    return f"{value:.0f} "
 
 
 def _window_tokens(st: Mapping[str, Any]) -> str:

@@ -289,8 +289,7 @@ class Inbox:
         self._steps_seen += len(steps)
         totals = self._step_totals()
         if self.perf is not None:
-            self.perf.add(steps)
-            totals["perf"] = self.perf.body()
+            totals["perf"] = self.perf.add(steps)
         with self._lock:
             pending, self._residency_pending = self._residency_pending, []
         if pending or self.config.kv_cache_metrics:

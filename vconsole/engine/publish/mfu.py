@@ -98,15 +98,17 @@ class PerfCounters:
         self.dims = dims
         self.flops = self.read_bytes = self.write_bytes = 0
 
-    def add(self, steps: Iterable[StepStats]) -> None:
+    def add(self, steps: Iterable[StepStats]) -> dict[str, int]:
+        """Count ``steps`` (one step window); returns the ``step`` topic's ``perf`` field:
+        the totals since start and this window's own figures (``flops``, ``read_bytes``,
+        ``write_bytes``: the console's rates are these over the window's length)."""
         dims = self.dims
+        flops, read, write = self.flops, self.read_bytes, self.write_bytes
         for s in steps:
             f, r, w = step_perf(dims, s)
             self.flops += f
             self.read_bytes += r
             self.write_bytes += w
-
-    def body(self) -> dict[str, int]:
-        """The ``step`` topic's ``perf`` field."""
         return {"flops_total": self.flops, "read_bytes_total": self.read_bytes,
-                "write_bytes_total": self.write_bytes}
+                "write_bytes_total": self.write_bytes, "flops": self.flops - flops,
+                "read_bytes": self.read_bytes - read, "write_bytes": self.write_bytes - write}

@@ -1,4 +1,5 @@
-"""Open blocks of a per-channel KV format (`int4_kivi`): keys kept in float until a block fills.
+"""Open blocks of a per-channel KV format (`int4_kivi`, `int8_kivi`): keys kept in float until
+a block fills.
 
 KIVI's observation, measured here by `vconsole bench kv-grouping`: keys have outlier channels,
 so 4-bit keys rounded per channel over a block of tokens lose far less than keys rounded per
@@ -210,7 +211,8 @@ class OpenBlocks:
 
     def _early_seal(self) -> None:
         if self.early_seals == 0:
-            log.warning("int4_kivi: more blocks are filling than the %d staging entries sized "
+            log.warning("per-channel KV keys: more blocks are filling than the %d staging "
+                        "entries sized "
                         "at start (max_num_seqs raised?): blocks beyond them are rounded "
                         "before they fill, with less precision; restart to resize",
                         self.num_entries)
