@@ -40,7 +40,8 @@ NEW_BENCH_NAMES = ["fleet", "build-llama-server"]
 # Flags a benchmark gained since, each defaulting to what a line of before did (issue 48: the
 # quality bench's chunk and text, kv-grouping's text; issue 44: whatif's workloads).
 ADDED = {"quality": {"chunk": None, "text": "pydoc"}, "kv-grouping": {"text": "pydoc"},
-         "whatif": {"workloads": "demo,serve"}}
+         "whatif": {"workloads": "demo,serve"},
+         "throughput": {"concurrency": None, "base_port": 0}}   # issue 47: --peer llama-server
 
 
 def parse(argv: list[str]) -> tuple[str, dict[str, object]]:

@@ -1,19 +1,32 @@
 """What-if against a real engine: its own trace, fetched by the console over the control channel
 (``get_trace``), predicts a max_num_seqs change in the confirmation box at 80x24. The operator
-cancels: the shared engine's config is never changed."""
+cancels: the shared engine's config is never changed. And ``c`` on the What-if screen
+calibrates: ``vconsole whatif --calibrate`` on an engine of its own, reported when done."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 from textual.widgets import Static
 
-from support.console_testing import until
+from support.console_testing import FakeControl, replay_app, until
 from vconsole.console.app import VConsoleApp
 from vconsole.console.predictions import SHOWN, WhatIf, figure
+from vconsole.console.screens.whatif import WhatIfScreen
 from vconsole.console.widgets.confirmation import ConfirmScreen
 from vconsole.engine.client.client import EngineClient
+from vconsole.shared.config import EngineConfig
+from vconsole.telemetry.request_trace import (
+    RequestRecord,
+    Trace,
+    TraceHeader,
+    read_trace,
+    trace_lines,
+)
+from vconsole.whatif.cost_model import StepCostModel
+from vconsole.whatif.simulate import simulate
 from vconsole.wire.control_client import ControlClient
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
@@ -68,3 +81,73 @@ async def test_the_box_predicts_from_a_live_engines_own_trace(shared_engine):
         await pilot.press("escape")
     with ControlClient(control, timeout_s=10) as c:
         assert c.get_config()["values"]["max_num_seqs"] == before["max_num_seqs"]
+
+
+# --- calibrating from the What-if screen -------------------------------------------------------
+
+SMALL = EngineConfig(num_kv_blocks=48, max_num_seqs=2, max_num_batched_tokens=64)
+
+
+def small_trace() -> str:
+    """30 requests on `tiny` with 2 seats and a 48-block pool: a grid of a dozen probes."""
+    header = TraceHeader(model="tiny", block_size=SMALL.block_size, num_kv_blocks=48,
+                         vocab_size=256, max_model_len=256, config=SMALL.to_dict())
+    rng, t, reqs = random.Random(3), 0.0, []
+    for _ in range(30):
+        t += rng.expovariate(20.0)
+        out = rng.randint(8, 24)
+        reqs.append(RequestRecord(arrival=t, finish=t, prompt_len=rng.randint(16, 64),
+                                  output_len=out, max_tokens=out, ignore_eos=True))
+    cost = StepCostModel({"const": 0.002, "prefill": 2e-5, "decode": 4e-4, "context": 1e-7,
+                          "prefill_attn": 0.0, "new_reqs": 2e-4},
+                         {"const": 0.0005, "reqs": 1e-5}, 0)
+    ran = simulate(Trace(header, reqs), SMALL, 48, cost, max_model_len=256, vocab_size=256)
+    return "".join(trace_lines(Trace(header, ran.requests, ran.steps)))
+
+
+class SmallEngine(FakeControl):
+    """The watched engine: its config and its trace; it must see nothing but reads."""
+
+    def __init__(self) -> None:
+        super().__init__(SMALL)
+        self.text = small_trace()
+
+    def get_trace(self, window_s: float | None = None) -> str:
+        self.calls.append(("get_trace", None))
+        return self.text
+
+
+def notes(app) -> list[str]:
+    return [f"{n.title}: {n.message}" for n in app._notifications]
+
+
+async def test_c_calibrates_on_an_engine_of_its_own_and_the_prediction_uses_it(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("VCONSOLE_CALIBRATIONS", str(tmp_path))
+    ctl = SmallEngine()
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.steering.config_fetches and app.state.config is not None)
+        await pilot.press("w")
+        screen = app.screen
+        assert isinstance(screen, WhatIfScreen)
+        await until(pilot, lambda: screen.result is not None and screen.result.ready,
+                    timeout=30)
+        summary = screen.query_one("#wi-summary", Static)
+        assert "no calibration" in str(summary.render())
+        await pilot.press("c")
+        assert any(n.startswith("Calibrating: vconsole whatif --calibrate") for n in notes(app))
+        await until(pilot, lambda: "calibrating: " in str(summary.render()), timeout=60)
+        assert "calibrating… " in str(summary.render())       # its progress, on the screen
+        await pilot.press("c")                                  # a second press says so
+        assert any("already running" in n for n in notes(app))
+        await until(pilot, lambda: any(n.startswith("Calibrated") for n in notes(app)),
+                    timeout=240)
+        done = next(n for n in notes(app) if n.startswith("Calibrated"))
+        assert "steps, kept in" in done and str(tmp_path) in done
+        await until(pilot, lambda: screen.result.ready and screen.result.trace.calibration
+                    .startswith("calibrated "), timeout=60)
+        assert "calibrated " in str(summary.render())
+    (calib,) = tmp_path.glob("*.calib.jsonl")
+    assert read_trace(calib).header.model == "tiny" and read_trace(calib).steps
+    assert {op for op, _ in ctl.calls} <= {"get_config", "get_trace"}   # the live engine: reads

@@ -8,20 +8,25 @@ ran the 2-row shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 from test_simulate import make_trace  # the simulator's hand-built trace
 
 from vconsole.commands.whatif import format_report
-from vconsole.telemetry.request_trace import StepRecord, Trace
+from vconsole.telemetry.request_trace import StepRecord, Trace, TraceHeader
 from vconsole.whatif.calibration import (
     DECODE_STEPS,
     calibration_path,
+    calibrations_dir,
     engine_config,
+    fingerprint,
     grid,
     level_factor,
     leveled,
+    newest,
+    stored_trace_path,
 )
 from vconsole.whatif.coverage import Coverage, describe, shape
 from vconsole.whatif.predict import whatif
@@ -137,3 +142,41 @@ def test_the_level_s_drift_widens_the_intervals():
     assert a["calibration_level"] == pytest.approx(1.0, abs=0.05)
     assert b["calibration_level"] == pytest.approx(1 / 1.3, rel=0.05)
     assert b["shape_error"]["inside"] >= 0.2 > a["shape_error"]["inside"]
+
+
+# --- the console's calibrations: kept by engine kind, the newest used ---------------------------
+
+HEADER = TraceHeader(model="tiny", block_size=16, num_kv_blocks=192,
+                     config={"device": "cpu", "dtype": "float32", "kv_cache_dtype": "auto",
+                             "block_size": 16, "max_num_seqs": 32})
+
+
+def test_an_engine_s_fingerprint_ignores_the_seats_and_pool_but_not_its_cost_keys():
+    same = dataclasses.replace(HEADER, num_kv_blocks=96,
+                               config={**HEADER.config, "max_num_seqs": 6})
+    assert fingerprint(same) == fingerprint(HEADER)
+    for other in (dataclasses.replace(HEADER, model="smollm2"),
+                  dataclasses.replace(HEADER, config={**HEADER.config, "kv_cache_dtype": "int8"}),
+                  dataclasses.replace(HEADER, config={**HEADER.config, "dtype": "bfloat16"})):
+        assert fingerprint(other) != fingerprint(HEADER)
+
+
+def test_the_newest_calibration_of_an_engine_like_this_one_is_used(tmp_path):
+    assert newest(HEADER, tmp_path) is None
+    old = calibration_path(stored_trace_path(HEADER, tmp_path, now=1_800_000_000))
+    new = calibration_path(stored_trace_path(HEADER, tmp_path, now=1_800_000_600))
+    other = calibration_path(stored_trace_path(
+        dataclasses.replace(HEADER, model="smollm2"), tmp_path, now=1_800_009_999))
+    for p in (new, old, other):        # written newest first: the name's stamp decides
+        p.write_text("")
+    stored_trace_path(HEADER, tmp_path, now=1_800_009_999).write_text("")   # a trace, no calib
+    assert newest(HEADER, tmp_path) == new
+    assert new.name.endswith("-20270115T081000.calib.jsonl")
+
+
+def test_the_calibrations_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("VCONSOLE_CALIBRATIONS", raising=False)
+    monkeypatch.setenv("VCONSOLE_CACHE", str(tmp_path))
+    assert calibrations_dir() == tmp_path / "calibrations"
+    monkeypatch.setenv("VCONSOLE_CALIBRATIONS", str(tmp_path / "own"))
+    assert calibrations_dir() == tmp_path / "own"

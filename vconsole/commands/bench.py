@@ -14,7 +14,7 @@ from vconsole.commands import fail
 
 
 def throughput(args: argparse.Namespace) -> int:
-    if args.model_config is not None and (code := _unknown_model_config(args)) is not None:
+    if (code := _unknown_model_config(args)) is not None:
         return code
     from vconsole.tools.bench.throughput import throughput as throughput_bench
 

@@ -25,9 +25,9 @@ def add_parsers(subparsers: SubParsers) -> None:
     p.formatter_class = ListFormatter
     add_json(p, default=False)
     benches = p.add_subparsers(dest="name", metavar="NAME", action=Subcommands, required=True)
-    for add in (add_throughput, add_build_llama_server, add_scheduler, add_kvmap, add_telemetry, add_console, add_dp,
-                add_soak, add_serve, add_quality, add_kv_ideas, add_kv_grouping, add_whatif,
-                add_structured, add_fleet):
+    for add in (add_throughput, add_build_llama_server, add_scheduler, add_kvmap, add_telemetry,
+                add_console, add_dp, add_soak, add_serve, add_quality, add_kv_ideas,
+                add_kv_grouping, add_whatif, add_structured, add_fleet):
         add(benches)
 
 
@@ -75,18 +75,16 @@ def add_throughput(benches: SubParsers) -> None:
               "generate_batch on the same model, in the same run.")
     p.add_argument("--num-requests", type=int, metavar="N",
                    help="requests in the workload (default 64)")
-    p.add_argument("--model-config", default=None, metavar="NAME",
-                   help="the built-in model to run: tiny (default), small-gqa or smollm2 "
-                        "(--peer llama-server: smollm2's GGUF, always)")
+    add_model_config(p)
     p.add_argument("--no-transformers", action="store_true",
                    help="skip transformers' generate and generate_batch")
     p.add_argument("--peer", choices=["llama-cpp", "llama-server"], default=None,
                    help="llama-cpp: also run llama.cpp (llama-cpp-python, the llama-cpp extra) "
                         "on smollm2's own Q4_1 GGUF, single stream and the requests one by one, "
-                        "with the same threads; llama-server: `vconsole serve --model <that "
-                        "GGUF>` against llama.cpp's llama-server on it, over HTTP, one stream "
-                        "and each --concurrency (its --parallel equal to it); build it first: "
-                        "vconsole bench build-llama-server")
+                        "with the same threads; llama-server: `vconsole serve` on that GGUF "
+                        "(whatever --model-config says) against llama.cpp's llama-server on "
+                        "it, over HTTP, one stream and each --concurrency (its --parallel "
+                        "equal to it); build it first: vconsole bench build-llama-server")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch's threads (and llama.cpp's) for the run (default: torch's; "
                         "--peer llama-server: every core)")

@@ -12,15 +12,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vconsole.console import format as fmt
 from vconsole.console.predictions import (
+    GROWS,
+    MARK,
     NOT_PREDICTED,
+    PENDING,
+    QUEUE_FIGURES,
+    SHOWN,
+    UNAVAILABLE,
     Change,
     Prediction,
     WhatIf,
-    box_markup,
+    change_pct,
+    change_style,
+    figure,
     pending,
     unmodelled,
 )
+from vconsole.whatif.predict import LABELS, tolerance
 
 
 @dataclass(frozen=True)
@@ -46,3 +56,38 @@ def forecast(whatif: WhatIf, change: Change) -> Forecast | None:
         return Forecast(box_markup(done))
     return Forecast(box_markup(pending(change)),
                     lambda: box_markup(whatif.predict([change])[0]))
+
+
+def box_markup(p: Prediction) -> str:
+    """The confirmation box's lines: where the numbers come from, then before → after (and
+    the live figure) for `SHOWN`, `MARK` beside a rough one and the line that says why; or
+    the status and its reason."""
+    if not p.ready:
+        style = "$text-muted" if p.status in (PENDING, UNAVAILABLE) else "$warning"
+        return f"[{style}]{fmt.escape(p.headline())}[/]"
+    source = p.trace.describe() if p.trace else "the engine's trace"
+    flagged = p.rough
+    stated = p.after_stated
+    lines = [f"[b]predicted[/] [$text-muted]from the engine's last {source}:[/]"]
+    if p.overloaded:
+        lines.append(f"[$warning]{fmt.escape(p.overload_line())}[/]")
+    lines.append(f"[$text-muted]{'':14}{'now':>8}   {'after':<10}{'':7} {'±':>6} "
+                 f"{'live':>8}[/]")
+    for k in SHOWN:
+        b, a, live = p.before.get(k), p.after.get(k), p.live.get(k)
+        grows = p.overloaded and k in QUEUE_FIGURES
+        after = GROWS if grows else figure(k, a)
+        mark = f" [$warning]{MARK}[/]" if k in flagged else "  "
+        change = "" if grows else change_pct(b, a)
+        half = stated.get(k)
+        width = tolerance(half) if half is not None and not grows else ""
+        lines.append(f"  {LABELS[k]:<12}{figure(k, b):>8} → {after}{mark}"
+                     f"{'':{max(0, 8 - len(after))}}"
+                     f"[{change_style(k, b, a)}]{change:>7}[/] "
+                     f"[$text-muted]{width:>6} {figure(k, live):>8}[/]")
+    note = p.rough_line()
+    if note and any(k in flagged for k in SHOWN):
+        lines.append(f"[$warning]{MARK} {fmt.escape(note)}[/]")
+    elif p.coverage_line():          # one note under the figures: the box fits 80x24
+        lines.append(f"[$text-muted]{fmt.escape(p.coverage_line())}[/]")
+    return "\n".join(lines)

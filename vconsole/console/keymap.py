@@ -145,6 +145,7 @@ WHATIF: list[BindingType] = [
     Binding("e", "edit", "Edit"),
     Binding("r", "run", "Predict"),
     Binding("x", "reset", "Reset"),
+    Binding("c", "calibrate", "Calibrate"),
     Binding("A", "apply", "Apply", key_display="A"),
     Binding("escape", "leave", "Done editing"),
 ]
@@ -207,6 +208,8 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
                  ("e", "edit the keys (tab moves, enter predicts, esc leaves the editor)"),
                  ("r", "predict again (a fresh trace after 10 s)"),
                  ("x", "reset the edits to the live config"),
+                 ("c", "calibrate: an engine of its own measures the step costs the edits "
+                       "need (vconsole whatif --calibrate); later predictions use it"),
                  ("A", "apply the edits (hot keys; asks first)")]),
     ("Stacks", [("S", "every thread of the engine process and its Python stack, the busy "
                       "loop's first, read every 2 s (py-spy, else the engine's own dump)"),

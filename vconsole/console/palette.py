@@ -69,6 +69,9 @@ class ConsoleCommands(Provider):
         yield "Go to Advice", partial(app.action_show, "advice"), "a: tuning advice"
         yield ("What-if: predict a config change", partial(app.action_show, "whatif"),
                "w: the engine's last minutes of traffic, simulated with your edits")
+        yield ("What-if: calibrate the step costs", partial(self._on_screen, "whatif",
+                                                            "calibrate"),
+               "c: an engine of its own probes the batch shapes (never the live engine)")
         if app.check_action("show", ("profile",)):
             yield ("Profile the engine's next steps", partial(app.action_show, "profile"),
                    "P: torch.profiler over N steps (slows the engine while it runs)")

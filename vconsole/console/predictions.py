@@ -22,6 +22,10 @@ interval is rough on every prediction of it (`Prediction.rough`, marked `MARK`).
 that serves fewer requests per second than arrive says so first, with its capacity, and its
 waits read "grows" (`vconsole.whatif.overload`).
 
+The step costs are fitted on the trace and on the newest calibration of an engine like the
+watched one, when there is one (`vconsole.console.calibrating`: `TraceInfo.calibration` says
+which); `WhatIf.calibrate` runs a new one (``vconsole whatif --calibrate``, its own engine).
+
 Honesty, never a guess: a change with a key no simulation models is "not predicted" with the
 reason (`vconsole.whatif.predict.check_key`); a trace with too little traffic says "too little
 traffic to predict" and why (`check_traffic`, `TooLittleTraffic`); a source without a control
@@ -32,15 +36,19 @@ No Textual here: the formatting below returns Content markup strings.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vconsole.console import format as fmt
+from vconsole.console.calibrating import NO_CALIBRATION, Calibrator, Outcome, pick
 from vconsole.telemetry.request_trace import FIGURES, Trace, TraceError, parse_lines
+from vconsole.whatif.calibration import calibrations_dir
 from vconsole.whatif.intervals import shape_error
 from vconsole.whatif.overload import overload_line
 from vconsole.whatif.predict import (
@@ -89,6 +97,7 @@ class TraceInfo:
     steps: int
     duration_s: float
     model_error: float | None = None     # the step-time model's median relative error
+    calibration: str = NO_CALIBRATION    # which calibration the step costs stand on
 
     def describe(self) -> str:
         """``312 requests over 4.8 min``."""
@@ -255,8 +264,11 @@ class WhatIf:
 
     def __init__(self, fetch: Callable[[], str] | None, *, unavailable: str = NO_CHANNEL,
                  max_age_s: float = TRACE_MAX_AGE_S,
-                 clock: Callable[[], float] = time.monotonic, intervals: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, intervals: bool = True,
+                 calibrations: Path | None = None) -> None:
         self.fetch = fetch
+        self.calibrations = calibrations       # None: `calibrations_dir`, read at each fetch
+        self.calibrator = Calibrator()
         self.intervals = intervals             # each prediction's interval (4 more runs)
         self.unavailable = unavailable
         self.max_age_s = max_age_s
@@ -331,10 +343,14 @@ class WhatIf:
         if reason is not None:
             self._error = Prediction(TOO_LITTLE, reason=_too_little(reason), trace=self._info)
             return self._error
+        calib, calibration = pick(trace, self.calibrations or calibrations_dir())
         try:
-            self._base = Baseline(trace)
+            self._base = Baseline(trace, calibration=calib)
             self._cost_error = (shape_error(self._base.fit_steps, self._base.model)
                                 if self.intervals else None)
+            if self._cost_error is not None and calib is not None:   # as `predict.whatif`
+                drift = abs(1.0 - self._base.level)
+                self._cost_error = {k: math.hypot(v, drift) for k, v in self._cost_error.items()}
             run = self._base.run({})
             self._before = predicted(run)
             self._before_info = assess(self._base, {}, run, self._before, self._cost_error)
@@ -351,8 +367,28 @@ class WhatIf:
             return self._error
         self._live = observed(trace)
         self._info = TraceInfo(len(trace.requests), len(trace.steps), trace.duration_s,
-                               self._base.model.rel_error)
+                               self._base.model.rel_error, calibration)
         return None
+
+    def forget(self) -> None:
+        """The next prediction fetches a trace (and picks its calibration) again."""
+        self._fetched_at = -1e18
+
+    def calibrate(self, variant: Change, progress: Callable[[str], None],
+                  cancelled: Callable[[], bool] = lambda: False) -> Outcome:
+        """Calibrate the engine's trace for its config and ``variant`` (`Calibrator.run`);
+        the next prediction uses it. Blocks for the whole probe: a worker thread."""
+        if self.fetch is None:
+            return Outcome(False, self.unavailable)
+        with self._lock:
+            failed = self._refresh()
+            trace = self._trace
+        if trace is None:
+            return Outcome(False, failed.headline() if failed else "no trace to calibrate")
+        done = self.calibrator.run(trace, self.calibrations or calibrations_dir(), variant,
+                                   progress=progress, cancelled=cancelled)
+        self.forget()
+        return done
 
     def predict(self, changes: list[Change]) -> list[Prediction]:
         """Each change's prediction on the engine's recent trace (fetched when the one in hand
@@ -456,38 +492,3 @@ def change_style(key: str, before: Any, after: Any) -> str:
         return "$text-muted"
     better = (after > before) == (key in _HIGHER_IS_BETTER)
     return "$success" if better else "$warning"
-
-
-def box_markup(p: Prediction) -> str:
-    """The confirmation box's lines: where the numbers come from, then before → after (and
-    the live figure) for `SHOWN`, `MARK` beside a rough one and the line that says why; or
-    the status and its reason."""
-    if not p.ready:
-        style = "$text-muted" if p.status in (PENDING, UNAVAILABLE) else "$warning"
-        return f"[{style}]{fmt.escape(p.headline())}[/]"
-    source = p.trace.describe() if p.trace else "the engine's trace"
-    flagged = p.rough
-    stated = p.after_stated
-    lines = [f"[b]predicted[/] [$text-muted]from the engine's last {source}:[/]"]
-    if p.overloaded:
-        lines.append(f"[$warning]{fmt.escape(p.overload_line())}[/]")
-    lines.append(f"[$text-muted]{'':14}{'now':>8}   {'after':<10}{'':7} {'±':>6} "
-                 f"{'live':>8}[/]")
-    for k in SHOWN:
-        b, a, live = p.before.get(k), p.after.get(k), p.live.get(k)
-        grows = p.overloaded and k in QUEUE_FIGURES
-        after = GROWS if grows else figure(k, a)
-        mark = f" [$warning]{MARK}[/]" if k in flagged else "  "
-        change = "" if grows else change_pct(b, a)
-        half = stated.get(k)
-        width = tolerance(half) if half is not None and not grows else ""
-        lines.append(f"  {LABELS[k]:<12}{figure(k, b):>8} → {after}{mark}"
-                     f"{'':{max(0, 8 - len(after))}}"
-                     f"[{change_style(k, b, a)}]{change:>7}[/] "
-                     f"[$text-muted]{width:>6} {figure(k, live):>8}[/]")
-    note = p.rough_line()
-    if note and any(k in flagged for k in SHOWN):
-        lines.append(f"[$warning]{MARK} {fmt.escape(note)}[/]")
-    elif p.coverage_line():          # one note under the figures: the box fits 80x24
-        lines.append(f"[$text-muted]{fmt.escape(p.coverage_line())}[/]")
-    return "\n".join(lines)

@@ -96,7 +96,7 @@ class EngineCore:
                 "kv_pool_bytes": self.runner.kv_pool_bytes,
                 "dims": self.model_dims()}
 
-    def model_dims(self) -> dict[str, int | float]:
+    def model_dims(self) -> dict[str, int | float | bool]:
         """The figures vLLM's MFU estimate reads (``vllm/v1/metrics/perf.py``): the model's
         shape and the bytes of an activation, a weight (int8 quantization: 1) and a K or V
         element in the pool (its bytes per token over 2 x layers x KV heads x head dim, so a
@@ -111,7 +111,7 @@ class EngineCore:
                                                  4 * info.hidden_size)),
                 "vocab_size": r.vocab_size, "activation_bytes": act,
                 "weight_bytes": 1 if self.config.quantization == "int8" else act,
-                "cache_bytes": r.kv_bytes_per_token / elements}
+                "cache_bytes": r.kv_bytes_per_token / elements, "cpu": r.device.type == "cpu"}
 
     def kv_bytes_per_token_by_dtype(self) -> dict[str, int]:
         """Bytes per token of every KV format this model can store (``auto``: the model's

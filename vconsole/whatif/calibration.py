@@ -21,17 +21,30 @@ level on the shapes both ran (`leveled`: the probe may run on a busier or quiete
 
 Each probe's requests are sent at once and awaited before the next probe: a probe never
 shares a step with another, so its steps are the shape it names.
+
+**The console's calibrations** (`stored_trace_path`, `newest`): the console's trace comes over
+the control channel and lives nowhere, so the console writes it to `calibrations_dir` as
+``MODEL-FINGERPRINT-STAMP.jsonl`` and runs ``vconsole whatif`` on it with ``--calibrate``; the
+calibration lands beside it. A later prediction on an engine uses the newest calibration of
+the same `fingerprint`: the model and the keys that set a step's cost (device, dtype,
+quantization, block size, KV format). The scheduler keys and the pool are left out: they
+change which shapes run, not what a shape costs, and the calibration grid measures shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vconsole.telemetry.request_trace import StepRecord
+from vconsole.telemetry.request_trace import StepRecord, TraceHeader
 from vconsole.whatif.cost_model import TooLittleTraffic, fit
 from vconsole.whatif.coverage import busy
 
@@ -40,6 +53,7 @@ CHUNKS = (16, 64)
 DECODE_STEPS = 24
 REPEATS = 2             # each probe twice: enough steps of each shape to count as covered
 SUFFIX = ".calib.jsonl"
+COST_KEYS = ("device", "dtype", "quantization", "block_size", "kv_cache_dtype")
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,46 @@ def calibration_path(trace_path: str | Path) -> Path:
     p = Path(trace_path)
     name = p.name[:-len(".jsonl")] if p.name.endswith(".jsonl") else p.name
     return p.with_name(name + SUFFIX)
+
+
+def fingerprint(header: TraceHeader) -> str:
+    """12 hex digits over the trace's model and `COST_KEYS`: equal for two engines whose
+    steps of one shape cost the same."""
+    cfg = header.config or {}
+    keys = {k: cfg.get(k) for k in COST_KEYS} | {"model": header.model,
+                                                  "block_size": header.block_size}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def calibrations_dir() -> Path:
+    """``$VCONSOLE_CALIBRATIONS``, else ``$VCONSOLE_CACHE/calibrations``, else
+    ``~/.cache/vconsole/calibrations``."""
+    own = os.environ.get("VCONSOLE_CALIBRATIONS")
+    if own:
+        return Path(own).expanduser()
+    base = os.environ.get("VCONSOLE_CACHE")
+    return (Path(base).expanduser() if base else Path.home() / ".cache" / "vconsole") \
+        / "calibrations"
+
+
+def _stem(header: TraceHeader) -> str:
+    model = re.sub(r"[^A-Za-z0-9._]+", "_", Path(header.model or "model").name)[-40:]
+    return f"{model}-{fingerprint(header)}"
+
+
+def stored_trace_path(header: TraceHeader, root: Path, now: float | None = None) -> Path:
+    """Where the console keeps a trace it calibrates: ``root/MODEL-FINGERPRINT-STAMP.jsonl``
+    (its calibration is `calibration_path` of it)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(time.time() if now is None else now))
+    return root / f"{_stem(header)}-{stamp}.jsonl"
+
+
+def newest(header: TraceHeader, root: Path) -> Path | None:
+    """The newest calibration in ``root`` of an engine like ``header``'s (`fingerprint`), by
+    the stamp in its name; None when there is none."""
+    found = sorted(root.glob(f"*-{fingerprint(header)}-*{SUFFIX}"),
+                   key=lambda p: p.name.rsplit("-", 1)[-1])
+    return found[-1] if found else None
 
 
 def _seats(config: dict[str, Any], variants: Iterable[dict[str, Any]]) -> list[int]:

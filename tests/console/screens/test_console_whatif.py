@@ -22,6 +22,7 @@ from textual.widgets import Input, Static
 
 from support.console_testing import FakeControl, replay_app, until
 from support.synthetic import generate
+from vconsole.console.calibrating import NO_CALIBRATION
 from vconsole.console.predictions import (
     NO_CHANNEL,
     READY,
@@ -42,8 +43,10 @@ from vconsole.telemetry.request_trace import (
     RequestRecord,
     Trace,
     TraceHeader,
+    parse_lines,
     trace_lines,
 )
+from vconsole.whatif.calibration import calibration_path, stored_trace_path
 from vconsole.whatif.cost_model import StepCostModel
 from vconsole.whatif.predict import pct, tolerance
 from vconsole.whatif.simulate import simulate
@@ -448,3 +451,54 @@ async def test_read_only_predicts_but_offers_no_apply_and_help_lists_what_if():
         help_text = text_of(app.screen.query_one("#help-text", Static))
         assert "What-if" in help_text and "read-only: predicts, never applies" in help_text
     assert sets(ctl) == []
+
+
+# --- calibration -------------------------------------------------------------------------------------
+
+def write_calibration(root) -> Any:
+    """A calibration of an engine like `trace_text`'s (same model and cost keys) that ran 1-4
+    rows, each row costing 10x what the trace's did: after its level is matched to the trace,
+    a 4-seat change costs far more per step than the trace alone says."""
+    header = parse_lines(trace_text().splitlines(keepends=True), "trace").header
+    reqs = [RequestRecord(arrival=0.05 * i, finish=0.05 * i, prompt_len=64, output_len=24,
+                          max_tokens=24, ignore_eos=True) for i in range(60)]
+    cost = StepCostModel({"const": 0.001, "prefill": 2e-5, "decode": 4e-3, "context": 1e-7,
+                          "prefill_attn": 0.0, "new_reqs": 2e-4},
+                         {"const": 0.0005, "reqs": 1e-5}, 0)
+    ran = simulate(Trace(header, reqs), EngineConfig(num_kv_blocks=BLOCKS, max_num_seqs=4),
+                   BLOCKS, cost, max_model_len=2048, vocab_size=256)
+    path = calibration_path(stored_trace_path(header, root))
+    path.write_text("".join(trace_lines(Trace(header, ran.requests, ran.steps))))
+    return path
+
+
+async def test_a_calibration_of_an_engine_like_this_one_changes_the_prediction_and_is_named(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("VCONSOLE_CALIBRATIONS", str(tmp_path))
+    plain = expected({"max_num_seqs": 4})
+    assert plain.trace.calibration == NO_CALIBRATION
+    write_calibration(tmp_path)
+    calibrated = expected({"max_num_seqs": 4})
+    assert calibrated.trace.calibration.startswith("calibrated ")
+    assert figure("output_tok_s", calibrated.after["output_tok_s"]) != figure(
+        "output_tok_s", plain.after["output_tok_s"])
+    ctl = TracingControl(trace_text())
+    app = replay_app(control=ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_whatif(pilot, app)
+        summary = text_of(screen.query_one("#wi-summary", Static))
+        assert calibrated.trace.calibration in summary, summary
+        await pilot.press("e", "end", "backspace", "backspace", "4", "enter")
+        await until(pilot, lambda: screen.result.ready and screen.result.change)
+        assert cells(screen, "output_tok_s")[4] == figure(
+            "output_tok_s", calibrated.after["output_tok_s"])
+
+
+async def test_without_a_calibration_the_screen_says_the_costs_come_from_the_trace(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("VCONSOLE_CALIBRATIONS", str(tmp_path))
+    app = replay_app(control=TracingControl(trace_text()))
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_whatif(pilot, app)
+        assert NO_CALIBRATION in text_of(screen.query_one("#wi-summary", Static))
+        assert "c" in screen.active_bindings

@@ -29,6 +29,15 @@ def test_the_phases_panel_shows_the_windows_estimated_rates() -> None:
     text = panels.phases(_Eng(_step(perf=perf)), 0.0, 60, LIMITS)     # type: ignore[arg-type]
     line = next(x for x in text.splitlines() if "FLOP/s" in x)
     assert "45.5 GFLOP/s" in line and "1.6 GB/s" in line      # over the 2 s window
+    assert "%" not in line                                     # no peak: a GPU engine
+
+
+def test_a_cpu_engines_rates_are_shares_of_the_measured_peaks() -> None:
+    perf = {"flops": 91_000_000_000, "read_bytes": 3_000_000_000, "write_bytes": 200_000_000,
+            "peak_flops_per_s": 91e9, "peak_bytes_per_s": 16e9}
+    text = panels.phases(_Eng(_step(perf=perf)), 0.0, 60, LIMITS)     # type: ignore[arg-type]
+    line = next(x for x in text.splitlines() if "FLOP/s" in x)
+    assert "45.5 GFLOP/s" in line and "50%" in line and "10%" in line
 
 
 def test_without_the_metrics_the_panel_is_unchanged() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from vconsole.engine.publish.device_peak import Peaks, measure_peaks
 from vconsole.engine.publish.mfu import ModelDims, PerfCounters, step_perf
 from vconsole.shared.stats import StepStats
 
@@ -90,3 +91,24 @@ def test_int8_weights_read_a_quarter_of_the_weight_bytes(weight_bytes: int) -> N
     weights = (256 * 8 * 64 + 4 * 64 * 256 + 3 * 256 * 688) * 4 + 256 * 259   # elements
     assert step_perf(dims, step)[1] - step_perf(
         ModelDims(**{**dims.__dict__, "weight_bytes": 0}), step)[1] == weights * weight_bytes
+
+
+def test_a_cpu_engines_counters_carry_this_machines_peaks_measured_once() -> None:
+    calls = []
+
+    def measure() -> Peaks:
+        calls.append(1)
+        return Peaks(flops_per_s=1e11, bytes_per_s=1e10)
+
+    cpu = PerfCounters(ModelDims(**{**TINY.__dict__, "cpu": True}), measure)
+    first, second = cpu.add([batch([(0, 10)])]), cpu.add([])
+    assert calls == [1]
+    assert first["peak_flops_per_s"] == second["peak_flops_per_s"] == 1e11
+    assert second["peak_bytes_per_s"] == 1e10
+    gpu = PerfCounters(TINY, measure)          # not a CPU engine: no peak of ours applies
+    assert "peak_flops_per_s" not in gpu.add([batch([(0, 10)])]) and calls == [1]
+
+
+def test_the_measured_peaks_are_real_rates() -> None:
+    peaks = measure_peaks(repeats=1)
+    assert peaks.flops_per_s > 1e8 and peaks.bytes_per_s > 1e7

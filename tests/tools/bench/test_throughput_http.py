@@ -103,7 +103,7 @@ def test_the_report_names_the_cpu_vector_extensions():
 
 
 def test_another_model_config_is_refused_for_the_llama_server_peer():
-    args = argparse.Namespace(model_config="tiny", peer="llama-server", json=True, runs=1,
+    args = argparse.Namespace(model_config="small-gqa", peer="llama-server", json=True, runs=1,
                               threads=None)
     with pytest.raises(SystemExit, match="smollm2's GGUF"):
         tp.throughput(args)

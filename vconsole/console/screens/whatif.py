@@ -21,6 +21,13 @@ confirmation, which carries the same prediction); restart-only ones are named wi
 command; a read-only console predicts but offers no apply. Predictions run when the screen is
 shown (unless the last one is under 10 s old), on ``r`` or enter in the editor, and on ``x``
 (reset to live) — never on a telemetry tick.
+
+The summary's second line says which calibration the step costs stand on, or that there is
+none (`vconsole.console.calibrating`). ``c`` runs one: ``vconsole whatif --calibrate`` on the
+trace in hand, for the live config and the edits, as a child process with an engine of its
+own (never the live engine), in a thread worker; the line follows its progress, a second
+``c`` says it is still running, and when it ends the result is announced and the prediction
+runs again on it.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.widgets import DataTable, Input, Label, Static
+from textual.worker import get_current_worker
 
 from vconsole.console import format as fmt
+from vconsole.console.calibrating import Outcome
 from vconsole.console.changes import show_value
 from vconsole.console.keymap import WHATIF
 from vconsole.console.predictions import (
@@ -75,6 +84,8 @@ class WhatIfScreen(ConsoleScreen):
         self.result: Prediction | None = None   # its answer (PENDING while it runs)
         self._ran_at = -1e18                    # when (monotonic) the last run was asked
         self._filling = False                   # setting inputs ourselves: not an edit
+        self._calibrating_since: float | None = None   # a calibration runs (monotonic start)
+        self._calib_line = ""                   # its last progress line
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="wi-summary")
@@ -162,7 +173,11 @@ class WhatIfScreen(ConsoleScreen):
                 err = (f" · step-time fit {tolerance(info.model_error)} per step"
                        if info.model_error is not None else "")
                 text = (f"trace [b]{fmt.escape(info.describe())}[/] · {info.steps:,} steps"
-                        f"{err}")
+                        f"{err}\n[$text-muted]{fmt.escape(info.calibration)}[/]")
+            if self._calibrating_since is not None:
+                took = time.monotonic() - self._calibrating_since
+                text += (f"\n[$accent]calibrating… {took:.0f} s[/] [$text-muted]"
+                         f"{fmt.escape(self._calib_line)}[/]")
         if frame.readonly:
             text += "\n[$text-muted]read-only: predicts, never applies[/]"
         self.query_one("#wi-summary", Static).update(Content.from_markup(text))
@@ -303,6 +318,57 @@ class WhatIfScreen(ConsoleScreen):
         if rough:
             lines.append(f"[$warning]{MARK} {fmt.escape(rough)}[/]")
         return "\n".join(lines)
+
+    # --- calibrating ---------------------------------------------------------------------
+
+    def action_calibrate(self) -> None:
+        whatif = self.console.whatif
+        if not whatif.available:
+            self.notify(whatif.unavailable, title="Calibrate", severity="warning")
+            return
+        if self._calibrating_since is not None:
+            took = time.monotonic() - self._calibrating_since
+            self.notify(f"a calibration is already running ({took:.0f} s so far)",
+                        title="Calibrate", severity="warning")
+            return
+        variant = self.edits()
+        if variant is None:
+            return
+        self._calibrating_since, self._calib_line = time.monotonic(), "starting"
+        self.notify("vconsole whatif --calibrate: an engine of its own probes the step "
+                    "costs of the shapes the edits need (the live engine is not touched; "
+                    "it shares this machine's cores until done)", title="Calibrating")
+        self.console.refresh_view(force=True)
+
+        def progress(line: str) -> None:
+            self.app.call_from_thread(self._progress, line)
+
+        def work() -> None:
+            worker = get_current_worker()
+            try:
+                done = whatif.calibrate(variant, progress, lambda: worker.is_cancelled)
+            except Exception as e:          # said on the screen, never a dead worker
+                done = Outcome(False, f"calibration failed: {type(e).__name__}: {e}")
+            if not worker.is_cancelled:
+                self.app.call_from_thread(self._calibrated, done)
+
+        self.run_worker(work, thread=True, group="calibrate")
+
+    def _progress(self, line: str) -> None:
+        """The command's latest line, shortened to one screen line (the notice at the end
+        names the file)."""
+        line = line.removeprefix("calibrating: ").split(", kept in ")[0]
+        self._calib_line = line if len(line) <= 58 else line[:57] + "…"
+        self.console.refresh_view(force=True)
+
+    def _calibrated(self, done: Outcome) -> None:
+        self._calibrating_since, self._calib_line = None, ""
+        self.notify(done.message, title="Calibrated" if done.ok else "Calibration",
+                    severity="information" if done.ok else "error",
+                    timeout=10 if done.ok else 20)
+        if done.ok:
+            self.action_run()           # the next fetch picks the new calibration
+        self.console.refresh_view(force=True)
 
     # --- applying ------------------------------------------------------------------------------
 

@@ -185,9 +185,12 @@ def phases(eng: EngineState, now: float, width: int, limits: Mapping[str, float]
     perf = st.get("perf")
     window = _num(st, "window_s")
     if isinstance(perf, Mapping) and window:
-        moved = float(perf.get("read_bytes") or 0) + float(perf.get("write_bytes") or 0)
-        lines.append(fmt.fit([f"{_muted('est.')} {_si(float(perf.get('flops') or 0) / window)}"
-                              "FLOP/s", f"{_muted('memory')} {_si(moved / window)}B/s"],
+        flops = float(perf.get("flops") or 0) / window
+        moved = (float(perf.get("read_bytes") or 0) + float(perf.get("write_bytes") or 0)) / window
+        lines.append(fmt.fit([f"{_muted('est.')} {_si(flops)}FLOP/s"
+                              f"{_of_peak(flops, perf.get('peak_flops_per_s'))}",
+                              f"{_muted('memory')} {_si(moved)}B/s"
+                              f"{_of_peak(moved, perf.get('peak_bytes_per_s'))}"],
                              width, "  "))
     if share is not None and share >= thr:
         lines.append(fmt.styled(f"⚠ scheduler is {fmt.pct(share, 0)} of step time "
@@ -202,6 +205,13 @@ def _si(value: float) -> str:
         if abs(value) >= div:
             return f"{value / div:.1f} {unit}"
     return f"{value:.0f} "
+
+
+def _of_peak(rate: float, peak: Any) -> str:
+    """`` 12%``: a rate as a share of the machine's measured peak (none for a GPU engine)."""
+    if not isinstance(peak, (int, float)) or peak <= 0:
+        return ""
+    return f" {_muted(fmt.pct(rate / peak, 0))}"
 
 
 def _window_tokens(st: Mapping[str, Any]) -> str:

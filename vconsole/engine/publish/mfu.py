@@ -11,15 +11,17 @@ step) count nothing, as vLLM's scheduler computes no ``perf_stats`` for them.
 
 Computed on the publisher's side over the steps it drains (the busy loop pays nothing);
 cumulative since the publisher started, like vLLM's counters. Steps dropped by the hand-off's
-bounded buffer are not counted.
+bounded buffer are not counted. A CPU engine's body also carries this machine's measured peaks
+(`device_peak`), which the console's utilisation is a share of.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vconsole.engine.publish.device_peak import Peaks, measure_peaks
 from vconsole.shared.stats import StepStats
 
 
@@ -38,6 +40,7 @@ class ModelDims:
     activation_bytes: float
     weight_bytes: float
     cache_bytes: float
+    cpu: bool = False           # the engine runs on the CPU (its peaks can be measured here)
 
     @classmethod
     def of(cls, model_info: Mapping[str, Any]) -> ModelDims | None:
@@ -46,8 +49,8 @@ class ModelDims:
         if not isinstance(dims, Mapping):
             return None
         try:
-            return cls(**{k: dims[k] for k in cls.__dataclass_fields__})
-        except (KeyError, TypeError):
+            return cls(**{k: dims[k] for k in cls.__dataclass_fields__ if k in dims})
+        except TypeError:
             return None
 
 
@@ -92,16 +95,22 @@ def step_perf(m: ModelDims, s: StepStats) -> tuple[int, int, int]:
 
 
 class PerfCounters:
-    """The three cumulative counters of one engine (publisher thread only)."""
+    """The three cumulative counters of one engine (publisher thread only). ``peaks``: this
+    machine's, measured at the first window of a CPU engine (`device_peak`)."""
 
-    def __init__(self, dims: ModelDims) -> None:
+    def __init__(self, dims: ModelDims, measure: Callable[[], Peaks] | None = measure_peaks
+                 ) -> None:
         self.dims = dims
         self.flops = self.read_bytes = self.write_bytes = 0
+        self.peaks: Peaks | None = None
+        self._measure = measure if dims.cpu else None
 
-    def add(self, steps: Iterable[StepStats]) -> dict[str, int]:
+    def add(self, steps: Iterable[StepStats]) -> dict[str, Any]:
         """Count ``steps`` (one step window); returns the ``step`` topic's ``perf`` field:
         the totals since start and this window's own figures (``flops``, ``read_bytes``,
         ``write_bytes``: the console's rates are these over the window's length)."""
+        if self._measure is not None:
+            self.peaks, self._measure = self._measure(), None
         dims = self.dims
         flops, read, write = self.flops, self.read_bytes, self.write_bytes
         for s in steps:
@@ -109,6 +118,11 @@ class PerfCounters:
             self.flops += f
             self.read_bytes += r
             self.write_bytes += w
-        return {"flops_total": self.flops, "read_bytes_total": self.read_bytes,
-                "write_bytes_total": self.write_bytes, "flops": self.flops - flops,
-                "read_bytes": self.read_bytes - read, "write_bytes": self.write_bytes - write}
+        body: dict[str, Any] = {
+            "flops_total": self.flops, "read_bytes_total": self.read_bytes,
+            "write_bytes_total": self.write_bytes, "flops": self.flops - flops,
+            "read_bytes": self.read_bytes - read, "write_bytes": self.write_bytes - write}
+        if self.peaks is not None:
+            body["peak_flops_per_s"] = self.peaks.flops_per_s
+            body["peak_bytes_per_s"] = self.peaks.bytes_per_s
+        return body

@@ -230,7 +230,44 @@ def test_a_prometheus_too_slow_to_answer_is_the_same_clear_state(tmp_path: Path)
         state = ConsoleState()
         source = PrometheusSource(url, timeout_s=0.5)
         assert not source.read_once(state)          # the timeout ended it, not the server
-        assert source.problem is not None and "no answer within 0.5s" in source.problem
+        assert source.problem is not None and "no answer within 0.5s" in source.problem, \
+            source.problem
         assert (state.recent_error() or "").startswith("PROMETHEUS UNREACHABLE")
     finally:
         standin.close()
+
+
+async def test_the_fleet_screen_from_prometheus_shows_its_rows_then_the_banner_then_recovers(
+        stack: Stack) -> None:
+    from textual.widgets import Static
+
+    from support.console_testing import until
+    from vconsole.console.app import VConsoleApp
+    from vconsole.console.screens.fleet import FleetScreen
+
+    source = PrometheusSource(stack.prom.url, '{job="fleet"}', interval_s=0.5, timeout_s=2.0)
+    app = VConsoleApp(sources=[source], fleet=PrometheusFleet(source, started=time.time()))
+
+    def shown(state: str) -> bool:
+        screen = app.screen
+        return isinstance(screen, FleetScreen) and len(screen.row_keys) == 5 and all(
+            str(screen.table.get_cell(k, "state")).startswith(state) for k in screen.row_keys)
+
+    def banner() -> str:         # the banner's text while it is shown
+        box = app.screen.query_one("#banner", Static)
+        return str(box.render()) if box.has_class("-shown") else ""
+
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: shown("up"), timeout=20)
+        screen = app.screen
+        assert isinstance(screen, FleetScreen)
+        assert str(screen.table.get_cell(stack.sglang_instance, "running")) == "5"
+        assert "5/5 up" in str(screen.query_one("#fleet-summary", Static).render())
+        stack.prom.close()
+        try:
+            await until(pilot, lambda: shown("stale") and "PROMETHEUS UNREACHABLE" in banner(),
+                        timeout=20)
+            assert "0/5 up" in str(screen.query_one("#fleet-summary", Static).render())
+        finally:
+            stack.prom.start()
+        await until(pilot, lambda: shown("up") and "PROMETHEUS" not in banner(), timeout=30)
