@@ -39,3 +39,16 @@ def test_a_prometheus_that_is_not_there_is_one_line_and_exit_1():
     assert r.returncode == 1 and r.stdout == ""
     assert "127.0.0.1:47391" in r.stderr and "refused" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_each_browser_tab_of_attach_web_reads_the_same_prometheus():
+    import argparse
+
+    from vconsole.commands.attach import console_argv
+
+    argv = console_argv(argparse.Namespace(prometheus="http://prom:9090",
+                                           selector='{job="vllm"}', readonly=True))
+    assert argv[-6:] == ["attach", "--prometheus", "http://prom:9090", "--selector",
+                         '{job="vllm"}', "--readonly"]
+    r = vconsole("attach", "--web", "--selector", '{job="x"}')
+    assert r.returncode == 2 and "--selector: only with --prometheus URL" in r.stderr

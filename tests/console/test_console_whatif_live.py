@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
+from pathlib import Path
 
 import pytest
 from textual.widgets import Static
@@ -22,6 +24,7 @@ from vconsole.telemetry.request_trace import (
     RequestRecord,
     Trace,
     TraceHeader,
+    parse_lines,
     read_trace,
     trace_lines,
 )
@@ -117,6 +120,10 @@ class SmallEngine(FakeControl):
         return self.text
 
 
+def read_lines(text: str) -> Trace:
+    return parse_lines(text.splitlines(keepends=True), "trace")
+
+
 def notes(app) -> list[str]:
     return [f"{n.title}: {n.message}" for n in app._notifications]
 
@@ -151,3 +158,37 @@ async def test_c_calibrates_on_an_engine_of_its_own_and_the_prediction_uses_it(
     (calib,) = tmp_path.glob("*.calib.jsonl")
     assert read_trace(calib).header.model == "tiny" and read_trace(calib).steps
     assert {op for op, _ in ctl.calls} <= {"get_config", "get_trace"}   # the live engine: reads
+
+
+def running_with(text: str) -> list[str]:
+    """Command lines of this machine's processes that name ``text``."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd:
+            out.append(cmd)
+    return out
+
+
+def test_a_calibration_cancelled_midway_stops_its_engine_and_leaves_no_file(tmp_path):
+    """Cancelled (the console quits) once the probe engine is up: the command gets SIGINT,
+    stops its engine on the way out, and half a grid is never kept."""
+    calibrator = WhatIf(None).calibrator
+    said: list[str] = []
+
+    def probing() -> bool:        # the probe engine writes its trace once it is serving
+        return any(p.name.endswith(".calib.jsonl") for p in tmp_path.iterdir())
+
+    done = calibrator.run(read_lines(small_trace()), tmp_path, {}, progress=said.append,
+                          cancelled=probing)
+    assert not done.ok and done.message == "calibration cancelled"
+    assert said and said[0].startswith("calibrating: ")
+    assert list(tmp_path.iterdir()) == []     # never the newest calibration: none at all
+    assert not calibrator.running
+    deadline = time.monotonic() + 30
+    while running_with(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running_with(str(tmp_path)) == []  # no probe engine left behind

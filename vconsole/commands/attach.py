@@ -135,7 +135,11 @@ def console_argv(args: argparse.Namespace) -> list[str]:
     """The `vconsole attach` command line a browser tab runs: this command's own way to the
     engine (endpoints already resolved, key and CURVE files as absolute paths), no --web."""
     argv = [sys.executable, "-m", "vconsole", "attach"]
-    if getattr(args, "vllm", None):
+    if getattr(args, "prometheus", None):
+        argv += ["--prometheus", args.prometheus]
+        if getattr(args, "selector", None):
+            argv += ["--selector", args.selector]
+    elif getattr(args, "vllm", None):
         argv += ["--vllm", args.vllm]
         for flag in ("kv_events", "kv_events_replay"):
             if getattr(args, flag, None):
@@ -163,7 +167,15 @@ def _attach_web(args: argparse.Namespace) -> int:
     from vconsole.security.bind_policy import RemoteBindRefused
 
     # A wrong flag is said once, here, not by every tab's console as it dies.
-    if getattr(args, "vllm", None):
+    if getattr(args, "prometheus", None) or getattr(args, "selector", None):
+        from vconsole.commands.attach_targets import prometheus_source
+        from vconsole.console.sources.fleet.targets import TargetError
+
+        try:
+            prometheus_source(args)
+        except TargetError as e:
+            return fail("attach", e, 2)
+    elif getattr(args, "vllm", None):
         try:
             _vllm_source(args)           # built and dropped: the tabs' consoles build their own
         except ValueError as e:

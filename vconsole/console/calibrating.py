@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from vconsole.telemetry.request_trace import Trace, TraceError, read_trace, trace_lines
-from vconsole.whatif.calibration import calibration_path, newest, stored_trace_path
+from vconsole.whatif.calibration import calibration_path, stored, stored_trace_path
 from vconsole.whatif.predict import check_calibration
 
 NO_CALIBRATION = "no calibration: step costs fitted on the trace"
@@ -36,20 +36,26 @@ STOP_WAIT_S = 30.0          # for the child to stop its engine after SIGINT
 
 
 def pick(trace: Trace, root: Path) -> tuple[Trace | None, str]:
-    """The calibration a prediction on ``trace`` uses (the newest in ``root`` of an engine
-    like its own) and a line that says which; (None, why not) without one."""
-    path = newest(trace.header, root) if root.is_dir() else None
-    if path is None:
-        return None, NO_CALIBRATION
-    try:
-        calib = read_trace(path)
-        check_calibration(calib, trace)
-    except (TraceError, ValueError, OSError) as e:
-        return None, f"calibration {path.name} unusable ({e}): step costs fitted on the trace"
+    """The calibration a prediction on ``trace`` uses (the newest usable one in ``root`` of
+    an engine like its own) and a line that says which; (None, why not) without one."""
+    unusable = ""
+    for path in stored(trace.header, root) if root.is_dir() else []:
+        try:
+            calib = read_trace(path)
+            check_calibration(calib, trace)
+        except (TraceError, ValueError, OSError) as e:
+            unusable = unusable or f"calibration {path.name} unusable ({e})"
+            continue
+        return calib, _describe(path, calib)
+    return None, (f"{unusable}: step costs fitted on the trace" if unusable
+                  else NO_CALIBRATION)
+
+
+def _describe(path: Path, calib: Trace) -> str:
     stamp = path.name.removesuffix(".calib.jsonl").rsplit("-", 1)[-1]
     when = (f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]} {stamp[9:11]}:{stamp[11:13]} UTC"
             if len(stamp) == 15 else path.name)
-    return calib, f"calibrated {when} ({len(calib.steps):,} steps)"
+    return f"calibrated {when} ({len(calib.steps):,} steps)"
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,15 @@ class Calibrator:
         code = proc.wait()
         took = time.monotonic() - started
         calib = calibration_path(path)
-        if cancelled():
+        done = self._outcome(calib, code, last, cancelled(), took)
+        if not done.ok:         # half a grid is no calibration: never the newest one
+            calib.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        return done
+
+    @staticmethod
+    def _outcome(calib: Path, code: int, last: str, cancelled: bool, took: float) -> Outcome:
+        if cancelled:
             return Outcome(False, "calibration cancelled")
         if code != 0 or not calib.exists():
             return Outcome(False, f"calibration failed (exit {code}): {last or 'no output'}")

@@ -148,6 +148,8 @@ class EngineState:
         self.latest: dict[str, dict[str, Any]] = {}
         self.recv_ts: dict[str, float] = {}
         self.block_states: np.ndarray | None = None
+        # --kv-cache-metrics: seconds since each block was last allocated or hit (NaN never).
+        self.block_age_s: np.ndarray | None = None
         self.series: dict[str, Series] = {name: Series() for name in SERIES}
         self.gpu_series: dict[int, tuple[Series, Series]] = {}
         self.advisor = Advisor()   # tuning advice from this engine's stream (Advice screen)
@@ -253,6 +255,10 @@ class EngineState:
                 self.block_states = msg.block_states()
             except SchemaError:
                 self.block_states = None
+            try:
+                self.block_age_s = msg.array("block_age_s") if "block_age_s" in p else None
+            except SchemaError:
+                self.block_age_s = None
         elif msg.topic == "gpu":
             for d in p.get("devices") or ():
                 idx = int(d.get("index", 0))

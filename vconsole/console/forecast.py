@@ -65,10 +65,13 @@ def box_markup(p: Prediction) -> str:
     if not p.ready:
         style = "$text-muted" if p.status in (PENDING, UNAVAILABLE) else "$warning"
         return f"[{style}]{fmt.escape(p.headline())}[/]"
-    source = p.trace.describe() if p.trace else "the engine's trace"
+    source = "the engine's last " + (p.trace.describe() if p.trace else "trace")
+    if p.trace is not None and p.trace.calibration.startswith("calibrated"):
+        # One line in the box at 80 columns; the What-if screen says which calibration.
+        source = source.replace("engine's ", "") + ", calibrated"
     flagged = p.rough
     stated = p.after_stated
-    lines = [f"[b]predicted[/] [$text-muted]from the engine's last {source}:[/]"]
+    lines = [f"[b]predicted[/] [$text-muted]from {source}:[/]"]
     if p.overloaded:
         lines.append(f"[$warning]{fmt.escape(p.overload_line())}[/]")
     lines.append(f"[$text-muted]{'':14}{'now':>8}   {'after':<10}{'':7} {'±':>6} "

@@ -90,6 +90,7 @@ def _plus_minus(plus: str, plus_label: str, minus: str, minus_label: str) -> lis
 KV: list[BindingType] = [
     *_plus_minus("zoom(-1)", "Zoom in", "zoom(1)", "Zoom out"),
     Binding("0", "zoom_fit", "Fit"),
+    Binding("A", "age", "Age view", key_display="A", show=False),   # time since last touched
     # Data parallel only (hidden otherwise): which rank's pool the map shows.
     Binding("left_square_bracket", "rank(-1)", "Prev rank", key_display="["),
     Binding("right_square_bracket", "rank(1)", "Next rank", key_display="]"),
@@ -190,7 +191,9 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
                             "(text only with --set publish_request_text=true)"),
                   ("esc", "close the detail pane, else clear the filter")]),
     ("KV map", [("+ / -", "zoom in / out (blocks per cell)"), ("0", "fit the pool to the "
-                                                                   "screen")]),
+                                                                   "screen"),
+                ("A", "age view: time since each block was last touched, and block lifetime, "
+                      "idle before evict and reuse gap (--kv-cache-metrics)")]),
     ("Config", [("e / enter", "edit the selected key; enter sends, esc cancels"),
                 ("/", "filter keys")]),
     ("Alerts", [("!", "every alert heard, newest first (engine restarts and applied advice "

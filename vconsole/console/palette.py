@@ -104,6 +104,7 @@ class ConsoleCommands(Provider):
         yield "KV map: zoom out", partial(self._on_screen, "kv", "zoom", 1), "-"
         yield "KV map: fit the pool to the screen", partial(self._on_screen, "kv",
                                                             "zoom_fit"), "0"
+        yield "KV map: age view (block age and reuse)", partial(self._on_screen, "kv", "age"), "A"
         yield "Filter config keys", partial(self._on_screen, "config", "filter"), "/"
         for i, label in enumerate(("last minute", "last 5 minutes", "last 15 minutes")):
             yield (f"Trends: {label}", partial(self._on_screen, "trends", "set_range", i),

@@ -368,7 +368,7 @@ class EngineCore:
         """Sample KV block lifetimes from now on (`vconsole.engine.kv.residency`)."""
         pool = self.scheduler.kv.pool
         if pool.residency is None:
-            pool.residency = BlockResidency(sample_rate)
+            pool.residency = BlockResidency(sample_rate, num_blocks=pool.num_blocks)
 
     def take_kv_residency(self) -> list[ResidencySample]:
         """The sampled block evictions since the last call (empty when not sampling)."""

@@ -195,6 +195,9 @@ class KVStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int     # of those, tokens found cached
     block_states: np.ndarray  # uint8[num_blocks], codes above
+    # --kv-cache-metrics only: float32[num_blocks], seconds since each block was last
+    # allocated or hit (NaN: never); None when off (`vconsole.engine.kv.residency`).
+    block_age_s: np.ndarray | None = None
 
     @property
     def prefix_hit_rate(self) -> float:

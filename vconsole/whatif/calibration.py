@@ -105,12 +105,17 @@ def stored_trace_path(header: TraceHeader, root: Path, now: float | None = None)
     return root / f"{_stem(header)}-{stamp}.jsonl"
 
 
+def stored(header: TraceHeader, root: Path) -> list[Path]:
+    """The calibrations in ``root`` of an engine like ``header``'s (`fingerprint`), newest
+    first by the stamp in their names."""
+    return sorted(root.glob(f"*-{fingerprint(header)}-*{SUFFIX}"),
+                  key=lambda p: p.name.rsplit("-", 1)[-1], reverse=True)
+
+
 def newest(header: TraceHeader, root: Path) -> Path | None:
-    """The newest calibration in ``root`` of an engine like ``header``'s (`fingerprint`), by
-    the stamp in its name; None when there is none."""
-    found = sorted(root.glob(f"*-{fingerprint(header)}-*{SUFFIX}"),
-                   key=lambda p: p.name.rsplit("-", 1)[-1])
-    return found[-1] if found else None
+    """The newest of `stored`; None when there is none."""
+    found = stored(header, root)
+    return found[0] if found else None
 
 
 def _seats(config: dict[str, Any], variants: Iterable[dict[str, Any]]) -> list[int]:

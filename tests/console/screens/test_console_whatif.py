@@ -22,7 +22,7 @@ from textual.widgets import Input, Static
 
 from support.console_testing import FakeControl, replay_app, until
 from support.synthetic import generate
-from vconsole.console.calibrating import NO_CALIBRATION
+from vconsole.console.calibrating import NO_CALIBRATION, pick
 from vconsole.console.predictions import (
     NO_CHANNEL,
     READY,
@@ -44,6 +44,7 @@ from vconsole.telemetry.request_trace import (
     Trace,
     TraceHeader,
     parse_lines,
+    read_trace,
     trace_lines,
 )
 from vconsole.whatif.calibration import calibration_path, stored_trace_path
@@ -502,3 +503,35 @@ async def test_without_a_calibration_the_screen_says_the_costs_come_from_the_tra
         screen = await open_whatif(pilot, app)
         assert NO_CALIBRATION in text_of(screen.query_one("#wi-summary", Static))
         assert "c" in screen.active_bindings
+
+
+def test_a_newer_unusable_calibration_is_passed_over_for_the_newest_usable_one(tmp_path):
+    good = write_calibration(tmp_path)
+    trace = parse_lines(trace_text().splitlines(keepends=True), "trace")
+    half = calibration_path(stored_trace_path(trace.header, tmp_path, now=4_000_000_000))
+    half.write_text(next(trace_lines(trace)))     # a header only: a probe cut short
+    calib, line = pick(trace, tmp_path)
+    assert calib is not None and len(calib.steps) == len(read_trace(good).steps)
+    assert line.startswith("calibrated ")
+    half.unlink()
+    good.write_text(next(trace_lines(trace)))
+    calib, line = pick(trace, tmp_path)
+    assert calib is None and "unusable" in line and line.endswith("step costs fitted on the trace")
+
+
+async def test_the_box_predicts_with_the_calibration_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("VCONSOLE_CALIBRATIONS", str(tmp_path))
+    write_calibration(tmp_path)
+    want = expected({"max_num_seqs": 4})
+    app = replay_app(control=TracingControl(trace_text()))
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = await ask_change(pilot, app, "max_num_seqs", "4")
+        await until(pilot, lambda: "predicted" in forecast(box))
+        shown = forecast(box)
+        head = shown.splitlines()[0]              # one line: the box fits 80x24
+        assert head.startswith("predicted from the last 80 requests over ") and head.endswith(
+            ", calibrated:"), head
+        tok = next(ln for ln in shown.splitlines() if ln.strip().startswith("output tok/s"))
+        assert f"→ {figure('output_tok_s', want.after['output_tok_s'])}" in tok
+        assert box.query_one("#confirm").region.bottom <= 24
+        await pilot.press("escape")

@@ -110,3 +110,20 @@ def test_a_sample_rate_outside_0_1_is_refused() -> None:
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="kv_cache_metrics_sample"):
             BlockResidency(bad)
+
+
+def test_every_block_is_stamped_when_allocated_or_hit_and_ages_count_from_there() -> None:
+    """The KV map's age view: every block, sampled or not, and NaN for one never handed out."""
+    clock = Clock()
+    pool = BlockPool(4, block_size=4)
+    pool.residency = res = BlockResidency(0.01, clock=clock, num_blocks=4)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_block(a, 111)
+    clock.advance(3.0)
+    pool.free_blocks([a, b])
+    pool.touch([a])                       # a prefix hit at t=3
+    clock.advance(2.0)
+    ages = res.ages()
+    assert ages[a] == pytest.approx(2.0) and ages[b] == pytest.approx(5.0)
+    assert all(age != age for age in ages[2:])   # NaN: never touched
+    assert res.tracked() == []            # none sampled: stamping does not depend on it

@@ -4,7 +4,11 @@ Data parallel: the map is the selected rank's pool (each rank has its own); ``[`
 the rank and the bottom line names it. A lone engine has neither.
 
 Above the map, the legend's third line says how the pool stores tokens (dtype, bytes per token,
-capacity in tokens, pool bytes), when the source says it."""
+capacity in tokens, pool bytes), when the source says it.
+
+``A`` toggles the age view (an engine started with --kv-cache-metrics): the map coloured by the
+time since each block was last allocated or hit, the legend counting blocks per age band, and
+below the map the three residency distributions (lifetime, idle before evict, reuse gap)."""
 
 from __future__ import annotations
 
@@ -17,10 +21,12 @@ from vconsole.console.keymap import KV
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
-from vconsole.console.widgets.kv_grid import GLYPHS, KvGrid
+from vconsole.console.widgets.kv_grid import AGE_LABELS, GLYPHS, KvGrid, age_counts
+from vconsole.console.widgets.kv_residency import OFF, residency_lines
 from vconsole.console.widgets.panels import USAGE_CRIT, USAGE_WARN, kv_storage, limits_of
 
 SWATCH = {"used": "$success", "cached": "$primary", "shared": "$accent"}
+AGE_SWATCH = ("$error", "$warning", "$success", "$primary", "$secondary")   # as app.tcss
 
 
 class KvScreen(ConsoleScreen):
@@ -31,10 +37,12 @@ class KvScreen(ConsoleScreen):
         super().__init__()
         self._dp = False      # a data-parallel group: [ ] cycle the rank shown
         self._rank = ""
+        self._residency: dict | None = None   # the step topic's kv_residency, as shown
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="kv-legend")
         yield KvGrid(id="kv-grid")
+        yield Static(id="kv-residency")
         yield Static(id="kv-zoom")
 
     @property
@@ -61,7 +69,13 @@ class KvScreen(ConsoleScreen):
         grid = self.grid
         frozen = frame.paused and len(grid.states)
         if states is not None and not frozen and states is not grid.states:
-            grid.set_states(states)
+            grid.set_states(states, eng.block_age_s if eng is not None else None)
+        if not frame.paused or self._residency is None:
+            step = eng.latest.get("step") if eng is not None else None
+            self._residency = (step or {}).get("kv_residency") or {}
+        if grid.age_view:
+            self.query_one("#kv-residency", Static).update(Content.from_markup("\n".join(
+                residency_lines(self._residency, max(10, self.size.width - 2)))))
         legend = self.query_one("#kv-legend", Static)
         if k is not None and "block_states" in (k.get("not_exposed") or ()):
             legend.update(Content.from_markup(_no_block_map(k)))
@@ -87,6 +101,14 @@ class KvScreen(ConsoleScreen):
                                  fmt.level(frag, limits["fragmentation_threshold"])),
             "prefix hit " + fmt.pct(k.get("prefix_hit_rate")),
         ]
+        if grid.showing_ages:
+            assert grid.ages is not None
+            bands = age_counts(grid.states, grid.ages)
+            swatches = ["[b]age[/]", *(f"[{c}]█[/] {label} {n:,}" for c, label, n
+                                       in zip(AGE_SWATCH, AGE_LABELS, bands, strict=True)),
+                        f"[$text-muted]{GLYPHS[0]}[/] free {free:,}"]
+        elif grid.age_view:
+            swatches = [f"[$warning]no block ages: {OFF.split(': ', 1)[1]}[/]"]
         paused = "  [$warning b]paused[/]" if frame.paused else ""
         lines = ["  ".join(swatches) + paused, "  ".join(metrics)]
         storage = _storage(k, max(10, self.size.width - 2))
@@ -115,6 +137,12 @@ class KvScreen(ConsoleScreen):
         why = self.grid.zoom_by(steps)
         if why is not None:         # at the end of the zoom: say so rather than do nothing
             self.notify(why, title="KV map")
+        self.console.refresh_view(force=True)
+
+    def action_age(self) -> None:
+        grid = self.grid
+        grid.set_age_view(not grid.age_view)
+        self.query_one("#kv-residency", Static).set_class(grid.age_view, "-on")
         self.console.refresh_view(force=True)
 
     def action_rank(self, step: int) -> None:

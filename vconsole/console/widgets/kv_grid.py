@@ -7,6 +7,10 @@ does not sit in one corner). A run is summarised, not sampled: the glyph says ho
 is most common in it (used / cached / shared), so a fragmented pool still looks fragmented
 when zoomed out. The summary is vectorised (numpy) and only visible lines become strips, so a
 pool of a million blocks costs the same per refresh as a small one.
+
+The age view (`age_view`, with the per-block ages of --kv-cache-metrics) keeps the glyphs and
+colours each cell by the time since its most recently touched (allocated or hit) block that
+is not free, in the bands of `AGE_BOUNDS`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ STATE_NAMES = ("free", "used", "cached", "shared")
 MAX_BLOCKS_PER_CELL = 1 << 24
 MAX_CELL_WIDTH = 4
 MIN_LEVEL = -2  # zoom level: blocks per cell = 2**level when >= 0, cell width 2**-level below
+AGE_BOUNDS = (1.0, 10.0, 60.0, 600.0)   # seconds: bands < 1 s, < 10 s, < 1 min, < 10 min, older
+AGE_LABELS = ("<1s", "<10s", "<1m", "<10m", "older")
 
 
 def summarise(states: np.ndarray, per_cell: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,6 +52,31 @@ def summarise(states: np.ndarray, per_cell: int) -> tuple[np.ndarray, np.ndarray
     partial = 1 + np.minimum(2, (frac * 3).astype(np.int64))
     glyph = np.where(busy == 0, 0, np.where(busy == valid, 4, partial)).astype(np.uint8)
     return glyph, dominant
+
+
+def age_bands(states: np.ndarray, ages: np.ndarray, per_cell: int) -> np.ndarray:
+    """Per cell of ``per_cell`` blocks: 0 when every block is free, else 1 + the `AGE_BOUNDS`
+    band of its youngest block that is not free (a block never touched counts as oldest)."""
+    n = len(states)
+    if n == 0:
+        return np.zeros(0, np.uint8)
+    cells = math.ceil(n / per_cell)
+    a = np.full(cells * per_cell, np.inf, np.float64)
+    age = np.nan_to_num(np.asarray(ages, np.float64), nan=np.inf)
+    a[:n] = np.where(np.asarray(states) != 0, age, np.inf)
+    youngest = a.reshape(cells, per_cell).min(axis=1)
+    busy = (np.r_[np.asarray(states) != 0, np.zeros(cells * per_cell - n, bool)]
+            .reshape(cells, per_cell).any(axis=1))
+    band = np.searchsorted(np.asarray(AGE_BOUNDS), youngest, side="right") + 1
+    return np.where(busy, band, 0).astype(np.uint8)
+
+
+def age_counts(states: np.ndarray, ages: np.ndarray) -> list[int]:
+    """Blocks that are not free, per `AGE_BOUNDS` band (never touched: oldest)."""
+    busy = np.asarray(states) != 0
+    age = np.nan_to_num(np.asarray(ages, np.float64)[busy], nan=np.inf)
+    band = np.searchsorted(np.asarray(AGE_BOUNDS), age, side="right")
+    return np.bincount(band, minlength=len(AGE_LABELS)).tolist()
 
 
 def fit_blocks_per_cell(num_blocks: int, cells: int) -> int:
@@ -71,11 +102,14 @@ def fit_level(num_blocks: int, width: int, height: int) -> int:
 
 class KvGrid(ScrollView, can_focus=True):
     COMPONENT_CLASSES = {"kv-grid--free", "kv-grid--used", "kv-grid--cached",
-                         "kv-grid--shared", "kv-grid--label"}
+                         "kv-grid--shared", "kv-grid--label",
+                         *(f"kv-grid--age{i}" for i in range(len(AGE_LABELS)))}
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.states: np.ndarray = np.zeros(0, np.uint8)
+        self.ages: np.ndarray | None = None   # per block, seconds (--kv-cache-metrics)
+        self.age_view = False
         self.zoom: int | None = None  # None = fit to the visible area
         self._glyph = np.zeros(0, np.uint8)
         self._dom = np.zeros(0, np.uint8)
@@ -143,13 +177,25 @@ class KvGrid(ScrollView, can_focus=True):
 
     # --- data --------------------------------------------------------------------------------
 
-    def set_states(self, states: np.ndarray) -> None:
+    def set_states(self, states: np.ndarray, ages: np.ndarray | None = None) -> None:
         self.states = states
+        self.ages = ages if ages is not None and len(ages) == len(states) else None
         self._rebuild()
+
+    def set_age_view(self, on: bool) -> None:
+        self.age_view = on
+        self._rebuild()
+
+    @property
+    def showing_ages(self) -> bool:
+        return self.age_view and self.ages is not None
 
     def _rebuild(self) -> None:
         k = self.blocks_per_cell
         self._glyph, self._dom = summarise(self.states, k)
+        if self.showing_ages:
+            assert self.ages is not None
+            self._dom = age_bands(self.states, self.ages, k)
         self._strips.clear()
         self._shape = (k, self.cell_width, self.scrollable_content_region.width)
         self.virtual_size = Size(self.scrollable_content_region.width, self.rows)
@@ -165,7 +211,9 @@ class KvGrid(ScrollView, can_focus=True):
     # --- rendering ---------------------------------------------------------------------------
 
     def _styles(self) -> list[Style]:
-        return [self.get_component_rich_style(f"kv-grid--{name}") for name in STATE_NAMES]
+        names = ["free", *(f"age{i}" for i in range(len(AGE_LABELS)))] if self.showing_ages \
+            else STATE_NAMES
+        return [self.get_component_rich_style(f"kv-grid--{name}") for name in names]
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
@@ -182,7 +230,7 @@ class KvGrid(ScrollView, can_focus=True):
         styles = self._styles()
         label = f"{lo * k:>{self.label_width - 1},} "
         segments = [Segment(label, self.get_component_rich_style("kv-grid--label"))]
-        code = glyph.astype(np.int64) * 4 + dom
+        code = glyph.astype(np.int64) * 8 + dom
         cuts = np.flatnonzero(np.diff(code)) + 1
         starts = np.r_[0, cuts]
         ends = np.r_[cuts, len(code)]

@@ -160,7 +160,7 @@ class BlockPool:
         unlinked from the middle of the free list, and its tokens count as stored again."""
         ref, states = self._ref, self.block_states
         residency = self.residency
-        if residency is not None and residency.tracking:
+        if residency is not None and (residency.tracking or len(residency.stamps)):
             block_ids = list(block_ids)
             residency.touched(block_ids)
         for b in block_ids:

@@ -286,4 +286,6 @@ class KVCacheManager:
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             block_states=pool.block_states.copy(),
+            block_age_s=pool.residency.ages() if pool.residency is not None
+            and len(pool.residency.stamps) else None,
         )

@@ -16,12 +16,19 @@ per call: the what-if simulator's pools never have one).
 
 Samples wait in `samples` (bounded: `MAX_PENDING`, the rest counted in ``dropped``) until the
 telemetry feed takes them (`take`); the histograms are the publisher's.
+
+Given the pool's size, it also stamps every block (not only the sampled ones) each time it is
+allocated or hit (`stamps`, monotonic ns, 0: never): the KV map's age view (`ages`), what the
+console colours by "time since last touched". One clock read and one vectorised store per
+allocation or hit, only while the feature is on.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from vconsole.shared.stats import ResidencySample as Sample
 
@@ -34,10 +41,10 @@ class BlockResidency:
     """The sampled blocks of one pool. ``_tracked[b]`` is ``[birth_ns, last_access_ns,
     *access_ns]`` (at most `HISTORY` accesses, oldest first)."""
 
-    __slots__ = ("every", "_left", "_tracked", "samples", "dropped", "_clock")
+    __slots__ = ("every", "_left", "_tracked", "samples", "dropped", "_clock", "stamps")
 
     def __init__(self, sample_rate: float = DEFAULT_SAMPLE_RATE,
-                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+                 clock: Callable[[], int] = time.monotonic_ns, num_blocks: int = 0) -> None:
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"kv_cache_metrics_sample must be in (0, 1], got {sample_rate}")
         self.every = max(1, round(1.0 / sample_rate))
@@ -46,6 +53,7 @@ class BlockResidency:
         self.samples: list[Sample] = []
         self.dropped = 0
         self._clock = clock
+        self.stamps = np.zeros(num_blocks, np.int64)    # per block: last allocated or hit
 
     @property
     def tracking(self) -> bool:
@@ -60,6 +68,9 @@ class BlockResidency:
         and every `every`-th allocation is followed from now on."""
         tracked = self._tracked
         now = 0
+        if len(self.stamps) and blocks:
+            now = self._clock()
+            self.stamps[blocks] = now
         if tracked:
             for b in blocks:
                 state = tracked.pop(b, None)
@@ -81,6 +92,11 @@ class BlockResidency:
         """A prefix-cache hit on each of ``blocks``."""
         tracked = self._tracked
         now = 0
+        if len(self.stamps) and blocks:
+            now = self._clock()
+            self.stamps[blocks] = now
+        if not tracked:
+            return
         for b in blocks:
             state = tracked.get(b)
             if state is not None:
@@ -97,6 +113,13 @@ class BlockResidency:
         accesses = state[2:]
         gaps = tuple((b - a) / 1e9 for a, b in zip(accesses, accesses[1:], strict=False))
         self.samples.append(((now - state[0]) / 1e9, (now - state[1]) / 1e9, gaps))
+
+    def ages(self) -> np.ndarray:
+        """Seconds since each block was last allocated or hit (float32; NaN: never)."""
+        stamps = self.stamps
+        age = ((self._clock() - stamps) / 1e9).astype(np.float32)
+        age[stamps == 0] = np.nan
+        return age
 
     def reset(self) -> None:
         """The prefix cache was reset: stop following every block (vLLM's ``reset``)."""

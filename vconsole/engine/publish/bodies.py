@@ -139,14 +139,16 @@ class KVFormat:
 
 def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:
     """The ``kv`` body. ``capacity_tokens`` is always the pool's token slots; ``cache_dtype``,
-    ``bytes_per_token`` and ``pool_bytes`` are None when the format is not known."""
+    ``bytes_per_token`` and ``pool_bytes`` are None when the format is not known;
+    ``block_age_s`` (float32 per block, seconds since last allocated or hit, NaN never) is
+    there only with --kv-cache-metrics."""
     capacity = k.num_blocks * k.block_size
     per_token = kv_format.bytes_per_token if kv_format is not None else None
     pool = None
     if kv_format is not None:
         pool = kv_format.pool_bytes if kv_format.pool_bytes is not None \
             else capacity * kv_format.bytes_per_token
-    return {
+    body: dict[str, Any] = {
         "cache_dtype": kv_format.cache_dtype if kv_format is not None else None,
         "bytes_per_token": per_token, "capacity_tokens": capacity, "pool_bytes": pool,
         "num_blocks": k.num_blocks, "block_size": k.block_size, "num_free": k.num_free,
@@ -156,3 +158,6 @@ def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:
         "prefix_hit_rate": k.prefix_hit_rate,
         "block_states": np.asarray(k.block_states, dtype=np.uint8),
     }
+    if k.block_age_s is not None:
+        body["block_age_s"] = np.asarray(k.block_age_s, dtype=np.float32)
+    return body

@@ -105,7 +105,8 @@ class Snapshot:
 
 
 _SCHED_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerStats) if f.name != "requests")
-_KV_FIELDS = tuple(f.name for f in dataclasses.fields(KVStats) if f.name != "block_states")
+_KV_FIELDS = tuple(f.name for f in dataclasses.fields(KVStats)
+                   if f.name not in ("block_states", "block_age_s"))
 _sched_values = attrgetter(*_SCHED_FIELDS)
 _kv_values = attrgetter(*_KV_FIELDS)
 
@@ -183,9 +184,11 @@ def snapshot_frames(snap: Snapshot, queue: SyncSender | None = None) -> list[byt
     mirror is; None: all of it); a list of rows as a table's columns."""
     sched, kv = snap.sched, snap.kv
     states = np.ascontiguousarray(kv.block_states)
+    ages = None if kv.block_age_s is None else \
+        np.ascontiguousarray(kv.block_age_s, np.float32).tobytes()
     body = [snap.state, snap.num_steps, snap.wall, snap.text, _sched_values(sched),
             _pack_requests(sched.requests, queue), _kv_values(kv), states.dtype.str,
-            len(states), states.tobytes()]
+            len(states), states.tobytes(), ages]
     steps = snap.steps if snap.steps is not None else Steps([])
     return [_packb(["snap", steps.records, steps.lost, body])]
 
@@ -229,12 +232,13 @@ def decode(frames: Sequence[Any], table: MirroredTable | None = None) -> tuple[b
     if name == "steps":
         return STEPS, steps
     (state, num_steps, wall, text, sched_values, requests, kv_values, dtype, n,
-     states) = body[0]
+     states, ages) = body[0]
     rows = _unpack_requests(requests, table)
     if rows is None:
         return STEPS, steps
     sched = SchedulerStats(**dict(zip(_SCHED_FIELDS, sched_values, strict=True)),
                            requests=rows)
     kv = KVStats(**dict(zip(_KV_FIELDS, kv_values, strict=True)),
-                 block_states=np.frombuffer(states, np.dtype(dtype), n))
+                 block_states=np.frombuffer(states, np.dtype(dtype), n),
+                 block_age_s=None if ages is None else np.frombuffer(ages, np.float32, n))
     return SNAPSHOT, Snapshot(sched, kv, state, num_steps, wall, text, steps)

@@ -48,6 +48,7 @@ class Stack:
     vllm_instance: str
     sglang_instance: str
     llama_instance: str
+    llama: LlamaServerStub
 
 
 def _instance(url: str) -> str:
@@ -87,7 +88,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 client.gather(ids, timeout_s=120)
                 time.sleep(1.5)
         time.sleep(2.5)                       # every server idle and scraped since
-        yield Stack(prom, instances[0], vllm, instances[1], instances[2], instances[3])
+        yield Stack(prom, instances[0], vllm, instances[1], instances[2], instances[3], ll)
     finally:
         if prom is not None:
             prom.close()
@@ -208,6 +209,7 @@ def test_a_stopped_prometheus_is_one_clear_state_and_recovery_is_by_itself(stack
         assert "retrying by itself" in banner
         rows = fleet.rows(state, time.time())
         assert len(rows) == 5 and {r.state for r in rows} == {"stale"}
+        assert {r.problem for r in rows} == {"Prometheus unreachable"}   # not the engines
         assert fleet.aggregate(rows).engines_up == 0
         r = subprocess.run([sys.executable, "-m", "vconsole", "top", "--prometheus",
                             stack.prom.url, "--once", "--json"],
@@ -271,3 +273,25 @@ async def test_the_fleet_screen_from_prometheus_shows_its_rows_then_the_banner_t
         finally:
             stack.prom.start()
         await until(pilot, lambda: shown("up") and "PROMETHEUS" not in banner(), timeout=30)
+
+
+def test_a_server_prometheus_cannot_scrape_is_down_with_dashes_and_the_others_stay_up(
+        stack: Stack) -> None:
+    """(Last: it stops the llama.cpp stand-in.)"""
+    stack.llama.close()
+    prom = stack.prom
+    prom.wait_until(lambda: prom.values(f'up{{instance="{stack.llama_instance}"}}',
+                                        by="instance").get(stack.llama_instance) == 0,
+                    "Prometheus never saw the llama.cpp stand-in go")
+    source = PrometheusSource(prom.url, '{job="fleet"}')
+    fleet = PrometheusFleet(source, started=time.time())
+    assert source.read_once()
+    rows = {r.name: r for r in fleet.rows(None, time.time())}
+    gone = rows[stack.llama_instance]
+    assert (gone.state, gone.running, gone.gen_tok_s) == ("down", None, None)
+    assert gone.problem == "Prometheus's scrape of it fails (up 0)"
+    assert [r.state for n, r in rows.items() if n != stack.llama_instance] == ["up"] * 4
+    doc = fleet.document(time.time())
+    assert doc["aggregate"]["engines_up"] == 4
+    assert any(f["rule"] == "down" and f["engine"] == stack.llama_instance
+               for f in doc["imbalance"])

@@ -90,6 +90,7 @@ class PrometheusFleet:
         old = self._seen.get(key)
         if status == "stale" and old is not None:
             old.state, old.since = status, self._since(key, status, now)
+            old.problem = "Prometheus unreachable"     # (not the engine: its findings say so)
             return old
         kind = reading.kinds.get(key) or (old.kind if old else "vllm")
         row = FleetRow(self._name(key), kind, f"{self.source.url} instance={key[0]}"
@@ -99,6 +100,8 @@ class PrometheusFleet:
                        labels={"instance": key[0], **({"engine": key[1]} if key[1] else {})},
                        readonly=True)
         if status != "up":
+            row.problem = "Prometheus's scrape of it fails (up 0)" \
+                if reading.up.get(key[0], 1.0) < 1.0 else "Prometheus holds no series of it now"
             return row
         f = reading.figures
 
