@@ -81,3 +81,11 @@ def test_generate_writes_what_the_random_model_makes_and_its_errors_escaped(tmp_
     assert RAW_CONTROL.search(text), "the random model made no control character this time"
     assert "col\\x1b[2J" in proc.stderr
     assert not RAW_CONTROL.search(proc.stderr)
+
+
+def test_clip_middle_keeps_the_end_that_tells_two_names_apart():
+    a, b = (fmt.clip_middle(f"127.0.0.1:38421 engine {n}", 16) for n in (0, 1))
+    assert a != b and len(a) == len(b) == 16
+    assert a.startswith("127.0.0.") and a.endswith("ngine 0") and "…" in a
+    assert fmt.clip_middle("short", 16) == "short"
+    assert fmt.clip_middle(f"x{ESC_CLEAR}", 40) == fmt.clip(f"x{ESC_CLEAR}", 40)

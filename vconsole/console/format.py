@@ -171,6 +171,18 @@ def clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(0, width - 1)] + "…"
 
 
+def clip_middle(text: str, width: int) -> str:
+    """As `clip`, cut in the middle: names that differ at their end (``host:port`` of two ranks,
+    ``…/engine=1``) stay told apart."""
+    if width <= 0:
+        return ""
+    text = printable(text)
+    if len(text) <= width:
+        return text
+    tail = (width - 1) // 2
+    return text[: width - 1 - tail] + "…" + (text[-tail:] if tail else "")
+
+
 def visible_len(markup: str) -> int:
     """Cells that Content markup takes on screen."""
     from textual.content import Content

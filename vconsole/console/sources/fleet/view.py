@@ -103,7 +103,7 @@ def cells(row: FleetRow, now: float) -> dict[str, str]:
     def n(v: float | None, digits: int = 0) -> str:
         return "–" if v is None else f"{v:.{digits}f}"
     return {
-        "name": fmt.clip(row.name, 16), "kind": row.kind,
+        "name": fmt.clip_middle(row.name, 16), "kind": row.kind,
         "model": fmt.clip((row.model or "–").split("/")[-1], 14),
         "state": state_text(row, now), "running": n(row.running), "waiting": n(row.waiting),
         "kv": kv_text(row), "tok": n(row.gen_tok_s),
