@@ -144,7 +144,8 @@ async def test_c_calibrates_on_an_engine_of_its_own_and_the_prediction_uses_it(
         assert "no calibration" in str(summary.render())
         await pilot.press("c")
         assert any(n.startswith("Calibrating: vconsole whatif --calibrate") for n in notes(app))
-        await until(pilot, lambda: "calibrating: " in str(summary.render()), timeout=60)
+        await until(pilot, lambda: "probes x 2 on an engine of tiny" in str(summary.render()),
+                    timeout=60)
         assert "calibrating… " in str(summary.render())       # its progress, on the screen
         await pilot.press("c")                                  # a second press says so
         assert any("already running" in n for n in notes(app))

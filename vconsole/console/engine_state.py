@@ -150,6 +150,7 @@ class EngineState:
         self.block_states: np.ndarray | None = None
         # --kv-cache-metrics: seconds since each block was last allocated or hit (NaN never).
         self.block_age_s: np.ndarray | None = None
+        self.block_age_lag = 0.0    # seconds between taking the ages and sending them
         self.series: dict[str, Series] = {name: Series() for name in SERIES}
         self.gpu_series: dict[int, tuple[Series, Series]] = {}
         self.advisor = Advisor()   # tuning advice from this engine's stream (Advice screen)
@@ -257,6 +258,9 @@ class EngineState:
                 self.block_states = None
             try:
                 self.block_age_s = msg.array("block_age_s") if "block_age_s" in p else None
+                taken = p.get("block_age_ts")
+                self.block_age_lag = max(0.0, float(p["ts"]) - taken) \
+                    if isinstance(taken, int | float) and taken > 0 else 0.0
             except SchemaError:
                 self.block_age_s = None
         elif msg.topic == "gpu":

@@ -198,6 +198,7 @@ class KVStats:
     # --kv-cache-metrics only: float32[num_blocks], seconds since each block was last
     # allocated or hit (NaN: never); None when off (`vconsole.engine.kv.residency`).
     block_age_s: np.ndarray | None = None
+    block_age_ts: float = 0.0   # wall time the ages were taken (an idle engine resends them)
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from textual.widgets import Static
 
@@ -85,6 +86,12 @@ async def test_the_age_view_shows_the_block_ages_and_distributions_the_engine_se
             assert line.startswith(label)
             assert line[len(label):].split()[:4] == want, (line, want)
         assert res["lifetime_s"]["count"] >= 2 and res["reuse_gap_s"]["count"] >= 0
+        await pilot.press("p")                      # live again: the engine is idle, sends
+        await until(pilot, lambda: grid.ages is not None       # no new ages, and they grow
+                    and float(np.nanmin(np.where(grid.states != 0, grid.ages, np.nan))) >= 1.5,
+                    timeout=10)
+        await pilot.pause()
+        assert "<1s 0 " in text_of(screen.query_one("#kv-legend", Static))
         await pilot.press("A")                      # back to the states
         await pilot.pause()
         assert not grid.showing_ages

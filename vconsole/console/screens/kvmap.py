@@ -12,6 +12,7 @@ below the map the three residency distributions (lifetime, idle before evict, re
 
 from __future__ import annotations
 
+import numpy as np
 from textual.app import ComposeResult
 from textual.content import Content
 from textual.widgets import Static
@@ -26,6 +27,7 @@ from vconsole.console.widgets.kv_residency import OFF, residency_lines
 from vconsole.console.widgets.panels import USAGE_CRIT, USAGE_WARN, kv_storage, limits_of
 
 SWATCH = {"used": "$success", "cached": "$primary", "shared": "$accent"}
+AGE_TICK_S = 0.25     # the age view moves the ages of an idle engine on at most this often
 AGE_SWATCH = ("$error", "$warning", "$success", "$primary", "$secondary")   # as app.tcss
 
 
@@ -38,6 +40,7 @@ class KvScreen(ConsoleScreen):
         self._dp = False      # a data-parallel group: [ ] cycle the rank shown
         self._rank = ""
         self._residency: dict | None = None   # the step topic's kv_residency, as shown
+        self._aged = -1.0                     # seconds added to the shown ages
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="kv-legend")
@@ -68,8 +71,17 @@ class KvScreen(ConsoleScreen):
         states = eng.block_states if eng else None
         grid = self.grid
         frozen = frame.paused and len(grid.states)
-        if states is not None and not frozen and states is not grid.states:
-            grid.set_states(states, eng.block_age_s if eng is not None else None)
+        ages = eng.block_age_s if eng is not None else None
+        if states is not None and not frozen:
+            if grid.age_view and ages is not None and eng is not None:
+                # The ages are as of the snapshot (an idle engine resends its last): grown here.
+                since = eng.block_age_lag + max(0.0, frame.now - eng.recv_ts.get("kv",
+                                                                                frame.now))
+                if states is not grid.states or abs(since - self._aged) >= AGE_TICK_S:
+                    self._aged = since
+                    grid.set_states(states, ages + np.float32(since))
+            elif states is not grid.states:
+                grid.set_states(states, ages)
         if not frame.paused or self._residency is None:
             step = eng.latest.get("step") if eng is not None else None
             self._residency = (step or {}).get("kv_residency") or {}
@@ -142,6 +154,7 @@ class KvScreen(ConsoleScreen):
     def action_age(self) -> None:
         grid = self.grid
         grid.set_age_view(not grid.age_view)
+        self._aged = -1.0
         self.query_one("#kv-residency", Static).set_class(grid.age_view, "-on")
         self.console.refresh_view(force=True)
 

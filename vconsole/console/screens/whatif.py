@@ -173,11 +173,13 @@ class WhatIfScreen(ConsoleScreen):
                 err = (f" · step-time fit {tolerance(info.model_error)} per step"
                        if info.model_error is not None else "")
                 text = (f"trace [b]{fmt.escape(info.describe())}[/] · {info.steps:,} steps"
-                        f"{err}\n[$text-muted]{fmt.escape(info.calibration)}[/]")
-            if self._calibrating_since is not None:
+                        f"{err}")
+            if self._calibrating_since is not None:     # in place of the calibration's line
                 took = time.monotonic() - self._calibrating_since
                 text += (f"\n[$accent]calibrating… {took:.0f} s[/] [$text-muted]"
                          f"{fmt.escape(self._calib_line)}[/]")
+            elif info is not None:
+                text += f"\n[$text-muted]{fmt.escape(info.calibration)}[/]"
         if frame.readonly:
             text += "\n[$text-muted]read-only: predicts, never applies[/]"
         self.query_one("#wi-summary", Static).update(Content.from_markup(text))

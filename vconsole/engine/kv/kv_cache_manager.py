@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 from vconsole.engine.kv.block_pool import BlockPool, hash_block_tokens
@@ -272,6 +273,8 @@ class KVCacheManager:
     def kv_stats(self) -> KVStats:
         pool = self.pool
         n, B = self.num_blocks, self.block_size
+        ages = pool.residency.ages() if pool.residency is not None \
+            and len(pool.residency.stamps) else None
         used = pool.num_used_blocks
         stored = pool.tokens_stored
         return KVStats(
@@ -286,6 +289,5 @@ class KVCacheManager:
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             block_states=pool.block_states.copy(),
-            block_age_s=pool.residency.ages() if pool.residency is not None
-            and len(pool.residency.stamps) else None,
+            block_age_s=ages, block_age_ts=time.time() if ages is not None else 0.0,
         )

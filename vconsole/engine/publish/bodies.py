@@ -141,7 +141,8 @@ def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:
     """The ``kv`` body. ``capacity_tokens`` is always the pool's token slots; ``cache_dtype``,
     ``bytes_per_token`` and ``pool_bytes`` are None when the format is not known;
     ``block_age_s`` (float32 per block, seconds since last allocated or hit, NaN never) is
-    there only with --kv-cache-metrics."""
+    there only with --kv-cache-metrics, with ``block_age_ts``, the wall time they were taken
+    (an idle engine resends its last snapshot)."""
     capacity = k.num_blocks * k.block_size
     per_token = kv_format.bytes_per_token if kv_format is not None else None
     pool = None
@@ -160,4 +161,5 @@ def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:
     }
     if k.block_age_s is not None:
         body["block_age_s"] = np.asarray(k.block_age_s, dtype=np.float32)
+        body["block_age_ts"] = k.block_age_ts
     return body
