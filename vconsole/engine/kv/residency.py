@@ -19,13 +19,14 @@ telemetry feed takes them (`take`); the histograms are the publisher's.
 
 Given the pool's size, it also stamps every block (not only the sampled ones) each time it is
 allocated or hit (`stamps`, monotonic ns, 0: never): the KV map's age view (`ages`), what the
-console colours by "time since last touched". One clock read and one vectorised store per
-allocation or hit, only while the feature is on.
+console colours by "time since last touched". One clock read per allocation or hit and one
+store per block (an ``array``: no numpy call on the busy loop), only while the feature is on.
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -53,7 +54,7 @@ class BlockResidency:
         self.samples: list[Sample] = []
         self.dropped = 0
         self._clock = clock
-        self.stamps = np.zeros(num_blocks, np.int64)    # per block: last allocated or hit
+        self.stamps = array("q", bytes(8 * num_blocks))  # per block: last allocated or hit
 
     @property
     def tracking(self) -> bool:
@@ -68,9 +69,11 @@ class BlockResidency:
         and every `every`-th allocation is followed from now on."""
         tracked = self._tracked
         now = 0
-        if len(self.stamps) and blocks:
+        stamps = self.stamps
+        if stamps:
             now = self._clock()
-            self.stamps[blocks] = now
+            for b in blocks:
+                stamps[b] = now
         if tracked:
             for b in blocks:
                 state = tracked.pop(b, None)
@@ -92,9 +95,11 @@ class BlockResidency:
         """A prefix-cache hit on each of ``blocks``."""
         tracked = self._tracked
         now = 0
-        if len(self.stamps) and blocks:
+        stamps = self.stamps
+        if stamps:
             now = self._clock()
-            self.stamps[blocks] = now
+            for b in blocks:
+                stamps[b] = now
         if not tracked:
             return
         for b in blocks:
@@ -116,7 +121,7 @@ class BlockResidency:
 
     def ages(self) -> np.ndarray:
         """Seconds since each block was last allocated or hit (float32; NaN: never)."""
-        stamps = self.stamps
+        stamps = np.frombuffer(self.stamps, np.int64) if self.stamps else np.zeros(0, np.int64)
         age = ((self._clock() - stamps) / 1e9).astype(np.float32)
         age[stamps == 0] = np.nan
         return age
