@@ -12,13 +12,15 @@ from collections.abc import Iterator
 
 import pytest
 
+from support.ports import free_bases, free_block
 from support.sglang_metrics import SglangMetrics
 from vconsole.commands.control_fleet import main_set_fleet
 from vconsole.engine.launch.engine_process import EngineProcess, loopback_endpoints
 from vconsole.wire.control_client import ControlClient
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
-BASES = (42170, 42180)
+BASES = free_bases(2)
+SGLANG_PORT = free_block(1)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def fleet(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], list[EnginePr
                            endpoints=loopback_endpoints(b), env=env,
                            log_path=work / f"engine-{b}.log") for b in BASES]
     sg = SglangMetrics()
-    url = sg.serve(42190)
+    url = sg.serve(SGLANG_PORT)
     path = work / "fleet.toml"
     path.write_text(f'[[engine]]\nname = "a"\nkind = "vconsole"\nurl = "tcp://127.0.0.1:{BASES[0]}"\n'
                     f'[[engine]]\nname = "b"\nurl = "tcp://127.0.0.1:{BASES[1]}"\n'

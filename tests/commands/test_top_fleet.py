@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from support.llama_cpp_stub import LlamaServerStub
+from support.ports import free_block
 from support.sglang_metrics import SglangMetrics
 
 pytestmark = pytest.mark.proc
@@ -18,6 +19,8 @@ ENGINE_KEYS = {"name", "kind", "url", "state", "model", "running", "waiting", "k
                "kv_usage_estimated", "gen_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p99_s",
                "prefix_hit", "preemptions_per_min"}
 AGGREGATE_KEYS = {"engines_up", "running", "waiting", "gen_tok_s", "ttft_p99_s", "itl_p99_s"}
+
+HTTP = free_block(3)     # an SGLang stand-in, a llama.cpp stub, a port nothing answers
 
 
 def vconsole(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -31,7 +34,7 @@ def servers() -> Iterator[tuple[str, str]]:
     sg, ll = SglangMetrics(), LlamaServerStub()
     sg.step(running=2, waiting=4, used_tokens=1000, prompt=10, generation=10, finished=1)
     ll.busy(1, prompt=10, decoded=5)
-    yield sg.serve(42150), ll.serve(42151)
+    yield sg.serve(HTTP), ll.serve(HTTP + 1)
     sg.close()
     ll.close()
 
@@ -42,7 +45,7 @@ def test_once_json_is_the_documented_shape_with_the_servers_numbers(servers, tmp
     fleet.write_text(f'[[engine]]\nname = "small"\nkind = "llama-cpp"\nurl = "{ll_url}"\n'
                      'labels = { pool = "cpu" }\n')
     r = vconsole("top", "--once", "--json", "--target", f"sglang={sg_url}",
-                 "--fleet", str(fleet), "--target", "auto=http://127.0.0.1:42152")
+                 "--fleet", str(fleet), "--target", f"auto=http://127.0.0.1:{HTTP + 2}")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert set(doc) == {"engines", "aggregate", "imbalance"}
@@ -54,7 +57,7 @@ def test_once_json_is_the_documented_shape_with_the_servers_numbers(servers, tmp
         "small", True, None)
     assert doc["aggregate"]["running"] == 3
     # the auto target that answers nothing: left out, with one line saying why
-    assert "127.0.0.1:42152" in r.stderr and "Traceback" not in r.stderr
+    assert f"127.0.0.1:{HTTP + 2}" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_once_as_text_has_a_line_per_engine_and_the_fleets(servers):

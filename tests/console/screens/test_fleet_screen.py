@@ -14,6 +14,7 @@ from textual.widgets import DataTable, Static
 from support.console_testing import until
 from support.http_standin import StandIn
 from support.llama_cpp_stub import LlamaServerStub
+from support.ports import free_block
 from support.sglang_metrics import SglangMetrics
 from support.vllm_metrics import VllmMetrics
 from vconsole.console.app import VConsoleApp
@@ -23,7 +24,7 @@ from vconsole.console.sources.fleet.snapshot import build_sources
 from vconsole.console.sources.fleet.targets import make_target
 
 pytestmark = pytest.mark.slow
-PORTS = (42140, 42141, 42142, 42143)      # the last: nothing listens
+PORTS = tuple(free_block(4) + i for i in range(4))   # the last: nothing listens
 
 
 @pytest.fixture(scope="module")

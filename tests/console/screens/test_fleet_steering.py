@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from support.console_testing import until
+from support.ports import free_bases, free_block
 from support.sglang_metrics import SglangMetrics
 from vconsole.console.app import VConsoleApp
 from vconsole.console.screens.fleet import FleetScreen
@@ -21,7 +22,7 @@ from vconsole.engine.launch.engine_process import EngineProcess, loopback_endpoi
 from vconsole.wire.control_client import ControlClient
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
-BASE, SGLANG_PORT = 42130, 42139
+BASE, SGLANG_PORT = free_bases(2, 4)[0], free_block(1)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ async def test_e_changes_every_engine_of_ours_after_one_box_listing_them(targets
         await pilot.press(*"max_num_seqs=5", "enter")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         box = app.screen
-        assert "ours  tcp://127.0.0.1:42130" in box.consequence
+        assert f"ours  tcp://127.0.0.1:{BASE}" in box.consequence
         assert "not touched: sg (sglang: watched only)" in box.consequence
         assert max_num_seqs(eng) != 5                    # nothing sent before the answer
         await pilot.pause(0.2)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from support.ports import free_block
 from vconsole.console.sources.fleet.detect import resolve
 from vconsole.console.sources.fleet.sources import ScrapeSource
 from vconsole.console.sources.fleet.targets import make_target
@@ -22,7 +23,7 @@ from vconsole.console.state import ConsoleState
 from vconsole.tools.bench.llama_server_build import find_llama_server, missing_reason
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
-PORT = 42160
+PORT = free_block(1)
 
 
 def gguf() -> Path:

@@ -37,6 +37,8 @@ VC_LIBRARY(VC_OPS, m) {
   m.def("paged_decode_attention_quant() -> ()");
   m.def("paged_decode_attention_kivi() -> ()");
   m.def("quantize_store() -> ()");
+  m.def("int8_gemm() -> ()");
+  m.def("int8_gemm_isa() -> ()");
 }
 """,
     "attend_stand_in.cpp": "int vc_stand_in() { return 0; }\n",

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.http_standin import StandIn
 from support.live_engine import Telemetry
 from support.llama_cpp_stub import LlamaServerStub
+from support.ports import free_bases, free_block
 from support.sglang_metrics import SglangMetrics
 from support.vllm_metrics import VllmMetrics
 from vconsole.console.sources.fleet.merge import merged_percentile
@@ -31,8 +32,9 @@ from vconsole.engine.launch.engine_process import EngineProcess, loopback_endpoi
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
-BASES = (42100, 42110)        # our two engines' base ports
-VLLM_PORT, SGLANG_PORT, LLAMA_PORT, SLOW_PORT = 42120, 42121, 42122, 42123
+BASES = free_bases(2)         # our two engines' base ports
+_HTTP = free_block(4)
+VLLM_PORT, SGLANG_PORT, LLAMA_PORT, SLOW_PORT = _HTTP, _HTTP + 1, _HTTP + 2, _HTTP + 3
 
 
 def engine_args() -> list[str]:

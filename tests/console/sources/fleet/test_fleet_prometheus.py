@@ -24,6 +24,7 @@ import pytest
 
 from support.http_standin import StandIn
 from support.llama_cpp_stub import LlamaServerStub
+from support.ports import free_block
 from support.prometheus import Prometheus, require
 from support.sglang_metrics import SglangMetrics
 from support.vllm_metrics import VllmMetrics
@@ -37,7 +38,8 @@ pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
 ENGINE_ARGS = ["--model", "tiny", "--num-kv-blocks", "64", "--block-size", "8",
                "--max-num-seqs", "4", "--metrics-port", "0", "--set", "heartbeat_interval_s=0.2"]
-VLLM_PORT, SGLANG_PORT, LLAMA_PORT = 47311, 47312, 47313
+_HTTP = free_block(4)
+VLLM_PORT, SGLANG_PORT, LLAMA_PORT, SLOW_PORT = _HTTP, _HTTP + 1, _HTTP + 2, _HTTP + 3
 
 
 @dataclass
@@ -227,7 +229,7 @@ def test_a_prometheus_too_slow_to_answer_is_the_same_clear_state(tmp_path: Path)
         time.sleep(3)
         return 200, "application/json", b'{"status": "success", "data": {"result": []}}'
     standin = StandIn(slow)
-    url = standin.serve(47314)
+    url = standin.serve(SLOW_PORT)
     try:
         state = ConsoleState()
         source = PrometheusSource(url, timeout_s=0.5)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from support.llama_cpp_stub import LlamaServerStub
+from support.ports import free_block
 from support.sglang_metrics import SglangMetrics
 from vconsole.console.sources.fleet.detect import discover, kind_of_metrics, probe_port
 from vconsole.console.sources.fleet.sources import ScrapeSource
@@ -110,16 +111,17 @@ def test_metrics_text_says_its_kind():
 
 def test_discover_finds_each_kind_and_reports_a_port_that_answers_nothing_known():
     sg, ll = SglangMetrics(), LlamaServerStub()
-    sg.serve(42031)
-    ll.serve(42032)
+    base = free_block(3)
+    sg.serve(base + 1)
+    ll.serve(base + 2)
     try:
-        found, skipped = discover("127.0.0.1", [42030, 42031, 42032])
+        found, skipped = discover("127.0.0.1", [base, base + 1, base + 2])
     finally:
         sg.close()
         ll.close()
     assert sorted((t.kind, t.url) for t in found) == [
-        ("llama-cpp", "http://127.0.0.1:42032"), ("sglang", "http://127.0.0.1:42031")]
-    assert len(skipped) == 1 and skipped[0].startswith("127.0.0.1:42030: ")
+        ("llama-cpp", f"http://127.0.0.1:{base + 2}"), ("sglang", f"http://127.0.0.1:{base + 1}")]
+    assert len(skipped) == 1 and skipped[0].startswith(f"127.0.0.1:{base}: ")
 
 
 @pytest.fixture
