@@ -50,6 +50,9 @@ class ConsoleState:
         self.active_alerts: dict[tuple[str, str], Alert] = {}
         self.config: ConfigView | None = None
         self.primary: str | None = None   # the engine ``config`` is of (None: the first heard)
+        # A fleet's imbalance findings in force (`sources.fleet.imbalance.Finding.json`), kept
+        # by the app's fleet check for the Advice screen; empty outside a fleet.
+        self.fleet_findings: list[dict[str, Any]] = []
         self.schema_error: str | None = None
         self.schema_error_ts = 0.0
         self.schema_errors = 0

@@ -202,3 +202,21 @@ async def test_a_drilled_in_engine_shows_its_own_config(servers):
                         and key in app.state.config.values)
             assert app.state.config.values[key] == value
             assert app.state.primary == f"{name}/0"
+
+
+async def test_the_advice_screen_says_what_to_do_about_each_fleet_finding(servers):
+    # sglang-a waits 9 against a median of 2 while llama-a has none: a router problem; "gone"
+    # answers nothing. Neither is one engine's config: the Advice screen says what to look at.
+    app = fleet_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settled(pilot, app)
+        await pilot.press("a")
+        await until(pilot, lambda: app.current_mode == "advice")
+
+        def fleet_text() -> str:
+            return str(app.screen.query_one("#adv-fleet", Static).render())
+        await until(pilot, lambda: "gone down" in fleet_text() and "sglang-a" in fleet_text())
+        text = fleet_text()
+        assert "sglang-a has 9 waiting (fleet median 2)" in text
+        assert "balancing" in text and "take it out of the router" in text
+        assert app.screen.query_one("#adv-fleet", Static).display

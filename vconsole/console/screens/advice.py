@@ -43,6 +43,7 @@ from vconsole.console.predictions import (
     pending,
 )
 from vconsole.console.screens.base import ConsoleScreen, row_table
+from vconsole.console.sources.fleet.imbalance import REMEDY
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
 from vconsole.console.widgets.confirmation import ConfirmScreen
@@ -104,6 +105,7 @@ class AdviceScreen(ConsoleScreen):
         yield row_table("adv-table")
         yield Static(id="adv-detail")
         yield Static(id="adv-history")
+        yield Static(id="adv-fleet")
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action != "apply":
@@ -142,6 +144,7 @@ class AdviceScreen(ConsoleScreen):
         self._show_summary(frame)
         self._show_detail()
         self._show_history()
+        self._show_fleet(state)
 
     def _rebuild(self, ids: list[str]) -> None:
         table = self.table
@@ -262,6 +265,23 @@ class AdviceScreen(ConsoleScreen):
             style = "$success" if out.ok else "$error"
             lines.append(f"{fmt.escape(out.advice.change_text())}  "
                          f"[{style}]{fmt.escape(out.summary)}[/]")
+        box.update(Content.from_markup("\n".join(lines)))
+
+    def _show_fleet(self, state: ConsoleState) -> None:
+        """A fleet's imbalance findings (`sources.fleet.imbalance`): no config change fixes a
+        router or a dead replica, so each says what to look at, with its evidence."""
+        box = self.query_one("#adv-fleet", Static)
+        found = state.fleet_findings
+        box.display = bool(found)
+        if not found:
+            return
+        lines = [f"[b]fleet[/] · {len(found)} finding{'s' if len(found) != 1 else ''} "
+                 "[$text-muted](the router or the replicas, not one engine's config)[/]"]
+        for f in found[:4]:
+            style = "$error" if f["level"] == "critical" else "$warning"
+            lines.append(f"[{style}]{fmt.escape(f['message'])}[/]")
+            lines.append(f"  {fmt.escape(REMEDY.get(f['rule'], ''))} "
+                         f"[$text-muted]{evidence_text(f['evidence'])}[/]")
         box.update(Content.from_markup("\n".join(lines)))
 
     @on(DataTable.RowHighlighted, "#adv-table")

@@ -7,7 +7,8 @@
 - ``down`` / ``stale``: a replica not answering, with how long.
 
 Each finding names its engine and carries its evidence (the figures it was judged on), for the
-Fleet screen, ``vconsole top --json``'s ``imbalance`` and the Alerts screen.
+Fleet screen, ``vconsole top --json``'s ``imbalance``, the Alerts screen and the Advice screen
+(with what to do: `REMEDY`; no config change fixes a router).
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ QUEUE_FACTOR = 3.0       # ... and this many times the fleet's median
 TTFT_FACTOR = 3.0
 TTFT_MIN_S = 0.5
 KV_SKEW = 0.5            # max - min KV use across replicas
+
+# What an operator does about each finding: the Advice screen's fleet section.
+REMEDY = {
+    "queue_imbalance": "the router sends this replica more than its share: check its balancing "
+                       "policy (least-outstanding-requests rather than round robin) and "
+                       "whether the others are in its pool",
+    "ttft_imbalance": "this replica is slower than its peers: compare its config and hardware "
+                      "(drill in: Config, Step phases), or give it less weight in the router",
+    "kv_skew": "KV use is uneven: the full replica preempts while others have room; route by "
+               "KV use or prefix affinity, or give the full one a larger pool",
+    "down": "not answering: restart it, or take it out of the router until it is back",
+    "stale": "answering late: look at its host's load and its network; the figures shown are "
+             "old",
+}
 
 
 @dataclass(frozen=True)
@@ -126,7 +141,10 @@ class FleetAlerts:
         self.checked = now
         with state.lock:
             rows = fleet.rows(state, now)
-        for f, raised in self.changes(findings(rows, now)):
+        found = findings(rows, now)
+        with state.lock:
+            state.fleet_findings = [f.json() for f in found]
+        for f, raised in self.changes(found):
             evidence = ", ".join(f"{k} {v}" for k, v in f.evidence.items())
             state.note_alert(Alert(
                 now, f.engine, 0, f"fleet {f.rule}", f.level if raised else "ok", None, None,
