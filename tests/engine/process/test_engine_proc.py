@@ -25,6 +25,7 @@ from vconsole.engine.launch.engine_process import EngineProcess
 from vconsole.security import control_key, engine_key
 from vconsole.wire import protocol
 from vconsole.wire.control_client import ControlClient, NotAuthorised
+from vconsole.wire.ready_file import read_ready_file
 
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
@@ -317,8 +318,16 @@ def test_abort_finishes_a_request_and_only_its_owner_can_abort(engine):
         other = a.submit(prompt_token_ids=[9] * 5, max_tokens=20, ignore_eos=True)
         stream = a.stream(rid)
         assert next(stream).new_token_ids
-        b.abort([other])  # not b's: ignored
-        a.abort([rid])
+        # The engine is stopped while the aborts are sent: 250 tokens take a fast engine
+        # ~0.3 s, less than an abort sent at once took to land on a loaded machine (CI saw
+        # 'length'); resumed, it reads them before it can decode the rest.
+        engine_pid = read_ready_file(engine.ready_path)["child_pid"]   # (now: after restarts)
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            b.abort([other])  # not b's: ignored
+            a.abort([rid])
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
         final = [o for o in stream][-1]
         assert final.finished and final.finish_reason == "abort"
         assert final.num_output_tokens < 250
