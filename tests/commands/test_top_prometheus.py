@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from support.ports import free_port
+
 pytestmark = pytest.mark.proc
 
 
@@ -35,9 +37,10 @@ def test_a_prometheus_flag_that_cannot_be_used_is_one_line_and_exit_2(args, says
 
 
 def test_a_prometheus_that_is_not_there_is_one_line_and_exit_1():
-    r = vconsole("top", "--prometheus", "http://127.0.0.1:47391", "--once", "--json")
+    port = free_port()                            # nothing listens there
+    r = vconsole("top", "--prometheus", f"http://127.0.0.1:{port}", "--once", "--json")
     assert r.returncode == 1 and r.stdout == ""
-    assert "127.0.0.1:47391" in r.stderr and "refused" in r.stderr
+    assert f"127.0.0.1:{port}" in r.stderr and "refused" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
 
 

@@ -5,7 +5,6 @@ shown when it never comes)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from support.ports import free_port  # noqa: F401  (its users import it from here)
 from vconsole.engine.launch.child import ChildProcess
 
 # A small engine pool with a fast heartbeat: the engine a served test starts.
 ENGINE = ["--num-kv-blocks", "64", "--block-size", "8", "--set", "heartbeat_interval_s=0.2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def status(port: int, path: str = "/health") -> int:

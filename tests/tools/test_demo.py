@@ -19,6 +19,7 @@ import psutil
 import pytest
 import zmq
 
+from support.ports import free_block
 from vconsole import cli
 from vconsole.cli import build_parser
 from vconsole.commands import demo as demo_cmd
@@ -349,11 +350,13 @@ def another_program_listening_on(port: int):
 
 
 def test_the_demo_takes_the_base_port_asked_for_when_its_four_ports_are_free():
-    assert demo.free_base_port(8300) == 8300
-    with another_program_listening_on(8302):            # its telemetry port: in use
-        assert demo.free_base_port(8300) == 8304        # the next block of four
-        with pytest.raises(ValueError, match="no four free consecutive ports.*8300 to 8303"):
-            demo.free_base_port(8300, blocks=1)
+    base = free_block(8)
+    assert demo.free_base_port(base) == base
+    with another_program_listening_on(base + 2):        # its telemetry port: in use
+        assert demo.free_base_port(base) == base + 4    # the next block of four
+        with pytest.raises(ValueError,
+                           match=f"no four free consecutive ports.*{base} to {base + 3}"):
+            demo.free_base_port(base, blocks=1)
     with pytest.raises(ValueError, match="65533"):
         demo.free_base_port(65533)
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vconsole.security import control_key, engine_key, key_owner
 from vconsole.security.endpoints import DEFAULT_CONTROL
 from vconsole.security.key_owner import KeyOwner
@@ -99,6 +101,17 @@ def test_the_int8_check_names_the_wide_step_path_and_warns_when_it_is_emulated(m
     slow = doctor.check_int8_weights()
     assert slow.status == doctor.WARN and "emulated bfloat16" in slow.detail
     assert weight_quant.EMULATED_BF16_COST in slow.detail
+
+
+def test_a_bad_int8_gemm_value_is_a_failure_as_the_engine_refuses_it(monkeypatch):
+    from vconsole.engine.worker import weight_quant
+
+    monkeypatch.setenv(weight_quant.PATH_ENV, "kernal")
+    bad = doctor.check_int8_weights()
+    assert bad.status == doctor.FAIL
+    assert weight_quant.PATH_ENV in bad.detail and "'kernal'" in bad.detail
+    with pytest.raises(ValueError, match="must be auto, kernel or bf16"):
+        weight_quant._choose_path()                  # what the engine's start says
 
 
 def test_the_real_model_check_says_whether_it_is_installed_and_converted(monkeypatch, tmp_path):

@@ -93,3 +93,16 @@ def test_overload_is_said_first_and_its_waits_read_grows(heavy, light):
     calm = next(line for line in format_report(light).splitlines()
                 if line.startswith("TTFT p50"))
     assert "grows" not in calm
+
+
+def test_aborted_requests_count_as_arrivals_so_they_cannot_hide_an_overload():
+    """Under overload clients give up: a trace whose every other request was aborted still
+    had all of them arrive, and its arrival rate says so."""
+    trace = make_trace(200, rate=20.0)
+    for r in trace.requests[1::2]:
+        r.finish_reason, r.output_len, r.first_token, r.itl_us = "abort", 0, None, []
+    over = whatif(trace, [{"max_num_seqs": 1}], intervals=False)["variants"][0]["overload"]
+    assert over["arrival_req_s"] == pytest.approx(arrival_rate(trace.requests), abs=0.001)
+    assert over["arrival_span_s"] == pytest.approx(
+        trace.requests[-1].arrival - trace.requests[0].arrival, abs=0.001)
+    assert over["overloaded"]

@@ -17,6 +17,7 @@ from typing import Any
 
 from vconsole.commands import fail
 from vconsole.commands.curve_args import client_curve
+from vconsole.console.sources.fleet.control import parse_pairs  # KEY=VALUE, as --fleet's
 from vconsole.security import control_key, key_owner
 from vconsole.security.curve import CurveKeyError
 from vconsole.security.endpoints import DEFAULT_CONTROL
@@ -25,19 +26,6 @@ from vconsole.wire.control_client import ControlClient
 
 TIMEOUT_S = 5.0
 PROBE_S = 1.5       # is any engine there at all (when the control key is missing)
-
-
-def parse_pairs(pairs: list[str]) -> dict[str, str]:
-    """``["a=1", "b=x"]`` -> ``{"a": "1", "b": "x"}``; values stay strings (the engine coerces).
-    Dashes in keys become underscores, matching the CLI flags' spelling."""
-    values: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise ValueError(f"expected KEY=VALUE, got {pair!r}")
-        values[key] = raw.strip()
-    return values
 
 
 def _endpoint(args: argparse.Namespace) -> str:

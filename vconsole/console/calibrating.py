@@ -99,18 +99,23 @@ class Calibrator:
         sets = [a for k, v in variant.items() for a in ("--set", f"{k}={v}")]
         argv = [*self.command, "whatif", str(path), "--calibrate", "--no-intervals", *sets]
         started = time.monotonic()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, bufsize=1)
         last = ""
-        assert proc.stderr is not None
-        watcher = threading.Thread(target=self._stop_when, args=(proc, cancelled), daemon=True)
-        watcher.start()
-        for line in proc.stderr:
-            line = line.strip()
-            if line:
-                last = line
-                progress(line)
-        code = proc.wait()
+        with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, bufsize=1) as proc:
+            try:
+                assert proc.stderr is not None
+                watcher = threading.Thread(target=self._stop_when, args=(proc, cancelled),
+                                           daemon=True)
+                watcher.start()
+                for line in proc.stderr:
+                    line = line.strip()
+                    if line:
+                        last = line
+                        progress(line)
+            except BaseException:   # progress raised (the console closing): stop the child
+                self._stop(proc)    # and so its engine; the with closes stderr and waits
+                raise
+            code = proc.wait()
         took = time.monotonic() - started
         calib = calibration_path(path)
         done = self._outcome(calib, code, last, cancelled(), took)
@@ -133,15 +138,23 @@ class Calibrator:
                        calib)
 
     @staticmethod
-    def _stop_when(proc: subprocess.Popen[str], cancelled: Callable[[], bool]) -> None:
-        """SIGINT to the child once ``cancelled`` (it stops its engine on the way out), then
+    def _stop(proc: subprocess.Popen[str]) -> None:
+        """SIGINT to the child unless it has exited (it stops its engine on the way out), then
         SIGKILL if it has not exited within `STOP_WAIT_S`."""
+        if proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    @classmethod
+    def _stop_when(cls, proc: subprocess.Popen[str], cancelled: Callable[[], bool]) -> None:
+        """`_stop` the child once ``cancelled``."""
         while proc.poll() is None:
             if cancelled():
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(STOP_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                cls._stop(proc)
                 return
             time.sleep(0.2)

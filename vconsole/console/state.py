@@ -47,6 +47,7 @@ class ConsoleState:
         self.clock: Clock = clock
         self.engines: dict[str, EngineState] = {}
         self.alerts: deque[Alert] = deque(maxlen=ALERT_HISTORY)
+        self.alerts_seen = 0      # every alert ever listed (``alerts`` keeps the last ones)
         self.active_alerts: dict[tuple[str, str], Alert] = {}
         self.config: ConfigView | None = None
         self.primary: str | None = None   # the engine ``config`` is of (None: the first heard)
@@ -174,7 +175,7 @@ class ConsoleState:
         count = health.get("restart_count")
         if isinstance(count, int) and count > eng.restarts_listed:
             eng.restarts_listed = count
-            self.alerts.append(Alert(
+            self._list_alert(Alert(
                 recv_ts, eng.engine, eng.rank, ENGINE_RESTART, "critical", count, 0,
                 f"engine restarted ({count}): {health.get('restart_reason') or 'unknown'}"))
 
@@ -188,20 +189,24 @@ class ConsoleState:
             if isinstance(alert.value, int | float) and alert.level != "ok" \
                     and int(alert.value) > eng.restarts_listed:
                 eng.restarts_listed = int(alert.value)
-                self.alerts.append(alert)
+                self._list_alert(alert)
             return
-        self.alerts.append(alert)
+        self._list_alert(alert)
         key = (f"{msg.engine}/{msg.rank}", alert.name)
         if alert.level == "ok":
             self.active_alerts.pop(key, None)
         else:
             self.active_alerts[key] = alert
 
+    def _list_alert(self, alert: Alert) -> None:
+        self.alerts.append(alert)
+        self.alerts_seen += 1
+
     def note_alert(self, alert: Alert) -> None:
         """An alert the console found itself (a fleet's imbalance): listed, and active until
         an ``ok`` of the same engine and name."""
         with self.lock:
-            self.alerts.append(alert)
+            self._list_alert(alert)
             key = (f"{alert.engine}/{alert.rank}", alert.name)
             if alert.level == "ok":
                 self.active_alerts.pop(key, None)
@@ -361,7 +366,7 @@ class ConsoleState:
         """Record what became of an applied suggestion in the alert history, so the Alerts
         panel shows it beside the engine's own alerts (name ``advice RULE``)."""
         with self.lock:
-            self.alerts.append(Alert(self.clock(), eng.engine if eng else "console",
+            self._list_alert(Alert(self.clock(), eng.engine if eng else "console",
                                      eng.rank if eng else 0, f"advice {rule}",
                                      "ok" if ok else "warning", None, None, message))
             self.generation += 1

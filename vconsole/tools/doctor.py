@@ -224,6 +224,8 @@ def check_int8_weights() -> Check:
         from vconsole.engine.worker import weight_quant
 
         path = weight_quant.predicted_path()
+    except ValueError as e:     # a bad VCONSOLE_INT8_GEMM: the engine would refuse to start
+        return Check("int8 weights", FAIL, str(e))
     except Exception as e:      # torch missing or broken: check_torch says so
         return Check("int8 weights", WARN, f"unknown ({type(e).__name__}: {e})")
     if path.slow:

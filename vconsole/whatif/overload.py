@@ -10,7 +10,9 @@ capacity instead.
   through the same scheduler and step-time model; requests finished per second while the
   queue was not empty, and output tokens per second then. The request mix (prompt and output
   lengths, shared prefixes) is the trace's.
-- **Arrival rate** (`arrival_rate`): the trace's requests over the span of their arrivals.
+- **Arrival rate** (`arrival_rate`): the trace's requests over the span of their arrivals,
+  every one that arrived: under overload clients abort and time out, and leaving those out
+  would hide the overload they are a sign of.
 - **Verdict**: overloaded when the arrival rate exceeds the capacity over at least
   `MIN_SPAN_S` of arrivals; arrivals that come faster over a shorter span are a ``burst``
   (its queue drains once it has passed: its waits are figures of the burst, not unbounded).
@@ -99,11 +101,12 @@ def verdict(trace: Trace, run_saturated: Callable[[Trace], SimResult],
     """The overload verdict of one config: ``overloaded``, ``arrival_req_s``, ``capacity``
     (`capacity` of ``run_saturated(saturated(trace))``) and the predicted ``queue_growth``
     of ``result`` (its run on the trace's own arrivals)."""
-    done = [r for r in trace.requests if finished_normally(r)]
-    rate = arrival_rate(done)
+    arrived = trace.requests            # aborted and timed-out ones too (module docstring)
+    rate = arrival_rate(arrived)
     cap = capacity(run_saturated(saturated(trace)))
     faster = rate is not None and cap["req_s"] is not None and rate > cap["req_s"]
-    span = (max(r.arrival for r in done) - min(r.arrival for r in done)) if done else 0.0
+    span = (max(r.arrival for r in arrived) - min(r.arrival for r in arrived)
+            if arrived else 0.0)
     return {"overloaded": faster and span >= MIN_SPAN_S,
             "burst": faster and span < MIN_SPAN_S,
             "arrival_req_s": None if rate is None else round(rate, 3),

@@ -220,3 +220,28 @@ async def test_the_advice_screen_says_what_to_do_about_each_fleet_finding(server
         assert "sglang-a has 9 waiting (fleet median 2)" in text
         assert "balancing" in text and "take it out of the router" in text
         assert app.screen.query_one("#adv-fleet", Static).display
+
+
+async def test_a_refresh_updates_only_the_cells_whose_text_changed(servers):
+    vm = servers[0]
+    app = fleet_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await settled(pilot, app)
+        t = screen.table
+        updated: list[tuple[str, str]] = []
+        real = t.update_cell
+
+        def counting(row_key, column_key, value, **kw):
+            updated.append((str(row_key), str(column_key)))
+            return real(row_key, column_key, value, **kw)
+
+        t.update_cell = counting
+        vm.step("0", running=7, waiting=2, usage=0.4)
+        try:
+            await until(pilot, lambda: cell(t, "vllm-a", "running") == "7", timeout=15)
+        finally:
+            vm.step("0", running=3, waiting=2, usage=0.4)
+        assert ("vllm-a", "running") in updated
+        unchanged = {("vllm-a", "kv"), ("vllm-a", "waiting"), ("sglang-a", "running"),
+                     ("sglang-a", "kv"), ("llama-a", "kv"), ("gone", "running")}
+        assert not unchanged & set(updated), sorted(unchanged & set(updated))

@@ -114,6 +114,7 @@ class Server:
                                 model_name="tiny")
         serving.tracer = RequestTracer(endpoint, schedule_delay_s=0.05)
         self.tracer = serving.tracer
+        self.serving = serving
         app = build_app(serving, engine_metrics_url=engine.ready.get("metrics"), version="t")
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
@@ -181,6 +182,32 @@ def test_a_span_joins_the_callers_trace_with_vllms_attribute_names(server: Serve
         == pytest.approx(a["gen_ai.latency.time_in_model_inference"])
     assert span["resource"]["service.name"] == "vconsole"
     assert span["status"] == 0                                          # unset: fine
+
+
+def test_a_span_counts_from_the_requests_arrival_its_tokenizing_included(
+        server: Server, receiver: Receiver) -> None:
+    """As vLLM's: the latencies count from the request's arrival, so a slow tokenizer (the
+    real one, made to take 0.5 s) is inside the span and its time to first token."""
+    tokenizer = server.serving.tokenizer
+
+    class Slow:
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.5)
+            return tokenizer(*args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tokenizer, name)
+
+    server.serving.tokenizer = Slow()
+    try:
+        sent = time.time_ns()
+        server.client.completions.create(model="tiny", prompt="hello there", max_tokens=2,
+                                         extra_headers={"x-request-id": "slow-tokens-1"})
+    finally:
+        server.serving.tokenizer = tokenizer
+    span = receiver.span("slow-tokens-1")
+    assert sent <= span["start"] < sent + 400_000_000        # before the 0.5 s of tokenizing
+    assert span["attrs"]["gen_ai.latency.time_to_first_token"] >= 0.5
 
 
 def test_without_a_traceparent_a_span_starts_its_own_trace(server: Server,

@@ -10,12 +10,14 @@ import sys
 
 import pytest
 
+from support.ports import free_block
+
 pytestmark = [pytest.mark.proc, pytest.mark.slow]
 
 
 def test_a_small_fleet_bench_reports_every_figure_and_sees_the_kill():
     r = subprocess.run([sys.executable, "-m", "vconsole", "bench", "fleet", "--targets", "6",
-                        "--engines", "0", "--seconds", "4", "--base-port", "42240", "--json"],
+                        "--engines", "0", "--seconds", "4", "--base-port", str(free_block(8)), "--json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

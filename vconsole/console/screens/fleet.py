@@ -78,6 +78,9 @@ class FleetScreen(FilteredScreen):
         self.grouped = False
         self.row_keys: list[str] = []
         self.rows: dict[str, FleetRow] = {}
+        # (row key, column) -> what its cell shows now (text, and the row state it is styled
+        # by): a refresh updates only the cells whose text changed
+        self.shown: dict[tuple[str, str], tuple[str, str | None]] = {}
         self.columns: tuple[tuple[str, str, int], ...] = ()
 
     def on_mount(self) -> None:
@@ -157,20 +160,23 @@ class FleetScreen(FilteredScreen):
             lines = [(r.name, cells(r, now)) for r in rows]
         self.rows = {r.name: r for r in rows}
         keys = [k for k, _ in lines]
-        styled = [(k, {c: _style(c, v, self.rows.get(k)) for c, v in texts.items()})
-                  for k, texts in lines]
+        shown = {(k, c): (v, getattr(self.rows.get(k), "state", None))
+                 for k, texts in lines for c, v in texts.items()}
         if keys != self.row_keys:
             cursor = table.cursor_row
             table.clear()
-            for k, texts in styled:
-                table.add_row(*(texts[c] for _, c, _ in self.columns), key=k)
-            self.row_keys = keys
+            for k, texts in lines:
+                row = self.rows.get(k)
+                table.add_row(*(_style(c, texts[c], row) for _, c, _ in self.columns), key=k)
+            self.row_keys, self.shown = keys, shown
             if keys:
                 table.move_cursor(row=min(cursor, len(keys) - 1))
             return
-        for k, texts in styled:
+        for k, texts in lines:
             for _, c, _ in self.columns:
-                table.update_cell(k, c, texts[c])
+                if self.shown.get((k, c)) != shown[(k, c)]:
+                    table.update_cell(k, c, _style(c, texts[c], self.rows.get(k)))
+        self.shown = shown
 
     # --- actions -----------------------------------------------------------------------------
 

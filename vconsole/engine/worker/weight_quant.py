@@ -114,10 +114,17 @@ def _bf16_path(why: str) -> ManyRowsPath:
     return ManyRowsPath("bf16", None, slow=not native_bf16(), why=why)
 
 
-def _choose_path() -> ManyRowsPath:
+def wanted_path() -> str:
+    """`PATH_ENV`'s value (``auto`` unset); ValueError naming it when it is none of auto,
+    kernel or bf16: the engine's start and `vconsole doctor` refuse the same values."""
     wanted = os.environ.get(PATH_ENV, "auto")
     if wanted not in ("auto", "kernel", "bf16"):
         raise ValueError(f"{PATH_ENV} must be auto, kernel or bf16; got {wanted!r}")
+    return wanted
+
+
+def _choose_path() -> ManyRowsPath:
+    wanted = wanted_path()
     if wanted == "bf16" or (wanted == "auto" and native_bf16()):
         return _bf16_path(f"{PATH_ENV}=bf16" if wanted == "bf16"
                           else "the CPU multiplies bfloat16 natively")
@@ -134,13 +141,14 @@ def _choose_path() -> ManyRowsPath:
 
 def predicted_path(flags: set[str] | None = None) -> ManyRowsPath:
     """What `many_rows_path` will choose here, without loading or building the kernel (for
-    `vconsole doctor`); ``gemm`` is None."""
+    `vconsole doctor`); ``gemm`` is None. ValueError for a bad `PATH_ENV`, as at the
+    engine's start."""
     import shutil
 
     from vconsole.engine.worker import attention_kernel
 
+    wanted = wanted_path()
     flags = cpu_flags() if flags is None else flags
-    wanted = os.environ.get(PATH_ENV, "auto")
     if wanted == "bf16" or (wanted != "kernel" and native_bf16(flags)):
         return ManyRowsPath("bf16", slow=not native_bf16(flags),
                             why=f"{PATH_ENV}=bf16" if wanted == "bf16"

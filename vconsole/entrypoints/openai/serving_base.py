@@ -221,23 +221,27 @@ class OpenAIServing:
 
     async def collect(self, rid: str, ids: list[int], req: SamplingFields, limit: int, *,
                       spec: StructuredSpec | None = None,
-                      tools: Callable[[], ToolCallStream] | None = None) -> list[Choice]:
+                      tools: Callable[[], ToolCallStream] | None = None,
+                      arrival_ns: int | None = None) -> list[Choice]:
         choices: list[Choice] = []
-        async for _ in self.run(rid, ids, req, limit, choices, spec=spec, tools=tools):
+        async for _ in self.run(rid, ids, req, limit, choices, spec=spec, tools=tools,
+                                arrival_ns=arrival_ns):
             pass
         return choices
 
     async def run(self, rid: str, ids: list[int], req: SamplingFields, limit: int,
                   choices: list[Choice], *, spec: StructuredSpec | None = None,
-                  tools: Callable[[], ToolCallStream] | None = None
-                  ) -> AsyncIterator[tuple[Choice, str]]:
-        """`_run`, in a request span when the server traces (`tracing`): the span ends when the
-        samples do, however they end (finished, refused, the client gone). Samples that all
+                  tools: Callable[[], ToolCallStream] | None = None,
+                  arrival_ns: int | None = None) -> AsyncIterator[tuple[Choice, str]]:
+        """`_run`, in a request span when the server traces (`tracing`): the span starts at the
+        request's ``arrival_ns`` (its handler's start, before tokenizing: its latencies count
+        from there, as vLLM's), and ends when the samples do, however they end (finished,
+        refused, the client gone). Samples that all
         finish are counted in vLLM's request-size histograms (`request_metrics`)."""
         samples = self._run(rid, ids, req, limit, choices, spec=spec, tools=tools)
         span = None if self.tracer is None else self.tracer.start(rid, self.model_name, {
             "max_tokens": limit, "temperature": req.temperature, "top_p": req.top_p,
-            "n": req.n}, len(ids))
+            "n": req.n}, len(ids), arrival_ns)
         error: BaseException | None = None
         try:
             async with contextlib.aclosing(samples):

@@ -39,6 +39,7 @@ from vconsole.wire.sampling import StructuredSpec
 class OpenAIServingChat(ServingEndpoint):
     async def create(self, req: ChatCompletionRequest, request_id: str | None = None
                      ) -> dict[str, Any] | AsyncIterator[str]:
+        arrival_ns = time.time_ns()         # the span's start: before tokenizing, as vLLM's
         serving = self.serving
         serving.check_request(req)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
@@ -52,8 +53,10 @@ class OpenAIServingChat(ServingEndpoint):
         rid = serving.engine.new_id("chatcmpl", request_id)
         if req.stream:
             resp_id = response_id("chatcmpl", rid, request_id)
-            return self.stream(rid, self._chunks(req, rid, resp_id, ids, limit, spec, plan))
-        done = await serving.collect(rid, ids, req, limit, spec=spec, tools=self._parser(plan))
+            return self.stream(rid, self._chunks(req, rid, resp_id, ids, limit, spec, plan,
+                                                   arrival_ns))
+        done = await serving.collect(rid, ids, req, limit, spec=spec, tools=self._parser(plan),
+                                     arrival_ns=arrival_ns)
         usage = Usage()
         usage.add(len(ids), done)
         choices = []
@@ -77,7 +80,7 @@ class OpenAIServingChat(ServingEndpoint):
 
     async def _chunks(self, req: ChatCompletionRequest, rid: str, resp_id: str,
                       ids: list[int], limit: int, spec: StructuredSpec | None,
-                      plan: ToolPlan) -> AsyncIterator[str]:
+                      plan: ToolPlan, arrival_ns: int | None = None) -> AsyncIterator[str]:
         out = Chunks(resp_id, "chat.completion.chunk", self.serving.model_name, req)
         out.counts.prompt_tokens = len(ids)
         # an answer constrained to tool calls has no content: null, as OpenAI sends it
@@ -85,7 +88,8 @@ class OpenAIServingChat(ServingEndpoint):
         for i in range(req.n):
             yield out.chunk(i, None, delta={"role": "assistant", "content": first})
         async for c, delta in self.serving.run(rid, ids, req, limit, out.running, spec=spec,
-                                               tools=self._parser(plan)):
+                                               tools=self._parser(plan),
+                                               arrival_ns=arrival_ns):
             if c.tools is not None:
                 for chunk in self._tool_chunks(req, out, c, delta, plan):
                     yield chunk

@@ -33,6 +33,7 @@ Prompt = tuple[str | None, list[int]]       # (its text, or None for token ids; 
 class OpenAIServingCompletion(ServingEndpoint):
     async def create(self, req: CompletionRequest, request_id: str | None = None
                      ) -> dict[str, Any] | AsyncIterator[str]:
+        arrival_ns = time.time_ns()         # the spans' start: before tokenizing, as vLLM's
         serving = self.serving
         serving.check_request(req)
         spec = await serving.constraint(req)
@@ -47,13 +48,14 @@ class OpenAIServingCompletion(ServingEndpoint):
         rid = serving.engine.new_id("cmpl", request_id)
         if req.stream:
             resp_id = response_id("cmpl", rid, request_id)
-            return self.stream(rid, self._chunks(req, rid, resp_id, prompts, max_tokens, spec))
+            return self.stream(rid, self._chunks(req, rid, resp_id, prompts, max_tokens, spec,
+                                                   arrival_ns))
         choices: list[dict[str, Any]] = []
         usage = Usage()
         for p, ((text, ids), limit) in enumerate(zip(prompts, max_tokens, strict=True)):
             echo = self._echo(req, text, ids)
             done = await serving.collect(_prompt_id(rid, p, len(prompts)), ids, req, limit,
-                                         spec=spec)
+                                         spec=spec, arrival_ns=arrival_ns)
             usage.add(len(ids), done)
             texts = self._prompt_texts(req, ids, echo)      # shared by the n samples
             choices += [{"index": p * req.n + c.index, "text": echo + c.text.text,
@@ -68,7 +70,8 @@ class OpenAIServingCompletion(ServingEndpoint):
 
     async def _chunks(self, req: CompletionRequest, rid: str, resp_id: str,
                       prompts: list[Prompt], max_tokens: list[int],
-                      spec: StructuredSpec | None) -> AsyncIterator[str]:
+                      spec: StructuredSpec | None, arrival_ns: int | None = None
+                      ) -> AsyncIterator[str]:
         out = Chunks(resp_id, "text_completion", self.serving.model_name, req)
         for p, ((text, ids), limit) in enumerate(zip(prompts, max_tokens, strict=True)):
             out.counts.prompt_tokens += len(ids)
@@ -80,7 +83,8 @@ class OpenAIServingCompletion(ServingEndpoint):
                 for i in range(req.n):
                     yield out.chunk(p * req.n + i, None, text=echo)
             async for c, delta in self.serving.run(_prompt_id(rid, p, len(prompts)), ids,
-                                                   req, limit, out.running, spec=spec):
+                                                   req, limit, out.running, spec=spec,
+                                                   arrival_ns=arrival_ns):
                 if c.index in echo_later:
                     echo_later.discard(c.index)
                     yield out.chunk(p * req.n + c.index, None, text=echo, logprobs=(

@@ -17,6 +17,7 @@ cell's text). Measured:
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import statistics
@@ -63,10 +64,12 @@ def free_ports(n: int, start: int, stop: int) -> list[int]:
 
 
 def _pct(values: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile: the smallest value with at least ``q`` of them at or
+    below it (p99 of 100 values is the 99th, not the largest)."""
     if not values:
         return None
     s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def fleet_bench(targets: int = 64, engines: int = 2, seconds: float = 20.0,

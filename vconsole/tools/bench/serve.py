@@ -29,9 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,34 +36,13 @@ from typing import Any
 from vconsole.engine.client.async_client import AsyncEngineClient
 from vconsole.engine.launch.child import ChildProcess
 from vconsole.engine.launch.engine_process import EngineProcess, engine_env_beside_clients
+from vconsole.tools.bench.throughput_servers import free_port, wait_healthy
 from vconsole.tools.http_load import HttpLoadClient
 from vconsole.tools.load_summary import LoadRun
 from vconsole.tools.loadgen import LoadSpec, run_load
 
 ENGINE_ARGS = ["--max-num-seqs", "64"]
 SERVER_START_S = 120.0
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_healthy(url: str, server: ChildProcess, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"vconsole serve exited: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("vconsole serve did not become healthy")
 
 
 class RequestsFailed(RuntimeError):
@@ -120,7 +96,7 @@ def serve_bench(concurrencies: list[int] | None = None, rounds: int = 2, prompt_
     say = log or (lambda _m: None)
     levels = concurrencies or [1, 8, 32]
     work = Path(tempfile.mkdtemp(prefix="vconsole-bench-serve-"))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     say(f"starting an engine ({model}) and vconsole serve in front of it ...")
     try:
@@ -134,7 +110,7 @@ def serve_bench(concurrencies: list[int] | None = None, rounds: int = 2, prompt_
                                       stdout=out, stderr=subprocess.STDOUT,
                                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
             try:
-                _wait_healthy(url, server, server_log)
+                wait_healthy(url, server, server_log, "vconsole serve", SERVER_START_S)
                 results = asyncio.run(_measure(engine.endpoints, url + "/v1", levels, rounds,
                                                prompt_len, output_len, say))
                 missing = (transformers_serve_missing() if compare_transformers
@@ -169,7 +145,7 @@ def _against_transformers(url: str, model_dir: str, work: Path, levels: list[int
                           say: Callable[[str], None]) -> dict[str, Any]:
     """The portable workload against `vconsole serve` (``url``) and ``transformers serve
     --continuous-batching`` on ``model_dir``, alternating; the medians and the ratios."""
-    port = _free_port()
+    port = free_port()
     peer_url = f"http://127.0.0.1:{port}"
     log_path = work / "transformers-serve.log"
     say(f"starting transformers serve --continuous-batching on {model_dir} ...")
@@ -179,7 +155,7 @@ def _against_transformers(url: str, model_dir: str, work: Path, levels: list[int
                             stdout=out, stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
-        _wait_healthy(peer_url, peer, log_path)
+        wait_healthy(peer_url, peer, log_path, "transformers serve", SERVER_START_S)
         return asyncio.run(_measure_peers({"vconsole": url + "/v1",
                                            "transformers": peer_url + "/v1"},
                                           levels, rounds, prompt_len, output_len, say))

@@ -48,6 +48,9 @@ class ServerFailed(RuntimeError):
 
 def wait_healthy(url: str, child: ChildProcess, log: Path, name: str,
                  timeout_s: float = START_S) -> None:
+    """Until ``url``'s ``/health`` answers 200; `ServerFailed` naming ``name`` with ``log``'s
+    tail when ``child`` exits first or ``timeout_s`` passes (`bench throughput`'s servers and
+    `bench serve`'s)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.poll() is not None:

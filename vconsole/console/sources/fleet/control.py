@@ -57,6 +57,8 @@ def _show(value: Any) -> str:
 
 def set_one(target: Target, values: dict[str, str]) -> tuple[bool, list[str]]:
     """Send the change to one engine of ours: (applied, its answer's lines)."""
+    import zmq
+
     from vconsole.security import control_key
     from vconsole.security.curve import CurveKeyError, load_client_curve
     from vconsole.wire.control import ControlError
@@ -76,6 +78,8 @@ def set_one(target: Target, values: dict[str, str]) -> tuple[bool, list[str]]:
             reply: dict[str, Any] = client.set_config(values)
     except (TimeoutError, ControlError, CurveKeyError) as e:
         return False, [f"no answer: {e}"]
+    except (zmq.ZMQError, ValueError, OSError) as e:   # a bad key or endpoint: this one only
+        return False, [f"not sent: {type(e).__name__}: {e}"]
     lines = [f"applied  {k} = {_show(v)}" for k, v in (reply.get("applied") or {}).items()]
     lines += [f"rejected  {k}: {why}" for k, why in (reply.get("rejected") or {}).items()]
     lines += [f"restart required  {k}" for k in reply.get("restart_required") or []]

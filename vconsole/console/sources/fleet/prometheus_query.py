@@ -11,6 +11,7 @@ again with backoff (2, 4, at most `MAX_BACKOFF_S` s); the first read that succee
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import time
@@ -65,6 +66,8 @@ class PromClient:
                 raise PromError(f"{self.url}: no answer within {self.timeout_s:g}s") from None
             raise PromError(f"{self.url}: {getattr(reason, 'strerror', None) or reason}") \
                 from None
+        except http.client.HTTPException as e:   # BadStatusLine, IncompleteRead: not HTTP
+            raise PromError(f"{self.url}: not an HTTP server ({type(e).__name__})") from None
         except (OSError, ValueError) as e:
             raise PromError(f"{self.url}: {type(e).__name__}: {e}") from None
         if answer.get("status") != "success":
@@ -184,8 +187,9 @@ class PrometheusSource(ReaderSource):
         now = self.now()
         try:
             reading = read(self.client, self.sel, now)
-        except PromError as e:
-            self.problem = str(e)
+        except Exception as e:  # PromError, or an answer no reader expected: one line, go on
+            self.problem = str(e) if isinstance(e, PromError) else \
+                f"{self.url}: {type(e).__name__}: {e}"
             self.failures += 1
             self.failing_since = self.failing_since or now
             if state is not None:

@@ -20,7 +20,7 @@ from typing import Any
 from vconsole.console.sources.fleet.imbalance import findings
 from vconsole.console.sources.fleet.merge import NONE, Hist, Percentile, percentile
 from vconsole.console.sources.fleet.prometheus_query import PrometheusSource, Reading, RowKey
-from vconsole.console.sources.fleet.rows import FleetAggregate, FleetRow
+from vconsole.console.sources.fleet.rows import FleetAggregate, FleetRow, _mean, _sum, _sum_int
 from vconsole.console.sources.fleet.targets import Target
 from vconsole.console.state import ConsoleState
 
@@ -178,18 +178,3 @@ def _pct(value: float | None, q: float, h: Hist | None) -> Percentile:
 
 def _int(v: float | None) -> int | None:
     return None if v is None else int(round(v))
-
-
-def _sum(values: Any) -> float | None:
-    vals = [float(v) for v in values if isinstance(v, int | float)]
-    return sum(vals) if vals else None
-
-
-def _sum_int(values: Any) -> int | None:
-    s = _sum(values)
-    return int(s) if s is not None else None
-
-
-def _mean(values: Sequence[Any]) -> float | None:
-    vals = [float(v) for v in values if isinstance(v, int | float)]
-    return sum(vals) / len(vals) if vals else None

@@ -18,13 +18,14 @@ States (with how long, ``since``): ``starting`` (nothing heard yet, or llama.cpp
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vconsole.console.engine_state import EngineState
-from vconsole.console.sources.fleet.merge import NONE, Hist, Percentile, merged_percentile
+from vconsole.console.sources.fleet.merge import NONE, Hist, Percentile, merge, merged_percentile
 from vconsole.console.sources.fleet.merge import window as hist_window
 from vconsole.console.sources.fleet.targets import Target
 from vconsole.console.state import ConsoleState
@@ -73,6 +74,7 @@ class FleetRow:
     waiting: int | None = None
     kv_usage: float | None = None
     kv_usage_estimated: bool = False
+    kv_capacity_tokens: int | None = None     # its ranks' KV capacity (None: not said)
     gen_tok_s: float | None = None
     ttft_p50: Percentile = NONE
     ttft_p99: Percentile = NONE
@@ -169,7 +171,7 @@ class Fleet:
         engines = self._engines(src, state)
         status = self._status(src, engines, now)
         since = self._since(t.name, status, now)
-        basis = (status, since, src.problem, len(state.alerts), state.messages if not engines
+        basis = (status, since, src.problem, state.alerts_seen, state.messages if not engines
                  else tuple(e.recv_ts.get("sched", 0.0) for e in engines),
                  tuple(e.recv_ts.get("health", 0.0) for e in engines),
                  getattr(src, "model", None))
@@ -198,6 +200,8 @@ class Fleet:
         kvs = [b["kv"] for b in bodies if "kv" in b]
         row.kv_usage = _kv_usage(kvs)
         row.kv_usage_estimated = any(bool(k.get("usage_estimated")) for k in kvs)
+        caps = [c for k in kvs if isinstance(c := k.get("capacity_tokens"), int | float) and c > 0]
+        row.kv_capacity_tokens = int(sum(caps)) if caps and len(caps) == len(kvs) else None
         hit = [k.get("prefix_hit_rate") for k in kvs if k.get("prefix_queries")]
         row.prefix_hit = _mean(hit)
         row.alerts = sorted({name for e in engines for name in state.alerts_active(e)})
@@ -215,10 +219,7 @@ class Fleet:
         scheds = [b.get("sched", {}) for b in bodies]
         gen = _sum(s.get("num_generation_tokens_total") for s in scheds)
         pre = _sum(s.get("num_preemptions_total") for s in scheds)
-        hists: dict[str, Hist] = {}
-        if len(bodies) == 1:
-            overall = bodies[0].get("latency", {}).get("overall", {}).get("histograms", {})
-            hists = {s: overall[s] for s in SERIES if isinstance(overall.get(s), dict)}
+        hists = _ranks_hists(bodies)
         point = _Point(t, gen, pre, hists)
         if hist and _went_down(hist[-1], point):
             hist.clear()
@@ -279,7 +280,18 @@ class Fleet:
             ttft_p50=merged_percentile(0.5, ttft) if ttft else NONE,
             ttft_p99=merged_percentile(0.99, ttft) if ttft else NONE,
             itl_p99=merged_percentile(0.99, itl) if itl else NONE,
-            kv_usage=_mean([r.kv_usage for r in up]))
+            kv_usage=fleet_kv_usage(up))
+
+
+def fleet_kv_usage(rows: Sequence[FleetRow]) -> float | None:
+    """The fleet's KV use: weighted by each target's capacity in tokens when every target
+    with a use says its capacity (the share of the fleet's KV tokens in use), else the plain
+    mean of the targets' uses."""
+    known = [r for r in rows if isinstance(r.kv_usage, int | float)]
+    if known and all(r.kv_capacity_tokens for r in known):
+        total = sum(r.kv_capacity_tokens or 0 for r in known)
+        return sum((r.kv_usage or 0.0) * (r.kv_capacity_tokens or 0) for r in known) / total
+    return _mean([r.kv_usage for r in known])
 
 
 def _went_down(prev: _Point, now: _Point) -> bool:
@@ -289,6 +301,24 @@ def _went_down(prev: _Point, now: _Point) -> bool:
         return True
     return any(s in now.hists and now.hists[s]["count"] < h["count"]
                for s, h in prev.hists.items())
+
+
+def _ranks_hists(bodies: list[dict[str, Any]]) -> dict[str, Hist]:
+    """The server's histograms: its ranks' summed (one server's ranks share their bounds); a
+    series some rank lacks is left out rather than counted in part."""
+    overall = [b.get("latency", {}).get("overall", {}).get("histograms", {}) for b in bodies]
+    out: dict[str, Hist] = {}
+    for s in SERIES:
+        hs = [o[s] for o in overall if isinstance(o.get(s), dict)]
+        if not hs or len(hs) < len(bodies):
+            continue
+        if len(hs) == 1:
+            out[s] = hs[0]
+            continue
+        bounds, counts = merge(hs)
+        out[s] = {"bounds": ["+Inf" if b == math.inf else b for b in bounds], "counts": counts,
+                  "count": sum(h["count"] for h in hs), "sum": sum(h["sum"] for h in hs)}
+    return out
 
 
 def _model(bodies: list[dict[str, Any]]) -> str | None:

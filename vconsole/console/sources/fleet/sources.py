@@ -155,7 +155,11 @@ class ScrapeSource(ReaderSource):
     def _run(self, state: ConsoleState) -> None:
         while not self._stop.is_set():
             t0 = time.monotonic()
-            self.scrape_once(state)
+            try:
+                self.scrape_once(state)
+            except Exception as e:  # KV events, the recording, folding in: one line, go on
+                self.problem = f"{self.scraper.url}: {type(e).__name__}: {e}"
+                self.failures += 1
             wait = self.backoff_s() - (time.monotonic() - t0) if not self.failures \
                 else self.backoff_s()
             self._stop.wait(max(0.05, wait))

@@ -3,13 +3,15 @@
 //   out[m, n] = scale[n] * sum_k x[m, k] * q[n, k]        x float32 (M, K), q int8 (N, K)
 //
 // the many-rows path of an int8 linear on CPUs without native bfloat16. Each thread takes a
-// panel of NB output channels at a time and widens its int8 weights to float32 once, into a
-// K x NB buffer it keeps in cache (NB = two vector registers); every row of x is then multiplied
-// against that panel by a register-blocked micro-kernel (MR rows x NB columns of accumulators,
-// one broadcast of x and two panel loads per k, MR x 2 FMAs), and the channel scales multiply
-// the accumulators once at the end. The weights are read from memory once per call, at a
-// quarter of float32's bytes; the widening costs K x NB conversions per panel, shared by all M
-// rows. Activations stay float32 and the sums are float32: the result differs from x @ (q s)^T
+// panel of NB output channels at a time and widens its int8 weights to float32 into a K x NB
+// buffer it keeps in cache (NB = two vector registers); each block of up to MB rows of x is
+// then multiplied against that panel by a register-blocked micro-kernel (MR rows x NB columns
+// of accumulators, one broadcast of x and two panel loads per k, MR x 2 FMAs), and the channel
+// scales multiply the accumulators once at the end. Rows go in blocks of MB (96) that stay in
+// cache, and each panel is read and widened again for each block: the weights are read from
+// memory ceil(M / MB) times per call, at a quarter of float32's bytes, and the widening costs
+// K x NB conversions per panel per block, shared by that block's rows (at most MB).
+// Activations stay float32 and the sums are float32: the result differs from x @ (q s)^T
 // only by float rounding (summation order), so the scheme's error is the weights' alone.
 //
 // Vector width is chosen at compile time by the builder's -march=native (attention_kernel.py
