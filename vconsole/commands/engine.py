@@ -112,7 +112,7 @@ def _say(message: object) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    omp_wait.prefer_passive()     # before anything imports torch: see the module
+    omp_wait.prefer_short_spin()     # before anything imports torch: see the module
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -194,7 +194,8 @@ def _log_threads() -> None:
     import torch
 
     logging.getLogger("vconsole.engine").info(
-        "torch threads: %d; OpenMP threads wait: %s (OMP_WAIT_POLICY; vconsole.engine.omp_wait)",
+        "torch threads: %d; OpenMP threads wait: %s (GOMP_SPINCOUNT, OMP_WAIT_POLICY; "
+        "vconsole.engine.omp_wait)",
         torch.get_num_threads(), omp_wait.describe())
 
 
