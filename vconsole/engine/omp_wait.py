@@ -42,7 +42,7 @@ def prefer_short_spin(environ: MutableMapping[str, str] | None = None, *,
     """Set ``GOMP_SPINCOUNT=SPIN`` in ``environ`` (this process's by default) unless the user
     chose a wait policy or the machine has an NVIDIA GPU (whose engine's host threads hardly
     matter). Returns what is in effect, for the start-up line: ``passive``, ``active``,
-    ``spin N`` or ``library default``."""
+    ``spin N rounds, then sleep`` or ``library default``."""
     env = os.environ if environ is None else environ
     if gpu is None:
         gpu = os.path.exists(GPU_DEVICE)
