@@ -18,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from vconsole.shared.speculative import parse_speculative_config
+
 POLICIES = ("fcfs", "priority", "hybrid")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -73,6 +75,12 @@ class EngineConfig:
                                   "of every decoder linear and the LM head); unset = the "
                                   "model's dtype.", hot=False, choices=QUANTIZATIONS,
                                   nullable=True)
+    speculative_config: str | None = _f(None, "Speculative decoding, vLLM's JSON: "
+                                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                                        "K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}' "
+                                        "(drafts looked up in the request's own tokens, "
+                                        "verified in one forward); unset = off.", hot=False,
+                                        nullable=True)
     num_kv_blocks: int | None = _f(None, "KV blocks in the pool; unset = sized from memory.",
                                    hot=False, lo=1, hi=1 << 24, nullable=True)
     gpu_memory_utilization: float = _f(0.9, "Share of GPU memory the engine may use (CUDA sizing).",
@@ -138,6 +146,9 @@ class EngineConfig:
                                            "this long unscheduled; unset = never.", hot=True,
                                            lo=0.0, hi=1e9, nullable=True)
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes.", hot=True)
+    speculative_decoding: bool = _f(True, "Draft and verify tokens as speculative_config "
+                                    "says (when set); false pauses speculation, true resumes "
+                                    "it.", hot=True)
     latency_window_s: float = _f(60.0, "Sliding window of the latency percentiles (TTFT, ITL, "
                                  "e2e, queue time ...) in telemetry, seconds.", hot=True,
                                  lo=1.0, hi=3600.0)
@@ -340,6 +351,17 @@ def cross_field_errors(cfg: EngineConfig) -> dict[str, str]:
         if getattr(cfg, warn) > getattr(cfg, crit):
             errs[warn] = f"warning threshold {getattr(cfg, warn)} exceeds critical {crit}=" \
                          f"{getattr(cfg, crit)}"
+    if cfg.speculative_config is not None:
+        try:
+            parse_speculative_config(cfg.speculative_config)
+        except ValueError as e:
+            errs["speculative_config"] = str(e)
+        else:
+            if canonical_kv_cache_dtype(cfg.kv_cache_dtype).endswith("_kivi"):
+                errs["speculative_config"] = (
+                    f"not supported with kv_cache_dtype {cfg.kv_cache_dtype} (keys quantized "
+                    "per channel over a block: a rejected draft's keys would stay in its "
+                    "block's scales); use auto, int8_per_token_head or int4_per_token_head")
     return errs
 
 
