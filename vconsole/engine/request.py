@@ -70,6 +70,13 @@ class Request:
     # by the request while it lives).
     compile_ms: float = 0.0
     grammar: Any = None
+    # Speculative decoding (`vconsole.engine.spec`): the draft proposed for its next step
+    # (consumed when scheduled), and its own counts: steps that ran a draft, drafted tokens,
+    # of those accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def constraint(self) -> int:

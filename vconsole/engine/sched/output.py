@@ -16,7 +16,8 @@ Invariants, for every request id ``r`` in ``num_scheduled_tokens``:
     cover positions ``0 .. num_computed_tokens + num_scheduled_tokens[r] - 1``, and its block
     table covers every one of those positions;
   * the runner samples for ``r`` exactly when ``num_computed_tokens + num_scheduled_tokens[r]``
-    equals its number of tokens;
+    equals its number of tokens (plus its draft's, when ``r`` has one in
+    ``scheduled_spec_decode_tokens``: drafts are fed but never become the runner's tokens);
   * a request sent new with ``sampling.prompt_logprobs`` and no output tokens starts at
     position 0 (no prefix-cache hit): the runner computes every prompt position's logprobs
     and returns them all in the step that samples its first token.
@@ -102,6 +103,13 @@ class SchedulerOutput:
     # The constrained rows' bitmask (None when no sampled row is constrained: the runner does
     # no structured-output work at all).
     grammar: GrammarBatch | None = None
+    # Speculative decoding (`vconsole.engine.spec`): per decode row that runs a draft, the
+    # drafted tokens, fed after the row's last token in the same forward (its
+    # ``num_scheduled_tokens`` is 1 + len(draft)); the runner returns what it kept in
+    # ``ModelRunnerOutput.spec_sampled``. ``propose_drafts``: the runner proposes the next
+    # step's drafts (speculation configured and not paused).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    propose_drafts: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -139,3 +147,8 @@ class ModelRunnerOutput:
     # is complete with the sampled token (it finishes with ``stop``), or the matcher's error
     # (it finishes with ``error``). `Scheduler.update_from_output` applies them.
     structured_ends: dict[str, str | None] = field(default_factory=dict)
+    # Speculative decoding: the tokens each row that verified a draft emits, in order (the
+    # accepted drafts, then the target's own token: 1 .. k + 1; such a row is not in
+    # ``sampled``), and the drafts proposed for each sampled row's next step.
+    spec_sampled: dict[str, list[int]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

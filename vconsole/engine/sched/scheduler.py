@@ -52,6 +52,7 @@ from vconsole.engine.sched.output import ModelRunnerOutput, NewRequestData, Sche
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.engine.telemetry_guard import TelemetryGuard
 from vconsole.shared.config import EngineConfig
+from vconsole.shared.speculative import parse_speculative_config
 from vconsole.shared.stats import KVStats, RequestTable, SchedulerStats
 from vconsole.wire.outputs import RequestOutput
 
@@ -70,13 +71,14 @@ class RowSource(Protocol):
 class _Step:
     """What one `schedule()` has decided so far: token budget left, chunks, preemptions."""
 
-    __slots__ = ("now", "budget", "scheduled", "preempted")
+    __slots__ = ("now", "budget", "scheduled", "preempted", "drafts")
 
     def __init__(self, now: float, budget: int) -> None:
         self.now = now
         self.budget = budget
         self.scheduled: dict[str, tuple[Request, int, int]] = {}  # id -> (req, start, n)
         self.preempted: list[str] = []
+        self.drafts: dict[str, list[int]] = {}    # id -> draft fed after its last token
 
     def add(self, req: Request, start: int, n: int) -> None:
         self.scheduled[req.request_id] = (req, start, n)
@@ -84,6 +86,7 @@ class _Step:
 
     def unschedule(self, req: Request) -> None:
         self.preempted.append(req.request_id)
+        self.drafts.pop(req.request_id, None)
         done = self.scheduled.pop(req.request_id, None)
         if done is not None:
             self.budget += done[2]
@@ -119,6 +122,15 @@ class Scheduler:
         self.num_finished_total = 0
         self.num_prompt_tokens_total = 0      # see update_from_output
         self.num_generation_tokens_total = 0
+        # Speculative decoding: the parsed config (None: off) and vLLM's spec-decode counters
+        # (`vllm/v1/spec_decode/metrics.py`): steps that ran a draft, drafted tokens, accepted
+        # ones, and accepted ones by position in the draft.
+        self.spec = parse_speculative_config(config.speculative_config)
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (self.spec.num_speculative_tokens
+                                            if self.spec is not None else 0)
 
     # --- requests in and out ------------------------------------------------------------------
     @property
@@ -276,6 +288,7 @@ class Scheduler:
 
         allocate, running_status = self.kv.allocate_slots, RequestStatus.RUNNING
         tables, B = self.kv.tables, self.block_size
+        speculate = self.spec is not None and cfg.speculative_decoding
         for req in list(self.running):
             if step.budget <= 0:
                 break
@@ -286,6 +299,10 @@ class Scheduler:
                     step.budget)
             if n <= 0:
                 continue
+            if req.spec_token_ids:
+                draft, req.spec_token_ids = req.spec_token_ids, []
+                if speculate and n == 1 and self._schedule_draft(req, draft, step):
+                    continue
             table = tables.get(req.request_id)
             # A table covers len(table) * B positions: most decode steps need no new block.
             if table is None or len(table) * B < computed + n:
@@ -303,6 +320,22 @@ class Scheduler:
         if not step.preempted:
             self._admit(cfg, step)
         return self._build_output(step)
+
+    def _schedule_draft(self, req: Request, draft: list[int], step: _Step) -> bool:
+        """Schedule a decode row with its draft: 1 + len(draft) tokens, the draft cut so that
+        every token it could emit stays within max_tokens, max_model_len and the step's
+        budget. False (nothing done) when no draft token fits or its blocks do not: the row
+        then runs as a plain decode."""
+        num_tokens = req.num_tokens
+        room = min(len(draft), step.budget - 1,
+                   req.sampling.max_tokens - len(req.output_token_ids) - 1,
+                   self.max_model_len - num_tokens - 1)
+        if room <= 0 or not self.kv.allocate_slots(req, 1 + room):
+            return False
+        step.scheduled[req.request_id] = (req, req.num_computed_tokens, 1 + room)
+        step.budget -= 1 + room
+        step.drafts[req.request_id] = draft[:room]
+        return True
 
     def _admit(self, cfg: EngineConfig, step: _Step) -> None:
         can_preempt = cfg.policy in ("priority", "hybrid")
@@ -375,7 +408,10 @@ class Scheduler:
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
         out = SchedulerOutput(preempted_req_ids=step.preempted,
-                              finished_req_ids=self._finished_req_ids)
+                              finished_req_ids=self._finished_req_ids,
+                              scheduled_spec_decode_tokens=step.drafts,
+                              propose_drafts=self.spec is not None
+                              and self.config.speculative_decoding)
         self._finished_req_ids = set()
         view, cached = self._runner_view, out.scheduled_cached_reqs
         tables = self.kv.tables
@@ -464,15 +500,20 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         advanced: list[Request] = []    # aborted or preempted since the step was scheduled: out
         add = advanced.append
+        drafts = so.scheduled_spec_decode_tokens
         for req, start, n in self._scheduled_in(so):
             if req.status is running_status and req.num_computed_tokens == start:
-                req.num_computed_tokens = start + n
+                # A draft row: only its first position counts for now; the accepted drafts'
+                # positions join once their tokens are appended (`_take_draft_row`).
+                req.num_computed_tokens = start + (1 if drafts and req.request_id in drafts
+                                                   else n)
                 add(req)
         self._last_output, self._last_scheduled = None, []
         self.kv.cache_step(advanced)
 
         finished_now = False
         sampled, logprobs, prompt_lps = out.sampled, out.logprobs, out.prompt_logprobs
+        next_drafts = out.draft_token_ids
         ends = out.structured_ends
         max_model_len = self.max_model_len
         reported = self._num_reported
@@ -486,9 +527,14 @@ class Scheduler:
             if computed != len(req.prompt_token_ids) + len(outputs):
                 continue  # a prefill chunk short of the last token: nothing sampled
             rid = req.request_id
-            token = sampled.get(rid)
             reason: FinishReason | None = None
-            if token is None:
+            if drafts and rid in drafts:
+                before = len(outputs)
+                reason = self._take_draft_row(req, drafts[rid], out.spec_sampled.get(rid), now,
+                                              itl_values, itl_priorities)
+                num_generated += len(outputs) - before
+                token: int | None = outputs[-1]
+            elif (token := sampled.get(rid)) is None:
                 req.error = "the model runner returned no token for a sampling step"
                 reason = FinishReason.ERROR
             else:
@@ -527,6 +573,8 @@ class Scheduler:
                 if prompt_lps and token is not None:
                     results[-1][1].prompt_logprobs = prompt_lps.get(rid)
                 continue
+            if next_drafts:
+                req.spec_token_ids = next_drafts.get(rid) or []
             # `_make_output` of a running request, inline: this line runs for every token.
             sent = reported.get(rid, 0)
             reported[rid] = num_outputs = len(outputs)
@@ -544,6 +592,57 @@ class Scheduler:
         if finished_now:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return results
+
+    def _take_draft_row(self, req: Request, draft: list[int], emitted: list[int] | None,
+                        now: float, itl_values: list[float], itl_priorities: list[int]
+                        ) -> FinishReason | None:
+        """Append what a draft row emitted (accepted drafts, then the target's token), token
+        by token under the stop rules, and roll back the rest: ``num_computed_tokens`` ends
+        at the verified tokens (the last one is fed next step, as after any decode), so the
+        rejected positions' K/V — written in slots past it, in blocks the request keeps for
+        its next tokens — are never read and are overwritten when those positions run; only
+        then are the new positions recorded in the pool and offered to the prefix cache, so
+        the cache never holds an unverified token. One inter-token gap per step (vLLM's
+        per-iteration ITL); the request trace's gaps get 0 for the tokens that came with it.
+        Counts vLLM's spec-decode metrics. Returns the finish reason, if any."""
+        if not emitted:
+            req.error = "the model runner returned no token for a draft row"
+            return FinishReason.ERROR
+        accepted = len(emitted) - 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(draft)
+        self.spec_num_accepted_tokens += accepted
+        per_pos = self.spec_accepted_per_pos
+        for i in range(min(accepted, len(per_pos))):
+            per_pos[i] += 1
+        req.num_drafts += 1
+        req.num_draft_tokens += len(draft)
+        req.num_accepted_tokens += accepted
+        outputs, sp = req.output_token_ids, req.sampling
+        before = len(outputs)
+        reason: FinishReason | None = None
+        for token in emitted:
+            outputs.append(token)
+            if (token == req.eos_token_id or token in req.eos_token_ids
+                    or token in sp.stop_token_ids or len(outputs) >= sp.max_tokens
+                    or req.num_tokens >= self.max_model_len):
+                reason = self._check_stop(req, token)
+                if reason is not None:
+                    break
+        last = req.last_token_time
+        if last is not None:
+            gap = now - last
+            itl_values.append(gap)
+            itl_priorities.append(req.priority)
+            req.token_gaps.append(gap)
+            req.token_gaps.extend([0.0] * (len(outputs) - before - 1))
+        else:
+            self._record_first_token(req, now)
+        req.last_token_time = now
+        if reason is None:
+            req.num_computed_tokens = req.num_tokens - 1
+            self.kv.cache_blocks(req)
+        return reason
 
     # --- latency (on the scheduler's clock; `vconsole.engine.latency`) -------------------------
     def _record_first_token(self, req: Request, now: float) -> None:

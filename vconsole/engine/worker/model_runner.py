@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from vconsole.engine.sched.output import GrammarBatch, ModelRunnerOutput, SchedulerOutput
+from vconsole.engine.spec import rejection
+from vconsole.engine.spec.ngram import NgramProposer
+from vconsole.engine.spec.policy import can_speculate
 from vconsole.engine.worker import attention_kernel, kv_quant, paged_attention, prompt_logprobs
 from vconsole.engine.worker.fused_decoder import FusedDecoder
 from vconsole.engine.worker.kv_open_blocks import OpenBlocks
@@ -34,7 +37,9 @@ from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMe
 from vconsole.engine.worker.prompt_logprobs import PromptRows
 from vconsole.engine.worker.request_state import CachedRequestState, RequestStates, ScheduledSeq
 from vconsole.engine.worker.sampler import Sampler, SamplingBatch, apply_token_bitmask
+from vconsole.engine.worker.sampler import _mix_seed as mix_seed
 from vconsole.shared.config import EngineConfig
+from vconsole.shared.speculative import parse_speculative_config
 
 _GIB = 1 << 30
 # "transformers": run transformers' own decoder forward instead of `FusedDecoder` (the
@@ -149,6 +154,10 @@ class ModelRunner:
         self.fused_decoder = (None if os.environ.get(FORWARD_ENV) == "transformers"
                        else FusedDecoder.build(self.model))
         self.requests = RequestStates()
+        spec = parse_speculative_config(config.speculative_config)
+        self.proposer = (None if spec is None else
+                         NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max))
 
     # --- memory ------------------------------------------------------------------------------
 
@@ -267,7 +276,14 @@ class ModelRunner:
             prompt_lps = self._prompt_logprobs(step)
             if logits is None:
                 return ModelRunnerOutput()
-            states = [s.state for s in step.sample_seqs]
+            spec_sampled: dict[str, list[int]] = {}
+            seqs_sampled = step.sample_seqs
+            if any(s.draft for s in seqs_sampled):
+                logits, seqs_sampled = self._verify_drafts(logits, seqs_sampled, spec_sampled)
+            states = [s.state for s in seqs_sampled]
+            if not states:
+                return ModelRunnerOutput(spec_sampled=spec_sampled, prompt_logprobs=prompt_lps,
+                                         draft_token_ids=self._propose(so, {}, spec_sampled))
             structured_ns = 0
             if so.grammar is not None:
                 structured_ns = self._apply_grammar(logits, states, so.grammar)
@@ -287,8 +303,68 @@ class ModelRunner:
                 rows, top = zip(*asked, strict=True)
                 logprobs = {states[i].req_id: entry for i, entry in zip(
                     rows, self.sampler.logprobs(logits, sampled, rows, top), strict=True)}
-        return ModelRunnerOutput({st.req_id: t for st, t in zip(states, tokens, strict=True)},
-                                 logprobs, prompt_lps, structured_ns)
+        sampled_out = {st.req_id: t for st, t in zip(states, tokens, strict=True)}
+        return ModelRunnerOutput(sampled_out, logprobs, prompt_lps, structured_ns,
+                                 spec_sampled=spec_sampled,
+                                 draft_token_ids=self._propose(so, sampled_out, spec_sampled))
+
+    # --- speculative decoding (`vconsole.engine.spec`) -----------------------------------------
+
+    def _verify_drafts(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
+                       emitted: dict[str, list[int]]
+                       ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Verify every draft row of the step (its tokens go to ``emitted``); returns the
+        logits and sequences of the plain rows, which sample as without speculation."""
+        plain_rows: list[int] = []
+        plain: list[ScheduledSeq] = []
+        row = 0
+        for s in seqs:
+            if not s.draft:
+                plain_rows.append(row)
+                plain.append(s)
+                row += 1
+                continue
+            n = s.num_tokens
+            emitted[s.req_id] = self._verify(logits[row:row + n], s)
+            row += n
+        index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
+        return logits.index_select(0, index), plain
+
+    def _verify(self, logits: torch.Tensor, s: ScheduledSeq) -> list[int]:
+        """One draft row: greedy acceptance at temperature 0, else rejection sampling against
+        the sampler's own distribution at each position (`vconsole.engine.spec.rejection`)."""
+        st = s.state
+        sp = st.sampling
+        if sp.greedy:
+            return rejection.verify_greedy(logits, s.draft)
+        n_out = st.num_output_tokens
+        n = len(s.draft) + 1
+        batch = SamplingBatch.build([sp] * n, [n_out + i for i in range(n)], self.vocab_size,
+                                    self.device)
+        probs = self.sampler.probabilities(logits, batch)
+        generator = self.sampler.generator
+        if sp.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(mix_seed(sp.seed, n_out))
+        return rejection.verify_sampled(probs, s.draft, generator)
+
+    def _propose(self, so: SchedulerOutput, sampled: dict[str, int],
+                 spec_sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """The next step's drafts of the rows that sampled (``so.propose_drafts`` only), each
+        looked up in the request's tokens with what this step emitted."""
+        proposer = self.proposer
+        if proposer is None or not so.propose_drafts:
+            return {}
+        out: dict[str, list[int]] = {}
+        states = self.requests
+        for rid, new in [*((r, [t]) for r, t in sampled.items()), *spec_sampled.items()]:
+            st = states.get(rid)
+            if st is None or not can_speculate(st.sampling, st.num_output_tokens + len(new)):
+                continue
+            draft = proposer.propose(st.token_ids + new)
+            if draft:
+                out[rid] = draft
+        return out
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, states: Sequence[CachedRequestState],
@@ -320,7 +396,8 @@ class ModelRunner:
 
     def compute_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Like `execute_model` (K/V are written the same way) but return the float32 logits
-        of each ``do_sample`` request's last position instead of sampling. A request asking for
+        of each ``do_sample`` request's last position instead of sampling (a draft row's:
+        (1 + draft, V), one per position). A request asking for
         prompt logprobs is refused (ValueError): they are computed by `execute_model` only."""
         seqs = self.requests.apply(so)
         asking = [s.req_id for s in seqs if s.state.prompt_logprobs is not None]
@@ -334,8 +411,14 @@ class ModelRunner:
             logits = self._forward(step)
             if logits is None:
                 return {}
-            return {s.state.req_id: row for s, row in zip(step.sample_seqs, logits.float(),
-                                                           strict=True)}
+            out: dict[str, torch.Tensor] = {}
+            row, logits = 0, logits.float()
+            for s in step.sample_seqs:      # a draft row: (1 + draft, V), every position's
+                n = s.num_tokens if s.draft else 1
+                out[s.state.req_id] = logits[row] if n == 1 and not s.draft \
+                    else logits[row:row + n]
+                row += n
+            return out
 
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> PreparedStep | None:
         """Pack the step: single-token sequences first (they share one batched attention
@@ -405,7 +488,10 @@ class ModelRunner:
                 prompt.add(s, offset)
             offset += s.num_tokens
             if s.do_sample:
-                sample_rows.append(offset - 1)
+                if s.draft:       # a draft row: every position's logits verify the draft
+                    sample_rows.extend(range(offset - s.num_tokens, offset))
+                else:
+                    sample_rows.append(offset - 1)
                 sample_seqs.append(s)
 
         flat = (ids + pos + slots + tables + ctx_lens + ctx_slots + chunk_tables + sample_rows
@@ -468,7 +554,7 @@ class ModelRunner:
             rows = torch.cat((rows, step.prompt_rows))
         hidden = self._hidden(step.input_ids[0], step.positions[0], step.metadata, rows)
         if step.prompt_rows is not None:
-            num = len(step.sample_seqs)
+            num = step.sample_rows.shape[0]
             hidden, step.prompt_hidden = hidden[:num], hidden[num:]
         if not step.sample_seqs:
             return None

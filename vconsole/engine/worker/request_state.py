@@ -13,7 +13,7 @@ and ``block_ids`` only grow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vconsole.engine.sched.output import SchedulerOutput
 from vconsole.wire.outputs import PromptLogprobs
@@ -48,6 +48,9 @@ class ScheduledSeq:
     start_pos: int
     num_tokens: int
     do_sample: bool
+    # Speculative decoding: the drafted tokens fed after the request's last token (then
+    # ``num_tokens`` is 1 + their number and every position is sampled); empty otherwise.
+    draft: list[int] = field(default_factory=list)
 
     @property
     def req_id(self) -> str:
@@ -55,6 +58,8 @@ class ScheduledSeq:
 
     @property
     def token_ids(self) -> list[int]:
+        if self.draft:
+            return self.state.token_ids[self.start_pos:] + self.draft
         return self.state.token_ids[self.start_pos:self.start_pos + self.num_tokens]
 
     @property
@@ -93,8 +98,17 @@ class RequestStates(dict[str, CachedRequestState]):
             state.block_ids.extend(blocks)
             state.num_computed_tokens = start
         seqs: list[ScheduledSeq] = []
+        drafts = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():
             state = self[rid]
             start = state.num_computed_tokens
-            seqs.append(ScheduledSeq(state, start, n, start + n == len(state.token_ids)))
+            draft = drafts.get(rid) if drafts else None
+            if draft:
+                if start + 1 != len(state.token_ids) or n != 1 + len(draft):
+                    raise RuntimeError(f"request {rid!r}: a draft of {len(draft)} tokens on a "
+                                       f"row of {n} from position {start} of "
+                                       f"{len(state.token_ids)} tokens (not a decode row)")
+                seqs.append(ScheduledSeq(state, start, n, True, list(draft)))
+            else:
+                seqs.append(ScheduledSeq(state, start, n, start + n == len(state.token_ids)))
         return seqs
