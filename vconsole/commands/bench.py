@@ -110,10 +110,11 @@ def whatif(args: argparse.Namespace) -> int:
     from vconsole.tools.bench.whatif import whatif_bench
 
     names = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
-    unknown = [w for w in names if w not in ("demo", "serve", "held-out")]
+    known = ("demo", "serve", "held-out", "held-out-smollm2")
+    unknown = [w for w in names if w not in known]
     if unknown:
-        print(f"vconsole bench whatif: unknown workload {', '.join(unknown)} (demo, serve, "
-              f"held-out)", file=sys.stderr)
+        print(f"vconsole bench whatif: unknown workload {', '.join(unknown)} "
+              f"({', '.join(known)})", file=sys.stderr)
         return 2
     out = whatif_bench(args.seconds or 90.0, workloads=names, log=_log(args))
     return _report(args, out, passed=out["passed"])

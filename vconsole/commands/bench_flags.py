@@ -89,7 +89,9 @@ def add_throughput(benches: SubParsers) -> None:
                    help="torch's threads (and llama.cpp's) for the run (default: torch's; "
                         "--peer llama-server: every core)")
     p.add_argument("--concurrency", type=int_list, default=None, metavar="N,N,...",
-                   help="--peer llama-server: concurrency levels (default 1,8,32,64)")
+                   help="--peer llama-server: concurrency levels (default 1,8,32,64); "
+                        "--quantization: the levels it runs against float32 weights "
+                        "(default 1,8,64)")
     p.add_argument("--base-port", type=int, default=0, metavar="PORT",
                    help="--peer llama-server: vconsole serve on PORT, its engine on PORT+1..4, "
                         "llama-server on PORT+5 (default: free ports)")
@@ -247,9 +249,9 @@ def add_whatif(benches: SubParsers) -> None:
     p.add_argument("--seconds", type=float, default=None, metavar="S",
                    help="seconds of each recorded workload (default 90)")
     p.add_argument("--workloads", default="demo,serve", metavar="W,W",
-                   help="which workloads: demo, serve (default both), held-out (seats to a "
-                        "fifth, the pool halved and quartered, overload; with and without "
-                        "--calibrate)")
+                   help="which workloads: demo, serve (default both), held-out (tiny: seats "
+                        "to a fifth, the pool halved and quartered, overload; with and without "
+                        "--calibrate), held-out-smollm2 (the same on the real model)")
 
 
 def add_structured(benches: SubParsers) -> None:

@@ -193,3 +193,14 @@ def test_ten_thousand_requests_from_four_clients_each_finish_exactly_once(
     for k, v in figures.items():
         record_property(k, v)
     assert rss.samples and rss.peak - baseline < PEAK_RSS_ABOVE_BASELINE_CAP, figures
+
+
+def test_a_started_engine_is_not_started_twice(engine):
+    """`with EngineProcess(args).start(timeout_s=...)` enters the engine it started, and a
+    second start is refused: it used to start a second engine and leave the first running,
+    unwatched (three benches did this for every recording)."""
+    pid = engine.pid
+    assert engine.__enter__() is engine and engine.pid == pid
+    with pytest.raises(RuntimeError, match="started already"):
+        engine.start()
+    assert engine.pid == pid and engine.child.poll() is None

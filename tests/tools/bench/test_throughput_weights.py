@@ -15,14 +15,15 @@ from vconsole.tools.bench import throughput_engine, throughput_peers
 
 def _args(**over) -> argparse.Namespace:
     base = dict(model_config="tiny", runs=1, num_requests=2, json=True, threads=None,
-                peer=None, quantization=None, kv_cache_dtype="auto", no_transformers=True)
+                peer=None, quantization=None, kv_cache_dtype="auto", no_transformers=True,
+                concurrency=None)
     return argparse.Namespace(**{**base, **over})
 
 
 @pytest.mark.slow
 def test_int8_run_reports_both_single_streams_and_the_decode_step_time(monkeypatch):
     monkeypatch.setattr(throughput_engine.run_single_stream, "__defaults__", (24,))
-    out = tp.throughput(_args(quantization="int8"))
+    out = tp.throughput(_args(quantization="int8", concurrency=[1, 3]))
     assert out["quantization"] == "int8" and out["engine"]["quantization"] == "int8"
     assert "hf_static" not in out and "goal" not in out     # --no-transformers
     single, base = out["single_stream"], out["single_stream_float32"]
@@ -37,6 +38,17 @@ def test_int8_run_reports_both_single_streams_and_the_decode_step_time(monkeypat
     goal = out["weights_goal"]
     assert goal["single_stream_vs_float32"] == 2.0
     assert set(goal["met"]) == {"single_stream_vs_float32"}   # no peer: nothing else judged
+    # Against float32 at each concurrency (issue #49), on the CPU it names.
+    vs = out["vs_float32"]
+    assert set(vs["levels"]) == {"1", "3"} and vs["quantization"] == "int8"
+    assert "vector_extensions" in vs["cpu"] and vs["many_rows_path"].startswith("int8 · ")
+    for c, level in vs["levels"].items():
+        assert level["requests"] == 2 * int(c)
+        (r,) = level["rounds"]
+        assert r["ratio"] == round(r["quantized"]["tokens_per_s"]
+                                   / r["float32"]["tokens_per_s"], 2) == level["ratio_median"]
+    assert vs["passed"] == (vs["levels"]["1"]["ratio_median"] >= 1.8
+                            and vs["levels"]["3"]["ratio_median"] >= 1.0)
 
 
 def test_the_llama_cpp_peer_without_the_extra_names_the_install(monkeypatch):

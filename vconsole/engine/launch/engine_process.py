@@ -116,7 +116,10 @@ class EngineProcess:
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
         """Start and wait for the engine's ready file; raises RuntimeError (with the log's
-        tail) if the engine exits or is not ready in time."""
+        tail) if the engine exits or is not ready in time, or if this one was started already
+        (a second start would leave the first engine running, unwatched)."""
+        if self.child is not None:
+            raise RuntimeError("this EngineProcess was started already")
         argv = [*self.engine_args, "--ready-file", str(self.ready_path)]
         for name, ep in self.requested.items():
             argv += [f"--{name}", ep]
@@ -203,7 +206,9 @@ class EngineProcess:
                 self.log_path.unlink()
 
     def __enter__(self) -> EngineProcess:
-        return self.start()
+        """Starts the engine unless ``start`` was called already (``with
+        EngineProcess(args).start(timeout_s=300) as engine:``)."""
+        return self if self.child is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -187,8 +187,7 @@ def structured_bench(model: str = "smollm2", num_requests: int = 64,
     args = ["--model", model, "--max-num-seqs", str(max(64, *concurrency)), "--no-prefix-caching",
             "--request-trace", str(trace_path)]
     try:
-        with EngineProcess(args) as engine:
-            engine.start(timeout_s=300)
+        with EngineProcess(args).start(timeout_s=300) as engine:
             model_path = engine.ready["model_path"]
             renderer = load_renderer(model_path)
             jobs = workload(renderer, num_requests)

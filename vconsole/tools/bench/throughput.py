@@ -48,6 +48,10 @@ ratios and utilisation and their median and worst, since these machines swing by
 percent between rounds. The top-level ``engine`` / ``hf_*`` / ``ratio_*`` keys are the median
 round's.
 
+With ``--quantization``, the quantized engine then runs against float32 weights at each
+``--concurrency`` level (default 1, 8 and 64; `throughput_quant`), the CPU's vector extensions
+and the int8 path named.
+
 One module per part: the workload (`throughput_workload`), our engine (`throughput_engine`),
 the peers (`throughput_peers`), the report over the rounds (`throughput_report`); this one runs
 the rounds.
@@ -212,4 +216,11 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
         log(f"round {i + 1}/{num_runs}")
         rounds.append(_one_round(model, model_dir, wl, shape, plan, log))
     summarise(result, rounds, plan.transformers)
+    if opts.quantization is not None:
+        from vconsole.tools.bench.throughput_quant import LEVELS, quant_vs_float
+
+        log(f"{opts.quantization} against float32 weights at each concurrency ...")
+        result["vs_float32"] = quant_vs_float(
+            model_dir, shape, opts.quantization,
+            tuple(getattr(args, "concurrency", None) or LEVELS), num_runs, log)
     return result

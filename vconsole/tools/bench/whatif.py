@@ -81,8 +81,8 @@ def record_demo(seconds: float, path: Path, log: Log) -> dict[str, Any]:
     spec.num = num
     if log:
         log(f"demo: recording {num} requests of the demo's load on {config['model']}")
-    with EngineProcess([*_args(config), "--request-trace", str(path)]) as engine:
-        engine.start(timeout_s=300)
+    with EngineProcess([*_args(config), "--request-trace", str(path)]).start(
+            timeout_s=300) as engine:
 
         async def go() -> None:
             async with AsyncEngineClient(engine.endpoints["input"], engine.endpoints["output"],
@@ -240,10 +240,11 @@ def whatif_bench(seconds: float = 90.0, workloads: tuple[str, ...] = ("demo", "s
     with tempfile.TemporaryDirectory(prefix="vconsole-bench-whatif-") as tmp_dir:
         tmp = trace_dir or tmp_dir
         for name in workloads:
-            if name == "held-out":
+            if name.startswith("held-out"):
                 from vconsole.tools.bench.whatif_heldout import heldout_bench
 
-                out["workloads"][name] = heldout_bench(seconds, Path(tmp), log)
+                model = name.removeprefix("held-out").removeprefix("-") or "tiny"
+                out["workloads"][name] = heldout_bench(seconds, Path(tmp), log, model=model)
                 continue
             path = Path(tmp) / f"{name}.jsonl"
             config = (record_demo if name == "demo" else record_serve)(seconds, path, log)
@@ -262,9 +263,9 @@ def whatif_bench(seconds: float = 90.0, workloads: tuple[str, ...] = ("demo", "s
                 s = out["workloads"][name]["score"]
                 log(f"{name}: worst median error {s['worst_median_error']}, worst tail error "
                     f"{s['worst_tail_error']}")
-    w = [x for n, x in out["workloads"].items() if n != "held-out"]
+    w = [x for n, x in out["workloads"].items() if not n.startswith("held-out")]
     out["passed"] = all(x["score"]["medians_within_goal"] and x["score"]["tails_within_goal"]
                         and (x["speed"]["sim_cpu_s"] * 600 / max(x["speed"]["trace_s"], 1)
                              <= GOAL_SPEED_S) for x in w) and all(
-        x["passed"] for n, x in out["workloads"].items() if n == "held-out")
+        x["passed"] for n, x in out["workloads"].items() if n.startswith("held-out"))
     return out

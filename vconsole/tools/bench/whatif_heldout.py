@@ -1,8 +1,9 @@
 """`vconsole bench whatif --workloads held-out`: the what-if where an operator needs it most.
 
-One workload, kept apart from the traces the step-time model was tuned on (another rate,
-other lengths, another seed): `tiny` with 32 seats and a 192-block pool under a Poisson load,
-recorded for ``seconds``. Held-out variants the trace never ran:
+One workload per model, kept apart from the traces the step-time model was tuned on (another
+rate, other lengths, another seed), recorded for ``seconds`` (`PROFILES`): `tiny` with 32 seats
+and a 192-block pool under a Poisson load, and the real model, `smollm2`, with 32 seats and a
+pool of its own size at a rate its engine keeps up with. Held-out variants the trace never ran:
 
 - the seats cut to a fifth;
 - the pool halved and quartered;
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,24 +38,47 @@ from vconsole.tools.whatif_validate import run_real
 from vconsole.whatif.overload import queue_growth
 from vconsole.whatif.predict import errors, observed, whatif
 
-ENGINE = {"model": "tiny", "num_kv_blocks": 192, "block_size": 16, "max_num_seqs": 32,
-          "max_num_batched_tokens": 256, "policy": "fcfs"}
-RATE = 14.0
-PROMPT_LEN, OUTPUT_LEN, SEED = (32, 512), (32, 192), 11
+SMOLLM2_RATE = 3.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One model's held-out workload: its engine, the Poisson rate and the lengths."""
+
+    engine: dict[str, Any]
+    rate: float
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    seed: int
+
+
+PROFILES = {
+    "tiny": Profile({"model": "tiny", "num_kv_blocks": 192, "block_size": 16, "max_num_seqs": 32,
+                     "max_num_batched_tokens": 256, "policy": "fcfs"},
+                    rate=14.0, prompt_len=(32, 512), output_len=(32, 192), seed=11),
+    # SmolLM2 on one torch thread: steps of 20-200 ms, so fewer, shorter requests; the rate is
+    # about two thirds of what the 32-seat engine serves (measured once on a quiet machine,
+    # never tuned on the predictions).
+    "smollm2": Profile({"model": "smollm2", "num_kv_blocks": 160, "block_size": 16,
+                        "max_num_seqs": 32, "max_num_batched_tokens": 256, "policy": "fcfs"},
+                       rate=SMOLLM2_RATE, prompt_len=(16, 256), output_len=(16, 96), seed=23),
+}
+ENGINE = PROFILES["tiny"].engine
 GOALS = {"output_tok_s": 0.05, "ttft_p50_s": 0.10, "itl_p50_s": 0.10, "ttft_p99_s": 0.20}
 
 Log = Callable[[str], None] | None
 
 
-def record(seconds: float, path: Path, log: Log) -> dict[str, Any]:
-    num = int(seconds * RATE)
-    spec = LoadSpec(num=num, rate=RATE, prompt_len=PROMPT_LEN, output_len=OUTPUT_LEN,
-                    seed=SEED)
+def record(profile: Profile, seconds: float, path: Path, log: Log) -> dict[str, Any]:
+    num = int(seconds * profile.rate)
+    spec = LoadSpec(num=num, rate=profile.rate, prompt_len=profile.prompt_len,
+                    output_len=profile.output_len, seed=profile.seed)
+    e = profile.engine
     if log:
-        log(f"held-out: recording {num} requests at {RATE}/s on tiny (32 seats, 192 blocks)")
-    args = [a for k, v in ENGINE.items() for a in (f"--{k.replace('_', '-')}", str(v))]
-    with EngineProcess([*args, "--request-trace", str(path)]) as engine:
-        engine.start(timeout_s=300)
+        log(f"held-out: recording {num} requests at {profile.rate}/s on {e['model']} "
+            f"({e['max_num_seqs']} seats, {e['num_kv_blocks']} blocks)")
+    args = [a for k, v in e.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    with EngineProcess([*args, "--request-trace", str(path)]).start(timeout_s=300) as engine:
 
         async def go() -> None:
             async with AsyncEngineClient(engine.endpoints["input"], engine.endpoints["output"],
@@ -61,7 +86,7 @@ def record(seconds: float, path: Path, log: Log) -> dict[str, Any]:
                 await run_load(client, spec)
 
         asyncio.run(go())
-    return dict(ENGINE)
+    return dict(e)
 
 
 def variants(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -102,11 +127,14 @@ def judge(cal: dict[str, Any], uncal: dict[str, Any], real: dict[str, Any],
     return row
 
 
-def heldout_bench(seconds: float, tmp: Path, log: Log = None) -> dict[str, Any]:
-    """See the module docstring. ``tmp``: where the traces are kept."""
+def heldout_bench(seconds: float, tmp: Path, log: Log = None,
+                  model: str = "tiny") -> dict[str, Any]:
+    """See the module docstring. ``tmp``: where the traces are kept; ``model``: a key of
+    `PROFILES`."""
+    profile = PROFILES[model]
     load0 = os.getloadavg()
-    path = tmp / "held-out.jsonl"
-    config = record(seconds, path, log)
+    path = tmp / f"held-out-{model}.jsonl"
+    config = record(profile, seconds, path, log)
     trace: Trace = read_trace(path)
     vs = variants(config)
     uncal = whatif(trace, vs)
@@ -117,7 +145,7 @@ def heldout_bench(seconds: float, tmp: Path, log: Log = None) -> dict[str, Any]:
                                                                strict=True))
     for i, (c, u) in enumerate(pairs):
         if log:
-            log(f"held-out: replaying {i + 1}/{len(pairs)} ({c.get('set') or 'baseline'}) on a "
+            log(f"held-out {model}: replaying {i + 1}/{len(pairs)} ({c.get('set') or 'baseline'}) on a "
                 f"real engine")
         real_trace = run_real(trace, c["config"])
         real = observed(real_trace)
@@ -128,9 +156,9 @@ def heldout_bench(seconds: float, tmp: Path, log: Log = None) -> dict[str, Any]:
     again = observed(run_real(trace, cal["baseline"]["config"]))
     spread = errors(cal["baseline"]["validated"], again)
     baseline_vs_trace = cal["baseline"]["error"]
-    return {"config": config, "rate": RATE, "load": {"prompt_len": list(PROMPT_LEN),
-                                                     "output_len": list(OUTPUT_LEN),
-                                                     "seed": SEED},
+    return {"config": config, "rate": profile.rate,
+            "load": {"prompt_len": list(profile.prompt_len),
+                     "output_len": list(profile.output_len), "seed": profile.seed},
             "requests": len(trace.requests), "calibration_steps": len(calib.steps),
             "model": cal["model"], "model_uncalibrated": uncal["model"],
             "rows": rows, "real_spread": {k: spread.get(k) for k in GOALS},
