@@ -138,6 +138,26 @@ def structured(args: argparse.Namespace) -> int:
     return _report(args, out)
 
 
+def spec(args: argparse.Namespace) -> int:
+    from vconsole.shared.speculative import parse_speculative_config
+    from vconsole.tools.bench.spec import spec_bench
+
+    config = None
+    if args.speculative_config is not None:
+        try:
+            parsed = parse_speculative_config(args.speculative_config)
+        except ValueError as e:
+            return fail("bench", f"--speculative-config: {e}", 2)
+        config = json.loads(parsed.to_json()) if parsed is not None else None
+    try:
+        out = spec_bench(args.model, spec=config, max_tokens=args.max_tokens,
+                         num_chat=args.num_chat, quantization=args.quantization,
+                         log=_log(args))
+    except ValueError as e:             # a model that cannot load
+        return fail("bench", str(e), 2)
+    return _report(args, out)
+
+
 def fleet(args: argparse.Namespace) -> int:
     from vconsole.tools.bench.fleet import fleet_bench
 

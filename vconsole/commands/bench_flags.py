@@ -27,7 +27,7 @@ def add_parsers(subparsers: SubParsers) -> None:
     benches = p.add_subparsers(dest="name", metavar="NAME", action=Subcommands, required=True)
     for add in (add_throughput, add_build_llama_server, add_scheduler, add_kvmap, add_telemetry,
                 add_console, add_dp, add_soak, add_serve, add_quality, add_kv_ideas,
-                add_kv_grouping, add_whatif, add_structured, add_fleet):
+                add_kv_grouping, add_whatif, add_structured, add_fleet, add_spec):
         add(benches)
 
 
@@ -281,3 +281,22 @@ def add_fleet(benches: SubParsers) -> None:
                    help="seconds measured (default 20)")
     p.add_argument("--base-port", type=int, default=42200, metavar="PORT",
                    help="the stand-ins' first port (default 42200; engines from +600)")
+
+
+def add_spec(benches: SubParsers) -> None:
+    p = bench(benches, "spec", "n-gram speculative decoding against none, one stream",
+              "One stream on a real model, with and without --speculative-config (n-gram): "
+              "a workload that quotes its prompt (correct, rewrite, extract JSON, summarise a "
+              "given passage) and free chat; tok/s of each, the speedup, whether the greedy "
+              "text is identical, and the acceptance counters (docs/speculative.md).")
+    add_model(p)
+    p.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help="the spec side's config (default {\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                        "\"prompt_lookup_min\": 2})")
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N",
+                   help="output tokens per request at most (default 128)")
+    p.add_argument("--num-chat", type=int, default=8, metavar="N",
+                   help="free-chat questions (default 8)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="the engines' weight quantization (default none)")

@@ -48,6 +48,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
                         "model's max_position_embeddings)")
     g.add_argument("--policy", choices=POLICIES, help="waiting-queue order (default fcfs)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help="speculative decoding, vLLM's flag: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
+                        "\"prompt_lookup_min\": M}' (drafts from the request's own tokens; "
+                        "default off; the hot key speculative_decoding pauses it)")
     g.add_argument("--config", metavar="FILE",
                    help="TOML config file" + (" (reloaded on SIGHUP and when it changes)"
                                               if serving else ""))

@@ -363,6 +363,20 @@ class VConsoleApp(App[None]):
         self.selected_engine = keys[(i + step) % len(keys)]
         self.refresh_view(force=True)
 
+    def action_toggle_spec(self) -> None:
+        """``D``: pause or resume speculative decoding on the selected engine (the hot key
+        ``speculative_decoding``, sent as any config change is)."""
+        cfg = self.state.config
+        if cfg is not None and not cfg.values.get("speculative_config"):
+            self.notify("speculative decoding is not configured on this engine (start it "
+                        "with --speculative-config)", title="Speculation", severity="warning")
+            return
+        on = cfg is None or bool(cfg.values.get("speculative_decoding", True))
+        reason = self.request_change("speculative_decoding", "false" if on else "true",
+                                     confirmed=True)
+        if reason is not None:
+            self.notify(reason, title="Speculation", severity="warning")
+
     def action_toggle_recording(self) -> None:
         if self.steering.readonly_reason == "--readonly":
             # A read-only console (a browser tab without the token) writes nothing to disk.

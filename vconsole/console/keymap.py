@@ -58,6 +58,7 @@ GLOBAL: list[BindingType] = [
     Binding("question_mark", "help", "Help", key_display="?"),
     Binding("p", "toggle_pause", "Pause"),
     Binding("R", "toggle_recording", "Record", key_display="R"),
+    Binding("D", "toggle_spec", "Speculation", key_display="D", show=False),
     Binding("n", "next_engine", "Engine"),
     Binding("exclamation_mark", "show('alerts')", "Alerts", key_display="!", show=False),
     Binding("a", "show('advice')", "Advice", show=False),
@@ -183,6 +184,8 @@ HELP_SECTIONS: list[tuple[str, list[tuple[str, str]]]] = [
                     ("?", "this help"), ("q", "quit"),
                     ("p", "pause the request table and KV map (header and graphs keep moving)"),
                     ("R", "start / stop recording the raw telemetry stream"),
+                    ("D", "pause / resume speculative decoding (the hot key "
+                          "speculative_decoding; engines started with --speculative-config)"),
                     ("n", "next engine (when several are attached)"),
                     ("ctrl+p", "command palette: every action by name")]),
     ("Requests", [("/", "filter: words match id or state; prio>0, state:running, age>10"),

@@ -36,7 +36,7 @@ FLAG_KEYS = ("model", "device", "dtype", "block_size", "num_kv_blocks", "kv_cach
              "kv_cache_memory_bytes", "quantization", "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "policy", "data_parallel_size", "dp_rank",
              "dp_master_addr", "dp_master_port", "kv_events_endpoint",
-             "kv_events_replay_endpoint", "request_trace")
+             "kv_events_replay_endpoint", "request_trace", "speculative_config")
 
 
 def _flag(key: str) -> str:

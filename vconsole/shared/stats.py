@@ -179,6 +179,13 @@ class SchedulerStats:
     structured_compile_cache_hits_total: int = 0
     structured_compile_errors_total: int = 0
     structured_compile_seconds_total: float = 0.0
+    # Speculative decoding (None when not configured, so vLLM's spec-decode series appear
+    # only where it is): ``enabled`` (not paused by the hot key), ``num_speculative_tokens``,
+    # and since start vLLM's counters ``num_drafts``, ``num_draft_tokens``,
+    # ``num_accepted_tokens`` and ``accepted_per_pos`` (a list, one per draft position);
+    # ``requests``: per running request that drafted, [steps with a draft, drafted tokens,
+    # accepted tokens] by id (the Requests screen's columns; at most the rows sent).
+    spec_decode: dict[str, Any] | None = None
 
 
 @dataclass

@@ -14,6 +14,7 @@ from textual.content import Content
 from textual.widgets import Input, Static
 
 from vconsole.console import format as fmt
+from vconsole.console import spec_view
 from vconsole.console.keymap import REQUESTS
 from vconsole.console.requests_view import SORT_KEYS, TITLES, not_understood, select
 from vconsole.console.screens.filtered import FilteredScreen
@@ -101,6 +102,9 @@ class RequestsScreen(FilteredScreen):
                      f"[$error]{fmt.count(sc.get('num_preempted'))}[/] preempted"]
             if sc.get("num_compiling"):     # structured outputs whose grammar compiles now
                 parts.append(f"[$accent]{fmt.count(sc.get('num_compiling'))}[/] compiling")
+            spec = spec_view.summary(sc)    # speculative decoding, where configured
+            if spec is not None:
+                parts.append(spec)
             view = f"{shown:,} of {self.total_rows:,} shown" if self.filter_text else \
                 f"{self.total_rows:,} rows"
             if sc.get("requests_truncated"):
@@ -139,6 +143,9 @@ class RequestsScreen(FilteredScreen):
                 self._detail_seen = (row, text)
             else:           # text not in this snapshot: keep what was seen
                 self._detail_seen = (row, self._detail_seen[1])
+            spec = spec_view.of_request(snap, rid)
+            if spec is not None:
+                row = {**row, "spec": spec}
             pane.show(row, self._detail_seen[1], published=published)
         elif self._detail_seen is not None and self._detail_seen[0].get("id") == rid:
             pane.show(self._detail_seen[0], self._detail_seen[1], published=published,

@@ -15,6 +15,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from vconsole.console import format as fmt
+from vconsole.console import spec_view
 from vconsole.console.engine_state import Alert, ConfigView, EngineState, Series
 
 SPARK_WINDOW_S = 120.0
@@ -142,6 +143,9 @@ def queues(eng: EngineState, now: float, width: int, limits: Mapping[str, float]
     lines.append(_muted(fmt.fit([f"finished {fmt.count(_num(sc, 'num_finished_total'))}",
                                  f"preemptions {fmt.count(_num(sc, 'num_preemptions_total'))}",
                                  *([str(sc["policy"])] if sc.get("policy") else [])], width)))
+    spec = spec_view.summary(sc)        # speculative decoding, where configured
+    if spec is not None:
+        lines.append(spec)
     return "\n".join(lines)
 
 

@@ -49,7 +49,8 @@ def figures(row: dict[str, Any], gone: bool) -> str:
     second = " · ".join([f"prompt {fmt.count(row.get('num_prompt_tokens'))} tok",
                          f"output {fmt.count(row.get('num_output_tokens'))} tok",
                          f"{fmt.count(row.get('num_blocks'))} KV blocks",
-                         *([f"grammar {fmt.escape(grammar)}"] if grammar else [])])
+                         *([f"grammar {fmt.escape(grammar)}"] if grammar else []),
+                         *([fmt.escape(str(row["spec"]))] if row.get("spec") else [])])
     return f"{first}\n[$text-muted]{second}[/]"
 
 

@@ -108,6 +108,9 @@ def sched_body(s: SchedulerStats, max_rows: int) -> dict[str, Any]:
         "structured_compile_cache_hits_total": s.structured_compile_cache_hits_total,
         "structured_compile_errors_total": s.structured_compile_errors_total,
         "structured_compile_seconds_total": s.structured_compile_seconds_total,
+        # Speculative decoding, when configured (`SchedulerStats.spec_decode`): vLLM's
+        # spec-decode counters since start, whether the hot key has it on, drafts per step.
+        "spec_decode": s.spec_decode,
     }
 
 

@@ -226,6 +226,19 @@ def _sched(r: _Rank, b: dict[str, Any]) -> None:
                   b["structured_compile_seconds_total"])
 
 
+    spec = b.get("spec_decode")
+    if spec:                                 # only where speculation is configured, as vLLM
+        r.counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                  spec["num_drafts"])
+        r.counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                  spec["num_draft_tokens"])
+        r.counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                  spec["num_accepted_tokens"])
+        r.per(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens_per_pos",
+              "Accepted tokens per draft position.", "position",
+              ((str(i), v) for i, v in enumerate(spec["accepted_per_pos"])))
+
+
 def _kv(r: _Rank, b: dict[str, Any]) -> None:
     r.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", b["usage"])
     r.counter("vllm:prefix_cache_queries",

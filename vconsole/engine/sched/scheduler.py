@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from vconsole.engine.kv.kv_cache_manager import KVCacheManager, token_slice
 from vconsole.engine.latency import LatencyBatch, LatencyLog
@@ -731,7 +731,20 @@ class Scheduler:
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
             requests=table, requests_truncated=total > min(max_rows, total),
-            num_compiling=len(self.compiling))
+            num_compiling=len(self.compiling), spec_decode=self.spec_stats(max_rows))
+
+    def spec_stats(self, max_rows: int) -> dict[str, Any] | None:
+        """`SchedulerStats.spec_decode`: None when speculation is not configured."""
+        if self.spec is None:
+            return None
+        rows = {r.request_id: [r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens]
+                for r in self.running[:max(0, max_rows)] if r.num_drafts}
+        return {"enabled": self.config.speculative_decoding, "requests": rows,
+                "num_speculative_tokens": self.spec.num_speculative_tokens,
+                "num_drafts": self.spec_num_drafts,
+                "num_draft_tokens": self.spec_num_draft_tokens,
+                "num_accepted_tokens": self.spec_num_accepted_tokens,
+                "accepted_per_pos": list(self.spec_accepted_per_pos)}
 
     def kv_stats(self) -> KVStats:
         return self.kv.kv_stats()
