@@ -35,7 +35,7 @@ BENCH_HANDLERS = REPO / "vconsole/commands/bench.py"
 BENCH_NAMES = ["throughput", "scheduler", "kvmap", "telemetry", "console", "dp", "soak", "serve",
                "quality", "kv-ideas", "kv-grouping", "whatif", "structured"]
 # Benchmarks added since the data was taken: no line of before names them.
-NEW_BENCH_NAMES = ["fleet", "build-llama-server"]
+NEW_BENCH_NAMES = ["fleet", "build-llama-server", "spec"]
 
 # Flags a benchmark gained since, each defaulting to what a line of before did (issue 48: the
 # quality bench's chunk and text, kv-grouping's text; issue 44: whatif's workloads).
