@@ -106,3 +106,25 @@ def test_aborted_requests_count_as_arrivals_so_they_cannot_hide_an_overload():
     assert over["arrival_span_s"] == pytest.approx(
         trace.requests[-1].arrival - trace.requests[0].arrival, abs=0.001)
     assert over["overloaded"]
+
+
+def test_arrivals_within_the_model_s_error_of_the_capacity_are_near_capacity_not_a_verdict(
+        heavy):
+    """Where what arrives is within the step-time model's error of the capacity, the model
+    cannot tell whether the queue grows: it says "near capacity" with that error instead of
+    either verdict; beyond it, the verdict stands. The capacity does not depend on the rate
+    (all of the trace's requests at once), and make_trace's arrival times scale as 1/rate."""
+    cap = heavy["variants"][0]["overload"]["capacity"]["req_s"]
+    unit = arrival_rate(make_trace(200, rate=1.0).requests)
+    near = whatif(make_trace(200, rate=cap / unit), [{"max_num_seqs": 1}], intervals=False)
+    v = near["variants"][0]["overload"]
+    assert v["load"] == pytest.approx(1.0, abs=0.01) and v["margin"] > 0
+    assert v["near_capacity"] and not v["overloaded"] and not v["burst"]
+    text = format_report(near)
+    assert "near capacity: max_num_seqs=1 serves" in text and "the queue may grow" in text
+    assert "overloaded" not in text
+    beyond = 1 + 2 * v["margin"]
+    for rate, over in ((cap * beyond / unit, True), (cap / beyond / unit, False)):
+        w = whatif(make_trace(200, rate=rate), [{"max_num_seqs": 1}],
+                   intervals=False)["variants"][0]["overload"]
+        assert w["overloaded"] is over and not w["near_capacity"]

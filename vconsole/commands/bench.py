@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from vconsole.commands import fail
@@ -116,7 +117,10 @@ def whatif(args: argparse.Namespace) -> int:
         print(f"vconsole bench whatif: unknown workload {', '.join(unknown)} "
               f"({', '.join(known)})", file=sys.stderr)
         return 2
-    out = whatif_bench(args.seconds or 90.0, workloads=names, log=_log(args))
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+    out = whatif_bench(args.seconds or 90.0, workloads=names, log=_log(args),
+                       trace_dir=args.trace_dir)
     return _report(args, out, passed=out["passed"])
 
 

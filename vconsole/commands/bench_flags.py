@@ -252,6 +252,9 @@ def add_whatif(benches: SubParsers) -> None:
                    help="which workloads: demo, serve (default both), held-out (tiny: seats "
                         "to a fifth, the pool halved and quartered, overload; with and without "
                         "--calibrate), held-out-smollm2 (the same on the real model)")
+    p.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="keep the recorded traces and calibrations in DIR (default: a "
+                        "temporary folder, removed), to predict from them again")
 
 
 def add_structured(benches: SubParsers) -> None:

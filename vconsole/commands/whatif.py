@@ -12,7 +12,7 @@ from vconsole.commands import fail
 from vconsole.telemetry.request_trace import FIGURES, TraceError, read_trace
 from vconsole.whatif.calibration import calibration_path
 from vconsole.whatif.cost_model import TooLittleTraffic
-from vconsole.whatif.overload import overload_line
+from vconsole.whatif.overload import verdict_line
 from vconsole.whatif.predict import (
     KV_BLOCKS,
     ROW_LABELS,
@@ -246,9 +246,8 @@ def format_report(report: dict[str, Any]) -> str:
                      f"was fitted on, {tolerance(shape_err['outside'])} beyond them")
     named = [("the trace's own config", base)] + [(_named(v["set"]), v) for v in variants]
     for name, entry in named:
-        if (entry.get("overload") or {}).get("overloaded"):
-            lines += textwrap.wrap(overload_line(name, entry["overload"]), WIDTH,
-                                   subsequent_indent="  ")
+        if said := verdict_line(name, entry.get("overload")):
+            lines += textwrap.wrap(said, WIDTH, subsequent_indent="  ")
     if obs is None:
         lines.append("no observed figures (a CSV trace): nothing checks the baseline")
     else:

@@ -72,7 +72,7 @@ def box_markup(p: Prediction) -> str:
     flagged = p.rough
     stated = p.after_stated
     lines = [f"[b]predicted[/] [$text-muted]from {source}:[/]"]
-    if p.overloaded:
+    if p.overloaded or p.near_capacity:
         lines.append(f"[$warning]{fmt.escape(p.overload_line())}[/]")
     lines.append(f"[$text-muted]{'':14}{'now':>8}   {'after':<10}{'':7} {'±':>6} "
                  f"{'live':>8}[/]")

@@ -50,7 +50,7 @@ from vconsole.console.calibrating import NO_CALIBRATION, Calibrator, Outcome, pi
 from vconsole.telemetry.request_trace import FIGURES, Trace, TraceError, parse_lines
 from vconsole.whatif.calibration import calibrations_dir
 from vconsole.whatif.intervals import shape_error
-from vconsole.whatif.overload import overload_line
+from vconsole.whatif.overload import verdict_line
 from vconsole.whatif.predict import (
     KV_BLOCKS,
     LABELS,
@@ -144,13 +144,17 @@ class Prediction:
         """The change serves fewer requests per second than the trace's arrive."""
         return bool((self.after_info.get("overload") or {}).get("overloaded"))
 
+    @property
+    def near_capacity(self) -> bool:
+        """What arrives is within the model's error of what the change serves: the queue
+        may grow (`vconsole.whatif.overload.verdict`)."""
+        return bool((self.after_info.get("overload") or {}).get("near_capacity"))
+
     def overload_line(self) -> str:
         """``overloaded: this change serves 14.6 req/s (2,370 output tok/s), 19.8 arrive:
-        ...`` (plain text; empty when it keeps up)."""
-        if not self.overloaded:
-            return ""
-        return overload_line("this change" if self.change else "the live config",
-                             self.after_info["overload"])
+        ...``, or ``near capacity: ...`` (plain text; empty when it keeps up)."""
+        return verdict_line("this change" if self.change else "the live config",
+                            self.after_info.get("overload"))
 
     def coverage_line(self) -> str:
         """``62% of its steps at batch shapes never fitted (vconsole whatif --calibrate)``:

@@ -322,9 +322,11 @@ def assess(base: Baseline, values: dict[str, Any], result: SimResult, pred: dict
     ``cost_error`` (`shape_error`) ``interval`` (each figure's bounds and stated error,
     `vconsole.whatif.intervals`)."""
     out: dict[str, Any] = {"coverage": base.coverage.outside(result.steps)}
-    out["overload"] = verdict(base.trace, lambda t: base.run(values, trace=t), result)
+    error = (cost_error["outside" if out["coverage"]["warn"] else "inside"]
+             if cost_error is not None else base.model.rel_error)
+    out["overload"] = verdict(base.trace, lambda t: base.run(values, trace=t), result,
+                              margin=error)
     if cost_error is not None:
-        error = cost_error["outside" if out["coverage"]["warn"] else "inside"]
         runs = interval_runs(lambda m, seed: predicted(base.run(values, model=m, seed=seed)),
                              base.model, error)
         out["interval"] = {**interval(pred, runs), "cost_error": error}

@@ -8,11 +8,12 @@ from typing import Any
 from vconsole.tools.bench.whatif_heldout import ENGINE, GOALS, judge, variants
 
 
-def entry(tok: float, ttft: float, over: bool) -> dict[str, Any]:
+def entry(tok: float, ttft: float, over: bool, near: bool = False) -> dict[str, Any]:
     pred = {"output_tok_s": tok, "ttft_p50_s": ttft, "itl_p50_s": 0.002, "ttft_p99_s": ttft * 2}
     return {"set": {"max_num_seqs": 6}, "predicted": pred,
             "interval": {"bounds": {k: [v * 0.9, v * 1.1] for k, v in pred.items()}},
-            "overload": {"overloaded": over, "capacity": {"req_s": 10.0}, "arrival_req_s": 12.0},
+            "overload": {"overloaded": over, "near_capacity": near, "capacity": {"req_s": 10.0},
+                         "arrival_req_s": 12.0},
             "coverage": {"share": 0.0}}
 
 
@@ -46,3 +47,15 @@ def test_an_overloaded_variant_is_judged_by_its_verdict_against_the_real_queue()
     missed = judge(entry(1000.0, 1.0, False), entry(1000.0, 1.0, False), REAL,
                    {"grows": True, "rate": 0.3})
     assert not missed["within_goals"]
+
+
+def test_near_capacity_counts_as_detected_where_the_queue_grew_and_is_judged_where_not():
+    grew = judge(entry(900.0, 9.0, False, near=True), entry(900.0, 9.0, False), REAL,
+                 {"grows": True, "rate": 0.2})
+    assert grew["near_capacity"] and grew["overload_right"] and grew["within_goals"]
+    kept_up = judge(entry(1300.0, 9.0, False, near=True), entry(900.0, 9.0, False), REAL,
+                    {"grows": False, "rate": 0.0})
+    assert kept_up["overload_right"] and not kept_up["within_goals"]   # 30% off on tok/s
+    close = judge(entry(1010.0, 1.02, False, near=True), entry(900.0, 9.0, False), REAL,
+                  {"grows": False, "rate": 0.0})
+    assert close["within_goals"]

@@ -311,7 +311,7 @@ class WhatIfScreen(ConsoleScreen):
                 parts.append(f"[$warning]{p.after['rejected']} requests never fit that pool "
                              f"(left out)[/]")
             lines = ["[b]with edits[/] " + " · ".join(parts)]
-        if p.overloaded:
+        if p.overloaded or p.near_capacity:
             lines.insert(0, f"[$warning]{fmt.escape(p.overload_line())}[/]")
         cover = p.coverage_line() if self.variant else ""
         if cover:
