@@ -238,6 +238,12 @@ def add_engine_command_args(p: argparse.ArgumentParser) -> None:
                    const="enable_mfu_metrics=true",
                    help="count each step's estimated FLOPs and bytes read and written (vLLM's "
                         "flag: vllm:estimated_*_per_gpu_total)")
+    g.add_argument("--collect-detailed-traces", dest="overrides", action=SetKey,
+                   key="collect_detailed_traces", type=detailed_traces, metavar="MODULES",
+                   help="time each request's share of its steps (schedule, model forward, "
+                        "model execute) for its --otlp-traces-endpoint span (vLLM's flag; "
+                        "MODULES: all, model or worker, comma-separated: any of them turns on "
+                        "all three figures)")
     add_supervisor_args(p)
 
 
@@ -255,6 +261,16 @@ class SetKey(argparse.Action):
         items = list(getattr(namespace, self.dest, None) or [])
         items.append(f"{self.key}={values}")
         setattr(namespace, self.dest, items)
+
+
+def detailed_traces(text: str) -> str:
+    """vLLM's ``--collect-detailed-traces`` value (``all``, ``model``, ``worker``, comma-
+    separated) as the config key's: ``true``."""
+    modules = [m.strip() for m in text.split(",")]
+    wrong = [m for m in modules if m not in ("all", "model", "worker")]
+    if wrong or not modules:
+        raise argparse.ArgumentTypeError(f"all, model or worker (comma-separated), got {text!r}")
+    return "true"
 
 
 def port(text: str) -> int:

@@ -80,6 +80,7 @@ class EngineCore:
         # the GIL; the forward only launches kernels); on a CPU both would want the same cores.
         self.overlap_bitmask = self.runner.device.type == "cuda"
         nvtx.configure(config.nvtx, self.runner.device.type)
+        self.runner.time_forward = config.collect_detailed_traces
         logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
                     "(kv %s, %d bytes per token)", config.model, self.runner.device,
                     self.runner.dtype, self.num_kv_blocks, config.block_size,
@@ -238,6 +239,8 @@ class EngineCore:
             t2b = time.monotonic_ns()
             structured_ns += t2b - t2 + model_output.structured_ns
             t2 = t2b
+        if self.runner.time_forward:    # before the update, so a request finishing now counts it
+            self._add_step_times(scheduler_output, t_scheduled - t0, execute_ns)
         nvtx.push("update")
         try:
             results = self.scheduler.update_from_output(scheduler_output, model_output)
@@ -270,6 +273,18 @@ class EngineCore:
         if profiler is not None:
             profiler.end_step(self.last_step, self.num_steps)
         return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0
+
+    def _add_step_times(self, so: SchedulerOutput, schedule_ns: int, execute_ns: int) -> None:
+        """``collect_detailed_traces``: the step's schedule, forward and execute time added to
+        each request it ran (vLLM's per-request scheduler / model forward / execute times)."""
+        forward_ns, self.runner.last_forward_ns = self.runner.last_forward_ns, 0
+        get = self.scheduler.get_request
+        for rid in so.num_scheduled_tokens:
+            req = get(rid)
+            if req is not None:
+                req.scheduler_ns += schedule_ns
+                req.forward_ns += forward_ns
+                req.execute_ns += execute_ns
 
     def dummy_step(self) -> None:
         """A data-parallel rank's step with nothing to do: one minimal forward that touches no
@@ -323,6 +338,7 @@ class EngineCore:
             self.config_version += 1
             self.scheduler.update_config(self.config)
             nvtx.configure(self.config.nvtx, self.runner.device.type)
+            self.runner.time_forward = self.config.collect_detailed_traces
         return update
 
     def scheduler_stats(self, max_rows: int, rows: RowSource | None = None) -> SchedulerStats:

@@ -70,6 +70,11 @@ class Request:
     # by the request while it lives).
     compile_ms: float = 0.0
     grammar: Any = None
+    # collect_detailed_traces: the summed schedule, model forward and model execute time of
+    # the steps it ran in (ns; 0 while the key is off).
+    scheduler_ns: int = 0
+    forward_ns: int = 0
+    execute_ns: int = 0
     # Speculative decoding (`vconsole.engine.spec`): the draft proposed for its next step
     # (consumed when scheduled), and its own counts: steps that ran a draft, drafted tokens,
     # of those accepted.
@@ -113,7 +118,9 @@ def request_timings(req: Request) -> dict[str, float]:
     """A finished request's phases in seconds on the scheduler's clock, those it reached:
     ``queue_s`` (first scheduled - arrival), ``prefill_s`` (first token - first scheduled),
     ``decode_s`` (last token - first token), ``inference_s`` (last token - first scheduled);
-    the definitions of `vconsole.engine.latency`. Its final output carries them."""
+    the definitions of `vconsole.engine.latency`. With ``collect_detailed_traces`` also the
+    sums over the steps it ran in: ``scheduler_s``, ``forward_s``, ``execute_s``. Its final
+    output carries them."""
     out: dict[str, float] = {}
     scheduled, first, last = req.first_scheduled_time, req.first_token_time, req.last_token_time
     if scheduled is not None:
@@ -122,4 +129,8 @@ def request_timings(req: Request) -> dict[str, float]:
             out["prefill_s"] = first - scheduled
             out["decode_s"] = last - first
             out["inference_s"] = last - scheduled
+    if req.execute_ns:
+        out["scheduler_s"] = req.scheduler_ns / 1e9
+        out["forward_s"] = req.forward_ns / 1e9
+        out["execute_s"] = req.execute_ns / 1e9
     return out

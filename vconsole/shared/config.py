@@ -232,6 +232,13 @@ class EngineConfig:
     enable_mfu_metrics: bool = _f(False, "Count each step's estimated FLOPs and bytes read and "
                                   "written (vLLM's --enable-mfu-metrics: "
                                   "vllm:estimated_*_per_gpu_total).", hot=False)
+    # --- hot: vLLM's --collect-detailed-traces (`vconsole.engine.core`, the spans' figures) --
+    collect_detailed_traces: bool = _f(False, "Time each request's share of the steps it ran "
+                                       "in: schedule, model forward and model execute, for "
+                                       "its OTLP span's gen_ai.latency.time_in_scheduler / "
+                                       "time_in_model_forward / time_in_model_execute (vLLM's "
+                                       "--collect-detailed-traces; on a GPU the forward is "
+                                       "timed with a synchronize).", hot=True)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -25,6 +25,7 @@ from vconsole.entrypoints.openai.api_server import build_app
 from vconsole.entrypoints.openai.engine_link import EngineLink
 from vconsole.entrypoints.openai.serving_base import OpenAIServing
 from vconsole.entrypoints.openai.tracing import RequestTracer, check_endpoint, traces_url
+from vconsole.wire.control_client import ControlClient
 
 pytest.importorskip("opentelemetry.sdk.trace", reason="pip install '.[test]' (opentelemetry-sdk)")
 pytest.importorskip("opentelemetry.proto", reason="pip install '.[test]' (opentelemetry-proto)")
@@ -182,6 +183,37 @@ def test_a_span_joins_the_callers_trace_with_vllms_attribute_names(server: Serve
         == pytest.approx(a["gen_ai.latency.time_in_model_inference"])
     assert span["resource"]["service.name"] == "vconsole"
     assert span["status"] == 0                                          # unset: fine
+
+
+DETAILED = ("gen_ai.latency.time_in_scheduler", "gen_ai.latency.time_in_model_forward",
+            "gen_ai.latency.time_in_model_execute")
+
+
+def test_detailed_traces_add_the_requests_share_of_its_steps(shared_engine: Any,
+                                                             server: Server,
+                                                             receiver: Receiver) -> None:
+    """``collect_detailed_traces`` (vLLM's --collect-detailed-traces, a hot key here): the
+    span gets the summed schedule, forward and execute time of the steps the request ran in;
+    off, it has none of them."""
+    control = ControlClient(shared_engine.endpoints["control"], timeout_s=10,
+                            key=shared_engine.control_key())
+    try:
+        assert control.set_config({"collect_detailed_traces": True})["ok"]
+        server.client.completions.create(model="tiny", prompt=[4] * 40, max_tokens=8,
+                                         extra_body={"ignore_eos": True},
+                                         extra_headers={"x-request-id": "detailed-1"})
+    finally:
+        assert control.set_config({"collect_detailed_traces": False})["ok"]
+        control.close()
+    a = receiver.span("detailed-1")["attrs"]
+    scheduler, forward, execute = (a[k] for k in DETAILED)
+    # 8 steps at least (one per token), each timed: the forward is part of the execute phase,
+    # and the execute phases the request ran in lie inside its time in the model
+    assert scheduler > 0 and 0 < forward <= execute
+    assert execute <= a["gen_ai.latency.time_in_model_inference"]
+    server.client.completions.create(model="tiny", prompt=[4] * 40, max_tokens=2,
+                                     extra_headers={"x-request-id": "detailed-off"})
+    assert not set(DETAILED) & set(receiver.span("detailed-off")["attrs"])
 
 
 def test_a_span_counts_from_the_requests_arrival_its_tokenizing_included(

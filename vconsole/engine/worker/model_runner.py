@@ -113,6 +113,9 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # collect_detailed_traces (set by the engine core): time each forward, the latest's ns
+        self.time_forward = False
+        self.last_forward_ns = 0
         self.model, self.tokenizer, self.info = load_model(config.model, config.device,
                                                            config.dtype, seed=config.seed)
         first = next(self.model.parameters())
@@ -272,7 +275,12 @@ class ModelRunner:
             step = self.prepare(seqs)
             if step is None:
                 return ModelRunnerOutput()
+            t_forward = time.monotonic_ns() if self.time_forward else 0
             logits = self._forward(step)
+            if self.time_forward:       # collect_detailed_traces: the forward's own time
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.last_forward_ns = time.monotonic_ns() - t_forward
             prompt_lps = self._prompt_logprobs(step)
             if logits is None:
                 return ModelRunnerOutput()

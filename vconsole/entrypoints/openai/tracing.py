@@ -55,7 +55,11 @@ LATENCY_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
 PHASE_ATTRIBUTES = {"queue_s": LATENCY_TIME_IN_QUEUE,
                     "prefill_s": "gen_ai.latency.time_in_model_prefill",
                     "decode_s": "gen_ai.latency.time_in_model_decode",
-                    "inference_s": "gen_ai.latency.time_in_model_inference"}
+                    "inference_s": "gen_ai.latency.time_in_model_inference",
+                    # with collect_detailed_traces: the sums over the steps it ran in
+                    "scheduler_s": "gen_ai.latency.time_in_scheduler",
+                    "forward_s": "gen_ai.latency.time_in_model_forward",
+                    "execute_s": "gen_ai.latency.time_in_model_execute"}
 
 # The HTTP request's headers, set by the generation route for the spans its prompts start.
 incoming: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
