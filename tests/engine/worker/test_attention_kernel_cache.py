@@ -39,6 +39,8 @@ VC_LIBRARY(VC_OPS, m) {
   m.def("quantize_store() -> ()");
   m.def("int8_gemm() -> ()");
   m.def("int8_gemm_isa() -> ()");
+  m.def("gguf_linear() -> ()");
+  m.def("gguf_dequantize() -> ()");
 }
 """,
     "attend_stand_in.cpp": "int vc_stand_in() { return 0; }\n",

@@ -75,7 +75,7 @@ MANIFEST = "manifest.json"
 LOCK = "lock"
 HEARTBEAT_S = 10.0
 OPS = ("paged_decode_attention", "paged_decode_attention_quant", "paged_decode_attention_kivi",
-       "quantize_store", "int8_gemm", "int8_gemm_isa")
+       "quantize_store", "int8_gemm", "int8_gemm_isa", "gguf_linear", "gguf_dequantize")
 _FORMAT = 2   # bump when the cache entry's layout changes (2: a torch.ops library)
 
 _lock = threading.Lock()
@@ -95,6 +95,8 @@ class Kernel:
     quantize_store: Callable[..., None]
     int8_gemm: Callable[..., None]        # the int8 weights' many-rows GEMM (csrc/int8_gemm.cpp)
     int8_gemm_isa: Callable[[], str]      # its vector path: avx512, avx2 or generic
+    gguf_linear: Callable[..., None]      # GGUF quantized weights' linear (csrc/gguf_gemm.cpp)
+    gguf_dequantize: Callable[..., None]  # those weights as float32 (the same decoding)
 
 
 def _cpu_tag() -> str:
