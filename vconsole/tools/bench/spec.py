@@ -116,8 +116,9 @@ def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _side(tokens: int, seconds: float, decode_tokens: int, decode_s: float) -> dict[str, Any]:
-    return {"output_tokens": tokens, "seconds": round(seconds, 3),
+def _side(tokens: float, seconds: float, decode_tokens: float, decode_s: float
+          ) -> dict[str, Any]:
+    return {"output_tokens": int(tokens), "seconds": round(seconds, 3),
             "tok_s": round(tokens / seconds, 2) if seconds else None,
             "decode_tok_s": round(decode_tokens / decode_s, 2) if decode_s else None}
 
@@ -127,12 +128,12 @@ def spec_bench(model: str, *, spec: dict[str, Any] | None = None, max_tokens: in
                log: Callable[[str], None] | None = None) -> dict[str, Any]:
     spec = dict(DEFAULT_SPEC if spec is None else spec)
     say = log or (lambda _m: None)
-    base = {"model": model, "device": "cpu", "enable_prefix_caching": False,
-            "quantization": quantization}
+    base = EngineConfig(model=model, device="cpu", enable_prefix_caching=False,
+                        quantization=quantization)
     load0 = _load()
     say(f"loading {model} twice (with and without speculation)")
-    cores = {"plain": EngineCore(EngineConfig(**base)),
-             "spec": EngineCore(EngineConfig(**base, speculative_config=json.dumps(spec)))}
+    cores = {"plain": EngineCore(base),
+             "spec": EngineCore(base.replace(speculative_config=json.dumps(spec)))}
     renderer = ChatRenderer(cores["plain"].tokenizer)
     workloads = {"quoting": quoting_prompts(), "chat": chat_prompts(num_chat)}
     # warm both (first forwards build caches and kernels)
@@ -145,7 +146,7 @@ def spec_bench(model: str, *, spec: dict[str, Any] | None = None, max_tokens: in
                               "threads": _threads(), "workloads": {}}
     n = 0
     for name, prompts in workloads.items():
-        sums = {side: [0, 0.0, 0, 0.0] for side in cores}
+        sums: dict[str, list[float]] = {side: [0, 0.0, 0, 0.0] for side in cores}
         before = _counters(cores["spec"])
         identical = True
         diverged: list[int] = []
