@@ -37,8 +37,9 @@ def canonical_kv_cache_dtype(name: str) -> str:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                          f"got {name!r}")
     return _KV_ALIASES.get(name, name)
-# Weight quantization (vLLM's --quantization): int8 weights, per output channel scales.
-QUANTIZATIONS = ("int8",)
+# Weight quantization (vLLM's --quantization): int8 weights, per output channel scales; gguf:
+# a .gguf model's quantized blocks read as stored (the default for such a model on CPU).
+QUANTIZATIONS = ("int8", "gguf")
 
 
 def _f(default: Any, desc: str, *, hot: bool, lo: float | None = None, hi: float | None = None,
@@ -72,8 +73,11 @@ class EngineConfig:
                                            "the blocks at int8 and ~6x at int4 against float32.",
                                            hot=False, lo=1, hi=1 << 50, nullable=True)
     quantization: str | None = _f(None, "Weight quantization: int8 (per-channel int8 weights "
-                                  "of every decoder linear and the LM head); unset = the "
-                                  "model's dtype.", hot=False, choices=QUANTIZATIONS,
+                                  "of every decoder linear and the LM head); gguf (a .gguf "
+                                  "model's quantized blocks read as stored: Q4_0, Q4_1, Q8_0, "
+                                  "Q4_K, Q6_K); unset = gguf for a quantized .gguf model on "
+                                  "CPU with dtype auto, else the model's dtype.", hot=False,
+                                  choices=QUANTIZATIONS,
                                   nullable=True)
     speculative_config: str | None = _f(None, "Speculative decoding, vLLM's JSON: "
                                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": "

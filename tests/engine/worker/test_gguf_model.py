@@ -15,7 +15,9 @@ import hashlib
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,8 +43,11 @@ MAX_TOKENS = 12
 
 
 def write_gguf(path: Path, arch: str, *, seed: int = 0, hidden: int = 128, layers: int = 2,
-               heads: int = 2, kv_heads: int = 1, ffn: int = 256) -> Path:
-    """A tiny GGUF of architecture ``arch`` (llama, qwen2: with q/k/v biases) at ``path``."""
+               heads: int = 2, kv_heads: int = 1, ffn: int = 256,
+               encode: Callable[[str, np.ndarray], tuple[np.ndarray, Any] | None] | None = None,
+               ) -> Path:
+    """A tiny GGUF of architecture ``arch`` (llama, qwen2: with q/k/v biases) at ``path``.
+    ``encode(name, weight)``: a 2-D weight's stored bytes and GGML type (None: float32)."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -54,6 +59,14 @@ def write_gguf(path: Path, arch: str, *, seed: int = 0, hidden: int = 128, layer
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
     w = gguf.GGUFWriter(str(path), arch)
+    add_tensor = w.add_tensor
+
+    def add(name: str, array: np.ndarray) -> None:
+        stored = encode(name, array) if encode is not None and array.ndim == 2 else None
+        if stored is None:
+            add_tensor(name, array)
+        else:
+            add_tensor(name, stored[0], raw_dtype=stored[1])
     w.add_name(f"tiny-{arch}")
     w.add_context_length(512)
     w.add_embedding_length(hidden)
@@ -72,25 +85,25 @@ def write_gguf(path: Path, arch: str, *, seed: int = 0, hidden: int = 128, layer
     w.add_eos_token_id(2)
     w.add_pad_token_id(0)
     w.add_chat_template(CHATML)
-    w.add_tensor("token_embd.weight", weight(len(tokens), hidden))
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    add("token_embd.weight", weight(len(tokens), hidden))
+    add("output_norm.weight", np.ones(hidden, np.float32))
     # logits spread wide: greedy choices by clear margins, not by float rounding
-    w.add_tensor("output.weight", weight(len(tokens), hidden, std=1.0))
+    add("output.weight", weight(len(tokens), hidden, std=1.0))
     for i in range(layers):
         blk = f"blk.{i}."
-        w.add_tensor(blk + "attn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(blk + "attn_q.weight", weight(heads * head_dim, hidden))
-        w.add_tensor(blk + "attn_k.weight", weight(kv_heads * head_dim, hidden))
-        w.add_tensor(blk + "attn_v.weight", weight(kv_heads * head_dim, hidden))
+        add(blk + "attn_norm.weight", np.ones(hidden, np.float32))
+        add(blk + "attn_q.weight", weight(heads * head_dim, hidden))
+        add(blk + "attn_k.weight", weight(kv_heads * head_dim, hidden))
+        add(blk + "attn_v.weight", weight(kv_heads * head_dim, hidden))
         if arch == "qwen2":
-            w.add_tensor(blk + "attn_q.bias", weight(heads * head_dim))
-            w.add_tensor(blk + "attn_k.bias", weight(kv_heads * head_dim))
-            w.add_tensor(blk + "attn_v.bias", weight(kv_heads * head_dim))
-        w.add_tensor(blk + "attn_output.weight", weight(hidden, heads * head_dim))
-        w.add_tensor(blk + "ffn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(blk + "ffn_gate.weight", weight(ffn, hidden))
-        w.add_tensor(blk + "ffn_up.weight", weight(ffn, hidden))
-        w.add_tensor(blk + "ffn_down.weight", weight(hidden, ffn))
+            add(blk + "attn_q.bias", weight(heads * head_dim))
+            add(blk + "attn_k.bias", weight(kv_heads * head_dim))
+            add(blk + "attn_v.bias", weight(kv_heads * head_dim))
+        add(blk + "attn_output.weight", weight(hidden, heads * head_dim))
+        add(blk + "ffn_norm.weight", np.ones(hidden, np.float32))
+        add(blk + "ffn_gate.weight", weight(ffn, hidden))
+        add(blk + "ffn_up.weight", weight(ffn, hidden))
+        add(blk + "ffn_down.weight", weight(hidden, ffn))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

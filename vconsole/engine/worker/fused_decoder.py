@@ -14,7 +14,8 @@ Python around the ops costs as much as the ops. `FusedDecoder` runs the same mat
 - each layer's four matmuls are callables (``qkv``, ``o``, ``gate_up``, ``down``): ``F.linear``
   over the float weights, or, with ``--quantization int8``, the fused `weight_quant.Int8Linear`
   (stacked from the int8 parts exactly; transformers' q/k/v and gate/up modules become
-  `weight_quant.SliceOf` views of its output).
+  `weight_quant.SliceOf` views of its output), or, with ``--quantization gguf``, the GGUF
+  blocks' `gguf_linear.GGUFLinear` (stacked the same way where the parts share a quant type).
 
 The elementwise math (RMSNorm in float32, ``q * cos + rotate_half(q) * sin``, ``act(gate) * up``)
 is written as transformers writes it, so greedy outputs stay token-for-token equal to theirs
@@ -34,7 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vconsole.engine.worker import nvtx
+from vconsole.engine.worker import gguf_linear, nvtx
+from vconsole.engine.worker.gguf_linear import GGUFLinear
 from vconsole.engine.worker.paged_attention import PagedAttentionMetadata, paged_attention_forward
 from vconsole.engine.worker.weight_quant import Int8Linear, SliceOf
 
@@ -134,9 +136,10 @@ class FusedDecoder:
             parts = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
                      mlp.gate_proj, mlp.up_proj, mlp.down_proj]
             kinds |= {type(p) for p in parts}
-        if kinds not in ({torch.nn.Linear}, {Int8Linear}):
+        if kinds not in ({torch.nn.Linear}, {Int8Linear}, {GGUFLinear}):
             return None  # packed by cpu_linear, mixed, already fused, ...: transformers' path
         int8 = kinds == {Int8Linear}
+        stored = kinds == {GGUFLinear}
         for layer in decoder.layers[:cfg.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
             window = (attn.sliding_window if hasattr(attn, "sliding_window")
@@ -146,6 +149,13 @@ class FusedDecoder:
                          ln2=layer.post_attention_layernorm.weight,
                          ln2_eps=float(layer.post_attention_layernorm.variance_epsilon),
                          sliding_window=window)
+            if stored:
+                layers.append(_Layer(
+                    qkv=gguf_linear.fuse(attn, ["q_proj", "k_proj", "v_proj"]),
+                    o=attn.o_proj.forward,
+                    gate_up=gguf_linear.fuse(mlp, ["gate_proj", "up_proj"]),
+                    down=mlp.down_proj.forward, **norms))
+                continue
             if int8:
                 layers.append(_Layer(
                     qkv=_fuse_int8(attn, ["q_proj", "k_proj", "v_proj"]).forward,

@@ -29,7 +29,13 @@ from vconsole.engine.sched.output import GrammarBatch, ModelRunnerOutput, Schedu
 from vconsole.engine.spec import rejection
 from vconsole.engine.spec.ngram import NgramProposer
 from vconsole.engine.spec.policy import can_speculate
-from vconsole.engine.worker import attention_kernel, kv_quant, paged_attention, prompt_logprobs
+from vconsole.engine.worker import (
+    attention_kernel,
+    kv_quant,
+    paged_attention,
+    prompt_logprobs,
+    weight_format,
+)
 from vconsole.engine.worker.fused_decoder import FusedDecoder
 from vconsole.engine.worker.kv_open_blocks import OpenBlocks
 from vconsole.engine.worker.model_loader import load_model
@@ -145,10 +151,8 @@ class ModelRunner:
         self._workspace = paged_attention.Workspace()
         self.num_blocks = 0
         self.block_size = config.block_size
-        if config.quantization is not None:
-            from vconsole.engine.worker import weight_quant
-
-            weight_quant.quantize_model(self.model, config.quantization)
+        # int8, a GGUF's blocks as stored (`weight_format`), or None: the model's dtype
+        self.weights: str | None = weight_format.apply(self.model, config, self.device.type)
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
         self._decode_kernel = (attention_kernel.load()

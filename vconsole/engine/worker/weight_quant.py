@@ -306,11 +306,12 @@ def quantize_model(model: torch.nn.Module, method: str) -> int:
 
 class SliceOf(torch.nn.Module):
     """Columns ``start:end`` of a fused linear's output: what a q/k/v or gate/up projection
-    becomes once `fused_decoder` stacked it into one `Int8Linear` (transformers' own forward
+    becomes once `fused_decoder` stacked it into one `Int8Linear` (or a GGUF linear, one
+    ``in_features``; transformers' own forward
     then still works, at the cost of the whole fused matmul per part; the fused decoder calls
     the fused linear once)."""
 
-    def __init__(self, fused: Int8Linear, start: int, end: int) -> None:
+    def __init__(self, fused: torch.nn.Module, start: int, end: int) -> None:
         super().__init__()
         self.fused = fused
         self.start, self.end = start, end
