@@ -212,3 +212,47 @@ def test_every_dashboard_query_returns_series(stack: Stack) -> None:
              if (has_gpu or title not in NEEDS_GPU)
              and not stack.prometheus.query(expr, stack.at)]
     assert empty == []
+
+
+def test_the_dashboard_preview_draws_every_panel_from_this_prometheus(
+        stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """scripts/grafana_screenshot.py's renderer over the run: every target of every panel ran
+    without an error and returned series, with values wherever the engine measured something
+    (a quantile of a histogram nothing was observed in is NaN: the residency histograms when
+    no block was evicted); each panel is on the page at its ``gridPos``; Chromium, when
+    installed, screenshots the page at the page's size."""
+    import re
+
+    from vconsole.tools.dashboard_preview import (
+        fetch,
+        find_chromium,
+        layout,
+        png_size,
+        render_html,
+        screenshot,
+    )
+
+    model = json.loads(DASHBOARD.read_text())
+    has_gpu = bool(stack.samples("vconsole:gpu_memory_used_bytes"))
+    pre = fetch(model, stack.prometheus.url, stack.at - 120, stack.at, scrape_interval_s=1,
+                rate_interval_s=60)
+    assert [v.id for v in pre.panels] == [p["id"] for p in model["panels"]]
+    for view in pre.panels:
+        assert view.box == layout(view.panel["gridPos"], pre.width)
+        assert len(view.results) == len(view.panel.get("targets", ())), view.title
+        for r in view.results:
+            assert r.error is None, (view.title, r.expr, r.error)
+            if view.title in NEEDS_GPU and not has_gpu:
+                continue
+            assert r.series, (view.title, r.expr)
+            observed = [sum(v for _, v in stack.samples(f"{family}_count"))
+                        for family in re.findall(r"([a-z_]+:[a-z_]+?)_(?:bucket|sum|count)\b",
+                                                 r.expr)]
+            if not observed or any(observed):
+                assert any(s.finite() for s in r.series), (view.title, r.expr)
+    folder = tmp_path_factory.mktemp("dashboard-preview")
+    page = folder / "dashboard.html"
+    page.write_text(render_html(pre))
+    if find_chromium() is not None:
+        screenshot(page, folder / "dashboard.png", pre.width, pre.height)
+        assert png_size(folder / "dashboard.png") == (pre.width, pre.height)

@@ -87,6 +87,14 @@ class RequestSizeMetrics:
                                               registry=self._registry)
             return self._h
 
+    def prime(self, model_name: str, max_model_len: int) -> None:
+        """The histograms and the model's series made at once, all at zero, once the engine's
+        ``max_model_len`` is known: Prometheus then scrapes their zero before the first
+        request, so ``rate()`` sees the first observations too (a series first scraped with
+        its requests already counted has no increase to rate until the next ones)."""
+        for h in self._histograms(max_model_len).values():
+            h.labels(model_name)
+
     def observe(self, model_name: str, max_model_len: int, *, num_prompt_tokens: int,
                 max_tokens: int, generation_tokens: Sequence[int],
                 cached_tokens: Sequence[int]) -> None:

@@ -129,6 +129,8 @@ class OpenAIServing:
         self.model_name = self.model_name or str(info.get("model") or info["model_path"])
         self.max_model_len = int(info["max_model_len"])
         self.chat_template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if self.request_metrics is not None:     # its series at zero from the first scrape
+            self.request_metrics.prime(self.model_name, self.max_model_len)
 
     @property
     def vocab_size(self) -> int:
