@@ -29,6 +29,14 @@ def test_a_narrow_panel_gets_the_short_form_and_then_loses_parts_from_the_end():
     assert kv_storage(INT8, 5) == "int8"
 
 
+def test_a_per_channel_pools_staging_is_shown_beside_its_blocks():
+    kivi = {**INT8, "cache_dtype": "int4_kivi", "bytes_per_token": 84,
+            "staging_bytes": 6_266_880, "staging_blocks": 64}
+    assert kv_storage(kivi, 80) == ("int4_kivi · 84 B/token · 4,096 tokens · "
+                                    "+ staging 6.0MiB / 64 open")
+    assert kv_storage({**kivi, "staging_bytes": 0}, 80) == "int4_kivi · 84 B/token · 4,096 tokens"
+
+
 def test_an_engine_from_before_the_kv_dtypes_shows_nothing():
     old = {k: v for k, v in INT8.items() if k not in ("cache_dtype", "bytes_per_token",
                                                        "capacity_tokens", "pool_bytes")}

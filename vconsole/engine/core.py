@@ -95,6 +95,8 @@ class EngineCore:
                 "kv_bytes_per_token": self.runner.kv_bytes_per_token,
                 "kv_bytes_per_token_by_dtype": self.kv_bytes_per_token_by_dtype(),
                 "kv_pool_bytes": self.runner.kv_pool_bytes,
+                "kv_staging_bytes": self.runner.kv_staging_bytes,
+                "kv_staging_blocks": self.runner.open_entries,
                 "dims": self.model_dims()}
 
     def model_dims(self) -> dict[str, int | float | bool]:

@@ -60,14 +60,18 @@ def test_aliases_and_bytes_per_token():
     assert 3.7 < f32 / i8.bytes_per_token(30, 3, 64, 4) < 3.8
     assert 6.3 < f32 / i4.bytes_per_token(30, 3, 64, 4) < 6.5
     # int4_kivi per head and block of 16: K and V data, V's per-token scale and minimum
-    # (float32), K's per-channel scale and minimum (float16) shared by the block's 16 tokens.
+    # (float16), K's per-channel scale and minimum (float16) shared by the block's 16 tokens.
     kivi = kv_quant.kv_format("int4")
-    assert kivi.bytes_per_block(16, 30, 3, 64, 4) == 90 * (2 * 16 * 32 + 16 * 8 + 2 * 2 * 64)
-    assert kivi.bytes_per_token(30, 3, 64, 4, 16) == 90 * 88
-    # int8_kivi: int8 K and V, V's float32 scale per token, K's float16 scale per channel.
+    assert kivi.bytes_per_block(16, 30, 3, 64, 4) == 90 * (2 * 16 * 32 + 16 * 4 + 2 * 2 * 64)
+    assert kivi.bytes_per_token(30, 3, 64, 4, 16) == 90 * 84
+    # int8_kivi: int8 K and V, V's float16 scale per token, K's float16 scale per channel.
     kivi8 = kv_quant.kv_format("int8_kivi")
-    assert kivi8.bytes_per_block(16, 30, 3, 64, 4) == 90 * (2 * 16 * 64 + 16 * 4 + 2 * 64)
-    assert 3.6 < f32 / kivi8.bytes_per_token(30, 3, 64, 4, 16) < 3.7
+    assert kivi8.bytes_per_block(16, 30, 3, 64, 4) == 90 * (2 * 16 * 64 + 16 * 2 + 2 * 64)
+    assert 3.7 < f32 / kivi8.bytes_per_token(30, 3, 64, 4, 16) < 3.72
+    # Their staging per open block: int4_kivi's int8 rows with a float32 scale each,
+    # int8_kivi's float16 rows.
+    assert kv_quant.staging_bytes(kivi, 1, 16, 30, 3, 64) == 90 * 16 * (64 + 4)
+    assert kv_quant.staging_bytes(kivi8, 1, 16, 30, 3, 64) == 90 * 16 * 64 * 2
 
 
 def test_a_bad_kv_cache_dtype_is_refused_with_the_valid_ones(capsys):
@@ -279,7 +283,26 @@ def test_capacity_follows_kv_cache_memory_bytes():
         _engine("int8", num_kv_blocks=None, kv_cache_memory_bytes=100)
 
 
-@pytest.mark.parametrize("budget,seats,int4_min", [(64 << 20, 64, 4.7), (47_185_920, 12, 5.5)])
+@pytest.mark.parametrize("name", PER_CHANNEL)
+def test_capacity_at_a_small_budget_fits_blocks_and_their_staging(name):
+    """A budget of 2 float32 blocks for 8 seats, less than 8 seats' staging (int8_kivi) or
+    not much more (int4_kivi): the per-channel pool takes as many staging entries as it has
+    blocks (a block can be open only if it exists), the blocks and their staging stay within
+    the budget, the pool is still denser than float32, and a request of three blocks decodes
+    through it."""
+    per_auto = 16 * _engine("auto", num_kv_blocks=4).runner.kv_bytes_per_token
+    budget = 2 * per_auto
+    core = _engine(name, num_kv_blocks=None, kv_cache_memory_bytes=budget)
+    r = core.runner
+    blocks = core.num_kv_blocks
+    assert 2 < blocks < 8 and r.open_entries == blocks == r.open_blocks.num_entries
+    assert r.kv_cache_bytes_per_block(16) * blocks + r.kv_staging_bytes <= budget
+    assert r.kv_caches[0].k_stage.shape[0] == blocks
+    out = run_batch(core, greedy_requests(core, PROMPTS[:1], 20, ignore_eos=True))
+    assert len(out.output_token_ids[0]) == 20
+
+
+@pytest.mark.parametrize("budget,seats,int4_min", [(64 << 20, 64, 5.5), (47_185_920, 12, 5.5)])
 def test_smollm2_capacity_at_the_issues_budgets(budget, seats, int4_min):
     """SmolLM2's shape (30 layers, 3 KV heads of 64, float32) at 64 MiB and 64 seats, and at the
     demo's budget and 12 seats: blocks beside one staging entry per seat, as the runner sizes
@@ -327,9 +350,39 @@ def _step(fmt, layer, blocks, writes, keys, bs, live=None):
     return plan
 
 
-def _staged_close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """float16's rounding: relative to each value (the staging's code)."""
+def _staged_close(got: torch.Tensor, want: torch.Tensor, name: str = "int4_kivi") -> bool:
+    """The staging's code: int4_kivi's int8 per row (within half a step of the row's largest
+    value / 127), int8_kivi's float16 (relative to each value)."""
+    if kv_quant.kv_format(name).stage_int8:
+        step = want.abs().amax(-1, keepdim=True) / 127
+        return bool(((got - want).abs() <= step / 2 * 1.001 + 1e-7).all())
     return torch.equal(got, want.half().float())
+
+
+@pytest.mark.parametrize("name", PER_CHANNEL)
+def test_staging_round_trip_and_the_values_float16_parameters(name):
+    """The per-channel formats' new groupings: staged key rows come back within their code's
+    error (int4_kivi: int8 per row, zero rows exact; int8_kivi: float16), and the values,
+    whose parameters are float16, within half a step of the parameters as stored."""
+    fmt = kv_quant.kv_format(name)
+    layer = kv_quant.allocate(fmt, 1, 4, 16, 3, 64, torch.float32, torch.device("cpu"), 20)[0]
+    assert layer.k_stage.dtype == (torch.int8 if fmt.stage_int8 else torch.float16)
+    assert layer.v_params.dtype == torch.float16
+    x = _rows(2)
+    rows = torch.randperm(20 * 16)[:x.shape[0]]
+    kv_quant.stage_rows(layer, rows, x)
+    back = kv_quant.staged_rows(layer, rows)
+    assert _staged_close(back, x, name) and (back[::50] == 0).all()
+    if fmt.stage_int8:   # the outlier channel sets the row's step: finer than int4's per channel
+        assert layer.k_stage_scale.shape == (20, 16, 3, 1)
+    data, params = kv_quant.quantize(fmt, x, torch.float16)
+    assert params.dtype == torch.float16
+    vals = kv_quant.dequantize(fmt, data, params)
+    p = params.float()
+    step = p[..., :1]
+    assert ((vals - x).abs() <= step / 2 * 1.001 + 1e-6).all()
+    # The stored parameters are float16's: the step is within float16's rounding of float32's.
+    torch.testing.assert_close(step, kv_quant.quantize(fmt, x)[1][..., :1], rtol=2e-3, atol=0)
 
 
 def test_open_blocks_are_staged_in_int8_and_sealed_per_channel_when_full():
@@ -346,10 +399,11 @@ def test_open_blocks_are_staged_in_int8_and_sealed_per_channel_when_full():
     assert plan.seal_blocks.tolist() == [4] and blocks.entry_of[4] == -1
     assert blocks.num_open == 1 and blocks.entry_of[1] >= 0
     got = kv_quant.read_keys(layer, torch.tensor([4]), blocks.entry_of)[0]
-    # Per channel: within half a step of that channel's range over the block (scale, minimum
-    # and the staged rows in float16), small channels as well as large ones.
+    # Per channel: within half a step of that channel's range over the block, small channels
+    # as well as large ones, plus the staged rows' int8 half step (a 20th of int4's at most).
     step = (keys[4].amax(0) - keys[4].amin(0)) / 15
-    assert ((got - keys[4]).abs() <= step / 2 * 1.01 + 1e-3).all()
+    staged = keys[4].abs().amax(-1, keepdim=True) / 254
+    assert ((got - keys[4]).abs() <= step / 2 * 1.01 + staged + 1e-3).all()
     assert layer.k.dtype == torch.uint8 and layer.k_params.dtype == torch.float16
 
 
@@ -372,8 +426,9 @@ def test_out_of_entries_a_block_is_sealed_early_and_reopened_on_its_next_write()
     got = kv_quant.read_keys(layer, torch.tensor([0, 1, 2]), blocks.entry_of)
     want = torch.stack([keys[b] for b in (0, 1, 2)])
     step = (want.amax(1, keepdim=True) - want.amin(1, keepdim=True)) / 15
-    assert ((got[:2] - want[:2]).abs() <= step[:2] / 2 * 1.01 + 1e-3).all()
-    assert ((got - want).abs() <= step * 1.05 + 1e-3).all()
+    staged = want.abs().amax(-1, keepdim=True) / 254         # the int8 staging's half step
+    assert ((got[:2] - want[:2]).abs() <= step[:2] / 2 * 1.01 + staged[:2] + 1e-3).all()
+    assert ((got - want).abs() <= step * 1.05 + staged + 1e-3).all()
     assert all(blocks.entry_of[b] == -1 for b in (0, 1, 2))
 
 
@@ -457,7 +512,7 @@ def test_int8_kivi_seals_keys_per_channel_within_half_a_step_of_each_channel():
     keys[1][:, :, 3] *= 40.0                                          # an outlier channel
     _step(fmt, layer, blocks, [(1, 0, 5)], keys, bs)
     got = kv_quant.read_keys(layer, torch.tensor([1]), blocks.entry_of)[0]
-    assert _staged_close(got[:5], keys[1][:5])
+    assert _staged_close(got[:5], keys[1][:5], "int8_kivi")
     _step(fmt, layer, blocks, [(1, 5, bs)], keys, bs)
     assert blocks.entry_of[1] == -1 and layer.k.dtype == torch.int8
     assert layer.k_params.shape == (4, kvh, 1, d) and layer.k_params.dtype == torch.float16
@@ -496,7 +551,8 @@ def test_kernel_reads_kivi_blocks_sealed_and_open(each_kernel, name, kvh, g, d):
         ln = torch.tensor([19, 12, 3]) if shared else lens
         out = torch.empty_like(q)
         each_kernel.paged_decode_attention_kivi(q, layer.k, layer.v, layer.k_params,
-                                                layer.v_params, layer.k_stage, blocks.entry_of,
+                                                layer.v_params, layer.k_stage,
+                                                layer.k_stage_scale, blocks.entry_of,
                                                 t, ln, d ** -0.5, window, out)
         kd = kv_quant.read_keys(layer, torch.arange(nb), blocks.entry_of)
         vd = kv_quant.dequantize(fmt, layer.v, layer.v_params)
@@ -536,16 +592,20 @@ def test_bfloat16_torch_path_reads_quantized_blocks(name):
     assert third.output_token_ids == second.output_token_ids
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
-def test_the_kernels_quantize_store_writes_what_torch_quantize_does(each_kernel, name):
+@pytest.mark.parametrize("name,params_dtype", [
+    *((n, torch.float32) for n in QUANTIZED), *((n, torch.float16) for n in QUANTIZED)])
+def test_the_kernels_quantize_store_writes_what_torch_quantize_does(each_kernel, name,
+                                                                    params_dtype):
     """The engine's CPU write (one kernel call per K and V per layer) against `quantize`:
-    the same parameters, the same codes but for a rare rounding tie (at most one step)."""
+    the same parameters, the same codes but for a rare rounding tie (at most one step); with
+    float16 parameters (a per-channel pool's values) as well as float32."""
     fmt = kv_quant.kv_format(name)
     x = _rows(7)
     slots = torch.randperm(20 * 16)[:x.shape[0]]
     layer = kv_quant.allocate(fmt, 1, 20, 16, 3, 64, torch.float32, torch.device("cpu"))[0]
+    layer.k_params = layer.k_params.to(params_dtype)
     each_kernel.quantize_store(x, slots, layer.k, layer.k_params, fmt.bits)
-    q, p = kv_quant.quantize(fmt, x)
+    q, p = kv_quant.quantize(fmt, x, params_dtype)
     got_q = layer.k.view(-1, 3, q.shape[-1])[slots]
     got_p = layer.k_params.view(-1, 3, fmt.params)[slots]
     torch.testing.assert_close(got_p, p, rtol=1e-6, atol=0)

@@ -50,6 +50,13 @@ def test_bench_quality_names_its_chunk_and_text_and_the_noise_a_run_can_resolve(
     assert "LICENSE" in out["text"]
     assert out["rel_diff"] != 0.0 and 0 < out["rel_diff_2se"] < 0.05
     assert 0 < out["token_logprob_diff_mean"] <= out["token_logprob_diff_p99"]
+    # The change against auto on the same windows in the same chunks, the chunk named.
+    vs = out["vs_auto"]
+    assert vs["chunk_tokens"] == 16 and "int8_kivi against auto" in vs["summary"]
+    assert "chunks of 16 tokens" in vs["summary"] and "python-license" in vs["summary"]
+    assert vs["rel_diff"] == pytest.approx(out["ppl"] / vs["ppl_auto"] - 1)
+    assert vs["rel_diff"] != 0.0 and 0 < vs["rel_diff_2se"] < 0.05
+    assert vs["token_logprob_diff_mean"] > 0
     bad = subprocess.run([sys.executable, "-m", "vconsole", "bench", "quality", "--model",
                           "tiny", "--chunk", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "chunk" in bad.stderr

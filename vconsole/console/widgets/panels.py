@@ -258,8 +258,10 @@ def kv(eng: EngineState, now: float, width: int, limits: Mapping[str, float]) ->
 def kv_storage(k: Mapping[str, Any] | None, width: int) -> str:
     """How the pool stores tokens, plain text within ``width``: ``int8_per_token_head ·
     1,088 B/token · 4,096 tokens``, shortened (``int8 · 1,088 B/tok · 4,096 tok``) where that
-    does not fit, then cut from the end. Only what the source says: an engine from before the
-    KV dtypes sends no ``cache_dtype`` (→ ""), a vLLM server no bytes per token."""
+    does not fit, then cut from the end; a per-channel format's staging of its open blocks
+    beside them (``+ staging 6.0MiB / 64 open``). Only what the source says: an engine from
+    before the KV dtypes sends no ``cache_dtype`` (→ ""), a vLLM server no bytes per
+    token."""
     if not k or not isinstance(k.get("cache_dtype"), str):
         return ""
     dtype = str(k["cache_dtype"])
@@ -274,6 +276,10 @@ def kv_storage(k: Mapping[str, Any] | None, width: int) -> str:
             parts.append(f"{fmt.count(per_token)} {b_unit}")
         if capacity is not None:
             parts.append(f"{fmt.count(capacity)} {t_unit}")
+        staging, open_blocks = _num(k, "staging_bytes"), _num(k, "staging_blocks")
+        if staging:
+            parts.append(f"+ staging {fmt.nbytes(int(staging))}"
+                         + (f" / {fmt.count(open_blocks)} open" if open_blocks else ""))
         text = " · ".join(parts)
         if len(text) <= width:
             return text

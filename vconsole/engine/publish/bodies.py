@@ -120,14 +120,18 @@ class KVFormat:
     the pool are restart-only): ``cache_dtype`` is the stored format (``float32`` /
     ``bfloat16`` for ``kv_cache_dtype=auto``, else the quantized format's canonical name) and
     ``bytes_per_token`` is K and V of one token over every layer, scales included;
-    ``pool_bytes`` what the pool takes in all (an int4_kivi pool's staging of the blocks still
-    filling included), when the core says. ``dims``: the model's shape and byte sizes, for the
-    MFU counters (`vconsole.engine.publish.mfu`; None when the core does not say)."""
+    ``pool_bytes`` what the pool takes in all (a per-channel format's staging of the blocks
+    still filling included), when the core says; ``staging_bytes`` that staging alone, for
+    ``staging_blocks`` open blocks at once (0 for the other formats). ``dims``: the model's
+    shape and byte sizes, for the MFU counters (`vconsole.engine.publish.mfu`; None when the
+    core does not say)."""
 
     cache_dtype: str
     bytes_per_token: int
     pool_bytes: int | None = None
     dims: ModelDims | None = None
+    staging_bytes: int | None = None
+    staging_blocks: int | None = None
 
     @classmethod
     def of(cls, model_info: dict[str, Any]) -> KVFormat | None:
@@ -136,13 +140,16 @@ class KVFormat:
         if not isinstance(dtype, str) or not isinstance(per_token, int):
             return None
         pool = model_info.get("kv_pool_bytes")
+        staging, entries = (model_info.get(f"kv_staging_{n}") for n in ("bytes", "blocks"))
         return cls(dtype, per_token, pool if isinstance(pool, int) else None,
-                   ModelDims.of(model_info))
+                   ModelDims.of(model_info), staging if isinstance(staging, int) else None,
+                   entries if isinstance(entries, int) else None)
 
 
 def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:
     """The ``kv`` body. ``capacity_tokens`` is always the pool's token slots; ``cache_dtype``,
-    ``bytes_per_token`` and ``pool_bytes`` are None when the format is not known;
+    ``bytes_per_token``, ``pool_bytes``, ``staging_bytes`` and ``staging_blocks`` are None when
+    the format is not known;
     ``block_age_s`` (float32 per block, seconds since last allocated or hit, NaN never) is
     there only with --kv-cache-metrics, with ``block_age_ts``, the wall time they were taken
     (an idle engine resends its last snapshot)."""
@@ -155,6 +162,8 @@ def kv_body(k: KVStats, kv_format: KVFormat | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "cache_dtype": kv_format.cache_dtype if kv_format is not None else None,
         "bytes_per_token": per_token, "capacity_tokens": capacity, "pool_bytes": pool,
+        "staging_bytes": kv_format.staging_bytes if kv_format is not None else None,
+        "staging_blocks": kv_format.staging_blocks if kv_format is not None else None,
         "num_blocks": k.num_blocks, "block_size": k.block_size, "num_free": k.num_free,
         "num_used": k.num_used, "num_cached": k.num_cached, "num_shared": k.num_shared,
         "usage": k.usage, "token_usage": k.token_usage, "fragmentation": k.fragmentation,

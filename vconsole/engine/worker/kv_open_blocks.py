@@ -5,9 +5,10 @@ KIVI's observation, measured here by `vconsole bench kv-grouping`: keys have out
 so 4-bit keys rounded per channel over a block of tokens lose far less than keys rounded per
 token (on SmolLM2 +1.2% perplexity against +16%). A channel's scale needs every token of the
 block, and a block fills one decode step at a time, so a block that is still filling ("open")
-keeps its keys in float16 in a small staging area beside the pool (float16's error is relative
-to each value, so a small channel keeps its precision until it is rounded per channel; int8 per
-row, tried first, let the outlier channel set every channel's error); the step that writes its
+keeps its keys in a small staging area beside the pool, in a form finer than what they become
+(`kv_quant`: int8 per row for `int4_kivi`, whose 4-bit step is 20x int8's, so the two roundings
+lose what one does; float16 for `int8_kivi`, where a second int8 rounding would not); the step
+that writes its
 last slot "seals" it: the block's keys are rounded per channel into the pool and its staging
 entry is freed. Values are rounded per token as they arrive (per token and head, with a minimum), like
 `int4_per_token_head`'s.

@@ -13,16 +13,25 @@ indexed by the same slot (``block_id * block_size + offset``) as the data:
   one, so 16 bytes unpack into two 16-lane vectors with a mask and a shift. Data
   ``(NB, B, KVH, D/2)`` uint8, parameters ``(NB, B, KVH, 2)`` float32: ``D/2 + 8`` bytes
   (6.4x at ``D = 64``).
-- ``int4_kivi`` (the ``int4`` alias): values as ``int4_per_token_head``; keys in the same
-  4-bit layout but rounded per channel over each block (KIVI), with a float16 scale and minimum
-  per (block, KV head, channel). A block still filling keeps its keys in float16 in a small
-  staging area until its last slot is written (`kv_open_blocks`), then they are rounded per
-  channel. ``D/2 + 8`` bytes
-  per token for V, ``D/2 + 4D/B`` for K (5.8x at ``D = 64``, ``B = 16``), plus the staging.
-- ``int8_kivi``: values as ``int8_per_token_head``; keys int8 rounded per channel over each
-  block, symmetric, a float16 scale per (block, KV head, channel) (no minimum), staged in
-  float16 while their block fills as ``int4_kivi``'s. ``D + 4`` bytes per token for V,
-  ``D + 2D/B`` for K (3.66x at ``D = 64``, ``B = 16``), plus the staging.
+- ``int4_kivi`` (the ``int4`` alias): values as ``int4_per_token_head`` but with their scale
+  and minimum in float16; keys in the same 4-bit layout but rounded per channel over each block
+  (KIVI), with a float16 scale and minimum per (block, KV head, channel). A block still filling
+  keeps its keys in a small staging area until its last slot is written (`kv_open_blocks`),
+  as int8 with a float32 scale per row (`int8_per_token_head`'s rounding), then they are rounded
+  per channel. ``D/2 + 4`` bytes per token for V, ``D/2 + 4D/B`` for K (6.1x at ``D = 64``,
+  ``B = 16``), plus the staging: ``D + 4`` bytes per staged key row.
+- ``int8_kivi``: values as ``int8_per_token_head`` but with a float16 scale; keys int8 rounded
+  per channel over each block, symmetric, a float16 scale per (block, KV head, channel) (no
+  minimum), staged in float16 while their block fills. ``D + 2`` bytes per token for V,
+  ``D + 2D/B`` for K (3.71x at ``D = 64``, ``B = 16``), plus the staging: ``2 D`` bytes per
+  staged key row.
+
+The staging's form follows what the block's keys become. At 4 bits, keys staged as int8 per row
+and then rounded per channel lose what keys rounded per channel straight from float do
+(`vconsole bench kv-grouping`: a per-token logprob change of 0.125 against 0.126 on pydoc, 0.153
+against 0.153 on the held-out python-license): the 4-bit step is 20x int8's. At 8 bits a second
+rounding would add int8's per-row error to the per-channel one, which is what `int8_kivi` is
+there to remove: its staging stays float16.
 
 Why these groupings, measured on SmolLM2 by `vconsole bench kv-grouping` (docs/benchmarks.md):
 at 8 bits the keys carry most of the error (values alone a quarter of it): their few outlier
@@ -61,8 +70,14 @@ class KVFormat:
     name: str
     bits: int                 # 0: not quantized (the model's dtype)
     data_dtype: torch.dtype | None
-    params: int               # float32 values per (slot, KV head): 1 scale, or scale + min
+    params: int               # values per (slot, KV head): 1 scale, or scale + min
     key_per_channel: bool = False
+    stage_int8: bool = False  # a per-channel format's open keys as int8 per row (else float16)
+
+    @property
+    def value_params_dtype(self) -> torch.dtype:
+        """The values' parameters: float16 in a per-channel format, else float32."""
+        return torch.float16 if self.key_per_channel else torch.float32
 
     @property
     def quantized(self) -> bool:
@@ -82,8 +97,8 @@ class KVFormat:
         """K and V of one block in every layer, parameters included."""
         if not self.quantized:
             per_head = 2 * block_size * head_dim * model_itemsize
-        elif self.key_per_channel:   # V per token; K's float16 parameters per channel
-            per_head = (2 * block_size * (self.data_dim(head_dim)) + block_size * 4 * self.params
+        elif self.key_per_channel:   # V per token (float16 parameters); K's per channel
+            per_head = (2 * block_size * (self.data_dim(head_dim)) + block_size * 2 * self.params
                         + 2 * self.channel_rows * head_dim)
         else:
             per_head = 2 * block_size * (self.data_dim(head_dim) + 4 * self.params)
@@ -102,7 +117,8 @@ FORMATS = {
     "auto": KVFormat("auto", 0, None, 0),
     "int8_per_token_head": KVFormat("int8_per_token_head", 8, torch.int8, 1),
     "int4_per_token_head": KVFormat("int4_per_token_head", 4, torch.uint8, 2),
-    "int4_kivi": KVFormat("int4_kivi", 4, torch.uint8, 2, key_per_channel=True),
+    "int4_kivi": KVFormat("int4_kivi", 4, torch.uint8, 2, key_per_channel=True,
+                          stage_int8=True),
     "int8_kivi": KVFormat("int8_kivi", 8, torch.int8, 1, key_per_channel=True),
 }
 
@@ -117,14 +133,17 @@ class KVLayer:
     """One layer's K and V in the pool. ``k``/``v`` are ``(NB, B, KVH, Dd)``; for a quantized
     format ``k_params``/``v_params`` are ``(NB, B, KVH, P)`` float32, else None. A per-channel
     format has ``k_params`` ``(NB, KVH, R, D)`` float16 (each channel's scale and, for
-    `int4_kivi`, minimum over the block: ``R = KVFormat.channel_rows``), and ``k_stage`` ``(E, B, KVH, D)`` float16, the open blocks' keys
-    (`kv_open_blocks`). ``k, v = layer`` unpacks the data only."""
+    `int4_kivi`, minimum over the block: ``R = KVFormat.channel_rows``), ``v_params`` in
+    float16, and ``k_stage`` ``(E, B, KVH, D)``, the open blocks' keys (`kv_open_blocks`):
+    float16, or int8 with ``k_stage_scale`` ``(E, B, KVH, 1)`` float32 (`int4_kivi`; else
+    ``k_stage_scale`` is empty). ``k, v = layer`` unpacks the data only."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_params: torch.Tensor | None = None
     v_params: torch.Tensor | None = None
     k_stage: torch.Tensor | None = None
+    k_stage_scale: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:  # ``k, v = layer``: the data, as a pair
         return iter((self.k, self.v))
@@ -151,14 +170,18 @@ def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,
         shape = (num_blocks, block_size, num_kv_heads, fmt.data_dim(head_dim))
         pshape = (num_blocks, block_size, num_kv_heads, fmt.params)
         if fmt.key_per_channel:
+            entries = max(open_entries, 1)
+            stage_shape = (entries, block_size, num_kv_heads, head_dim)
             layers.append(KVLayer(
                 torch.zeros(shape, dtype=fmt.data_dtype, device=device),
                 torch.zeros(shape, dtype=fmt.data_dtype, device=device),
                 torch.zeros((num_blocks, num_kv_heads, fmt.channel_rows, head_dim),
                             dtype=torch.float16, device=device),
-                torch.zeros(pshape, dtype=torch.float32, device=device),
-                torch.zeros((max(open_entries, 1), block_size, num_kv_heads, head_dim),
-                            dtype=torch.float16, device=device)))
+                torch.zeros(pshape, dtype=fmt.value_params_dtype, device=device),
+                torch.zeros(stage_shape, dtype=torch.int8 if fmt.stage_int8 else torch.float16,
+                            device=device),
+                torch.zeros((entries, block_size, num_kv_heads, 1) if fmt.stage_int8 else (0,),
+                            dtype=torch.float32, device=device)))
             continue
         layers.append(KVLayer(
             torch.zeros(shape, dtype=fmt.data_dtype, device=device),
@@ -170,34 +193,43 @@ def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,
 
 def staging_bytes(fmt: KVFormat, open_entries: int, block_size: int, num_layers: int,
                   num_kv_heads: int, head_dim: int) -> int:
-    """The open blocks' float16 keys of a per-channel format (0 for the others)."""
+    """The open blocks' staged keys of a per-channel format (0 for the others): float16, or
+    int8 with a float32 scale per row."""
     if not fmt.key_per_channel:
         return 0
-    return num_layers * max(open_entries, 1) * block_size * num_kv_heads * head_dim * 2
+    row = head_dim + 4 if fmt.stage_int8 else 2 * head_dim
+    return num_layers * max(open_entries, 1) * block_size * num_kv_heads * row
 
 
 # --- the codes ----------------------------------------------------------------------------------
 
-def quantize(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``x`` (..., D), any float dtype -> (data (..., Dd), params (..., P) float32)."""
+def quantize(fmt: KVFormat, x: torch.Tensor,
+             params_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x`` (..., D), any float dtype -> (data (..., Dd), params (..., P) in
+    ``params_dtype``; the rounding uses the parameters as stored)."""
     x = x.float()
+
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        return t.to(params_dtype).float()
+
     if fmt.bits == 8:
-        scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+        scale = stored(x.abs().amax(dim=-1, keepdim=True) / 127.0)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(x / safe).clamp_(-127, 127).to(torch.int8)
-        return q, scale
+        return q, scale.to(params_dtype)
     if fmt.bits == 4:
-        lo = x.amin(dim=-1, keepdim=True)
-        scale = (x.amax(dim=-1, keepdim=True) - lo) / 15.0
+        lo = stored(x.amin(dim=-1, keepdim=True))
+        scale = stored((x.amax(dim=-1, keepdim=True) - lo) / 15.0)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round((x - lo) / safe).clamp_(0, 15).to(torch.uint8)
-        return _pack4(q), torch.cat((scale, lo), dim=-1)
+        return _pack4(q), torch.cat((scale, lo), dim=-1).to(params_dtype)
     raise ValueError(f"{fmt.name} is not a quantized format")
 
 
 def dequantize(fmt: KVFormat, data: torch.Tensor, params: torch.Tensor,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The inverse of `quantize`: (..., Dd) + (..., P) -> (..., D) in ``dtype``."""
+    params = params.float()
     if fmt.bits == 8:
         return (data.to(torch.float32) * params).to(dtype)
     if fmt.bits == 4:
@@ -257,10 +289,32 @@ def seal_keys(layer: KVLayer, blocks: torch.Tensor, work: torch.Tensor,
     layer.k_params.index_copy_(0, blocks, torch.stack((scale, lo), dim=2).half())
 
 
+_STAGE_I8 = KVFormat("int8_per_token_head", 8, torch.int8, 1)   # int4_kivi's staged rows
+
+
+def staged_rows(layer: KVLayer, rows: torch.Tensor) -> torch.Tensor:
+    """Staged key rows ``rows`` (``entry * B + offset``) as float32 (n, KVH, D)."""
+    assert layer.k_stage is not None and layer.k_stage_scale is not None
+    nkv, hd = layer.k_stage.shape[2], layer.k_stage.shape[3]
+    data = layer.k_stage.view(-1, nkv, hd).index_select(0, rows)
+    if layer.k_stage.dtype != torch.int8:
+        return data.float()
+    return data.float() * layer.k_stage_scale.view(-1, nkv, 1).index_select(0, rows)
+
+
+def stage_rows(layer: KVLayer, rows: torch.Tensor, x: torch.Tensor, kernel: Any = None) -> None:
+    """Put key rows ``x`` (n, KVH, D) at staging rows ``rows``: float16, or int8 per row."""
+    assert layer.k_stage is not None and layer.k_stage_scale is not None
+    if layer.k_stage.dtype != torch.int8:
+        layer.k_stage.view(-1, x.shape[1], x.shape[2]).index_copy_(0, rows, x.half())
+        return
+    _store_rows(_STAGE_I8, layer.k_stage, layer.k_stage_scale, rows, x.float(), kernel)
+
+
 def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torch.Tensor,
                       k: torch.Tensor, v: torch.Tensor, kernel: Any = None) -> None:
     """`write` for a per-channel format: values rounded per token into their slots; keys routed by the
-    step's `OpenPlan` into staging (float16, blocks still filling) or rounded per channel
+    step's `OpenPlan` into staging (blocks still filling) or rounded per channel
     (blocks sealed now). The reads of staging come first: an entry freed and taken again in one
     step."""
     assert layer.k_params is not None and layer.v_params is not None
@@ -268,14 +322,13 @@ def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torc
     nkv, hd = k.shape[1], k.shape[2]
     bs = layer.k.shape[1]
     _store_rows(fmt, layer.v, layer.v_params, slots, v, kernel)
-    stage = layer.k_stage.view(-1, nkv, hd)
     num_seal = plan.seal_blocks.shape[0]
     work = None
     if num_seal:
         work = k.new_zeros((num_seal * bs, nkv, hd), dtype=torch.float32)
         dst, src = plan.work_from_stage
         if dst.numel():
-            work.index_copy_(0, dst, stage.index_select(0, src).float())
+            work.index_copy_(0, dst, staged_rows(layer, src))
         idx, blocks = plan.work_from_sealed
         if idx.numel():
             rows = dequantize_sealed_keys(layer.k.index_select(0, blocks),
@@ -285,10 +338,11 @@ def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torc
     if entries.numel():
         rows = dequantize_sealed_keys(layer.k.index_select(0, blocks),
                                       layer.k_params.index_select(0, blocks))
-        layer.k_stage.index_copy_(0, entries, rows.half())
+        at = (entries[:, None] * bs + torch.arange(bs, device=entries.device)).reshape(-1)
+        stage_rows(layer, at, rows.reshape(-1, nkv, hd), kernel)
     dst, src = plan.stage_from_batch
     if dst.numel():
-        stage.index_copy_(0, dst, k.index_select(0, src).half())
+        stage_rows(layer, dst, k.index_select(0, src), kernel)
     if work is not None:
         dst, src = plan.work_from_batch
         if dst.numel():
@@ -303,20 +357,23 @@ def read_keys(layer: KVLayer, blocks: torch.Tensor, entry_of: torch.Tensor) -> t
     keys = dequantize_sealed_keys(layer.k.index_select(0, blocks),
                                   layer.k_params.index_select(0, blocks))
     entries = entry_of.index_select(0, blocks)
-    staged = layer.k_stage.index_select(0, entries.clamp(min=0)).float()
+    bs = layer.k_stage.shape[1]
+    at = (entries.clamp(min=0)[:, None] * bs + torch.arange(bs, device=blocks.device))
+    staged = staged_rows(layer, at.reshape(-1)).view(keys.shape)
     # No host sync (a nonzero() would be one per layer on CUDA): both, then pick.
     return torch.where((entries >= 0)[:, None, None, None], staged, keys)
 
 
 def _store_rows(fmt: KVFormat, data: torch.Tensor, params: torch.Tensor, slots: torch.Tensor,
                 x: torch.Tensor, kernel: Any) -> None:
-    """Round rows ``x`` (T, KVH, D) per token and head into ``data``/``params`` at ``slots``:
-    in one call of the CPU kernel when it is there (float32 rows), else in torch."""
+    """Round rows ``x`` (T, KVH, D) per token and head into ``data``/``params`` (float32 or
+    float16) at ``slots``: in one call of the CPU kernel when it is there (float32 rows), else in
+    torch."""
     if kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu":
         kernel.quantize_store(x.contiguous(), slots, data, params, fmt.bits)
         return
     nkv = x.shape[1]
-    q, p = quantize(fmt, x)
+    q, p = quantize(fmt, x, params.dtype)
     data.view(-1, nkv, data.shape[-1]).index_copy_(0, slots, q)
     params.view(-1, nkv, fmt.params).index_copy_(0, slots, p)
 

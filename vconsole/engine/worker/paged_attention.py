@@ -290,7 +290,7 @@ def _kernel(meta: PagedAttentionMetadata, layer: kv_quant.KVLayer, q: torch.Tens
     elif meta.open_plan is not None:
         meta.decode_kernel.paged_decode_attention_kivi(
             q, layer.k, layer.v, layer.k_params, layer.v_params, layer.k_stage,
-            meta.open_plan.entry_of, tables, lens, scale, window or 0, out)
+            layer.k_stage_scale, meta.open_plan.entry_of, tables, lens, scale, window or 0, out)
     else:
         meta.decode_kernel.paged_decode_attention_quant(
             q, layer.k, layer.v, layer.k_params, layer.v_params, tables, lens, scale,

@@ -96,6 +96,9 @@ SCHEMES: dict[str, Scheme | None] = {
         lambda k, v: (_per_row(k, 4, True, 32), _per_row(v, 4, True, 32)),
     "int4 keys per channel (KIVI), values per token-head, with minimum (int4_kivi)":
         lambda k, v: (_per_channel(k, 4, True), _per_row(v, 4, True)),
+    "int4 keys per channel (KIVI), each key first staged as int8 per token-head (int4_kivi, "
+    "int8 staging)":
+        lambda k, v: (_per_channel(_per_row(k, 8, False), 4, True), _per_row(v, 4, True)),
     "int4 per token-head, symmetric, Hadamard-rotated":
         lambda k, v: (_rotated(k, 4, False), _rotated(v, 4, False)),
     "int4 per token-head, with minimum, Hadamard-rotated":

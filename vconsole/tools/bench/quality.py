@@ -270,6 +270,28 @@ def describe_miss(index: int, engine: list[int], reference: list[int],
 
 # --- the benchmark -----------------------------------------------------------------------------
 
+def _vs_auto(engine_lps: Sequence[Sequence[float]], auto_lps: Sequence[Sequence[float]],
+             count: int, chunk: int, kv_cache_dtype: str, quantization: str | None,
+             text: str) -> dict[str, Any]:
+    """The compressed run's perplexity against ``auto``'s on the same windows in the same
+    chunks: the change, its 2-standard-error band and the mean per-token |change of the
+    logprob|, and a line that names the chunk."""
+    diff = torch.tensor([e for w in engine_lps for e in w], dtype=torch.float64) \
+        - torch.tensor([a for w in auto_lps for a in w], dtype=torch.float64)
+    ppl = perplexity(-math.fsum(e for w in engine_lps for e in w), count)
+    ppl_auto = perplexity(-math.fsum(a for w in auto_lps for a in w), count)
+    rel = ppl / ppl_auto - 1.0
+    band = 2 * float(diff.std()) / math.sqrt(diff.numel()) if diff.numel() > 1 else 0.0
+    mean = float(diff.abs().mean())
+    what = " + ".join(x for x in (kv_cache_dtype if kv_cache_dtype != "auto" else "",
+                                  f"weights {quantization}" if quantization else "") if x)
+    return {"chunk_tokens": chunk, "ppl_auto": ppl_auto, "rel_diff": rel,
+            "rel_diff_2se": band, "token_logprob_diff_mean": mean,
+            "summary": f"{what} against auto, {text}, chunks of {chunk} tokens: "
+                       f"{rel * 100:+.2f}% ±{band * 100:.2f} (2 s.e.), "
+                       f"mean |change of logprob| {mean:.4f}"}
+
+
 def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int = 512,
                   num_chat_prompts: int = 32, new_tokens: int = 32,
                   max_num_batched_tokens: int | None = None, kv_cache_dtype: str = "auto",
@@ -278,7 +300,10 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
                   text: str = "pydoc") -> dict[str, Any]:
     """``max_num_batched_tokens`` is the chunk each window is scored in (``--chunk``): every
     chunk after a window's first attends over the stored (for a compressed KV cache, rounded)
-    blocks, so a chunk as long as the window would hide the KV format; the report names it."""
+    blocks, so a chunk as long as the window would hide the KV format; the report names it.
+    A compressed run also scores the same windows on an engine with ``auto`` storage and float
+    weights in the same chunks: ``vs_auto`` is the change against it, with its band and the
+    chunk in its one-line ``summary``."""
     say = log or (lambda _m: None)
     kv_cache_dtype = canonical_kv_cache_dtype(kv_cache_dtype)
     budgets = ([COMPRESSED_TARGETS[kv_cache_dtype]] if kv_cache_dtype != "auto" else []) + \
@@ -314,11 +339,16 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
     path = core.runner.info.path
     del core
     auto_tokens = None
+    auto_lps: list[list[float]] | None = None
     if budgets:
-        say(f"engine, auto KV and float weights: greedy, {len(prompts)} chat prompts")
+        say(f"engine, auto KV and float weights: perplexity in chunks of "
+            f"{max_num_batched_tokens}, greedy, {len(prompts)} chat prompts")
         t = time.perf_counter()
         auto = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32",
                                        max_num_batched_tokens=max_num_batched_tokens))
+        auto_lps = engine_window_logprobs(auto, texts)
+        timings["auto_ppl_s"] = time.perf_counter() - t
+        t = time.perf_counter()
         auto_tokens = engine_greedy(auto, prompts, new_tokens)
         del auto
         timings["auto_greedy_s"] = time.perf_counter() - t
@@ -379,6 +409,10 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
                   and len(misses) <= TARGET_GREEDY_MISSES * len(prompts) / len(CHAT_PROMPTS)
                   and all(m["kind"] == "float reassociation" for m in misses))
     compared: dict[str, Any] = {}
+    if auto_lps is not None:
+        compared["vs_auto"] = _vs_auto(engine_lps, auto_lps, count, max_num_batched_tokens,
+                                       kv_cache_dtype, quantization, text)
+        say(compared["vs_auto"]["summary"])
     if auto_tokens is not None:
         compared = {"greedy_match_vs_auto": f"{len(prompts) - len(auto_misses)}/{len(prompts)}",
                     "greedy_matched_vs_auto": len(prompts) - len(auto_misses),

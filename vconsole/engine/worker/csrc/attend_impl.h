@@ -25,9 +25,10 @@
 // is dequantized into memory. The int8 row is a quarter of the float32 row's bytes, int4 an
 // eighth. An int4_kivi pool (`kv_open_blocks.py`) rounds keys per channel over a block instead:
 // a sealed block's channel scales multiply the queries once per block, q.k = (q * s).q_k + q.lo;
-// a block still filling is read from its float16 staging entry (`entry_of[block] >= 0`). An
-// int8_kivi pool (kKIVI8) is the same with int8 keys and a scale per channel only,
-// q.k = (q * s).q_k, and values as an int8 pool's.
+// a block still filling is read from its staging entry (`entry_of[block] >= 0`): int8 rows
+// with a scale per row (int4_kivi), or float16 rows (int8_kivi). An int8_kivi pool (kKIVI8) is
+// the same with int8 keys and a scale per channel only, q.k = (q * s).q_k, and values as an int8
+// pool's. Both per-channel pools keep their values' parameters in float16.
 
 #pragma once
 
@@ -129,10 +130,40 @@ inline void channel_params(const Pool& pool, int64_t blk, int64_t h, vf* scale, 
   }
 }
 
-// A staged (open) key row of a kKIVI pool.
-inline const c10::Half* staged_row(const Pool& pool, int64_t entry, int64_t bs, int64_t off,
-                                   int64_t h) {
-  return pool.stage + ((entry * bs + off) * pool.kvh + h) * pool.d;
+// The index of a staged (open) key row of a kKIVI / kKIVI8 pool, in rows of D.
+inline int64_t staged_index(const Pool& pool, int64_t entry, int64_t bs, int64_t off,
+                            int64_t h) {
+  return (entry * bs + off) * pool.kvh + h;
+}
+
+// A staged key row as DV float vectors and the scale its dot products take: float16 rows as
+// they are, int8 rows in integer units with their row's scale.
+template <int DV>
+inline float load_staged(const Pool& pool, int64_t entry, int64_t bs, int64_t off, int64_t h,
+                         vf* k) {
+  const int64_t i = staged_index(pool, entry, bs, off, h);
+  if (pool.stage8 != nullptr) {
+    const char* r = reinterpret_cast<const char*>(pool.stage8 + i * pool.d);
+    for (int c = 0; c < DV; ++c) k[c] = widen_i8(r + c * kLanes);
+    return pool.stage_scale[i];
+  }
+  const c10::Half* r = pool.stage + i * pool.d;
+  for (int c = 0; c < DV; ++c) k[c] = widen_f16(r + c * kLanes);
+  return 1.f;
+}
+
+// The values' scale and minimum of a slot and KV head: float32 parameters, or (kKIVI, kKIVI8)
+// float16 ones.
+template <Store S>
+inline void value_params(const Pool& pool, int64_t slot, int64_t h, float& vs, float& vl) {
+  const int64_t at = slot * pool.slot_params + h * pool.head_params;
+  if constexpr (S == kKIVI || S == kKIVI8) {
+    vs = static_cast<float>(pool.vph[at]);
+    if constexpr (S == kKIVI) vl = static_cast<float>(pool.vph[at + 1]);
+  } else {
+    vs = pool.vp[at];
+    if constexpr (S == kI4) vl = pool.vp[at + 1];
+  }
 }
 
 // Row `slot` of KV head `h` widened to DV float vectors (still in its integer units: the
@@ -180,13 +211,12 @@ void attend_fixed(const float* __restrict qh, const Pool& pool, const int64_t* t
       const int64_t entry = pool.entry_of[blk];
       if (entry >= 0) {
         for (; p < stop; ++p) {
-          const c10::Half* kr = staged_row(pool, entry, bs, p - b * bs, h);
           vf k[DV];
-          for (int c = 0; c < DV; ++c) k[c] = widen_f16(kr + c * kLanes);
+          const float ks = load_staged<DV>(pool, entry, bs, p - b * bs, h, k) * scale;
           for (int j = 0; j < G; ++j) {
             vf acc = q[j][0] * k[0];
             for (int c = 1; c < DV; ++c) acc += q[j][c] * k[c];
-            const float s = hsum(acc) * scale;
+            const float s = hsum(acc) * ks;
             sc[j * span + (p - first)] = s;
             m[j] = std::max(m[j], s);
           }
@@ -265,11 +295,7 @@ void attend_fixed(const float* __restrict qh, const Pool& pool, const int64_t* t
       vf v[DV];
       load_row<SV, DV>(pool.v, slot, h, pool, v);
       float vs = 1.f, vl = 0.f;
-      if constexpr (SV != kF32) {
-        const float* par = pool.vp + slot * pool.slot_params + h * pool.head_params;
-        vs = par[0];
-        if constexpr (SV == kI4) vl = par[1];
-      }
+      if constexpr (SV != kF32) value_params<S>(pool, slot, h, vs, vl);
       for (int j = 0; j < G; ++j) {
         const float w = sc[j * span + (p - first)];
         const float ws = SV == kF32 ? w : w * vs;
@@ -292,12 +318,32 @@ inline const float* row_floats(const char* base, const float* params, int64_t sl
                                int64_t d, const Pool& pool, float* tmp, bool key, int64_t bs) {
   const char* r = base + slot * pool.slot_bytes + h * pool.head_bytes;
   if constexpr (S == kKIVI || S == kKIVI8) {
-    constexpr Store SV = S == kKIVI ? kI4 : kI8;
-    if (!key) return row_floats<SV>(base, params, slot, h, d, pool, tmp, false, bs);
+    if (!key) {
+      float vs = 1.f, vl = 0.f;
+      value_params<S>(pool, slot, h, vs, vl);
+      if constexpr (S == kKIVI8) {
+        const int8_t* x = reinterpret_cast<const int8_t*>(r);
+        for (int64_t i = 0; i < d; ++i) tmp[i] = vs * x[i];
+      } else {
+        const uint8_t* x = reinterpret_cast<const uint8_t*>(r);
+        for (int64_t i = 0; i < d / 2; ++i) {
+          tmp[i] = vl + vs * (x[i] & 15);
+          tmp[i + d / 2] = vl + vs * (x[i] >> 4);
+        }
+      }
+      return tmp;
+    }
     const int64_t blk = slot / bs, entry = pool.entry_of[blk];
     if (entry >= 0) {
-      const c10::Half* x = staged_row(pool, entry, bs, slot % bs, h);
-      for (int64_t i = 0; i < d; ++i) tmp[i] = static_cast<float>(x[i]);
+      const int64_t i = staged_index(pool, entry, bs, slot % bs, h);
+      if (pool.stage8 != nullptr) {
+        const int8_t* x = pool.stage8 + i * d;
+        const float s = pool.stage_scale[i];
+        for (int64_t c = 0; c < d; ++c) tmp[c] = s * x[c];
+      } else {
+        const c10::Half* x = pool.stage + i * d;
+        for (int64_t c = 0; c < d; ++c) tmp[c] = static_cast<float>(x[c]);
+      }
       return tmp;
     }
     const c10::Half* pc = pool.kc + (blk * pool.kvh + h) * kChannelRows<S> * d;

@@ -40,10 +40,15 @@ struct Pool {
   int64_t slot_params;  // floats between two slots of the parameters (KVH * P)
   int64_t head_params;  // P
   // kKIVI / kKIVI8 only: each sealed block's per-channel key scale and minimum, (NB, KVH, 2, D)
-  // half (kKIVI8: the scale only, (NB, KVH, 1, D)); the open blocks' keys, (E, B, KVH, D)
-  // float16; each block's entry there, or -1 if sealed.
+  // half (kKIVI8: the scale only, (NB, KVH, 1, D)); the values' parameters in half (`vp` is
+  // null); the open blocks' keys, (E, B, KVH, D) float16 (`stage`), or int8 (`stage8`) with a
+  // float32 scale per row (`stage_scale`, (E, B, KVH)); each block's entry there, or -1 if
+  // sealed.
   const c10::Half* kc = nullptr;
+  const c10::Half* vph = nullptr;
   const c10::Half* stage = nullptr;
+  const int8_t* stage8 = nullptr;
+  const float* stage_scale = nullptr;
   const int64_t* entry_of = nullptr;
   int64_t entries = 0;
   int64_t kvh = 0;

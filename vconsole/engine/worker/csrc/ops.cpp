@@ -120,9 +120,9 @@ void paged_decode_attention_quant(const Tensor& q, const Tensor& k_data, const T
 
 void paged_decode_attention_kivi(const Tensor& q, const Tensor& k_data, const Tensor& v_data,
                                  const Tensor& k_channel, const Tensor& v_params,
-                                 const Tensor& k_stage, const Tensor& entry_of,
-                                 const Tensor& tables, const Tensor& lens, double scale,
-                                 int64_t window, Tensor& out) {
+                                 const Tensor& k_stage, const Tensor& k_stage_scale,
+                                 const Tensor& entry_of, const Tensor& tables,
+                                 const Tensor& lens, double scale, int64_t window, Tensor& out) {
   check_common(q, tables, lens, out);
   // int8 data: int8_kivi (a scale per key channel; values' scale per token), else int4_kivi.
   const bool i8 = k_data.scalar_type() == at::kChar;
@@ -138,12 +138,18 @@ void paged_decode_attention_kivi(const Tensor& q, const Tensor& k_data, const Te
   TORCH_CHECK(k_channel.scalar_type() == at::kHalf &&
                   k_channel.sizes() == at::IntArrayRef({nb, kvh, rows, d}),
               "key channel parameters: (NB, KVH, 2, D) float16 (int8: (NB, KVH, 1, D))");
-  TORCH_CHECK(v_params.scalar_type() == at::kFloat &&
+  TORCH_CHECK(v_params.scalar_type() == at::kHalf &&
                   v_params.sizes() == at::IntArrayRef({nb, bs, kvh, rows}),
-              "value parameters: (NB, B, KVH, 2) float32 (int8: (NB, B, KVH, 1))");
-  TORCH_CHECK(k_stage.scalar_type() == at::kHalf && k_stage.dim() == 4 &&
+              "value parameters: (NB, B, KVH, 2) float16 (int8: (NB, B, KVH, 1))");
+  const bool stage8 = k_stage.scalar_type() == at::kChar;
+  TORCH_CHECK((stage8 || k_stage.scalar_type() == at::kHalf) && k_stage.dim() == 4 &&
                   k_stage.size(1) == bs && k_stage.size(2) == kvh && k_stage.size(3) == d,
-              "staging: (E, B, KVH, D) float16");
+              "staging: (E, B, KVH, D) float16 or int8");
+  TORCH_CHECK(k_stage_scale.scalar_type() == at::kFloat && k_stage_scale.is_contiguous() &&
+                  (stage8 ? k_stage_scale.sizes() ==
+                                at::IntArrayRef({k_stage.size(0), bs, kvh, 1})
+                          : k_stage_scale.numel() == 0),
+              "staging scales: (E, B, KVH, 1) float32 for int8 staging, else empty");
   TORCH_CHECK(entry_of.scalar_type() == at::kLong && entry_of.dim() == 1 &&
                   entry_of.size(0) == nb,
               "entry_of: (NB,) int64");
@@ -151,10 +157,16 @@ void paged_decode_attention_kivi(const Tensor& q, const Tensor& k_data, const Te
                   v_params.is_contiguous() && k_stage.is_contiguous() && entry_of.is_contiguous(),
               "contiguous pools");
   vc::Pool pool{static_cast<const char*>(k_data.data_ptr()),
-                static_cast<const char*>(v_data.data_ptr()), nullptr, v_params.data_ptr<float>(),
+                static_cast<const char*>(v_data.data_ptr()), nullptr, nullptr,
                 kvh * dd, dd, kvh * rows, rows};
   pool.kc = k_channel.data_ptr<at::Half>();
-  pool.stage = k_stage.data_ptr<at::Half>();
+  pool.vph = v_params.data_ptr<at::Half>();
+  if (stage8) {
+    pool.stage8 = k_stage.data_ptr<int8_t>();
+    pool.stage_scale = k_stage_scale.data_ptr<float>();
+  } else {
+    pool.stage = k_stage.data_ptr<at::Half>();
+  }
   pool.entry_of = entry_of.data_ptr<int64_t>();
   pool.entries = k_stage.size(0);
   pool.kvh = kvh;
@@ -169,7 +181,8 @@ void paged_decode_attention_kivi(const Tensor& q, const Tensor& k_data, const Te
 // The write side: rows x (T, KVH, D) float32 rounded per (row, KV head) into a quantized pool at
 // `slots`, as kv_quant.quantize does in torch (int8: symmetric, scale = max|x| / 127; int4:
 // scale = (max - min) / 15 and the minimum, element j in the low nibble of byte j and j + D/2 in
-// the high one), in one call instead of a dozen torch ops per K and V per layer.
+// the high one), in one call instead of a dozen torch ops per K and V per layer. Parameters in
+// float16 (a per-channel pool's values) are rounded to float16 before the rows are.
 void quantize_store(const Tensor& x, const Tensor& slots, Tensor& data, Tensor& params,
                     int64_t bits) {
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
@@ -187,14 +200,27 @@ void quantize_store(const Tensor& x, const Tensor& slots, Tensor& data, Tensor& 
               "pool data and rows disagree");
   TORCH_CHECK(params.dim() == 4 && params.size(0) == data.size(0) &&
                   params.size(1) == data.size(1) && params.size(2) == kvh &&
-                  params.size(3) == np && params.scalar_type() == at::kFloat &&
+                  params.size(3) == np &&
+                  (params.scalar_type() == at::kFloat || params.scalar_type() == at::kHalf) &&
                   params.is_contiguous(),
               "pool parameters and rows disagree");
+  const bool half = params.scalar_type() == at::kHalf;
+  // A parameter as stored: float16's rounding where the pool keeps them so.
+  const auto stored = [half](float x) {
+    return half ? static_cast<float>(static_cast<at::Half>(x)) : x;
+  };
   const int64_t num_slots = data.size(0) * data.size(1);
   const float* xp = x.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   char* dp = static_cast<char*>(data.data_ptr());
-  float* pp = params.data_ptr<float>();
+  float* pp = half ? nullptr : params.data_ptr<float>();
+  at::Half* ph = half ? params.data_ptr<at::Half>() : nullptr;
+  const auto put = [pp, ph](int64_t i, float x) {
+    if (ph != nullptr)
+      ph[i] = static_cast<at::Half>(x);
+    else
+      pp[i] = x;
+  };
   for (int64_t i = 0; i < t; ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside the pool");
   for (int64_t i = 0; i < t; ++i)
@@ -208,14 +234,15 @@ void quantize_store(const Tensor& x, const Tensor& slots, Tensor& data, Tensor& 
         amax = std::max(amax, std::fabs(r[j]));
       }
       if (bits == 8) {
-        const float scale = amax / 127.f;
+        const float scale = stored(amax / 127.f);
         const float safe = scale > 0.f ? scale : 1.f;
         int8_t* q = reinterpret_cast<int8_t*>(dp) + at * d;
         for (int64_t j = 0; j < d; ++j)
           q[j] = static_cast<int8_t>(std::clamp(std::nearbyint(r[j] / safe), -127.f, 127.f));
-        pp[at] = scale;
+        put(at, scale);
       } else {
-        const float scale = (hi - lo) / 15.f;
+        lo = stored(lo);
+        const float scale = stored((hi - lo) / 15.f);
         const float safe = scale > 0.f ? scale : 1.f;
         uint8_t* q = reinterpret_cast<uint8_t*>(dp) + at * (d / 2);
         for (int64_t j = 0; j < d / 2; ++j) {
@@ -223,8 +250,8 @@ void quantize_store(const Tensor& x, const Tensor& slots, Tensor& data, Tensor& 
           const float b = std::clamp(std::nearbyint((r[j + d / 2] - lo) / safe), 0.f, 15.f);
           q[j] = static_cast<uint8_t>(a) | static_cast<uint8_t>(static_cast<uint8_t>(b) << 4);
         }
-        pp[2 * at] = scale;
-        pp[2 * at + 1] = lo;
+        put(2 * at, scale);
+        put(2 * at + 1, lo);
       }
     }
 }
@@ -238,8 +265,9 @@ VC_LIBRARY(VC_OPS, m) {
         "Tensor v_params, Tensor tables, Tensor lens, float scale, int window, int bits, "
         "Tensor(a!) out) -> ()");
   m.def("paged_decode_attention_kivi(Tensor q, Tensor k_data, Tensor v_data, "
-        "Tensor k_channel, Tensor v_params, Tensor k_stage, Tensor entry_of, Tensor tables, "
-        "Tensor lens, float scale, int window, Tensor(a!) out) -> ()");
+        "Tensor k_channel, Tensor v_params, Tensor k_stage, Tensor k_stage_scale, "
+        "Tensor entry_of, Tensor tables, Tensor lens, float scale, int window, "
+        "Tensor(a!) out) -> ()");
   m.def("quantize_store(Tensor x, Tensor slots, Tensor(a!) data, Tensor(b!) params, int bits) "
         "-> ()");
 }
