@@ -172,29 +172,112 @@ class Summary:
         return f"gguf · {kinds}{kept} · {vector_path()}"
 
 
-def _tensor_type_name(tensor: Any) -> str:
-    return str(getattr(tensor.tensor_type, "name", tensor.tensor_type))
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file: its ggml type id, its dims (the row length first, as the
+    file stores them) and its bytes in the file."""
+
+    name: str
+    type_id: int
+    dims: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def type_name(self) -> str:
+        import gguf
+
+        try:
+            return str(gguf.GGMLQuantizationType(self.type_id).name)
+        except ValueError:
+            return f"type {self.type_id}"
 
 
-def quantized_linears(reader: Any) -> dict[str, str]:
+# GGUF metadata value types of a fixed size (bytes), by type id; 8 is a string, 9 an array.
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def read_tensors(gguf_file: Path) -> dict[str, TensorInfo]:
+    """The file's tensor table, its data mapped (not read). The metadata is skipped, not
+    parsed: gguf's reader builds a numpy view per token of the vocabulary (SmolLM2's 49,152
+    and their merges: seconds), and only ``general.alignment`` is wanted here."""
+    import struct
+
+    raw = np.memmap(gguf_file, dtype=np.uint8, mode="r")
+    buf = memoryview(raw)           # type: ignore[arg-type]
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{str(gguf_file)!r} is not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"{str(gguf_file)!r} is GGUF version {version}; 2 or later is read")
+    pos = 24
+    alignment = 32
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, at)
+        return bytes(buf[at + 8:at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
+
+    def skip(kind: int, at: int) -> int:
+        if kind in _FIXED:
+            return at + _FIXED[kind]
+        if kind == 8:
+            (n,) = struct.unpack_from("<Q", buf, at)
+            return at + 8 + n
+        if kind == 9:
+            sub, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if sub in _FIXED:
+                return at + count * _FIXED[sub]
+            for _ in range(count):
+                at = skip(sub, at)
+            return at
+        raise ValueError(f"{str(gguf_file)!r}: unknown metadata value type {kind}")
+
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        if key == "general.alignment" and kind == 4:
+            (alignment,) = struct.unpack_from("<I", buf, pos)
+        pos = skip(kind, pos)
+    table = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        type_id, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        table.append((name, type_id, tuple(int(d) for d in dims), offset))
+    start = -(-pos // alignment) * alignment
+    out: dict[str, TensorInfo] = {}
+    for name, type_id, dims, offset in table:
+        rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+        if type_id in BLOCKS:
+            size = rows * row_bytes(type_id, dims[0])
+        elif type_id in (0, 1, 30):            # F32, F16, BF16
+            size = rows * dims[0] * (4 if type_id == 0 else 2)
+        else:
+            size = 0                           # a type not read here: its bytes are not needed
+        out[name] = TensorInfo(name, type_id, dims, raw[start + offset:start + offset + size])
+    return out
+
+
+def quantized_linears(tensors: dict[str, TensorInfo]) -> dict[str, str]:
     """The file's 2-D weight tensors whose type is not float, by name: their type's name."""
-    return {t.name: _tensor_type_name(t) for t in reader.tensors
-            if t.name.endswith(".weight") and len(t.shape) == 2
-            and _tensor_type_name(t) not in FLOAT_TYPES}
+    return {t.name: t.type_name for t in tensors.values()
+            if t.name.endswith(".weight") and len(t.dims) == 2
+            and t.type_name not in FLOAT_TYPES}
 
 
-def _reader(gguf_file: Path) -> Any:
-    """The file's ``gguf.GGUFReader``, the last one opened kept (the start asks twice: which
-    weights, then the tensors; parsing SmolLM2's vocabulary takes a second)."""
-    import gguf
-
+def _reader(gguf_file: Path) -> dict[str, TensorInfo]:
+    """The file's tensor table, the last one read kept (the start asks twice: which weights,
+    then the tensors)."""
     st = gguf_file.stat()
     key = (str(gguf_file.resolve()), st.st_size, st.st_mtime_ns)
     with _lock:
         if _last_reader.get("key") != key:
             _last_reader.clear()
-            _last_reader.update(key=key, reader=gguf.GGUFReader(str(gguf_file)))
-        return _last_reader["reader"]
+            _last_reader.update(key=key, tensors=read_tensors(gguf_file))
+        return _last_reader["tensors"]  # type: ignore[no-any-return]
 
 
 def forget_reader() -> None:
@@ -233,12 +316,17 @@ def _matching(blocks: torch.Tensor, qtype: int, k: int, float_weight: torch.Tens
         candidate = blocks if bool((idx == torch.arange(n)).all()) \
             else blocks.index_select(0, idx)
         decoded = torch.empty(min(CHECK_ROWS, n), k)
+        head = decoded[:min(8, n)]          # a wrong order shows in its first rows
+        kernel().gguf_dequantize(candidate[:head.shape[0]], qtype, head)
+        if not bool(torch.isclose(head, want[:head.shape[0]], rtol=LOAD_RTOL, atol=0.0).all()):
+            continue
         for lo in range(0, n, CHECK_ROWS):
             hi = min(lo + CHECK_ROWS, n)
             got = decoded[:hi - lo]
             kernel().gguf_dequantize(candidate[lo:hi], qtype, got)
-            part = want[lo:hi]
-            if not bool(((got - part).abs() <= LOAD_RTOL * part.abs() + 1e-30).all()):
+            part = want[lo:hi]      # equal as a rule (one rounding the same way): cheap
+            if not torch.equal(got, part) and not bool(
+                    torch.isclose(got, part, rtol=LOAD_RTOL, atol=0.0).all()):
                 break
         else:
             return candidate.contiguous()
@@ -262,9 +350,8 @@ def load_into(model: Any, gguf_file: Path) -> Summary:
     blocks, in place (the model is the float conversion of that file). ValueError for a quant
     type the kernels do not read (naming the supported ones), or a tensor that does not
     match the model."""
-    reader = _reader(gguf_file)
-    tensors = {t.name: t for t in reader.tensors}
-    _refuse_unsupported(quantized_linears(reader))
+    tensors = _reader(gguf_file)
+    _refuse_unsupported(quantized_linears(tensors))
     cfg = model.config
     targets: list[tuple[str, str]] = []
     for i in range(cfg.num_hidden_layers):
@@ -290,14 +377,15 @@ def load_into(model: Any, gguf_file: Path) -> Summary:
             tensor = tensors.get(name)
             if tensor is None:
                 raise ValueError(f"{str(gguf_file)!r} has no tensor {name} for {module_path}")
-            type_name = _tensor_type_name(tensor)
+            type_name = tensor.type_name
             if type_name not in SUPPORTED:
                 kept += 1
                 continue
             qtype = SUPPORTED[type_name]
-            raw = np.ascontiguousarray(tensor.data).view(np.uint8)
-            raw = raw.reshape(linear.out_features, -1)
-            blocks = torch.from_numpy(raw.copy())
+            if tensor.dims != (linear.in_features, linear.out_features):
+                raise ValueError(f"{name} is {tensor.dims[::-1]} in the file; {module_path} "
+                                 f"is ({linear.out_features}, {linear.in_features})")
+            blocks = torch.from_numpy(np.array(tensor.data).reshape(linear.out_features, -1))
             blocks = _matching(blocks, qtype, linear.in_features, linear.weight,
                                _row_orders(linear.out_features, cfg, name),
                                f"{name} ({module_path})")
