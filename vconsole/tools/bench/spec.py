@@ -14,7 +14,9 @@
 at a time (a single stream), each prompt on both sides in turn, the order alternating from
 prompt to prompt so that the machine's drift falls on both. Per side and workload: output
 tokens, seconds, tok/s (output tokens over the requests' summed wall time, prefill included:
-what one user waits for) and the decode tok/s (after the first token). ``speedup``: the spec
+what one user waits for), the decode tok/s (after the first token), and the decode steps'
+count and median time (a draft step costs more than a plain one; on a loaded machine the median
+is steadier than the sums). ``speedup``: the spec
 side's tok/s over the plain side's. ``identical``: every request's greedy token ids equal on
 both sides (the greedy guarantee; a float tie broken differently by the draft row's wider
 matmul would show here). The spec side's counters (vLLM's: drafts, drafted and accepted
@@ -29,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -82,9 +85,10 @@ def _load() -> list[float]:
         return []
 
 
-def _one(core: EngineCore, rid: str, ids: list[int], max_tokens: int
-         ) -> tuple[list[int], float, float]:
-    """Run one request alone: (output ids, seconds, seconds to the first token)."""
+def _one(core: EngineCore, rid: str, ids: list[int], max_tokens: int,
+         step_ms: list[float] | None = None) -> tuple[list[int], float, float]:
+    """Run one request alone: (output ids, seconds, seconds to the first token); the decode
+    steps' times (ms) go to ``step_ms``."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     req: Request = core.make_request(rid, prompt_token_ids=ids, sampling=sp)
     t0 = time.perf_counter()
@@ -95,6 +99,8 @@ def _one(core: EngineCore, rid: str, ids: list[int], max_tokens: int
         core.step()
         if first is None and req.output_token_ids:
             first = time.perf_counter() - t0
+        elif step_ms is not None and core.last_step is not None:
+            step_ms.append(core.last_step.total_ns / 1e6)
     return list(req.output_token_ids), time.perf_counter() - t0, first or 0.0
 
 
@@ -147,6 +153,7 @@ def spec_bench(model: str, *, spec: dict[str, Any] | None = None, max_tokens: in
     n = 0
     for name, prompts in workloads.items():
         sums: dict[str, list[float]] = {side: [0, 0.0, 0, 0.0] for side in cores}
+        steps: dict[str, list[float]] = {side: [] for side in cores}
         before = _counters(cores["spec"])
         identical = True
         diverged: list[int] = []
@@ -155,7 +162,8 @@ def spec_bench(model: str, *, spec: dict[str, Any] | None = None, max_tokens: in
             order = ["plain", "spec"] if n % 2 == 0 else ["spec", "plain"]
             got: dict[str, list[int]] = {}
             for side in order:
-                out, secs, first = _one(cores[side], f"{name}{i}-{side}", ids, max_tokens)
+                out, secs, first = _one(cores[side], f"{name}{i}-{side}", ids, max_tokens,
+                                        steps[side])
                 got[side] = out
                 acc = sums[side]
                 acc[0] += len(out)
@@ -168,7 +176,9 @@ def spec_bench(model: str, *, spec: dict[str, Any] | None = None, max_tokens: in
                 diverged.append(i)
             say(f"{name} {i + 1}/{len(prompts)}: {len(got['plain'])} tokens, "
                 f"{'same' if got['plain'] == got['spec'] else 'DIFFERENT'}")
-        sides = {side: _side(*sums[side]) for side in cores}
+        sides = {side: {**_side(*sums[side]), "decode_steps": len(steps[side]),
+                        "median_decode_step_ms": round(statistics.median(steps[side]), 2)
+                        if steps[side] else None} for side in cores}
         plain, fast = sides["plain"]["tok_s"], sides["spec"]["tok_s"]
         report["workloads"][name] = {
             "requests": len(prompts), **sides,
