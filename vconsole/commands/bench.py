@@ -43,8 +43,13 @@ def kvmap(args: argparse.Namespace) -> int:
 def telemetry(args: argparse.Namespace) -> int:
     from vconsole.tools.bench.telemetry import telemetry_bench
 
+    extra = {k: True for k, on in (("kv_cache_metrics", args.kv_cache_metrics),
+                                   ("enable_mfu_metrics", args.enable_mfu_metrics),
+                                   ("collect_detailed_traces", args.collect_detailed_traces))
+             if on}
     return _report(args, telemetry_bench(args.num_requests or 20_000, args.rounds or 200,
-                                         args.seconds or 0.2, _log(args), runs=args.runs))
+                                         args.seconds or 0.2, _log(args), runs=args.runs,
+                                         extra=extra))
 
 
 def console(args: argparse.Namespace) -> int:
@@ -165,8 +170,22 @@ def spec(args: argparse.Namespace) -> int:
 def fleet(args: argparse.Namespace) -> int:
     from vconsole.tools.bench.fleet import fleet_bench
 
+    if args.prometheus:
+        from vconsole.tools.bench.fleet_prometheus import prometheus_fleet_bench
+
+        return _report(args, prometheus_fleet_bench(
+            args.targets, args.engines, args.seconds or 60.0, args.base_port,
+            log=_log(args) or (lambda _m: None)))
     out = fleet_bench(args.targets, args.engines, args.seconds or 20.0, args.base_port,
                       log=_log(args) or (lambda _m: None))
+    return _report(args, out)
+
+
+def metrics(args: argparse.Namespace) -> int:
+    from vconsole.tools.bench.metrics_scrape import metrics_bench
+
+    out = metrics_bench(args.waiting, args.scrapes, args.pairs, args.seconds or 5.0,
+                        log=_log(args) or (lambda _m: None))
     return _report(args, out)
 
 

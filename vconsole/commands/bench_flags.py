@@ -27,7 +27,7 @@ def add_parsers(subparsers: SubParsers) -> None:
     benches = p.add_subparsers(dest="name", metavar="NAME", action=Subcommands, required=True)
     for add in (add_throughput, add_build_llama_server, add_scheduler, add_kvmap, add_telemetry,
                 add_console, add_dp, add_soak, add_serve, add_quality, add_kv_ideas,
-                add_kv_grouping, add_whatif, add_structured, add_fleet, add_spec):
+                add_kv_grouping, add_whatif, add_structured, add_fleet, add_spec, add_metrics):
         add(benches)
 
 
@@ -138,6 +138,12 @@ def add_telemetry(benches: SubParsers) -> None:
                    help="rounds per mode (default 200)")
     p.add_argument("--seconds", type=float, default=None, metavar="S",
                    help="seconds per round (default 0.2)")
+    p.add_argument("--kv-cache-metrics", action="store_true",
+                   help="with vLLM's KV block residency sampling on (in both modes)")
+    p.add_argument("--enable-mfu-metrics", action="store_true",
+                   help="with vLLM's FLOP and byte counters on (in both modes)")
+    p.add_argument("--collect-detailed-traces", action="store_true",
+                   help="with per-request step times on (in both modes)")
     add_runs(p)
 
 
@@ -284,6 +290,10 @@ def add_fleet(benches: SubParsers) -> None:
                    help="seconds measured (default 20)")
     p.add_argument("--base-port", type=int, default=42200, metavar="PORT",
                    help="the stand-ins' first port (default 42200; engines from +600)")
+    p.add_argument("--prometheus", action="store_true",
+                   help="read the fleet as `attach --prometheus` does: Debian's prometheus "
+                        "scrapes every target, each 2 s refresh (PromQL included) is timed "
+                        "(default 60 s measured)")
 
 
 def add_spec(benches: SubParsers) -> None:
@@ -303,3 +313,18 @@ def add_spec(benches: SubParsers) -> None:
                    help="free-chat questions (default 8)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="the engines' weight quantization (default none)")
+
+
+def add_metrics(benches: SubParsers) -> None:
+    p = bench(benches, "metrics", "/metrics: one scrape at 10,000 waiting, and scraping's cost",
+              "A real engine's /metrics with 10,000 requests waiting, scraped 200 times in a "
+              "row (p99 < 20 ms); then a real Prometheus scraping a busy engine every second "
+              "against the same Prometheus stopped, alternated in pairs (tok/s ratio >= 0.98) "
+              "(docs/prometheus.md).")
+    p.add_argument("--waiting", type=int, default=10_000, metavar="N",
+                   help="requests waiting while scraped (default 10000)")
+    p.add_argument("--scrapes", type=int, default=200, metavar="N", help="scrapes (default 200)")
+    p.add_argument("--pairs", type=int, default=8, metavar="N",
+                   help="scraped / not scraped pairs of rounds (default 8; 0: skip)")
+    p.add_argument("--seconds", type=float, default=None, metavar="S",
+                   help="seconds per round (default 5)")

@@ -83,11 +83,14 @@ def _free_port() -> int:
 
 
 def make_core(model_dir: str, num_requests: int, seed: int = 0,
-              max_rows: int = MAX_ROWS, request_text: bool = False) -> EngineCore:
+              max_rows: int = MAX_ROWS, request_text: bool = False,
+              extra: dict[str, Any] | None = None) -> EngineCore:
+    """``extra``: more config keys (vLLM's opt-in metrics: ``kv_cache_metrics``,
+    ``enable_mfu_metrics``, ``collect_detailed_traces``), in force in both modes."""
     cfg = EngineConfig(model=model_dir, device="cpu", dtype="float32",
                        max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512, num_kv_blocks=1024,
                        telemetry_hz=10.0, telemetry_max_requests=max_rows,
-                       publish_request_text=request_text)
+                       publish_request_text=request_text, **(extra or {}))
     core = EngineCore(cfg)
     rng = random.Random(seed)
     for i in range(num_requests):
@@ -183,7 +186,8 @@ def _round(core: EngineCore, seconds: float,
 
 def telemetry_bench(num_requests: int = 20_000, rounds: int = 200, round_s: float = 0.2,
                     log: Any = None, max_rows: int = MAX_ROWS,
-                    request_text: bool = False, runs: int = 5) -> dict[str, Any]:
+                    request_text: bool = False, runs: int = 5,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     if num_requests < MAX_NUM_SEQS:
         raise ValueError(f"num_requests must be at least {MAX_NUM_SEQS}")
     if runs < 1:
@@ -197,7 +201,7 @@ def telemetry_bench(num_requests: int = 20_000, rounds: int = 200, round_s: floa
         if log:
             log(f"run {i + 1}/{runs}")
         results.append(_run(model_dir, num_requests, rounds, round_s, log, max_rows,
-                            request_text))
+                            request_text, extra))
     ratios = sorted(r["ratio"] for r in results)
     by_ratio = sorted(results, key=lambda r: r["ratio"])
     median_run = by_ratio[(len(by_ratio) - 1) // 2]     # the lower middle one of an even count
@@ -220,11 +224,13 @@ def telemetry_bench(num_requests: int = 20_000, rounds: int = 200, round_s: floa
 
 
 def _run(model_dir: str, num_requests: int, rounds: int, round_s: float, log: Any,
-         max_rows: int, request_text: bool) -> dict[str, Any]:
+         max_rows: int, request_text: bool,
+         extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """One run: a fresh core and publisher process, ``rounds`` alternated pairs of rounds."""
     if log:
         log(f"queueing {num_requests} requests ...")
-    core = make_core(model_dir, num_requests, max_rows=max_rows, request_text=request_text)
+    core = make_core(model_dir, num_requests, max_rows=max_rows, request_text=request_text,
+                     extra=extra)
     for _ in range(3):                          # warm up: the first batch is admitted
         core.step()
     steps = 0
@@ -275,6 +281,7 @@ def _run(model_dir: str, num_requests: int, rounds: int, round_s: float, log: An
             "busy_loop_feed_cpu_share": round(feed_cpu_s / max(loop_cpu_s, 1e-9), 4),
             "rounds": rounds, "round_s": round_s, "steps": steps,
             "telemetry_hz": core.config.telemetry_hz, "request_text": request_text,
+            "config": dict(extra or {}),
             "request_rows_min": min(max_rows, min_in_engine),
             "requests_in_engine_min": min_in_engine,
             "messages_sent": sent,
