@@ -59,14 +59,18 @@ typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 #if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kLanes = 16;
-constexpr int kNR = 4;   // channels per micro-kernel: 4 x 4 accumulators of 32 registers
+constexpr int kNR = 4;   // channels per micro-kernel
 #else
 typedef float vf __attribute__((vector_size(32), aligned(4)));
 constexpr int64_t kLanes = 8;
 constexpr int kNR = 2;   // 4 x 2 accumulators of 16 registers
 #endif
 constexpr int kVG = static_cast<int>(32 / kLanes);   // vectors per group of 32 weights
+#if defined(__AVX512F__)
+constexpr int kMR = 6;            // rows per micro-kernel: 6 x 4 accumulators + 4 + 1 live
+#else
 constexpr int kMR = 4;            // rows per micro-kernel
+#endif
 constexpr int64_t kNP = 16;       // channels per decoded panel
 constexpr int64_t kMB = 128;      // rows per cache block of x
 constexpr int64_t kGemvRows = 4;  // up to this many rows: the GEMV
@@ -222,10 +226,22 @@ inline void decode(const uint8_t* row, int64_t g, vf* w) {
   expand<Fmt<T>::kSigned>(o.q[1], o.d[1], o.m[1], w + kVG / 2);
 }
 
+// A vector's lanes summed: a shuffle tree (a loop over the lanes went one lane at a time,
+// 16 scalar adds for each of the micro-kernel's 16 accumulators).
 inline float hsumv(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX2__)
+  const __m256 x = (__m256)v;
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+#else
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
+#endif
 }
 
 // Up to kGemvRows rows: channels n0 .. n1-1, each row's blocks decoded once and multiplied
@@ -306,6 +322,10 @@ void micro_tile(int rows, int cols, const float* x, const float* panel, int64_t 
     case 1: micro_cols<1>(cols, x, panel, K, out, N); break;
     case 2: micro_cols<2>(cols, x, panel, K, out, N); break;
     case 3: micro_cols<3>(cols, x, panel, K, out, N); break;
+#if defined(__AVX512F__)
+    case 4: micro_cols<4>(cols, x, panel, K, out, N); break;
+    case 5: micro_cols<5>(cols, x, panel, K, out, N); break;
+#endif
     default: micro_cols<kMR>(cols, x, panel, K, out, N); break;
   }
 }
