@@ -36,7 +36,7 @@ from vconsole.engine.request import FinishReason, Request
 from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.sched.scheduler import RowSource, Scheduler
 from vconsole.engine.structured.manager import StructuredOutputs
-from vconsole.engine.worker import kv_quant, nvtx
+from vconsole.engine.worker import kv_quant, nvtx, weight_format
 from vconsole.engine.worker.model_runner import ModelRunner
 from vconsole.engine.worker.profiler import StepProfiler
 from vconsole.shared.config import ConfigUpdate, EngineConfig, apply_update
@@ -101,7 +101,8 @@ class EngineCore:
 
     def model_dims(self) -> dict[str, int | float | bool]:
         """The figures vLLM's MFU estimate reads (``vllm/v1/metrics/perf.py``): the model's
-        shape and the bytes of an activation, a weight (int8 quantization: 1) and a K or V
+        shape and the bytes of an activation, a weight (int8 quantization: 1; GGUF blocks as
+        stored: theirs, 0.625 for Q4_1) and a K or V
         element in the pool (its bytes per token over 2 x layers x KV heads x head dim, so a
         quantized pool's scales count)."""
         r, info = self.runner, self.runner.info
@@ -113,7 +114,8 @@ class EngineCore:
                 "intermediate_size": int(getattr(r.model.config, "intermediate_size",
                                                  4 * info.hidden_size)),
                 "vocab_size": r.vocab_size, "activation_bytes": act,
-                "weight_bytes": 1 if self.config.quantization == "int8" else act,
+                "weight_bytes": (weight_format.bytes_per_weight(r.model)
+                                 or (1 if self.config.quantization == "int8" else act)),
                 "cache_bytes": r.kv_bytes_per_token / elements, "cpu": r.device.type == "cpu"}
 
     def kv_bytes_per_token_by_dtype(self) -> dict[str, int]:

@@ -225,10 +225,12 @@ def test_greedy_tokens_on_the_stored_blocks_equal_the_float_paths(tmp_path, gguf
                    if isinstance(m, torch.nn.Linear)]
     assert floats_left == ([] if name.startswith("llama") else ["lm_head"])   # float head kept
     assert stored.runner.forward_path == "fused"
+    # the bandwidth figures count the blocks' bytes a weight (Q4_0 0.5625 ... Q8_0 1.0625)
+    assert 0.5 < stored.model_dims()["weight_bytes"] < 1.1
     ids = [list(stored.tokenizer(t, add_special_tokens=False).input_ids) for t in TEXTS]
     got = run_batch(stored, greedy_requests(stored, ids, MAX_TOKENS, ignore_eos=True))
     floats = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32"))
-    assert floats.runner.weights is None
+    assert floats.runner.weights is None and floats.model_dims()["weight_bytes"] == 4
     want = run_batch(floats, greedy_requests(floats, ids, MAX_TOKENS, ignore_eos=True))
     # the prompts are prefilled in one step of many rows (the GEMM), decoded in steps of
     # three (the GEMV)

@@ -86,3 +86,15 @@ def apply(model: Any, config: EngineConfig, device_type: str) -> str | None:
     log.info("weights: %s (%.0f MB of blocks read as stored from %s)", text,
              summary.weight_bytes / 1e6, gguf_file.name)
     return text
+
+
+def bytes_per_weight(model: Any) -> float | None:
+    """The bytes a decoder or head weight takes where the model runs GGUF blocks as stored
+    (their bytes over their weights: 0.625 for Q4_1); None for any other model."""
+    from vconsole.engine.worker.gguf_linear import GGUFLinear
+
+    stored = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    if not stored:
+        return None
+    weights = sum(m.in_features * m.out_features for m in stored)
+    return sum(m.blocks.numel() for m in stored) / weights
