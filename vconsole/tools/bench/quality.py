@@ -414,7 +414,7 @@ def quality_bench(model: str = "smollm2", windows: int = 64, window_tokens: int 
                                        kv_cache_dtype, quantization, text)
         say(compared["vs_auto"]["summary"])
     if auto_tokens is not None:
-        compared = {"greedy_match_vs_auto": f"{len(prompts) - len(auto_misses)}/{len(prompts)}",
+        compared |= {"greedy_match_vs_auto": f"{len(prompts) - len(auto_misses)}/{len(prompts)}",
                     "greedy_matched_vs_auto": len(prompts) - len(auto_misses),
                     "misses_vs_auto": auto_misses,
                     "misses_vs_auto_beyond_rounding": sum(
