@@ -189,6 +189,8 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     plan = RoundPlan(opts, transformers=not getattr(args, "no_transformers", False),
                      llama_cpp=llm)
     model_dir = str(resolve_model_path(name))
+    # gguf reads the model's GGUF file: its engines load it by name, the rest from its directory
+    engine_model = name if opts.quantization == "gguf" else model_dir
     model = load_hf(model_dir) if plan.transformers else None
     if model is not None:
         shape = ModelShape.of(model.config)
@@ -206,7 +208,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
                               "useful_gflop": round(wl.flops(shape) / 1e9, 3)}
     log("warm-up ...")
     warm = make_workload(2, seed=1, vocab=shape.vocab)
-    run_engine(model_dir, Workload(warm.prompts, [8, 8]), shape, opts)
+    run_engine(engine_model, Workload(warm.prompts, [8, 8]), shape, opts)
     if plan.transformers:
         run_static_generate(model, Workload(warm.prompts, [8, 8]))
     if llm is not None:
@@ -214,13 +216,13 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     rounds = []
     for i in range(num_runs):
         log(f"round {i + 1}/{num_runs}")
-        rounds.append(_one_round(model, model_dir, wl, shape, plan, log))
+        rounds.append(_one_round(model, engine_model, wl, shape, plan, log))
     summarise(result, rounds, plan.transformers)
     if opts.quantization is not None:
         from vconsole.tools.bench.throughput_quant import LEVELS, quant_vs_float
 
         log(f"{opts.quantization} against float32 weights at each concurrency ...")
         result["vs_float32"] = quant_vs_float(
-            model_dir, shape, opts.quantization,
+            engine_model, shape, opts.quantization,
             tuple(getattr(args, "concurrency", None) or LEVELS), num_runs, log)
     return result

@@ -131,7 +131,7 @@ def run_single_stream(model_dir: str, shape: ModelShape, opts: EngineOptions,
     decode = [s.total_ns / 1e9 for s in res.step_log
               if s.num_prefill_tokens == 0 and s.num_decode_tokens == 1]
     prefill = sum(s.total_ns for s in res.step_log if s.num_prefill_tokens) / 1e9
-    bytes_per_weight = 1 if opts.quantization == "int8" else 4
+    bytes_per_weight = float(core.model_dims()["weight_bytes"])    # int8 1, Q4_1 0.625
     weight_bytes = shape.weight_bytes_per_token(bytes_per_weight)
     rate = len(decode) / sum(decode)
     return {"prompt_tokens": len(prompt), "output_tokens": res.num_output_tokens,
