@@ -114,6 +114,19 @@ def test_a_bad_int8_gemm_value_is_a_failure_as_the_engine_refuses_it(monkeypatch
         weight_quant._choose_path()                  # what the engine's start says
 
 
+def test_the_gguf_check_names_the_vector_path_or_the_float_fallback(monkeypatch):
+    from vconsole.engine.worker import attention_kernel
+
+    found = doctor.check_gguf_weights()
+    assert found.status == doctor.OK and found.detail.startswith("gguf · ")
+    assert found.detail.split()[2].rstrip(":") in ("avx512", "avx2", "generic")
+    assert "Q4_0, Q4_1, Q8_0, Q4_K, Q6_K" in found.detail
+    monkeypatch.setattr(attention_kernel, "is_built", lambda: False)
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    missing = doctor.check_gguf_weights()
+    assert missing.status == doctor.WARN and "float32 conversion" in missing.detail
+
+
 def test_the_real_model_check_says_whether_it_is_installed_and_converted(monkeypatch, tmp_path):
     from vconsole.engine.worker import gguf_model
 

