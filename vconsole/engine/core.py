@@ -81,9 +81,10 @@ class EngineCore:
         self.overlap_bitmask = self.runner.device.type == "cuda"
         nvtx.configure(config.nvtx, self.runner.device.type)
         self.runner.time_forward = config.collect_detailed_traces
-        logger.info("engine core ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
-                    "(kv %s, %d bytes per token)", config.model, self.runner.device,
-                    self.runner.dtype, self.num_kv_blocks, config.block_size,
+        weights = self.runner.weights or str(self.runner.dtype).removeprefix("torch.")
+        logger.info("engine core ready: model=%s device=%s dtype=%s weights=%s kv_blocks=%d x "
+                    "%d tokens (kv %s, %d bytes per token)", config.model, self.runner.device,
+                    self.runner.dtype, weights, self.num_kv_blocks, config.block_size,
                     self.runner.kv_cache_dtype, self.runner.kv_bytes_per_token)
 
     def model_info(self) -> dict[str, Any]:
