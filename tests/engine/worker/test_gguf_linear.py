@@ -185,7 +185,13 @@ MODELS = {
     "qwen2-q4_k-q6_k": ("qwen2", 256, 512, {"attn_q": "Q4_K", "attn_k": "Q4_K",
                                             "attn_v": "Q6_K", "attn_output": "Q6_K",
                                             "ffn_down": "Q6_K", "ffn_": "Q4_K"}),
+    # float attention beside Q8_0 MLPs: the float linears stay nn.Linear, and the mixed layers
+    # run transformers' forward over both kinds
+    "llama-float-attn-q8_0-mlp": ("llama", 128, 256, {"ffn_": "Q8_0"}),
 }
+# Linears left float per model, and the decoder forward each runs.
+FLOAT_LEFT = {"llama-q4_0-q4_1-q8_0": 0, "qwen2-q4_k-q6_k": 1, "llama-float-attn-q8_0-mlp": 9}
+FORWARD = {"llama-float-attn-q8_0-mlp": "transformers"}
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +229,8 @@ def test_greedy_tokens_on_the_stored_blocks_equal_the_float_paths(tmp_path, gguf
     assert weights is not None and weights.startswith("gguf · ")
     floats_left = [n for n, m in stored.runner.model.named_modules()
                    if isinstance(m, torch.nn.Linear)]
-    assert floats_left == ([] if name.startswith("llama") else ["lm_head"])   # float head kept
-    assert stored.runner.forward_path == "fused"
+    assert len(floats_left) == FLOAT_LEFT[name]       # the qwen2 file's head, the attentions
+    assert stored.runner.forward_path == FORWARD.get(name, "fused")
     # the bandwidth figures count the blocks' bytes a weight (Q4_0 0.5625 ... Q8_0 1.0625)
     assert 0.5 < stored.model_dims()["weight_bytes"] < 1.1
     ids = [list(stored.tokenizer(t, add_special_tokens=False).input_ids) for t in TEXTS]
