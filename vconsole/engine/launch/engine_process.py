@@ -116,10 +116,11 @@ class EngineProcess:
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
         """Start and wait for the engine's ready file; raises RuntimeError (with the log's
-        tail) if the engine exits or is not ready in time, or if this one was started already
-        (a second start would leave the first engine running, unwatched)."""
-        if self.child is not None:
-            raise RuntimeError("this EngineProcess was started already")
+        tail) if the engine exits or is not ready in time, or if this one's engine is running
+        already (a second start would leave the first running, unwatched); after `stop` it
+        starts again."""
+        if self.child is not None and self.child.poll() is None:
+            raise RuntimeError("this EngineProcess was started already and is running")
         argv = [*self.engine_args, "--ready-file", str(self.ready_path)]
         for name, ep in self.requested.items():
             argv += [f"--{name}", ep]
@@ -208,7 +209,7 @@ class EngineProcess:
     def __enter__(self) -> EngineProcess:
         """Starts the engine unless ``start`` was called already (``with
         EngineProcess(args).start(timeout_s=300) as engine:``)."""
-        return self if self.child is not None else self.start()
+        return self if self.child is not None and self.child.poll() is None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
