@@ -147,6 +147,7 @@ def spec_bench(model: str, *, spec: dict[str, Any] | None = None, max_tokens: in
     for core in cores.values():
         _one(core, "warm", warm, 8)
     report: dict[str, Any] = {"bench": "spec", "model": model, "quantization": quantization,
+                              "weights": cores["plain"].runner.weights or "float",
                               "speculative_config": spec, "max_tokens": max_tokens,
                               "single_stream": True, "load_avg_start": load0,
                               "threads": _threads(), "workloads": {}}
