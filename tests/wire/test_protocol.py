@@ -47,7 +47,9 @@ def test_outputs_round_trip_inline_and_as_buffers():
     outs = [RequestOutput("a", [5]), RequestOutput("b", list(range(100)), finished=True,
                                                     finish_reason="length", text="xyz",
                                                     num_prompt_tokens=4, num_cached_tokens=2,
-                                                    num_output_tokens=100, num_preemptions=1)]
+                                                    num_output_tokens=100, num_preemptions=1,
+                                                    timings={"queue_s": 0.5},
+                                                    config_version=3)]
     frames = protocol.encode_outputs(outs)
     assert len(frames) == 2  # only the long delta became a frame
     assert protocol.parse_outputs(protocol.decode(wire(frames))) == outs

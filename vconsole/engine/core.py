@@ -256,6 +256,8 @@ class EngineCore:
         for req, out in results:
             if out.finished:
                 finished.append(req)
+                if out.timings is not None:     # ran in the scheduler: the config it ran under
+                    out.config_version = self.config_version
             outputs[req.client_id].append(out)
         if finished and (structured.active or structured.num_compiling):
             structured.forget(r.request_id for r in finished)

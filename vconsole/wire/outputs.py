@@ -58,6 +58,9 @@ class RequestOutput:
     # ``prefill_s``, ``decode_s``, ``inference_s``; `vconsole.engine.latency`'s definitions),
     # those it reached. What per-request metrics and request traces report.
     timings: dict[str, float] | None = None
+    # On the final output of a request the scheduler ran: the engine's config version in force
+    # when it finished (`vconsole set` bumps it), so a trace can tell which config served it.
+    config_version: int | None = None
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by ``later``'s as one output (a consumer that fell behind reads

@@ -429,6 +429,7 @@ def _output_to_wire(out: RequestOutput) -> dict[str, Any]:
         **({"prompt_logprobs": _prompt_logprobs_to_wire(out.prompt_logprobs)}
            if out.prompt_logprobs is not None else {}),
         **({"timings": out.timings} if out.timings is not None else {}),
+        **({"config_version": out.config_version} if out.config_version is not None else {}),
     }
 
 
@@ -490,6 +491,8 @@ def parse_outputs(header: dict[str, Any]) -> list[RequestOutput]:
                 prompt_logprobs=_prompt_logprobs(item.get("prompt_logprobs")),
                 timings=(None if item.get("timings") is None    # phase -> seconds
                          else {str(k): float(v) for k, v in dict(item["timings"]).items()}),
+                config_version=(None if item.get("config_version") is None
+                                else int(item["config_version"])),
             ))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"bad output entry: {e}") from None

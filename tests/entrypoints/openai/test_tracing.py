@@ -198,13 +198,19 @@ def test_detailed_traces_add_the_requests_share_of_its_steps(shared_engine: Any,
     control = ControlClient(shared_engine.endpoints["control"], timeout_s=10,
                             key=shared_engine.control_key())
     try:
-        assert control.set_config({"collect_detailed_traces": True})["ok"]
+        on = control.set_config({"collect_detailed_traces": True})
+        assert on["ok"]
         server.client.completions.create(model="tiny", prompt=[4] * 40, max_tokens=8,
                                          extra_body={"ignore_eos": True},
                                          extra_headers={"x-request-id": "detailed-1"})
     finally:
-        assert control.set_config({"collect_detailed_traces": False})["ok"]
+        off = control.set_config({"collect_detailed_traces": False})
+        assert off["ok"]
         control.close()
+    # The config each request ran under, as an event: the version the set bumped to.
+    assert off["version"] == on["version"] + 1
+    assert receiver.span("detailed-1")["events"]["engine_config"] == {
+        "vconsole.config_version": on["version"]}
     a = receiver.span("detailed-1")["attrs"]
     scheduler, forward, execute = (a[k] for k in DETAILED)
     # 8 steps at least (one per token), each timed: the forward is part of the execute phase,
@@ -214,6 +220,8 @@ def test_detailed_traces_add_the_requests_share_of_its_steps(shared_engine: Any,
     server.client.completions.create(model="tiny", prompt=[4] * 40, max_tokens=2,
                                      extra_headers={"x-request-id": "detailed-off"})
     assert not set(DETAILED) & set(receiver.span("detailed-off")["attrs"])
+    assert receiver.span("detailed-off")["events"]["engine_config"] == {
+        "vconsole.config_version": off["version"]}
 
 
 def test_a_span_counts_from_the_requests_arrival_its_tokenizing_included(

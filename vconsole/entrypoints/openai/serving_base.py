@@ -80,6 +80,7 @@ class Choice:
     num_cached_tokens: int = 0                              # the engine's, once finished
     num_preemptions: int = 0
     timings: dict[str, float] | None = None                 # its phases (RequestOutput)
+    config_version: int | None = None                       # the engine's, once finished
 
     @property
     def limit(self) -> int | None:
@@ -261,7 +262,9 @@ class OpenAIServing:
                          num_cached_tokens=max((c.num_cached_tokens for c in choices),
                                                default=0),
                          num_preemptions=sum(c.num_preemptions for c in choices),
-                         timings=choices[0].timings if choices else None, error=error)
+                         timings=choices[0].timings if choices else None,
+                         config_version=choices[0].config_version if choices else None,
+                         error=error)
         if self.request_metrics is not None:     # every sample finished
             self.request_metrics.observe(
                 self.model_name, self.max_model_len, num_prompt_tokens=len(ids),
@@ -294,7 +297,7 @@ class OpenAIServing:
             if out.finished:
                 c.num_cached_tokens, c.num_preemptions = out.num_cached_tokens, \
                     out.num_preemptions
-                c.timings = out.timings
+                c.timings, c.config_version = out.timings, out.config_version
             if out.prompt_logprobs is not None:
                 c.prompt_logprobs = out.prompt_logprobs
             if limit == 0:

@@ -7,7 +7,8 @@ end-to-end latency on the server's clock (as vLLM's front end measures them), an
 phases of its first sample (``gen_ai.latency.time_in_queue``, ``time_in_model_prefill``,
 ``time_in_model_decode``, ``time_in_model_inference``; `RequestOutput.timings`). What our engine knows beyond vLLM rides along as span events: ``preempted``
 (how often its KV blocks were taken back), ``prefix_cache_hit`` (prompt tokens served from the
-prefix cache). The W3C ``traceparent`` / ``tracestate`` headers of the HTTP request (`incoming`,
+prefix cache), ``engine_config`` (the engine's config version in force when it finished: which
+`vconsole set` served it). The W3C ``traceparent`` / ``tracestate`` headers of the HTTP request (`incoming`,
 set by the route) make the span a child of the caller's: it joins the caller's trace.
 
 Export never slows a request: spans are handed to the SDK's `BatchSpanProcessor` (a bounded
@@ -205,6 +206,7 @@ class RequestSpan:
     def end(self, completion_tokens: int, finish_reasons: Sequence[str | None], *,
             num_cached_tokens: int = 0, num_preemptions: int = 0,
             timings: Mapping[str, float] | None = None,
+            config_version: int | None = None,
             error: BaseException | None = None) -> None:
         """Its usage and latencies; ``timings``: the engine's phases of its first sample."""
         from opentelemetry.trace import Status, StatusCode
@@ -224,6 +226,8 @@ class RequestSpan:
             span.add_event("prefix_cache_hit", {"gen_ai.usage.cached_tokens": num_cached_tokens})
         if num_preemptions:
             span.add_event("preempted", {"vconsole.num_preemptions": num_preemptions})
+        if config_version is not None:
+            span.add_event("engine_config", {"vconsole.config_version": config_version})
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
         span.end(end_time=now)
