@@ -119,9 +119,9 @@ def test_an_impossible_request_is_rejected_and_the_rest_still_run(model_dir, ref
 
 def test_decodes_split_into_length_groups_give_the_same_tokens(model_dir, reference,
                                                                monkeypatch):
-    from vconsole.engine.worker import model_runner
+    from vconsole.engine.worker import step_inputs
 
-    monkeypatch.setattr(model_runner, "DECODE_GROUP_ROWS", 4)
-    assert [hi - lo for lo, hi in model_runner._decode_groups(20)] == [5, 5, 5, 5]
+    monkeypatch.setattr(step_inputs, "DECODE_GROUP_ROWS", 4)
+    assert [hi - lo for lo, hi in step_inputs.decode_groups(20)] == [5, 5, 5, 5]
     _, result = _run(model_dir, MIXED)
     _assert_equal(reference, MIXED, result)

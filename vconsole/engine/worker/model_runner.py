@@ -21,19 +21,16 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from vconsole.engine.sched.output import GrammarBatch, ModelRunnerOutput, SchedulerOutput
-from vconsole.engine.spec import rejection
-from vconsole.engine.spec.ngram import NgramProposer
-from vconsole.engine.spec.policy import can_speculate
 from vconsole.engine.worker import (
     attention_kernel,
     kv_quant,
     paged_attention,
     prompt_logprobs,
+    step_inputs,
     weight_format,
 )
 from vconsole.engine.worker.fused_decoder import FusedDecoder
@@ -43,7 +40,10 @@ from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMe
 from vconsole.engine.worker.prompt_logprobs import PromptRows
 from vconsole.engine.worker.request_state import CachedRequestState, RequestStates, ScheduledSeq
 from vconsole.engine.worker.sampler import Sampler, SamplingBatch, apply_token_bitmask
-from vconsole.engine.worker.sampler import _mix_seed as mix_seed
+from vconsole.engine.worker.spec_verify import DraftVerifier
+from vconsole.engine.worker.step_inputs import (
+    PreparedStep,
+)
 from vconsole.shared.config import EngineConfig
 from vconsole.shared.speculative import parse_speculative_config
 
@@ -51,63 +51,6 @@ _GIB = 1 << 30
 # "transformers": run transformers' own decoder forward instead of `FusedDecoder` (the
 # benchmarks' before/after, and a way out should a model misbehave on the fused path).
 FORWARD_ENV = "VCONSOLE_FORWARD"
-
-
-@dataclass
-class PreparedStep:
-    input_ids: torch.Tensor       # (1, T)
-    positions: torch.Tensor       # (1, T)
-    metadata: PagedAttentionMetadata
-    sample_rows: torch.Tensor     # (S,) indices into the packed batch
-    sample_seqs: list[ScheduledSeq]
-    prompt: PromptRows | None = None          # prompt rows scored for prompt logprobs
-    prompt_rows: torch.Tensor | None = None   # (P,) their indices into the packed batch
-    prompt_targets: torch.Tensor | None = None  # (P,) the token each scores
-    prompt_hidden: torch.Tensor | None = None   # (P, hidden), set by the forward
-
-
-def _slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Pool slots of positions ``start .. end-1``, one ``range`` per block touched."""
-    out: list[int] = []
-    p = start
-    while p < end:
-        off = p % block_size
-        take = min(block_size - off, end - p)
-        base = block_ids[p // block_size] * block_size + off
-        out.extend(range(base, base + take))
-        p += take
-    return out
-
-
-def _block_writes(ordered: Sequence[ScheduledSeq], block_size: int
-                  ) -> list[tuple[int, int, int, int, str]]:
-    """``(block, first offset, end offset, first batch row, request)`` of every block the
-    packed step writes (`OpenBlocks.plan`'s input)."""
-    out: list[tuple[int, int, int, int, str]] = []
-    row = 0
-    for s in ordered:
-        p, end = s.start_pos, s.start_pos + s.num_tokens
-        while p < end:
-            off = p % block_size
-            take = min(block_size - off, end - p)
-            out.append((s.block_ids[p // block_size], off, off + take, row, s.req_id))
-            row += take
-            p += take
-    return out
-
-
-DECODE_GROUP_ROWS = 16
-DECODE_MAX_GROUPS = 4
-
-
-def _decode_groups(num_decodes: int) -> list[tuple[int, int]]:
-    """Split sorted decode rows into at most DECODE_MAX_GROUPS contiguous groups of at least
-    DECODE_GROUP_ROWS rows: less padding in the gathers, without an attention call per row."""
-    if num_decodes == 0:
-        return []
-    k = max(1, min(DECODE_MAX_GROUPS, num_decodes // DECODE_GROUP_ROWS))
-    size = -(-num_decodes // k)
-    return [(lo, min(lo + size, num_decodes)) for lo in range(0, num_decodes, size)]
 
 
 class ModelRunner:
@@ -162,9 +105,8 @@ class ModelRunner:
                        else FusedDecoder.build(self.model))
         self.requests = RequestStates()
         spec = parse_speculative_config(config.speculative_config)
-        self.proposer = (None if spec is None else
-                         NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                       spec.prompt_lookup_max))
+        self.drafts = (None if spec is None else
+                       DraftVerifier(spec, self.sampler, self.vocab_size, self.device))
 
     # --- memory ------------------------------------------------------------------------------
 
@@ -291,8 +233,9 @@ class ModelRunner:
                 return ModelRunnerOutput()
             spec_sampled: dict[str, list[int]] = {}
             seqs_sampled = step.sample_seqs
-            if any(s.draft for s in seqs_sampled):
-                logits, seqs_sampled = self._verify_drafts(logits, seqs_sampled, spec_sampled)
+            if self.drafts is not None and any(s.draft for s in seqs_sampled):
+                logits, seqs_sampled = self.drafts.verify_rows(logits, seqs_sampled,
+                                                               spec_sampled)
             states = [s.state for s in seqs_sampled]
             if not states:
                 return ModelRunnerOutput(spec_sampled=spec_sampled, prompt_logprobs=prompt_lps,
@@ -321,63 +264,13 @@ class ModelRunner:
                                  spec_sampled=spec_sampled,
                                  draft_token_ids=self._propose(so, sampled_out, spec_sampled))
 
-    # --- speculative decoding (`vconsole.engine.spec`) -----------------------------------------
-
-    def _verify_drafts(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
-                       emitted: dict[str, list[int]]
-                       ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Verify every draft row of the step (its tokens go to ``emitted``); returns the
-        logits and sequences of the plain rows, which sample as without speculation."""
-        plain_rows: list[int] = []
-        plain: list[ScheduledSeq] = []
-        row = 0
-        for s in seqs:
-            if not s.draft:
-                plain_rows.append(row)
-                plain.append(s)
-                row += 1
-                continue
-            n = s.num_tokens
-            emitted[s.req_id] = self._verify(logits[row:row + n], s)
-            row += n
-        index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
-        return logits.index_select(0, index), plain
-
-    def _verify(self, logits: torch.Tensor, s: ScheduledSeq) -> list[int]:
-        """One draft row: greedy acceptance at temperature 0, else rejection sampling against
-        the sampler's own distribution at each position (`vconsole.engine.spec.rejection`)."""
-        st = s.state
-        sp = st.sampling
-        if sp.greedy:
-            return rejection.verify_greedy(logits, s.draft)
-        n_out = st.num_output_tokens
-        n = len(s.draft) + 1
-        batch = SamplingBatch.build([sp] * n, [n_out + i for i in range(n)], self.vocab_size,
-                                    self.device)
-        probs = self.sampler.probabilities(logits, batch)
-        generator = self.sampler.generator
-        if sp.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(mix_seed(sp.seed, n_out))
-        return rejection.verify_sampled(probs, s.draft, generator)
-
     def _propose(self, so: SchedulerOutput, sampled: dict[str, int],
                  spec_sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        """The next step's drafts of the rows that sampled (``so.propose_drafts`` only), each
-        looked up in the request's tokens with what this step emitted."""
-        proposer = self.proposer
-        if proposer is None or not so.propose_drafts:
+        """The next step's drafts (`spec_verify.DraftVerifier.propose`); none without
+        speculation."""
+        if self.drafts is None:
             return {}
-        out: dict[str, list[int]] = {}
-        states = self.requests
-        for rid, new in [*((r, [t]) for r, t in sampled.items()), *spec_sampled.items()]:
-            st = states.get(rid)
-            if st is None or not can_speculate(st.sampling, st.num_output_tokens + len(new)):
-                continue
-            draft = proposer.propose(st.token_ids + new)
-            if draft:
-                out[rid] = draft
-        return out
+        return self.drafts.propose(so, self.requests, sampled, spec_sampled)
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, states: Sequence[CachedRequestState],
@@ -456,12 +349,12 @@ class ModelRunner:
             end = s.start_pos + s.num_tokens
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, end))
-            slots.extend(_slots(s.block_ids, s.start_pos, end, bs))
+            slots.extend(step_inputs.slots(s.block_ids, s.start_pos, end, bs))
         num_tokens = len(ids)
 
         # Decode block tables per group (rows sorted by context length), each padded with
         # block 0 to its group's longest context (masked out by context length).
-        groups = _decode_groups(len(decodes))
+        groups = step_inputs.decode_groups(len(decodes))
         group_blocks: list[int] = []
         tables: list[int] = []
         for lo, hi in groups:
@@ -486,7 +379,7 @@ class ModelRunner:
             else:
                 end = s.start_pos + s.num_tokens
                 lo = len(ctx_slots)
-                ctx_slots.extend(_slots(s.block_ids, 0, end, bs))
+                ctx_slots.extend(step_inputs.slots(s.block_ids, 0, end, bs))
                 chunk_spans.append((lo, len(ctx_slots)))
                 lo = len(chunk_tables)
                 chunk_tables.extend(s.block_ids[:-(-end // bs)])
@@ -534,7 +427,7 @@ class ModelRunner:
             t_at += rows
         open_plan = None
         if self.open_blocks is not None:
-            open_plan = self.open_blocks.plan(_block_writes(ordered, bs), self.requests)
+            open_plan = self.open_blocks.plan(step_inputs.block_writes(ordered, bs), self.requests)
         meta = PagedAttentionMetadata(
             kv_caches=self.kv_caches, block_size=bs, slot_mapping=t_slots,
             num_decodes=len(decodes), decode_groups=decode_groups, prefills=prefills,

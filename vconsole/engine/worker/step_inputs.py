@@ -1,0 +1,73 @@
+"""The packed step's inputs, as the model runner lays them out: `PreparedStep` (token ids,
+positions, the paged-attention metadata, which rows sample and which prompt rows are scored),
+the pool slots a request's positions write (`slots`), the blocks a step writes
+(`block_writes`, the open-block staging's plan) and the decode rows' groups for attention
+(`decode_groups`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vconsole.engine.worker.paged_attention import PagedAttentionMetadata
+from vconsole.engine.worker.prompt_logprobs import PromptRows
+from vconsole.engine.worker.request_state import ScheduledSeq
+
+
+@dataclass
+class PreparedStep:
+    input_ids: torch.Tensor       # (1, T)
+    positions: torch.Tensor       # (1, T)
+    metadata: PagedAttentionMetadata
+    sample_rows: torch.Tensor     # (S,) indices into the packed batch
+    sample_seqs: list[ScheduledSeq]
+    prompt: PromptRows | None = None          # prompt rows scored for prompt logprobs
+    prompt_rows: torch.Tensor | None = None   # (P,) their indices into the packed batch
+    prompt_targets: torch.Tensor | None = None  # (P,) the token each scores
+    prompt_hidden: torch.Tensor | None = None   # (P, hidden), set by the forward
+
+
+def slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Pool slots of positions ``start .. end-1``, one ``range`` per block touched."""
+    out: list[int] = []
+    p = start
+    while p < end:
+        off = p % block_size
+        take = min(block_size - off, end - p)
+        base = block_ids[p // block_size] * block_size + off
+        out.extend(range(base, base + take))
+        p += take
+    return out
+
+
+def block_writes(ordered: Sequence[ScheduledSeq], block_size: int
+                  ) -> list[tuple[int, int, int, int, str]]:
+    """``(block, first offset, end offset, first batch row, request)`` of every block the
+    packed step writes (`OpenBlocks.plan`'s input)."""
+    out: list[tuple[int, int, int, int, str]] = []
+    row = 0
+    for s in ordered:
+        p, end = s.start_pos, s.start_pos + s.num_tokens
+        while p < end:
+            off = p % block_size
+            take = min(block_size - off, end - p)
+            out.append((s.block_ids[p // block_size], off, off + take, row, s.req_id))
+            row += take
+            p += take
+    return out
+
+
+DECODE_GROUP_ROWS = 16
+DECODE_MAX_GROUPS = 4
+
+
+def decode_groups(num_decodes: int) -> list[tuple[int, int]]:
+    """Split sorted decode rows into at most DECODE_MAX_GROUPS contiguous groups of at least
+    DECODE_GROUP_ROWS rows: less padding in the gathers, without an attention call per row."""
+    if num_decodes == 0:
+        return []
+    k = max(1, min(DECODE_MAX_GROUPS, num_decodes // DECODE_GROUP_ROWS))
+    size = -(-num_decodes // k)
+    return [(lo, min(lo + size, num_decodes)) for lo in range(0, num_decodes, size)]
