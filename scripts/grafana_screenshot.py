@@ -37,7 +37,8 @@ import openai
 
 from vconsole.engine.launch.child import ChildProcess
 from vconsole.engine.launch.engine_process import EngineProcess
-from vconsole.tools.dashboard_preview import fetch, layout, render_html, screenshot
+from vconsole.tools.dashboard_model import layout
+from vconsole.tools.dashboard_preview import fetch, render_html, screenshot
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "examples" / "grafana" / "vconsole.json"

@@ -12,27 +12,29 @@ from pathlib import Path
 
 import pytest
 
-from vconsole.tools.dashboard_preview import (
+from vconsole.tools.dashboard_model import (
     COLUMNS,
     GAP_PX,
     HEADER_PX,
-    NOTICE,
     PAGE_PAD_PX,
     ROW_PX,
-    PanelView,
-    Preview,
     QueryResult,
-    Series,
     expand,
-    format_value,
-    heatmap_cells,
     layout,
     legend,
+    rate_interval,
+    visible_panels,
+)
+from vconsole.tools.dashboard_preview import (
+    NOTICE,
+    PanelView,
+    Preview,
+    Series,
+    format_value,
+    heatmap_cells,
     main,
     nice_ticks,
-    rate_interval,
     render_html,
-    visible_panels,
 )
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "vconsole.json"

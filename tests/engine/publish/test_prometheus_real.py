@@ -223,10 +223,10 @@ def test_the_dashboard_preview_draws_every_panel_from_this_prometheus(
     installed, screenshots the page at the page's size."""
     import re
 
+    from vconsole.tools.dashboard_model import layout
     from vconsole.tools.dashboard_preview import (
         fetch,
         find_chromium,
-        layout,
         png_size,
         render_html,
         screenshot,
