@@ -30,6 +30,7 @@ an explicit one is an error.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -261,11 +262,23 @@ def read_tensors(gguf_file: Path) -> dict[str, TensorInfo]:
     return out
 
 
+_LAYER_TENSOR = re.compile(r"blk\.\d+\.(" + "|".join(LAYER_TENSORS.values()) + r")\.weight")
+
+
 def quantized_linears(tensors: dict[str, TensorInfo]) -> dict[str, str]:
-    """The file's 2-D weight tensors whose type is not float, by name: their type's name."""
+    """The tensors `load_into` replaces (the decoder layers' linears and the LM head: ``output``,
+    else the tied ``token_embd``) that are not stored as float, by name: their type's name.
+    The input embedding is not among them: it runs its float conversion whatever its type."""
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     return {t.name: t.type_name for t in tensors.values()
-            if t.name.endswith(".weight") and len(t.dims) == 2
+            if (t.name == head or _LAYER_TENSOR.fullmatch(t.name))
             and t.type_name not in FLOAT_TYPES}
+
+
+def unsupported_types(gguf_file: Path) -> list[str]:
+    """The quant types of the file's replaced tensors that the kernels do not read."""
+    return sorted({t for t in quantized_linears(_reader(gguf_file)).values()
+                   if t not in SUPPORTED})
 
 
 def _reader(gguf_file: Path) -> dict[str, TensorInfo]:

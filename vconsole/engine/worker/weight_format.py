@@ -2,7 +2,8 @@
 quantized blocks as stored (`gguf_linear`), decided once at load.
 
 ``--quantization`` names it; unset, a ``.gguf`` model (or ``smollm2``) whose linears are stored
-quantized runs them as stored (``gguf``) when the engine runs on CPU with ``--dtype auto``;
+quantized, in types the kernels read, runs them as stored (``gguf``) when the engine runs on CPU
+with ``--dtype auto`` (a file with another type runs its float conversion, with a warning);
 ``--dtype float32`` (or any explicit dtype) keeps the float conversion. A defaulted ``gguf``
 that cannot run here (no C++ compiler for the kernels) falls back to the float conversion
 with a warning; an explicit one is an error, as is ``gguf`` for a model that is not a GGUF.
@@ -43,11 +44,21 @@ def chosen(config: EngineConfig, device_type: str) -> str | None:
     from vconsole.engine.worker import gguf_linear
 
     try:
-        return "gguf" if gguf_linear.is_quantized(gguf_file) else None
+        if not gguf_linear.is_quantized(gguf_file):
+            return None
+        unread = gguf_linear.unsupported_types(gguf_file)
     except Exception as e:   # unreadable here: the loader already read it, so say and go on
         log.warning("could not read %s's tensor types (%s); running its float conversion",
                     gguf_file, e)
         return None
+    if unread:
+        # not asked for: the float conversion runs, as before gguf was the default
+        log.warning("%s has linears of type %s, which the gguf kernels do not read (they read "
+                    "%s); running its float32 conversion", gguf_file.name, ", ".join(unread),
+                    ", ".join(gguf_linear.SUPPORTED))
+        gguf_linear.forget_reader()
+        return None
+    return "gguf"
 
 
 def apply(model: Any, config: EngineConfig, device_type: str) -> str | None:
@@ -91,10 +102,15 @@ def apply(model: Any, config: EngineConfig, device_type: str) -> str | None:
 def bytes_per_weight(model: Any) -> float | None:
     """The bytes a decoder or head weight takes where the model runs GGUF blocks as stored
     (their bytes over their weights: 0.625 for Q4_1); None for any other model."""
+    import torch
+
     from vconsole.engine.worker.gguf_linear import GGUFLinear
 
     stored = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     if not stored:
         return None
-    weights = sum(m.in_features * m.out_features for m in stored)
-    return sum(m.blocks.numel() for m in stored) / weights
+    # the linears a mixed file keeps float count at their element size
+    kept = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = sum(m.in_features * m.out_features for m in [*stored, *kept])
+    return (sum(m.blocks.numel() for m in stored)
+            + sum(m.weight.numel() * m.weight.element_size() for m in kept)) / weights
