@@ -383,6 +383,7 @@ int64_t block_bytes(int64_t t, int64_t* weights) {
 
 // The checks every operator shares: w is (N, row bytes) uint8 of K weights a row.
 int64_t check_weights(const at::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(w.device().is_cpu(), "GGUF blocks must be on the CPU");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "w must be a contiguous uint8 (N, row bytes) tensor");
   int64_t per = 0;
@@ -394,6 +395,7 @@ int64_t check_weights(const at::Tensor& w, int64_t qtype, int64_t K) {
 }
 
 void gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& out) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "x and out must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "x and out must be 2-D");
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "float32 x and out");
@@ -426,6 +428,7 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Te
 // The weights as float32 (N, K): the kernel's own decoding, for the tests and for a tensor a
 // float op must read (the embedding rows).
 void gguf_dequantize(const at::Tensor& w, int64_t qtype, at::Tensor& out) {
+  TORCH_CHECK(out.device().is_cpu(), "out must be on the CPU");
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out must be contiguous float32 (N, K)");
   const int64_t N = w.size(0), K = out.size(1);
