@@ -35,8 +35,8 @@ Drafts = Callable[[Request, list[int]], list[int] | None]
 
 
 def _core(spec: str | None = SPEC, **cfg) -> EngineCore:
-    return make_core(model="tiny", device="cpu", dtype="float32", num_kv_blocks=128,
-                     speculative_config=spec, **cfg)
+    return make_core(model="tiny", device="cpu", dtype="float32",
+                     speculative_config=spec, **{"num_kv_blocks": 128, **cfg})
 
 
 def _run(core: EngineCore, prompts, sampling: list[SamplingParams] | None = None,
@@ -193,3 +193,45 @@ def test_speculation_pauses_and_resumes_with_the_hot_key(reference):
     assert core.apply_config({"speculative_decoding": True}).applied
     tokens, _ = _run(core, [PROMPTS[0]], drafts=_right, reference=reference)
     assert tokens == reference[:1] and core.scheduler.spec_num_drafts > 0
+
+
+def test_drafts_take_only_what_every_plain_row_left():
+    """A guess never takes another running row's token: with a budget of 8 and four decode
+    rows each holding a 3-token draft, all four decode (as without speculation) and the drafts
+    share the 4 tokens left; it used to give r0 and r1 4 tokens each and r2, r3 none."""
+    core = _core(max_num_batched_tokens=8, max_num_seqs=4)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    reqs = [core.make_request(f"r{i}", prompt_token_ids=[10 + i, 20 + i, 30 + i], sampling=sp)
+            for i in range(4)]
+    for r in reqs:
+        core.add_request(r)
+    while not all(r.output_token_ids for r in reqs):
+        core.step()
+    for r in reqs:
+        r.spec_token_ids = [1, 2, 3]
+    so = core.scheduler.schedule()
+    assert set(so.num_scheduled_tokens) == {"r0", "r1", "r2", "r3"}
+    assert sum(so.num_scheduled_tokens.values()) == 8
+    drafted = sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
+    assert drafted == 4 and all(so.num_scheduled_tokens[r] == 1 + len(d)
+                                for r, d in so.scheduled_spec_decode_tokens.items())
+
+
+@pytest.mark.parametrize("spec", [None, SPEC])
+def test_a_draft_never_preempts_another_request(spec):
+    """Five blocks of 4: r1 (7 tokens, a slot left in its block) drafts 3 tokens while r2
+    (8 tokens) needs a new block for its next token. The draft may not take the one free
+    block: no preemption, with speculation as without (it used to preempt r2)."""
+    core = _core(spec, num_kv_blocks=5, block_size=4, enable_prefix_caching=False)
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    r1 = core.make_request("r1", prompt_token_ids=[11, 12, 13, 14, 15, 16, 17], sampling=sp)
+    r2 = core.make_request("r2", prompt_token_ids=[21, 22, 23, 24, 25, 26, 27, 28], sampling=sp)
+    core.add_request(r1)
+    core.add_request(r2)
+    core.step()
+    assert r1.num_computed_tokens == 7 and r2.num_computed_tokens == 8
+    if spec:
+        r1.spec_token_ids = [1, 2, 3]
+    core.step()
+    assert core.scheduler.num_preemptions_total == 0
+    assert len(r1.output_token_ids) >= 2 and len(r2.output_token_ids) == 2

@@ -31,6 +31,7 @@ def test_bench_spec_on_tiny_prints_both_workloads_identical_and_counted() -> Non
         assert c["num_accepted_tokens"] <= c["num_draft_tokens"]
 
 
+@pytest.mark.proc
 def test_bench_spec_refuses_a_bad_config() -> None:
     proc = subprocess.run([sys.executable, "-m", "vconsole", "bench", "spec", "--model", "tiny",
                            "--speculative-config", '{"method": "eagle"}', "--json"],

@@ -289,6 +289,7 @@ class Scheduler:
         allocate, running_status = self.kv.allocate_slots, RequestStatus.RUNNING
         tables, B = self.kv.tables, self.block_size
         speculate = self.spec is not None and cfg.speculative_decoding
+        drafts: list[tuple[Request, list[int]]] = []     # decode rows with a draft, for later
         for req in list(self.running):
             if step.budget <= 0:
                 break
@@ -301,8 +302,8 @@ class Scheduler:
                 continue
             if req.spec_token_ids:
                 draft, req.spec_token_ids = req.spec_token_ids, []
-                if speculate and n == 1 and self._schedule_draft(req, draft, step):
-                    continue
+                if speculate and n == 1:
+                    drafts.append((req, draft))
             table = tables.get(req.request_id)
             # A table covers len(table) * B positions: most decode steps need no new block.
             if table is None or len(table) * B < computed + n:
@@ -319,21 +320,29 @@ class Scheduler:
 
         if not step.preempted:
             self._admit(cfg, step)
+            # Drafts last, from what every running row and admission left: a guess never
+            # takes another row's token or block, nor a new request's prefill, and none is
+            # made in a step that had to preempt (the pool is short).
+            for req, draft in drafts:
+                if step.budget <= 0:
+                    break
+                if req.status is running_status and req.request_id in step.scheduled:
+                    self._schedule_draft(req, draft, step)
         return self._build_output(step)
 
     def _schedule_draft(self, req: Request, draft: list[int], step: _Step) -> bool:
-        """Schedule a decode row with its draft: 1 + len(draft) tokens, the draft cut so that
-        every token it could emit stays within max_tokens, max_model_len and the step's
-        budget. False (nothing done) when no draft token fits or its blocks do not: the row
-        then runs as a plain decode."""
+        """Grow a scheduled decode row (one token) by its draft: 1 + len(draft) tokens, the
+        draft cut so that every token it could emit stays within max_tokens, max_model_len and
+        the budget left. False (the row stays a plain decode) when no draft token fits or the
+        pool's free blocks do not hold them (a draft never preempts)."""
         num_tokens = req.num_tokens
-        room = min(len(draft), step.budget - 1,
+        room = min(len(draft), step.budget,
                    req.sampling.max_tokens - len(req.output_token_ids) - 1,
                    self.max_model_len - num_tokens - 1)
         if room <= 0 or not self.kv.allocate_slots(req, 1 + room):
             return False
         step.scheduled[req.request_id] = (req, req.num_computed_tokens, 1 + room)
-        step.budget -= 1 + room
+        step.budget -= room
         step.drafts[req.request_id] = draft[:room]
         return True
 
@@ -425,9 +434,10 @@ class Scheduler:
             rid = req.request_id
             context_total += start + n
             if n > 1:
-                prefill_attention += n * (start + n)
-                prefill_rows += 1
-                prefill_context += start + n
+                prefill_attention += n * (start + n)   # a draft row's attention FLOPs too
+                if rid not in step.drafts:      # but a draft row is a decode row, not a chunk
+                    prefill_rows += 1
+                    prefill_context += start + n
             num_prompt = len(req.prompt_token_ids)
             outputs = req.output_token_ids
             num_tokens = num_prompt + len(outputs)
@@ -483,7 +493,10 @@ class Scheduler:
         the written KV and registers full blocks, in the step's order); the second appends the
         sampled tokens. Nothing in the second pass touches the prefix cache (finishing frees
         blocks but neither stores nor evicts a hash), so the KV events and the pool's state are
-        those of doing both per request.
+        those of doing both per request; except a draft row's (speculative decoding): its
+        verified positions are known only once its tokens are appended, so it registers its
+        full blocks then (`_take_draft_row`), after the rows before it in the step may have
+        freed theirs.
 
         The token counters count as vLLM's ``vllm:generation_tokens`` / ``vllm:prompt_tokens``
         do (its output processor, per engine output): ``num_generation_tokens_total`` +1 for

@@ -96,10 +96,11 @@ def _one(core: EngineCore, rid: str, ids: list[int], max_tokens: int,
         raise ValueError(f"request {rid} refused: {req.error}")
     first = None
     while core.has_unfinished_requests():
+        decoding = bool(req.output_token_ids)   # a step before the first token is prefill
         core.step()
         if first is None and req.output_token_ids:
             first = time.perf_counter() - t0
-        elif step_ms is not None and core.last_step is not None:
+        elif decoding and step_ms is not None and core.last_step is not None:
             step_ms.append(core.last_step.total_ns / 1e6)
     return list(req.output_token_ids), time.perf_counter() - t0, first or 0.0
 
