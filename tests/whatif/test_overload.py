@@ -123,7 +123,9 @@ def test_arrivals_within_the_model_s_error_of_the_capacity_are_near_capacity_not
     text = format_report(near)
     assert "near capacity: max_num_seqs=1 serves" in text and "the queue may grow" in text
     assert "overloaded" not in text
-    beyond = 1 + 2 * v["margin"]
+    m = v["margin"]
+    assert 1 / (1 + m) <= v["load"] <= 1 / (1 - m)
+    beyond = 1 + 2 * m                  # past 1 / (1 - m) above, below 1 / (1 + m) under
     for rate, over in ((cap * beyond / unit, True), (cap / beyond / unit, False)):
         w = whatif(make_trace(200, rate=rate), [{"max_num_seqs": 1}],
                    intervals=False)["variants"][0]["overload"]

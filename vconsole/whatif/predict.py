@@ -323,7 +323,7 @@ def assess(base: Baseline, values: dict[str, Any], result: SimResult, pred: dict
     `vconsole.whatif.intervals`)."""
     out: dict[str, Any] = {"coverage": base.coverage.outside(result.steps)}
     error = (cost_error["outside" if out["coverage"]["warn"] else "inside"]
-             if cost_error is not None else base.model.rel_error)
+             if cost_error is not None else 0.0) or base.model.rel_error
     out["overload"] = verdict(base.trace, lambda t: base.run(values, trace=t), result,
                               margin=error)
     if cost_error is not None:
