@@ -77,19 +77,15 @@ class EngineProcess:
         self.endpoints: dict[str, str] = {}
         self.inherit_output = inherit_output
         self.keep_log = log_path is not None or inherit_output
-        if log_path is None and inherit_output:
-            log_path = os.devnull
-        elif log_path is None:
-            fd, tmp = tempfile.mkstemp(prefix="vconsole-engine-", suffix=".log")
-            os.close(fd)  # only the child writes it, through its own open()
-            log_path = tmp
-        self.log_path = Path(log_path)
+        self.log_path = Path(os.devnull if log_path is None and inherit_output
+                             else log_path or os.devnull)
         self.failed = False
         self.restart_count = 0
         self.restart_reason: str | None = None
-        self._run_dir = Path(tempfile.mkdtemp(prefix="vconsole-engine-run-"))
-        self.ready_path = self._run_dir / "ready.json"
+        self._run_dir = Path()
+        self.ready_path = Path()
         self.ready: dict[str, Any] = {}
+        self._fresh_run()
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                     **(env or {})}
         self.child: ChildProcess | None = None
@@ -121,6 +117,8 @@ class EngineProcess:
         starts again."""
         if self.child is not None and self.child.poll() is None:
             raise RuntimeError("this EngineProcess was started already and is running")
+        if self.child is not None:      # a restart after stop: a run of its own
+            self._fresh_run()
         argv = [*self.engine_args, "--ready-file", str(self.ready_path)]
         for name, ep in self.requested.items():
             argv += [f"--{name}", ep]
@@ -199,6 +197,23 @@ class EngineProcess:
             self.failed = True
         self._drop_log()
         return code
+
+    def _fresh_run(self) -> None:
+        """One run's own state: a private folder for its ready file, a temporary log of its
+        own (unless the log is the caller's), nothing failed or restarted yet. A start after
+        `stop` gets new ones: the old folder was removed, and its path, in the first child's
+        argv for every local user to see, must not be trusted again."""
+        if not self.keep_log:
+            fd, tmp = tempfile.mkstemp(prefix="vconsole-engine-", suffix=".log")
+            os.close(fd)  # only the child writes it, through its own open()
+            self.log_path = Path(tmp)
+        self.failed = False
+        self.restart_count = 0
+        self.restart_reason = None
+        self._run_dir = Path(tempfile.mkdtemp(prefix="vconsole-engine-run-"))
+        self.ready_path = self._run_dir / "ready.json"
+        self.ready = {}
+        self.phase = None
 
     def _drop_log(self) -> None:
         shutil.rmtree(self._run_dir, ignore_errors=True)

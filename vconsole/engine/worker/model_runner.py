@@ -178,7 +178,7 @@ class ModelRunner:
         """Blocks that ``budget`` bytes hold beside a per-channel format's staging, whose
         entries never outnumber the blocks."""
         num_blocks = (budget - self.kv_staging_bytes) // per_block
-        if num_blocks < self.open_entries:   # as many entries as blocks (the staging of more
+        if self.open_entries and num_blocks < self.open_entries:   # entries = blocks (staging of more
             # seats than fit: fewer entries, and as many blocks)
             per_entry = self.kv_staging_bytes // self.open_entries
             num_blocks = budget // (per_block + per_entry)

@@ -192,7 +192,11 @@ def test_a_killed_engine_of_ours_goes_down_and_comes_back(engines):
         wait_state(watch, "ours-b", "down", 15)
         assert row(watch, "ours-a").state == "up"
         proc.stop(grace_s=2)
+        first_run = proc.ready_path.parent
         proc.start(timeout_s=120)
+        # The restart is a run of its own: a new private folder for its ready file, the
+        # removed one (its path was in the first child's argv) never reused.
+        assert proc.ready_path.parent != first_run and not first_run.exists()
         wait_state(watch, "ours-b", "up", 30)
     finally:
         watch.stop()
