@@ -266,3 +266,11 @@ def test_other_architectures_match_hf(arch: str, tmp_path: Path) -> None:
         req.output_token_ids.append(tok)
         got = logits_of(r, step(req, req.num_tokens - 1, req.num_tokens, blocks, True))["q"]
         assert (got - ref_last_logits(ref, req.all_token_ids)).abs().max() < 1e-4
+
+
+def test_a_budget_below_zero_is_no_blocks_not_a_division_by_zero(runner: ModelRunner) -> None:
+    """A format without staging (auto) and a negative budget (a GPU whose memory others hold):
+    a negative count, which the caller turns into "no memory left for the KV cache"; it used
+    to divide by the zero staging entries."""
+    assert runner.open_entries == 0
+    assert runner._blocks_in(-1000, 64) < 0

@@ -19,6 +19,7 @@ over ``sum by (le)``) and the rows and fleet row built from it
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -94,7 +95,9 @@ def prometheus_fleet_bench(targets: int = 64, engines: int = 2, seconds: float =
                 up = _query(url, "count(up == 1)")
                 if up and int(float(up[0]["value"][1])) == len(scraped):
                     break
-            except OSError:
+            # Not up yet. Before Prometheus listens, a connection to a port in the ephemeral
+            # range can meet itself (TCP self-connect) and read its own request back.
+            except (OSError, http.client.HTTPException, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Prometheus never scraped all {len(scraped)} targets; "
