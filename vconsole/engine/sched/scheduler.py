@@ -557,15 +557,7 @@ class Scheduler:
                     if req.output_logprobs is None:
                         req.output_logprobs = []
                     req.output_logprobs.append(entry)
-                last = req.last_token_time
-                if last is not None:
-                    gap = now - last
-                    itl_values.append(gap)
-                    itl_priorities.append(req.priority)
-                    req.token_gaps.append(gap)
-                else:
-                    self._record_first_token(req, now)
-                req.last_token_time = now
+                self._record_gap(req, now, itl_values, itl_priorities)
                 sp = req.sampling
                 if (token == req.eos_token_id or token in req.eos_token_ids
                         or token in sp.stop_token_ids
@@ -642,22 +634,30 @@ class Scheduler:
                 reason = self._check_stop(req, token)
                 if reason is not None:
                     break
-        last = req.last_token_time
-        if last is not None:
-            gap = now - last
-            itl_values.append(gap)
-            itl_priorities.append(req.priority)
-            req.token_gaps.append(gap)
-            req.token_gaps.extend([0.0] * (len(outputs) - before - 1))
-        else:
-            self._record_first_token(req, now)
-        req.last_token_time = now
+        self._record_gap(req, now, itl_values, itl_priorities, len(outputs) - before - 1)
         if reason is None:
             req.num_computed_tokens = req.num_tokens - 1
             self.kv.cache_blocks(req)
         return reason
 
     # --- latency (on the scheduler's clock; `vconsole.engine.latency`) -------------------------
+    def _record_gap(self, req: Request, now: float, itl_values: list[float],
+                    itl_priorities: list[int], more_tokens: int = 0) -> None:
+        """The step's token(s) of ``req`` arrived at ``now``: its inter-token gap (one per
+        step, vLLM's per-iteration ITL), or its first token; ``more_tokens`` that came with it
+        in the same step (a draft row's) get gaps of 0 in the request trace."""
+        last = req.last_token_time
+        if last is not None:
+            gap = now - last
+            itl_values.append(gap)
+            itl_priorities.append(req.priority)
+            req.token_gaps.append(gap)
+            if more_tokens > 0:
+                req.token_gaps.extend([0.0] * more_tokens)
+        else:
+            self._record_first_token(req, now)
+        req.last_token_time = now
+
     def _record_first_token(self, req: Request, now: float) -> None:
         """A request's first sampled token (its later ones only add an ``itl_s`` gap, in bulk
         per step): TTFT, and its whole prompt counts as prompt tokens (see above)."""

@@ -138,7 +138,7 @@ def kv_grouping_bench(model: str = "smollm2", windows: int = 16, window_tokens: 
     base = None
     base_lps: torch.Tensor | None = None
     for name, scheme in SCHEMES.items():
-        if only is not None and name != "none" and not any(o in name for o in only):
+        if only is not None and name != "none" and not any(name.startswith(o) for o in only):
             continue
         say(f"{name}: perplexity over {windows} windows of {window_tokens} tokens")
         _active["scheme"] = scheme
