@@ -119,6 +119,13 @@ def read(client: PromClient, sel: str, at: float | None = None) -> Reading:
         o[0] == k[0] and o[1] for o in out.kinds)}   # a server-wide series beside its ranks
     out.up = {str(s["metric"].get("instance", "")): _value(s) or 0.0
               for s in q(promql.series("up", sel), at)}
+    # A target Prometheus cannot scrape: its series went stale with the failed scrape, so the
+    # inventory no longer names it; it is still one of the fleet, down, its kind unknown here
+    # ("" : the row keeps the kind it was last seen with).
+    known = {inst for inst, _ in out.kinds}
+    for inst, up in out.up.items():
+        if up < 1.0 and inst not in known:
+            out.kinds[(inst, "")] = ""
     exprs = {"running": promql.gauge(promql.RUNNING, sel),
              "waiting": promql.gauge(promql.WAITING, sel),
              "kv_usage": promql.gauge(promql.KV_USAGE, sel, how="avg"),

@@ -92,7 +92,7 @@ class PrometheusFleet:
             old.state, old.since = status, self._since(key, status, now)
             old.problem = "Prometheus unreachable"     # (not the engine: its findings say so)
             return old
-        kind = reading.kinds.get(key) or (old.kind if old else "vllm")
+        kind = reading.kinds.get(key) or (old.kind if old else "unknown")
         row = FleetRow(self._name(key), kind, f"{self.source.url} instance={key[0]}"
                        + (f" engine={key[1]}" if key[1] else ""), status,
                        self._since(key, status, now),
