@@ -125,7 +125,7 @@ def whatif(args: argparse.Namespace) -> int:
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     out = whatif_bench(args.seconds or 90.0, workloads=names, log=_log(args),
-                       trace_dir=args.trace_dir)
+                       trace_dir=args.trace_dir, seed=args.seed)
     return _report(args, out, passed=out["passed"])
 
 

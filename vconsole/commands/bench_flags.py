@@ -261,6 +261,9 @@ def add_whatif(benches: SubParsers) -> None:
     p.add_argument("--trace-dir", default=None, metavar="DIR",
                    help="keep the recorded traces and calibrations in DIR (default: a "
                         "temporary folder, removed), to predict from them again")
+    p.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="the held-out workloads' seed (default: each model's own): a workload "
+                        "no prediction was ever looked at on")
 
 
 def add_structured(benches: SubParsers) -> None:

@@ -11,6 +11,7 @@ gains ``validated`` (the real figures) and ``validation_error`` (prediction over
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -50,8 +51,9 @@ def engine_args(trace: Trace, config_view: dict[str, Any], trace_path: Path) -> 
 
 
 def run_real(trace: Trace, config_view: dict[str, Any], *,
-             log: Callable[[str], None] | None = None) -> Trace:
-    """The engine's own trace of replaying ``trace`` under ``config_view``."""
+             log: Callable[[str], None] | None = None, keep: Path | None = None) -> Trace:
+    """The engine's own trace of replaying ``trace`` under ``config_view``; ``keep``: a copy of
+    that trace written there too (to judge another prediction against it later)."""
     with tempfile.TemporaryDirectory(prefix="vconsole-whatif-") as tmp:
         path = Path(tmp) / "real.jsonl"
         engine = EngineProcess(engine_args(trace, config_view, path))
@@ -75,6 +77,8 @@ def run_real(trace: Trace, config_view: dict[str, Any], *,
         if code not in (0, None):
             raise RuntimeError(f"the validation engine exited with code {code}: "
                                f"{engine.log_tail(5)}")
+        if keep is not None:
+            shutil.copyfile(path, keep)
         return read_trace(path)
 
 

@@ -226,9 +226,10 @@ def score(report: dict[str, Any], spread: dict[str, Any] | None = None) -> dict[
 
 
 def whatif_bench(seconds: float = 90.0, workloads: tuple[str, ...] = ("demo", "serve"),
-                 log: Log = None, trace_dir: str | None = None) -> dict[str, Any]:
+                 log: Log = None, trace_dir: str | None = None,
+                 seed: int | None = None) -> dict[str, Any]:
     """See the module docstring; ``trace_dir``: keep the recorded traces there (default: a
-    temporary folder, removed)."""
+    temporary folder, removed); ``seed``: the held-out workloads' seed (default their own)."""
     # Every engine of the run (recorded and validating) gets the same torch threads, one core
     # short of the machine's: the load client needs one, and OpenMP threads spin-waiting
     # beside it slow steps at random (a step-time model measures the engine, not that).
@@ -244,7 +245,8 @@ def whatif_bench(seconds: float = 90.0, workloads: tuple[str, ...] = ("demo", "s
                 from vconsole.tools.bench.whatif_heldout import heldout_bench
 
                 model = name.removeprefix("held-out").removeprefix("-") or "tiny"
-                out["workloads"][name] = heldout_bench(seconds, Path(tmp), log, model=model)
+                out["workloads"][name] = heldout_bench(seconds, Path(tmp), log, model=model,
+                                                       seed=seed)
                 continue
             path = Path(tmp) / f"{name}.jsonl"
             config = (record_demo if name == "demo" else record_serve)(seconds, path, log)

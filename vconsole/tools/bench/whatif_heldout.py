@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from vconsole.telemetry.request_trace import Trace, read_trace
 from vconsole.tools.loadgen import LoadSpec, run_load
 from vconsole.tools.whatif_calibrate import calibrate
 from vconsole.tools.whatif_validate import run_real
+from vconsole.whatif.calibration import calibration_path
 from vconsole.whatif.overload import queue_growth
 from vconsole.whatif.predict import errors, observed, whatif
 
@@ -140,43 +141,99 @@ def judge(cal: dict[str, Any], uncal: dict[str, Any], real: dict[str, Any],
     return row
 
 
-def heldout_bench(seconds: float, tmp: Path, log: Log = None,
-                  model: str = "tiny") -> dict[str, Any]:
-    """See the module docstring. ``tmp``: where the traces are kept; ``model``: a key of
-    `PROFILES`."""
+def replay_path(trace_path: Path, i: int | str) -> Path:
+    """Where a held-out run keeps its ``i``-th real replay (0 the baseline, then the variants
+    in `variants` order, ``again`` the baseline's second run) beside the recorded trace."""
+    return trace_path.with_name(f"{trace_path.stem}.real-{i}.jsonl")
+
+
+def heldout_bench(seconds: float, tmp: Path, log: Log = None, model: str = "tiny",
+                  seed: int | None = None) -> dict[str, Any]:
+    """See the module docstring. ``tmp``: where the traces, the calibration and the real
+    replays are kept (`replay_path`); ``model``: a key of `PROFILES`; ``seed``: the workload's
+    seed instead of the profile's (a workload no prediction was ever looked at on)."""
     profile = PROFILES[model]
+    if seed is not None:
+        profile = replace(profile, seed=seed)
     load0 = os.getloadavg()
     path = tmp / f"held-out-{model}.jsonl"
-    config = record(profile, seconds, path, log)
+    record(profile, seconds, path, log)
     trace: Trace = read_trace(path)
-    vs = variants(config)
-    uncal = whatif(trace, vs)
-    _, calib = calibrate(trace, path, vs, progress=log)
-    cal = whatif(trace, vs, calibration=calib)
+    calibrate(trace, path, variants(trace_config(trace)), progress=log)
+    cal, _ = predictions(path)
+    configs = [cal["baseline"]["config"]] + [v["config"] for v in cal["variants"]]
+    for i, config in enumerate(configs):
+        if log:
+            log(f"held-out {model}: replaying {i + 1}/{len(configs)} "
+                f"({cal['variants'][i - 1].get('set') if i else 'baseline'}) "
+                f"on a real engine")
+        run_real(trace, config, keep=replay_path(path, i))
+    if log:
+        log("held-out: the baseline replayed once more (the real engine's own spread)")
+    run_real(trace, configs[0], keep=replay_path(path, "again"))
+    out = {"config": dict(profile.engine), "rate": profile.rate,
+           "load": {"prompt_len": list(profile.prompt_len),
+                    "output_len": list(profile.output_len), "seed": profile.seed},
+           **judge_run(path)}
+    out["machine_load"] = {"before": [round(x, 2) for x in load0],
+                           "after": [round(x, 2) for x in os.getloadavg()]}
+    return out
+
+
+def trace_config(trace: Trace) -> dict[str, Any]:
+    """The recorded engine's settings that the variants change."""
+    return {"max_num_seqs": trace.header.config["max_num_seqs"],
+            "num_kv_blocks": trace.header.num_kv_blocks}
+
+
+def predictions(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The what-if's report for the trace at ``path`` with its calibration (kept beside it)
+    and without."""
+    trace = read_trace(path)
+    vs = variants(trace_config(trace))
+    calib = read_trace(calibration_path(path))
+    return whatif(trace, vs, calibration=calib), whatif(trace, vs)
+
+
+def judge_run(path: Path) -> dict[str, Any]:
+    """Score a held-out run kept at ``path`` (trace, calibration and real replays beside it):
+    the current predictor against the kept replays, so a later predictor can be judged on the
+    same real runs without running them again."""
+    trace = read_trace(path)
+    cal, uncal = predictions(path)
     rows = []
     pairs = [(cal["baseline"], uncal["baseline"])] + list(zip(cal["variants"], uncal["variants"],
                                                                strict=True))
     for i, (c, u) in enumerate(pairs):
-        if log:
-            log(f"held-out {model}: replaying {i + 1}/{len(pairs)} ({c.get('set') or 'baseline'}) on a "
-                f"real engine")
-        real_trace = run_real(trace, c["config"])
+        real_trace = read_trace(replay_path(path, i))
         real = observed(real_trace)
         c["validated"] = real
         rows.append(judge(c, u, real, queue_growth(real_trace.requests)))
-    if log:
-        log("held-out: the baseline replayed once more (the real engine's own spread)")
-    again = observed(run_real(trace, cal["baseline"]["config"]))
+    again = observed(read_trace(replay_path(path, "again")))
     spread = errors(cal["baseline"]["validated"], again)
     baseline_vs_trace = cal["baseline"]["error"]
-    return {"config": config, "rate": profile.rate,
-            "load": {"prompt_len": list(profile.prompt_len),
-                     "output_len": list(profile.output_len), "seed": profile.seed},
-            "requests": len(trace.requests), "calibration_steps": len(calib.steps),
+    calib = read_trace(calibration_path(path))
+    return {"requests": len(trace.requests), "calibration_steps": len(calib.steps),
             "model": cal["model"], "model_uncalibrated": uncal["model"],
             "rows": rows, "real_spread": {k: spread.get(k) for k in GOALS},
             "baseline_vs_trace": {k: baseline_vs_trace.get(k) for k in GOALS},
-            "passed": all(r["within_goals"] for r in rows[1:]),
-            "machine_load": {"before": [round(x, 2) for x in load0],
-                             "after": [round(x, 2) for x in os.getloadavg()]},
-            "report": cal}
+            "passed": all(r["within_goals"] for r in rows[1:]), "report": cal}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vconsole.tools.bench.whatif_heldout TRACE``: judge today's predictor on a
+    held-out run kept by ``vconsole bench whatif --trace-dir`` (no engine runs)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m vconsole.tools.bench.whatif_heldout",
+                                description=main.__doc__)
+    p.add_argument("trace", type=Path, help="the kept held-out-MODEL.jsonl")
+    out = judge_run(p.parse_args(argv).trace)
+    out.pop("report")
+    print(json.dumps(out, indent=1))
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
