@@ -123,6 +123,8 @@ def test_arrivals_within_the_model_s_error_of_the_capacity_are_near_capacity_not
     text = format_report(near)
     assert "near capacity: max_num_seqs=1 serves" in text and "the queue may grow" in text
     assert "overloaded" not in text
+    waits = [ln for ln in text.splitlines() if ln.startswith(("TTFT", "E2E", "e2e"))]
+    assert waits and all("grows?" in ln for ln in waits)    # no interval bounds a wait here
     m = v["margin"]
     assert 1 / (1 + m) <= v["load"] <= 1 / (1 - m)
     beyond = 1 + 2 * m                  # past 1 / (1 - m) above, below 1 / (1 + m) under

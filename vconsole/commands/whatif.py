@@ -12,7 +12,7 @@ from vconsole.commands import fail
 from vconsole.telemetry.request_trace import FIGURES, TraceError, read_trace
 from vconsole.whatif.calibration import calibration_path
 from vconsole.whatif.cost_model import TooLittleTraffic
-from vconsole.whatif.overload import verdict_line
+from vconsole.whatif.overload import GROWS, MAY_GROW, QUEUE_FIGURES, verdict_line
 from vconsole.whatif.predict import (
     KV_BLOCKS,
     ROW_LABELS,
@@ -86,8 +86,6 @@ def _progress(line: str) -> None:
 
 
 WIDTH = 80              # the text report fits a terminal this wide
-GROWS = "grows"         # an overloaded variant's wait: it grows with the trace's length
-QUEUE_FIGURES = ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s")
 GAP = "  "
 MARK = "!"              # beside a prediction of a figure the model misses on the baseline
 
@@ -197,10 +195,14 @@ def format_report(report: dict[str, Any]) -> str:
 
     def stated(entry: dict[str, Any], variant: bool) -> list[str]:
         """Each figure's interval as its relative half-width (``±4.2%``); none beside an
-        overloaded variant's ``grows``."""
+        overloaded variant's ``grows``, and ``grows?`` for a wait near capacity (the queue
+        may grow: no interval bounds it)."""
         st = (entry.get("interval") or {}).get("stated") or {}
-        over = variant and (entry.get("overload") or {}).get("overloaded")
-        return [tolerance(st[k]) if k in FIGURES and st.get(k) is not None
+        verdict = entry.get("overload") or {}
+        over = variant and verdict.get("overloaded")
+        near = bool(verdict.get("near_capacity"))
+        return [MAY_GROW if near and k in QUEUE_FIGURES
+                else tolerance(st[k]) if k in FIGURES and st.get(k) is not None
                 and not (over and k in QUEUE_FIGURES) else "" for k in ROWS]
 
     def values(entry: dict[str, Any], variant: bool) -> list[str]:

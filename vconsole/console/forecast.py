@@ -14,11 +14,9 @@ from dataclasses import dataclass
 
 from vconsole.console import format as fmt
 from vconsole.console.predictions import (
-    GROWS,
     MARK,
     NOT_PREDICTED,
     PENDING,
-    QUEUE_FIGURES,
     SHOWN,
     UNAVAILABLE,
     Change,
@@ -30,6 +28,7 @@ from vconsole.console.predictions import (
     pending,
     unmodelled,
 )
+from vconsole.whatif.overload import GROWS
 from vconsole.whatif.predict import LABELS, tolerance
 
 
@@ -78,12 +77,14 @@ def box_markup(p: Prediction) -> str:
                  f"{'live':>8}[/]")
     for k in SHOWN:
         b, a, live = p.before.get(k), p.after.get(k), p.live.get(k)
-        grows = p.overloaded and k in QUEUE_FIGURES
+        wait = p.wait_mark(k)
+        grows = wait == GROWS
         after = GROWS if grows else figure(k, a)
         mark = f" [$warning]{MARK}[/]" if k in flagged else "  "
         change = "" if grows else change_pct(b, a)
         half = stated.get(k)
-        width = tolerance(half) if half is not None and not grows else ""
+        width = ("" if grows else wait or tolerance(half) if half is not None or wait
+                 else "")
         lines.append(f"  {LABELS[k]:<12}{figure(k, b):>8} → {after}{mark}"
                      f"{'':{max(0, 8 - len(after))}}"
                      f"[{change_style(k, b, a)}]{change:>7}[/] "

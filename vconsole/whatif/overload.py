@@ -40,6 +40,12 @@ from typing import Any
 from vconsole.telemetry.request_trace import RequestRecord, Trace, finished_normally
 from vconsole.whatif.simulate import SimResult
 
+# The figures that are waits in the queue: under overload they grow with the trace's length
+# (`GROWS` stands in their place), near capacity their interval is open-ended (`MAY_GROW`).
+QUEUE_FIGURES = ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s")
+GROWS = "grows"
+MAY_GROW = "grows?"
+
 CAPACITY_REQUESTS = 400  # a saturated run of more measures the same rate, slower
 MIN_SPAN_S = 5.0         # arrivals faster than the capacity for less than this: a burst
 GROWTH_LIMIT = 0.05      # s of added wait per s of arrivals: a queue that grows

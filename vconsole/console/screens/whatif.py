@@ -48,11 +48,9 @@ from vconsole.console.calibrating import Outcome
 from vconsole.console.changes import show_value
 from vconsole.console.keymap import WHATIF
 from vconsole.console.predictions import (
-    GROWS,
     KV_BLOCKS,
     MARK,
     PENDING,
-    QUEUE_FIGURES,
     TRACE_MAX_AGE_S,
     Prediction,
     change_pct,
@@ -63,6 +61,7 @@ from vconsole.console.predictions import (
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
+from vconsole.whatif.overload import GROWS
 from vconsole.whatif.predict import ROW_LABELS, ROWS, check_key, pct, tolerance
 
 KEYS = ("max_num_seqs", "max_num_batched_tokens", "policy", "num_kv_blocks", "block_size")
@@ -283,7 +282,8 @@ class WhatIfScreen(ConsoleScreen):
                               "", key=k)
                 continue
             b, a = p.before.get(k), p.after.get(k)
-            grows = p.overloaded and k in QUEUE_FIGURES
+            mark = p.wait_mark(k)
+            grows = mark == GROWS
             change = change_pct(b, a) if self.variant and not grows else ""
             style = change_style(k, b, a).lstrip("$")
             after = GROWS if grows else figure(k, a)
@@ -292,8 +292,9 @@ class WhatIfScreen(ConsoleScreen):
                           Text(pct(error.get(k)) if p.live else "–",
                                style="yellow" if k in flagged else ""),
                           _marked(after, k in flagged) if self.variant or grows else "=",
-                          Text(tolerance(half) if (half := stated.get(k)) is not None
-                               and not grows else "", style="dim"),
+                          Text("" if grows else mark or tolerance(half)
+                               if (half := stated.get(k)) is not None or mark else "",
+                               style="dim"),
                           Text(change, style={"success": "green", "warning": "yellow"}.get(
                               style, "dim")), key=k)
         note.update(Content.from_markup(self._note(p)))
