@@ -27,6 +27,7 @@ transformers' forward.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -37,8 +38,11 @@ import torch.nn.functional as F
 
 from vconsole.engine.worker import gguf_linear, nvtx
 from vconsole.engine.worker.gguf_linear import GGUFLinear
+from vconsole.engine.worker.native_decode import MAX_ROWS, NativeDecode
 from vconsole.engine.worker.paged_attention import PagedAttentionMetadata, paged_attention_forward
 from vconsole.engine.worker.weight_quant import Int8Linear, SliceOf
+
+log = logging.getLogger(__name__)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -121,6 +125,25 @@ class FusedDecoder:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scaling = float(layers[0].attn.scaling) if layers else self.head_dim ** -0.5
+        # The native decode step (`native_decode`) for small pure-decode steps, once
+        # `use_native` found it can run this model; else every step runs the layers below.
+        self.native: NativeDecode | None = None
+        self.native_reason = "not tried"
+
+    def use_native(self, kernel: Any) -> str:
+        """Run pure-decode steps of up to `native_decode.MAX_ROWS` rows in one native call
+        when ``kernel`` (the CPU attention kernel's build, or None) and the weights allow;
+        returns the path now in use for them (`decode_step`)."""
+        self.native, self.native_reason = NativeDecode.build(self, kernel)
+        log.info("decode steps of 1-%d rows: %s (%s)", MAX_ROWS, self.decode_step,
+                 self.native_reason)
+        return self.decode_step
+
+    @property
+    def decode_step(self) -> str:
+        """How small pure-decode steps run: ``native`` (one call for every layer) or
+        ``python`` (the layers below)."""
+        return "native" if self.native is not None else "python"
 
     @classmethod
     def build(cls, model: Any) -> FusedDecoder | None:
@@ -174,6 +197,9 @@ class FusedDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: PagedAttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and not nvtx.ON \
+                and NativeDecode.takes(meta, input_ids.shape[0]):
+            return self.native.forward(input_ids, positions, meta, rows)
         h = self.embed(input_ids)                                    # (T, hidden)
         cos, sin = self.rotary(h[None], positions[None])             # (1, T, hd) each
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]            # (T, 1, hd)

@@ -103,6 +103,8 @@ class ModelRunner:
                                else None)
         self.fused_decoder = (None if os.environ.get(FORWARD_ENV) == "transformers"
                        else FusedDecoder.build(self.model))
+        if self.fused_decoder is not None:      # small decode steps in one native call (#47)
+            self.fused_decoder.use_native(self._decode_kernel)
         self.requests = RequestStates()
         spec = parse_speculative_config(config.speculative_config)
         self.drafts = (None if spec is None else

@@ -1,0 +1,172 @@
+"""A decode step without Python per layer (issue #47): one native call runs every layer.
+
+`FusedDecoder.forward` issues some 40 torch calls per layer from Python (norms, RoPE, views, the
+KV write, the attention, adds, SiLU); on SmolLM2 (30 layers, hidden 576) with its GGUF blocks
+that Python and dispatch took about as long as the matmuls themselves (measured before this
+path: one thread, one stream, the decoder 18.9 ms a step of which the 120 GGUF linears alone
+9.4 ms). For a pure decode step of 1-4 rows `NativeDecode` hands the whole layer loop to
+``csrc/decode_step.cpp``: the model's tensors are packed once (`build`: no copy, the plan holds
+references), and each step is one ``decode_step`` call with the embedded rows, RoPE's cos/sin
+from transformers' rotary module, and the rows' slots, block table and context lengths. The
+linears and the attention run the kernels the Python path runs (this build's ``gguf_linear``,
+``at::linear`` for float32 weights, ``_weight_int8pack_mm`` for int8, the float32 paged
+attention kernel); the elementwise work is C++ loops doing the Python path's operations in its
+order with IEEE rounding, and the two reductions whose rounding is torch's own vector code (the
+RMSNorm's mean, SiLU) call torch, so a step's hidden states are the Python path's bit for bit
+and so are the tokens (`tests/engine/worker/test_native_decode.py`), int8 weights' bfloat16
+activations included.
+
+Why our own loop and not a compiled graph (torch.compile / AOTInductor): the step's inputs are
+the engine's paged metadata (a block table per row, a KV pool per layer, a context length that
+grows every step) and our custom operators with ``out`` arguments; a compiled graph needs them
+as traced tensors with dynamic shapes, recompiles or guards on every new length bucket, and
+Dynamo's guard check and the Inductor wrapper still run per call. Measured on this machine
+(docs/benchmarks.md, #47): compiling the decoder takes minutes on 2 cores at every start, and
+the per-call overhead that remains is of the order this loop removes entirely. The loop is a
+few hundred lines with nothing to compile at start beyond the extension the engine builds
+anyway.
+
+Which steps take it (`takes`): CPU, float32 KV pool (``--kv-cache-dtype auto``), no prefill
+chunk in the step, 1-4 decode rows in one group, no NVTX ranges wanted; the fused decoder's
+linears all float32, all int8, or all GGUF with each stacked linear of one quant type. Every
+other step (prefill, wider batches, quantized KV, CUDA) runs `FusedDecoder`'s Python layers,
+which stay the reference and the debugging path. ``VCONSOLE_DECODE_STEP=python`` keeps every
+step on them (the before/after of the benchmarks); the path in use is `FusedDecoder.decode_step`
+(``native`` or ``python``), named on the engine's start-up line, and the native call shows as
+the ``decode_step`` operator in a profile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from vconsole.engine.worker.gguf_linear import GGUFLinear
+from vconsole.engine.worker.paged_attention import PagedAttentionMetadata
+from vconsole.engine.worker.weight_quant import Int8Linear
+
+if TYPE_CHECKING:
+    from vconsole.engine.worker.fused_decoder import FusedDecoder
+
+log = logging.getLogger(__name__)
+
+DECODE_STEP_ENV = "VCONSOLE_DECODE_STEP"    # "python": every step through the Python layers
+MAX_ROWS = 4                                # the kernels' GEMV width; wider steps stay Python
+_FLOAT, _GGUF, _INT8 = 0, 1, 2
+
+
+def wanted() -> bool:
+    return os.environ.get(DECODE_STEP_ENV, "native") != "python"
+
+
+def _linear_parts(fn: Any) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    """(kind, weight, bias, int8 scale, GGUF quant type) of a fused-decoder linear callable, or
+    None for one the native step does not run (a concatenation of GGUF parts of two types)."""
+    empty = torch.empty(0)
+    if isinstance(fn, functools.partial) and fn.func is F.linear and not fn.args:
+        weight, bias = fn.keywords["weight"], fn.keywords.get("bias")
+        if weight.dtype != torch.float32 or not weight.is_contiguous():
+            return None
+        return _FLOAT, weight, empty if bias is None else bias.float().contiguous(), empty, 0
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, GGUFLinear) and fn.__func__ is GGUFLinear.forward:
+        bias = owner.bias
+        return (_GGUF, owner.blocks, empty if bias is None else bias.data.contiguous(), empty,
+                owner.qtype)
+    if isinstance(owner, Int8Linear) and fn.__func__ is Int8Linear.forward:
+        bias = owner.bias
+        return (_INT8, owner.qweight, empty if bias is None else bias.data.float().contiguous(),
+                owner.scale_bf16, 0)
+    return None
+
+
+class NativeDecode:
+    """The packed model (a handle into ``csrc/decode_step.cpp``'s registry, freed with this
+    object) and its step."""
+
+    def __init__(self, ops: Any, handle: int, fused: FusedDecoder) -> None:
+        self._ops = ops
+        self._handle = handle
+        self._fused = fused
+        self._pools: Any = None        # the runner's kv_caches list the plan points at
+        weakref.finalize(self, ops.decode_plan_free, handle)
+
+    @classmethod
+    def build(cls, fused: FusedDecoder, kernel: Any) -> tuple[NativeDecode | None, str]:
+        """The native step over ``fused``'s weights, or None and why not."""
+        if not wanted():
+            return None, f"{DECODE_STEP_ENV}=python"
+        if kernel is None:
+            return None, "no CPU kernel build"
+        ops = getattr(torch.ops, kernel.namespace)
+        if not hasattr(ops, "decode_step"):
+            return None, "the kernel build has no decode_step"
+        if fused.embed.weight.device.type != "cpu" or fused.norm_w.dtype != torch.float32:
+            return None, "CPU float32 models only"
+        tensors: list[torch.Tensor] = [fused.norm_w.detach().contiguous()]
+        ints = [fused.num_heads, fused.num_kv_heads, fused.head_dim,
+                int(fused.norm_w.shape[0]), 0, len(fused.layers)]
+        floats = [float(fused.scaling), float(fused.norm_eps)]
+        for layer in fused.layers:
+            parts = [_linear_parts(f) for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(p is None for p in parts):
+                return None, "a stacked linear mixes GGUF quant types"
+            if layer.ln1.dtype != torch.float32 or layer.ln2.dtype != torch.float32:
+                return None, "CPU float32 models only"
+            ints.append(int(layer.sliding_window or 0))
+            tensors += [layer.ln1.detach().contiguous(), layer.ln2.detach().contiguous()]
+            floats += [layer.ln1_eps, layer.ln2_eps]
+            for part in parts:
+                assert part is not None
+                kind, weight, bias, scale, qtype = part
+                ints += [kind, qtype]
+                tensors += [weight, bias, scale]
+            ints[4] = _in_features(layer.down, parts[3][1] if parts[3] else None)
+        try:
+            handle = int(ops.decode_plan(tensors, ints, floats))
+        except RuntimeError as e:
+            return None, str(e).splitlines()[0]
+        return cls(ops, handle, fused), "native"
+
+    @staticmethod
+    def takes(meta: PagedAttentionMetadata, num_tokens: int) -> bool:
+        """Whether a step runs natively: only decode rows (1 to `MAX_ROWS`, one group), a
+        float32 pool read by the CPU kernel."""
+        return (not meta.prefills and 0 < num_tokens <= MAX_ROWS
+                and meta.num_decodes == num_tokens and len(meta.decode_groups) == 1
+                and meta.decode_kernel is not None and not meta.kv_format.quantized
+                and meta.open_plan is None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: PagedAttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """`FusedDecoder.forward` for a step `takes` accepts: the final-normed hidden states
+        of rows ``rows``."""
+        fused = self._fused
+        if meta.kv_caches is not self._pools:
+            self._ops.decode_plan_pools(self._handle, [layer.k for layer in meta.kv_caches],
+                                        [layer.v for layer in meta.kv_caches])
+            self._pools = meta.kv_caches
+        h = fused.embed(input_ids)                                   # (R, hidden)
+        cos, sin = fused.rotary(h[None], positions[None])            # (1, R, hd) each
+        g = meta.decode_groups[0]
+        n = g.hi - g.lo
+        out = self._ops.decode_step(self._handle, h, cos[0].contiguous(), sin[0].contiguous(),
+                                    meta.slot_mapping, g.block_tables.view(n, g.max_blocks),
+                                    g.context_lens)
+        return out.index_select(0, rows)
+
+
+def _in_features(down: Any, weight: torch.Tensor | None) -> int:
+    """The MLP's intermediate width: the down projection's input (a module's ``in_features``,
+    else its float weight's columns)."""
+    owner = getattr(down, "__self__", None)
+    if owner is not None:
+        return int(owner.in_features)
+    assert weight is not None
+    return int(weight.shape[1])
