@@ -39,9 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
                    help="size the KV pool in bytes (default: cpu_kv_cache_gib on CPU, "
                    "gpu_memory_utilization on CUDA)")
     g.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="weight quantization: int8, or gguf (a .gguf model's quantized "
+                   help="weight quantization: int8, gguf (a .gguf model's quantized "
                    "blocks read as stored; the default for such a model on CPU, --dtype "
-                   "float32 runs its float conversion). Default: none")
+                   "float32 runs its float conversion), or int4 (a float model's linears "
+                   "quantized at load to 4-bit blocks of 32 on the gguf kernels; CPU). "
+                   "Default: none")
     g.add_argument("--max-num-seqs", type=int, help="most requests running at once (default 64)")
     g.add_argument("--max-num-batched-tokens", type=int,
                    help="token budget per step (default 512)")

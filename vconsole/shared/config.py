@@ -38,8 +38,9 @@ def canonical_kv_cache_dtype(name: str) -> str:
                          f"got {name!r}")
     return _KV_ALIASES.get(name, name)
 # Weight quantization (vLLM's --quantization): int8 weights, per output channel scales; gguf:
-# a .gguf model's quantized blocks read as stored (the default for such a model on CPU).
-QUANTIZATIONS = ("int8", "gguf")
+# a .gguf model's quantized blocks read as stored (the default for such a model on CPU); int4:
+# a float model's linears quantized at load to 4-bit GGUF blocks (groups of 32), same kernels.
+QUANTIZATIONS = ("int8", "gguf", "int4")
 
 
 def _f(default: Any, desc: str, *, hot: bool, lo: float | None = None, hi: float | None = None,
@@ -75,7 +76,9 @@ class EngineConfig:
     quantization: str | None = _f(None, "Weight quantization: int8 (per-channel int8 weights "
                                   "of every decoder linear and the LM head); gguf (a .gguf "
                                   "model's quantized blocks read as stored: Q4_0, Q4_1, Q8_0, "
-                                  "Q4_K, Q6_K); unset = gguf for a quantized .gguf model on "
+                                  "Q4_K, Q6_K); int4 (a float model's linears quantized at "
+                                  "load to 4-bit GGUF blocks, groups of 32, on the gguf "
+                                  "kernels; CPU); unset = gguf for a quantized .gguf model on "
                                   "CPU with dtype auto, else the model's dtype.", hot=False,
                                   choices=QUANTIZATIONS,
                                   nullable=True)

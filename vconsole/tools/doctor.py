@@ -240,18 +240,20 @@ def check_gguf_weights() -> Check:
     conversion."""
     import shutil
 
-    from vconsole.engine.worker import attention_kernel, gguf_linear, weight_quant
+    from vconsole.engine.worker import attention_kernel, gguf_linear, int4_weights, weight_quant
 
     types = ", ".join(gguf_linear.SUPPORTED)
     built = attention_kernel.is_built()
     if not built and shutil.which(attention_kernel._cxx().split()[0]) is None:
         return Check("gguf weights", WARN, "no C++ compiler for the gguf kernels: a quantized "
-                     ".gguf model runs its float32 conversion (4 bytes a weight)")
+                     ".gguf model runs its float32 conversion (4 bytes a weight), and "
+                     "--quantization int4 is refused")
     flags = weight_quant.cpu_flags()
     isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "generic"
     return Check("gguf weights", OK, f"gguf · {isa}: {types} read as stored, the default for "
-                 f"a quantized .gguf model on CPU" + ("" if built else
-                                                      " (kernel built on the first start)"))
+                 f"a quantized .gguf model on CPU; --quantization int4 quantizes a float "
+                 f"model to {int4_weights.INT4_TYPE} on the same kernels"
+                 + ("" if built else " (kernel built on the first start)"))
 
 
 def check_real_model() -> Check:

@@ -166,11 +166,13 @@ class Summary:
     replaced: dict[str, int]
     kept_float: int
     weight_bytes: int
+    label: str = "gguf"       # int4: a float model's linears quantized at load (`int4_weights`)
 
     def describe(self) -> str:
         kinds = ", ".join(f"{n} {t}" for t, n in sorted(self.replaced.items()))
         kept = f", {self.kept_float} float" if self.kept_float else ""
-        return f"gguf · {kinds}{kept} · {vector_path()}"
+        kernels = " on the gguf kernels" if self.label != "gguf" else ""
+        return f"{self.label} · {kinds}{kept}{kernels} · {vector_path()}"
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,11 @@ def unsupported_types(gguf_file: Path) -> list[str]:
     """The quant types of the file's replaced tensors that the kernels do not read."""
     return sorted({t for t in quantized_linears(_reader(gguf_file)).values()
                    if t not in SUPPORTED})
+
+
+def quantized_types(gguf_file: Path) -> list[str]:
+    """The quant types of the file's replaced tensors (none: a float GGUF)."""
+    return sorted(set(quantized_linears(_reader(gguf_file)).values()))
 
 
 def _reader(gguf_file: Path) -> dict[str, TensorInfo]:

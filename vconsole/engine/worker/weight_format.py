@@ -7,6 +7,8 @@ with ``--dtype auto`` (a file with another type runs its float conversion, with 
 ``--dtype float32`` (or any explicit dtype) keeps the float conversion. A defaulted ``gguf``
 that cannot run here (no C++ compiler for the kernels) falls back to the float conversion
 with a warning; an explicit one is an error, as is ``gguf`` for a model that is not a GGUF.
+``int4`` quantizes a float model's linears at load into 4-bit GGUF blocks run on the same
+kernels (`int4_weights`); it is refused off CPU and for a GGUF already quantized.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ def apply(model: Any, config: EngineConfig, device_type: str) -> str | None:
 
         weight_quant.quantize_model(model, "int8")
         return weight_quant.many_rows_path().describe()
+    if method == "int4":
+        return _int4(model, config, device_type)
     if method != "gguf":
         raise ValueError(f"unknown quantization {method!r}")
     explicit = config.quantization == "gguf"
@@ -97,6 +101,28 @@ def apply(model: Any, config: EngineConfig, device_type: str) -> str | None:
     log.info("weights: %s (%.0f MB of blocks read as stored from %s)", text,
              summary.weight_bytes / 1e6, gguf_file.name)
     return text
+
+
+def _int4(model: Any, config: EngineConfig, device_type: str) -> str:
+    """A float model's linears quantized to 4-bit GGUF blocks (`int4_weights`); refused off
+    CPU and for a GGUF already quantized (its own blocks: ``gguf``)."""
+    if device_type != "cpu":
+        raise ValueError("--quantization int4 runs on CPU only: its blocks run on the gguf "
+                         "kernels, CPU code (on CUDA, leave --quantization unset)")
+    gguf_file = source_gguf(config.model)
+    if gguf_file is not None:
+        from vconsole.engine.worker import gguf_linear
+
+        types = gguf_linear.quantized_types(gguf_file)
+        gguf_linear.forget_reader()
+        if types:
+            raise ValueError(f"--quantization int4 quantizes a float model; {gguf_file.name} "
+                             f"is already quantized ({', '.join(types)}): run its blocks as "
+                             f"stored with --quantization gguf (the default for it on CPU), "
+                             f"or its float conversion with --dtype float32")
+    from vconsole.engine.worker import int4_weights
+
+    return int4_weights.quantize_model(model).describe()
 
 
 def bytes_per_weight(model: Any) -> float | None:

@@ -206,6 +206,42 @@ def build_llama_server(jobs: int = 2, sdist: Path | None = None, version: str | 
     return binary
 
 
+PERPLEXITY = "llama-perplexity"
+
+
+def find_llama_perplexity(root: Path | None = None) -> Path | None:
+    """llama.cpp's ``llama-perplexity`` beside the `find_llama_server` binary (built for this
+    CPU by `build_llama_perplexity`), else None."""
+    server = find_llama_server(root)
+    binary = None if server is None else server.parent / PERPLEXITY
+    return binary if binary is not None and os.access(binary, os.X_OK) else None
+
+
+def build_llama_perplexity(jobs: int = 2, say: Callable[[str], None] = lambda m: None) -> Path:
+    """``llama-perplexity`` (the quality peer of `gguf_requant`) built in the build tree of the
+    cached ``llama-server`` for this CPU, same sources and flags: its libraries are built, so
+    this compiles one tool (seconds; measured 5 s wall on 2 cores). BuildError without such a
+    build (`BUILD_COMMAND` first)."""
+    server = find_llama_server()
+    if server is None:
+        raise BuildError(missing_reason())
+    entry = server.parent.parent
+    build = entry / "build"
+    if not (build / "build.ninja").is_file():
+        raise BuildError(f"{entry} has no build tree to add {PERPLEXITY} to; rebuild with "
+                         f"{BUILD_COMMAND} --rebuild")
+    _step("cmake build", ["cmake", "--build", str(build), "--target", PERPLEXITY, f"-j{jobs}"],
+          entry / "build.log", say)
+    built = build / "bin" / PERPLEXITY
+    if not built.is_file():
+        raise BuildError(f"the build made no {built}")
+    binary = entry / "bin" / PERPLEXITY
+    tmp_bin = binary.with_suffix(".tmp")
+    shutil.copy2(built, tmp_bin)
+    os.replace(tmp_bin, binary)
+    return binary
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vconsole.tools.bench.llama_server_build",
                                 description=__doc__.split("\n\n")[0])
@@ -215,7 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", default=None, help=f"the {PACKAGE} version (default newest)")
     p.add_argument("--rebuild", action="store_true",
                    help="build even when a llama-server for this CPU is in the cache")
+    p.add_argument("--perplexity", action="store_true",
+                   help=f"also build {PERPLEXITY} in the same tree (gguf_requant's llama.cpp "
+                   "column)")
     args = p.parse_args(argv)
+    if args.perplexity and not (args.rebuild or args.sdist or args.version) \
+            and find_llama_server() is not None:
+        try:
+            print(build_llama_perplexity(args.jobs, say=lambda m: print(m, file=sys.stderr)))
+        except BuildError as e:
+            print(f"{PERPLEXITY} build: {e}", file=sys.stderr)
+            return 1
+        return 0
     if not (args.rebuild or args.sdist or args.version) \
             and (found := find_llama_server()) is not None:
         print(found)
@@ -227,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = build_llama_server(args.jobs, args.sdist, args.version,
                                   say=lambda m: print(m, file=sys.stderr))
+        if args.perplexity:
+            print(build_llama_perplexity(args.jobs, say=lambda m: print(m, file=sys.stderr)))
     except BuildError as e:
         print(f"llama-server build: {e}", file=sys.stderr)
         return 1
