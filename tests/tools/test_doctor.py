@@ -95,7 +95,7 @@ def test_the_int8_check_names_the_wide_step_path_and_warns_when_it_is_emulated(m
     monkeypatch.setenv(weight_quant.PATH_ENV, "kernel")
     kernel = doctor.check_int8_weights()
     assert kernel.status == doctor.OK and kernel.detail.startswith("int8 · ")
-    assert kernel.detail.split()[2] in ("avx512", "avx2", "generic")
+    assert kernel.detail.split()[2] in ("avx512-vnni", "avx-vnni", "avx2", "generic")
     monkeypatch.setenv(weight_quant.PATH_ENV, "bf16")
     monkeypatch.setattr(weight_quant, "native_bf16", lambda flags=None: False)
     slow = doctor.check_int8_weights()

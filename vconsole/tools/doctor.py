@@ -218,8 +218,9 @@ def check_attention_kernel() -> Check:
 
 
 def check_int8_weights() -> Check:
-    """Which kernel ``--quantization int8`` runs steps of more than a few rows on here, and a
-    warning where that is emulated bfloat16 (issue #49)."""
+    """Which kernel ``--quantization int8`` runs on here (the int8 kernel's path for every step,
+    or bfloat16 for steps of more than a few rows), and a warning where that is emulated
+    bfloat16 (issue #49)."""
     try:
         from vconsole.engine.worker import weight_quant
 
@@ -231,7 +232,8 @@ def check_int8_weights() -> Check:
     if path.slow:
         return Check("int8 weights", WARN, f"{path.describe()}: {path.why}; "
                      f"--quantization int8 is {weight_quant.EMULATED_BF16_COST}")
-    return Check("int8 weights", OK, f"{path.describe()} for wide steps ({path.why})")
+    steps = "wide steps" if path.name == "bf16" else "every step"
+    return Check("int8 weights", OK, f"{path.describe()} for {steps} ({path.why})")
 
 
 def check_gguf_weights() -> Check:

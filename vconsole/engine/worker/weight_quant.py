@@ -1,34 +1,36 @@
-"""Int8 weights (``--quantization int8``): weight-only int8, per-output-channel scales.
+"""Int8 weights (``--quantization int8``): int8 weights with per-output-channel scales.
 
 Single-stream decode reads every weight once per token: SmolLM2-135M is 540 MB a token in
 float32, and at one row a matmul is a memory-bound matrix-vector product. int8 reads a quarter.
 
-The scheme: each weight row ``n`` (an output channel) is stored as ``q[n] = round(W[n] / s[n])``
-in [-127, 127] with ``s[n] = max|W[n]| / 127`` (the error of a weight is at most ``s[n] / 2``);
-activations are not quantized, only rounded to bfloat16 for the kernels, and every product is
-summed in float32. Two kernels, by the step's rows:
+The weights: each row ``n`` (an output channel) is stored as ``q[n] = round(W[n] / s[n])`` in
+[-127, 127] with ``s[n] = max|W[n]| / 127`` (the error of a weight is at most ``s[n] / 2``). How
+a step multiplies them is one of two paths, chosen once per process by what the CPU has
+(`many_rows_path`; ``VCONSOLE_INT8_GEMM`` forces one, see `wanted_path`):
 
-- **up to `SMALL_ROWS` rows** (a decode step of a few streams): torch's weight-only int8 matmul
-  ``torch._weight_int8pack_mm`` (bfloat16 activations and scales, AVX-512 on CPU): it reads the
-  int8 weight once and never materialises a float copy; at one row on the development machine
-  2-3x float32 ``F.linear`` (576 x 3072: ~120 us against ~350 us, one thread);
-- **more rows** (prefill, wide decode batches, where the matmul is compute-bound and the weight
-  is reused by every row), one of two paths, chosen once per process by what the CPU has
-  (`many_rows_path`; ``VCONSOLE_INT8_GEMM=kernel|bf16`` forces one):
+- ``bf16``, where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX): up to
+  `SMALL_ROWS` rows torch's weight-only ``torch._weight_int8pack_mm`` (bfloat16 activations and
+  scales); more rows convert the int8 rows, `CHUNK_ELEMENTS` at a time, into one shared
+  bfloat16 scratch (int8 values are exact in bfloat16) for a bfloat16 ``torch.mm``, the float32
+  scales applied to the product. Activations are rounded to bfloat16 (2^-9 relative).
+- the **kernel** (``csrc/int8_gemm.cpp``, built with the attention kernel for this CPU)
+  everywhere else, for every step: each row of activations is quantized once per call to int8
+  in blocks of 32 along K (a scale per block, as llama.cpp's Q8_0 activations), and the
+  products are summed exactly in integers: AVX-512 VNNI ``vpdpbusd`` (``avx512-vnni``),
+  256-bit VNNI (``avx-vnni``), ``vpmaddubsw`` with the sign trick (``avx2``) or plain C++
+  (``generic``), the best this build holds and this CPU runs. The weights are packed once, on
+  the first forward, into the kernel's layout (`pack`: panels of 16 channels, K in groups of 4;
+  the same bytes, q + 128 for the VNNI paths), which replaces the plain copy. torch emulates
+  bfloat16 on an AVX2-only CPU, and the ``bf16`` path there made a loaded engine 3.7x slower
+  than float32 (issue #49). Without a compiler the ``bf16`` path is the fallback, and the
+  start-up line warns when it is emulated.
 
-  - ``bf16``, where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX): the int8 rows
-    are converted, `CHUNK_ELEMENTS` at a time, into one shared bfloat16 scratch (int8 values
-    are exact in bfloat16) and multiplied with bfloat16 ``torch.mm``, the float32 scales
-    applied to the product: 1.5-2x float32 at 64 rows, where ``_weight_int8pack_mm`` is 2x
-    slower than float32;
-  - the **kernel** (``csrc/int8_gemm.cpp``, built with the attention kernel for this CPU:
-    ``avx512``, ``avx2`` or ``generic`` by what the compiler may use) everywhere else: float32
-    activations against int8 weight panels widened to float32 in cache, float32 FMAs, the
-    scales applied at the end. torch emulates bfloat16 on an AVX2-only CPU, and the ``bf16``
-    path there made a loaded engine 3.7x slower than float32 (issue #49); the kernel runs at
-    the CPU's float32 FMA rate while reading a quarter of the weight bytes. Without a
-    compiler the ``bf16`` path is the fallback, and the start-up line warns when it is
-    emulated.
+The activations' block scale ``a = max|x_block| / 127`` adds at most ``a / 2`` to each input,
+so per output ``|error| <= s[n]/2 * |x|_1 + sum_blocks a/2 * |W_q[n, block]|_1`` (tests check
+each path against it). Blocks of 32 rather than one scale per row: measured on SmolLM2 (4
+windows x 256 tokens of the quality bench's pydoc text and of the held-out python-license
+text), one scale per row cost +5.5% perplexity over these int8 weights with float
+activations, blocks of 128 +1.2%, blocks of 32 -0.1% and +0.7%.
 
 Why not torch's dynamic int8 (``quantized::linear_dynamic``, fbgemm / oneDNN, W8A8 with the
 activations quantized per tensor), although it is 4x float32 at one row: measured on SmolLM2
@@ -54,18 +56,27 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from vconsole.shared.config import QUANTIZATIONS
 
+if TYPE_CHECKING:
+    from vconsole.engine.worker.attention_kernel import Kernel
+
 log = logging.getLogger(__name__)
 
-SMALL_ROWS = 4                 # at most this many rows: _weight_int8pack_mm
-CHUNK_ELEMENTS = 1 << 21       # weights converted to bfloat16 at a time above (4 MiB)
+SMALL_ROWS = 4                 # bf16 path: at most this many rows take _weight_int8pack_mm
+CHUNK_ELEMENTS = 1 << 21       # bf16 path: weights converted to bfloat16 at a time (4 MiB)
 QMAX = 127
 
-PATH_ENV = "VCONSOLE_INT8_GEMM"   # auto (default), kernel or bf16: the many-rows path
+PATH_ENV = "VCONSOLE_INT8_GEMM"   # auto (default), kernel, bf16, or one of KERNEL_PATHS
+# The kernel's paths, best first (csrc/int8_gemm.cpp), and the weight bytes each reads: q + 128
+# (unsigned) for the VNNI paths and the generic one, q itself for avx2's sign trick.
+KERNEL_PATHS = ("avx512-vnni", "avx-vnni", "avx2", "generic")
+PANEL, GROUP, BLOCK = 16, 4, 32   # the packed layout: channels per panel, k per group, k per
+# activation scale
 # What the bf16 path cost where torch emulates bfloat16 (issue #49: a 2-core AVX2 EPYC,
 # SmolLM2, 64 concurrent streams over HTTP): said when that path is taken there.
 EMULATED_BF16_COST = "3.7x slower than float32 weights at 64 concurrent streams (issue #49)"
@@ -91,11 +102,31 @@ def native_bf16(flags: set[str] | None = None) -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def cpu_kernel_paths(flags: set[str] | None = None) -> list[str]:
+    """The kernel paths a CPU with ``flags`` runs, best first (what the kernel's own
+    ``int8_gemm_paths`` says once built with a compiler that knows them all)."""
+    flags = cpu_flags() if flags is None else flags
+    out = []
+    if {"avx512_vnni", "avx512bw"} <= flags:
+        out.append("avx512-vnni")
+    if "avx_vnni" in flags or {"avx512_vnni", "avx512vl"} <= flags:
+        out.append("avx-vnni")
+    if "avx2" in flags:
+        out.append("avx2")
+    return [*out, "generic"]
+
+
+def layout_of(path: str) -> str:
+    """The bytes a kernel path reads: ``s8`` (q) for avx2, ``u8`` (q + 128) for the others."""
+    return "s8" if path == "avx2" else "u8"
+
+
 @dataclass(frozen=True)
 class ManyRowsPath:
-    """How steps of more than `SMALL_ROWS` rows multiply: ``name`` is ``bf16`` or the
-    kernel's vector path (``avx512``, ``avx2``, ``generic``); ``gemm`` the kernel's operator
-    (None for ``bf16``); ``slow`` is set when bfloat16 is emulated here."""
+    """How an int8 linear multiplies in this process: ``name`` is ``bf16`` or the kernel's path
+    (`KERNEL_PATHS`); ``gemm`` the kernel's operator (None for ``bf16``); ``slow`` is set when
+    bfloat16 is emulated here. (The kernel takes every step; ``bf16`` takes steps of up to
+    `SMALL_ROWS` rows with ``_weight_int8pack_mm``.)"""
 
     name: str
     gemm: Callable[..., None] | None = None
@@ -116,11 +147,19 @@ def _bf16_path(why: str) -> ManyRowsPath:
 
 def wanted_path() -> str:
     """`PATH_ENV`'s value (``auto`` unset); ValueError naming it when it is none of auto,
-    kernel or bf16: the engine's start and `vconsole doctor` refuse the same values."""
+    kernel, bf16 or a kernel path: the engine's start and `vconsole doctor` refuse the same
+    values."""
     wanted = os.environ.get(PATH_ENV, "auto")
-    if wanted not in ("auto", "kernel", "bf16"):
-        raise ValueError(f"{PATH_ENV} must be auto, kernel or bf16; got {wanted!r}")
+    if wanted not in ("auto", "kernel", "bf16", *KERNEL_PATHS):
+        raise ValueError(f"{PATH_ENV} must be auto, kernel or bf16 (or a kernel path: "
+                         f"{', '.join(KERNEL_PATHS)}); got {wanted!r}")
     return wanted
+
+
+def kernel_paths(kernel: Kernel) -> list[str]:
+    """The paths a built kernel holds and this CPU runs, best first."""
+    ops = getattr(torch.ops, kernel.namespace)
+    return str(ops.int8_gemm_paths()).split(",")
 
 
 def _choose_path() -> ManyRowsPath:
@@ -134,8 +173,12 @@ def _choose_path() -> ManyRowsPath:
         kernel = attention_kernel.build()
     except Exception as e:      # no compiler: the bf16 path, said to be slow where it is
         return _bf16_path(f"the int8 kernel is unavailable: {e}")
-    return ManyRowsPath(kernel.int8_gemm_isa(), kernel.int8_gemm,
-                        why=f"{PATH_ENV}=kernel" if wanted == "kernel"
+    have = kernel_paths(kernel)
+    if wanted in KERNEL_PATHS and wanted not in have:
+        raise ValueError(f"{PATH_ENV}={wanted}: this CPU and build run only {', '.join(have)}")
+    name = wanted if wanted in KERNEL_PATHS else have[0]
+    return ManyRowsPath(name, kernel.int8_gemm,
+                        why=f"{PATH_ENV}={wanted}" if wanted != "auto"
                         else "no native bfloat16 on this CPU")
 
 
@@ -149,21 +192,24 @@ def predicted_path(flags: set[str] | None = None) -> ManyRowsPath:
 
     wanted = wanted_path()
     flags = cpu_flags() if flags is None else flags
-    if wanted == "bf16" or (wanted != "kernel" and native_bf16(flags)):
+    if wanted == "bf16" or (wanted == "auto" and native_bf16(flags)):
         return ManyRowsPath("bf16", slow=not native_bf16(flags),
                             why=f"{PATH_ENV}=bf16" if wanted == "bf16"
                             else "the CPU multiplies bfloat16 natively")
     built = attention_kernel.is_built()
     if not built and shutil.which(attention_kernel._cxx().split()[0]) is None:
         return ManyRowsPath("bf16", slow=True, why="no C++ compiler for the int8 kernel")
-    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "generic"
-    return ManyRowsPath(isa, why="kernel built" if built
+    have = cpu_kernel_paths(flags)
+    if wanted in KERNEL_PATHS and wanted not in have:
+        raise ValueError(f"{PATH_ENV}={wanted}: this CPU runs only {', '.join(have)}")
+    name = wanted if wanted in KERNEL_PATHS else have[0]
+    return ManyRowsPath(name, why="kernel built" if built
                         else "kernel built with the attention kernel on the first start")
 
 
 def many_rows_path() -> ManyRowsPath:
-    """The path steps of more than `SMALL_ROWS` rows take in this process, chosen once (the
-    kernel is loaded, or built, on the first call)."""
+    """The path int8 linears take in this process, chosen once (the kernel is loaded, or
+    built, on the first call)."""
     global _path
     with _path_lock:
         if _path is None:
@@ -172,8 +218,8 @@ def many_rows_path() -> ManyRowsPath:
 
 
 def use_path(path: ManyRowsPath | None) -> None:
-    """Set (or, with None, forget) this process's many-rows path: the tests' way to run
-    each path on one machine."""
+    """Set (or, with None, forget) this process's path: the tests' way to run each path on
+    one machine."""
     global _path
     with _path_lock:
         _path = path
@@ -192,6 +238,32 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def _ceil(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def pack(q: torch.Tensor, layout: str) -> torch.Tensor:
+    """``q`` (N, K) int8 in the kernel's layout, ``(N/16, K/4, 16, 4)`` (N padded to 16 and K
+    to 32 with zeros): ``packed[p, g, c, t] = q[16 p + c, 4 g + t]``, plus 128 (as unsigned
+    bytes) for the ``u8`` layout (`layout_of`)."""
+    n, k = q.shape
+    padded = torch.zeros(_ceil(n, PANEL), _ceil(k, BLOCK), dtype=torch.int8)
+    padded[:n, :k] = q
+    out = padded.view(-1, PANEL, padded.shape[1] // GROUP, GROUP).permute(0, 2, 1, 3)
+    out = out.contiguous()
+    if layout == "u8":
+        out = out.view(torch.uint8).bitwise_xor_(0x80).view(torch.int8)
+    return out
+
+
+def unpack(packed: torch.Tensor, n: int, k: int, layout: str) -> torch.Tensor:
+    """The plain ``(N, K)`` int8 weights of `pack`'s output."""
+    if layout == "u8":
+        packed = packed.view(torch.uint8).bitwise_xor(0x80).view(torch.int8)
+    rows = packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * PANEL, -1)
+    return rows[:n, :k].contiguous()
+
+
 def _bf16_scratch(elements: int, device: torch.device) -> torch.Tensor:
     """One bfloat16 buffer per device, shared by every `Int8Linear` (a step runs one matmul
     at a time), grown to the largest chunk asked for. Made outside inference mode: a buffer
@@ -206,12 +278,15 @@ def _bf16_scratch(elements: int, device: torch.device) -> torch.Tensor:
 
 
 class Int8Linear(torch.nn.Module):
-    """``y ~= x @ W.T + b`` with ``W`` stored as per-channel int8 (see the module docstring)."""
+    """``y ~= x @ W.T + b`` with ``W`` stored as per-channel int8 (see the module docstring).
+    ``qweight`` holds the int8 weights once: plain ``(N, K)``, or packed for the kernel
+    (``_layout`` says which; the first forward on the kernel path packs them)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.register_buffer("qweight", q.contiguous(), persistent=False)
+        self._layout = "plain"
         self.register_buffer("scale", scale.float().contiguous(), persistent=False)
         self.register_buffer("scale_bf16", self.scale.to(torch.bfloat16), persistent=False)
         bias = None if bias is None else bias.detach().float().contiguous()
@@ -231,25 +306,39 @@ class Int8Linear(torch.nn.Module):
         if any(lin.bias is not None for lin in linears):
             bias = torch.cat([lin.bias.data if lin.bias is not None
                               else torch.zeros(lin.out_features) for lin in linears])
-        return cls(torch.cat([lin.qweight for lin in linears]),
+        return cls(torch.cat([lin.int8_weight()[0] for lin in linears]),
                    torch.cat([lin.scale for lin in linears]), bias)
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored ``(int8 (N, K), scale (N,))``."""
-        return self.qweight, self.scale
+        """The stored ``(int8 (N, K), scale (N,))`` (unpacked when packed)."""
+        if self._layout == "plain":
+            return self.qweight, self.scale
+        return unpack(self.qweight, self.out_features, self.in_features, self._layout), self.scale
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.qweight.float() * self.scale[:, None]
+        return self.int8_weight()[0].float() * self.scale[:, None]
+
+    def _weight_in(self, layout: str) -> torch.Tensor:
+        """``qweight`` in ``layout`` (``plain``, ``u8`` or ``s8``), converted in place (one
+        copy kept) when it is in another. Made outside inference mode, as `_bf16_scratch`."""
+        if self._layout != layout:
+            with torch.inference_mode(False), torch.no_grad():
+                plain = self.int8_weight()[0]
+                self.qweight = plain if layout == "plain" else pack(plain, layout)
+            self._layout = layout
+        return self.qweight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= SMALL_ROWS:
-            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight,
-                                          self.scale_bf16).float()
-        elif (gemm := many_rows_path().gemm) is not None and x2.device.type == "cpu":
+        path = many_rows_path()
+        if path.gemm is not None and x2.device.type == "cpu":
+            w = self._weight_in(layout_of(path.name))
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32,
                             device=x2.device)
-            gemm(x2.float().contiguous(), self.qweight, self.scale, y)
+            path.gemm(x2.float().contiguous(), w, self.scale, y, path.name)
+        elif x2.shape[0] <= SMALL_ROWS:
+            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self._weight_in("plain"),
+                                          self.scale_bf16).float()
         else:
             y = self._many_rows(x2.to(torch.bfloat16))
         if self.bias is not None:
@@ -258,13 +347,14 @@ class Int8Linear(torch.nn.Module):
 
     def _many_rows(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.out_features, self.in_features
+        qweight = self._weight_in("plain")
         step = min(n, self._chunk_rows)
         scratch = _bf16_scratch(step * k, x.device)
         y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
         for lo in range(0, n, step):
             hi = min(lo + step, n)
             w = scratch[:(hi - lo) * k].view(hi - lo, k)
-            w.copy_(self.qweight[lo:hi])
+            w.copy_(qweight[lo:hi])
             y[:, lo:hi] = torch.mm(x, w.t())
         return y.mul_(self.scale)
 
@@ -294,8 +384,12 @@ def quantize_model(model: torch.nn.Module, method: str) -> int:
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, Int8Linear.from_linear(linear))
     path = many_rows_path()
-    log.info("int8 weights: %d linears; steps of up to %d rows: _weight_int8pack_mm; more "
-             "rows: %s (%s)", len(targets), SMALL_ROWS, path.describe(), path.why)
+    if path.gemm is not None:
+        log.info("int8 weights: %d linears; every step: %s (%s), activations quantized to "
+                 "int8 in blocks of %d", len(targets), path.describe(), path.why, BLOCK)
+    else:
+        log.info("int8 weights: %d linears; steps of up to %d rows: _weight_int8pack_mm; "
+                 "more rows: %s (%s)", len(targets), SMALL_ROWS, path.describe(), path.why)
     if path.slow:
         log.warning("int8 weights: steps of more than %d rows run bfloat16 matmuls that this "
                     "CPU emulates, measured %s; float32 weights (no --quantization) are "
