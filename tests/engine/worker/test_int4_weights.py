@@ -163,3 +163,9 @@ def test_a_float_gguf_under_int4_is_the_same_file_quantized_and_served_as_stored
     model = int4.runner.model
     with pytest.raises(ValueError, match="int4 runs on CPU only"):
         weight_format.apply(model, EngineConfig(model=str(floats), quantization="int4"), "cuda")
+    # bench quality --quantization int4 quantizes a quantized GGUF's float conversion
+    from vconsole.engine.worker.gguf_model import ensure_converted
+    from vconsole.tools.bench.quality import float_model
+
+    assert float_model(str(quant)) == str(ensure_converted(quant))
+    assert float_model(str(floats)) == str(floats) and float_model("tiny") == "tiny"
