@@ -29,7 +29,8 @@ The JSON names the CPU and its vector extensions, llama-server's own ``system_in
 features ggml uses), whether its repacked weight buffers ran (``llama_server_repack``: on a VM
 that names AMX but does not grant its tile state they die with SIGILL, and the bench restarts
 it with ``--no-repack``; for Q4_1 ggml has no other repacked layout), and the load average at
-the start and end.
+the start and end, and each row's model-FLOP and memory-bandwidth utilisation against this
+machine's peaks (`vconsole.tools.bench.utilisation`; ``peaks``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from vconsole.tools.bench.throughput_servers import (
     system_info,
     vconsole_serve,
 )
+from vconsole.tools.bench.utilisation import add_utilisation
 from vconsole.tools.http_load import HttpLoadClient
 from vconsole.tools.load_summary import LoadRun
 from vconsole.tools.loadgen import LoadSpec, run_load
@@ -227,6 +229,8 @@ def http_throughput(plan: HttpPlan, log: Callable[[str], None]) -> dict[str, Any
     top = result["levels"].get(str(max(plan.levels)), {}) if plan.levels else {}
     result["single_stream_vs_llama_server"] = single["ratio"]["decode_tokens_per_s"]
     result["top_concurrency_vs_llama_server"] = top.get("ratio", {}).get("tok_per_s")
+    # Utilisation against this machine's peaks, measured after both servers are gone.
+    add_utilisation(result, plan.gguf, plan.threads, PROMPT_LEN + OUTPUT_LEN // 2)
     result["goal"] = {"single_stream_vs_llama_server": 1.0, "concurrency_64_vs_llama_server": 1.5,
                       "ttft_p99_64_vs_llama_server": "<= 1.0 (issue #47)"}
     return result
