@@ -234,3 +234,11 @@ def test_an_emulated_bf16_path_is_announced_with_its_cost(monkeypatch, restore_p
     text = caplog.text
     assert "int8 · bf16 (emulated bfloat16: slow)" in text
     assert "emulates" in text and weight_quant.EMULATED_BF16_COST in text
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="no C++ compiler")
+def test_the_generic_path_is_announced_with_its_cost(restore_path, caplog):
+    weight_quant.use_path(ManyRowsPath("generic", attention_kernel.build().int8_gemm))
+    with caplog.at_level(logging.INFO, logger=weight_quant.__name__):
+        weight_quant.quantize_model(torch.nn.Sequential(torch.nn.Linear(16, 8)), "int8")
+    assert "int8 · generic" in caplog.text and weight_quant.GENERIC_COST in caplog.text

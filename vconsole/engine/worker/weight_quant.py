@@ -80,6 +80,9 @@ PANEL, GROUP, BLOCK = 16, 4, 32   # the packed layout: channels per panel, k per
 # What the bf16 path cost where torch emulates bfloat16 (issue #49: a 2-core AVX2 EPYC,
 # SmolLM2, 64 concurrent streams over HTTP): said when that path is taken there.
 EMULATED_BF16_COST = "3.7x slower than float32 weights at 64 concurrent streams (issue #49)"
+# What the kernel's generic path (no AVX2) cost against float32 torch.mm, measured on the
+# development machine (its compiler's own vectors, 1 thread, a loaded machine): said when taken.
+GENERIC_COST = "0.06-0.15x float32's matmul speed at 64 rows, 0.5-0.7x at one row"
 
 _scratch: dict[torch.device, torch.Tensor] = {}
 
@@ -390,6 +393,10 @@ def quantize_model(model: torch.nn.Module, method: str) -> int:
     else:
         log.info("int8 weights: %d linears; steps of up to %d rows: _weight_int8pack_mm; "
                  "more rows: %s (%s)", len(targets), SMALL_ROWS, path.describe(), path.why)
+    if path.name == "generic":
+        log.warning("int8 weights: this CPU has no integer dot-product instructions the int8 "
+                    "kernel uses (AVX2, VNNI); its generic path measured %s; float32 weights "
+                    "(no --quantization) are likely faster here", GENERIC_COST)
     if path.slow:
         log.warning("int8 weights: steps of more than %d rows run bfloat16 matmuls that this "
                     "CPU emulates, measured %s; float32 weights (no --quantization) are "
