@@ -16,7 +16,7 @@ import torch
 
 from vconsole.engine.core import EngineCore
 from vconsole.engine.offline import greedy_requests, run_batch
-from vconsole.engine.worker import kv_quant
+from vconsole.engine.worker import kv_quant, weight_quant
 from vconsole.engine.worker.native_decode import DECODE_STEP_ENV, MAX_ROWS, NativeDecode
 from vconsole.shared.config import EngineConfig
 
@@ -86,7 +86,25 @@ def _check_tokens(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_tiny_greedy_tokens_equal_the_python_layers(quantization, monkeypatch):
-    _check_tokens(_core("tiny", quantization=quantization), monkeypatch)
+    if quantization == "int8":     # steps of <= 4 rows on _weight_int8pack_mm, which it mirrors
+        monkeypatch.setenv(weight_quant.PATH_ENV, "bf16")
+        weight_quant.use_path(None)
+    try:
+        _check_tokens(_core("tiny", quantization=quantization), monkeypatch)
+    finally:
+        weight_quant.use_path(None)
+
+
+def test_int8_weights_on_the_int8_kernel_keep_the_python_layers(monkeypatch):
+    """Where int8 linears run our int8 kernel (activations rounded to int8 per block), the
+    native step, which mirrors _weight_int8pack_mm only, is not used."""
+    monkeypatch.setenv(weight_quant.PATH_ENV, "kernel")
+    weight_quant.use_path(None)
+    try:
+        core = _core("tiny", quantization="int8")
+        assert core.runner.fused_decoder.decode_step == "python"
+    finally:
+        weight_quant.use_path(None)
 
 
 def test_gguf_blocks_greedy_tokens_equal_the_python_layers(tmp_path, monkeypatch):

@@ -39,7 +39,6 @@ step on them (the before/after of the benchmarks); the path in use is `FusedDeco
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -47,14 +46,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from vconsole.engine.worker import gguf_linear, weight_quant
 from vconsole.engine.worker.gguf_linear import GGUFLinear
 from vconsole.engine.worker.paged_attention import PagedAttentionMetadata
 from vconsole.engine.worker.weight_quant import Int8Linear
 
 if TYPE_CHECKING:
     from vconsole.engine.worker.fused_decoder import FusedDecoder
-
-log = logging.getLogger(__name__)
 
 DECODE_STEP_ENV = "VCONSOLE_DECODE_STEP"    # "python": every step through the Python layers
 MAX_ROWS = 4                                # the kernels' GEMV width; wider steps stay Python
@@ -67,7 +65,9 @@ def wanted() -> bool:
 
 def _linear_parts(fn: Any) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
     """(kind, weight, bias, int8 scale, GGUF quant type) of a fused-decoder linear callable, or
-    None for one the native step does not run (a concatenation of GGUF parts of two types)."""
+    None for one the native step does not run as the Python path does: a concatenation of GGUF
+    parts of two types, int8 weights on our int8 kernel (CPUs without native bfloat16; here
+    only ``_weight_int8pack_mm`` is mirrored)."""
     empty = torch.empty(0)
     if isinstance(fn, functools.partial) and fn.func is F.linear and not fn.args:
         weight, bias = fn.keywords["weight"], fn.keywords.get("bias")
@@ -80,9 +80,11 @@ def _linear_parts(fn: Any) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tenso
         return (_GGUF, owner.blocks, empty if bias is None else bias.data.contiguous(), empty,
                 owner.qtype)
     if isinstance(owner, Int8Linear) and fn.__func__ is Int8Linear.forward:
+        if weight_quant.many_rows_path().gemm is not None:
+            return None     # int8 linears run our int8 kernel at every width: not mirrored here
         bias = owner.bias
-        return (_INT8, owner.qweight, empty if bias is None else bias.data.float().contiguous(),
-                owner.scale_bf16, 0)
+        return (_INT8, owner._weight_in("plain"),
+                empty if bias is None else bias.data.float().contiguous(), owner.scale_bf16, 0)
     return None
 
 
@@ -116,7 +118,11 @@ class NativeDecode:
         for layer in fused.layers:
             parts = [_linear_parts(f) for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(p is None for p in parts):
-                return None, "a stacked linear mixes GGUF quant types"
+                return None, ("int8 linears on the int8 kernel, or a stacked linear of GGUF "
+                              "parts of two types: not mirrored natively")
+            if any(p[0] == _GGUF for p in parts if p is not None) \
+                    and gguf_linear.kernel().namespace != kernel.namespace:
+                return None, "the GGUF linears run another kernel build"
             if layer.ln1.dtype != torch.float32 or layer.ln2.dtype != torch.float32:
                 return None, "CPU float32 models only"
             ints.append(int(layer.sliding_window or 0))
