@@ -64,6 +64,8 @@ class EngineCore:
         self.runner.allocate_kv_cache(self.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.num_kv_blocks, config.block_size,
                                    self.runner.max_model_len)
+        if self.runner.kv_format.key_per_channel:   # open blocks staged in lent blocks (#48)
+            self.runner.staging_of = self.scheduler.kv.lend_staging_blocks()
         # Every telemetry call of the busy loop goes through it (`vconsole.engine.telemetry_guard`).
         self.telemetry_guard = self.scheduler.telemetry
         self.num_steps = 0
@@ -97,7 +99,7 @@ class EngineCore:
                 "kv_bytes_per_token_by_dtype": self.kv_bytes_per_token_by_dtype(),
                 "kv_pool_bytes": self.runner.kv_pool_bytes,
                 "kv_staging_bytes": self.runner.kv_staging_bytes,
-                "kv_staging_blocks": self.runner.open_entries,
+                "kv_staging_blocks": 0,   # staging beside the pool: none (#48)
                 "dims": self.model_dims()}
 
     def model_dims(self) -> dict[str, int | float | bool]:

@@ -325,3 +325,41 @@ def test_cache_step_records_a_step_as_cache_blocks_does_request_by_request(seed)
 
 def test_cache_step_registers_blocks_that_lagged_while_prefix_caching_was_off():
     _twin_managers_step(7, caching_flips=(5, 12))
+
+
+def test_lent_staging_blocks_are_held_by_running_requests_only():
+    """A per-channel KV format (#48): every request with a table holds one more block, in no
+    table, for its open block's staged keys; it is counted in what admission needs and what
+    preempting frees, never lent twice, and freed with the table."""
+    kv = KVCacheManager(6, B)
+    lent = kv.lend_staging_blocks()
+    assert kv.lend_staging_blocks() is lent and kv.staging is lent
+    a, b = make("a", list(range(2 * B + 1))), make("b", list(range(50, 50 + B)))
+    assert kv.blocks_needed(2 * B + 1) == 4 and kv.num_free_blocks_needed(a, a.num_tokens) == 4
+    admit_and_compute(kv, a)                     # 3 blocks of table + 1 lent
+    assert set(lent) == {"a"} and lent["a"] not in kv.get_block_ids("a")
+    assert kv.num_blocks_of("a") == 4 and kv.num_free_blocks == 2 and kv.num_staging_blocks == 1
+    assert kv.pool.block_states[lent["a"]] == BLOCK_USED
+    # b needs 1 + 1: it fits; a third block for b would not (its lent one is not taken again).
+    admit_and_compute(kv, b)
+    assert kv.num_free_blocks == 0 and lent["b"] not in (*kv.get_block_ids("a"), lent["a"])
+    assert kv.allocate_slots(b, B + 1) is False and kv.num_blocks_of("b") == 2
+    # A request whose table fits but whose lent block does not is refused, nothing taken.
+    kv.free(b)
+    c = make("c", list(range(200, 200 + 2 * B)))
+    assert kv.num_free_blocks == 2 and kv.num_free_blocks_needed(c, c.num_tokens) == 3
+    assert kv.allocate_slots(c, c.num_tokens) is False and "c" not in lent
+    kv.free(a)
+    assert lent == {} and kv.num_free_blocks == 6 and kv.num_staging_blocks == 0
+    kv.pool.check_invariants()
+    with pytest.raises(RuntimeError, match="before any request"):
+        admit_and_compute(k2 := KVCacheManager(4, B), make("x", [1, 2]))
+        k2.lend_staging_blocks()
+
+
+def test_without_lending_nothing_changes():
+    kv = KVCacheManager(6, B)
+    a = make("a", list(range(2 * B + 1)))
+    assert kv.blocks_needed(2 * B + 1) == 3
+    admit_and_compute(kv, a)
+    assert kv.num_blocks_of("a") == 3 and kv.staging == {} and kv.num_staging_blocks == 0

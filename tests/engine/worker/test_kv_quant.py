@@ -68,10 +68,14 @@ def test_aliases_and_bytes_per_token():
     kivi8 = kv_quant.kv_format("int8_kivi")
     assert kivi8.bytes_per_block(16, 30, 3, 64, 4) == 90 * (2 * 16 * 64 + 16 * 2 + 2 * 64)
     assert 3.7 < f32 / kivi8.bytes_per_token(30, 3, 64, 4, 16) < 3.72
-    # Their staging per open block: int4_kivi's int8 rows with a float32 scale each,
-    # int8_kivi's float16 rows.
-    assert kv_quant.staging_bytes(kivi, 1, 16, 30, 3, 64) == 90 * 16 * (64 + 4)
-    assert kv_quant.staging_bytes(kivi8, 1, 16, 30, 3, 64) == 90 * 16 * 64 * 2
+    # Their staging per open block, one block of the pool: it fits int4_kivi's int8 rows with
+    # a float32 scale each (K and V data, V's parameters) and int8_kivi's float16 rows (K and V
+    # data), exactly.
+    assert kv_quant.staging_bytes(kivi, 1, 16, 30, 3, 64) == kivi.bytes_per_block(16, 30, 3, 64, 4)
+    assert 90 * 16 * (64 + 4) == 90 * (2 * 16 * 32 + 16 * 4)
+    assert kv_quant.staging_bytes(kivi8, 2, 16, 30, 3, 64) == 2 * 90 * (2 * 16 * 64 + 16 * 2
+                                                                        + 2 * 64)
+    assert 90 * 16 * 64 * 2 == 90 * 2 * 16 * 64
 
 
 def test_a_bad_kv_cache_dtype_is_refused_with_the_valid_ones(capsys):
@@ -259,63 +263,88 @@ def test_prefix_cache_hits_on_quantized_blocks(name):
     assert again.output_token_ids == out.output_token_ids
 
 
+def _pool_bytes(core) -> int:
+    """What the runner's pool tensors take, each storage once (a per-channel format's K, V and
+    staging share one per layer)."""
+    seen: dict[int, int] = {}
+    for layer in core.runner.kv_caches:
+        for t in (layer.k, layer.v, layer.k_params, layer.v_params, layer.k_stage,
+                  layer.k_stage_scale):
+            if t is not None:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def test_capacity_follows_kv_cache_memory_bytes():
     budget = 64 * 16 * _engine("auto", num_kv_blocks=4).runner.kv_bytes_per_token
     blocks = {}
     for name in ("auto", "int8", "int4_per_token_head", "int4_kivi", "int8_kivi"):
         core = _engine(name, num_kv_blocks=None, kv_cache_memory_bytes=budget)
         blocks[name] = core.num_kv_blocks
-        used = core.runner.kv_cache_bytes_per_block(16) * core.num_kv_blocks
-        assert used + core.runner.kv_staging_bytes <= budget
-        assert core.model_info()["kv_pool_bytes"] == used + core.runner.kv_staging_bytes
-        assert (core.runner.kv_staging_bytes > 0) == (name in PER_CHANNEL)
-        if name in PER_CHANNEL:   # one float16 block of keys per seat (8), no more
-            r = core.runner
-            assert r.open_entries == 8 == r.open_blocks.num_entries
-            assert r.kv_staging_bytes == kv_quant.staging_bytes(
-                r.kv_format, 8, 16, r.num_layers, r.num_kv_heads, r.head_dim)
-        assert core.model_info()["kv_bytes_per_token"] == core.runner.kv_bytes_per_token
+        per_block = core.runner.kv_cache_bytes_per_block(16)
+        assert blocks[name] == budget // per_block        # nothing beside the blocks
+        # What is shown is what is allocated: the pool's tensors, staging in them.
+        info = core.model_info()
+        assert info["kv_pool_bytes"] == per_block * blocks[name] == _pool_bytes(core)
+        assert info["kv_staging_bytes"] == 0 == info["kv_staging_blocks"]
+        assert info["kv_bytes_per_token"] == core.runner.kv_bytes_per_token
+        assert (core.runner.open_blocks is not None) == (name in PER_CHANNEL)
     assert blocks["auto"] == 64
     assert blocks["int8"] >= 3.7 * 64 and blocks["int4_per_token_head"] >= 6.3 * 64
-    # Per-channel key parameters per block, and the staging of open blocks, cost a little.
-    assert 4.5 * 64 <= blocks["int4_kivi"] < blocks["int4_per_token_head"]
+    # Per-channel key parameters per block cost a little; the staging, a block per request.
+    assert 5.5 * 64 <= blocks["int4_kivi"] < blocks["int4_per_token_head"]
+    assert 3.6 * 64 <= blocks["int8_kivi"] <= blocks["int8"]
     with pytest.raises(ValueError, match="holds no block"):
         _engine("int8", num_kv_blocks=None, kv_cache_memory_bytes=100)
 
 
 @pytest.mark.parametrize("name", PER_CHANNEL)
-def test_capacity_at_a_small_budget_fits_blocks_and_their_staging(name):
-    """A budget of 2 float32 blocks for 8 seats, less than 8 seats' staging (int8_kivi) or
-    not much more (int4_kivi): the per-channel pool takes as many staging entries as it has
-    blocks (a block can be open only if it exists), the blocks and their staging stay within
-    the budget, the pool is still denser than float32, and a request of three blocks decodes
-    through it."""
+def test_capacity_at_a_small_budget_holds_blocks_and_what_is_open(name):
+    """A budget of 2 float32 blocks: the per-channel pool holds budget / bytes per block
+    blocks (denser than float32), and each running request holds one more block than its
+    table for its open block's keys, no more, taken and given back with its table. Two
+    requests of 40 and 53 tokens hold 3 + 1 and 4 + 1 blocks at their ends, more than the
+    pool: they take turns (preemption) and both finish; at
+    every step the lent blocks are the running requests', in no table, and the tables and
+    lent blocks together are what the pool has in use."""
     per_auto = 16 * _engine("auto", num_kv_blocks=4).runner.kv_bytes_per_token
     budget = 2 * per_auto
-    core = _engine(name, num_kv_blocks=None, kv_cache_memory_bytes=budget)
-    r = core.runner
+    core = _engine(name, num_kv_blocks=None, kv_cache_memory_bytes=budget, max_num_seqs=4)
+    r, kv = core.runner, core.scheduler.kv
     blocks = core.num_kv_blocks
-    assert 2 < blocks < 8 and r.open_entries == blocks == r.open_blocks.num_entries
-    assert r.kv_cache_bytes_per_block(16) * blocks + r.kv_staging_bytes <= budget
-    assert r.kv_caches[0].k_stage.shape[0] == blocks
-    out = run_batch(core, greedy_requests(core, PROMPTS[:1], 20, ignore_eos=True))
-    assert len(out.output_token_ids[0]) == 20
+    assert blocks == budget // r.kv_cache_bytes_per_block(16) and blocks >= 7
+    assert r.staging_of is kv.staging
+    seen = []
+
+    def check(*_) -> None:   # after every step
+        running = {q.request_id for q in core.scheduler.running}
+        lent = kv.staging
+        assert set(lent) == set(kv.tables) and set(lent) <= running | set(kv.tables)
+        in_tables = {b for t in kv.tables.values() for b in t}
+        assert not in_tables & set(lent.values()) and len(set(lent.values())) == len(lent)
+        assert kv.pool.num_used_blocks == len(in_tables) + kv.num_staging_blocks
+        seen.append(len(lent))
+
+    reqs = greedy_requests(core, PROMPTS[:2], 20, ignore_eos=True)   # ~15 + 20 tokens each
+    out = run_batch(core, reqs, on_progress=check)
+    assert [len(t) for t in out.output_token_ids] == [20, 20]
+    assert max(seen) >= 1 and kv.num_staging_blocks == 0 and r.open_blocks.early_seals == 0
 
 
 @pytest.mark.parametrize("budget,seats,int4_min", [(64 << 20, 64, 5.5), (47_185_920, 12, 5.5)])
 def test_smollm2_capacity_at_the_issues_budgets(budget, seats, int4_min):
     """SmolLM2's shape (30 layers, 3 KV heads of 64, float32) at 64 MiB and 64 seats, and at the
-    demo's budget and 12 seats: blocks beside one staging entry per seat, as the runner sizes
-    them (`ModelRunner._blocks_in`)."""
+    demo's budget and 12 seats, as the runner sizes them (`ModelRunner._blocks_in`): the pool's
+    blocks, each running request holding one of them for its open block's keys."""
     def blocks(name: str) -> int:
-        fmt = kv_quant.kv_format(name)
-        staging = kv_quant.staging_bytes(fmt, seats, 16, 30, 3, 64) if fmt.key_per_channel \
-            else 0
-        return (budget - staging) // fmt.bytes_per_block(16, 30, 3, 64, 4)
+        return budget // kv_quant.kv_format(name).bytes_per_block(16, 30, 3, 64, 4)
     auto = blocks("auto")
     assert blocks("int8") >= 3.7 * auto
     assert blocks("int4_kivi") >= int4_min * auto
-    assert blocks("int8_kivi") >= 3.0 * auto
+    assert blocks("int8_kivi") >= 3.7 * auto
+    # With every seat running, the blocks left for tokens: still above 3x and 5x.
+    assert blocks("int8_kivi") - seats >= 3.0 * auto and blocks("int4_kivi") - seats >= 5 * auto
 
 
 @pytest.mark.parametrize("name", ENGINE_FORMATS)
@@ -330,11 +359,37 @@ def test_preemption_on_a_small_quantized_pool_completes_every_request(name):
 
 # --- int4_kivi: keys per channel over a block, open blocks staged ------------------------------
 
+class _Lender(dict):
+    """The KV manager's side for a bare `OpenBlocks`: lends each new writer one of the
+    ``entries`` blocks after the data blocks (``nb ..``), while any is left."""
+
+    def __init__(self, nb: int, entries: int) -> None:
+        super().__init__()
+        self.free = list(range(nb + entries - 1, nb - 1, -1))
+
+    def lend(self, owner: str) -> None:
+        if owner not in self and self.free:
+            self[owner] = self.free.pop()
+
+    def give_back(self, owner: str) -> None:
+        self.free.append(self.pop(owner))
+
+
 def _kivi_layer(nb: int, bs: int, kvh: int, d: int, entries: int, name: str = "int4_kivi"):
+    """A pool of ``nb`` data blocks plus ``entries`` blocks to lend as staging."""
     fmt = kv_quant.kv_format(name)
-    layer = kv_quant.allocate(fmt, 1, nb, bs, kvh, d, torch.float32, torch.device("cpu"),
-                              entries)[0]
-    return fmt, layer, OpenBlocks(nb, bs, entries, torch.device("cpu"))
+    layer = kv_quant.allocate(fmt, 1, nb + entries, bs, kvh, d, torch.float32,
+                              torch.device("cpu"))[0]
+    blocks = OpenBlocks(nb + entries, bs, torch.device("cpu"))
+    blocks.lender = _Lender(nb, entries)
+    return fmt, layer, blocks
+
+
+def _plan(blocks, plan_in, live):
+    for w in plan_in:
+        if w[4] in live and w[2] < blocks.block_size:   # a writer left with an open block
+            blocks.lender.lend(w[4])
+    return blocks.plan(plan_in, live, blocks.lender)
 
 
 def _step(fmt, layer, blocks, writes, keys, bs, live=None):
@@ -345,7 +400,7 @@ def _step(fmt, layer, blocks, writes, keys, bs, live=None):
         rows.extend(keys[block][lo:hi])
         slots.extend(range(block * bs + lo, block * bs + hi))
     k = torch.stack(rows)
-    plan = blocks.plan(plan_in, live if live is not None else [w[4] for w in plan_in])
+    plan = _plan(blocks, plan_in, live if live is not None else [w[4] for w in plan_in])
     kv_quant.write_per_channel(fmt, layer, plan, torch.tensor(slots), k, k.clone())
     return plan
 
@@ -365,8 +420,11 @@ def test_staging_round_trip_and_the_values_float16_parameters(name):
     error (int4_kivi: int8 per row, zero rows exact; int8_kivi: float16), and the values,
     whose parameters are float16, within half a step of the parameters as stored."""
     fmt = kv_quant.kv_format(name)
-    layer = kv_quant.allocate(fmt, 1, 4, 16, 3, 64, torch.float32, torch.device("cpu"), 20)[0]
+    layer = kv_quant.allocate(fmt, 1, 20, 16, 3, 64, torch.float32, torch.device("cpu"))[0]
     assert layer.k_stage.dtype == (torch.int8 if fmt.stage_int8 else torch.float16)
+    # Staging is the pool's own bytes (an entry per block, lent by the KV manager): no more.
+    assert layer.k_stage.untyped_storage().data_ptr() == layer.k.untyped_storage().data_ptr()
+    assert layer.k_stage.shape == (20, 16, 3, 64)
     assert layer.v_params.dtype == torch.float16
     x = _rows(2)
     rows = torch.randperm(20 * 16)[:x.shape[0]]
@@ -395,7 +453,7 @@ def test_open_blocks_are_staged_in_int8_and_sealed_per_channel_when_full():
     got = kv_quant.read_keys(layer, torch.tensor([1, 4]), blocks.entry_of)
     assert _staged_close(got[0, :5], keys[1][:5]) and _staged_close(got[1, :1], keys[4][:1])
     for t in range(1, bs):                                             # block 4 decodes to full
-        plan = _step(fmt, layer, blocks, [(4, t, t + 1)], keys, bs)
+        plan = _step(fmt, layer, blocks, [(4, t, t + 1)], keys, bs, ["req-of-1", "req-of-4"])
     assert plan.seal_blocks.tolist() == [4] and blocks.entry_of[4] == -1
     assert blocks.num_open == 1 and blocks.entry_of[1] >= 0
     got = kv_quant.read_keys(layer, torch.tensor([4]), blocks.entry_of)[0]
@@ -407,10 +465,11 @@ def test_open_blocks_are_staged_in_int8_and_sealed_per_channel_when_full():
     assert layer.k.dtype == torch.uint8 and layer.k_params.dtype == torch.float16
 
 
-def test_out_of_entries_a_block_is_sealed_early_and_reopened_on_its_next_write():
-    """Three live requests decoding on two entries: the third's block never takes another's
-    entry; it is rounded early each step and re-opened on the next, and all three end within
-    one 4-bit step of each channel's range."""
+def test_a_request_without_a_lent_block_is_sealed_early_and_reopened_on_its_next_write():
+    """Three live requests decoding, two lent blocks (a runner stepped without a KV manager
+    lends none): the third's block never takes another's entry; it is rounded early each step
+    and re-opened on the next, and all three end within one 4-bit step of each channel's
+    range."""
     bs, kvh, d = 8, 1, 16
     fmt, layer, blocks = _kivi_layer(8, bs, kvh, d, entries=2)
     gen = torch.Generator().manual_seed(5)
@@ -432,26 +491,29 @@ def test_out_of_entries_a_block_is_sealed_early_and_reopened_on_its_next_write()
     assert all(blocks.entry_of[b] == -1 for b in (0, 1, 2))
 
 
-def test_a_live_requests_open_block_is_never_sealed_for_another_only_a_dead_ones():
-    """A step that fails after its plan must leave other requests' keys where they were: the
-    plan takes an entry only from a block whose request the runner no longer holds."""
+def test_a_gone_requests_open_block_is_dropped_and_its_lent_block_serves_another():
+    """Request 0 finishes with its block open: the KV manager takes its lent block back and
+    lends it to request 1, whose keys are staged there; the plan forgets block 0 without
+    moving a row (its entry is another's now, its block free) and seals nothing."""
     bs = 8
     fmt, layer, blocks = _kivi_layer(4, bs, 1, 16, entries=1)
     keys = {b: torch.randn(bs, 1, 16) for b in range(4)}
     _step(fmt, layer, blocks, [(0, 0, 3)], keys, bs, live=["req-of-0"])
-    plan = _step(fmt, layer, blocks, [(1, 0, 2)], keys, bs, live=["req-of-0", "req-of-1"])
-    assert plan.seal_blocks.tolist() == [1]          # the writer's own block, not block 0
-    assert blocks.entry_of[0] >= 0 and blocks.early_seals == 1
-    # Request 0 is gone (finished): its stale entry is reclaimed for block 2.
-    plan = _step(fmt, layer, blocks, [(2, 0, 2)], keys, bs, live=["req-of-1", "req-of-2"])
-    assert plan.seal_blocks.tolist() == [0] and blocks.entry_of[2] >= 0
-    assert blocks.entry_of[0] == -1 and blocks.early_seals == 1
+    lent = blocks.lender["req-of-0"]
+    assert blocks.entry_of[0] == lent
+    blocks.lender.give_back("req-of-0")
+    plan = _step(fmt, layer, blocks, [(1, 0, 2)], keys, bs, live=["req-of-1"])
+    assert plan.seal_blocks.tolist() == [] and plan.work_from_stage[0].numel() == 0
+    assert blocks.entry_of[0] == -1 and blocks.entry_of[1] == lent == blocks.lender["req-of-1"]
+    assert blocks.num_open == 1 and blocks.early_seals == 0
+    got = kv_quant.read_keys(layer, torch.tensor([1]), blocks.entry_of)[0]
+    assert _staged_close(got[:2], keys[1][:2])
 
 
-def test_one_entry_per_seat_holds_every_open_block_when_blocks_fill_and_open_in_one_step():
-    """Staging sized by what can be open: a request has one open block at most, so two seats
-    need two entries even in a step where both fill a block and open the next (listed open
-    first: the plan seals before it opens). Nothing is sealed early."""
+def test_one_lent_block_per_request_holds_every_open_block_when_blocks_fill_and_open():
+    """Staging sized by what is open: a request has one open block at most, so two requests
+    need two lent blocks even in a step where both fill a block and open the next (listed
+    open first: the plan seals before it opens). Nothing is sealed early."""
     bs = 4
     fmt, layer, blocks = _kivi_layer(6, bs, 1, 16, entries=2)
     keys = {b: torch.randn(bs, 1, 16) for b in range(6)}
@@ -464,26 +526,32 @@ def test_one_entry_per_seat_holds_every_open_block_when_blocks_fill_and_open_in_
             rows.extend(keys[block][lo:hi])
             slots.extend(range(block * bs + lo, block * bs + hi))
         k = torch.stack(rows)
-        kv_quant.write_per_channel(fmt, layer, blocks.plan(plan_in, live), torch.tensor(slots),
-                                   k, k.clone())
+        kv_quant.write_per_channel(fmt, layer, _plan(blocks, plan_in, live),
+                                   torch.tensor(slots), k, k.clone())
 
     step([(0, 0, 3, "a"), (1, 0, 3, "b")])
     step([(2, 0, 2, "a"), (3, 0, 1, "b"), (0, 3, 4, "a"), (1, 3, 4, "b")])
     assert blocks.early_seals == 0 and blocks.num_open == 2
-    assert blocks.entry_of[2] >= 0 and blocks.entry_of[3] >= 0
+    assert blocks.entry_of[2] == blocks.lender["a"] and blocks.entry_of[3] == blocks.lender["b"]
     assert blocks.entry_of[0] == -1 and blocks.entry_of[1] == -1
+    step4 = (keys[0].amax(0) - keys[0].amin(0)) / 15 / 2 + keys[0].abs().amax(-1) / 254
+    got = kv_quant.read_keys(layer, torch.tensor([0]), blocks.entry_of)[0]
+    assert ((got - keys[0]).abs() <= step4 * 1.01 + 1e-3).all()
 
 
-def test_a_resumed_request_gives_back_the_entry_of_the_block_its_preemption_left_open():
-    """Preempted, a request's blocks are freed but its open block still holds an entry; when
-    it runs again (the same id, live) and opens a block, that stale entry is its own to give
-    back, so one entry per seat still suffices."""
+def test_a_resumed_request_drops_the_block_its_preemption_left_open():
+    """Preempted, a request's blocks (its lent one too) are freed but its open block is still
+    listed; when it runs again (the same id, live, a new lent block) and opens a block, the
+    old one is dropped and the new one staged in its new lent block."""
     bs = 4
-    fmt, layer, blocks = _kivi_layer(4, bs, 1, 16, entries=1)
+    fmt, layer, blocks = _kivi_layer(4, bs, 1, 16, entries=2)
     keys = {b: torch.randn(bs, 1, 16) for b in range(4)}
     _step(fmt, layer, blocks, [(0, 0, 3)], keys, bs, live=["req-of-0"])
-    plan = blocks.plan([(2, 0, 2, 0, "req-of-0")], ["req-of-0"])   # resumed on block 2
-    assert plan.seal_blocks.tolist() == [0] and blocks.entry_of[2] >= 0
+    blocks.lender.give_back("req-of-0")
+    blocks.lender.free.reverse()                      # it comes back with the other block
+    plan = _plan(blocks, [(2, 0, 2, 0, "req-of-0")], ["req-of-0"])   # resumed on block 2
+    assert plan.seal_blocks.tolist() == [] and blocks.entry_of[0] == -1
+    assert blocks.entry_of[2] == blocks.lender["req-of-0"]
     assert blocks.early_seals == 0 and blocks.num_open == 1
 
 
@@ -515,7 +583,7 @@ def test_int8_kivi_seals_keys_per_channel_within_half_a_step_of_each_channel():
     assert _staged_close(got[:5], keys[1][:5], "int8_kivi")
     _step(fmt, layer, blocks, [(1, 5, bs)], keys, bs)
     assert blocks.entry_of[1] == -1 and layer.k.dtype == torch.int8
-    assert layer.k_params.shape == (4, kvh, 1, d) and layer.k_params.dtype == torch.float16
+    assert layer.k_params.shape == (4 + 2, kvh, 1, d) and layer.k_params.dtype == torch.float16
     got = kv_quant.read_keys(layer, torch.tensor([1]), blocks.entry_of)[0]
     step = keys[1].abs().amax(0) / 127                                # (KVH, D) per channel
     # Half a step, plus float16's rounding of the staged rows (2^-11 of a value: at most 127
@@ -558,6 +626,13 @@ def test_kernel_reads_kivi_blocks_sealed_and_open(each_kernel, name, kvh, g, d):
         vd = kv_quant.dequantize(fmt, layer.v, layer.v_params)
         want = _reference(q, kd, vd, t, ln, d ** -0.5, window)
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    # K and V are the halves of one slot's bytes; a V laid out otherwise is refused.
+    assert not layer.k.is_contiguous() and layer.k.stride() == layer.v.stride()
+    with pytest.raises(RuntimeError, match="K and V data"):
+        each_kernel.paged_decode_attention_kivi(q, layer.k, layer.v.contiguous(),
+                                                layer.k_params, layer.v_params, layer.k_stage,
+                                                layer.k_stage_scale, blocks.entry_of, tables,
+                                                lens, d ** -0.5, 0, torch.empty_like(q))
 
 
 def test_kv_events_are_the_same_on_quantized_blocks():
@@ -614,3 +689,25 @@ def test_the_kernels_quantize_store_writes_what_torch_quantize_does(each_kernel,
     assert (kv_quant.dequantize(fmt, q, p) - back).abs().max() <= float(p[..., 0].max()) + 1e-6
     with pytest.raises(RuntimeError, match="outside the pool"):
         each_kernel.quantize_store(x, slots + 10_000, layer.k, layer.k_params, fmt.bits)
+
+
+@pytest.mark.parametrize("name", PER_CHANNEL)
+def test_the_kernels_quantize_store_writes_the_values_half_of_a_per_channel_pool(each_kernel,
+                                                                                name):
+    """A per-channel pool's V is the second half of each slot's bytes: the kernel's write
+    puts what torch's does there, and leaves the K half (another block's staging, maybe)
+    untouched."""
+    fmt = kv_quant.kv_format(name)
+    x = _rows(9)
+    slots = torch.randperm(20 * 16)[:x.shape[0]]
+    layers = [kv_quant.allocate(fmt, 1, 20, 16, 3, 64, torch.float32, torch.device("cpu"))[0]
+              for _ in range(2)]
+    for layer in layers:
+        layer.k.fill_(7)
+    each_kernel.quantize_store(x, slots, layers[0].v, layers[0].v_params, fmt.bits)
+    kv_quant._store_rows(fmt, layers[1].v, layers[1].v_params, slots, x, None)
+    torch.testing.assert_close(layers[0].v_params, layers[1].v_params, rtol=1e-3, atol=0)
+    back = [kv_quant.dequantize(fmt, la.v, la.v_params) for la in layers]
+    assert (back[0] - back[1]).abs().max() <= float(layers[1].v_params[..., 0].float().max())
+    assert back[1].view(-1, 3, 64)[slots].abs().max() > 0
+    assert (layers[0].k == 7).all()

@@ -269,8 +269,8 @@ def test_other_architectures_match_hf(arch: str, tmp_path: Path) -> None:
 
 
 def test_a_budget_below_zero_is_no_blocks_not_a_division_by_zero(runner: ModelRunner) -> None:
-    """A format without staging (auto) and a negative budget (a GPU whose memory others hold):
-    a negative count, which the caller turns into "no memory left for the KV cache"; it used
-    to divide by the zero staging entries."""
-    assert runner.open_entries == 0
+    """A negative budget (a GPU whose memory others hold): a negative count, which the caller
+    turns into "no memory left for the KV cache" (it once divided by zero staging entries;
+    since #48's kv3 nothing is set aside beside the blocks)."""
+    assert runner.kv_staging_bytes == 0
     assert runner._blocks_in(-1000, 64) < 0

@@ -13,6 +13,12 @@ Invariants:
     (and are full); ``_block_hashes[r]`` is a prefix of r's hash chain, computed lazily.
   * a prefix hit never covers a request's last token, so there is always a token to compute and
     the step produces the logits to sample from.
+  * with staging lent (`lend_staging_blocks`, a per-channel KV format), every request with a
+    table also holds one more block, ``staging[r]``, in no table: the model runner stages the
+    keys of r's open block there (`vconsole.engine.worker.kv_open_blocks`) until the block
+    fills. It is taken with the request's first blocks, counted in every figure of what a
+    request needs or holds, and freed with its table: a budget holds its blocks plus one per
+    running request, not one per seat.
 """
 
 from __future__ import annotations
@@ -48,6 +54,26 @@ class KVCacheManager:
         self._num_written: dict[str, int] = {}  # tokens whose KV is in the table's blocks
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self._staging: dict[str, int] | None = None   # request -> its lent block, when lent
+
+    def lend_staging_blocks(self) -> dict[str, int]:
+        """From now on every running request holds one more block for its open block's staged
+        keys; returns the live map request -> block (the model runner reads it, read only)."""
+        if self._staging is None:
+            if self._tables:
+                raise RuntimeError("staging must be lent before any request holds blocks")
+            self._staging = {}
+        return self._staging
+
+    @property
+    def staging(self) -> dict[str, int]:
+        """Each running request's lent staging block (empty when none are lent)."""
+        return self._staging if self._staging is not None else {}
+
+    @property
+    def num_staging_blocks(self) -> int:
+        """Blocks lent for staging now: one per running request of a per-channel format."""
+        return len(self._staging) if self._staging is not None else 0
 
     # --- queries ------------------------------------------------------------------------------
     @property
@@ -65,9 +91,15 @@ class KVCacheManager:
         return self._tables.get(request_id, [])
 
     def num_blocks_of(self, request_id: str) -> int:
-        return len(self._tables.get(request_id, ()))
+        """Blocks the request holds (what freeing it gives back): its table and staging."""
+        lent = self._staging is not None and request_id in self._staging
+        return len(self._tables.get(request_id, ())) + lent
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds: its table's, plus a lent one."""
+        return self._table_blocks(num_tokens) + (self._staging is not None)
+
+    def _table_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
@@ -107,7 +139,8 @@ class KVCacheManager:
         total = (request.num_computed_tokens + len(cached_blocks) * self.block_size
                  + num_new_tokens)
         have = len(self._tables.get(request.request_id, ()))
-        return max(0, self.blocks_needed(total) - have - len(cached_blocks))
+        lend = self._staging is not None and request.request_id not in self._staging
+        return max(0, self._table_blocks(total) - have - len(cached_blocks)) + lend
 
     def num_free_blocks_needed(self, request: Request, num_new_tokens: int,
                                cached_blocks: Sequence[int] = ()) -> int:
@@ -153,6 +186,9 @@ class KVCacheManager:
         if cached_blocks:
             pool.touch(cached_blocks)  # before allocating, so allocation cannot evict them
             table.extend(cached_blocks)
+        if self._staging is not None and rid not in self._staging:
+            self._staging[rid] = pool.get_new_blocks(1)[0]
+            num_new_blocks -= 1
         if num_new_blocks:
             table.extend(pool.get_new_blocks(num_new_blocks))
         return True
@@ -251,6 +287,9 @@ class KVCacheManager:
         order, so a sequence's tail is evicted before the prefix other requests may share."""
         rid = request.request_id
         table = self._tables.pop(rid, None)
+        lent = self._staging.pop(rid, None) if self._staging is not None else None
+        if lent is not None:
+            self.pool.free_blocks((lent,))
         if table:
             self.pool.free_blocks(reversed(table))
         self._block_hashes.pop(rid, None)

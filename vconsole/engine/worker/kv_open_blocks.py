@@ -5,7 +5,7 @@ KIVI's observation, measured here by `vconsole bench kv-grouping`: keys have out
 so 4-bit keys rounded per channel over a block of tokens lose far less than keys rounded per
 token (on SmolLM2 +1.2% perplexity against +16%). A channel's scale needs every token of the
 block, and a block fills one decode step at a time, so a block that is still filling ("open")
-keeps its keys in a small staging area beside the pool, in a form finer than what they become
+keeps its keys staged in a block of the pool lent to its request, in a form finer than what they become
 (`kv_quant`: int8 per row for `int4_kivi`, whose 4-bit step is 20x int8's, so the two roundings
 lose what one does; float16 for `int8_kivi`, where a second int8 rounding would not); the step
 that writes its
@@ -21,19 +21,22 @@ the same for every layer (`kv_quant.write` applies it). Invariants:
 - ``entry_of[block]`` is the block's staging entry, or -1 when it is sealed (or never written):
   the attention reads a block from staging or the pool by it;
 - a request has at most one open block (its writes are contiguous: a step that fills one block
-  and starts the next seals the first), so ``max_num_seqs`` entries hold every live request's
-  open block: the plan seals before it opens, so an entry freed by a block filling in this step
-  serves a block opened in the same step; and a request opening a block while it still owns
-  another open one (left behind when it was preempted and its blocks freed) gives that one's
-  entry back first;
-- at most ``num_entries`` blocks are open. An entry held by a block whose request the runner no
-  longer holds (finished, preempted, failed: its blocks were freed) is reclaimed first, least
-  recently written first. A block of a live request is never sealed on another's behalf: the
-  plan touches only this step's blocks and dead ones, so a step that fails (its requests
-  failed with it) leaves no other request's keys half-moved. When no entry can be had, the
-  block being written is itself sealed early over its filled rows (`early_seals` counts them;
-  a precision matter, not a correctness one: only when ``max_num_seqs`` was raised above the
-  value the staging was sized for); its next write re-opens it from its rounded keys.
+  and starts the next seals the first), so one staging entry per running request holds every
+  open block. The entries are blocks of the pool: the KV manager lends each running request
+  one (`KVCacheManager.staging`) for as long as it holds blocks, and the plan stages a
+  request's open block in that request's block (``staging_of``). The plan seals before it
+  opens, so a block filling in this step and the next one opening share the entry;
+- a request's lent block goes back to the pool with its other blocks (finished, preempted,
+  failed), so an open block whose request the runner no longer holds is dropped, not sealed:
+  its entry may already hold another request's keys, and its own block is free (a partial
+  block is never in the prefix cache). A request opening a block while it still owns another
+  open one (left behind when it was preempted and its blocks freed) drops that one likewise.
+  The plan touches only this step's blocks and dead ones, so a step that fails (its requests
+  failed with it) leaves no other request's keys half-moved;
+- a request without a lent block (a runner stepped without a KV manager: tests, tools) gets
+  its block sealed early over its filled rows (`early_seals` counts them; a precision matter,
+  not a correctness one); its next write re-opens it from its rounded keys only when it has an
+  entry by then.
 
 A block restarting from offset 0 (freed and reused) drops its old rows.
 """
@@ -41,8 +44,7 @@ A block restarting from offset 0 (freed and reused) drops its old rows.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +65,7 @@ class OpenPlan:
     reload: tuple[torch.Tensor, torch.Tensor]            # (entries, sealed blocks) to re-open
     stage_from_batch: tuple[torch.Tensor, torch.Tensor]  # (staging rows, batch rows)
     work_from_batch: tuple[torch.Tensor, torch.Tensor]   # (work rows, batch rows)
+    fresh_entries: torch.Tensor    # (E,) staging entries a block starts in by this step
     entry_of: torch.Tensor         # (NB,) int64 after this step
 
 
@@ -72,29 +75,27 @@ def _pair(a: list[int], b: list[int], device: torch.device) -> tuple[torch.Tenso
 
 
 class OpenBlocks:
-    def __init__(self, num_blocks: int, block_size: int, num_entries: int,
-                 device: torch.device) -> None:
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
-        self.num_entries = num_entries
         self.device = device
         self.entry_of = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
         self._entry: dict[int, int] = {}                 # open block -> entry
+        self._block_at: dict[int, int] = {}              # entry -> the open block staged there
         self._fill: dict[int, int] = {}                  # open block -> rows filled
         self._owner: dict[int, str] = {}                 # open block -> the request writing it
         self._open_of: dict[str, int] = {}               # request -> its open block
-        self._lru: OrderedDict[int, None] = OrderedDict()  # open blocks, least recent first
-        self._free = list(range(num_entries - 1, -1, -1))
         self.early_seals = 0                             # blocks sealed before they filled
 
     @property
     def num_open(self) -> int:
         return len(self._entry)
 
-    def plan(self, writes: list[tuple[int, int, int, int, str]],
-             live: Collection[str]) -> OpenPlan:
+    def plan(self, writes: list[tuple[int, int, int, int, str]], live: Collection[str],
+             staging_of: Mapping[str, int]) -> OpenPlan:
         """``writes``: ``(block, first offset, end offset, first batch row, request id)`` for
         each run of new tokens of this step, in any order (no block twice); ``live``: the
-        requests the runner holds."""
+        requests the runner holds; ``staging_of``: each running request's lent block (the KV
+        manager's)."""
         bs = self.block_size
         touched = {w[0] for w in writes}
         seals: list[tuple[int, int]] = []                # (block, fill)
@@ -108,46 +109,43 @@ class OpenBlocks:
         sfb_src: list[int] = []
         wfb_dst: list[int] = []
         wfb_src: list[int] = []
+        fresh_entries: list[int] = []
         changed: dict[int, int] = {}
 
-        def seal_open(block: int, upto: int) -> int:
-            """Seal an open block over its first ``upto`` staged rows; frees its entry."""
+        def drop(block: int) -> None:
+            """Forget an open block whose request is gone (or left it behind): no data moves."""
             e = self._entry.pop(block)
+            self._block_at.pop(e, None)
             del self._fill[block]
             self._disown(block)
-            self._lru.pop(block, None)
-            s = len(seals)
-            seals.append((block, upto))
-            wfs_dst.extend(range(s * bs, s * bs + upto))
-            wfs_src.extend(range(e * bs, e * bs + upto))
-            self._free.append(e)
             changed[block] = -1
-            return s
 
-        def take_entry() -> int | None:
-            if not self._free:   # reclaim the entry of a block whose request is gone
-                victim = next((b for b in self._lru
-                               if b not in touched and self._owner.get(b) not in live), None)
-                if victim is None:
-                    return None
-                seal_open(victim, self._fill[victim])
-            return self._free.pop()
+        for block in [b for b, o in self._owner.items() if o not in live]:
+            drop(block)
+
+        def take_entry(owner: str, block: int) -> int | None:
+            e = staging_of.get(owner)
+            if e is None:
+                return None
+            held = self._block_at.get(e)
+            if held is not None and held != block:   # a dead or stale block still listed
+                drop(held)
+            return e
 
         # Seals first: their entries are free for the blocks this step opens.
         for block, lo, hi, row, owner in sorted(writes, key=lambda w: w[2] != bs):
-            if lo == 0 and block in self._entry:   # a block restarting: nothing earlier counts
-                self._fill[block] = 0
+            if lo == 0 and block in self._entry:   # (re)starting: nothing earlier counts
+                drop(block)
             e = self._entry.get(block)
             if hi == bs:                      # full after this step: seal it
                 s = len(seals)
                 if e is not None:
                     e_rows = self._fill[block] if lo > 0 else 0
                     del self._entry[block], self._fill[block]
+                    self._block_at.pop(e, None)
                     self._disown(block)
-                    self._lru.pop(block, None)
                     wfs_dst.extend(range(s * bs, s * bs + e_rows))
                     wfs_src.extend(range(e * bs, e * bs + e_rows))
-                    self._free.append(e)
                 elif lo > 0:                  # sealed early before: its rounded rows
                     wsealed_idx.append(s)
                     wsealed_blk.append(block)
@@ -160,8 +158,8 @@ class OpenBlocks:
                 stale = self._open_of.get(owner)
                 if stale in self._entry and stale not in touched \
                         and self._owner.get(stale) == owner:
-                    seal_open(stale, self._fill[stale])   # left behind by a preemption
-                e = take_entry()
+                    drop(stale)                # left behind by a preemption
+                e = take_entry(owner, block)
                 if e is None:                 # no entry to be had: this block is sealed early
                     s = len(seals)
                     if lo > 0:
@@ -176,15 +174,16 @@ class OpenBlocks:
                 if lo > 0:                    # re-open a block sealed early
                     rl_entry.append(e)
                     rl_blk.append(block)
+                else:
+                    fresh_entries.append(e)
                 self._entry[block] = e
+                self._block_at[e] = block
                 changed[block] = e
             self._fill[block] = hi
             if self._owner.get(block) not in (None, owner):   # restarted by another request
                 self._disown(block)
             self._owner[block] = owner
             self._open_of[owner] = block
-            self._lru.pop(block, None)
-            self._lru[block] = None
             sfb_dst.extend(range(e * bs + lo, e * bs + hi))
             sfb_src.extend(range(row, row + hi - lo))
 
@@ -203,6 +202,7 @@ class OpenBlocks:
             reload=_pair(rl_entry, rl_blk, dev),
             stage_from_batch=_pair(sfb_dst, sfb_src, dev),
             work_from_batch=_pair(wfb_dst, wfb_src, dev),
+            fresh_entries=torch.tensor(fresh_entries, dtype=torch.int64, device=dev),
             entry_of=self.entry_of)
 
     def _disown(self, block: int) -> None:
@@ -212,9 +212,7 @@ class OpenBlocks:
 
     def _early_seal(self) -> None:
         if self.early_seals == 0:
-            log.warning("per-channel KV keys: more blocks are filling than the %d staging "
-                        "entries sized "
-                        "at start (max_num_seqs raised?): blocks beyond them are rounded "
-                        "before they fill, with less precision; restart to resize",
-                        self.num_entries)
+            log.warning("per-channel KV keys: a request has no staging block (a runner "
+                        "stepped without a KV manager): its open blocks are rounded before "
+                        "they fill, with less precision")
         self.early_seals += 1

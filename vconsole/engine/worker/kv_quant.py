@@ -16,15 +16,20 @@ indexed by the same slot (``block_id * block_size + offset``) as the data:
 - ``int4_kivi`` (the ``int4`` alias): values as ``int4_per_token_head`` but with their scale
   and minimum in float16; keys in the same 4-bit layout but rounded per channel over each block
   (KIVI), with a float16 scale and minimum per (block, KV head, channel). A block still filling
-  keeps its keys in a small staging area until its last slot is written (`kv_open_blocks`),
-  as int8 with a float32 scale per row (`int8_per_token_head`'s rounding), then they are rounded
-  per channel. ``D/2 + 4`` bytes per token for V, ``D/2 + 4D/B`` for K (6.1x at ``D = 64``,
-  ``B = 16``), plus the staging: ``D + 4`` bytes per staged key row.
+  keeps its keys staged until its last slot is written (`kv_open_blocks`), as int8 with a
+  float32 scale per row (`int8_per_token_head`'s rounding), then they are rounded per channel.
+  ``D/2 + 4`` bytes per token for V, ``D/2 + 4D/B`` for K (6.1x at ``D = 64``, ``B = 16``).
 - ``int8_kivi``: values as ``int8_per_token_head`` but with a float16 scale; keys int8 rounded
   per channel over each block, symmetric, a float16 scale per (block, KV head, channel) (no
   minimum), staged in float16 while their block fills. ``D + 2`` bytes per token for V,
-  ``D + 2D/B`` for K (3.71x at ``D = 64``, ``B = 16``), plus the staging: ``2 D`` bytes per
-  staged key row.
+  ``D + 2D/B`` for K (3.71x at ``D = 64``, ``B = 16``).
+
+The per-channel formats' staging is a block of the pool: their K and V data lie side by side
+per slot, so one block's data is ``B * KVH * 2 Dd`` bytes, exactly an open block's keys in
+float16 (`int8_kivi`) or in int8 (`int4_kivi`, whose row scales take that block's values'
+float16 parameters). The KV manager lends each running request one block for it
+(`KVCacheManager.lend_staging_blocks`): a budget holds its blocks, and what is open costs a
+block per running request while it runs, not a reserve per seat (`staging_view`).
 
 The staging's form follows what the block's keys become. At 4 bits, keys staged as int8 per row
 and then rounded per channel lose what keys rounded per channel straight from float do
@@ -134,9 +139,10 @@ class KVLayer:
     format ``k_params``/``v_params`` are ``(NB, B, KVH, P)`` float32, else None. A per-channel
     format has ``k_params`` ``(NB, KVH, R, D)`` float16 (each channel's scale and, for
     `int4_kivi`, minimum over the block: ``R = KVFormat.channel_rows``), ``v_params`` in
-    float16, and ``k_stage`` ``(E, B, KVH, D)``, the open blocks' keys (`kv_open_blocks`):
-    float16, or int8 with ``k_stage_scale`` ``(E, B, KVH, 1)`` float32 (`int4_kivi`; else
-    ``k_stage_scale`` is empty). ``k, v = layer`` unpacks the data only."""
+    float16, and ``k_stage`` ``(NB, B, KVH, D)``, the open blocks' keys (`kv_open_blocks`) in
+    the pool's own bytes (`staging_view`): float16, or int8 with ``k_stage_scale``
+    ``(NB, B, KVH, 1)`` float32 (`int4_kivi`; else ``k_stage_scale`` is empty); their ``k``
+    and ``v`` are then the two halves of one tensor. ``k, v = layer`` unpacks the data only."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -154,9 +160,10 @@ KVCache = list[KVLayer]
 
 def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,
              num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-             device: torch.device, open_entries: int = 0) -> list[KVLayer]:
-    """Zeroed pools (zeros dequantize to zeros: padded rows stay finite); a per-channel format
-    gets ``open_entries`` staging blocks per layer."""
+             device: torch.device) -> list[KVLayer]:
+    """Zeroed pools (zeros dequantize to zeros: padded rows stay finite). A per-channel format
+    keeps each slot's K and V data side by side in one tensor, so that any block of the pool
+    can hold an open block's staged keys (`staging_view`): ``k``/``v`` are its two halves."""
     if fmt.bits == 4 and head_dim % 2:
         raise ValueError(f"int4 KV needs an even head_dim, not {head_dim}")
     layers = []
@@ -170,18 +177,15 @@ def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,
         shape = (num_blocks, block_size, num_kv_heads, fmt.data_dim(head_dim))
         pshape = (num_blocks, block_size, num_kv_heads, fmt.params)
         if fmt.key_per_channel:
-            entries = max(open_entries, 1)
-            stage_shape = (entries, block_size, num_kv_heads, head_dim)
+            kv = torch.zeros((num_blocks, block_size, 2, num_kv_heads, fmt.data_dim(head_dim)),
+                             dtype=fmt.data_dtype, device=device)
+            v_params = torch.zeros(pshape, dtype=fmt.value_params_dtype, device=device)
+            stage, stage_scale = staging_view(fmt, kv, v_params)
             layers.append(KVLayer(
-                torch.zeros(shape, dtype=fmt.data_dtype, device=device),
-                torch.zeros(shape, dtype=fmt.data_dtype, device=device),
+                kv[:, :, 0], kv[:, :, 1],
                 torch.zeros((num_blocks, num_kv_heads, fmt.channel_rows, head_dim),
                             dtype=torch.float16, device=device),
-                torch.zeros(pshape, dtype=fmt.value_params_dtype, device=device),
-                torch.zeros(stage_shape, dtype=torch.int8 if fmt.stage_int8 else torch.float16,
-                            device=device),
-                torch.zeros((entries, block_size, num_kv_heads, 1) if fmt.stage_int8 else (0,),
-                            dtype=torch.float32, device=device)))
+                v_params, stage, stage_scale))
             continue
         layers.append(KVLayer(
             torch.zeros(shape, dtype=fmt.data_dtype, device=device),
@@ -191,14 +195,30 @@ def allocate(fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int,
     return layers
 
 
-def staging_bytes(fmt: KVFormat, open_entries: int, block_size: int, num_layers: int,
+def staging_view(fmt: KVFormat, kv: torch.Tensor,
+                 v_params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-channel pool's blocks seen as staging entries, entry ``e`` being block ``e``'s own
+    bytes (the KV manager lends a running request one block for it, `KVCacheManager`): a
+    block's K and V data, ``B * KVH * 2 Dd`` bytes, hold ``(B, KVH, D)`` float16 keys
+    (`int8_kivi`) or int8 ones (`int4_kivi`), whose float32 scale per row takes the block's
+    values' parameters, ``(B, KVH, 2)`` float16. Returns ``(k_stage, k_stage_scale)`` as
+    `KVLayer` keeps them (the scale empty for float16 staging)."""
+    nb, bs, _, nkv, dd = kv.shape
+    flat = kv.view(nb, -1)
+    if fmt.stage_int8:
+        return (flat.view(torch.int8).view(nb, bs, nkv, 2 * dd),
+                v_params.view(torch.float32).view(nb, bs, nkv, 1))
+    return (flat.view(torch.float16).view(nb, bs, nkv, dd),
+            torch.zeros((0,), dtype=torch.float32, device=kv.device))
+
+
+def staging_bytes(fmt: KVFormat, open_blocks: int, block_size: int, num_layers: int,
                   num_kv_heads: int, head_dim: int) -> int:
-    """The open blocks' staged keys of a per-channel format (0 for the others): float16, or
-    int8 with a float32 scale per row."""
+    """The pool bytes that ``open_blocks`` open blocks' staged keys take (0 for a format
+    without): one block of the pool each."""
     if not fmt.key_per_channel:
         return 0
-    row = head_dim + 4 if fmt.stage_int8 else 2 * head_dim
-    return num_layers * max(open_entries, 1) * block_size * num_kv_heads * row
+    return open_blocks * fmt.bytes_per_block(block_size, num_layers, num_kv_heads, head_dim, 1)
 
 
 # --- the codes ----------------------------------------------------------------------------------
@@ -229,6 +249,11 @@ def quantize(fmt: KVFormat, x: torch.Tensor,
 def dequantize(fmt: KVFormat, data: torch.Tensor, params: torch.Tensor,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The inverse of `quantize`: (..., Dd) + (..., P) -> (..., D) in ``dtype``."""
+    if params.dtype == torch.float16:
+        # A per-channel pool's values: a block lent for staging keeps float32 row scales in
+        # these bytes (`staging_view`), NaN or inf as float16, on rows no query attends (the
+        # torch path's padding): read as zeros, so that a masked row stays a zero weight.
+        params = torch.nan_to_num(params.float(), nan=0.0, posinf=0.0, neginf=0.0)
     params = params.float()
     if fmt.bits == 8:
         return (data.to(torch.float32) * params).to(dtype)
@@ -318,7 +343,7 @@ def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torc
     (blocks sealed now). The reads of staging come first: an entry freed and taken again in one
     step."""
     assert layer.k_params is not None and layer.v_params is not None
-    assert layer.k_stage is not None
+    assert layer.k_stage is not None and layer.k_stage_scale is not None
     nkv, hd = k.shape[1], k.shape[2]
     bs = layer.k.shape[1]
     _store_rows(fmt, layer.v, layer.v_params, slots, v, kernel)
@@ -334,6 +359,13 @@ def write_per_channel(fmt: KVFormat, layer: KVLayer, plan: OpenPlan, slots: torc
             rows = dequantize_sealed_keys(layer.k.index_select(0, blocks),
                                           layer.k_params.index_select(0, blocks))
             work.view(num_seal, bs, nkv, hd).index_copy_(0, idx, rows)
+    if plan.fresh_entries.numel():
+        # A lent block's bytes held other keys or values: an entry a block starts in reads as
+        # zeros past its filled rows (the torch path reads whole blocks, padding masked),
+        # never as those bits taken for float16 rows or float32 scales (NaN or inf).
+        layer.k_stage.index_fill_(0, plan.fresh_entries, 0)
+        if layer.k_stage_scale.numel():
+            layer.k_stage_scale.index_fill_(0, plan.fresh_entries, 0)
     entries, blocks = plan.reload
     if entries.numel():
         rows = dequantize_sealed_keys(layer.k.index_select(0, blocks),

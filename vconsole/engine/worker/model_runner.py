@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -85,10 +85,10 @@ class ModelRunner:
         if self.kv_format.bits == 4 and self.head_dim % 2:
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} needs an even head_dim; "
                              f"this model's is {self.head_dim}")
-        # A per-channel format's staging: one open block per running request at most
-        # (`kv_open_blocks`), so one entry per seat.
-        self.open_entries = config.max_num_seqs if self.kv_format.key_per_channel else 0
+        # A per-channel format's open blocks (`kv_open_blocks`), staged in the block the KV
+        # manager lends each running request: its live map, wired by the engine core.
         self.open_blocks: OpenBlocks | None = None
+        self.staging_of: Mapping[str, int] = {}
         self.sampler = Sampler(self.device, config.seed)
         self.kv_caches: kv_quant.KVCache = []
         self._workspace = paged_attention.Workspace()
@@ -122,9 +122,9 @@ class ModelRunner:
 
     @property
     def kv_staging_bytes(self) -> int:
-        """The open blocks' staged keys of a per-channel format, beside the pool (else 0)."""
-        return kv_quant.staging_bytes(self.kv_format, self.open_entries, self.config.block_size,
-                                      self.num_layers, self.num_kv_heads, self.head_dim)
+        """Staging beside the pool: none (a per-channel format's open blocks are staged in
+        blocks of the pool, one lent to each running request, `kv_quant.staging_view`)."""
+        return 0
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -135,7 +135,7 @@ class ModelRunner:
 
     @property
     def kv_pool_bytes(self) -> int:
-        """What the allocated pool takes: its blocks, and a per-channel format's staging."""
+        """What the allocated pool takes: its blocks (a per-channel format's staging in them)."""
         return self.num_blocks * self.kv_cache_bytes_per_block(self.block_size) \
             + self.kv_staging_bytes
 
@@ -161,8 +161,7 @@ class ModelRunner:
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes {cfg.kv_cache_memory_bytes} holds no "
                                  f"block: one block of {cfg.block_size} tokens takes "
-                                 f"{per_block} bytes ({self.kv_cache_dtype}), plus "
-                                 f"{self.kv_staging_bytes} bytes of open-block staging")
+                                 f"{per_block} bytes ({self.kv_cache_dtype})")
             return num_blocks
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -176,15 +175,10 @@ class ModelRunner:
                              "cpu_kv_cache_gib or set num_kv_blocks / kv_cache_memory_bytes")
         return num_blocks
 
-    def _blocks_in(self, budget: int, per_block: int) -> int:
-        """Blocks that ``budget`` bytes hold beside a per-channel format's staging, whose
-        entries never outnumber the blocks."""
-        num_blocks = (budget - self.kv_staging_bytes) // per_block
-        if self.open_entries and num_blocks < self.open_entries:   # entries = blocks (staging of more
-            # seats than fit: fewer entries, and as many blocks)
-            per_entry = self.kv_staging_bytes // self.open_entries
-            num_blocks = budget // (per_block + per_entry)
-        return int(num_blocks)
+    @staticmethod
+    def _blocks_in(budget: int, per_block: int) -> int:
+        """Blocks that ``budget`` bytes hold (a per-channel format's staging is in them)."""
+        return int(budget // per_block)
 
     def _activation_reserve(self) -> int:
         """A conservative bound on one step's transient memory (hidden states, MLP
@@ -205,12 +199,10 @@ class ModelRunner:
         (num_blocks, block_size, num_kv_heads, head_dim) in the model's dtype and device, or
         their quantized data and parameters (`kv_quant`)."""
         self.kv_caches = []  # drop an old pool before allocating the new one
-        if self.kv_format.key_per_channel:
-            self.open_entries = min(self.config.max_num_seqs, num_blocks)
         self.kv_caches = kv_quant.allocate(
             self.kv_format, self.num_layers, num_blocks, block_size, self.num_kv_heads,
-            self.head_dim, self.dtype, self.device, self.open_entries)
-        self.open_blocks = (OpenBlocks(num_blocks, block_size, self.open_entries, self.device)
+            self.head_dim, self.dtype, self.device)
+        self.open_blocks = (OpenBlocks(num_blocks, block_size, self.device)
                             if self.kv_format.key_per_channel else None)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -429,7 +421,8 @@ class ModelRunner:
             t_at += rows
         open_plan = None
         if self.open_blocks is not None:
-            open_plan = self.open_blocks.plan(step_inputs.block_writes(ordered, bs), self.requests)
+            open_plan = self.open_blocks.plan(step_inputs.block_writes(ordered, bs), self.requests,
+                                              self.staging_of)
         meta = PagedAttentionMetadata(
             kv_caches=self.kv_caches, block_size=bs, slot_mapping=t_slots,
             num_decodes=len(decodes), decode_groups=decode_groups, prefills=prefills,

@@ -39,6 +39,15 @@ void check_common(const Tensor& q, const Tensor& tables, const Tensor& lens, con
   TORCH_CHECK(out.sizes() == q.sizes(), "out and q disagree");
 }
 
+// Pool data (NB, B, KVH, Dd) of one-byte elements whose slot rows (KVH x Dd) are contiguous
+// and whose slots are evenly spaced across blocks: a contiguous tensor, or one half of a slot's
+// K-and-V bytes.
+bool slot_rows_ok(const Tensor& data, int64_t bs) {
+  return data.dim() == 4 && data.size(1) == bs && data.stride(3) == 1 &&
+         data.stride(2) == data.size(3) && data.stride(1) >= data.size(2) * data.size(3) &&
+         data.stride(0) == bs * data.stride(1);
+}
+
 // The batch, once every block a row reads is known to lie in the pool of `nb` blocks (and, for
 // int4_kivi, its staging entry among the `pool.entries`).
 vc::Batch batch_of(const Tensor& q, const Tensor& tables, const Tensor& lens, double scale,
@@ -153,12 +162,16 @@ void paged_decode_attention_kivi(const Tensor& q, const Tensor& k_data, const Te
   TORCH_CHECK(entry_of.scalar_type() == at::kLong && entry_of.dim() == 1 &&
                   entry_of.size(0) == nb,
               "entry_of: (NB,) int64");
-  TORCH_CHECK(k_data.is_contiguous() && v_data.is_contiguous() && k_channel.is_contiguous() &&
-                  v_params.is_contiguous() && k_stage.is_contiguous() && entry_of.is_contiguous(),
-              "contiguous pools");
+  // K and V may be the two halves of one slot's bytes (kv_quant.allocate: a block's K and V
+  // data side by side, so that a block of the pool can hold an open block's staged keys):
+  // rows of a slot contiguous, the slots of a block evenly spaced, K's spacing V's.
+  TORCH_CHECK(slot_rows_ok(k_data, bs) && k_data.strides() == v_data.strides() &&
+                  k_channel.is_contiguous() && v_params.is_contiguous() &&
+                  k_stage.is_contiguous() && entry_of.is_contiguous(),
+              "contiguous pools (K and V data: contiguous heads, slots evenly spaced)");
   vc::Pool pool{static_cast<const char*>(k_data.data_ptr()),
                 static_cast<const char*>(v_data.data_ptr()), nullptr, nullptr,
-                kvh * dd, dd, kvh * rows, rows};
+                k_data.stride(1), dd, kvh * rows, rows};
   pool.kc = k_channel.data_ptr<at::Half>();
   pool.vph = v_params.data_ptr<at::Half>();
   if (stage8) {
@@ -196,7 +209,7 @@ void quantize_store(const Tensor& x, const Tensor& slots, Tensor& data, Tensor& 
   TORCH_CHECK(bits == 8 || d % 2 == 0, "int4 needs an even head_dim");
   TORCH_CHECK(data.dim() == 4 && data.size(2) == kvh && data.size(3) == dd &&
                   data.scalar_type() == (bits == 8 ? at::kChar : at::kByte) &&
-                  data.is_contiguous(),
+                  slot_rows_ok(data, data.size(1)),
               "pool data and rows disagree");
   TORCH_CHECK(params.dim() == 4 && params.size(0) == data.size(0) &&
                   params.size(1) == data.size(1) && params.size(2) == kvh &&
@@ -209,7 +222,7 @@ void quantize_store(const Tensor& x, const Tensor& slots, Tensor& data, Tensor& 
   const auto stored = [half](float x) {
     return half ? static_cast<float>(static_cast<at::Half>(x)) : x;
   };
-  const int64_t num_slots = data.size(0) * data.size(1);
+  const int64_t num_slots = data.size(0) * data.size(1), slot_bytes = data.stride(1);
   const float* xp = x.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   char* dp = static_cast<char*>(data.data_ptr());
@@ -227,6 +240,7 @@ void quantize_store(const Tensor& x, const Tensor& slots, Tensor& data, Tensor& 
     for (int64_t h = 0; h < kvh; ++h) {
       const float* r = xp + (i * kvh + h) * d;
       const int64_t at = sp[i] * kvh + h;
+      char* row = dp + sp[i] * slot_bytes + h * dd;
       float lo = r[0], hi = r[0], amax = std::fabs(r[0]);
       for (int64_t j = 1; j < d; ++j) {
         lo = std::min(lo, r[j]);
@@ -236,7 +250,7 @@ void quantize_store(const Tensor& x, const Tensor& slots, Tensor& data, Tensor& 
       if (bits == 8) {
         const float scale = stored(amax / 127.f);
         const float safe = scale > 0.f ? scale : 1.f;
-        int8_t* q = reinterpret_cast<int8_t*>(dp) + at * d;
+        int8_t* q = reinterpret_cast<int8_t*>(row);
         for (int64_t j = 0; j < d; ++j)
           q[j] = static_cast<int8_t>(std::clamp(std::nearbyint(r[j] / safe), -127.f, 127.f));
         put(at, scale);
@@ -244,7 +258,7 @@ void quantize_store(const Tensor& x, const Tensor& slots, Tensor& data, Tensor& 
         lo = stored(lo);
         const float scale = stored((hi - lo) / 15.f);
         const float safe = scale > 0.f ? scale : 1.f;
-        uint8_t* q = reinterpret_cast<uint8_t*>(dp) + at * (d / 2);
+        uint8_t* q = reinterpret_cast<uint8_t*>(row);
         for (int64_t j = 0; j < d / 2; ++j) {
           const float a = std::clamp(std::nearbyint((r[j] - lo) / safe), 0.f, 15.f);
           const float b = std::clamp(std::nearbyint((r[j + d / 2] - lo) / safe), 0.f, 15.f);
