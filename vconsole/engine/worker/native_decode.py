@@ -160,12 +160,17 @@ class NativeDecode:
             self._pools = meta.kv_caches
         h = fused.embed(input_ids)                                   # (R, hidden)
         cos, sin = fused.rotary(h[None], positions[None])            # (1, R, hd) each
+        return self.layers(h, cos[0].contiguous(), sin[0].contiguous(), meta).index_select(
+            0, rows)
+
+    def layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               meta: PagedAttentionMetadata) -> torch.Tensor:
+        """The native call: every layer and the final norm, (R, hidden) -> (R, hidden) (the
+        profiler's ``decode_step`` range)."""
         g = meta.decode_groups[0]
         n = g.hi - g.lo
-        out = self._ops.decode_step(self._handle, h, cos[0].contiguous(), sin[0].contiguous(),
-                                    meta.slot_mapping, g.block_tables.view(n, g.max_blocks),
-                                    g.context_lens)
-        return out.index_select(0, rows)
+        return self._ops.decode_step(self._handle, h, cos, sin, meta.slot_mapping,  # type: ignore[no-any-return]
+                                     g.block_tables.view(n, g.max_blocks), g.context_lens)
 
 
 def _in_features(down: Any, weight: torch.Tensor | None) -> int:

@@ -15,7 +15,8 @@ preparation and sampler, all removed at the last profiled step (or `cancel`). An
 not profiling runs exactly the code it always runs.
 
 Layer types come from the module tree by the names transformers' Llama-family models use
-(``embed_tokens``, ``self_attn``, ``mlp``, ``*norm``, ``rotary_emb``, ``lm_head``); a module
+(``embed_tokens``, ``self_attn``, ``mlp``, ``*norm``, ``rotary_emb``, ``lm_head``), and a decode
+step that ran every layer in one native call (`native_decode`) is ``decode_step``; a module
 inside one that is already labelled is not labelled again, so types never overlap. A type's time
 is the inclusive time of its ranges: CUDA time when the model runs on CUDA (the CPU time of a
 range there is only the kernel launches), CPU time otherwise, where ``other`` is the rest of the
@@ -208,6 +209,8 @@ class StepProfiler:
         if fused is not None:  # our own forward calls no attention / mlp / norm module
             targets += [(fused, "attention", "attention"), (fused, "mlp", "mlp"),
                         (fused, "norm", "norm")]
+            if getattr(fused, "native", None) is not None:   # every layer in one call (#47)
+                targets.append((fused.native, "layers", "decode_step"))
         for obj, attr, kind in targets:
             inner = getattr(obj, attr, None)
             if inner is not None:
