@@ -4,7 +4,7 @@ On every vector path this CPU can run (native: AVX-512 here; AVX2 forced with ``
 the generic vectors forced with ``-mno-avx2``) and for each quant type read (Q4_0, Q4_1, Q8_0,
 Q4_K, Q6_K): the kernel's decoding equals the ``gguf`` package's dequantization (the reference
 transformers' float path uses) to one rounding, and its linear equals ``x @ W.T`` over those
-float weights to float rounding, for the GEMV's 1-4 rows and the GEMM's more, with rows and
+float weights to float rounding, for the GEMV's 1-8 rows and the GEMM's more, with rows and
 channels that fill no whole tile. A model's greedy tokens on the gguf path equal the float
 path's for the same file; a file with a quant type not read is refused naming the supported
 ones.
@@ -101,10 +101,11 @@ def test_decoding_equals_the_gguf_packages_dequantization(path_kernel, type_name
 
 @pytest.mark.parametrize("type_name", list(SUPPORTED))
 @pytest.mark.parametrize("m,n,k", [(1, 40, 512), (2, 33, 256), (3, 17, 768), (4, 64, 256),
-                                   (5, 50, 512), (13, 70, 256), (130, 37, 512)])
+                                   (5, 50, 512), (8, 45, 256), (9, 21, 512), (13, 70, 256),
+                                   (130, 37, 512)])
 def test_the_linear_equals_the_float_reference_to_rounding(path_kernel, type_name, m, n, k):
-    """1-4 rows: the GEMV; 5 and more: the GEMM, with rows and channels that fill no whole
-    micro-kernel, panel or row block."""
+    """1-8 rows: the GEMV (rows 5-8 in a second pass on 8-lane vectors); 9 and more: the GEMM,
+    with rows and channels that fill no whole micro-kernel, panel or row block."""
     qtype = SUPPORTED[type_name]
     rng = np.random.default_rng(m * 1000 + n)
     raw = random_blocks(qtype, n, k, rng)

@@ -4,7 +4,7 @@ A GGUF file's linears are blocks of quantized weights: SmolLM2's is Q4_1, 0.625 
 against float32's 4, and one decode step of a single stream reads every weight once, so the
 bytes are the step's time. The float path (``--dtype float32``) dequantizes the file once into
 a float32 model (`gguf_model`); this one keeps each linear's blocks as they lie in the file and
-multiplies with our own kernels (``csrc/gguf_gemm.cpp``): a GEMV for steps of up to 4 rows that
+multiplies with our own kernels (``csrc/gguf_gemm.cpp``): a GEMV for steps of up to 8 rows that
 decodes each group of 32 weights in registers, and a GEMM for larger steps that decodes a
 panel of channels into a buffer kept in cache. Activations stay float32 and sums are float32,
 so a `GGUFLinear`'s output equals ``x @ dequantize(W).T`` up to float rounding: the model gives
