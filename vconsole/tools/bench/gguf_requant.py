@@ -101,16 +101,23 @@ def _ppl(model: str, texts: list[list[int]], chunk: int, **config: Any) -> tuple
 def llama_cpp_ppl(binary: Path, model: Path, text_file: Path, window_tokens: int,
                   windows: int, threads: int) -> dict[str, float]:
     """``llama-perplexity``'s final estimate on ``model`` (its ``+/-``: llama.cpp's own
-    standard error)."""
+    standard error). Where ggml's repacked weight buffers die with SIGILL (a VM that names AMX
+    but does not grant its tile state: Q4_1's only repacked layout is AMX's), it runs again
+    with ``--no-repack``, as the llama-server peer does, and says so (``no_repack``)."""
     cmd = [str(binary), "-m", str(model), "-f", str(text_file), "-c", str(window_tokens),
            "-b", str(window_tokens), "--chunks", str(windows), "-t", str(threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    no_repack = out.returncode == -4
+    if no_repack:
+        cmd.append("--no-repack")
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     text = out.stdout + out.stderr
     found = _FINAL.search(text)
     if out.returncode != 0 or found is None:
         raise RuntimeError(f"{' '.join(cmd)} exited {out.returncode} without a final "
                            f"estimate: {text[-1500:]}")
-    return {"ppl": float(found.group(1)), "ppl_se": float(found.group(2))}
+    return {"ppl": float(found.group(1)), "ppl_se": float(found.group(2)),
+            "no_repack": no_repack}
 
 
 def compare(types: tuple[str, ...] = REQUANT_TYPES, windows: int = 16, window_tokens: int = 512,
@@ -172,7 +179,11 @@ def compare(types: tuple[str, ...] = REQUANT_TYPES, windows: int = 16, window_to
             "scored": "the second half of each window (llama-perplexity's way)",
             "text_file": str(text_file)}
         for key, path in files.items():
-            got = llama_cpp_ppl(llama_cpp, path, text_file, window_tokens, windows, threads)
+            try:
+                got = llama_cpp_ppl(llama_cpp, path, text_file, window_tokens, windows, threads)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:   # the row says, the rest stays
+                rows[key]["llama_cpp"] = {"error": str(e)[-600:]}
+                continue
             load.append(os.getloadavg()[0])
             rows[key]["llama_cpp"] = {**got, "rel_diff": got["ppl"] / ref["ppl"] - 1}
     out["elapsed_s"] = round(time.time() - started, 1)
