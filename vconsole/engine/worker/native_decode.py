@@ -32,8 +32,9 @@ linears all float32, all int8, or all GGUF with each stacked linear of one quant
 other step (prefill, wider batches, quantized KV, CUDA) runs `FusedDecoder`'s Python layers,
 which stay the reference and the debugging path. ``VCONSOLE_DECODE_STEP=python`` keeps every
 step on them (the before/after of the benchmarks); the path in use is `FusedDecoder.decode_step`
-(``native`` or ``python``), logged at start (``decode steps of 1-4 rows: native (native)``, or
-``python (why)``), and the native call shows as the ``decode_step`` operator in a profile.
+(``native`` or ``python``), logged at start (``decode steps of 1-4 rows: native (30 layers,
+GGUF blocks)``, or ``python (why)``), and the native call is the ``decode_step`` layer type and
+operator in a profile.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class NativeDecode:
         ints = [fused.num_heads, fused.num_kv_heads, fused.head_dim,
                 int(fused.norm_w.shape[0]), 0, len(fused.layers)]
         floats = [float(fused.scaling), float(fused.norm_eps)]
+        kinds: set[int] = set()
         for layer in fused.layers:
             parts = [_linear_parts(f) for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(p is None for p in parts):
@@ -131,6 +133,7 @@ class NativeDecode:
             for part in parts:
                 assert part is not None
                 kind, weight, bias, scale, qtype = part
+                kinds.add(kind)
                 ints += [kind, qtype]
                 tensors += [weight, bias, scale]
             ints[4] = _in_features(layer.down, parts[3][1] if parts[3] else None)
@@ -138,7 +141,8 @@ class NativeDecode:
             handle = int(ops.decode_plan(tensors, ints, floats))
         except RuntimeError as e:
             return None, str(e).splitlines()[0]
-        return cls(ops, handle, fused), "native"
+        names = sorted({("float32", "GGUF blocks", "int8")[k] for k in kinds})
+        return cls(ops, handle, fused), f"{len(fused.layers)} layers, {' + '.join(names)}"
 
     @staticmethod
     def takes(meta: PagedAttentionMetadata, num_tokens: int) -> bool:
