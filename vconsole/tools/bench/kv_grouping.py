@@ -86,6 +86,9 @@ SCHEMES: dict[str, Scheme | None] = {
         lambda k, v: (k, _per_row(v, 8, False)),
     "int8 keys per channel (KIVI), values per token-head (int8_kivi)":
         lambda k, v: (_per_channel(k, 8, False), _per_row(v, 8, False)),
+    "int8 keys per channel (KIVI), each key first staged as int8 per token-head (int8_kivi "
+    "with int8 staging: not built)":
+        lambda k, v: (_per_channel(_per_row(k, 8, False), 8, False), _per_row(v, 8, False)),
     "int8 groups of 32 (llama.cpp q8_0)":
         lambda k, v: (_per_row(k, 8, False, 32), _per_row(v, 8, False, 32)),
     "int4 per token-head, symmetric":
