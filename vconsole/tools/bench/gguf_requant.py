@@ -10,10 +10,11 @@ implements) and serving the new file on its blocks as stored (``--quantization g
 `compare` scores the same windows of the quality bench's text on each engine, in the same
 chunks, and gives each one's perplexity against the float reference. Two more rows: the Q4_1
 file itself (the float reference to rounding: the same weights), and ``--quantization int4``
-on the float conversion (its linears quantized at load, the LM head at Q8_0). Re-quantizing
-to Q4_1 nearly reproduces the file's own Q4_1 grid, so that row (and int4's) shows little loss
-by construction; Q4_0 and Q8_0 round onto grids of their own. The file's own loss against
-SmolLM2's float weights cannot be measured without them.
+on the float conversion (its linears quantized at load, the LM head at Q8_0). int4 lands back
+on the file's own grids (Q4_1 linears, Q8_0 head), so its row is the reference by
+construction; the re-quantized Q4_1 file also rounds the tied embedding / LM head (Q8_0 in
+the file) to 4 bits, which is most of its loss; Q4_0 and Q8_0 round onto grids of their own.
+The file's own loss against SmolLM2's float weights cannot be measured without them.
 
 **llama.cpp's column** (``--llama-cpp``, where ``llama-perplexity`` is built: ``python -m
 vconsole.tools.bench.llama_server_build --perplexity``): the same files scored by llama.cpp's
