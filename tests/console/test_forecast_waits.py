@@ -7,6 +7,7 @@ import pytest
 
 from vconsole.console.forecast import box_markup
 from vconsole.console.predictions import READY, Prediction
+from vconsole.whatif.overload import wait_mark as mark_of
 
 FIGS = {"output_tok_s": 900.0, "ttft_p99_s": 1.2, "itl_p99_s": 0.03, "preemptions": 0}
 
@@ -30,8 +31,8 @@ def line(p: Prediction, label: str) -> str:
 def test_a_wait_reads_its_interval_or_that_the_queue_may_grow(over: bool, near: bool, ttft: str,
                                                               wait_mark: str) -> None:
     p = prediction(over, near)
-    assert p.wait_mark("ttft_p99_s") == wait_mark
-    assert p.wait_mark("output_tok_s") == ""          # throughput is no wait
+    assert mark_of("ttft_p99_s", p.after_info["overload"]) == wait_mark
+    assert mark_of("output_tok_s", p.after_info["overload"]) == ""    # throughput is no wait
     assert ttft in line(p, "TTFT p99")
     assert "±3.1%" in line(p, "output tok/s")         # its interval stands either way
     if near:

@@ -28,7 +28,7 @@ from vconsole.console.predictions import (
     pending,
     unmodelled,
 )
-from vconsole.whatif.overload import GROWS
+from vconsole.whatif.overload import GROWS, wait_mark
 from vconsole.whatif.predict import LABELS, tolerance
 
 
@@ -77,14 +77,13 @@ def box_markup(p: Prediction) -> str:
                  f"{'live':>8}[/]")
     for k in SHOWN:
         b, a, live = p.before.get(k), p.after.get(k), p.live.get(k)
-        wait = p.wait_mark(k)
+        wait = wait_mark(k, p.after_info.get("overload"))
         grows = wait == GROWS
         after = GROWS if grows else figure(k, a)
         mark = f" [$warning]{MARK}[/]" if k in flagged else "  "
         change = "" if grows else change_pct(b, a)
         half = stated.get(k)
-        width = ("" if grows else wait or tolerance(half) if half is not None or wait
-                 else "")
+        width = "" if grows else wait or ("" if half is None else tolerance(half))
         lines.append(f"  {LABELS[k]:<12}{figure(k, b):>8} → {after}{mark}"
                      f"{'':{max(0, 8 - len(after))}}"
                      f"[{change_style(k, b, a)}]{change:>7}[/] "

@@ -50,7 +50,7 @@ from vconsole.console.calibrating import NO_CALIBRATION, Calibrator, Outcome, pi
 from vconsole.telemetry.request_trace import FIGURES, Trace, TraceError, parse_lines
 from vconsole.whatif.calibration import calibrations_dir
 from vconsole.whatif.intervals import shape_error
-from vconsole.whatif.overload import GROWS, MAY_GROW, QUEUE_FIGURES, verdict_line
+from vconsole.whatif.overload import verdict_line
 from vconsole.whatif.predict import (
     KV_BLOCKS,
     LABELS,
@@ -147,13 +147,6 @@ class Prediction:
         """What arrives is within the model's error of what the change serves: the queue
         may grow (`vconsole.whatif.overload.verdict`)."""
         return bool((self.after_info.get("overload") or {}).get("near_capacity"))
-
-    def wait_mark(self, key: str) -> str:
-        """For a wait (`QUEUE_FIGURES`): ``grows`` under overload (it stands for the figure),
-        ``grows?`` near capacity (it stands for the interval), else ""."""
-        if key not in QUEUE_FIGURES:
-            return ""
-        return GROWS if self.overloaded else MAY_GROW if self.near_capacity else ""
 
     def overload_line(self) -> str:
         """``overloaded: this change serves 14.6 req/s (2,370 output tok/s), 19.8 arrive:

@@ -136,6 +136,14 @@ def verdict(trace: Trace, run_saturated: Callable[[Trace], SimResult],
             "queue_growth": queue_growth(result.requests)}
 
 
+def wait_mark(key: str, v: dict[str, Any] | None) -> str:
+    """For a wait (`QUEUE_FIGURES`) under verdict ``v``: `GROWS` when overloaded (it stands
+    for the figure), `MAY_GROW` near capacity (it stands for the interval), else ""."""
+    if key not in QUEUE_FIGURES or not v:
+        return ""
+    return GROWS if v.get("overloaded") else MAY_GROW if v.get("near_capacity") else ""
+
+
 def overload_line(name: str, v: dict[str, Any]) -> str:
     """``overloaded: max_num_seqs=6 serves 14.2 req/s (2,310 output tok/s), 16.8 arrive: the
     queue grows without bound at this rate, so its TTFT grows with the trace's length``."""

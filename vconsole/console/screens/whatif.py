@@ -61,7 +61,7 @@ from vconsole.console.predictions import (
 from vconsole.console.screens.base import ConsoleScreen
 from vconsole.console.state import ConsoleState
 from vconsole.console.widgets.chrome import Frame
-from vconsole.whatif.overload import GROWS
+from vconsole.whatif.overload import GROWS, wait_mark
 from vconsole.whatif.predict import ROW_LABELS, ROWS, check_key, pct, tolerance
 
 KEYS = ("max_num_seqs", "max_num_batched_tokens", "policy", "num_kv_blocks", "block_size")
@@ -282,7 +282,7 @@ class WhatIfScreen(ConsoleScreen):
                               "", key=k)
                 continue
             b, a = p.before.get(k), p.after.get(k)
-            mark = p.wait_mark(k)
+            mark = wait_mark(k, p.after_info.get("overload"))
             grows = mark == GROWS
             change = change_pct(b, a) if self.variant and not grows else ""
             style = change_style(k, b, a).lstrip("$")
@@ -292,8 +292,8 @@ class WhatIfScreen(ConsoleScreen):
                           Text(pct(error.get(k)) if p.live else "–",
                                style="yellow" if k in flagged else ""),
                           _marked(after, k in flagged) if self.variant or grows else "=",
-                          Text("" if grows else mark or tolerance(half)
-                               if (half := stated.get(k)) is not None or mark else "",
+                          Text("" if grows else mark or (
+                              "" if (half := stated.get(k)) is None else tolerance(half)),
                                style="dim"),
                           Text(change, style={"success": "green", "warning": "yellow"}.get(
                               style, "dim")), key=k)
