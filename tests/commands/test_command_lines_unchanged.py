@@ -40,7 +40,7 @@ NEW_BENCH_NAMES = ["fleet", "build-llama-server", "spec", "metrics"]
 # Flags a benchmark gained since, each defaulting to what a line of before did (issue 48: the
 # quality bench's chunk and text, kv-grouping's text; issue 44: whatif's workloads).
 ADDED = {"quality": {"chunk": None, "text": "pydoc"}, "kv-grouping": {"text": "pydoc"},
-         "whatif": {"workloads": "demo,serve", "trace_dir": None},
+         "whatif": {"workloads": "demo,serve", "trace_dir": None, "seed": None},
          "throughput": {"concurrency": None, "base_port": 0},   # issue 47: --peer llama-server
          "telemetry": {"kv_cache_metrics": False, "enable_mfu_metrics": False,   # issue 46
                        "collect_detailed_traces": False}}
