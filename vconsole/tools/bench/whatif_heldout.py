@@ -200,10 +200,11 @@ def step_level(model: StepCostModel, steps: list[StepRecord]) -> float | None:
     """How long ``steps`` took over what ``model`` gives for the same shapes: their durations
     and the gaps between back-to-back steps (None without busy steps)."""
     busy = [s for s in steps if s.prefill + s.decode > 0]
-    chained = [s for s in busy if s.period is not None and s.period >= s.dur]
-    took = sum(s.dur for s in busy) + sum(s.period - s.dur for s in chained)  # type: ignore[operator]
+    gaps = [(s.period - s.dur, s.reqs) for s in busy
+            if s.period is not None and s.period >= s.dur]
+    took = sum(s.dur for s in busy) + sum(g for g, _ in gaps)
     fitted = (sum(model.dur(s.prefill, s.decode, s.context, s.prefill_attn, s.new_reqs)
-                  for s in busy) + sum(model.gap(s.reqs) for s in chained))
+                  for s in busy) + sum(model.gap(reqs) for _, reqs in gaps))
     return took / fitted if busy and fitted > 0 else None
 
 
