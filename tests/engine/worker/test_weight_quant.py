@@ -127,7 +127,7 @@ def test_an_unknown_method_is_refused():
     with pytest.raises(ValueError, match="int8"):
         weight_quant.quantize_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), "int4")
     with pytest.raises(ValueError, match="int8"):
-        validate_config({"quantization": "int4"})
+        validate_config({"quantization": "int3"})
 
 
 def _int8_engine(model_dir) -> EngineCore:
