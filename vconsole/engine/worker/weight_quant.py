@@ -371,9 +371,9 @@ def quantize_model(model: torch.nn.Module, method: str) -> int:
     by `Int8Linear`, in place. Returns how many were replaced. Raises ValueError for a method
     other than ``int8`` or a model this cannot serve (not on CPU, not float32, no quantized
     engines in this torch)."""
-    if method not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
-                         f"got {method!r}")
+    if method != "int8":             # int4 and gguf are GGUF blocks (int4_weights, gguf_linear)
+        raise ValueError(f"this quantizes into int8 only; got {method!r} (the engine takes "
+                         f"{', '.join(QUANTIZATIONS)})")
     if not available():
         raise ValueError("quantization int8 needs torch._weight_int8pack_mm (torch >= 2.3)")
     targets = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
