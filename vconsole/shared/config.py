@@ -37,6 +37,9 @@ def canonical_kv_cache_dtype(name: str) -> str:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                          f"got {name!r}")
     return _KV_ALIASES.get(name, name)
+# KV formats whose keys are rounded per channel: each running request stages its open block's
+# keys in a block of the pool lent to it (#48), in the engine and in the what-if's simulation.
+KEY_PER_CHANNEL_KV = ("int8_kivi", "int4_kivi")
 # Weight quantization (vLLM's --quantization): int8 weights, per output channel scales; gguf:
 # a .gguf model's quantized blocks read as stored (the default for such a model on CPU); int4:
 # a float model's linears quantized at load to 4-bit GGUF blocks (groups of 32), same kernels.

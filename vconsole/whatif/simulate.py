@@ -171,8 +171,9 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
             # waits briefly for input, as its busy loop does.
             return t + IDLE_WAIT_S, False
         used = pool.num_used_blocks
-        if used:
-            frag_sum += 1.0 - pool.tokens_stored / (used * B)
+        holding = used - sched.kv.num_staging_blocks     # lent staging blocks hold no token
+        if holding > 0:
+            frag_sum += 1.0 - pool.tokens_stored / (holding * B)
             frag_n += 1
         more = sched.has_requests()
         gap = model.gap(so.num_scheduled_reqs)

@@ -363,3 +363,29 @@ def test_without_lending_nothing_changes():
     assert kv.blocks_needed(2 * B + 1) == 3
     admit_and_compute(kv, a)
     assert kv.num_blocks_of("a") == 3 and kv.staging == {} and kv.num_staging_blocks == 0
+
+
+def test_lent_staging_blocks_are_not_counted_as_fragmentation():
+    """A lent block is used and holds no token by design: the blocks that hold tokens are what
+    fragmentation is of (else 8 short requests read as half empty, and the advisor asks for
+    smaller blocks, which would not help)."""
+    plain, lending = KVCacheManager(64, B), KVCacheManager(64, B)
+    lending.lend_staging_blocks()
+    for kv in (plain, lending):
+        for i in range(8):
+            admit_and_compute(kv, make(f"r{i}", list(range(100 * i, 100 * i + 18))))
+    assert lending.num_staging_blocks == 8
+    assert lending.kv_stats().num_used == plain.kv_stats().num_used + 8
+    assert lending.kv_stats().fragmentation == pytest.approx(plain.kv_stats().fragmentation)
+    assert plain.kv_stats().fragmentation == pytest.approx(1 - 8 * 18 / (8 * 5 * B))
+
+
+def test_a_scheduler_of_a_per_channel_format_lends_staging_as_the_engine_does():
+    """The scheduler lends for int8_kivi / int4_kivi itself, so the what-if's simulation (the
+    same scheduler) counts a block per running request as the engine does."""
+    from vconsole.engine.sched.scheduler import Scheduler
+    from vconsole.shared.config import EngineConfig
+
+    for dtype, lends in (("int8_kivi", True), ("int4", True), ("int8", False), ("auto", False)):
+        sched = Scheduler(EngineConfig(kv_cache_dtype=dtype), 64, B, 2048)
+        assert (sched.kv._staging is not None) is lends, dtype

@@ -316,6 +316,8 @@ class KVCacheManager:
             and len(pool.residency.stamps) else None
         used = pool.num_used_blocks
         stored = pool.tokens_stored
+        # Lent staging blocks are used but hold no token by design: not fragmentation.
+        holding = used - self.num_staging_blocks
         return KVStats(
             num_blocks=n, block_size=B,
             num_free=pool.num_free_blocks - pool.num_cached_blocks,
@@ -324,7 +326,7 @@ class KVCacheManager:
             num_shared=pool.num_shared_blocks,
             usage=used / n,
             token_usage=stored / (n * B),
-            fragmentation=1.0 - stored / (used * B) if used else 0.0,
+            fragmentation=1.0 - stored / (holding * B) if holding > 0 else 0.0,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             block_states=pool.block_states.copy(),

@@ -51,7 +51,7 @@ from vconsole.engine.request import FinishReason, Request, RequestStatus, reques
 from vconsole.engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vconsole.engine.sched.request_queue import WaitingQueue
 from vconsole.engine.telemetry_guard import TelemetryGuard
-from vconsole.shared.config import EngineConfig
+from vconsole.shared.config import KEY_PER_CHANNEL_KV, EngineConfig, canonical_kv_cache_dtype
 from vconsole.shared.speculative import parse_speculative_config
 from vconsole.shared.stats import KVStats, RequestTable, SchedulerStats
 from vconsole.wire.outputs import RequestOutput
@@ -100,6 +100,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.clock = clock
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        if canonical_kv_cache_dtype(config.kv_cache_dtype) in KEY_PER_CHANNEL_KV:
+            self.kv.lend_staging_blocks()   # here, so the what-if's scheduler lends them too
         self.waiting = WaitingQueue(config.policy, config.hybrid_aging_s)
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}       # waiting, running or compiling
