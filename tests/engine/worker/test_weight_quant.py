@@ -209,3 +209,22 @@ def test_the_shared_scratch_made_inside_inference_mode_serves_a_forward_outside_
     with torch.no_grad():
         outside = lin(x)
     assert torch.equal(inside, outside)
+
+
+def test_a_kernel_path_asked_for_by_name_is_refused_when_the_kernel_cannot_be_built(monkeypatch):
+    """`VCONSOLE_INT8_GEMM=kernel` (or a path's name) where no kernel builds (no compiler) is an
+    error naming it; only ``auto`` falls back to the bf16 path, saying why."""
+    from vconsole.engine.worker import attention_kernel
+
+    def no_compiler(*_a: object, **_k: object) -> None:
+        raise RuntimeError("no C++ compiler (c++ not found)")
+
+    monkeypatch.setattr(attention_kernel, "build", no_compiler)
+    monkeypatch.setattr(weight_quant, "native_bf16", lambda *_a: False)
+    for wanted in ("kernel", "avx2"):
+        monkeypatch.setenv(weight_quant.PATH_ENV, wanted)
+        with pytest.raises(ValueError, match=f"{weight_quant.PATH_ENV}={wanted}: the int8 kernel"):
+            weight_quant._choose_path()
+    monkeypatch.setenv(weight_quant.PATH_ENV, "auto")
+    fallback = weight_quant._choose_path()
+    assert fallback.name == "bf16" and "unavailable" in fallback.why

@@ -175,6 +175,8 @@ def _choose_path() -> ManyRowsPath:
     try:
         kernel = attention_kernel.build()
     except Exception as e:      # no compiler: the bf16 path, said to be slow where it is
+        if wanted != "auto":    # asked for by name: refused, never silently another path
+            raise ValueError(f"{PATH_ENV}={wanted}: the int8 kernel is unavailable: {e}") from e
         return _bf16_path(f"the int8 kernel is unavailable: {e}")
     have = kernel_paths(kernel)
     if wanted in KERNEL_PATHS and wanted not in have:

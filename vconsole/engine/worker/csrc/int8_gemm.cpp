@@ -83,6 +83,12 @@ constexpr int64_t kGroupsPerBlock = kBlock / kGroup;
 #if defined(__AVX2__)
 #define VC_HAVE_AVX2 1
 #endif
+// A CPU (or VM) may grant AVX2 without FMA: the scales' multiply-add is then two instructions.
+#if defined(__FMA__)
+#define VC_MADD256(a, b, c) _mm256_fmadd_ps(a, b, c)
+#else
+#define VC_MADD256(a, b, c) _mm256_add_ps(_mm256_mul_ps(a, b), c)
+#endif
 
 // The quantized rows: xq (M, Kp) int8, a (M, nb) scales, c (M, nb) = -128 x each block's sum
 // of xq (the u8 paths' correction).
@@ -227,7 +233,7 @@ __attribute__((always_inline)) inline void micro_256(const Rows& x, int64_t m0, 
     for (int r = 0; r < R; ++r) {
       const __m256 av = _mm256_set1_ps(x.a[(m0 + r) * x.nb + b]);
       for (int h = 0; h < H; ++h)
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), av, acc[r][h]);
+        acc[r][h] = VC_MADD256(_mm256_cvtepi32_ps(sum[r][h]), av, acc[r][h]);
     }
   }
   for (int j = 0; j < NP; ++j) {
