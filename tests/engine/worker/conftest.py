@@ -48,3 +48,26 @@ def each_kernel(request):
     if needs is not None and (platform.machine() != "x86_64" or needs not in _cpu_flags()):
         pytest.skip(f"the native build takes this path here (no {needs})")
     return attention_kernel.build(extra)
+
+
+# The GGUF kernels' vector paths (csrc/gguf_gemm.cpp), each as the extra flags that make this
+# CPU's build take it, and the CPU flag without which the native build takes it already.
+GGUF_PATHS = {"native": ((), None), "avx2": (("-mno-avx512f",), "avx512f"),
+              "generic": (("-mno-avx2",), "avx2")}
+
+
+@pytest.fixture(scope="module", params=list(GGUF_PATHS))
+def path_kernel(request):
+    """The GGUF kernels of each vector path this CPU can run, in use for the module's tests
+    (`gguf_linear.use_kernel`); a path the native build takes already is skipped."""
+    from vconsole.engine.worker import gguf_linear
+
+    if not HAVE_CXX:
+        pytest.skip("no C++ compiler: the gguf kernels are not available")
+    extra, needs = GGUF_PATHS[request.param]
+    if needs is not None and (platform.machine() != "x86_64" or needs not in _cpu_flags()):
+        pytest.skip(f"the native build takes this path here (no {needs})")
+    kernel = attention_kernel.build(extra)
+    gguf_linear.use_kernel(kernel)
+    yield request.param, kernel
+    gguf_linear.use_kernel(None)

@@ -12,38 +12,18 @@ ones.
 
 from __future__ import annotations
 
-import platform
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.support.cxx import HAVE_CXX
-from vconsole.engine.worker import attention_kernel, gguf_linear, weight_quant
+from vconsole.engine.worker import gguf_linear, weight_quant
 from vconsole.engine.worker.gguf_linear import SUPPORTED, GGUFLinear
 
-# Each vector path as the extra flags that make this CPU's build take it, and the CPU flag
-# without which the native build takes that path already.
-PATHS = {"native": ((), None), "avx2": (("-mno-avx512f",), "avx512f"),
-         "generic": (("-mno-avx2",), "avx2")}
 # The kernels' float32 sums against the float64 reference, relative to the sum of the
 # products' magnitudes (measured: at most 1.1e-7 at K = 768).
 SUM_RTOL = 1e-5
-
-
-@pytest.fixture(scope="module", params=list(PATHS))
-def path_kernel(request):
-    if not HAVE_CXX:
-        pytest.skip("no C++ compiler: the gguf path is not available")
-    extra, needs = PATHS[request.param]
-    if needs is not None and (platform.machine() != "x86_64"
-                              or needs not in weight_quant.cpu_flags()):
-        pytest.skip(f"the native build takes this path here (no {needs})")
-    kernel = attention_kernel.build(extra)
-    gguf_linear.use_kernel(kernel)
-    yield request.param, kernel
-    gguf_linear.use_kernel(None)
 
 
 def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:

@@ -11,32 +11,16 @@ the same tokens. Refused: int4 off CPU, on weights not float32, on a GGUF alread
 
 from __future__ import annotations
 
-import platform
-
 import numpy as np
 import pytest
 import torch
 
-from tests.engine.worker.test_gguf_linear import PATHS, SUM_RTOL
+from tests.engine.worker.test_gguf_linear import SUM_RTOL
 from tests.support.cxx import HAVE_CXX
-from vconsole.engine.worker import attention_kernel, gguf_linear, int4_weights, weight_quant
+from vconsole.engine.worker import gguf_linear, int4_weights
 from vconsole.engine.worker.gguf_linear import SUPPORTED, GGUFLinear
 
 F16_REL = 2.0 ** -11        # float16's rounding of a scale or minimum, relative
-
-
-@pytest.fixture(scope="module", params=list(PATHS))
-def path_kernel(request):
-    if not HAVE_CXX:
-        pytest.skip("no C++ compiler: the gguf kernels are not available")
-    extra, needs = PATHS[request.param]
-    if needs is not None and (platform.machine() != "x86_64"
-                              or needs not in weight_quant.cpu_flags()):
-        pytest.skip(f"the native build takes this path here (no {needs})")
-    kernel = attention_kernel.build(extra)
-    gguf_linear.use_kernel(kernel)
-    yield request.param, kernel
-    gguf_linear.use_kernel(None)
 
 
 def scheme_bound(w: torch.Tensor, type_name: str) -> torch.Tensor:
