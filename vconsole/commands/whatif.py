@@ -12,7 +12,7 @@ from vconsole.commands import fail
 from vconsole.telemetry.request_trace import FIGURES, TraceError, read_trace
 from vconsole.whatif.calibration import calibration_path
 from vconsole.whatif.cost_model import TooLittleTraffic
-from vconsole.whatif.overload import GROWS, MAY_GROW, QUEUE_FIGURES, verdict_line
+from vconsole.whatif.overload import GROWS, verdict_line, wait_mark
 from vconsole.whatif.predict import (
     KV_BLOCKS,
     ROW_LABELS,
@@ -193,23 +193,28 @@ def format_report(report: dict[str, Any]) -> str:
             [figure(k, entry["validated"]) for k in ROWS],
             [f"({pct(err.get(k))})" if k in FIGURES else "" for k in ROWS]])
 
+    def wait(entry: dict[str, Any], variant: bool, k: str) -> str:
+        """`wait_mark` of a figure: ``grows`` (a variant's only: the trace's own config is
+        shown as it ran), ``grows?`` or ""."""
+        mark = wait_mark(k, entry.get("overload"))
+        return "" if mark == GROWS and not variant else mark
+
     def stated(entry: dict[str, Any], variant: bool) -> list[str]:
         """Each figure's interval as its relative half-width (``±4.2%``); none beside an
         overloaded variant's ``grows``, and ``grows?`` for a wait near capacity (the queue
         may grow: no interval bounds it)."""
         st = (entry.get("interval") or {}).get("stated") or {}
-        verdict = entry.get("overload") or {}
-        over = variant and verdict.get("overloaded")
-        near = bool(verdict.get("near_capacity"))
-        return [MAY_GROW if near and k in QUEUE_FIGURES
-                else tolerance(st[k]) if k in FIGURES and st.get(k) is not None
-                and not (over and k in QUEUE_FIGURES) else "" for k in ROWS]
+        out = []
+        for k in ROWS:
+            mark = wait(entry, variant, k)
+            out.append("" if mark == GROWS else mark or (
+                tolerance(st[k]) if k in FIGURES and st.get(k) is not None else ""))
+        return out
 
     def values(entry: dict[str, Any], variant: bool) -> list[str]:
         """The predicted figures; an overloaded variant's waits read ``grows`` (a figure of
         the trace's length, not of the config)."""
-        over = variant and (entry.get("overload") or {}).get("overloaded")
-        return [GROWS if over and k in QUEUE_FIGURES else figure(k, entry["predicted"])
+        return [GROWS if wait(entry, variant, k) == GROWS else figure(k, entry["predicted"])
                 for k in ROWS]
 
     now = _Column("predicted now", [values(base, False), stated(base, False), marks()])
@@ -226,11 +231,10 @@ def format_report(report: dict[str, Any]) -> str:
     units: list[list[_Column]] = []
     for v in variants:
         change = change_rel(v["predicted"], base["predicted"])
-        over = (v.get("overload") or {}).get("overloaded")
         units.append([_Column(f"predicted {_named(v['set'])}", [
             values(v, True),
             [pct(change.get(k)) if k in FIGURES and change.get(k) is not None
-             and not (over and k in QUEUE_FIGURES) else "" for k in ROWS],
+             and wait(v, True, k) != GROWS else "" for k in ROWS],
             stated(v, True), marks()])])
         if (col := real(v)) is not None:
             units[-1].append(col)
