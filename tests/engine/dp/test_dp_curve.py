@@ -141,7 +141,11 @@ def test_torchrun_ranks_on_two_nodes_behind_curve_serve_only_their_front_end(
             assert all(p.poll() is None for p, _ in nodes) and time.monotonic() < deadline, \
                 logs()[-3000:]
             time.sleep(0.1)
+        # The ready file can come before the other node's rank has logged its line: wait for it.
         ranks = [RANK_READY.findall(log.read_text()) for _, log in nodes]
+        while [len(r) for r in ranks] != [1, 1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            ranks = [RANK_READY.findall(log.read_text()) for _, log in nodes]
         assert [len(r) for r in ranks] == [1, 1], ranks
         ranks = [r[0] for r in ranks]               # node 0's rank, node 1's rank
         assert ranks[0][0].startswith("tcp://127.0.0.1:")
