@@ -129,6 +129,7 @@ class FusedDecoder:
         # `use_native` found it can run this model; else every step runs the layers below.
         self.native: NativeDecode | None = None
         self.native_reason = "not tried"
+        self.last_native = False        # whether the last forward ran the native step
 
     def use_native(self, kernel: Any) -> str:
         """Run pure-decode steps of up to `native_decode.MAX_ROWS` rows in one native call
@@ -197,9 +198,11 @@ class FusedDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: PagedAttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and not nvtx.ON \
-                and NativeDecode.takes(meta, input_ids.shape[0]):
-            return self.native.forward(input_ids, positions, meta, rows)
+        native = (self.native if self.native is not None and not nvtx.ON
+                  and NativeDecode.takes(meta, input_ids.shape[0]) else None)
+        self.last_native = native is not None      # the step's regime, in its step record
+        if native is not None:
+            return native.forward(input_ids, positions, meta, rows)
         h = self.embed(input_ids)                                    # (T, hidden)
         cos, sin = self.rotary(h[None], positions[None])             # (1, T, hd) each
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]            # (T, 1, hd)

@@ -434,6 +434,12 @@ class ModelRunner:
                             t_prompt_rows, t_targets)
 
     @property
+    def last_step_native(self) -> bool:
+        """Whether the last forward ran as one native call (`native_decode`): the step's
+        regime, which the what-if's step-cost model tells apart."""
+        return self.fused_decoder is not None and self.fused_decoder.last_native
+
+    @property
     def forward_path(self) -> str:
         """Which decoder forward runs: ``fused`` (`FusedDecoder`) or ``transformers``."""
         return "fused" if self.fused_decoder is not None else "transformers"
