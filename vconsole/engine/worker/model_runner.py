@@ -28,6 +28,7 @@ from vconsole.engine.sched.output import GrammarBatch, ModelRunnerOutput, Schedu
 from vconsole.engine.worker import (
     attention_kernel,
     kv_quant,
+    native_decode,
     paged_attention,
     prompt_logprobs,
     step_inputs,
@@ -438,6 +439,14 @@ class ModelRunner:
         """Whether the last forward ran as one native call (`native_decode`): the step's
         regime, which the what-if's step-cost model tells apart."""
         return self.fused_decoder is not None and self.fused_decoder.last_native
+
+    @property
+    def native_decode_rows(self) -> int:
+        """The widest pure-decode step that runs as one native call, 0 when none does (the
+        trace header's, for the what-if's simulated steps)."""
+        fused = self.fused_decoder
+        native = fused is not None and fused.native is not None
+        return native_decode.MAX_ROWS if native and not self.kv_format.quantized else 0
 
     @property
     def forward_path(self) -> str:
