@@ -242,3 +242,71 @@ def test_a_capacity_key_must_have_a_value_and_timeouts_are_counted_apart():
     assert variant["timed_out"] > 0
     # The figures are over the requests that ran to their end, as the trace's observed ones.
     assert variant["ttft_p50_s"] is not None and variant["ttft_p50_s"] < 0.2 + 0.5
+
+
+# --- the step's regime: one native call, or the Python layers (#44 after #47) ------------------
+
+PYTHON_COST = 0.004     # what a step run through the Python layers costs beyond a native one
+
+
+def regime_steps(n: int, native_rows: int = 4, seed: int = 3) -> list[StepRecord]:
+    """`random_steps` as an engine with a native decode step of up to ``native_rows`` rows
+    records them: those steps flagged and ``PYTHON_COST`` cheaper than the rest."""
+    steps = random_steps(n, seed=seed, noise=0.01)
+    for s in steps:
+        s.native = s.prefill == 0 and 0 < s.decode <= native_rows
+        if not s.native:
+            s.dur += PYTHON_COST
+            s.period = None if s.period is None else s.period + PYTHON_COST
+    return steps
+
+
+def test_the_fit_tells_the_native_regime_from_the_python_layers():
+    model = fit(regime_steps(900), native_rows=4)
+    assert model.coef["python"] == pytest.approx(PYTHON_COST, rel=0.15)
+    assert model.coef["const"] == pytest.approx(TRUE["const"], rel=0.15)
+    assert model.coef["decode"] == pytest.approx(TRUE["decode"], rel=0.15)
+    assert model.native_rows == 4 and model.runs_native(0, 4) and not model.runs_native(0, 5)
+    assert not model.runs_native(16, 1)            # a prefill chunk: the Python layers
+    one = next(s for s in regime_steps(900) if s.native and s.decode == 1)
+    assert model.step_dur(one) == pytest.approx(
+        model.dur(0, 1, one.context, 0, one.new_reqs) - model.coef["python"])
+
+
+def test_a_trace_without_native_steps_has_no_regime_term():
+    model = fit(random_steps(600), native_rows=4)   # an engine that ran every step in Python
+    assert model.coef["python"] == 0.0 and model.native_rows == 0
+    assert not any("python" in n for n in model.notes)
+    assert model.coef["const"] == pytest.approx(TRUE["const"], rel=0.15)
+
+
+def test_a_variant_with_fewer_seats_runs_its_small_steps_in_the_native_regime():
+    trace = make_trace(num_requests=80, rate=40.0)
+    trace.header.native_decode_rows = 4
+    trace.steps = regime_steps(600)
+    base = Baseline(trace)
+    assert base.model.native_rows == 4
+    few = base.run({"max_num_seqs": 2})
+    busy = [s for s in few.steps if s.prefill + s.decode]
+    assert any(s.native for s in busy)
+    for s in busy:
+        assert s.native == (s.prefill == 0 and s.decode <= 2)
+    # The same variant with one line over both regimes (the model before #44's regime term)
+    # is slower on the native steps by the Python layers' cost, which it cannot tell apart.
+    native = [s for s in busy if s.native]
+    assert sum(s.dur for s in native) < sum(
+        base.model.dur(s.prefill, s.decode, s.context, s.prefill_attn, s.new_reqs)
+        for s in native)
+    # A quantized pool runs every step through the Python layers (`NativeDecode.takes`).
+    quant = base.run({"kv_cache_dtype": "int8_per_token_head"})
+    assert not any(s.native for s in quant.steps)
+
+
+def test_a_steps_regime_round_trips_through_the_trace_text():
+    trace = make_trace()
+    trace.header.native_decode_rows = 4
+    trace.steps = regime_steps(60)
+    back = parse_lines(trace_lines(trace))
+    assert back.header.native_decode_rows == 4
+    assert [s.native for s in back.steps] == [s.native for s in trace.steps]
+    assert any(s.native for s in back.steps) and not all(s.native for s in back.steps)

@@ -100,6 +100,7 @@ class EngineCore:
                 "kv_pool_bytes": self.runner.kv_pool_bytes,
                 "kv_staging_bytes": self.runner.kv_staging_bytes,
                 "kv_staging_blocks": 0,   # staging beside the pool: none (#48)
+                "native_decode_rows": self.runner.native_decode_rows,
                 "dims": self.model_dims()}
 
     def model_dims(self) -> dict[str, int | float | bool]:
@@ -278,7 +279,8 @@ class EngineCore:
             num_running=sched.num_running, num_waiting=sched.num_waiting,
             kv_used_blocks=sched.kv.pool.num_used_blocks,
             structured_ns=structured_ns, num_prefill_reqs=so.num_prefill_reqs,
-            prefill_context_tokens=so.prefill_context_tokens)
+            prefill_context_tokens=so.prefill_context_tokens,
+            native=so.total_num_scheduled_tokens > 0 and self.runner.last_step_native)
         if profiler is not None:
             profiler.end_step(self.last_step, self.num_steps)
         return dict(outputs), scheduler_output.total_num_scheduled_tokens > 0

@@ -47,7 +47,8 @@ class StepStats:
     ``num_prefill_reqs`` / ``prefill_context_tokens``: the prefill chunks (rows with n > 1,
     vLLM's ``is_prefill``) and the sum of their start + n; with ``num_context_tokens`` and
     ``prefill_attention`` they are vLLM's per-step ``ExecutionContext`` (the MFU counters,
-    `vconsole.engine.publish.mfu`)."""
+    `vconsole.engine.publish.mfu`). ``native``: the step's forward was one native call
+    (`vconsole.engine.worker.native_decode`), the request trace's step regime."""
 
     schedule_ns: int
     execute_ns: int
@@ -68,6 +69,7 @@ class StepStats:
     structured_ns: int = 0
     num_prefill_reqs: int = 0
     prefill_context_tokens: int = 0
+    native: bool = False              # the forward ran as one native call (`native_decode`)
 
 
 @dataclass

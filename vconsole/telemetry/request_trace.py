@@ -61,6 +61,9 @@ class TraceHeader:
     # Bytes per token of every KV format on this model: a what-if of kv_cache_dtype is the
     # pool's bytes over these (capacity only).
     kv_bytes_per_token_by_dtype: dict[str, int] = field(default_factory=dict)
+    # The widest pure-decode step the engine ran as one native call (0: none; the steps'
+    # ``native`` flags): the regime a what-if's simulated steps take (`whatif.cost_model`).
+    native_decode_rows: int = 0
     engine_id: str | None = None
     started_unix: float = 0.0
     config_version: int = 1
@@ -96,7 +99,9 @@ class StepRecord:
     """One engine step. ``dur``: schedule + execute + update (s); ``period``: from this step's
     start to the next one's when the engine went straight on (work was left), else None.
     ``context``: the sum over scheduled rows of the positions they attend to (start + n);
-    ``prefill_attn``: the sum over prefill chunks of n x (start + n), attention's cost."""
+    ``prefill_attn``: the sum over prefill chunks of n x (start + n), attention's cost.
+    ``native``: the step ran as one native call (a small pure-decode step on the CPU), which
+    costs less per step than the Python layers: the step-cost model's regime."""
 
     t: float
     dur: float
@@ -113,6 +118,7 @@ class StepRecord:
     finished: int = 0
     kv_used: int = 0
     period: float | None = None
+    native: bool = False        # ran as one native call (`native_decode`), not Python layers
 
 
 @dataclass
@@ -165,12 +171,13 @@ def step_line(s: StepRecord) -> str:
     """A step's line, formatted directly (there are many: a few microseconds each, against
     ~15 for a dict through `json.dumps`); times to 0.1 us; the JSON `parse_lines` reads."""
     period = "null" if s.period is None else f"{s.period:.7f}"
+    native = ',"native":true' if s.native else ""      # absent: false (older traces too)
     return (f'{{"kind":"step","t":{s.t:.7f},"dur":{s.dur:.7f},"execute":{s.execute:.7f},'
             f'"prefill":{s.prefill},"decode":{s.decode},"reqs":{s.reqs},'
             f'"running":{s.running},"waiting":{s.waiting},"context":{s.context},'
             f'"prefill_attn":{s.prefill_attn},"new_reqs":{s.new_reqs},'
             f'"preempted":{s.preempted},"finished":{s.finished},"kv_used":{s.kv_used},'
-            f'"period":{period}}}\n')
+            f'"period":{period}{native}}}\n')
 
 
 def _line(obj: dict[str, Any]) -> str:

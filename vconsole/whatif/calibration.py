@@ -195,8 +195,7 @@ def level_factor(trace_steps: list[StepRecord], calib_steps: list[StepRecord]) -
         return 1.0
 
     def ratio(steps: list[StepRecord]) -> float:
-        fitted = sum(model.dur(s.prefill, s.decode, s.context, s.prefill_attn, s.new_reqs)
-                     for s in steps)
+        fitted = sum(model.step_dur(s) for s in steps)
         return sum(s.dur for s in steps) / max(fitted, 1e-12)
 
     return ratio(trace_busy) / max(ratio(calib_busy), 1e-12)

@@ -2,12 +2,20 @@
 
 A step's cost is linear in what it computes (each coefficient fitted, none assumed)::
 
-    dur    = c0 + c_pf * prefill tokens + c_dec * decode rows + c_ctx * context tokens
-             + c_attn * prefill attention + c_new * requests new to the runner
+    dur    = c0 + c_py * (not native) + c_pf * prefill tokens + c_dec * decode rows
+             + c_ctx * context tokens + c_attn * prefill attention + c_new * requests new
     period = dur + o0 + o_req * requests scheduled        (when the engine went straight on)
 
 - ``c0``: the fixed cost of a step (a forward over every layer however small the batch: on a
   CPU the weights stream from memory once per step);
+- ``c_py``: the fixed cost of a step that runs the Python layers rather than one native call
+  (`vconsole.engine.worker.native_decode`: pure-decode steps of up to `native_rows` rows on the
+  CPU): the interpreter and dispatcher around some 40 ops per layer. A trace records each step's
+  regime (``StepRecord.native``) and the widest native step (``native_decode_rows`` in its
+  header); the simulation gives a step the native regime by the same rule the engine applies
+  (`StepCostModel.runs_native`). Without it one line over both regimes was biased for a variant
+  whose steps cross from one to the other (#44: 1-4 row decode steps ran 1.25-1.6x faster
+  natively). A trace with no native step has no such term (its column never varies);
 - ``c_pf`` / ``c_dec``: per prefill token and per decode row (the linears, sampling);
 - ``c_ctx``: per position attended to by a scheduled row (decode attention reads the context);
 - ``c_attn``: per (chunk token x position) of a prefill chunk, attention's quadratic part;
@@ -44,7 +52,7 @@ import numpy as np
 
 from vconsole.telemetry.request_trace import StepRecord
 
-FEATURES = ("const", "prefill", "decode", "context", "prefill_attn", "new_reqs")
+FEATURES = ("const", "python", "prefill", "decode", "context", "prefill_attn", "new_reqs")
 OVERHEAD_FEATURES = ("const", "reqs")
 MIN_STEPS = 30          # fewer busy steps than this: too little traffic to fit
 
@@ -100,6 +108,12 @@ class StepCostModel:
     notes: list[str] = field(default_factory=list)
     ratios: np.ndarray = field(default_factory=lambda: np.ones(1))   # actual / fitted, per step
     residuals: Noise | None = None          # None: no noise (a model built by hand)
+    native_rows: int = 0        # pure-decode steps of 1 .. this many rows run natively
+
+    def runs_native(self, prefill: int, decode: int) -> bool:
+        """Whether the engine runs a step of this shape as one native call (its rule in
+        `native_decode.NativeDecode.takes`, as far as a shape tells it)."""
+        return prefill == 0 and 0 < decode <= self.native_rows
 
     def noise(self, seed: int = 0, chunk: int = 65_536) -> Iterator[float]:
         """Endless factors for successive steps, drawn from ``ratios``; the same seed gives
@@ -125,11 +139,17 @@ class StepCostModel:
                        Noise(res.edges * factor, [g * factor for g in res.groups]))
 
     def dur(self, prefill: int, decode: int, context: int, prefill_attn: int,
-            new_reqs: int) -> float:
+            new_reqs: int, *, native: bool = False) -> float:
         c = self.coef
-        return (c["const"] + c["prefill"] * prefill + c["decode"] * decode
+        return (c["const"] + (0.0 if native else c.get("python", 0.0))
+                + c["prefill"] * prefill + c["decode"] * decode
                 + c["context"] * context + c["prefill_attn"] * prefill_attn
                 + c["new_reqs"] * new_reqs)
+
+    def step_dur(self, s: StepRecord) -> float:
+        """The fitted time of a recorded step, in the regime it ran."""
+        return self.dur(s.prefill, s.decode, s.context, s.prefill_attn, s.new_reqs,
+                        native=s.native)
 
     def gap(self, reqs: int) -> float:
         o = self.overhead
@@ -138,26 +158,31 @@ class StepCostModel:
     def to_dict(self) -> dict[str, object]:
         r = self.ratios
         return {"coef": self.coef, "overhead": self.overhead, "num_steps": self.num_steps,
-                "rel_error": round(self.rel_error, 4),
+                "rel_error": round(self.rel_error, 4), "native_rows": self.native_rows,
                 "noise": {"mean": round(float(r.mean()), 4),
                           "p90": round(float(np.percentile(r, 90)), 4),
                           "p99": round(float(np.percentile(r, 99)), 4)},
                 "notes": self.notes}
 
 
-def _rows(steps: list[StepRecord]) -> np.ndarray:
-    return np.array([(1.0, s.prefill, s.decode, s.context, s.prefill_attn, s.new_reqs)
-                     for s in steps], dtype=np.float64)
+def _rows(steps: list[StepRecord], regimes: bool) -> np.ndarray:
+    """The features of each step; ``python`` is 0 throughout without ``regimes`` (a trace with
+    no native step: the column would be the constant's, which the weighting hides from
+    `_nnls`'s check for columns that never vary)."""
+    return np.array([(1.0, float(regimes and not s.native), s.prefill, s.decode, s.context,
+                      s.prefill_attn, s.new_reqs) for s in steps], dtype=np.float64)
 
 
-def fit(steps: list[StepRecord]) -> StepCostModel:
-    """The model of these steps. Raises `TooLittleTraffic` with fewer than `MIN_STEPS` that
-    computed something."""
+def fit(steps: list[StepRecord], native_rows: int = 0) -> StepCostModel:
+    """The model of these steps; ``native_rows``: the widest pure-decode step their engine ran
+    natively (the trace header's ``native_decode_rows``), which the simulation's steps follow.
+    Raises `TooLittleTraffic` with fewer than `MIN_STEPS` that computed something."""
     busy = [s for s in steps if s.prefill + s.decode > 0]
     if len(busy) < MIN_STEPS:
         raise TooLittleTraffic(f"too little traffic to fit step costs: {len(busy)} steps that "
                                f"computed tokens (need {MIN_STEPS})")
-    X = _rows(busy)
+    regimes = any(s.native for s in busy)      # else no "python" term (nor its note)
+    X = _rows(busy, regimes)
     y = np.array([s.dur for s in busy])
     # Relative residuals (each row over its duration): a 30 ms decode step weighs as much as a
     # 200 ms prefill one, so the many short steps that make the ITL are not fitted for the few
@@ -171,7 +196,7 @@ def fit(steps: list[StepRecord]) -> StepCostModel:
     residuals = Noise.of(pred, y - pred)
     notes = [f"{name} dropped (no effect measurable)" for name, u in zip(FEATURES, used,
                                                                            strict=True)
-             if not u and name != "const"]
+             if not u and name != "const" and (name != "python" or regimes)]
 
     chained = [s for s in busy if s.period is not None and s.period >= s.dur]
     if len(chained) >= MIN_STEPS // 2:
@@ -182,7 +207,8 @@ def fit(steps: list[StepRecord]) -> StepCostModel:
     else:
         overhead = {"const": 0.0, "reqs": 0.0}
         notes.append("no back-to-back steps: the busy loop's work between steps is taken as 0")
-    return StepCostModel(coef, overhead, len(busy), rel, notes, ratios, residuals)
+    return StepCostModel(coef, overhead, len(busy), rel, notes, ratios, residuals,
+                         native_rows if regimes else 0)
 
 
 def _nnls_robust(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, list[bool]]:

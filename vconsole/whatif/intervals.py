@@ -34,8 +34,7 @@ MIN_GROUP = 30           # a group of fewer steps is not judged on its own
 
 
 def _total(model: StepCostModel, steps: list[StepRecord]) -> float:
-    return sum(model.dur(s.prefill, s.decode, s.context, s.prefill_attn, s.new_reqs)
-               for s in steps)
+    return sum(model.step_dur(s) for s in steps)
 
 
 def _rms(errors: list[tuple[float, int]]) -> float:
@@ -70,7 +69,7 @@ def shape_error(steps: list[StepRecord], model: StepCostModel) -> dict[str, floa
         if len(rest) < MIN_STEPS:
             continue
         try:
-            held = fit(rest)
+            held = fit(rest, model.native_rows)
         except TooLittleTraffic:
             continue
         lvl = sum(s.dur for s in rest) / max(_total(held, rest), 1e-12)

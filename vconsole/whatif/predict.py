@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from vconsole.shared.config import ConfigError, EngineConfig, coerce_value
@@ -105,7 +106,10 @@ class Baseline:
         self.fit_steps: list[StepRecord] = source.steps + (
             scaled(calibration.steps, self.level) if calibration else [])
         self.calibrated = calibration is not None
-        self.model: StepCostModel = fit(self.fit_steps)
+        # The widest step the engine ran natively: the trace's, else its calibration's.
+        native_rows = source.header.native_decode_rows or (
+            calibration.header.native_decode_rows if calibration else 0)
+        self.model: StepCostModel = fit(self.fit_steps, native_rows)
         self.coverage = Coverage.of(self.fit_steps)
         sh = source.header
         self.trace = trace
@@ -170,10 +174,13 @@ class Baseline:
         otherwise timed, `vconsole.whatif.overload.saturated`), with this baseline's model
         (or ``model``) and noise seed."""
         config, blocks = self.sized(values)
+        model = model or self.model
+        if canonical(config.kv_cache_dtype) != "auto" and model.native_rows:
+            model = replace(model, native_rows=0)   # a quantized pool: every step in Python
         changes = [] if trace is not None else [
             (t, config_replace(c, {k: v for k, v in values.items() if k in SCHEDULER_KEYS}))
             for t, c in self.changes]
-        return simulate(trace or self.trace, config, blocks, model or self.model,
+        return simulate(trace or self.trace, config, blocks, model,
                         max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                         config_changes=changes, seed=seed)
 

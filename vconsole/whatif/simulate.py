@@ -157,9 +157,10 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
         nonlocal frag_sum, frag_n
         so = sched.schedule()
         ran = so.total_num_scheduled_tokens
+        native = model.runs_native(so.num_prefill_tokens, so.num_decode_tokens)
         dur = draw(model.dur(so.num_prefill_tokens, so.num_decode_tokens,
                              so.num_context_tokens, so.prefill_attention,
-                             len(so.scheduled_new_reqs))) if ran else 0.0
+                             len(so.scheduled_new_reqs), native=native)) if ran else 0.0
         clock[0] = t + dur
         out = ModelRunnerOutput(sampled=dict.fromkeys(so.num_scheduled_tokens, PLACEHOLDER_TOKEN))
         for req, res in sched.update_from_output(so, out):
@@ -183,7 +184,7 @@ def simulate(trace: Trace, config: EngineConfig, num_kv_blocks: int, model: Step
             running=sched.num_running, waiting=sched.num_waiting,
             context=so.num_context_tokens, prefill_attn=so.prefill_attention,
             new_reqs=len(so.scheduled_new_reqs), preempted=len(so.preempted_req_ids),
-            kv_used=used, period=dur + gap if more else None))
+            kv_used=used, period=dur + gap if more else None, native=native))
         return t + dur + gap, True
 
     run = run_on_virtual_clock(sched, [r.arrival for r in pending], make, step, clock,

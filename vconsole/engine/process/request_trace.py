@@ -283,7 +283,7 @@ class TraceBook:
             waiting=stats.num_waiting, context=stats.num_context_tokens,
             prefill_attn=stats.prefill_attention, new_reqs=stats.num_new_reqs,
             preempted=stats.num_preempted, finished=stats.num_finished,
-            kv_used=stats.kv_used_blocks)
+            kv_used=stats.kv_used_blocks, native=stats.native)
         self._settle(rec.t, lines)
         if stats.num_running + stats.num_waiting > 0:
             self._open_step, self._open_step_file = rec, self._file
@@ -378,4 +378,5 @@ def trace_header(config: EngineConfig, model: dict[str, Any]) -> TraceHeader:
         max_model_len=model.get("max_model_len"), kv_cache_dtype=model.get("kv_cache_dtype"),
         kv_bytes_per_token=model.get("kv_bytes_per_token"),
         kv_bytes_per_token_by_dtype=dict(model.get("kv_bytes_per_token_by_dtype") or {}),
-        kv_pool_bytes=model.get("kv_pool_bytes"), engine_id=config.engine_id)
+        kv_pool_bytes=model.get("kv_pool_bytes"), engine_id=config.engine_id,
+        native_decode_rows=int(model.get("native_decode_rows") or 0))

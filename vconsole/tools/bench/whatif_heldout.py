@@ -203,8 +203,7 @@ def step_level(model: StepCostModel, steps: list[StepRecord]) -> float | None:
     gaps = [(s.period - s.dur, s.reqs) for s in busy
             if s.period is not None and s.period >= s.dur]
     took = sum(s.dur for s in busy) + sum(g for g, _ in gaps)
-    fitted = (sum(model.dur(s.prefill, s.decode, s.context, s.prefill_attn, s.new_reqs)
-                  for s in busy) + sum(model.gap(reqs) for _, reqs in gaps))
+    fitted = (sum(model.step_dur(s) for s in busy) + sum(model.gap(reqs) for _, reqs in gaps))
     return took / fitted if busy and fitted > 0 else None
 
 
