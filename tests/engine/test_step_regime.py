@@ -41,6 +41,10 @@ def test_small_decode_steps_are_native_and_prefill_steps_are_not() -> None:
         if core.runner.native_decode_rows == 0:      # the extension could not be built here
             pytest.skip(f"no native decode step: {fused.native_reason if fused else 'no fused'}")
         assert header.native_decode_rows == native_decode.MAX_ROWS
+        # The header's block bytes: B x per token + per block, the runner's own block size.
+        per_token, per_block = header.kv_block_bytes_by_dtype["auto"]
+        assert core.runner.kv_cache_bytes_per_block(8) == 8 * per_token + per_block
+        assert core.runner.kv_pool_bytes == 32 * (8 * per_token + per_block)
         steps = steps_of(core, 2)
     finally:
         core.close()
@@ -58,7 +62,11 @@ def test_an_engine_without_the_native_step_records_none(why: str,
         monkeypatch.setenv(native_decode.DECODE_STEP_ENV, "python")
     core = EngineCore(config(**({"kv_cache_dtype": "int8"} if why == "int8" else {})))
     try:
-        assert trace_header(core.config, core.model_info()).native_decode_rows == 0
+        header = trace_header(core.config, core.model_info())
+        assert header.native_decode_rows == 0
+        name = core.runner.kv_cache_dtype if why == "int8" else "auto"
+        per_token, per_block = header.kv_block_bytes_by_dtype[name]
+        assert core.runner.kv_cache_bytes_per_block(8) == 8 * per_token + per_block
         steps = steps_of(core, 2)
     finally:
         core.close()

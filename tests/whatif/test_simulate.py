@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from vconsole.engine.worker.kv_quant import FORMATS
 from vconsole.shared.config import EngineConfig
 from vconsole.telemetry.request_trace import (
     RequestRecord,
@@ -153,6 +154,29 @@ def test_capacity_keys_keep_the_pools_bytes():
     # int8 at 1088 bytes per token instead of 4096: 64 * 16 * 4096 / (16 * 1088) blocks.
     assert base.sized({"kv_cache_dtype": "int8"})[1] == 64 * 16 * 4096 // (16 * 1088)
     assert base.sized({"kv_cache_memory_bytes": 16 * 4096 * 10})[1] == 10
+
+
+def test_a_per_channel_pool_is_sized_by_its_bytes_per_block_at_the_variants_block_size():
+
+    dims = (4, 4, 64, 4)            # tiny: layers, KV heads, head dim, float32
+    trace = make_trace()
+    trace.header.kv_block_bytes_by_dtype = {
+        name: [fmt.bytes_per_block(2, *dims) - fmt.bytes_per_block(1, *dims),
+               2 * fmt.bytes_per_block(1, *dims) - fmt.bytes_per_block(2, *dims)]
+        for name, fmt in FORMATS.items()}
+    base = Baseline(trace)
+    pool = 64 * FORMATS["auto"].bytes_per_block(16, *dims)
+    for B in (8, 16, 32):
+        exact = pool // FORMATS["int8_kivi"].bytes_per_block(B, *dims)
+        assert base.sized({"kv_cache_dtype": "int8_kivi", "block_size": B})[1] == exact
+    # The keys' per-channel parameters are per block: bytes per token at 16 tokens a block
+    # (the older traces' only figure) would give 32-token blocks fewer than the pool holds.
+    kivi16 = FORMATS["int8_kivi"].bytes_per_token(*dims, block_size=16)
+    assert pool // (32 * kivi16) < base.sized({"kv_cache_dtype": "int8_kivi",
+                                               "block_size": 32})[1]
+    budget = 10 * FORMATS["int4_kivi"].bytes_per_block(32, *dims) + 5
+    assert base.sized({"kv_cache_dtype": "int4_kivi", "block_size": 32,
+                       "kv_cache_memory_bytes": budget})[1] == 10
 
 
 def test_the_trace_round_trips_through_its_text():

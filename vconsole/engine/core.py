@@ -97,6 +97,7 @@ class EngineCore:
                 "kv_cache_dtype": self.runner.kv_cache_dtype,
                 "kv_bytes_per_token": self.runner.kv_bytes_per_token,
                 "kv_bytes_per_token_by_dtype": self.kv_bytes_per_token_by_dtype(),
+                "kv_block_bytes_by_dtype": self.kv_block_bytes_by_dtype(),
                 "kv_pool_bytes": self.runner.kv_pool_bytes,
                 "kv_staging_bytes": self.runner.kv_staging_bytes,
                 "kv_staging_blocks": 0,   # staging beside the pool: none (#48)
@@ -131,6 +132,20 @@ class EngineCore:
                                           r.dtype.itemsize, self.config.block_size)
                 for name, fmt in kv_quant.FORMATS.items()
                 if not (fmt.bits == 4 and r.head_dim % 2)}
+
+    def kv_block_bytes_by_dtype(self) -> dict[str, list[int]]:
+        """``[per token, per block]`` of every KV format: a block of B tokens takes
+        ``B * per token + per block`` bytes (a per-channel format's parameters are per block),
+        so a what-if sizes a pool in another format or block size exactly."""
+        r = self.runner
+        out = {}
+        for name, fmt in kv_quant.FORMATS.items():
+            if fmt.bits == 4 and r.head_dim % 2:
+                continue
+            one, two = (fmt.bytes_per_block(b, r.num_layers, r.num_kv_heads, r.head_dim,
+                                            r.dtype.itemsize) for b in (1, 2))
+            out[name] = [two - one, 2 * one - two]
+        return out
 
     # --- requests -------------------------------------------------------------------------
     def make_request(self, request_id: str, *, prompt: str | None = None,

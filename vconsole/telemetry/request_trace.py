@@ -61,6 +61,9 @@ class TraceHeader:
     # Bytes per token of every KV format on this model: a what-if of kv_cache_dtype is the
     # pool's bytes over these (capacity only).
     kv_bytes_per_token_by_dtype: dict[str, int] = field(default_factory=dict)
+    # Exactly: [per token, per block] of every format, a block of B tokens taking B * per token
+    # + per block bytes (older traces: absent, and the sizes above are used).
+    kv_block_bytes_by_dtype: dict[str, list[int]] = field(default_factory=dict)
     # The widest pure-decode step the engine ran as one native call (0: none; the steps'
     # ``native`` flags): the regime a what-if's simulated steps take (`whatif.cost_model`).
     native_decode_rows: int = 0

@@ -126,6 +126,7 @@ class Baseline:
         self.vocab_size = h.vocab_size or sh.vocab_size or 32000
         self.bytes_per_token = h.kv_bytes_per_token or sh.kv_bytes_per_token
         self.by_dtype = h.kv_bytes_per_token_by_dtype or sh.kv_bytes_per_token_by_dtype
+        self.block_bytes = h.kv_block_bytes_by_dtype or sh.kv_block_bytes_by_dtype
         self.dtype = canonical(self.config.kv_cache_dtype)
         # Hot changes the engine applied while the trace ran, replayed at their times.
         self.changes: list[tuple[float, EngineConfig]] = []
@@ -138,23 +139,33 @@ class Baseline:
         sched = {k: v for k, v in values.items() if k in SCHEDULER_KEYS}
         B = values.get("block_size", self.block_size)
         dtype = canonical(values.get("kv_cache_dtype", self.dtype))
-        bpt = self._bytes_per_token(dtype)
-        pool_bytes = self.num_kv_blocks * self.block_size * (self.bytes_per_token or 1)
+        per_block = self._bytes_per_block(dtype, B)
         if "num_kv_blocks" in values:
             blocks = int(values["num_kv_blocks"])
         elif "kv_cache_memory_bytes" in values:
-            if not bpt:
+            if not per_block:
                 raise ValueError("kv_cache_memory_bytes: the trace does not say its KV bytes "
                                  "per token")
-            blocks = int(values["kv_cache_memory_bytes"]) // (B * bpt)
-        else:
-            blocks = pool_bytes // (B * (bpt or 1))
+            blocks = int(values["kv_cache_memory_bytes"]) // per_block   # as the engine does
+        else:       # the pool's bytes in the variant's blocks (tokens, when bytes are unknown)
+            own = self._bytes_per_block(self.dtype, self.block_size) or self.block_size
+            blocks = self.num_kv_blocks * own // (per_block or B)
         if blocks < 1:
             raise ValueError(f"the variant leaves the pool {blocks} blocks")
         restart: dict[str, Any] = {k: values[k] for k in ("block_size", "kv_cache_dtype")
                                    if k in values}
         config = config_replace(self.config, {**sched, **restart})
         return config, blocks
+
+    def _bytes_per_block(self, dtype: str, block_size: int) -> int | None:
+        """A block's bytes in ``dtype``: exact from the trace's per-token and per-block parts
+        (a per-channel format's parameters are per block, so its bytes per token depend on
+        the block size), else ``block_size`` x its bytes per token (an older trace)."""
+        parts = self.block_bytes.get(dtype)
+        if parts:
+            return block_size * int(parts[0]) + int(parts[1])
+        bpt = self._bytes_per_token(dtype)
+        return None if bpt is None else block_size * bpt
 
     def _bytes_per_token(self, dtype: str) -> int | None:
         if dtype == self.dtype:

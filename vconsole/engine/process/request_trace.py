@@ -378,5 +378,7 @@ def trace_header(config: EngineConfig, model: dict[str, Any]) -> TraceHeader:
         max_model_len=model.get("max_model_len"), kv_cache_dtype=model.get("kv_cache_dtype"),
         kv_bytes_per_token=model.get("kv_bytes_per_token"),
         kv_bytes_per_token_by_dtype=dict(model.get("kv_bytes_per_token_by_dtype") or {}),
+        kv_block_bytes_by_dtype={k: list(v) for k, v in
+                                 (model.get("kv_block_bytes_by_dtype") or {}).items()},
         kv_pool_bytes=model.get("kv_pool_bytes"), engine_id=config.engine_id,
         native_decode_rows=int(model.get("native_decode_rows") or 0))
