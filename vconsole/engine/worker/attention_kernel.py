@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 KERNEL_ENV = "VCONSOLE_ATTENTION_KERNEL"
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
+# A file's own flags, after CFLAGS and the caller's: the native decode step is the Python path's
+# bit for bit only with IEEE operations (no fast math, no fused multiply-adds; it refuses to
+# compile with fast math).
+FILE_CFLAGS = {"decode_step.cpp": ["-fno-fast-math", "-ffp-contract=off"]}
 LDFLAGS = ["-fopenmp"]
 MANIFEST = "manifest.json"
 LOCK = "lock"
@@ -134,7 +138,8 @@ def build_inputs(extra: Sequence[str] = ()) -> dict[str, str]:
     ``CFLAGS`` (the tests build the other vector paths with ``-mno-avx512f``)."""
     import torch
 
-    return {"source": _source_hash(), "cflags": " ".join([*CFLAGS, *extra]),
+    own = "; ".join(f"{name}: {' '.join(flags)}" for name, flags in sorted(FILE_CFLAGS.items()))
+    return {"source": _source_hash(), "cflags": " ".join([*CFLAGS, *extra]), "file_cflags": own,
             "ldflags": " ".join(LDFLAGS), "cxx": _cxx(), "torch": torch.__version__,
             "abi": str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
             "cpu": hashlib.sha256(_cpu_tag().encode()).hexdigest()[:16],
@@ -303,7 +308,8 @@ def _build_into(entry: Path, extra: list[str]) -> Kernel:
                  f"-DVC_OPS={namespace}", f"-I{CSRC}",
                  *(f"-isystem{p}" for p in cpp_extension.include_paths("cpu"))]
         objects = [work / f"{src.stem}.o" for src in files]
-        commands = {f"compiling {src.name}": [*cxx, *flags, "-c", str(src), "-o", str(obj)]
+        commands = {f"compiling {src.name}": [*cxx, *flags, *FILE_CFLAGS.get(src.name, ()),
+                                              "-c", str(src), "-o", str(obj)]
                     for src, obj in zip(files, objects, strict=True)}
         library = f"{namespace}.so"
         link = [*cxx, "-shared", *map(str, objects), *LDFLAGS,

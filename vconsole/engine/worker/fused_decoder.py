@@ -132,18 +132,19 @@ class FusedDecoder:
         self.last_native = False        # whether the last forward ran the native step
 
     def use_native(self, kernel: Any) -> str:
-        """Run pure-decode steps of up to `native_decode.MAX_ROWS` rows in one native call
-        when ``kernel`` (the CPU attention kernel's build, or None) and the weights allow;
-        returns the path now in use for them (`decode_step`)."""
+        """Run steps of up to `native_decode.MAX_ROWS` decode and draft rows (no prefill
+        chunk) in one native call when ``kernel`` (the CPU attention kernel's build, or None)
+        and the weights allow; returns the path now in use for them (`decode_step`)."""
         self.native, self.native_reason = NativeDecode.build(self, kernel)
-        log.info("decode steps of 1-%d rows: %s (%s)", MAX_ROWS, self.decode_step,
+        rows = self.native.max_rows if self.native is not None else MAX_ROWS
+        log.info("decode and draft steps of 1-%d rows: %s (%s)", rows, self.decode_step,
                  self.native_reason)
         return self.decode_step
 
     @property
     def decode_step(self) -> str:
-        """How small pure-decode steps run: ``native`` (one call for every layer) or
-        ``python`` (the layers below)."""
+        """How small steps of decode and draft rows run: ``native`` (one call for every
+        layer) or ``python`` (the layers below)."""
         return "native" if self.native is not None else "python"
 
     @classmethod
@@ -198,8 +199,10 @@ class FusedDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: PagedAttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
-        native = (self.native if self.native is not None and not nvtx.ON
-                  and NativeDecode.takes(meta, input_ids.shape[0]) else None)
+        native = self.native
+        if native is not None and (nvtx.ON or not NativeDecode.takes(
+                meta, input_ids.shape[0], native.max_rows)):
+            native = None
         self.last_native = native is not None      # the step's regime, in its step record
         if native is not None:
             return native.forward(input_ids, positions, meta, rows)

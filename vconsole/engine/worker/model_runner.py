@@ -62,6 +62,7 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        native_decode.wanted()      # VCONSOLE_DECODE_STEP other than native/python: refused now
         self.config = config
         # collect_detailed_traces (set by the engine core): time each forward, the latest's ns
         self.time_forward = False
@@ -360,6 +361,7 @@ class ModelRunner:
                 tables.extend(s.block_ids[:n])
                 tables.extend([0] * (max_blocks - n))
         ctx_lens = [s.start_pos + 1 for s in decodes]
+        view_blocks, view_tables, view_lens = self._decode_view(ordered, chunks, num_tokens)
 
         # Prefill chunks that continue a request read their whole context from the pool: by
         # slot (the torch path), and by block table (the CPU kernel, for a quantized pool).
@@ -396,22 +398,24 @@ class ModelRunner:
                 sample_seqs.append(s)
 
         flat = (ids + pos + slots + tables + ctx_lens + ctx_slots + chunk_tables + sample_rows
-                + prompt.rows + prompt.targets)
+                + prompt.rows + prompt.targets + view_tables + view_lens)
         buf = torch.tensor(flat, dtype=torch.int64)
         if self.device.type == "cuda":
             # From pinned memory the copy is queued on the stream without waiting for it.
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         sizes = [num_tokens, num_tokens, num_tokens, len(tables), len(ctx_lens), len(ctx_slots),
-                 len(chunk_tables), len(sample_rows), len(prompt.rows), len(prompt.targets)]
+                 len(chunk_tables), len(sample_rows), len(prompt.rows), len(prompt.targets),
+                 len(view_tables), len(view_lens)]
         (t_ids, t_pos, t_slots, t_tables, t_lens, t_ctx, t_chunk_tables, t_rows, t_prompt_rows,
-         t_targets) = torch.split(buf, sizes)
+         t_targets, t_view_tables, t_view_lens) = torch.split(buf, sizes)
 
         prefills: list[PrefillChunk] = []
         offset = len(decodes)
         for s, (lo, hi), (tlo, thi) in zip(chunks, chunk_spans, table_spans, strict=True):
             prefills.append(PrefillChunk(offset, s.num_tokens, s.start_pos,
                                          t_ctx[lo:hi] if s.start_pos else None,
-                                         t_chunk_tables[tlo:thi] if s.start_pos else None))
+                                         t_chunk_tables[tlo:thi] if s.start_pos else None,
+                                         draft=bool(s.draft and s.start_pos)))
             offset += s.num_tokens
         decode_groups: list[DecodeGroup] = []
         t_at = 0
@@ -428,11 +432,39 @@ class ModelRunner:
             kv_caches=self.kv_caches, block_size=bs, slot_mapping=t_slots,
             num_decodes=len(decodes), decode_groups=decode_groups, prefills=prefills,
             workspace=self._workspace, decode_kernel=self._decode_kernel,
-            kv_format=self.kv_format, open_plan=open_plan)
+            kv_format=self.kv_format, open_plan=open_plan,
+            decode_view=(DecodeGroup(0, num_tokens, t_view_tables, view_blocks, t_view_lens)
+                         if view_lens else None))
         if not prompt.rows:
             return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs)
         return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs, prompt,
                             t_prompt_rows, t_targets)
+
+    def _decode_view(self, ordered: Sequence[ScheduledSeq], chunks: Sequence[ScheduledSeq],
+                     num_tokens: int) -> tuple[int, list[int], list[int]]:
+        """For a step of decode and draft rows the native decode step runs (`native_decode`):
+        every packed row as a decode row, its block table (padded with block 0 to the widest
+        row's blocks, which it returns first) and context length ``position + 1`` (a draft
+        row's tokens are rows of its request at consecutive positions). Nothing for a pure
+        decode step (its decode group is the view), a step with a prefill chunk, or one wider
+        than the plan runs."""
+        fused = self.fused_decoder
+        native = fused.native if fused is not None else None
+        if (native is None or not chunks or num_tokens > native.max_rows
+                or self.kv_format.quantized
+                or not all(s.draft and s.start_pos for s in chunks)):
+            return 0, [], []
+        bs = self.block_size
+        width = max(-(-(s.start_pos + s.num_tokens) // bs) for s in ordered)
+        tables: list[int] = []
+        lens: list[int] = []
+        for s in ordered:
+            for p in range(s.start_pos, s.start_pos + s.num_tokens):
+                n = p // bs + 1
+                tables.extend(s.block_ids[:n])
+                tables.extend([0] * (width - n))
+                lens.append(p + 1)
+        return width, tables, lens
 
     @property
     def last_step_native(self) -> bool:
@@ -442,11 +474,11 @@ class ModelRunner:
 
     @property
     def native_decode_rows(self) -> int:
-        """The widest pure-decode step that runs as one native call, 0 when none does (the
-        trace header's, for the what-if's simulated steps)."""
+        """The widest step of decode (and draft) rows that runs as one native call, 0 when
+        none does (the trace header's, for the what-if's simulated steps)."""
         fused = self.fused_decoder
-        native = fused is not None and fused.native is not None
-        return native_decode.MAX_ROWS if native and not self.kv_format.quantized else 0
+        plan = fused.native if fused is not None else None
+        return plan.max_rows if plan is not None and not self.kv_format.quantized else 0
 
     @property
     def forward_path(self) -> str:

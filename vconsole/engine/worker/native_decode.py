@@ -4,10 +4,10 @@
 KV write, the attention, adds, SiLU); on SmolLM2 (30 layers, hidden 576) with its GGUF blocks
 that Python and dispatch took about as long as the matmuls themselves (measured before this
 path: one thread, one stream, the decoder 18.9 ms a step of which the 120 GGUF linears alone
-9.4 ms). For a pure decode step of 1-4 rows `NativeDecode` hands the whole layer loop to
+9.4 ms). For a step of 1-8 decode (or draft) rows `NativeDecode` hands the whole layer loop to
 ``csrc/decode_step.cpp``: the model's tensors are packed once (`build`: no copy, the plan holds
 references), and each step is one ``decode_step`` call with the embedded rows, RoPE's cos/sin
-from transformers' rotary module, and the rows' slots, block table and context lengths. The
+from transformers' rotary module, and the rows' slots, block tables and context lengths. The
 linears and the attention run the kernels the Python path runs (this build's ``gguf_linear``,
 ``at::linear`` for float32 weights, ``_weight_int8pack_mm`` for int8, the float32 paged
 attention kernel); the elementwise work is C++ loops doing the Python path's operations in its
@@ -26,15 +26,32 @@ add an export with dynamic block-table and pool sizes and a compile per model an
 at best what this loop does: the same opaque kernel calls with the elementwise work between
 them. The loop is exact, and needs nothing compiled beyond the extension the engine builds.
 
-Which steps take it (`takes`): CPU, float32 KV pool (``--kv-cache-dtype auto``), no prefill
-chunk in the step, 1-4 decode rows in one group, no NVTX ranges wanted; the fused decoder's
-linears all float32, all int8, or all GGUF with each stacked linear of one quant type. Every
-other step (prefill, wider batches, quantized KV, CUDA) runs `FusedDecoder`'s Python layers,
-which stay the reference and the debugging path. ``VCONSOLE_DECODE_STEP=python`` keeps every
-step on them (the before/after of the benchmarks); the path in use is `FusedDecoder.decode_step`
-(``native`` or ``python``), logged at start (``decode steps of 1-4 rows: native (30 layers,
-GGUF blocks)``, or ``python (why)``), and the native call is the ``decode_step`` layer type and
-operator in a profile.
+Which steps take it (`takes`): CPU, float32 KV pool (``--kv-cache-dtype auto``), 1 to
+`MAX_ROWS` rows of decode and draft rows only (no prefill chunk), no NVTX ranges wanted; the
+fused decoder's linears all float32, all int8, or all GGUF with each stacked linear of one quant
+type. A plan with int8 linears runs at most ``weight_quant.SMALL_ROWS`` (4) rows: past them the
+Python path leaves ``_weight_int8pack_mm`` for a bfloat16 GEMM the loop does not mirror
+(`NativeDecode.max_rows`). Every other step (prefill, wider batches, quantized KV, CUDA) runs
+`FusedDecoder`'s Python layers, which stay the reference and the debugging path.
+``VCONSOLE_DECODE_STEP=python`` keeps every step on them (the before/after of the benchmarks;
+``native``, the default, and ``python`` are the only values: another is refused at start); the
+path in use is `FusedDecoder.decode_step` (``native`` or ``python``), logged at start (``decode
+and draft steps of 1-8 rows: native (30 layers, GGUF blocks)``, or ``python (why)``), and the
+native call is the ``decode_step`` layer type and operator in a profile.
+
+**Draft rows** (speculative decoding, `spec_verify`): a request's 1 + k verification tokens are
+1 + k decode rows of that request at consecutive positions, each with its own slot, the
+request's block table and the context up to its own position (``pos + 1``). The runner builds
+that view of a step of decode and draft rows (`PagedAttentionMetadata.decode_view`); the native
+loop writes every row's K/V before any row attends, so each row reads the drafts before it and
+not those after it, as causal verification needs. The Python path attends such a row with the
+same per-row kernel (`paged_attention`), so both give the same logits, bit for bit, in the order
+`spec_verify` reads them (the sample rows').
+
+Threads: the native plan serialises its steps with a lock of its own (its GGUF output buffers
+are reused from step to step), so two threads stepping one model run one after the other; the
+engine runs one step at a time anyway. `NativeDecode.forward` repoints the plan at a new pool
+before stepping; two threads with two different pools on one plan are not supported.
 """
 
 from __future__ import annotations
@@ -49,19 +66,29 @@ import torch.nn.functional as F
 
 from vconsole.engine.worker import gguf_linear, weight_quant
 from vconsole.engine.worker.gguf_linear import GGUFLinear
-from vconsole.engine.worker.paged_attention import PagedAttentionMetadata
+from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMetadata
 from vconsole.engine.worker.weight_quant import Int8Linear
 
 if TYPE_CHECKING:
     from vconsole.engine.worker.fused_decoder import FusedDecoder
 
 DECODE_STEP_ENV = "VCONSOLE_DECODE_STEP"    # "python": every step through the Python layers
-MAX_ROWS = 4                                # the kernels' GEMV width; wider steps stay Python
+DECODE_STEP_VALUES = ("native", "python")
+# The widest step the native path runs (the GGUF GEMV's width, csrc/gguf_gemm.cpp kGemvRows;
+# csrc/decode_step.cpp's kMaxRows): wider steps stay Python. A plan with int8 linears stops at
+# weight_quant.SMALL_ROWS (`NativeDecode.max_rows`).
+MAX_ROWS = 8
 _FLOAT, _GGUF, _INT8 = 0, 1, 2
 
 
 def wanted() -> bool:
-    return os.environ.get(DECODE_STEP_ENV, "native") != "python"
+    """Whether ``VCONSOLE_DECODE_STEP`` asks for the native step (``native``, the default) or
+    the Python layers (``python``); ValueError for any other value (unset or empty: native)."""
+    value = os.environ.get(DECODE_STEP_ENV, "").strip()
+    if value not in ("", *DECODE_STEP_VALUES):
+        raise ValueError(f"{DECODE_STEP_ENV}={value!r}: expected one of "
+                         f"{', '.join(DECODE_STEP_VALUES)}")
+    return value != "python"
 
 
 def _linear_parts(fn: Any) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
@@ -93,10 +120,11 @@ class NativeDecode:
     """The packed model (a handle into ``csrc/decode_step.cpp``'s registry, freed with this
     object) and its step."""
 
-    def __init__(self, ops: Any, handle: int, fused: FusedDecoder) -> None:
+    def __init__(self, ops: Any, handle: int, fused: FusedDecoder, max_rows: int) -> None:
         self._ops = ops
         self._handle = handle
         self._fused = fused
+        self.max_rows = max_rows       # the widest step this plan runs (`MAX_ROWS`, int8: 4)
         self._pools: Any = None        # the runner's kv_caches list the plan points at
         weakref.finalize(self, ops.decode_plan_free, handle)
 
@@ -114,7 +142,7 @@ class NativeDecode:
             return None, "CPU float32 models only"
         tensors: list[torch.Tensor] = [fused.norm_w.detach().contiguous()]
         ints = [fused.num_heads, fused.num_kv_heads, fused.head_dim,
-                int(fused.norm_w.shape[0]), 0, len(fused.layers)]
+                int(fused.norm_w.shape[0]), 0, len(fused.layers), MAX_ROWS]
         floats = [float(fused.scaling), float(fused.norm_eps)]
         kinds: set[int] = set()
         for layer in fused.layers:
@@ -137,21 +165,28 @@ class NativeDecode:
                 ints += [kind, qtype]
                 tensors += [weight, bias, scale]
             ints[4] = _in_features(layer.down, parts[3][1] if parts[3] else None)
+        max_rows = min(MAX_ROWS, weight_quant.SMALL_ROWS) if _INT8 in kinds else MAX_ROWS
+        ints[6] = max_rows
         try:
             handle = int(ops.decode_plan(tensors, ints, floats))
         except RuntimeError as e:
             return None, str(e).splitlines()[0]
         names = sorted({("float32", "GGUF blocks", "int8")[k] for k in kinds})
-        return cls(ops, handle, fused), f"{len(fused.layers)} layers, {' + '.join(names)}"
+        rows = f", up to {max_rows} rows" if max_rows < MAX_ROWS else ""
+        return (cls(ops, handle, fused, max_rows),
+                f"{len(fused.layers)} layers, {' + '.join(names)}{rows}")
 
     @staticmethod
-    def takes(meta: PagedAttentionMetadata, num_tokens: int) -> bool:
-        """Whether a step runs natively: only decode rows (1 to `MAX_ROWS`, one group), a
-        float32 pool read by the CPU kernel."""
-        return (not meta.prefills and 0 < num_tokens <= MAX_ROWS
-                and meta.num_decodes == num_tokens and len(meta.decode_groups) == 1
-                and meta.decode_kernel is not None and not meta.kv_format.quantized
-                and meta.open_plan is None)
+    def takes(meta: PagedAttentionMetadata, num_tokens: int, max_rows: int = MAX_ROWS) -> bool:
+        """Whether a step runs natively: 1 to ``max_rows`` rows (`MAX_ROWS`; a plan's own is
+        `NativeDecode.max_rows`), decode rows in one group or decode and draft rows seen as
+        decode rows (`PagedAttentionMetadata.decode_view`), no prefill chunk, a float32 pool
+        read by the CPU kernel."""
+        if not (0 < num_tokens <= min(max_rows, MAX_ROWS) and meta.decode_kernel is not None
+                and not meta.kv_format.quantized and meta.open_plan is None):
+            return False
+        view = _view(meta)
+        return view is not None and view.lo == 0 and view.hi == num_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: PagedAttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
@@ -171,10 +206,22 @@ class NativeDecode:
                meta: PagedAttentionMetadata) -> torch.Tensor:
         """The native call: every layer and the final norm, (R, hidden) -> (R, hidden) (the
         profiler's ``decode_step`` range)."""
-        g = meta.decode_groups[0]
+        g = _view(meta)
+        assert g is not None
         n = g.hi - g.lo
         return self._ops.decode_step(self._handle, h, cos, sin, meta.slot_mapping,  # type: ignore[no-any-return]
                                      g.block_tables.view(n, g.max_blocks), g.context_lens)
+
+
+def _view(meta: PagedAttentionMetadata) -> DecodeGroup | None:
+    """The step's rows as decode rows: its one decode group when it has only decode rows, the
+    runner's `PagedAttentionMetadata.decode_view` when it has draft rows too; None for any
+    other step (a prefill chunk, decode rows in several groups)."""
+    if meta.prefills:
+        return meta.decode_view
+    if meta.num_decodes and len(meta.decode_groups) == 1:
+        return meta.decode_groups[0]
+    return None
 
 
 def _in_features(down: Any, weight: torch.Tensor | None) -> int:

@@ -14,7 +14,10 @@ The function (per layer):
    which reads K/V in place through the block table; otherwise in one padded SDPA call per
    group over their blocks gathered from the pool, with a length mask;
 3. each prefill chunk attends causally over its whole context read back from the pool (or, for
-   a chunk that starts at position 0, directly over its fresh K/V, which are bit-identical).
+   a chunk that starts at position 0, directly over its fresh K/V, which are bit-identical);
+   a speculative draft row (a chunk of the request's last token and its draft), and a chunk
+   continuing a request over a quantized pool, runs on the CPU kernel instead, each token a row over the chunk's
+   block table seeing the keys up to its own position.
 
 No attention mask is built by transformers: ``vconsole_paged`` is deliberately *not* registered
 in ``AttentionMaskInterface``, which makes ``create_causal_mask`` return ``None`` at once (the
@@ -86,6 +89,10 @@ class PrefillChunk:
     # The blocks holding the context, in order (None when ``start_pos == 0``): the CPU kernel
     # reads a quantized context through it, one kernel row per query token.
     block_table: torch.Tensor | None = None
+    # A speculative draft row (the request's last token and its draft, `spec_verify`): on the
+    # CPU kernel each token is a row of its own over the block table, as the native decode
+    # step runs it (`native_decode`), whatever the pool's format.
+    draft: bool = False
     _query_lens: torch.Tensor | None = None
 
     def query_lens(self) -> torch.Tensor:
@@ -152,6 +159,10 @@ class PagedAttentionMetadata:
     kv_format: KVFormat = FORMATS["auto"]
     # A per-channel format's routing of this step's new keys (`kv_open_blocks`).
     open_plan: OpenPlan | None = None
+    # A step of decode rows and draft rows only, small enough for the native decode step: all
+    # its T rows as decode rows (lo 0, hi T), a draft row's tokens one row each with the
+    # request's block table and context ``position + 1`` (`native_decode`); None otherwise.
+    decode_view: DecodeGroup | None = None
     _prefill_masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     def gather_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,9 +258,11 @@ def paged_attention_forward(
     for i, c in enumerate(meta.prefills):
         lo, hi = c.offset, c.offset + c.num_tokens
         q = query[:, :, lo:hi]
-        if c.context_slots is not None and fmt.quantized and meta.decode_kernel is not None:
-            # A quantized context is read where it lies: each query token is a kernel row over
-            # the chunk's one block table, seeing ``start_pos + i + 1`` keys.
+        if c.context_slots is not None and (fmt.quantized or c.draft) \
+                and meta.decode_kernel is not None:
+            # A quantized context, or a draft row's, is read where it lies: each query token is
+            # a kernel row over the chunk's one block table, seeing ``start_pos + i + 1`` keys
+            # (a draft row's tokens attend as decode rows do, and as the native step runs them).
             assert c.block_table is not None
             n = c.num_tokens
             qr = q[0].transpose(0, 1).reshape(n, num_kv_heads, group, head_dim).contiguous()

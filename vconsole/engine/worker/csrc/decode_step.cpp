@@ -1,25 +1,38 @@
 // A whole decode step of a Llama-family decoder in one call (`native_decode.py`, issue #47):
-// every layer of a step of 1-4 single-token rows, with no Python between the ops.
+// every layer of a step of 1-8 single-token rows, with no Python between the ops.
 //
 // On a small model the Python around each op costs as much as the op: SmolLM2's 30 layers
 // issue some 40 torch calls each (norms, RoPE, the KV write, views, adds), each a few
 // microseconds of interpreter and dispatcher, against ~80 us of kernel per layer. Here the
 // layer loop is C++: the elementwise work of a few rows (RMSNorm, RoPE, the residual adds,
-// SiLU * up) is plain loops over at most 4 x 1536 floats, the matmuls and the attention are the
+// SiLU * up) is plain loops over at most 8 x 1536 floats, the matmuls and the attention are the
 // very kernels the Python path calls:
 //   - GGUF blocks: this build's `gguf_linear` operator (csrc/gguf_gemm.cpp), through the
 //     dispatcher (one lookup, then a typed call: the same code with the same threads);
 //   - float32 weights: at::linear, which is what F.linear calls (same BLAS call);
-//   - int8 weights: at::_weight_int8pack_mm, as `weight_quant.Int8Linear` calls it for <= 4 rows;
+//   - int8 weights: at::_weight_int8pack_mm, as `weight_quant.Int8Linear` calls it for <= 4 rows
+//     (a plan with int8 linears runs at most those 4 rows: `max_rows`);
 //   - attention: vc::attend_f32 (attend_f32.cpp) over the float32 pool, read in place through
 //     the block table, after this step's K/V are copied into their slots (what index_copy_ does).
+//
+// A row is one token at one position with its own slot, block table and context length. Two
+// rows may be one request's: a speculative step's draft row (1 + k tokens at consecutive
+// positions, `native_decode.py`) comes as 1 + k rows, each with the request's block table and
+// the context up to its own position. Each layer writes every row's K/V into its slot before any
+// row attends, so row j reads the tokens before it in the same step and none after it: the
+// causal attention a draft's verification needs, with the per-row kernel the Python path runs
+// for such a row too (paged_attention.py).
+//
 // The elementwise loops do the Python path's operations in its order, IEEE and one rounding
-// each (fast math and contraction into fused multiply-adds are off for this file's code), and
-// the two places where torch's own vector code decides the rounding are torch's: the RMSNorm's
-// mean of squares (at::mean) and SiLU (at::silu, its exp). So the step is the Python path's
-// bit for bit: same hidden states, same logits, same tokens, on int8 weights too, whose
+// each, and the two places where torch's own vector code decides the rounding are torch's: the
+// RMSNorm's mean of squares (at::mean) and SiLU (at::silu, its exp). So the step is the Python
+// path's bit for bit: same hidden states, same logits, same tokens, on int8 weights too, whose
 // bfloat16 activations would turn an ulp of difference into a different token within a few
-// dozen steps (the tests compare hidden states exactly and tokens over dozens of steps).
+// dozen steps (the tests compare hidden states exactly and tokens over dozens of steps). That
+// needs this file compiled without fast math and without contraction into fused multiply-adds:
+// the build gives it its own flags (attention_kernel.FILE_CFLAGS: -fno-fast-math
+// -ffp-contract=off after the library's -ffast-math), and a build with fast math stops at the
+// #error below (GCC's optimize pragma would not be enough: clang ignores it).
 //
 // A model is packed once (`decode_plan`): its tensors are held by the plan (no copy), which
 // lives in a registry under an integer handle until `decode_plan_free`; `decode_plan_pools`
@@ -29,8 +42,17 @@
 // (R, hidden). Torch's thread pool is used by the kernels it calls; the loops here are serial
 // (a few thousand floats a layer).
 //
+// Threads: a plan's GGUF output buffers are reused every step, so a step and a change of its
+// pools take the plan's own lock: two threads stepping one plan run one after the other (the
+// engine runs one step at a time; an uncontended lock costs nothing next to a step). Freeing a
+// plan while a step runs is safe too: the step holds its own reference.
+//
 // Only torch/library.h is included (no custom class, no pybind11): the file compiles beside the
 // others in a few seconds.
+
+#if defined(__FAST_MATH__)
+#error "decode_step.cpp must be compiled without fast math (-fno-fast-math -ffp-contract=off): its bit-equality with the Python path needs IEEE operations"
+#endif
 
 #include "attention.h"
 
@@ -60,16 +82,13 @@
 #define VC_STR2(x) #x
 #define VC_STR(x) VC_STR2(x)
 
-// The elementwise loops: IEEE operations, one rounding each, as torch's ops do: no fused
-// multiply-add, no reciprocal square root estimate for 1 / sqrt, no reassociation.
-#pragma GCC optimize("no-fast-math", "fp-contract=off")
 
 namespace {
 
 using at::Tensor;
 
 enum Kind : int64_t { kFloat = 0, kGGUF = 1, kInt8 = 2 };
-constexpr int64_t kMaxRows = 4;
+constexpr int64_t kMaxRows = 8;   // the GGUF GEMV's width (gguf_gemm.cpp kGemvRows)
 
 struct Linear {
   int64_t kind = kFloat;
@@ -89,6 +108,8 @@ struct Layer {
 
 struct Plan {
   int64_t nh = 0, nkv = 0, hd = 0, hidden = 0, inter = 0;
+  int64_t max_rows = kMaxRows;   // the widest step it runs as the Python path does
+  std::mutex lock;               // one step (or change of pools) at a time
   float scaling = 1.f;
   Tensor norm_w;
   float norm_eps = 0.f;
@@ -217,11 +238,12 @@ void rope(float* x, int64_t heads, int64_t d, const float* cos, const float* sin
 
 int64_t decode_plan(std::vector<Tensor> tensors, std::vector<int64_t> ints,
                     std::vector<double> floats) {
-  // ints: nh, nkv, hd, hidden, inter, layers, then per layer: window and, per linear (qkv, o,
-  // gate_up, down), kind and qtype. floats: scaling, norm eps, then per layer eps1, eps2.
+  // ints: nh, nkv, hd, hidden, inter, layers, max rows (at most kMaxRows; 4 with int8
+  // linears, whose Python path leaves _weight_int8pack_mm past 4 rows), then per layer: window
+  // and, per linear (qkv, o, gate_up, down), kind and qtype. floats: scaling, norm eps, then per layer eps1, eps2.
   // tensors: norm weight, then per layer ln1, ln2 and per linear weight, bias, scale (an empty
   // tensor where there is none).
-  TORCH_CHECK(ints.size() >= 6, "decode_plan: the model's sizes first");
+  TORCH_CHECK(ints.size() >= 7, "decode_plan: the model's sizes first");
   auto p = std::make_shared<Plan>();
   p->nh = ints[0];
   p->nkv = ints[1];
@@ -229,13 +251,16 @@ int64_t decode_plan(std::vector<Tensor> tensors, std::vector<int64_t> ints,
   p->hidden = ints[3];
   p->inter = ints[4];
   const int64_t num_layers = ints[5];
+  p->max_rows = ints[6];
+  TORCH_CHECK(p->max_rows >= 1 && p->max_rows <= kMaxRows, "decode_plan: steps of 1 to ",
+              p->max_rows, " rows: at most ", kMaxRows);
   TORCH_CHECK(p->nh > 0 && p->nkv > 0 && p->nh % p->nkv == 0 && p->hd > 0 && p->hd % 2 == 0 &&
                   p->hd <= 512,
               "decode_plan: heads ", p->nh, "/", p->nkv, " of ", p->hd, " are not supported");
-  TORCH_CHECK(ints.size() == static_cast<size_t>(6 + num_layers * 9) &&
+  TORCH_CHECK(ints.size() == static_cast<size_t>(7 + num_layers * 9) &&
                   floats.size() == static_cast<size_t>(2 + num_layers * 2) &&
                   tensors.size() == static_cast<size_t>(1 + num_layers * 14),
-              "decode_plan: ", num_layers, " layers need ", 6 + num_layers * 9, " ints, ",
+              "decode_plan: ", num_layers, " layers need ", 7 + num_layers * 9, " ints, ",
               2 + num_layers * 2, " floats and ", 1 + num_layers * 14, " tensors");
   p->scaling = static_cast<float>(floats[0]);
   p->norm_eps = static_cast<float>(floats[1]);
@@ -248,7 +273,7 @@ int64_t decode_plan(std::vector<Tensor> tensors, std::vector<int64_t> ints,
   p->norm_w = vec(tensors[0], "the final norm's weight");
   const int64_t qkv_n = (p->nh + 2 * p->nkv) * p->hd;
   for (int64_t l = 0; l < num_layers; ++l) {
-    const int64_t* li = ints.data() + 6 + l * 9;
+    const int64_t* li = ints.data() + 7 + l * 9;
     const Tensor* lt = tensors.data() + 1 + l * 14;
     Layer layer;
     layer.window = li[0];
@@ -280,6 +305,7 @@ void decode_plan_free(int64_t handle) {
 
 void decode_plan_pools(int64_t handle, std::vector<Tensor> k_pools, std::vector<Tensor> v_pools) {
   auto p = find(handle);
+  std::lock_guard<std::mutex> step(p->lock);
   TORCH_CHECK(k_pools.size() == p->layers.size() && v_pools.size() == p->layers.size(),
               "one K and one V pool per layer");
   for (size_t l = 0; l < k_pools.size(); ++l) {
@@ -300,9 +326,11 @@ Tensor decode_step(int64_t handle, const Tensor& h, const Tensor& cos, const Ten
                    const Tensor& slots, const Tensor& tables, const Tensor& lens) {
   auto plan = find(handle);
   Plan& p = *plan;
+  std::lock_guard<std::mutex> step(p.lock);
   TORCH_CHECK(!p.k_pools.empty(), "decode_step: no KV pool (decode_plan_pools first)");
   const int64_t R = h.size(0), H = p.hidden, D = p.hd;
-  TORCH_CHECK(R >= 1 && R <= kMaxRows, "decode_step runs 1 to ", kMaxRows, " rows; got ", R);
+  TORCH_CHECK(R >= 1 && R <= p.max_rows, "decode_step runs 1 to ", p.max_rows,
+              " rows with this plan; got ", R);
   TORCH_CHECK(h.dim() == 2 && h.size(1) == H && h.scalar_type() == at::kFloat &&
                   h.device().is_cpu(),
               "h: (R, ", H, ") float32");
