@@ -7,7 +7,11 @@ own tokens, so no draft model is loaded. The JSON names vLLM's fields::
      "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 ``num_speculative_tokens`` is required; ``prompt_lookup_max`` / ``prompt_lookup_min`` default to
-each other, and to 5 when neither is given (vLLM's defaults). Any other field, another method, a
+each other, and to 5 when neither is given (vLLM's defaults). One field of ours:
+``"draft_length"``, ``"adaptive"`` (the default: each request drafts the length of its match
+that is expected to pay for its rows, at most ``num_speculative_tokens``,
+`vconsole.engine.spec.draft_length`) or ``"fixed"`` (the whole match up to
+``num_speculative_tokens``, as vLLM drafts). Any other field, another method, a
 value of the wrong type or range is refused with the reason: a field we do not honour is never
 silently ignored. Plain data; the engine's `vconsole.engine.spec` does the work.
 """
@@ -19,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 SPEC_METHODS = ("ngram",)
-SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+               "draft_length")
+DRAFT_LENGTHS = ("adaptive", "fixed")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_LOOKUP = 64
 DEFAULT_LOOKUP = 5
@@ -31,12 +37,16 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    draft_length: str = "adaptive"
 
     def to_json(self) -> str:
-        return json.dumps({"method": self.method,
-                           "num_speculative_tokens": self.num_speculative_tokens,
-                           "prompt_lookup_max": self.prompt_lookup_max,
-                           "prompt_lookup_min": self.prompt_lookup_min})
+        values: dict[str, Any] = {"method": self.method,
+                                  "num_speculative_tokens": self.num_speculative_tokens,
+                                  "prompt_lookup_max": self.prompt_lookup_max,
+                                  "prompt_lookup_min": self.prompt_lookup_min}
+        if self.draft_length != "adaptive":     # vLLM's four fields unless ours was set
+            values["draft_length"] = self.draft_length
+        return json.dumps(values)
 
 
 def _int_field(values: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
@@ -87,4 +97,8 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeCon
     assert hi is not None and lo is not None
     if lo > hi:
         raise ValueError(f"prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
-    return SpeculativeConfig(method, k, hi, lo)
+    length = values.get("draft_length", "adaptive")
+    if length not in DRAFT_LENGTHS:
+        raise ValueError(f"draft_length must be one of {', '.join(DRAFT_LENGTHS)}, got "
+                         f"{length!r}")
+    return SpeculativeConfig(method, k, hi, lo, length)

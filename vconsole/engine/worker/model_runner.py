@@ -67,6 +67,7 @@ class ModelRunner:
         # collect_detailed_traces (set by the engine core): time each forward, the latest's ns
         self.time_forward = False
         self.last_forward_ns = 0
+        self._step_t0 = 0.0            # execute_model's start (perf_counter), for step costs
         self.model, self.tokenizer, self.info = load_model(config.model, config.device,
                                                            config.dtype, seed=config.seed)
         first = next(self.model.parameters())
@@ -213,6 +214,7 @@ class ModelRunner:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one forward for every scheduled sequence and sample where ``do_sample``."""
+        self._step_t0 = time.perf_counter()
         seqs = self.requests.apply(so)
         with torch.inference_mode():
             step = self.prepare(seqs)
@@ -266,6 +268,9 @@ class ModelRunner:
         speculation."""
         if self.drafts is None:
             return {}
+        if so.num_prefill_tokens == 0:      # the step's cost by its width, for draft lengths
+            self.drafts.costs.observe(so.total_num_scheduled_tokens,
+                                      time.perf_counter() - self._step_t0)
         return self.drafts.propose(so, self.requests, sampled, spec_sampled)
 
     @staticmethod

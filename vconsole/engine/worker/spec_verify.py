@@ -16,6 +16,7 @@ import torch
 
 from vconsole.engine.sched.output import SchedulerOutput
 from vconsole.engine.spec import rejection
+from vconsole.engine.spec.draft_length import DraftLength, StepCosts
 from vconsole.engine.spec.ngram import NgramProposer
 from vconsole.engine.spec.policy import can_speculate
 from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
@@ -31,6 +32,11 @@ class DraftVerifier:
                  device: torch.device) -> None:
         self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                       spec.prompt_lookup_max)
+        # The runner's step times by width, and each request's draft length from them.
+        self.costs = StepCosts()
+        self.length = DraftLength(spec.num_speculative_tokens, self.costs,
+                                  adaptive=spec.draft_length == "adaptive")
+        self._proposals = 0
         self.sampler, self.vocab_size, self.device = sampler, vocab_size, device
 
     def verify_rows(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
@@ -47,7 +53,8 @@ class DraftVerifier:
                 row += 1
                 continue
             n = s.num_tokens
-            emitted[s.req_id] = self._verify(logits[row:row + n], s)
+            emitted[s.req_id] = tokens = self._verify(logits[row:row + n], s)
+            self.length.record(s.req_id, len(s.draft), len(tokens) - 1)
             row += n
         index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
         return logits.index_select(0, index), plain
@@ -76,11 +83,16 @@ class DraftVerifier:
         if not so.propose_drafts:
             return {}
         out: dict[str, list[int]] = {}
+        rows = len(so.num_scheduled_tokens)     # the next step's, if nobody drafts
         for rid, new in [*((r, [t]) for r, t in sampled.items()), *spec_sampled.items()]:
             st = states.get(rid)
             if st is None or not can_speculate(st.sampling, st.num_output_tokens + len(new)):
                 continue
             draft = self.proposer.propose(st.token_ids + new)
-            if draft:
-                out[rid] = draft
+            d = self.length.choose(rid, len(draft), rows) if draft else 0
+            if d:
+                out[rid] = draft[:d]
+        self._proposals += 1
+        if self._proposals % 256 == 0:
+            self.length.forget(set(so.num_scheduled_tokens))
         return out

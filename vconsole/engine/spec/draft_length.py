@@ -1,0 +1,119 @@
+"""How many tokens to draft: what a draft is expected to gain against what its rows cost.
+
+A draft of ``d`` tokens turns a request's one row of a decode step into ``1 + d`` rows, and the
+step emits ``1 + a`` tokens for it, ``a`` the drafts accepted. On a CPU a step's time grows with
+its rows (measured here: SmolLM2's native step at 5 rows takes about twice one row's time), so
+a draft that is rarely accepted makes decoding slower: free chat, where a lookup match is a
+coincidence, lost 5-10% with every match drafted (docs/speculative.md). `DraftLength` picks,
+for each request and step, the length ``d`` in ``0 .. k`` that maximises the step's expected
+tokens per second::
+
+    (R - 1 + E(d)) / t(R + d),    E(d) = 1 + sum over i = 1 .. d of P(the first i accepted)
+
+``R``: the rows of the step the draft is for (those of the step just run, the best guess of
+the next); ``t(r)``: the median time of the last steps of ``r`` rows with no prefill chunk
+(`StepCosts`, the runner's own measurements; a width not measured yet costs what the widest
+narrower measured one does, an optimistic guess that gets it measured); ``P``: the request's
+own record of its drafts (how many of its drafts of at least ``i`` tokens had the first ``i``
+accepted, `Acceptance`), shrunk towards every request's record while it has few drafts. A
+request whose drafts stopped paying drafts nothing, but is given a 1-token draft every
+`PROBE_EVERY` matches so its record can recover. The choice changes only how fast tokens come:
+every draft is verified, so the greedy text and the sampled distribution are the same at any
+length. ``"draft_length": "fixed"`` in the speculative config drafts the whole match, as vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from statistics import median
+
+WINDOW = 32             # step times kept per width (the median of these)
+PRIOR_WEIGHT = 4.0      # drafts' worth of the all-requests record in a request's estimate
+PROBE_EVERY = 8         # a request that drafts nothing still drafts 1 token every 8th match
+
+
+class StepCosts:
+    """The median duration of the last `WINDOW` steps of each width (rows, no prefill)."""
+
+    def __init__(self) -> None:
+        self._times: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows > 0 and seconds > 0:
+            self._times[rows].append(seconds)
+
+    def time(self, rows: int) -> float | None:
+        """Seconds for a step of ``rows`` rows: measured, else the widest narrower measured
+        width's (optimistic: a width is tried, then known); None before any step."""
+        known = [r for r in self._times if r <= rows and self._times[r]]
+        return median(self._times[max(known)]) if known else None
+
+
+class Acceptance:
+    """``hits[i]`` / ``tries[i]``: of the drafts of at least ``i + 1`` tokens, how many had
+    their first ``i + 1`` accepted."""
+
+    def __init__(self, k: int) -> None:
+        self.tries = [0] * k
+        self.hits = [0] * k
+
+    def record(self, drafted: int, accepted: int) -> None:
+        for i in range(min(drafted, len(self.tries))):
+            self.tries[i] += 1
+            self.hits[i] += i < accepted
+
+    def p(self, i: int, prior: Acceptance | None) -> float:
+        """P(the first ``i + 1`` tokens of a draft accepted), shrunk towards ``prior``."""
+        if prior is None:
+            base = 0.5 ** (i + 1)
+        else:
+            base = (prior.hits[i] + 0.5 ** (i + 1)) / (prior.tries[i] + 1)
+        return (self.hits[i] + PRIOR_WEIGHT * base) / (self.tries[i] + PRIOR_WEIGHT)
+
+
+class DraftLength:
+    """Per request, the draft length worth its rows (see the module docstring)."""
+
+    def __init__(self, k: int, costs: StepCosts, adaptive: bool = True) -> None:
+        self.k, self.costs, self.adaptive = k, costs, adaptive
+        self.all = Acceptance(k)
+        self._mine: dict[str, Acceptance] = {}
+        self._skipped: dict[str, int] = defaultdict(int)
+
+    def choose(self, req_id: str, available: int, rows: int) -> int:
+        """Tokens of an ``available``-token match to draft for ``req_id`` in a step of about
+        ``rows`` rows (0: none)."""
+        d_max = min(self.k, available)
+        if not self.adaptive or d_max <= 0:
+            return d_max
+        t1 = self.costs.time(max(rows, 1))
+        if t1 is None:
+            return d_max
+        mine = self._mine.get(req_id) or Acceptance(self.k)
+        best, best_rate, expected = 0, 1.0 * max(rows, 1) / t1, 1.0
+        for d in range(1, d_max + 1):
+            expected += mine.p(d - 1, self.all)
+            t = self.costs.time(max(rows, 1) + d) or t1
+            rate = (max(rows, 1) - 1 + expected) / t
+            if rate > best_rate:
+                best, best_rate = d, rate
+        if best == 0:
+            self._skipped[req_id] += 1
+            if self._skipped[req_id] % PROBE_EVERY == 0:
+                return 1
+        return best
+
+    def record(self, req_id: str, drafted: int, accepted: int) -> None:
+        """A verified draft: ``accepted`` of its ``drafted`` tokens."""
+        mine = self._mine.get(req_id)
+        if mine is None:
+            mine = self._mine[req_id] = Acceptance(self.k)
+        mine.record(drafted, accepted)
+        self.all.record(drafted, accepted)
+
+    def forget(self, live: set[str]) -> None:
+        """Drop the records of requests no longer running."""
+        for rid in [r for r in self._mine if r not in live]:
+            del self._mine[rid]
+        for rid in [r for r in self._skipped if r not in live]:
+            del self._skipped[rid]
