@@ -24,10 +24,13 @@ def test_step_costs_are_medians_and_an_unmeasured_width_costs_the_narrower_one()
     assert c.time(1) is None
     for s in (0.010, 0.011, 0.030):
         c.observe(1, s)
-    c.observe(4, 0.02)
+    c.observe(4, 1.2)                               # one stalled step: not a price yet
     assert c.time(1) == pytest.approx(0.011)
+    assert c.time(4) == pytest.approx(0.011)
+    for s in (0.02, 0.021):
+        c.observe(4, s)
     assert c.time(3) == pytest.approx(0.011)       # not measured: optimistic, so it is tried
-    assert c.time(6) == pytest.approx(0.02)
+    assert c.time(6) == pytest.approx(0.021)       # the median of 1.2, 0.02, 0.021
 
 
 def test_a_request_whose_drafts_are_accepted_drafts_them_whole():

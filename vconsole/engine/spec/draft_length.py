@@ -28,6 +28,7 @@ from collections import defaultdict, deque
 from statistics import median
 
 WINDOW = 32             # step times kept per width (the median of these)
+MIN_SAMPLES = 3         # steps of a width before its median is trusted
 PRIOR_WEIGHT = 4.0      # drafts' worth of the all-requests record in a request's estimate
 PROBE_EVERY = 8         # a request that drafts nothing still drafts 1 token every 8th match
 
@@ -44,8 +45,11 @@ class StepCosts:
 
     def time(self, rows: int) -> float | None:
         """Seconds for a step of ``rows`` rows: measured, else the widest narrower measured
-        width's (optimistic: a width is tried, then known); None before any step."""
-        known = [r for r in self._times if r <= rows and self._times[r]]
+        width's (optimistic: a width is tried, then known); None before any step. A width
+        is measured after `MIN_SAMPLES` steps: one stalled step (a page fault, another
+        process on the core: seen at 1.2 s against 10 ms) must not price a width out for
+        good, since a width never chosen is never measured again."""
+        known = [r for r in self._times if r <= rows and len(self._times[r]) >= MIN_SAMPLES]
         return median(self._times[max(known)]) if known else None
 
 
