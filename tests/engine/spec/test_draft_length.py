@@ -95,3 +95,21 @@ def test_the_config_takes_draft_length_and_refuses_another_value():
     assert "draft_length" not in parse_speculative_config(base).to_json()   # vLLM's fields
     with pytest.raises(ValueError, match="draft_length must be one of adaptive, fixed"):
         parse_speculative_config({**base, "draft_length": "short"})
+
+
+def test_a_new_request_is_judged_by_the_record_of_matches_as_long_as_its_own():
+    # Across earlier requests 2-token matches were never right and 4-token ones always: a
+    # new request (no record of its own) drafts only from a long match.
+    length = DraftLength(4, costs(0.2))
+    for i in range(12):
+        length.record(f"old{i}", 4, 0, match=2)
+        length.record(f"old{i}", 4, 4, match=4)
+    assert length.choose("new", 4, rows=1, match=2) == 0
+    assert length.choose("new", 4, rows=1, match=4) == 4
+
+
+def test_the_proposer_says_how_long_its_match_was():
+    from vconsole.engine.spec.ngram import NgramProposer
+    p = NgramProposer(3, 2, 4)
+    assert p.propose([1, 2, 3, 4, 9, 2, 3, 4]) == [9, 2, 3] and p.match_len == 3
+    assert p.propose([5, 6, 7, 8]) == [] and p.match_len == 0

@@ -15,7 +15,10 @@ the next); ``t(r)``: the median time of the last steps of ``r`` rows with no pre
 (`StepCosts`, the runner's own measurements; a width not measured yet costs what the widest
 narrower measured one does, an optimistic guess that gets it measured); ``P``: the request's
 own record of its drafts (how many of its drafts of at least ``i`` tokens had the first ``i``
-accepted, `Acceptance`), shrunk towards every request's record while it has few drafts. A
+accepted, `Acceptance`), shrunk towards the record of every request's drafts from matches of
+the same length while it has few drafts (a 2-token match is a weaker guess than a 4-token
+one: on free chat most matches are common pairs of tokens, rarely right; a request's own
+record comes too late in a short answer). A
 request whose drafts stopped paying drafts nothing, but is given a 1-token draft every
 `PROBE_EVERY` matches so its record can recover. The choice changes only how fast tokens come:
 every draft is verified, so the greedy text and the sampled distribution are the same at any
@@ -29,7 +32,7 @@ from statistics import median
 
 WINDOW = 32             # step times kept per width (the median of these)
 MIN_SAMPLES = 3         # steps of a width before its median is trusted
-PRIOR_WEIGHT = 4.0      # drafts' worth of the all-requests record in a request's estimate
+PRIOR_WEIGHT = 4.0      # drafts' worth of the shared record in a request's estimate
 PROBE_EVERY = 8         # a request that drafts nothing still drafts 1 token every 8th match
 
 
@@ -66,12 +69,9 @@ class Acceptance:
             self.tries[i] += 1
             self.hits[i] += i < accepted
 
-    def p(self, i: int, prior: Acceptance | None) -> float:
-        """P(the first ``i + 1`` tokens of a draft accepted), shrunk towards ``prior``."""
-        if prior is None:
-            base = 0.5 ** (i + 1)
-        else:
-            base = (prior.hits[i] + 0.5 ** (i + 1)) / (prior.tries[i] + 1)
+    def p(self, i: int, base: float) -> float:
+        """P(the first ``i + 1`` tokens of a draft accepted), shrunk towards ``base`` (worth
+        `PRIOR_WEIGHT` drafts)."""
         return (self.hits[i] + PRIOR_WEIGHT * base) / (self.tries[i] + PRIOR_WEIGHT)
 
 
@@ -81,12 +81,20 @@ class DraftLength:
     def __init__(self, k: int, costs: StepCosts, adaptive: bool = True) -> None:
         self.k, self.costs, self.adaptive = k, costs, adaptive
         self.all = Acceptance(k)
+        self.by_match: dict[int, Acceptance] = defaultdict(lambda: Acceptance(k))
         self._mine: dict[str, Acceptance] = {}
         self._skipped: dict[str, int] = defaultdict(int)
 
-    def choose(self, req_id: str, available: int, rows: int) -> int:
-        """Tokens of an ``available``-token match to draft for ``req_id`` in a step of about
-        ``rows`` rows (0: none)."""
+    def shared(self, i: int, match: int) -> float:
+        """Every request's P(first ``i + 1`` accepted) for matches of ``match`` tokens, itself
+        shrunk towards all matches' (and that towards 1/2 per token, before any draft)."""
+        a = self.all
+        overall = (a.hits[i] + 0.5 ** (i + 1)) / (a.tries[i] + 1)
+        return self.by_match[match].p(i, overall) if match in self.by_match else overall
+
+    def choose(self, req_id: str, available: int, rows: int, match: int = 0) -> int:
+        """Tokens of an ``available``-token match of ``match`` tokens to draft for ``req_id``
+        in a step of about ``rows`` rows (0: none)."""
         d_max = min(self.k, available)
         if not self.adaptive or d_max <= 0:
             return d_max
@@ -96,7 +104,7 @@ class DraftLength:
         mine = self._mine.get(req_id) or Acceptance(self.k)
         best, best_rate, expected = 0, 1.0 * max(rows, 1) / t1, 1.0
         for d in range(1, d_max + 1):
-            expected += mine.p(d - 1, self.all)
+            expected += mine.p(d - 1, self.shared(d - 1, match))
             t = self.costs.time(max(rows, 1) + d) or t1
             rate = (max(rows, 1) - 1 + expected) / t
             if rate > best_rate:
@@ -107,13 +115,14 @@ class DraftLength:
                 return 1
         return best
 
-    def record(self, req_id: str, drafted: int, accepted: int) -> None:
-        """A verified draft: ``accepted`` of its ``drafted`` tokens."""
+    def record(self, req_id: str, drafted: int, accepted: int, match: int = 0) -> None:
+        """A verified draft from a ``match``-token match: ``accepted`` of its ``drafted``."""
         mine = self._mine.get(req_id)
         if mine is None:
             mine = self._mine[req_id] = Acceptance(self.k)
         mine.record(drafted, accepted)
         self.all.record(drafted, accepted)
+        self.by_match[match].record(drafted, accepted)
 
     def forget(self, live: set[str]) -> None:
         """Drop the records of requests no longer running."""

@@ -26,12 +26,14 @@ class NgramProposer:
         if not (k >= 1 and 1 <= lo <= hi):
             raise ValueError(f"need k >= 1 and 1 <= lo <= hi, got k={k} lo={lo} hi={hi}")
         self.k, self.lo, self.hi = k, lo, hi
+        self.match_len = 0      # the last `propose`'s matched suffix (0: none)
 
     def propose(self, tokens: Sequence[int] | np.ndarray, max_tokens: int | None = None
                 ) -> list[int]:
         """The draft for what follows ``tokens`` (at most ``max_tokens``, default ``k``);
         empty when no suffix of at least ``lo`` tokens occurred before."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
+        self.match_len = 0
         arr = np.asarray(tokens, dtype=np.int64)
         n = arr.shape[0]
         if k <= 0 or n <= self.lo:
@@ -55,4 +57,5 @@ class NgramProposer:
         if best < self.lo:
             return []
         j = int(cands[np.flatnonzero(lengths == best)[-1]])   # the latest of the longest
+        self.match_len = best
         return arr[j + 1:j + 1 + k].tolist()

@@ -37,6 +37,7 @@ class DraftVerifier:
         self.length = DraftLength(spec.num_speculative_tokens, self.costs,
                                   adaptive=spec.draft_length == "adaptive")
         self._proposals = 0
+        self._match: dict[str, int] = {}        # request -> its pending draft's match length
         self.sampler, self.vocab_size, self.device = sampler, vocab_size, device
 
     def verify_rows(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
@@ -54,7 +55,8 @@ class DraftVerifier:
                 continue
             n = s.num_tokens
             emitted[s.req_id] = tokens = self._verify(logits[row:row + n], s)
-            self.length.record(s.req_id, len(s.draft), len(tokens) - 1)
+            self.length.record(s.req_id, len(s.draft), len(tokens) - 1,
+                               self._match.pop(s.req_id, 0))
             row += n
         index = torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)
         return logits.index_select(0, index), plain
@@ -89,10 +91,14 @@ class DraftVerifier:
             if st is None or not can_speculate(st.sampling, st.num_output_tokens + len(new)):
                 continue
             draft = self.proposer.propose(st.token_ids + new)
-            d = self.length.choose(rid, len(draft), rows) if draft else 0
+            match = self.proposer.match_len
+            d = self.length.choose(rid, len(draft), rows, match) if draft else 0
             if d:
                 out[rid] = draft[:d]
+                self._match[rid] = match
         self._proposals += 1
         if self._proposals % 256 == 0:
-            self.length.forget(set(so.num_scheduled_tokens))
+            live = set(so.num_scheduled_tokens)
+            self.length.forget(live)
+            self._match = {r: m for r, m in self._match.items() if r in live}
         return out
