@@ -56,7 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, serving: bool = False) -> Non
                    help="speculative decoding, vLLM's flag: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
                         "\"prompt_lookup_min\": M}' (drafts from the request's own tokens; "
-                        "default off; the hot key speculative_decoding pauses it)")
+                        "each request drafts the length worth its rows, at most K, unless "
+                        "\"draft_length\": \"fixed\"; default off; the hot key "
+                        "speculative_decoding pauses it)")
     g.add_argument("--config", metavar="FILE",
                    help="TOML config file" + (" (reloaded on SIGHUP and when it changes)"
                                               if serving else ""))
