@@ -78,7 +78,7 @@ def step_records(steps: Sequence[StepStats]) -> list[StepRecord]:
 def step_stats(record: Sequence[int]) -> tuple[StepStats, float | None]:
     """The `StepStats` a record came from (the fields the publisher reads) and when the step
     ended (monotonic seconds; None when the core did not stamp it)."""
-    fields = dict(zip(STEP_FIELDS, record, strict=True))
+    fields: dict[str, Any] = dict(zip(STEP_FIELDS, record, strict=True))
     start = fields["start_ns"]
     end = (start + fields["total_ns"]) / 1e9 if start else None
     return StepStats(**fields), end
