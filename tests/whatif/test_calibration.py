@@ -180,3 +180,13 @@ def test_the_calibrations_folder_follows_the_environment(monkeypatch, tmp_path):
     assert calibrations_dir() == tmp_path / "calibrations"
     monkeypatch.setenv("VCONSOLE_CALIBRATIONS", str(tmp_path / "own"))
     assert calibrations_dir() == tmp_path / "own"
+
+
+def test_a_calibration_of_another_step_regime_is_refused():
+    # A trace from an engine that ran every step in Python (0 native rows) cannot be timed by
+    # a calibration whose engine ran small decode steps natively, nor the other way round.
+    trace = busy_trace()
+    calib = Trace(make_trace().header, steps=decode_steps(range(1, 3), 50))
+    calib.header.native_decode_rows = 8
+    with pytest.raises(ValueError, match="up to 8 rows natively, the trace's up to 0"):
+        whatif(trace, [], calibration=calib)

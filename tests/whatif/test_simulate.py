@@ -5,6 +5,7 @@ prefixes, and step records timed by a known cost, so a fit has a truth to recove
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -315,12 +316,14 @@ def test_a_variant_with_fewer_seats_runs_its_small_steps_in_the_native_regime():
     assert any(s.native for s in busy)
     for s in busy:
         assert s.native == (s.prefill == 0 and s.decode <= 2)
-    # The same variant with one line over both regimes (the model before #44's regime term)
-    # is slower on the native steps by the Python layers' cost, which it cannot tell apart.
-    native = [s for s in busy if s.native]
-    assert sum(s.dur for s in native) < sum(
-        base.model.dur(s.prefill, s.decode, s.context, s.prefill_attn, s.new_reqs)
-        for s in native)
+    # One line over both regimes (a fit that cannot tell them apart) misprices the native
+    # steps by more than the regime model does.
+    native = [s for s in trace.steps if s.native]
+    one_line = fit([replace(s, native=False) for s in trace.steps], native_rows=4)
+    actual = sum(s.dur for s in native)
+    line_err = abs(sum(one_line.step_dur(replace(s, native=False)) for s in native) / actual - 1)
+    regime_err = abs(sum(base.model.step_dur(s) for s in native) / actual - 1)
+    assert regime_err < 0.03 < line_err
     # A quantized pool runs every step through the Python layers (`NativeDecode.takes`).
     quant = base.run({"kv_cache_dtype": "int8_per_token_head"})
     assert not any(s.native for s in quant.steps)
@@ -334,3 +337,11 @@ def test_a_steps_regime_round_trips_through_the_trace_text():
     assert back.header.native_decode_rows == 4
     assert [s.native for s in back.steps] == [s.native for s in trace.steps]
     assert any(s.native for s in back.steps) and not all(s.native for s in back.steps)
+
+
+def test_a_handful_of_native_steps_does_not_make_a_regime_term():
+    steps = random_steps(600)
+    for s in steps[:10]:            # ten steps flagged among 600: too few to fit a term on
+        s.native = True
+    model = fit(steps, native_rows=4)
+    assert model.coef["python"] == 0.0 and model.native_rows == 0

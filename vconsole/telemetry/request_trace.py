@@ -64,8 +64,9 @@ class TraceHeader:
     # Exactly: [per token, per block] of every format, a block of B tokens taking B * per token
     # + per block bytes (older traces: absent, and the sizes above are used).
     kv_block_bytes_by_dtype: dict[str, list[int]] = field(default_factory=dict)
-    # The widest pure-decode step the engine ran as one native call (0: none; the steps'
-    # ``native`` flags): the regime a what-if's simulated steps take (`whatif.cost_model`).
+    # The widest step of decode (and draft) rows the engine runs as one native call, its
+    # plan's width (0: none does; each step's ``native`` flag says which ran so): the regime
+    # a what-if's simulated steps take (`whatif.cost_model`).
     native_decode_rows: int = 0
     engine_id: str | None = None
     started_unix: float = 0.0

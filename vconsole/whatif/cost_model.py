@@ -181,7 +181,10 @@ def fit(steps: list[StepRecord], native_rows: int = 0) -> StepCostModel:
     if len(busy) < MIN_STEPS:
         raise TooLittleTraffic(f"too little traffic to fit step costs: {len(busy)} steps that "
                                f"computed tokens (need {MIN_STEPS})")
-    regimes = any(s.native for s in busy)      # else no "python" term (nor its note)
+    # The "python" term only with enough steps of each regime to tell them apart (one native
+    # step among thousands would make its split from the constant noise); else no term.
+    num_native = sum(1 for s in busy if s.native)
+    regimes = min(num_native, len(busy) - num_native) >= MIN_STEPS
     X = _rows(busy, regimes)
     y = np.array([s.dur for s in busy])
     # Relative residuals (each row over its duration): a 30 ms decode step weighs as much as a

@@ -106,10 +106,9 @@ class Baseline:
         self.fit_steps: list[StepRecord] = source.steps + (
             scaled(calibration.steps, self.level) if calibration else [])
         self.calibrated = calibration is not None
-        # The widest step the engine ran natively: the trace's, else its calibration's.
-        native_rows = source.header.native_decode_rows or (
-            calibration.header.native_decode_rows if calibration else 0)
-        self.model: StepCostModel = fit(self.fit_steps, native_rows)
+        # The widest step the trace's engine ran natively (a calibration's is the same:
+        # `check_calibration`).
+        self.model: StepCostModel = fit(self.fit_steps, source.header.native_decode_rows)
         self.coverage = Coverage.of(self.fit_steps)
         sh = source.header
         self.trace = trace
@@ -205,6 +204,11 @@ def check_calibration(calibration: Trace, trace: Trace) -> None:
                          f"{b.model!r}: one model's step costs cannot time another's")
     if not [s for s in calibration.steps if s.prefill + s.decode > 0]:
         raise ValueError("the calibration holds no step that computed tokens")
+    if a.native_decode_rows != b.native_decode_rows:
+        raise ValueError(f"the calibration's engine ran decode steps of up to "
+                         f"{a.native_decode_rows} rows natively, the trace's up to "
+                         f"{b.native_decode_rows}: their steps cost differently; calibrate "
+                         f"again on the trace's engine")
 
 
 def _kv_peak_blocks(steps: list[StepRecord]) -> int | None:

@@ -113,3 +113,20 @@ def test_the_proposer_says_how_long_its_match_was():
     p = NgramProposer(3, 2, 4)
     assert p.propose([1, 2, 3, 4, 9, 2, 3, 4]) == [9, 2, 3] and p.match_len == 3
     assert p.propose([5, 6, 7, 8]) == [] and p.match_len == 0
+
+
+def test_requests_drafting_in_one_step_see_each_others_rows():
+    # Rows cost 0.1 of a step each up to 8, then the step runs the Python layers (x1.6): three
+    # requests with good records, each given the rows of those before it, stay within 8 rows.
+    c = StepCosts()
+    for r in range(1, 17):
+        for _ in range(3):
+            c.observe(r, (1.0 + 0.1 * (r - 1)) * (1.6 if r > 8 else 1.0))
+    length = DraftLength(4, c)
+    for rid in ("a", "b", "c"):
+        for _ in range(20):
+            length.record(rid, 4, 3)
+    rows = 3
+    for rid in ("a", "b", "c"):
+        rows += length.choose(rid, 4, rows)
+    assert 3 < rows <= 8

@@ -235,3 +235,17 @@ def test_a_draft_never_preempts_another_request(spec):
     core.step()
     assert core.scheduler.num_preemptions_total == 0
     assert len(r1.output_token_ids) >= 2 and len(r2.output_token_ids) == 2
+
+
+def test_the_runner_gives_the_draft_length_its_step_costs_and_every_verified_draft():
+    core = _core()
+    _run(core, PROMPTS)
+    drafts, sched = core.runner.drafts, core.scheduler
+    assert drafts is not None and sched.spec_num_drafts > 0
+    # Every verified draft recorded, at the length it was scheduled with.
+    record = drafts.length.all
+    assert record.tries[0] == sched.spec_num_drafts
+    assert sum(record.tries) == sched.spec_num_draft_tokens
+    # Step costs only from steps of decode (and draft) rows: never a prompt's chunk.
+    widths = set(drafts.costs._times)
+    assert widths and max(widths) <= len(PROMPTS) * 4

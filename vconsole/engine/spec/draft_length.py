@@ -11,7 +11,8 @@ tokens per second::
     (R - 1 + E(d)) / t(R + d),    E(d) = 1 + sum over i = 1 .. d of P(the first i accepted)
 
 ``R``: the rows of the step the draft is for (those of the step just run, the best guess of
-the next); ``t(r)``: the median time of the last steps of ``r`` rows with no prefill chunk
+the next, plus the draft rows already given to the requests before it in that step, so that
+several requests drafting at once do not each price the step as if alone); ``t(r)``: the median time of the last steps of ``r`` rows with no prefill chunk
 (`StepCosts`, the runner's own measurements; a width not measured yet costs what the widest
 narrower measured one does, an optimistic guess that gets it measured); ``P``: the request's
 own record of its drafts (how many of its drafts of at least ``i`` tokens had the first ``i``
@@ -102,11 +103,12 @@ class DraftLength:
         if t1 is None:
             return d_max
         mine = self._mine.get(req_id) or Acceptance(self.k)
-        best, best_rate, expected = 0, 1.0 * max(rows, 1) / t1, 1.0
+        R = max(rows, 1)
+        best, best_rate, expected = 0, R / t1, 1.0
         for d in range(1, d_max + 1):
             expected += mine.p(d - 1, self.shared(d - 1, match))
-            t = self.costs.time(max(rows, 1) + d) or t1
-            rate = (max(rows, 1) - 1 + expected) / t
+            t = self.costs.time(R + d) or t1
+            rate = (R - 1 + expected) / t
             if rate > best_rate:
                 best, best_rate = d, rate
         if best == 0:

@@ -85,20 +85,22 @@ class DraftVerifier:
         if not so.propose_drafts:
             return {}
         out: dict[str, list[int]] = {}
-        rows = len(so.num_scheduled_tokens)     # the next step's, if nobody drafts
+        rows = len(so.num_scheduled_tokens)     # the next step's if nobody drafts, plus the
         for rid, new in [*((r, [t]) for r, t in sampled.items()), *spec_sampled.items()]:
             st = states.get(rid)
             if st is None or not can_speculate(st.sampling, st.num_output_tokens + len(new)):
                 continue
             draft = self.proposer.propose(st.token_ids + new)
             match = self.proposer.match_len
+            # drafts already given this step: each request sees the rows of those before it
             d = self.length.choose(rid, len(draft), rows, match) if draft else 0
             if d:
                 out[rid] = draft[:d]
                 self._match[rid] = match
+                rows += d
         self._proposals += 1
         if self._proposals % 256 == 0:
-            live = set(so.num_scheduled_tokens)
+            live = set(states)          # the runner's requests, scheduled this step or not
             self.length.forget(live)
             self._match = {r: m for r, m in self._match.items() if r in live}
         return out
