@@ -165,7 +165,7 @@ def test_an_unconstrained_batch_runs_no_structured_code(core: EngineCore, monkey
 
     monkeypatch.setattr(manager_module.StructuredOutputs, "fill", boom)
     monkeypatch.setattr(manager_module.StructuredOutputs, "advance", boom)
-    monkeypatch.setattr(model_runner.ModelRunner, "_apply_grammar", boom)
+    monkeypatch.setattr(model_runner, "apply_grammar", boom)
     reqs = [core.make_request(f"free{i}", prompt_token_ids=[5 + i, 6, 7],
                               sampling=SamplingParams(max_tokens=5, ignore_eos=True)) for i in range(4)]
     result = run_batch(core, reqs, keep_step_log=True)

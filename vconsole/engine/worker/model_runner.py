@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from vconsole.engine.sched.output import GrammarBatch, ModelRunnerOutput, SchedulerOutput
+from vconsole.engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from vconsole.engine.worker import (
     attention_kernel,
     kv_quant,
@@ -39,8 +39,8 @@ from vconsole.engine.worker.kv_open_blocks import OpenBlocks
 from vconsole.engine.worker.model_loader import load_model
 from vconsole.engine.worker.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from vconsole.engine.worker.prompt_logprobs import PromptRows
-from vconsole.engine.worker.request_state import CachedRequestState, RequestStates, ScheduledSeq
-from vconsole.engine.worker.sampler import Sampler, SamplingBatch, apply_token_bitmask
+from vconsole.engine.worker.request_state import RequestStates, ScheduledSeq
+from vconsole.engine.worker.sampler import Sampler, SamplingBatch, apply_grammar
 from vconsole.engine.worker.spec_verify import DraftVerifier
 from vconsole.engine.worker.step_inputs import (
     PreparedStep,
@@ -240,7 +240,8 @@ class ModelRunner:
                                          draft_token_ids=self._propose(so, {}, spec_sampled))
             structured_ns = 0
             if so.grammar is not None:
-                structured_ns = self._apply_grammar(logits, states, so.grammar)
+                structured_ns = apply_grammar(logits, [st.req_id for st in states],
+                                              so.grammar)
             batch = SamplingBatch.build([st.sampling for st in states],
                                         [st.num_output_tokens for st in states],
                                         self.vocab_size, self.device,
@@ -272,24 +273,6 @@ class ModelRunner:
             self.drafts.costs.observe(so.total_num_scheduled_tokens,
                                       time.perf_counter() - self._step_t0)
         return self.drafts.propose(so, self.requests, sampled, spec_sampled)
-
-    @staticmethod
-    def _apply_grammar(logits: torch.Tensor, states: Sequence[CachedRequestState],
-                       grammar: GrammarBatch) -> int:
-        """Mask the constrained rows' logits with their grammar's bitmask, in place; returns
-        the host time it took (ns)."""
-        t0 = time.monotonic_ns()
-        if grammar.ready is not None:
-            grammar.ready.result()     # filled beside the forward: what is left of it counts
-        where = grammar.rows
-        pairs = [(i, where[st.req_id]) for i, st in enumerate(states) if st.req_id in where]
-        if pairs:
-            rows, mask_rows = zip(*pairs, strict=True)
-            bitmask = grammar.bitmask
-            if list(mask_rows) != list(range(bitmask.shape[0])):
-                bitmask = bitmask.index_select(0, torch.tensor(mask_rows, dtype=torch.int64))
-            apply_token_bitmask(logits, rows, bitmask)
-        return time.monotonic_ns() - t0
 
     def _prompt_logprobs(self, step: PreparedStep) -> dict[str, prompt_logprobs.PromptLogprobs]:
         """Score this step's prompt rows into their requests' states; the prompts completed
@@ -366,7 +349,8 @@ class ModelRunner:
                 tables.extend(s.block_ids[:n])
                 tables.extend([0] * (max_blocks - n))
         ctx_lens = [s.start_pos + 1 for s in decodes]
-        view_blocks, view_tables, view_lens = self._decode_view(ordered, chunks, num_tokens)
+        view_blocks, view_tables, view_lens = step_inputs.decode_view(
+            ordered, chunks, num_tokens, self.block_size, self.native_decode_rows)
 
         # Prefill chunks that continue a request read their whole context from the pool: by
         # slot (the torch path), and by block table (the CPU kernel, for a quantized pool).
@@ -444,32 +428,6 @@ class ModelRunner:
             return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs)
         return PreparedStep(t_ids[None], t_pos[None], meta, t_rows, sample_seqs, prompt,
                             t_prompt_rows, t_targets)
-
-    def _decode_view(self, ordered: Sequence[ScheduledSeq], chunks: Sequence[ScheduledSeq],
-                     num_tokens: int) -> tuple[int, list[int], list[int]]:
-        """For a step of decode and draft rows the native decode step runs (`native_decode`):
-        every packed row as a decode row, its block table (padded with block 0 to the widest
-        row's blocks, which it returns first) and context length ``position + 1`` (a draft
-        row's tokens are rows of its request at consecutive positions). Nothing for a pure
-        decode step (its decode group is the view), a step with a prefill chunk, or one wider
-        than the plan runs."""
-        fused = self.fused_decoder
-        native = fused.native if fused is not None else None
-        if (native is None or not chunks or num_tokens > native.max_rows
-                or self.kv_format.quantized
-                or not all(s.draft and s.start_pos for s in chunks)):
-            return 0, [], []
-        bs = self.block_size
-        width = max(-(-(s.start_pos + s.num_tokens) // bs) for s in ordered)
-        tables: list[int] = []
-        lens: list[int] = []
-        for s in ordered:
-            for p in range(s.start_pos, s.start_pos + s.num_tokens):
-                n = p // bs + 1
-                tables.extend(s.block_ids[:n])
-                tables.extend([0] * (width - n))
-                lens.append(p + 1)
-        return width, tables, lens
 
     @property
     def last_step_native(self) -> bool:

@@ -18,12 +18,14 @@ preempted and recomputed in between. Unseeded rows share the runner's generator.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from vconsole.engine.sched.output import GrammarBatch
 from vconsole.wire.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -272,3 +274,20 @@ class Sampler:
                 generator=g)
         # Exp(1) may return exactly 0 in float32; keep the race finite.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def apply_grammar(logits: torch.Tensor, req_ids: Sequence[str], grammar: GrammarBatch) -> int:
+    """Mask the constrained rows' logits (row i is request ``req_ids[i]``) with their grammar's
+    bitmask, in place; returns the host time it took (ns)."""
+    t0 = time.monotonic_ns()
+    if grammar.ready is not None:
+        grammar.ready.result()     # filled beside the forward: what is left of it counts
+    where = grammar.rows
+    pairs = [(i, where[rid]) for i, rid in enumerate(req_ids) if rid in where]
+    if pairs:
+        rows, mask_rows = zip(*pairs, strict=True)
+        bitmask = grammar.bitmask
+        if list(mask_rows) != list(range(bitmask.shape[0])):
+            bitmask = bitmask.index_select(0, torch.tensor(mask_rows, dtype=torch.int64))
+        apply_token_bitmask(logits, rows, bitmask)
+    return time.monotonic_ns() - t0

@@ -1,8 +1,8 @@
 """The packed step's inputs, as the model runner lays them out: `PreparedStep` (token ids,
 positions, the paged-attention metadata, which rows sample and which prompt rows are scored),
 the pool slots a request's positions write (`slots`), the blocks a step writes
-(`block_writes`, the open-block staging's plan) and the decode rows' groups for attention
-(`decode_groups`)."""
+(`block_writes`, the open-block staging's plan), the decode rows' groups for attention
+(`decode_groups`) and a draft step's rows as decode rows for the native step (`decode_view`)."""
 
 from __future__ import annotations
 
@@ -71,3 +71,27 @@ def decode_groups(num_decodes: int) -> list[tuple[int, int]]:
     k = max(1, min(DECODE_MAX_GROUPS, num_decodes // DECODE_GROUP_ROWS))
     size = -(-num_decodes // k)
     return [(lo, min(lo + size, num_decodes)) for lo in range(0, num_decodes, size)]
+
+
+def decode_view(ordered: Sequence[ScheduledSeq], chunks: Sequence[ScheduledSeq],
+                num_tokens: int, block_size: int, max_rows: int
+                ) -> tuple[int, list[int], list[int]]:
+    """For a step of decode and draft rows the native decode step runs (`native_decode`, up to
+    ``max_rows`` rows; 0: it runs none): every packed row as a decode row, its block table
+    (padded with block 0 to the widest row's blocks, which it returns first) and context
+    length ``position + 1`` (a draft row's tokens are rows of its request at consecutive
+    positions). Nothing for a pure decode step (its decode group is the view), a step with a
+    prefill chunk, or one wider than the plan runs."""
+    if (not max_rows or not chunks or num_tokens > max_rows
+            or not all(s.draft and s.start_pos for s in chunks)):
+        return 0, [], []
+    width = max(-(-(s.start_pos + s.num_tokens) // block_size) for s in ordered)
+    tables: list[int] = []
+    lens: list[int] = []
+    for s in ordered:
+        for p in range(s.start_pos, s.start_pos + s.num_tokens):
+            n = p // block_size + 1
+            tables.extend(s.block_ids[:n])
+            tables.extend([0] * (width - n))
+            lens.append(p + 1)
+    return width, tables, lens
