@@ -2,7 +2,7 @@
 
 A draft of ``d`` tokens turns a request's one row of a decode step into ``1 + d`` rows, and the
 step emits ``1 + a`` tokens for it, ``a`` the drafts accepted. On a CPU a step's time grows with
-its rows (measured here: SmolLM2's native step at 5 rows takes about twice one row's time), so
+its rows (SmolLM2's native step, quiet: a 4-token draft's 5 rows take 1.55x one row's time), so
 a draft that is rarely accepted makes decoding slower: free chat, where a lookup match is a
 coincidence, lost 5-10% with every match drafted (docs/speculative.md). `DraftLength` picks,
 for each request and step, the length ``d`` in ``0 .. k`` that maximises the step's expected
