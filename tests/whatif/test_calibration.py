@@ -182,11 +182,15 @@ def test_the_calibrations_folder_follows_the_environment(monkeypatch, tmp_path):
     assert calibrations_dir() == tmp_path / "own"
 
 
-def test_a_calibration_of_another_step_regime_is_refused():
-    # A trace from an engine that ran every step in Python (0 native rows) cannot be timed by
-    # a calibration whose engine ran small decode steps natively, nor the other way round.
+def test_a_calibration_of_another_step_regime_is_fitted_in_the_trace_s_and_said():
+    # A trace from an engine that ran every step in Python (0 native rows), calibrated on an
+    # engine that ran small decode steps natively: the calibration's steps are fitted as the
+    # trace's engine runs them (no regime term), and the report says so.
     trace = busy_trace()
     calib = Trace(make_trace().header, steps=decode_steps(range(1, 3), 50))
     calib.header.native_decode_rows = 8
-    with pytest.raises(ValueError, match="up to 8 rows natively, the trace's up to 0"):
-        whatif(trace, [], calibration=calib)
+    for s in calib.steps:
+        s.native = True
+    model = whatif(trace, [], calibration=calib)["model"]
+    assert model["native_rows"] == 0 and model["coef"]["python"] == 0.0
+    assert any("up to 8 rows natively, the trace's up to 0" in n for n in model["notes"])

@@ -97,8 +97,18 @@ class Baseline:
         if reason:
             raise TooLittleTraffic(reason)
         source = costs or trace
+        mismatch = None
         if calibration is not None:
             check_calibration(calibration, source)
+            a, b = calibration.header.native_decode_rows, source.header.native_decode_rows
+            if a != b:
+                # The trace's engine is the one predicted: the calibration's steps are fitted
+                # in its regime (theirs may have run natively where its would not).
+                mismatch = (f"the calibration's engine ran decode steps of up to {a} rows "
+                            f"natively, the trace's up to {b}: its steps fitted in the trace's "
+                            f"regime (calibrate on the trace's engine for exact step costs)")
+                calibration = Trace(calibration.header, calibration.requests, [
+                    replace(s, native=s.native and s.decode <= b) for s in calibration.steps])
         # The steps the step-time model is fitted on: the trace's own, and a calibration's
         # grid of shapes when there is one (`vconsole whatif --calibrate`).
         # Its level: how much slower the trace ran than the calibration (1.0 without one).
@@ -106,9 +116,10 @@ class Baseline:
         self.fit_steps: list[StepRecord] = source.steps + (
             scaled(calibration.steps, self.level) if calibration else [])
         self.calibrated = calibration is not None
-        # The widest step the trace's engine ran natively (a calibration's is the same:
-        # `check_calibration`).
+        # The widest step the trace's engine ran natively.
         self.model: StepCostModel = fit(self.fit_steps, source.header.native_decode_rows)
+        if mismatch:
+            self.model.notes.append(mismatch)
         self.coverage = Coverage.of(self.fit_steps)
         sh = source.header
         self.trace = trace
@@ -204,11 +215,6 @@ def check_calibration(calibration: Trace, trace: Trace) -> None:
                          f"{b.model!r}: one model's step costs cannot time another's")
     if not [s for s in calibration.steps if s.prefill + s.decode > 0]:
         raise ValueError("the calibration holds no step that computed tokens")
-    if a.native_decode_rows != b.native_decode_rows:
-        raise ValueError(f"the calibration's engine ran decode steps of up to "
-                         f"{a.native_decode_rows} rows natively, the trace's up to "
-                         f"{b.native_decode_rows}: their steps cost differently; calibrate "
-                         f"again on the trace's engine")
 
 
 def _kv_peak_blocks(steps: list[StepRecord]) -> int | None:
