@@ -130,8 +130,7 @@ class EngineCore:
         r = self.runner
         return {name: fmt.bytes_per_token(r.num_layers, r.num_kv_heads, r.head_dim,
                                           r.dtype.itemsize, self.config.block_size)
-                for name, fmt in kv_quant.FORMATS.items()
-                if not (fmt.bits == 4 and r.head_dim % 2)}
+                for name, fmt in self._kv_formats()}
 
     def kv_block_bytes_by_dtype(self) -> dict[str, list[int]]:
         """``[per token, per block]`` of every KV format: a block of B tokens takes
@@ -139,13 +138,17 @@ class EngineCore:
         so a what-if sizes a pool in another format or block size exactly."""
         r = self.runner
         out = {}
-        for name, fmt in kv_quant.FORMATS.items():
-            if fmt.bits == 4 and r.head_dim % 2:
-                continue
+        for name, fmt in self._kv_formats():
             one, two = (fmt.bytes_per_block(b, r.num_layers, r.num_kv_heads, r.head_dim,
                                             r.dtype.itemsize) for b in (1, 2))
             out[name] = [two - one, 2 * one - two]
         return out
+
+    def _kv_formats(self) -> list[tuple[str, kv_quant.KVFormat]]:
+        """The KV formats this model can store (4-bit ones pack two values a byte: an even
+        head dimension)."""
+        return [(name, fmt) for name, fmt in kv_quant.FORMATS.items()
+                if not (fmt.bits == 4 and self.runner.head_dim % 2)]
 
     # --- requests -------------------------------------------------------------------------
     def make_request(self, request_id: str, *, prompt: str | None = None,

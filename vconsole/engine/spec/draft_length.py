@@ -12,7 +12,8 @@ tokens per second::
 
 ``R``: the rows of the step the draft is for (those of the step just run, the best guess of
 the next, plus the draft rows already given to the requests before it in that step, so that
-several requests drafting at once do not each price the step as if alone); ``t(r)``: the median time of the last steps of ``r`` rows with no prefill chunk
+several requests drafting at once do not each price the step as if alone); ``t(r)``: the
+median time of the last steps of ``r`` rows with no prefill chunk
 (`StepCosts`, the runner's own measurements; a width not measured yet costs what the widest
 narrower measured one does, an optimistic guess that gets it measured); ``P``: the request's
 own record of its drafts (how many of its drafts of at least ``i`` tokens had the first ``i``
@@ -38,14 +39,20 @@ PROBE_EVERY = 8         # a request that drafts nothing still drafts 1 token eve
 
 
 class StepCosts:
-    """The median duration of the last `WINDOW` steps of each width (rows, no prefill)."""
+    """The median duration of the last `WINDOW` steps of each width (rows, no prefill). The
+    median is taken once per step, when a step is observed, not at each of the many `time`
+    calls a step's draft choices make (the engine's busy loop)."""
 
     def __init__(self) -> None:
         self._times: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=WINDOW))
+        self._medians: dict[int, float] = {}    # widths with `MIN_SAMPLES` steps or more
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows > 0 and seconds > 0:
-            self._times[rows].append(seconds)
+            times = self._times[rows]
+            times.append(seconds)
+            if len(times) >= MIN_SAMPLES:
+                self._medians[rows] = median(times)
 
     def time(self, rows: int) -> float | None:
         """Seconds for a step of ``rows`` rows: measured, else the widest narrower measured
@@ -53,8 +60,8 @@ class StepCosts:
         is measured after `MIN_SAMPLES` steps: one stalled step (a page fault, another
         process on the core: seen at 1.2 s against 10 ms) must not price a width out for
         good, since a width never chosen is never measured again."""
-        known = [r for r in self._times if r <= rows and len(self._times[r]) >= MIN_SAMPLES]
-        return median(self._times[max(known)]) if known else None
+        known = [r for r in self._medians if r <= rows]
+        return self._medians[max(known)] if known else None
 
 
 class Acceptance:
