@@ -32,9 +32,10 @@ def load(engine):
             with EngineClient(engine.endpoints["input"], engine.endpoints["output"]) as c:
                 while not stop.is_set():
                     # Short answers: a prompt step (the Python layers, whose attention and
-                    # MLP ranges the profile names) at least every 7 steps; the decode steps
-                    # between, at most 8 rows, run as one native call (`decode_step`).
-                    ids = [c.submit(prompt_token_ids=[3 + i, 40, 41, 42 + i], max_tokens=6)
+                    # MLP ranges the profile names) every third step, so any window of 3 or
+                    # more steps holds one; the two decode steps between, at most 8 rows, run
+                    # as one native call (`decode_step`) without those ranges.
+                    ids = [c.submit(prompt_token_ids=[3 + i, 40, 41, 42 + i], max_tokens=3)
                            for i in range(6)]
                     done = c.gather(ids, timeout_s=120)
                     assert all(d.finished and not d.error for d in done.values())
