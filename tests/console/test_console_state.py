@@ -161,6 +161,35 @@ def test_each_engine_restart_is_listed_once_from_its_event_or_from_health():
     assert not s.active_alerts
 
 
+def test_a_restart_heard_late_is_dated_when_the_new_process_started():
+    """A console attached minutes after a restart learns of it from health's count: the line
+    is dated by the new process's uptime, not by the moment this console first heard, and two
+    restarts minutes apart are not counted as flapping within a minute."""
+    s = ConsoleState(clock=lambda: T)
+    s.ingest(health(0, T, uptime_s=150.0, restart_count=1, restart_reason="killed by SIGKILL"),
+             T)
+    (first,) = [a for a in s.latest_alerts(5) if a.name == "engine_restart"]
+    assert first.recv_ts == pytest.approx(T - 150.0)
+    s.ingest(health(1, T + 20, uptime_s=2.0, restart_count=2, restart_reason="killed by SIGKILL"),
+             T + 20)
+    assert [(a.value, a.recv_ts, n) for a, n in s.alert_summary(T + 20)] == [(2, T + 18, 1)]
+
+
+def test_the_summary_line_of_a_down_engine_shows_no_uptime_or_rates():
+    from vconsole.console.widgets import panels
+
+    s = ConsoleState(clock=lambda: T)
+    s.ingest(health(0, T, interval=1.0), T)
+    s.ingest(frames("step", {"steps_per_s": 14.4, "tokens_per_s": 86.0}, seq=1), T)
+    eng = s.engine()
+    live = panels.summary(eng, T + 0.5)
+    assert "14.4" in live and "86" in live and "up 10.0s" in live
+    down = panels.summary(eng, T + 10)
+    assert eng.status(T + 10) == "down"
+    assert "14.4" not in down and "86" not in down and "up –" in down
+    assert "– steps/s" in down.replace("[b]", "").replace("[/]", "")
+
+
 def test_config_from_control_and_telemetry_newest_wins_but_no_rollback():
     ctl = FakeControl()
     s = ConsoleState(clock=lambda: T)

@@ -175,8 +175,13 @@ class ConsoleState:
         count = health.get("restart_count")
         if isinstance(count, int) and count > eng.restarts_listed:
             eng.restarts_listed = count
+            # Dated when the restarted process started (its uptime back from this heartbeat,
+            # on this console's clock), not when a console attached later first heard of it.
+            uptime = health.get("uptime_s")
+            since = recv_ts - float(uptime) if isinstance(uptime, int | float) \
+                and not isinstance(uptime, bool) and uptime >= 0 else recv_ts
             self._list_alert(Alert(
-                recv_ts, eng.engine, eng.rank, ENGINE_RESTART, "critical", count, 0,
+                since, eng.engine, eng.rank, ENGINE_RESTART, "critical", count, 0,
                 f"engine restarted ({count}): {health.get('restart_reason') or 'unknown'}"))
 
     def _add_alert(self, msg: TelemetryMessage, recv_ts: float) -> None:

@@ -93,10 +93,12 @@ def summary(eng: EngineState | None, now: float) -> str:
     age = eng.heartbeat_age(now)
     hb_style = "$error b" if eng.is_stale(now) else ""
     hb = f"hb {fmt.duration(age)}" if age is not None else "hb –"
+    # A down engine has no uptime and makes no tokens: its last figures are not shown as now.
+    live = status != "down"
     parts = [f"[b]{fmt.escape(eng.label)}[/]", f"[{style}]{status}[/]",
-             f"up {fmt.duration(_num(h, 'uptime_s'))}",
-             f"[b]{fmt.num(_num(st, 'steps_per_s'))}[/] steps/s",
-             f"[b]{fmt.num(_num(st, 'tokens_per_s'), 0)}[/] tok/s",
+             f"up {fmt.duration(_num(h, 'uptime_s') if live else None)}",
+             f"[b]{fmt.num(_num(st, 'steps_per_s') if live else None)}[/] steps/s",
+             f"[b]{fmt.num(_num(st, 'tokens_per_s') if live else None, 0)}[/] tok/s",
              f"[{hb_style}]{hb}[/]" if hb_style else hb]
     if eng.dropped:
         parts.append(f"[$warning]lost {eng.dropped:,}[/]")
