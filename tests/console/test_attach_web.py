@@ -350,7 +350,9 @@ def test_a_tab_opened_with_the_token_changes_the_config(browser, server, engine,
     tab.press(str(new))
     tab.shows(f"{KEY} = {new}")
     tab.press(Keys.ENTER)
-    tab.shows(f"{value} → {new}", "applied")
+    # The engine's reply in the change list: "applied" alone is also in the key's help line
+    # ("hot: applied between two steps"), which matched while the change was still pending.
+    tab.shows(f"{KEY} {value} → {new}: applied")
     with control(engine) as ctl:
         assert ctl.get_config()["values"][KEY] == new
 
