@@ -31,6 +31,7 @@ from typing import Any
 from vconsole.console.advisor import Advice
 from vconsole.console.engine_state import Alert, ConfigView, EngineState
 from vconsole.console.ranks import aggregate
+from vconsole.console.trend_history import path_getter
 from vconsole.telemetry.alerts import ENGINE_RESTART, RULES
 from vconsole.telemetry.schema import SchemaError, SchemaVersionError, TelemetryMessage, decode
 
@@ -177,9 +178,8 @@ class ConsoleState:
             eng.restarts_listed = count
             # Dated when the restarted process started (its uptime back from this heartbeat,
             # on this console's clock), not when a console attached later first heard of it.
-            uptime = health.get("uptime_s")
-            since = recv_ts - float(uptime) if isinstance(uptime, int | float) \
-                and not isinstance(uptime, bool) and uptime >= 0 else recv_ts
+            uptime = path_getter("uptime_s")(health)
+            since = recv_ts - uptime if uptime is not None and uptime >= 0 else recv_ts
             self._list_alert(Alert(
                 since, eng.engine, eng.rank, ENGINE_RESTART, "critical", count, 0,
                 f"engine restarted ({count}): {health.get('restart_reason') or 'unknown'}"))

@@ -345,9 +345,7 @@ class ModelRunner:
             max_blocks = decodes[hi - 1].start_pos // bs + 1
             group_blocks.append(max_blocks)
             for s in decodes[lo:hi]:
-                n = s.start_pos // bs + 1
-                tables.extend(s.block_ids[:n])
-                tables.extend([0] * (max_blocks - n))
+                step_inputs.padded_table(tables, s.block_ids, s.start_pos, bs, max_blocks)
         ctx_lens = [s.start_pos + 1 for s in decodes]
         view_blocks, view_tables, view_lens = step_inputs.decode_view(
             ordered, chunks, num_tokens, self.block_size, self.native_decode_rows)

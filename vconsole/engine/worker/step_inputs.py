@@ -90,8 +90,15 @@ def decode_view(ordered: Sequence[ScheduledSeq], chunks: Sequence[ScheduledSeq],
     lens: list[int] = []
     for s in ordered:
         for p in range(s.start_pos, s.start_pos + s.num_tokens):
-            n = p // block_size + 1
-            tables.extend(s.block_ids[:n])
-            tables.extend([0] * (width - n))
+            padded_table(tables, s.block_ids, p, block_size, width)
             lens.append(p + 1)
     return width, tables, lens
+
+
+def padded_table(out: list[int], block_ids: Sequence[int], pos: int, block_size: int,
+                 width: int) -> None:
+    """Append the block table of a row at position ``pos`` (its blocks up to that position)
+    to ``out``, padded with block 0 to ``width`` blocks (masked out by context length)."""
+    n = pos // block_size + 1
+    out.extend(block_ids[:n])
+    out.extend([0] * (width - n))
